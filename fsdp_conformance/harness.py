@@ -1,0 +1,685 @@
+"""The rank harness: run a picklable check function on N ranks and get back each rank's value.
+
+Two engines share one contract (``run(fn, *args, **kwargs) -> list[value per rank]``):
+
+* :class:`RankPool` (the single-machine default): N worker processes that stay warm across
+  checks, rendezvous through a ``FileStore`` in a private temporary folder (no TCP port, so
+  parallel sessions and ``pytest -n`` workers never collide), and talk to the parent over a
+  unix socket in that same folder.
+* :class:`LauncherRunner`: the processes were started by an external launcher (``torchrun``,
+  ``srun``); the check runs in-process on the ``env://`` process group and every rank's outcome
+  is all-gathered, so every rank's pytest sees the same verdict.
+
+Outcomes come from what each rank reports, never from exit codes alone: a rank that dies before
+reporting is a failure even if the others passed, and gloo's occasional abort at process exit
+*after* every rank reported (see NOTES.md) does not turn a pass into a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, Listener, wait
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait for the other ranks to report once one rank has died or failed.
+GRACE_AFTER_FAILURE_S = 3.0
+#: Seconds to let faulthandler write its stack dumps before the ranks are killed.
+STACK_DUMP_WAIT_S = 0.5
+#: Lines of a rank's own log shown in a failure report.
+LOG_TAIL_LINES = 25
+
+
+# --------------------------------------------------------------------------------------------
+# What a check sees on its rank
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankContext:
+    """Where a check runs: passed as the first argument of every check function."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    #: The compute device of this rank: ``cpu`` on gloo, ``cuda:<local_rank>`` on NCCL.
+    device_type: str
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        if self.device_type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device(self.device_type)
+
+
+class CheckSkipped(Exception):
+    """Raised by a check on a rank (``skip_rank``) or by the runner when every rank skipped."""
+
+
+def skip_rank(reason: str) -> None:
+    """Skip the check on this rank (e.g. a feature missing in this torch)."""
+    raise CheckSkipped(reason)
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed a check: the message holds every rank's story."""
+
+
+class HarnessError(RuntimeError):
+    """The harness itself could not do what was asked (bad arguments, ranks failed to start)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """What one rank did for one check."""
+
+    rank: int
+    status: str  # "ok" | "error" | "skip" | "died" | "hung" | "silent"
+    value: Any = None
+    detail: str = ""  # traceback, skip reason, death cause, or stack dump
+    #: Warnings the check emitted on this rank ("Category: message"), deprecations among them.
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def resolve_outcomes(check_name: str, outcomes: Sequence[RankOutcome]) -> list[Any]:
+    """Turn every rank's outcome into the check's result: values, a skip, or one failure."""
+    statuses = {o.status for o in outcomes}
+    if statuses == {"ok"}:
+        return [o.value for o in sorted(outcomes, key=lambda o: o.rank)]
+    if statuses == {"skip"}:
+        reasons = sorted({o.detail for o in outcomes})
+        raise CheckSkipped("; ".join(reasons))
+    raise RankFailure(format_failure(check_name, outcomes))
+
+
+_STATUS_TITLE = {
+    "ok": "passed",
+    "skip": "skipped",
+    "error": "raised",
+    "died": "died",
+    "hung": "did not finish",
+    "silent": "never reported",
+}
+
+
+def format_failure(check_name: str, outcomes: Sequence[RankOutcome]) -> str:
+    """A report a person can act on: a one-line summary, then each rank's story."""
+    ordered = sorted(outcomes, key=lambda o: o.rank)
+    statuses = {o.status for o in ordered}
+    summary = ", ".join(f"rank {o.rank} {_STATUS_TITLE.get(o.status, o.status)}" for o in ordered)
+    if statuses <= {"ok", "skip"}:
+        headline = (
+            f"check {check_name!r}: ranks disagree on skipping ({summary}); "
+            "a check must skip on every rank or on none"
+        )
+    else:
+        headline = f"check {check_name!r} failed on {len(ordered)} ranks: {summary}"
+    parts = [headline]
+    for o in ordered:
+        if o.status == "ok":
+            continue
+        title = f"--- rank {o.rank}: {_STATUS_TITLE.get(o.status, o.status)}"
+        parts.append(f"{title} ---\n{o.detail.rstrip()}" if o.detail else title + " ---")
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The warm pool
+# --------------------------------------------------------------------------------------------
+
+
+def _check_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code).name
+    except ValueError:
+        return f"signal {code}"
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        return f"killed by {_signal_name(-returncode)} (exit status {returncode})"
+    return f"exited with code {returncode}"
+
+
+@dataclasses.dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+    log_path: str
+    stacks_path: str
+
+
+class RankPool:
+    """N rank processes kept warm and fed checks one at a time.
+
+    A pool that saw any failure (exception, death, hang) is marked ``broken`` and must be
+    discarded: :class:`PoolManager` does that, so the next check runs on clean ranks.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        device_type: str = "cpu",
+        *,
+        env: Mapping[str, str] | None = None,
+        start_timeout: float = 60.0,
+        pg_timeout: float = 300.0,
+    ) -> None:
+        if world_size < 1:
+            raise HarnessError(f"world_size must be >= 1, got {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise HarnessError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.world_size = world_size
+        self.backend = backend
+        self.device_type = device_type
+        self.broken = False
+        self.checks_run = 0
+        self._next_task = 0
+        self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-ranks-")
+        self._ranks: list[_Rank] = []
+        try:
+            self._start(dict(env or {}), start_timeout, pg_timeout)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _start(self, extra_env: dict[str, str], start_timeout: float, pg_timeout: float) -> None:
+        authkey = secrets.token_bytes(16)
+        address = os.path.join(self._dir, "ctl.sock")
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        env = dict(os.environ)
+        env.update(extra_env)
+        # Checks are pickled by reference: the ranks must import what the parent imports.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("RANK", None)  # never let a stray launcher variable confuse the ranks
+        env.pop("WORLD_SIZE", None)
+        env.pop("LOCAL_RANK", None)
+        procs: list[tuple[int, subprocess.Popen[bytes], str, str]] = []
+        try:
+            for rank in range(self.world_size):
+                log_path = os.path.join(self._dir, f"rank{rank}.log")
+                stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
+                spec = {
+                    "address": address,
+                    "authkey": authkey.hex(),
+                    "rank": rank,
+                    "world_size": self.world_size,
+                    "backend": self.backend,
+                    "device_type": self.device_type,
+                    "store": os.path.join(self._dir, "store"),
+                    "stacks_path": stacks_path,
+                    "pg_timeout": pg_timeout,
+                    "parent_pid": os.getpid(),
+                    "main_path": _main_path(),
+                }
+                with open(log_path, "wb") as log_file:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "fsdp_conformance._worker", repr(spec)],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=os.getcwd(),
+                    )
+                procs.append((rank, proc, log_path, stacks_path))
+            conns: dict[int, Connection] = {}
+            deadline = time.monotonic() + start_timeout
+            listener._listener._socket.settimeout(0.2)  # type: ignore[attr-defined]
+            while len(conns) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise HarnessError(self._start_failure(procs, "timed out connecting"))
+                for _, proc, _, _ in procs:
+                    if proc.poll() is not None:
+                        raise HarnessError(self._start_failure(procs, "a rank exited at start"))
+                try:
+                    conn = listener.accept()
+                except (TimeoutError, OSError):
+                    continue
+                hello = conn.recv()
+                conns[hello["rank"]] = conn
+            # Every rank reports once its process group is up (or the error that stopped it).
+            for rank, conn in conns.items():
+                remaining = max(0.1, deadline - time.monotonic())
+                if not conn.poll(remaining):
+                    raise HarnessError(self._start_failure(procs, "process group init timed out"))
+                status, detail = conn.recv()
+                if status != "ready":
+                    raise HarnessError(f"rank {rank} could not join the process group:\n{detail}")
+        except BaseException:
+            for _, proc, _, _ in procs:
+                _kill(proc)
+            raise
+        finally:
+            listener.close()
+        self._ranks = [
+            _Rank(rank, proc, conns[rank], log_path, stacks_path)
+            for rank, proc, log_path, stacks_path in procs
+        ]
+
+    def _start_failure(self, procs: list[Any], what: str) -> str:
+        lines = [f"could not start {self.world_size} {self.backend} ranks: {what}"]
+        for rank, proc, log_path, _ in procs:
+            lines.append(f"--- rank {rank}: {describe_exit(proc.poll())} ---")
+            lines.append(_tail(log_path))
+        return "\n".join(lines)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._ranks]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._ranks) and all(r.proc.poll() is None for r in self._ranks)
+
+    def close(self, force: bool = False) -> None:
+        """Stop the ranks (politely unless ``force``) and remove the private folder."""
+        ranks, self._ranks = self._ranks, []
+        if not force:
+            for r in ranks:
+                try:
+                    r.conn.send(("stop",))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 5.0
+            for r in ranks:
+                try:
+                    r.proc.wait(max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for r in ranks:
+            _kill(r.proc)
+            r.conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=self.broken)
+
+    # -- running checks ------------------------------------------------------------------------
+
+    def run_outcomes(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = 120.0,
+    ) -> list[RankOutcome]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; one :class:`RankOutcome` per rank."""
+        if self.broken or not self._ranks:
+            raise HarnessError("this rank pool is broken or closed; use a fresh one")
+        task_id = self._next_task
+        self._next_task += 1
+        try:
+            inner = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        except Exception as exc:  # noqa: BLE001 - re-raised with the fix spelled out
+            raise HarnessError(
+                f"check {_check_name(fn)} or its arguments cannot be pickled ({exc}); "
+                "define check functions at module level and pass plain data as arguments"
+            ) from exc
+        payload = pickle.dumps(("run", task_id, inner))
+        self.checks_run += 1
+        try:
+            for r in self._ranks:
+                r.conn.send_bytes(payload)
+            return self._collect(task_id, timeout)
+        except BaseException:
+            # Interrupted (Ctrl-C, pytest-timeout): the ranks are in an unknown state.
+            self.broken = True
+            self.close(force=True)
+            raise
+
+    def _collect(self, task_id: int, timeout: float) -> list[RankOutcome]:
+        outcomes: dict[int, RankOutcome] = {}
+        pending = {r.conn: r for r in self._ranks}
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in wait(list(pending), timeout=remaining):
+                r = pending.pop(conn)  # type: ignore[arg-type]
+                outcomes[r.rank] = self._receive(r, task_id)
+                if not outcomes[r.rank].ok and outcomes[r.rank].status != "skip":
+                    # Someone failed: the others may be stuck in a collective with it.
+                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+        if pending:
+            self.broken = True
+            dumps = self._dump_stacks([pending[c] for c in pending])
+            failed = [o for o in outcomes.values() if o.status not in ("ok", "skip")]
+            for r in pending.values():
+                if failed:
+                    why = (
+                        f"still running {GRACE_AFTER_FAILURE_S:.0f}s after rank "
+                        f"{failed[0].rank} {_STATUS_TITLE[failed[0].status]}; its stacks:"
+                    )
+                else:
+                    why = f"no result after the check's timeout of {timeout:.0f}s; its stacks:"
+                outcomes[r.rank] = RankOutcome(r.rank, "hung", detail=f"{why}\n{dumps[r.rank]}")
+        if any(o.status not in ("ok", "skip") for o in outcomes.values()):
+            self.broken = True
+        return [outcomes[r] for r in sorted(outcomes)]
+
+    def _receive(self, r: _Rank, task_id: int) -> RankOutcome:
+        try:
+            message = r.conn.recv()
+        except (EOFError, OSError):
+            try:
+                r.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
+            return RankOutcome(
+                r.rank,
+                "died",
+                detail=f"{describe_exit(r.proc.poll())} before reporting; its log ends:\n"
+                + _tail(r.log_path),
+            )
+        got_id, status, value, detail, caught = message
+        if got_id != task_id:  # an invariant of the protocol, not user input
+            return RankOutcome(r.rank, "error", detail=f"protocol error: task {got_id} != {task_id}")
+        return RankOutcome(r.rank, status, value=value, detail=detail, warnings=tuple(caught))
+
+    def _dump_stacks(self, ranks: Sequence[_Rank]) -> dict[int, str]:
+        """Ask each stuck rank for a faulthandler dump of all its threads, then read it."""
+        for r in ranks:
+            if r.proc.poll() is None:
+                try:
+                    os.kill(r.proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(STACK_DUMP_WAIT_S)
+        dumps = {}
+        for r in ranks:
+            try:
+                with open(r.stacks_path, encoding="utf-8", errors="replace") as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""
+            dumps[r.rank] = text or f"(no stack dump: {describe_exit(r.proc.poll())})"
+        return dumps
+
+
+def _main_path() -> str | None:
+    """The parent's ``__main__`` script, so checks defined in a script unpickle on the ranks."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and path.endswith(".py") and getattr(main, "__spec__", None) is None:
+        return os.path.abspath(path)
+    return None
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10.0)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process that ignores SIGKILL
+        log.warning("rank process %d did not exit after SIGKILL", proc.pid)
+
+
+def _tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read().rstrip().splitlines()
+    except OSError:
+        return "(no log)"
+    if not text:
+        return "(empty log)"
+    return "\n".join(text[-lines:])
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing pools and running checks
+# --------------------------------------------------------------------------------------------
+
+
+class PoolManager:
+    """One warm pool per (world size, backend, device type), rebuilt after any failure."""
+
+    def __init__(self, *, pg_timeout: float = 300.0) -> None:
+        self._pools: dict[tuple[int, str, str], RankPool] = {}
+        self._pg_timeout = pg_timeout
+        self.pools_started = 0
+
+    def pool(self, world_size: int, backend: str, device_type: str) -> RankPool:
+        key = (world_size, backend, device_type)
+        pool = self._pools.get(key)
+        if pool is not None and (pool.broken or not pool.alive):
+            pool.close(force=True)
+            pool = None
+        if pool is None:
+            pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout)
+            self.pools_started += 1
+            self._pools[key] = pool
+        return pool
+
+    def run_outcomes(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        world_size: int,
+        backend: str,
+        device_type: str,
+        timeout: float,
+        fresh: bool = False,
+        env: Mapping[str, str] | None = None,
+    ) -> list[RankOutcome]:
+        if fresh or env:
+            # Fresh processes: for settings that must exist before the process starts
+            # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
+            pool = RankPool(
+                world_size, backend, device_type, env=env, pg_timeout=self._pg_timeout
+            )
+            self.pools_started += 1
+            try:
+                return pool.run_outcomes(fn, args, kwargs, timeout=timeout)
+            finally:
+                pool.close(force=pool.broken)
+        pool = self.pool(world_size, backend, device_type)
+        outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout)
+        if pool.broken:
+            pool.close(force=True)
+            self._pools.pop((world_size, backend, device_type), None)
+        return outcomes
+
+    def close(self) -> None:
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.close(force=pool.broken)
+
+
+def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
+    """True when an external launcher (torchrun, srun) started this process as one rank."""
+    env = os.environ if environ is None else environ
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+class LauncherRunner:
+    """Run checks in-process on the launcher's ``env://`` process group.
+
+    Every rank runs the same pytest session; each check's outcome on every rank is all-gathered
+    so that every rank reaches the same verdict. A hang here is caught by pytest-timeout.
+    """
+
+    def __init__(self, backend: str | None = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.world_size = int(env["WORLD_SIZE"])
+        self.local_rank = int(env["LOCAL_RANK"])
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.backend = backend
+        self.device_type = "cuda" if backend == "nccl" else "cpu"
+        if self.device_type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method="env://")
+        self.ctx = RankContext(
+            self.rank, self.world_size, self.local_rank, backend, self.device_type
+        )
+
+    def run_outcomes(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> list[RankOutcome]:
+        from fsdp_conformance._worker import execute_check
+
+        status, value, detail, caught = execute_check(fn, self.ctx, args, kwargs)
+        mine = RankOutcome(self.rank, status, value, detail, tuple(caught))
+        return all_gather_objects(mine, self.device_type)
+
+
+def all_gather_objects(obj: Any, device_type: str) -> list[Any]:
+    """All-gather picklable objects without numpy (``all_gather_object`` needs it)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu"
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    chunks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded)
+    return [
+        pickle.loads(bytes(chunk[: int(size.item())].cpu().tolist()))
+        for chunk, size in zip(chunks, sizes)
+    ]
+
+
+def traceback_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+# --------------------------------------------------------------------------------------------
+# The object tests use (the ``ranks`` fixture) and the CLI drives
+# --------------------------------------------------------------------------------------------
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none
+        return 0
+
+
+def lane_unavailable(lane: str, world_size: int) -> str | None:
+    """Why this lane cannot run at this world size here, or None when it can."""
+    if lane != "gpu":
+        return None
+    found = cuda_device_count()
+    if found == 0:
+        return "gpu lane: no CUDA device (torch.cuda.is_available() is False)"
+    if world_size > found:
+        return (
+            f"gpu lane: world size {world_size} needs {world_size} CUDA devices, found {found} "
+            f"(one rank per device); run with --fsdp-world-sizes {found} or on a larger machine"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Runs checks on ``world_size`` ranks of one lane; returns each rank's value.
+
+    ``ranks.run(check, *args, **kwargs)`` calls ``check(ctx, *args, **kwargs)`` on every rank
+    and returns the list of values by rank; a failure on any rank raises :class:`RankFailure`,
+    a skip on every rank raises :class:`CheckSkipped`. ``ranks.configured(...)`` returns a
+    runner with other options (timeout, fresh processes, environment, backend).
+    """
+
+    manager: PoolManager | None
+    world_size: int
+    lane: str = "cpu"
+    backend: str = "gloo"
+    timeout: float = 120.0
+    fresh: bool = False
+    env: Mapping[str, str] | None = None
+    launcher: LauncherRunner | None = None
+    #: Called with the reason when every rank skipped (the plugin passes ``pytest.skip``).
+    skip: Callable[[str], Any] | None = None
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.lane == "gpu" else "cpu"
+
+    def configured(self, **changes: Any) -> Ranks:
+        return dataclasses.replace(self, **changes)
+
+    def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
+        unavailable = lane_unavailable(self.lane, self.world_size)
+        if unavailable:
+            raise CheckSkipped(unavailable)
+        if self.launcher is not None:
+            if self.launcher.world_size != self.world_size:
+                raise CheckSkipped(
+                    f"world size {self.world_size} is not this launch's "
+                    f"(WORLD_SIZE={self.launcher.world_size})"
+                )
+            return self.launcher.run_outcomes(fn, args, kwargs)
+        if self.manager is None:  # an invariant of how Ranks is built
+            raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")
+        return self.manager.run_outcomes(
+            fn,
+            args,
+            kwargs,
+            world_size=self.world_size,
+            backend=self.backend,
+            device_type=self.device_type,
+            timeout=self.timeout,
+            fresh=self.fresh,
+            env=self.env,
+        )
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return resolve_outcomes(_check_name(fn), self.run_outcomes(fn, *args, **kwargs))
+        except CheckSkipped as exc:
+            if self.skip is None:
+                raise
+            self.skip(str(exc))
+            raise  # a skip callable that returns: still a skip

@@ -1,0 +1,158 @@
+"""The pytest plugin: options, markers, fixtures and the report header. Wiring only.
+
+The work lives in the library: settings in :mod:`fsdp_conformance.settings`, ranks in
+:mod:`fsdp_conformance.harness`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from fsdp_conformance.harness import (
+    CheckSkipped,
+    LauncherRunner,
+    PoolManager,
+    Ranks,
+    lane_unavailable,
+    launched_externally,
+)
+from fsdp_conformance.settings import OPTIONS, Settings, SettingsError, resolve_settings
+
+SETTINGS_KEY = pytest.StashKey[Settings]()
+MANAGER_KEY = pytest.StashKey[PoolManager]()
+LAUNCHER_KEY = pytest.StashKey[LauncherRunner]()
+
+LANES = ("cpu", "gpu")
+MARKERS = (
+    "cpu: runs on gloo on any machine (the CPU lane; `pytest -m cpu`)",
+    "gpu: needs CUDA and NCCL, one device per rank (the GPU lane; `pytest -m gpu`); skipped with "
+    "the reason where the machine has too few devices",
+    "world_size(*sizes): run this test once per world size (e.g. world_size(2, 4)); without it, "
+    "the --fsdp-world-sizes setting applies",
+)
+#: The outer guard (pytest-timeout) on a test that uses ranks: several checks' worth.
+OUTER_TIMEOUT_CHECKS = 5
+OUTER_TIMEOUT_MARGIN_S = 60
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp-conformance", "FSDP conformance suite")
+    for option in OPTIONS:
+        help_text = f"{option.help} [env {option.env}, ini {option.ini}]"
+        group.addoption(option.flag, dest=option.dest, default=None, metavar=option.metavar,
+                        help=help_text)
+        parser.addini(option.ini, help=option.help, default=None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    cli = {o.name: config.getoption(o.dest) for o in OPTIONS}
+    ini = {o.name: config.getini(o.ini) for o in OPTIONS}
+    try:
+        config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini)
+    except SettingsError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    manager = config.stash.get(MANAGER_KEY, None)
+    if manager is not None:
+        manager.close()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    from fsdp_conformance.reports import environment_summary
+
+    settings = config.stash[SETTINGS_KEY]
+    return [f"fsdp-conformance: {environment_summary(settings)}"]
+
+
+def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ...]:
+    marker = metafunc.definition.get_closest_marker("world_size")
+    if marker is None:
+        return settings.world_sizes
+    if not marker.args or any(not isinstance(n, int) or n < 1 for n in marker.args):
+        raise pytest.UsageError(
+            f"{metafunc.definition.nodeid}: world_size marker takes positive integers, got "
+            f"{marker.args!r}; write e.g. @pytest.mark.world_size(2, 4)"
+        )
+    return tuple(marker.args)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    settings = metafunc.config.stash[SETTINGS_KEY]
+    if "world_size" in metafunc.fixturenames:
+        sizes = _world_sizes(metafunc, settings)
+        metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
+    if "lane" in metafunc.fixturenames:
+        marked = [lane for lane in LANES if metafunc.definition.get_closest_marker(lane)]
+        lanes = marked or list(LANES)  # unmarked: both lanes, each carrying its marker
+        metafunc.parametrize(
+            "lane", [pytest.param(lane, marks=getattr(pytest.mark, lane), id=lane) for lane in lanes]
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    settings = config.stash[SETTINGS_KEY]
+    outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
+    for item in items:
+        if not any(item.get_closest_marker(lane) for lane in LANES):
+            item.add_marker(pytest.mark.cpu)  # needs no GPU: part of the CPU lane
+        uses_ranks = "ranks" in getattr(item, "fixturenames", ())
+        if uses_ranks and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(outer, method="signal"))
+
+
+@pytest.fixture(scope="session")
+def fsdp_settings(pytestconfig: pytest.Config) -> Settings:
+    """The session's resolved settings."""
+    return pytestconfig.stash[SETTINGS_KEY]
+
+
+@pytest.fixture(scope="session")
+def rank_pools(pytestconfig: pytest.Config) -> Iterator[PoolManager]:
+    """The session's warm rank pools, one per (world size, backend)."""
+    manager = pytestconfig.stash.get(MANAGER_KEY, None)
+    if manager is None:
+        manager = pytestconfig.stash[MANAGER_KEY] = PoolManager()
+    yield manager
+
+
+def _skip(reason: str) -> None:
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def ranks(
+    request: pytest.FixtureRequest,
+    lane: str,
+    world_size: int,
+    fsdp_settings: Settings,
+    rank_pools: PoolManager,
+) -> Ranks:
+    """Runs checks on ``world_size`` ranks of this test's lane: ``ranks.run(check, ...)``."""
+    unavailable = lane_unavailable(lane, world_size)
+    if unavailable:
+        pytest.skip(unavailable)
+    launcher = None
+    if launched_externally():
+        launcher = request.config.stash.get(LAUNCHER_KEY, None)
+        if launcher is None:
+            backend = None if fsdp_settings.backend == "auto" else fsdp_settings.backend
+            launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(backend)
+    return Ranks(
+        rank_pools,
+        world_size,
+        lane=lane,
+        backend=fsdp_settings.backend_for(lane),
+        timeout=fsdp_settings.timeout,
+        launcher=launcher,
+        skip=_skip,
+    )
+
+
+__all__ = ["CheckSkipped", "ranks", "fsdp_settings", "rank_pools"]

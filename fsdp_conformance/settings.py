@@ -1,0 +1,216 @@
+"""Settings, resolved once into one typed object.
+
+Every option is declared once in :data:`OPTIONS` (name, type, default, help). The pytest
+plugin and the CLI both register their flags from that table, and :func:`resolve_settings`
+applies one fixed order: command line, then environment (``FSDP_CONFORMANCE_<NAME>``), then the
+ini file / ``[tool.fsdp_conformance]`` table, then the default. A bad value names itself, where
+it came from, and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it, its source and the fix."""
+
+
+def _parse_world_sizes(text: str) -> tuple[int, ...]:
+    sizes = []
+    for part in str(text).replace(" ", ",").split(","):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"{part!r} is not a positive integer")
+        sizes.append(int(part))
+    if not sizes:
+        raise ValueError("no world size given")
+    return tuple(dict.fromkeys(sizes))
+
+
+def _parse_backend(text: str) -> str:
+    value = str(text).strip().lower()
+    if value not in ("auto", "gloo", "nccl"):
+        raise ValueError("expected one of auto, gloo, nccl")
+    return value
+
+
+def _parse_seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _parse_optional_str(text: str) -> str | None:
+    value = str(text).strip()
+    return value or None
+
+
+def _parse_optional_int(text: str) -> int | None:
+    value = str(text).strip().replace("_", "")
+    if not value:
+        return None
+    number = int(float(value))  # accepts 2e7 as written in the seeds
+    if number < 0:
+        raise ValueError("must be >= 0")
+    return number
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One setting, declared once: its flag, env variable and ini key derive from ``name``."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    metavar: str = "VALUE"
+
+    @property
+    def flag(self) -> str:
+        return "--fsdp-" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "FSDP_CONFORMANCE_" + self.name.upper()
+
+    @property
+    def ini(self) -> str:
+        return "fsdp_" + self.name
+
+    @property
+    def dest(self) -> str:
+        return "fsdp_" + self.name
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "world_sizes",
+        _parse_world_sizes,
+        (2,),
+        "world sizes to run multi-rank checks at, comma separated (tests marked "
+        "world_size(...) use their own)",
+        "N[,N...]",
+    ),
+    Option(
+        "backend",
+        _parse_backend,
+        "auto",
+        "process-group backend: auto (gloo on the cpu lane, nccl on the gpu lane), gloo or nccl",
+        "auto|gloo|nccl",
+    ),
+    Option(
+        "timeout",
+        _parse_seconds,
+        120.0,
+        "seconds one check may run on its ranks before every rank's stack is dumped and the "
+        "ranks are killed",
+        "SECONDS",
+    ),
+    Option(
+        "model",
+        _parse_optional_str,
+        None,
+        "your model: 'pkg.module:factory', a callable returning an nn.Module (built on the meta "
+        "device when the suite asks)",
+        "MODULE:FACTORY",
+    ),
+    Option(
+        "block_cls",
+        _parse_optional_str,
+        None,
+        "the transformer block class of --fsdp-model: a dotted import path or a class name found "
+        "in the model",
+        "CLASS",
+    ),
+    Option(
+        "min_params",
+        _parse_optional_int,
+        None,
+        "size-policy threshold in parameters for modules outside the blocks (default: scaled "
+        "from the model, as 2e7 is to dim 4096 in the seeds)",
+        "N",
+    ),
+    Option(
+        "input",
+        _parse_optional_str,
+        None,
+        "'pkg.module:builder' returning a batch for --fsdp-model: builder(model, batch_size, "
+        "device) -> tensor or tuple of args",
+        "MODULE:BUILDER",
+    ),
+)
+
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything the suite needs to know, resolved once per session."""
+
+    #: World sizes multi-rank checks run at, unless a test's ``world_size`` marker says otherwise.
+    world_sizes: tuple[int, ...] = (2,)
+    #: ``auto`` picks gloo for the cpu lane and nccl for the gpu lane.
+    backend: str = "auto"
+    #: Seconds one check may take on its ranks.
+    timeout: float = 120.0
+    #: ``pkg.module:factory`` of the user's model, or None for the reference models only.
+    model: str | None = None
+    #: Block class of the user's model (class path or name), or None to infer it.
+    block_cls: str | None = None
+    #: Size-policy threshold, or None to scale it from the model.
+    min_params: int | None = None
+    #: ``pkg.module:builder`` of the user's inputs, or None for a default builder.
+    input: str | None = None
+    #: Where each value came from ("default", "ini", "env FSDP_...", "--fsdp-..."), for headers.
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+
+    def backend_for(self, lane: str) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if lane == "gpu" else "gloo"
+
+
+def resolve_settings(
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    ini: Mapping[str, Any],
+) -> Settings:
+    """Resolve every option: CLI, then environment, then ini/pyproject, then the default.
+
+    ``cli`` maps option names to values given on the command line (None: not given);
+    ``ini`` maps option names to raw values from the ini file or a pyproject table.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for option in OPTIONS:
+        raw: Any = None
+        source = "default"
+        if cli.get(option.name) is not None:
+            raw, source = cli[option.name], f"command line {option.flag}"
+        elif environ.get(option.env):
+            raw, source = environ[option.env], f"environment variable {option.env}"
+        elif ini.get(option.name) not in (None, "", []):
+            raw, source = ini[option.name], f"ini key {option.ini}"
+        if source == "default":
+            values[option.name] = option.default
+        else:
+            values[option.name] = _parse(option, raw, source)
+        sources[option.name] = source
+    return Settings(**values, sources=sources)
+
+
+def _parse(option: Option, raw: Any, source: str) -> Any:
+    if isinstance(raw, (list, tuple)):
+        raw = ",".join(str(x) for x in raw)
+    try:
+        return option.parse(str(raw))
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(
+            f"invalid {option.name} {str(raw)!r} from {source}: {exc}; "
+            f"expected {option.metavar} ({option.help})"
+        ) from None
