@@ -1,0 +1,140 @@
+"""The one place that touches torch's private or version-dependent APIs.
+
+An upgrade that moves one of these breaks here, visibly, with a message naming what moved,
+instead of deep inside a check. Everything else in the package imports from this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+class CompatError(RuntimeError):
+    """A private torch API this suite relies on is missing from the installed torch."""
+
+
+def _import(path: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError) as exc:
+        raise CompatError(
+            f"torch {torch.__version__} has no {path}.{name} ({exc}); fsdp-conformance needs "
+            "an update for this torch: see fsdp_conformance/_compat.py"
+        ) from None
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# -- FSDP1 wrap machinery (private: `_or_policy`, `_recursive_wrap`, `_Policy`) ----------------
+
+_WRAP = "torch.distributed.fsdp.wrap"
+
+
+def or_policy() -> Callable[..., bool]:
+    return _import(_WRAP, "_or_policy")
+
+
+def recursive_wrap() -> Callable[..., Any]:
+    return _import(_WRAP, "_recursive_wrap")
+
+
+def policy_base() -> type:
+    return _import(_WRAP, "_Policy")
+
+
+# -- FSDP1 unit internals ---------------------------------------------------------------------
+
+
+def fsdp1_flat_param(unit: nn.Module) -> Any | None:
+    """The FlatParameter of an FSDP1 unit, or None for a unit without parameters."""
+    handle = getattr(unit, "_handle", None)
+    if handle is None:
+        return None
+    return handle.flat_param
+
+
+def fsdp1_unsharded_numel(flat_param: Any) -> int:
+    return int(flat_param._unpadded_unsharded_size.numel())
+
+
+def fsdp1_param_fqns(flat_param: Any) -> list[str]:
+    """FQNs (relative to the unit's wrapped module) of the original parameters in a unit."""
+    return list(flat_param._fqns)
+
+
+def fsdp1_sharding_strategy(unit: nn.Module) -> str:
+    handle = getattr(unit, "_handle", None)
+    strategy = getattr(handle, "_sharding_strategy", None) or getattr(
+        unit, "sharding_strategy", None
+    )
+    return getattr(strategy, "name", str(strategy))
+
+
+# -- FSDP2 --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def fully_shard() -> Callable[..., Any]:
+    try:
+        return _import("torch.distributed.fsdp", "fully_shard")
+    except CompatError:  # torch < 2.6 kept it under _composable
+        return _import("torch.distributed._composable.fsdp", "fully_shard")
+
+
+@functools.cache
+def fsdp_module_cls() -> type:
+    try:
+        return _import("torch.distributed.fsdp", "FSDPModule")
+    except CompatError:
+        return _import("torch.distributed._composable.fsdp", "FSDPModule")
+
+
+@functools.cache
+def mixed_precision_policy_cls() -> type:
+    try:
+        return _import("torch.distributed.fsdp", "MixedPrecisionPolicy")
+    except CompatError:
+        return _import("torch.distributed._composable.fsdp", "MixedPrecisionPolicy")
+
+
+def dtensor_cls() -> type:
+    try:
+        return _import("torch.distributed.tensor", "DTensor")
+    except CompatError:
+        return _import("torch.distributed._tensor", "DTensor")
+
+
+# -- memory trackers (private `_tools`) -------------------------------------------------------
+
+
+def mem_tracker_cls() -> type | None:
+    """torch's ``MemTracker`` (any module), or None when an upgrade moved it."""
+    try:
+        return _import("torch.distributed._tools.mem_tracker", "MemTracker")
+    except CompatError:
+        return None
+
+
+def fsdp_mem_tracker_cls() -> type | None:
+    """torch's ``FSDPMemTracker`` (FSDP2, per-category), or None when an upgrade moved it."""
+    try:
+        return _import("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")
+    except CompatError:
+        return None
+
+
+# -- the fake process group (private `torch.testing._internal`) ------------------------------
+
+
+def fake_store_cls() -> type:
+    """``FakeStore``; importing its module registers the ``fake`` backend."""
+    return _import("torch.testing._internal.distributed.fake_pg", "FakeStore")

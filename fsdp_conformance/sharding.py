@@ -1,0 +1,80 @@
+"""Apply FSDP to a model: FSDP1 with an auto-wrap policy, FSDP2 from the same plan.
+
+FSDP2 has no auto-wrap: the same decisions are expressed by planning the units with the FSDP1
+policy (:func:`fsdp_conformance.units.planned_unit_modules`) and calling ``fully_shard`` on each
+chosen module bottom-up, then on the root. Both paths take a :class:`RankContext` for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.units import planned_unit_modules
+
+FSDP_VERSIONS = ("fsdp1", "fsdp2")
+
+
+def check_fsdp_version(version: str) -> str:
+    if version not in FSDP_VERSIONS:
+        raise ValueError(f"FSDP version must be one of {FSDP_VERSIONS}, got {version!r}")
+    return version
+
+
+def shard_fsdp1(model: nn.Module, ctx: RankContext, policy: Any, **fsdp_kwargs: Any) -> nn.Module:
+    """``FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=<rank's device>)``.
+
+    ``device_id`` is mandatory on CPU ("FSDP needs a non-CPU accelerator device" without it).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    fsdp_kwargs.setdefault("device_id", ctx.device)
+    return FSDP(model, auto_wrap_policy=policy, **fsdp_kwargs)
+
+
+def device_mesh(ctx: RankContext) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device_type, (ctx.world_size,))
+
+
+def shard_fsdp2_modules(
+    model: nn.Module,
+    ctx: RankContext,
+    unit_modules: Sequence[nn.Module],
+    *,
+    mesh: Any = None,
+    per_unit_kwargs: Mapping[int, Mapping[str, Any]] | None = None,
+    **shard_kwargs: Any,
+) -> nn.Module:
+    """``fully_shard`` each unit module bottom-up (deepest first), then the root."""
+    fully_shard = _compat.fully_shard()
+    mesh = mesh if mesh is not None else device_mesh(ctx)
+    depth = {id(m): n.count(".") + 1 for n, m in model.named_modules() if n}
+    overrides = per_unit_kwargs or {}
+    for module in sorted(
+        (m for m in unit_modules if m is not model), key=lambda m: -depth.get(id(m), 0)
+    ):
+        fully_shard(module, mesh=mesh, **{**shard_kwargs, **overrides.get(id(module), {})})
+    fully_shard(model, mesh=mesh, **{**shard_kwargs, **overrides.get(id(model), {})})
+    return model
+
+
+def shard_fsdp2(
+    model: nn.Module, ctx: RankContext, policy: Any, *, mesh: Any = None, **shard_kwargs: Any
+) -> nn.Module:
+    """FSDP2 with the units an FSDP1 ``policy`` would choose."""
+    return shard_fsdp2_modules(
+        model, ctx, planned_unit_modules(model, policy), mesh=mesh, **shard_kwargs
+    )
+
+
+def shard(model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any) -> nn.Module:
+    """Shard ``model`` with FSDP1 or FSDP2 under ``policy``; returns the sharded model."""
+    if check_fsdp_version(version) == "fsdp1":
+        return shard_fsdp1(model, ctx, policy, **kwargs)
+    return shard_fsdp2(model, ctx, policy, **kwargs)
