@@ -189,12 +189,14 @@ def fsdp1_units(model: nn.Module) -> list[UnitInfo]:
                 cls=type(module.module).__name__,
                 numel=_compat.fsdp1_unsharded_numel(flat) if flat is not None else 0,
                 local_numel=int(flat.numel()) if flat is not None else 0,
-                params=tuple(
-                    prefix + clean_fqn(p) for p in (_compat.fsdp1_param_fqns(flat) if flat is not None else ())
-                ),
+                params=tuple(prefix + clean_fqn(p) for p in _fsdp1_fqns(flat)),
             )
         )
-    return _with_parents(units)
+    return _with_parents(units, [clean_fqn(n) for n, _ in model.named_modules()])
+
+
+def _fsdp1_fqns(flat: Any) -> list[str]:
+    return _compat.fsdp1_param_fqns(flat) if flat is not None else []
 
 
 def fsdp2_original_class(module: nn.Module) -> type:
