@@ -103,6 +103,7 @@ class RankOutcome:
 
 def resolve_outcomes(check_name: str, outcomes: Sequence[RankOutcome]) -> list[Any]:
     """Turn every rank's outcome into the check's result: values, a skip, or one failure."""
+    __tracebackhide__ = True  # the report is the ranks' story, not this frame
     statuses = {o.status for o in outcomes}
     if statuses == {"ok"}:
         return [o.value for o in sorted(outcomes, key=lambda o: o.rank)]
@@ -407,6 +408,13 @@ class RankPool:
                 detail=f"{describe_exit(r.proc.poll())} before reporting; its log ends:\n"
                 + _tail(r.log_path),
             )
+        except Exception as exc:  # noqa: BLE001 - the bytes arrived whole; only loading failed
+            return RankOutcome(
+                r.rank,
+                "error",
+                detail=f"the parent could not unpickle this rank's reply ({exc!r}); "
+                "return plain data (dicts, lists, numbers, strings, tensors)",
+            )
         got_id, status, value, detail, caught = message
         if got_id != task_id:  # an invariant of the protocol, not user input
             return RankOutcome(r.rank, "error", detail=f"protocol error: task {got_id} != {task_id}")
@@ -676,6 +684,7 @@ class Ranks:
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        __tracebackhide__ = True  # a failure points at the test's line, then the ranks' story
         try:
             return resolve_outcomes(_check_name(fn), self.run_outcomes(fn, *args, **kwargs))
         except CheckSkipped as exc:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -461,3 +463,143 @@ def _first_in_features(model: nn.Module) -> int:
         f"cannot build a default batch for {type(model).__name__}: pass an input builder "
         "(--fsdp-input pkg.module:builder)"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# ModelSpec: a picklable description of "which model", sent to the ranks
+# --------------------------------------------------------------------------------------------
+
+
+class ModelSpecError(ValueError):
+    """The model specification cannot be used; the message names the problem and the fix."""
+
+
+def load_object(path: str, what: str) -> Any:
+    """Import ``pkg.module:name`` (or ``pkg.module.name``) with one clear error per failure."""
+    module_path, sep, attr = path.partition(":")
+    if not sep:
+        module_path, _, attr = path.rpartition(".")
+    if not module_path or not attr:
+        raise ModelSpecError(
+            f"{what} {path!r} is not of the form 'pkg.module:name'; e.g. mypkg.model:build_model"
+        )
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise ModelSpecError(
+            f"cannot import module {module_path!r} for {what} {path!r} ({exc}); check the "
+            "path and that the package is installed in this environment (or on PYTHONPATH)"
+        ) from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelSpecError(
+                f"module {module_path!r} has no attribute {attr!r} ({what} {path!r}); "
+                f"check the name after the colon"
+            ) from None
+    if not callable(obj):
+        raise ModelSpecError(f"{what} {path!r} is not callable ({type(obj).__name__})")
+    return obj
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Which model a check builds: a reference model by name, or the user's factory.
+
+    Plain data (strings, numbers, a frozen config), so it pickles to the ranks.
+    """
+
+    #: A key of :data:`REFERENCE_MODELS`, or None when ``factory`` is given.
+    reference: str | None = "massive"
+    #: Config for the reference model (None: its default).
+    config: ModelConfig | LlamaConfig | None = None
+    #: ``pkg.module:factory`` returning an ``nn.Module`` (the user's model).
+    factory: str | None = None
+    #: Block classes as dotted paths or class names (None: the reference model's own).
+    block_cls: tuple[str, ...] | None = None
+    #: Size-policy threshold (None: scaled from the model's width, or the config's).
+    min_params: int | None = None
+    #: ``pkg.module:builder`` returning a batch: builder(model, batch_size, device).
+    input_builder: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.reference is None) == (self.factory is None):
+            raise ModelSpecError("ModelSpec needs exactly one of reference= or factory=")
+        if self.reference is not None and self.reference not in REFERENCE_MODELS:
+            raise ModelSpecError(
+                f"unknown reference model {self.reference!r}; choose one of "
+                f"{', '.join(REFERENCE_MODELS)}"
+            )
+
+    @property
+    def name(self) -> str:
+        return self.factory or str(self.reference)
+
+    def build(self, device: str | torch.device | None = None) -> nn.Module:
+        """Build the model (under ``torch.device(device)`` when given, e.g. ``"meta"``)."""
+        if self.reference is not None:
+            return build_reference(self.reference, self.config, device)
+        assert self.factory is not None  # __post_init__ guarantees one of the two
+        factory = load_object(self.factory, "model factory")
+        try:
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                model = factory()
+        except Exception as exc:
+            raise ModelSpecError(
+                f"model factory {self.factory!r} raised {type(exc).__name__}: {exc}; "
+                "fix the factory (it is called with no arguments)"
+            ) from exc
+        if not isinstance(model, nn.Module):
+            raise ModelSpecError(
+                f"model factory {self.factory!r} returned {type(model).__name__}, "
+                "not an nn.Module"
+            )
+        return model
+
+    def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]:
+        """The block classes, resolved against the built model (clear error if absent)."""
+        from fsdp_conformance.policies import PolicyError, resolve_block_classes
+
+        if self.block_cls:
+            return resolve_block_classes(model, list(self.block_cls))
+        if self.reference is not None:
+            return REFERENCE_MODELS[self.reference].block_classes
+        raise PolicyError(
+            f"no block class given for {self.factory!r}: pass --fsdp-block-cls with the class of "
+            "its transformer block (a class name found in the model or a dotted path)"
+        )
+
+    def size_threshold(self, model: nn.Module) -> int:
+        """The size-policy threshold: explicit, else scaled from the model's width."""
+        if self.min_params is not None:
+            return self.min_params
+        config = getattr(model, "config", None)
+        if isinstance(config, (ModelConfig, LlamaConfig)):
+            return config.min_params
+        return scaled_min_params(infer_width(model))
+
+    def batch(self, model: nn.Module, batch_size: int = 2,
+              device: str | torch.device = "cpu") -> Any:
+        """An input batch: the user's builder, else :func:`make_batch`."""
+        if self.input_builder:
+            builder = load_object(self.input_builder, "input builder")
+            return builder(model, batch_size, device)
+        return make_batch(model, batch_size=batch_size, device=device)
+
+
+def infer_width(model: nn.Module) -> int:
+    """The model's width: the most common ``in_features`` of its linears (embedding dim else)."""
+    counts: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            counts[module.in_features] = counts.get(module.in_features, 0) + 1
+        elif isinstance(module, nn.Embedding):
+            counts[module.embedding_dim] = counts.get(module.embedding_dim, 0) + 1
+    if not counts:
+        raise ModelSpecError(
+            f"cannot infer the width of {type(model).__name__} (no Linear or Embedding); "
+            "pass --fsdp-min-params"
+        )
+    return max(counts, key=lambda k: (counts[k], k))
