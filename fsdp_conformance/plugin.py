@@ -19,7 +19,13 @@ from fsdp_conformance.harness import (
     lane_unavailable,
     launched_externally,
 )
-from fsdp_conformance.settings import OPTIONS, Settings, SettingsError, resolve_settings
+from fsdp_conformance.settings import (
+    OPTIONS,
+    Settings,
+    SettingsError,
+    pyproject_settings,
+    resolve_settings,
+)
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 MANAGER_KEY = pytest.StashKey[PoolManager]()
@@ -51,8 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     cli = {o.name: config.getoption(o.dest) for o in OPTIONS}
-    ini = {o.name: config.getini(o.ini) for o in OPTIONS}
     try:
+        table = pyproject_settings(str(config.rootpath))
+        ini = {o.name: config.getini(o.ini) or table.get(o.name) for o in OPTIONS}
         config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None

@@ -214,3 +214,43 @@ def _parse(option: Option, raw: Any, source: str) -> Any:
             f"invalid {option.name} {str(raw)!r} from {source}: {exc}; "
             f"expected {option.metavar} ({option.help})"
         ) from None
+
+
+PYPROJECT_TABLE = "fsdp_conformance"
+
+
+def pyproject_settings(start: str) -> dict[str, Any]:
+    """The ``[tool.fsdp_conformance]`` table of the nearest pyproject.toml at or above ``start``.
+
+    Keys are option names (``world_sizes``, ``model``, ``block_cls``, ...); an unknown key is an
+    error naming the known ones.
+    """
+    import os
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    directory = os.path.abspath(start)
+    while True:
+        path = os.path.join(directory, "pyproject.toml")
+        if os.path.isfile(path):
+            break
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return {}
+        directory = parent
+    with open(path, "rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{path} is not valid TOML ({exc})") from None
+    table = data.get("tool", {}).get(PYPROJECT_TABLE, {})
+    unknown = sorted(set(table) - set(OPTIONS_BY_NAME))
+    if unknown:
+        raise SettingsError(
+            f"unknown key(s) {', '.join(unknown)} in [tool.{PYPROJECT_TABLE}] of {path}; "
+            f"known keys: {', '.join(OPTIONS_BY_NAME)}"
+        )
+    return dict(table)

@@ -1,0 +1,200 @@
+"""``fsdp-conformance``: run the suite, compare two reports, plan at full scale.
+
+    fsdp-conformance run [--lane cpu|gpu|all] [--model pkg.mod:factory --block-cls Block] ...
+    fsdp-conformance compare OLD.json NEW.json [--memory-tolerance 0.05] [--fail-on-change]
+    fsdp-conformance plan --preset 70b --world-size 1024 [--json]
+
+Exit codes: 0 all good; 1 a check failed (run) or a regression was found (compare);
+2 bad input (the message names the problem and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fsdp_conformance.settings import (
+    OPTIONS,
+    Settings,
+    SettingsError,
+    pyproject_settings,
+    resolve_settings,
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_OUT = "fsdp-conformance-report"
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    for option in OPTIONS:
+        parser.add_argument(
+            "--" + option.name.replace("_", "-"),
+            option.flag,
+            dest=option.name,
+            default=None,
+            metavar=option.metavar,
+            help=f"{option.help} [env {option.env}; pyproject [tool.fsdp_conformance] "
+            f"{option.name}]",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-conformance",
+        description="Distributed conformance suite for PyTorch FSDP (FSDP1 and FSDP2).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the conformance checks and write a report")
+    _add_setting_flags(run)
+    run.add_argument("--lane", choices=("cpu", "gpu", "all", "auto"), default="auto",
+                     help="lanes to run: auto = cpu, plus gpu when CUDA is present")
+    run.add_argument("--checks", metavar="SUBSTRING", default=None,
+                     help="only checks whose name contains SUBSTRING (e.g. 'wrap.')")
+    run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                     help=f"folder for report.json, summary.md (and the plot) [{DEFAULT_OUT}]")
+    run.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                     help="JSON report path [DIR/report.json]")
+    run.add_argument("--markdown", default=None, metavar="PATH",
+                     help="Markdown summary path [DIR/summary.md]; also appended to "
+                     "$GITHUB_STEP_SUMMARY when set")
+    run.add_argument("--plot", action="store_true",
+                     help="write the memory timeline PNG (needs the 'plot' extra: matplotlib)")
+    run.add_argument("--list", action="store_true", help="list the checks and exit")
+
+    compare = sub.add_parser("compare", help="compare two reports: the torch-upgrade gate")
+    compare.add_argument("old", help="report of the current torch (baseline)")
+    compare.add_argument("new", help="report of the candidate torch")
+    compare.add_argument("--memory-tolerance", type=float, default=None, metavar="FRACTION",
+                         help="relative change of a memory figure that counts (default 0.05)")
+    compare.add_argument("--fail-on-change", action="store_true",
+                         help="exit 1 on any difference, not only on regressions")
+    compare.add_argument("--json", action="store_true", help="print the differences as JSON")
+
+    plan = sub.add_parser("plan", help="wrap plan and memory estimate at full scale, no devices")
+    plan.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def resolve_cli_settings(args: argparse.Namespace) -> Settings:
+    cli = {o.name: getattr(args, o.name, None) for o in OPTIONS}
+    return resolve_settings(cli, os.environ, pyproject_settings(os.getcwd()))
+
+
+def lanes_for(choice: str) -> list[str]:
+    from fsdp_conformance.harness import cuda_device_count
+
+    if choice == "all":
+        return ["cpu", "gpu"]
+    if choice == "auto":
+        return ["cpu", "gpu"] if cuda_device_count() else ["cpu"]
+    return [choice]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fsdp_conformance import reports, suite
+
+    settings = resolve_cli_settings(args)
+    lanes = lanes_for(args.lane)
+    spec = suite.user_spec(settings)
+    if spec is not None:
+        suite.validate_user_model(spec, lanes, settings.world_sizes)
+    if args.list:
+        for check in suite.all_checks():
+            print(f"{check.name:<40} {check.claim:<7} {check.description}")
+        return EXIT_OK
+    print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
+    report = suite.run_suite(settings, lanes, pattern=args.checks)
+    json_path = args.json_path or os.path.join(args.out, "report.json")
+    md_path = args.markdown or os.path.join(args.out, "summary.md")
+    reports.write_json_report(json_path, report)
+    markdown = reports.format_markdown(report)
+    reports.write_atomic(md_path, markdown)
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:
+            f.write(markdown)
+    print(reports.format_table(report))
+    print(f"report: {json_path}\nsummary: {md_path}")
+    if args.plot:
+        print(write_plot(report, args.out))
+    s = report["summary"]
+    if not report["checks"]:
+        raise UsageError(f"no check matched --checks {args.checks!r}; see `run --list`")
+    return EXIT_FAILED if s["failed"] or s["error"] else EXIT_OK
+
+
+def write_plot(report: dict[str, Any], out_dir: str) -> str:
+    try:
+        from fsdp_conformance import plots
+    except ImportError as exc:
+        return f"plot: not written ({exc}); install the 'plot' extra: pip install 'fsdp-conformance[plot]'"
+    try:
+        path = plots.plot_report_timelines(report, os.path.join(out_dir, "memory_timeline.png"))
+    except ImportError:
+        return "plot: not written: matplotlib is missing; pip install 'fsdp-conformance[plot]'"
+    return f"plot: {path}" if path else "plot: not written: no memory timeline in this report"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fsdp_conformance import reports
+
+    old = reports.load_report(args.old)
+    new = reports.load_report(args.new)
+    tolerance = (
+        args.memory_tolerance if args.memory_tolerance is not None
+        else reports.DEFAULT_MEMORY_TOLERANCE
+    )
+    if tolerance < 0:
+        raise UsageError(f"--memory-tolerance must be >= 0, got {tolerance}")
+    diffs = reports.compare_reports(old, new, memory_tolerance=tolerance)
+    if args.json:
+        print(json.dumps({
+            "old": {"path": args.old, "torch": old["environment"]["torch"]},
+            "new": {"path": args.new, "torch": new["environment"]["torch"]},
+            "memory_tolerance": tolerance,
+            "regressions": sum(d.regression for d in diffs),
+            "differences": [d.to_dict() for d in diffs],
+        }, indent=2))
+    else:
+        print(reports.format_differences(old, new, diffs))
+    if any(d.regression for d in diffs) or (args.fail_on_change and diffs):
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        from fsdp_conformance import planning
+    except ImportError:
+        raise UsageError("`plan` is not available in this build") from None
+    return int(planning.main(args.rest))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fsdp_conformance.models import ModelSpecError
+    from fsdp_conformance.policies import PolicyError
+    from fsdp_conformance.reports import ReportError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan}
+    try:
+        return handlers[args.command](args)
+    except (UsageError, SettingsError, ModelSpecError, PolicyError, ReportError) as exc:
+        print(f"fsdp-conformance {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fsdp-conformance: interrupted; no report written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

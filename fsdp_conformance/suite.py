@@ -1,0 +1,213 @@
+"""The conformance suite as a whole: which checks run where, with progress, into a report.
+
+Used by ``fsdp-conformance run``. Tests drive the same checks through the ``ranks`` fixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TextIO
+
+from fsdp_conformance.checks import Check, CheckRun, execute
+from fsdp_conformance.harness import PoolManager, Ranks, lane_unavailable
+from fsdp_conformance.models import ModelSpec, ModelSpecError
+from fsdp_conformance.reports import build_report, check_entry
+from fsdp_conformance.settings import Settings
+
+#: Concern modules that contribute checks, in report order.
+CHECK_MODULES = ("fsdp_conformance.wrapping", "fsdp_conformance.init", "fsdp_conformance.memory")
+
+
+def all_checks() -> list[Check]:
+    """Every registered check (each concern module's ``CHECKS``)."""
+    checks: list[Check] = []
+    for name in CHECK_MODULES:
+        module = importlib.import_module(name)
+        checks.extend(getattr(module, "CHECKS", ()))
+    return checks
+
+
+def variant_of(params: dict[str, Any]) -> str:
+    """A short label for a check's parameters: FSDP version and model."""
+    parts = []
+    if "version" in params:
+        parts.append(str(params["version"]))
+    spec = params.get("spec")
+    if isinstance(spec, ModelSpec):
+        parts.append(spec.name)
+    return ",".join(parts)
+
+
+def user_spec(settings: Settings) -> ModelSpec | None:
+    """The user's model from the settings, or None when running on the reference models."""
+    if not settings.model:
+        for name in ("block_cls", "input"):
+            if getattr(settings, name):
+                raise ModelSpecError(
+                    f"--{name.replace('_', '-')} is set but no --model: give the model factory "
+                    "too (e.g. --model mypkg.model:build_model)"
+                )
+        return None
+    blocks = tuple(b.strip() for b in settings.block_cls.split(",")) if settings.block_cls else None
+    return ModelSpec(
+        reference=None,
+        factory=settings.model,
+        block_cls=blocks,
+        min_params=settings.min_params,
+        input_builder=settings.input,
+    )
+
+
+def select_checks(
+    checks: Sequence[Check], spec: ModelSpec | None, pattern: str | None = None
+) -> list[tuple[Check, dict[str, Any]]]:
+    """(check, params) pairs to run: reference params, or every model check on the user's spec.
+
+    On the user's model only checks that take a ``spec`` run (each with the user's spec in
+    place of the reference one); a check's own negative-control variants stay in the tests.
+    """
+    chosen: list[tuple[Check, dict[str, Any]]] = []
+    seen: set[tuple[str, str]] = set()
+    for check in checks:
+        if pattern and pattern not in check.name:
+            continue
+        params = dict(check.params)
+        if spec is not None:
+            if "spec" not in params:
+                continue
+            params["spec"] = spec
+            key = (check.name, variant_of(params))
+            if key in seen:
+                continue  # several reference variants collapse onto one user-model run
+            seen.add(key)
+        chosen.append((check, params))
+    return chosen
+
+
+@dataclasses.dataclass
+class Progress:
+    """Prints one line per check as it finishes (to stderr by default)."""
+
+    total: int
+    stream: TextIO = sys.stderr
+    done: int = 0
+
+    def start(self, label: str) -> None:
+        width = len(str(self.total))
+        self.stream.write(f"[{self.done + 1:>{width}}/{self.total}] {label} ... ")
+        self.stream.flush()
+
+    def finish(self, run: CheckRun) -> None:
+        self.done += 1
+        self.stream.write(f"{run.outcome} ({run.seconds:.2f}s)\n")
+        if run.outcome in ("failed", "error"):
+            for line in run.detail.strip().splitlines()[:40]:
+                self.stream.write(f"      {line}\n")
+        self.stream.flush()
+
+
+def run_suite(
+    settings: Settings,
+    lanes: Iterable[str],
+    *,
+    pattern: str | None = None,
+    stream: TextIO = sys.stderr,
+    checks: Sequence[Check] | None = None,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the selected checks on every lane and world size; return the report (plain data)."""
+    spec = user_spec(settings)
+    selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern)
+    plan = [
+        (lane, ws, check, params)
+        for lane in lanes
+        for ws in settings.world_sizes
+        for check, params in selected
+        if lane in check.lanes
+    ]
+    progress = Progress(len(plan), stream)
+    entries: list[dict[str, Any]] = []
+    manager = PoolManager()
+    start = time.perf_counter()
+    try:
+        for lane, ws, check, params in plan:
+            variant = variant_of(params)
+            progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
+            unavailable = lane_unavailable(lane, ws)
+            if unavailable:
+                run = CheckRun(check.name, "skipped", None, unavailable, 0.0)
+            else:
+                ranks = Ranks(manager, ws, lane=lane, backend=settings.backend_for(lane),
+                              timeout=settings.timeout)
+                run = execute(ranks, check, **params)
+            progress.finish(run)
+            verdict = run.verdict
+            entry = check_entry(
+                check=check.name,
+                claim=check.claim,
+                lane=lane,
+                world_size=ws,
+                variant=variant,
+                outcome=run.outcome,
+                message=run.detail,
+                figures=verdict.figures if verdict else {},
+                data=verdict.data if verdict else {},
+                seconds=run.seconds,
+                warnings=run.warnings,
+            )
+            entries.append(entry)
+            if on_run is not None:
+                on_run(entry)
+    finally:
+        manager.close()
+    return build_report(entries, settings, time.perf_counter() - start)
+
+
+#: Host bytes a CPU rank needs per parameter of the user's model: the fp32 sharded model is
+#: small, but the checks also build a full single-process reference (4 B/param), its grads
+#: (4 B) and gather full weights for comparison (4 B), with headroom for activations (4 B).
+CPU_BYTES_PER_PARAM = 16
+#: Fraction of the available memory the checks may plan to use.
+MEMORY_HEADROOM = 0.8
+
+
+def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequence[int]) -> None:
+    """Fail early, in one line each: import path, factory, block class, empty policy, size."""
+    from fsdp_conformance.policies import PolicyError, recommended_policy
+    from fsdp_conformance.units import plan_units
+
+    model = spec.build("meta")
+    blocks = spec.block_classes(model)
+    threshold = spec.size_threshold(model)
+    plan = plan_units(model, recommended_policy(model, blocks, threshold))
+    if len(plan) <= 1:
+        raise PolicyError(
+            f"the wrap policy wraps nothing but the root of {spec.name} (block classes "
+            f"{', '.join(b.__name__ for b in blocks)}, threshold {threshold:,}): check "
+            "--fsdp-block-cls names the model's block class"
+        )
+    numel = sum(p.numel() for p in model.parameters())
+    need = numel * CPU_BYTES_PER_PARAM * max(world_sizes)
+    available = _available_host_bytes()
+    if "cpu" in lanes and available and need > MEMORY_HEADROOM * available:
+        raise ModelSpecError(
+            f"model {spec.name} has {numel / 1e9:.2f} B parameters: the cpu lane at world size "
+            f"{max(world_sizes)} needs about {need / 2**30:.1f} GiB of host memory, "
+            f"{available / 2**30:.1f} GiB is available; use a smaller config of the model for "
+            "the cpu lane, the gpu lane, or `fsdp-conformance plan` for full-scale planning"
+        )
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
