@@ -1,0 +1,282 @@
+"""Memory conformance: the per-layer bound, peaks, depth invariance, the sawtooth, the meters.
+
+Each rank run is shared by several verdicts where it can be (one step feeds the peak and the
+sawtooth verdicts), to keep the CPU lane quick. Every claim has a negative control: the seeds'
+naive wrappings (monolithic, top-level only) and a per-layer wrapping that never reshards.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fsdp_conformance import memory
+from fsdp_conformance.checks import run_check
+from fsdp_conformance.harness import Ranks
+from fsdp_conformance.models import LLAMA_PRESETS, ModelConfig, ModelSpec
+from fsdp_conformance.units import UnitInfo
+
+VERSIONS = ("fsdp1", "fsdp2")
+
+
+# ------------------------------------------------------------------------------------------
+# The bound: a pure function of plain data
+# ------------------------------------------------------------------------------------------
+
+
+def _units() -> list[UnitInfo]:
+    return [
+        UnitInfo(fqn="", cls="M", numel=100, params=("embed.weight",)),
+        UnitInfo(fqn="layers.0", cls="Block", numel=1000, params=("a", "b")),
+        UnitInfo(fqn="layers.1", cls="Block", numel=1000, params=("c", "d")),
+        UnitInfo(fqn="head", cls="Linear", numel=801, params=("e",)),
+    ]
+
+
+def test_bound_terms_follow_from_the_plan_and_config_term_by_term() -> None:
+    acts = memory.ActivationProfile(input_bytes=64, saved_bytes={"": 8, "layers.0": 40},
+                                    produced_bytes={"layers.0": 96, "head": 32})
+    config = memory.StepConfig(world_size=4, version="fsdp2", optimizer="adam",
+                               buffer_bytes=16, activations=acts)
+    bound = memory.per_layer_bound(_units(), config)
+    shard = 25 + 250 + 250 + 201  # ceil(numel / 4) per unit
+    assert bound.term("sharded params").bytes == shard * 4
+    assert bound.term("sharded grads").bytes == shard * 4
+    assert bound.term("optimizer state").bytes == (2 * shard + 6) * 4  # exp_avg(_sq) + 6 steps
+    assert bound.term("unsharded params").bytes == (100 + 1000 + 1000) * 4
+    assert bound.term("unsharded grads").bytes == 1000 * 4
+    assert bound.term("all-gather buffers").bytes == (250 + 1000) * 4
+    assert bound.term("reduce-scatter buffers").bytes == (250 + 1000) * 4
+    assert bound.term("buffers").bytes == 16
+    assert bound.term("input batch").bytes == 64
+    assert bound.term("saved activations").bytes == 48
+    assert bound.term("activation working set").bytes == 96
+    assert bound.total == sum(t.bytes for t in bound.terms)
+    assert bound.limit == int(bound.total * 1.10)
+    assert memory.Bound.from_dict(bound.to_dict()) == bound
+
+
+def test_bound_fsdp1_gathers_in_place_and_pads_only_when_needed() -> None:
+    bound = memory.per_layer_bound(_units(), memory.StepConfig(world_size=4, version="fsdp1"))
+    assert bound.term("all-gather buffers").bytes == 0
+    assert bound.term("reduce-scatter buffers").bytes == 250 * 4  # 1000 % 4 == 0: no padded copy
+    odd = memory.per_layer_bound(_units(), memory.StepConfig(world_size=3, version="fsdp1"))
+    assert odd.term("reduce-scatter buffers").bytes == (334 + 334 * 3) * 4
+
+
+def test_step_config_rejects_bad_values_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        memory.StepConfig(world_size=0)
+    with pytest.raises(ValueError, match="optimizer 'lion'"):
+        memory.StepConfig(world_size=2, optimizer="lion")
+    with pytest.raises(ValueError, match="version must be"):
+        memory.StepConfig(world_size=2, version="fsdp3")
+
+
+def test_bound_of_70b_on_1024_ranks_is_planned_on_meta_without_allocating() -> None:
+    spec = ModelSpec(reference="llama", config=LLAMA_PRESETS["70b"])
+    start = time.perf_counter()
+    units, config = memory.plan_step(spec, 1024, "fsdp2", optimizer="adamw", batch_size=1,
+                                     compute_bytes=2)
+    bound = memory.per_layer_bound(units, config)
+    elapsed = time.perf_counter() - start
+    total = sum(u.numel for u in units)
+    assert 68e9 < total < 71e9, total  # it is the 70B shape
+    # Sharded state per rank is the whole model / 1024 (params + grads + 2 Adam states, fp32).
+    assert bound.term("sharded params").bytes == pytest.approx(total / 1024 * 4, rel=1e-3)
+    c = LLAMA_PRESETS["70b"]
+    kv = c.kv_heads * c.head_dim
+    block = c.dim * (2 * c.dim + 2 * kv) + 3 * c.dim * c.hidden + 2 * c.dim  # attn, mlp, norms
+    root = c.dim  # the final norm stays in the root; embeddings and output are units of their own
+    assert bound.term("unsharded params").bytes == (root + 2 * block) * 2  # bf16
+    assert elapsed < 60, f"planning 70B took {elapsed:.1f}s"
+
+
+def test_activation_profile_counts_saved_tensors_per_unit_on_meta() -> None:
+    spec = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32))
+    units, config = memory.plan_step(spec, 2, "fsdp1", batch_size=2)
+    acts = config.activations
+    assert acts is not None
+    # Each DecoderLayer saves the inputs of attn (dim) and mlp.0 (dim), and the ReLU output
+    # (4 dim), which is also mlp.2's input: one storage, counted once. 2x8 tokens, fp32.
+    tokens = 2 * 8
+    per_layer = tokens * (32 + 32 + 4 * 32) * 4
+    assert acts.saved_bytes["layers.0"] == per_layer
+    assert acts.saved_bytes["layers.1"] == per_layer
+    assert acts.input_bytes == tokens * 32 * 4
+
+
+# ------------------------------------------------------------------------------------------
+# Peak and sawtooth: one measured step per (version, wrapping), both verdicts
+# ------------------------------------------------------------------------------------------
+
+
+def _step(ranks: Ranks, version: str, wrapping: str) -> tuple[list, dict]:
+    params = {"spec": memory.DEFAULT_SPEC, "version": version, "wrapping": wrapping}
+    return ranks.run(memory.rank_step, **params), params
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth(
+    ranks: Ranks, version: str
+) -> None:
+    values, params = _step(ranks, version, "per_layer")
+    peak = memory.peak_verdict(values, params)
+    assert peak.passed, peak.message
+    assert all(v["meters"][0]["peak"] <= peak.figures["limit_bytes"] for v in values)
+    # Per-layer: the sharded state dominates, the working set is a few layers' worth.
+    assert peak.figures["peak_over_bound"] < 1.0
+    saw = memory.sawtooth_verdict(values, params)
+    assert saw.passed, saw.message
+    assert saw.figures["teeth"] == 9  # 8 layers and the head; the root stays gathered
+    assert saw.data["timeline"] and {"unit", "phase", "bytes"} <= set(saw.data["timeline"][0])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("wrapping", ["monolithic", "top_level"])
+def test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth(
+    ranks: Ranks, version: str, wrapping: str
+) -> None:
+    values, params = _step(ranks, version, wrapping)
+    peak = memory.peak_verdict(values, params)
+    assert not peak.passed
+    assert "peak exceeds the per-layer bound on rank(s) 0, 1" in peak.message
+    assert "expected (per-layer bound, term by term)" in peak.message
+    assert "sharded params" in peak.message and "actual units:" in peak.message
+    saw = memory.sawtooth_verdict(values, params)
+    assert not saw.passed
+    assert "unit (root) gathered" in saw.message
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sawtooth_check_catches_units_that_keep_their_parameters_after_forward(
+    ranks: Ranks, version: str
+) -> None:
+    values, params = _step(ranks, version, "no_reshard")
+    saw = memory.sawtooth_verdict(values, params)
+    assert not saw.passed
+    assert "unit layers.0 kept its parameters after forward" in saw.message
+
+
+def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(ranks: Ranks) -> None:
+    check = memory.SAWTOOTH_CHECKS[1]
+    verdict = run_check(ranks, check)
+    assert verdict.passed, verdict.message
+    compare = verdict.data["compare"]
+    assert compare["wrapping"] == "monolithic"
+    assert compare["peak"] > verdict.data["limit_bytes"]  # saturation vs sawtooth
+
+
+# ------------------------------------------------------------------------------------------
+# Depth invariance
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows(
+    ranks: Ranks, version: str
+) -> None:
+    check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
+    verdict = run_check(ranks, check)
+    assert verdict.passed, verdict.message
+    assert verdict.figures["depths"] == [2, 4, 8]
+    for rows in verdict.data["rows_by_rank"].values():
+        peaks = [row["per_layer"] for row in rows]
+        mono = [row["monolithic"] for row in rows]
+        # Per-layer adds the layers' sharded params + grads (at 2 ranks: their full size once);
+        # monolithic adds that plus their unsharded params and grads: at least twice as much.
+        assert mono[-1] - mono[0] > 2 * (peaks[-1] - peaks[0])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_depth_check_fails_on_monolithic_wrapping(ranks: Ranks, version: str) -> None:
+    check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
+    verdict = run_check(ranks, check, wrapping="monolithic")
+    assert not verdict.passed
+    assert "the monolithic working set grows with depth" in verdict.message
+
+
+def test_depth_check_refuses_fewer_than_three_depths(ranks: Ranks) -> None:
+    check = memory.DEPTH_CHECKS[0]
+    with pytest.raises(Exception, match="at least three depths"):
+        run_check(ranks, check, depths=(2, 4))
+
+
+def test_depth_needs_a_reference_model() -> None:
+    spec = ModelSpec(reference=None, factory="fsdp_conformance.models:MassiveModel")
+    with pytest.raises(memory.MemoryCheckError, match="is a factory"):
+        memory.with_depth(spec, 4)
+
+
+# ------------------------------------------------------------------------------------------
+# The meters: tracker vs ground truth (fresh ranks with the allocator setting)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tracker_agrees_with_ground_truth_within_five_percent(ranks: Ranks, version: str) -> None:
+    check = next(c for c in memory.METER_CHECKS if c.params["version"] == version)
+    assert check.env == memory.MALLOC_ENV  # the OS figure is valid only with it
+    verdict = run_check(ranks, check)
+    assert verdict.passed, verdict.message
+    assert all(abs(r - 1) <= memory.METER_TOLERANCE for r in verdict.figures["tracker_over_truth"])
+
+
+def test_meter_check_catches_a_tracker_blind_to_fsdp1_gather_buffers(ranks: Ranks) -> None:
+    # Entered only for the step, MemTracker never saw FSDP1 allocate its flat parameters and
+    # gather buffers: its figure is not the step's memory, and the cross-check says so.
+    verdict = run_check(ranks, memory.METER_CHECKS[0], track_construction=False)
+    assert not verdict.passed
+    assert "the tracker disagrees with the" in verdict.message
+
+
+def test_os_meter_refuses_without_the_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    why = memory.OSMeter.available()
+    assert why is not None and "MALLOC_MMAP_THRESHOLD_=65536" in why
+
+
+def test_unknown_wrapping_and_meter_are_named() -> None:
+    with pytest.raises(memory.MemoryCheckError, match="unknown wrapping 'flat'"):
+        memory.wrap_policy(None, memory.DEFAULT_SPEC, "flat")
+    from fsdp_conformance.harness import RankContext
+
+    ctx = RankContext(0, 1, 0, "gloo", "cpu")
+    with pytest.raises(memory.MemoryCheckError, match="unknown meter 'gauge'"):
+        memory._choose_meter(ctx, "gauge", "fsdp1")
+
+
+# ------------------------------------------------------------------------------------------
+# Registration and the picture
+# ------------------------------------------------------------------------------------------
+
+
+def test_checks_cover_every_claim_for_both_versions() -> None:
+    names = {(c.name, c.params["version"]) for c in memory.CHECKS}
+    for name in ("memory.peak_within_bound", "memory.sawtooth", "memory.depth_invariance",
+                 "memory.meter_agrees"):
+        assert {(name, v) for v in VERSIONS} <= names
+    assert all(c.claim == "memory" and isinstance(c.params["spec"], ModelSpec)
+               for c in memory.CHECKS)
+
+
+def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib", reason="plots are an optional extra (pip install matplotlib)")
+    from fsdp_conformance import plots
+
+    def tl(levels: list[int]) -> list[dict]:
+        return [{"i": i, "unit": "u", "phase": "forward", "bytes": b} for i, b in enumerate(levels)]
+
+    path = plots.plot_timelines(
+        {"per_layer": tl([10, 13, 10, 13, 10]), "monolithic": tl([10, 50, 50, 30])},
+        str(tmp_path / "t.png"), limit_bytes=20, title="test")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    report = {"checks": [{"id": "memory.sawtooth[cpu,ws2,fsdp2]", "check": "memory.sawtooth",
+                          "data": {"timeline": tl([1, 2, 1]), "wrapping": "per_layer",
+                                   "limit_bytes": 3,
+                                   "compare": {"wrapping": "monolithic", "timeline": tl([1, 5])}}}]}
+    out = plots.plot_report_timelines(report, str(tmp_path / "r.png"))
+    assert out is not None and (tmp_path / "r.png").stat().st_size > 0
+    assert plots.plot_report_timelines({"checks": []}, str(tmp_path / "none.png")) is None
