@@ -138,3 +138,29 @@ def fsdp_mem_tracker_cls() -> type | None:
 def fake_store_cls() -> type:
     """``FakeStore``; importing its module registers the ``fake`` backend."""
     return _import("torch.testing._internal.distributed.fake_pg", "FakeStore")
+
+
+# -- unshard (all-gather) observation, for the prefetch checks (private classes) -------------
+
+
+def fsdp1_flat_param_handle_cls() -> type:
+    """FSDP1's ``FlatParamHandle``: its ``unshard()`` issues a unit's all-gather."""
+    return _import("torch.distributed.fsdp._flat_param", "FlatParamHandle")
+
+
+def fsdp2_param_group_cls() -> type:
+    """FSDP2's ``FSDPParamGroup``: its ``unshard()`` issues a unit's all-gather."""
+    return _import("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup")
+
+
+def fsdp2_param_group(module: nn.Module) -> Any | None:
+    """The ``FSDPParamGroup`` of an FSDP2 unit, or None (no parameters, or not a unit)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    return getattr(get_state(), "_fsdp_param_group", None)
+
+
+def fsdp1_original_numels(flat_param: Any) -> list[int]:
+    """Numels of the original parameters flattened into an FSDP1 FlatParameter (no padding)."""
+    return [int(n) for n in flat_param._numels]

@@ -211,3 +211,39 @@ def _resolve_one(model: nn.Module, item: Any, present: set[type]) -> type[nn.Mod
         f"block class {name!r} matches no module class in the model {type(model).__name__}; "
         f"its module classes are: {', '.join(module_classes(model))}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Plan validation: a policy that wraps nothing but the root is an error, never a silent pass
+# --------------------------------------------------------------------------------------------
+
+
+def validate_plan(model: nn.Module, policy: Any, *, what: str = "the wrap policy") -> list[Any]:
+    """The plan of ``policy`` on ``model`` (see :func:`~fsdp_conformance.units.plan_units`).
+
+    Raises :class:`PolicyError` when the policy wraps nothing but the root: FSDP would then
+    all-gather every parameter at once (the "monolithic" case the seeds warn about), and any
+    check that only looks for "some FSDP wrapper" would pass. The message lists the model's
+    module classes with their instance counts and sizes, so the right block class is visible.
+    """
+    from fsdp_conformance.units import plan_units
+
+    units = plan_units(model, policy)
+    if len(units) > 1:
+        return units
+    counts: dict[str, list[int]] = {}
+    for module in model.modules():
+        if module is model:
+            continue
+        entry = counts.setdefault(type(module).__name__, [0, 0])
+        entry[0] += 1
+        entry[1] = max(entry[1], sum(p.numel() for p in module.parameters()))
+    listing = ", ".join(
+        f"{name} (x{n}, up to {size:,} params)" for name, (n, size) in counts.items()
+    )
+    total = sum(p.numel() for p in model.parameters())
+    raise PolicyError(
+        f"{what} wraps nothing but the root of {type(model).__name__}: all {total:,} parameters "
+        "would be gathered at once. Fix: name the model's block class (e.g. --fsdp-block-cls) "
+        f"or lower the size threshold; its module classes are: {listing or '(none)'}"
+    )

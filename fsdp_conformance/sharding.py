@@ -59,8 +59,9 @@ def shard_fsdp2_modules(
     for module in sorted(
         (m for m in unit_modules if m is not model), key=lambda m: -depth.get(id(m), 0)
     ):
-        fully_shard(module, mesh=mesh, **{**shard_kwargs, **overrides.get(id(module), {})})
-    fully_shard(model, mesh=mesh, **{**shard_kwargs, **overrides.get(id(model), {})})
+        # A per-unit override may replace the mesh too (e.g. a replicated unit on a 2-D mesh).
+        fully_shard(module, **{"mesh": mesh, **shard_kwargs, **overrides.get(id(module), {})})
+    fully_shard(model, **{"mesh": mesh, **shard_kwargs, **overrides.get(id(model), {})})
     return model
 
 

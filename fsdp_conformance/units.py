@@ -35,6 +35,10 @@ class UnitInfo:
     parent: str | None = None
     #: FQNs of the unit's own parameters (first name of a tied parameter).
     params: tuple[str, ...] = ()
+    #: FSDP1 only: the FlatParameter's unsharded numel *with* alignment padding
+    #: (``use_orig_params=True`` pads each parameter to 16 bytes); world-size padding comes on
+    #: top of it. None elsewhere.
+    flat_numel: int | None = None
 
     @property
     def depth(self) -> int:
@@ -187,9 +191,12 @@ def fsdp1_units(model: nn.Module) -> list[UnitInfo]:
             UnitInfo(
                 fqn=fqn,
                 cls=type(module.module).__name__,
-                numel=_compat.fsdp1_unsharded_numel(flat) if flat is not None else 0,
+                # The original parameters' numels: `_unpadded_unsharded_size` also counts the
+                # alignment padding that use_orig_params=True inserts between parameters.
+                numel=sum(_compat.fsdp1_original_numels(flat)) if flat is not None else 0,
                 local_numel=int(flat.numel()) if flat is not None else 0,
                 params=tuple(prefix + clean_fqn(p) for p in _fsdp1_fqns(flat)),
+                flat_numel=_compat.fsdp1_unsharded_numel(flat) if flat is not None else None,
             )
         )
     return _with_parents(units, [clean_fqn(n) for n, _ in model.named_modules()])

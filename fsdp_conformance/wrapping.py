@@ -1,0 +1,1218 @@
+"""Wrap-policy conformance: every block is exactly one unit, oversized modules outside blocks
+are wrapped by the size rule, nothing else.
+
+The expected unit set is written down here *from the claim itself* (:func:`expected_units`),
+not by running a policy: a policy that is wrong in the same way as its own plan is still caught.
+Checks follow the contract of :mod:`fsdp_conformance.checks`: a rank function (module level,
+plain data in and out) and a verdict computed in the parent from every rank's report.
+
+Checks (``CHECKS``):
+
+* ``wrap.units.exact``: the actual units equal :func:`expected_units` (trees on failure).
+* ``wrap.units.plan``: the plan (no process group) equals the actual units.
+* ``wrap.units.accounting``: unit numels add up to the model's, tied weights in one unit, every
+  rank's local shard has the expected size (padding accounted).
+* ``wrap.builders``: torch's builders give their documented result on a small model.
+* ``wrap.train.fp32`` / ``wrap.train.bf16``: a few steps under FSDP equal a single-process
+  reference (bf16: compute really in bf16, parameters kept in fp32).
+* ``wrap.mixed``: the second seed's configuration (embedding NO_SHARD fp32, blocks FULL_SHARD
+  bf16), each unit's strategy and dtypes.
+* ``wrap.prefetch.forward`` / ``.backward`` / ``.coarse``: all-gather order against block
+  execution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.policies import (
+    PolicyError,
+    get_hybrid_policy,
+    recommended_policy,
+    seeds_hybrid_policy,
+    shared_parameter_groups,
+)
+from fsdp_conformance.sharding import check_fsdp_version, shard, shard_fsdp2_modules
+from fsdp_conformance.units import (
+    ROOT,
+    UnitInfo,
+    actual_units,
+    clean_fqn,
+    format_unit_mismatch,
+    format_unit_tree,
+    plan_units,
+    planned_unit_modules,
+    unit_differences,
+)
+
+#: Containers with no forward of their own: FSDP1 cannot gather around them, and torch's size
+#: policy never wraps them (``exclude_wrap_modules``), so the claim never expects them as units.
+CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict)
+
+#: Policies a check can be asked to apply, by name (plain data crosses to the ranks).
+POLICY_NAMES = ("recommended", "seeds", "seeds_verbatim", "blocks_only", "root_only")
+
+#: Tolerances of the training-parity checks (measured margins in docs/wrapping.md).
+FP32_ATOL = 1e-5  # max |param - reference| after the steps; fp32 reduction order only
+FP32_LOSS_RTOL = 1e-5
+BF16_LOSS_RTOL = 5e-2  # bf16 compute + bf16 gradient reduction vs an fp32 reference
+BF16_PARAM_ATOL = 2e-2
+
+
+# --------------------------------------------------------------------------------------------
+# The claim, as an independent specification
+# --------------------------------------------------------------------------------------------
+
+
+def expected_units(
+    model: nn.Module, block_classes: Sequence[type[nn.Module]], min_params: int
+) -> list[UnitInfo]:
+    """The unit set the claim asks for, derived from the claim (no policy is run).
+
+    1. Every block (an instance of a block class not inside another block) is one unit.
+    2. Outside the blocks, a module (not the root, not a container) is a unit when the
+       parameters in its subtree that are in no block and no unit below it number at least
+       ``min_params``, unless it holds a parameter shared with a module outside its subtree:
+       wrapping it would split the tied weight, so that weight stays with the enclosing unit.
+    3. Nothing else; everything left belongs to the root.
+
+    Each parameter is counted once, in the innermost unit whose subtree holds every module
+    that uses it.
+    """
+    blocks = tuple(block_classes)
+    names = {id(m): n for n, m in model.named_modules()}
+    holders: dict[int, set[int]] = {}  # param id -> ids of modules holding it directly
+    params: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+            params[id(p)] = p
+    subtree = {id(m): {id(s) for s in m.modules()} for m in model.modules()}
+
+    unit_ids: list[int] = []  # post-order
+
+    def visit(module: nn.Module, in_block: bool) -> set[int]:
+        """Returns ids of params in this subtree not yet taken by a unit (outside blocks)."""
+        if module is not model and not in_block and isinstance(module, blocks):
+            for child in module.children():
+                visit(child, True)
+            unit_ids.append(id(module))
+            return set()
+        free: set[int] = set()
+        for child in module.children():
+            free |= visit(child, in_block)
+        if in_block:
+            return set()
+        free |= {id(p) for p in module.parameters(recurse=False)}
+        splits_tie = any(not holders[pid] <= subtree[id(module)] for pid in free)
+        big = sum(params[pid].numel() for pid in free) >= min_params
+        if module is not model and big and not splits_tie and not isinstance(module, CONTAINERS):
+            unit_ids.append(id(module))
+            return set()
+        return free
+
+    visit(model, False)
+    unit_ids.append(id(model))
+    return _assign_params(model, unit_ids, names, holders, params, subtree)
+
+
+def _assign_params(
+    model: nn.Module,
+    unit_ids: Sequence[int],
+    names: Mapping[int, str],
+    holders: Mapping[int, set[int]],
+    params: Mapping[int, nn.Parameter],
+    subtree: Mapping[int, set[int]],
+) -> list[UnitInfo]:
+    depth = {uid: (names[uid].count(".") + 1 if names[uid] else 0) for uid in unit_ids}
+    first_name: dict[int, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(p), fqn)
+    owned: dict[int, list[int]] = {uid: [] for uid in unit_ids}
+    for pid, mods in holders.items():
+        owner = max((u for u in unit_ids if mods <= subtree[u]), key=lambda u: depth[u])
+        owned[owner].append(pid)
+    units = []
+    for uid in unit_ids:
+        fqn = names[uid]
+        parent = None
+        if uid != id(model):
+            enclosing = [u for u in unit_ids if u != uid and uid in subtree[u]]
+            parent = names[max(enclosing, key=lambda u: depth[u])]
+        units.append(
+            UnitInfo(
+                fqn=fqn,
+                cls=type(_module_at(model, fqn)).__name__,
+                numel=sum(params[pid].numel() for pid in owned[uid]),
+                parent=parent,
+                params=tuple(sorted(first_name[pid] for pid in owned[uid])),
+            )
+        )
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(units, key=lambda u: (u.fqn != ROOT, order.get(u.fqn, 0)))
+
+
+def _module_at(model: nn.Module, fqn: str) -> nn.Module:
+    return model.get_submodule(fqn) if fqn else model
+
+
+def unit_set_differences(expected: Sequence[UnitInfo], actual: Sequence[UnitInfo]) -> list[str]:
+    """Differences in units, classes, sizes and nesting; plus a plain hint for common causes."""
+    diffs = unit_differences(expected, actual, ("cls", "numel", "parent"))
+    if diffs and len(actual) == 1 and len(expected) > 1:
+        diffs.append(
+            "! the policy wrapped nothing but the root: name the model's block class "
+            "(--fsdp-block-cls) or check the size threshold"
+        )
+    expected_fqns = {u.fqn for u in expected}
+    nested = [u for u in actual if u.fqn not in expected_fqns and u.parent in expected_fqns
+              and u.parent != ROOT]
+    for u in nested:
+        diffs.append(f"! {u.fqn} is a unit nested inside the block unit {u.parent}")
+    return diffs
+
+
+# --------------------------------------------------------------------------------------------
+# Policies by name, and the plan-level check (no ranks)
+# --------------------------------------------------------------------------------------------
+
+
+def _wrap_nothing(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return False
+
+
+def build_policy(
+    name: str, model: nn.Module, block_classes: Sequence[type[nn.Module]], min_params: int
+) -> Any:
+    """A named policy for ``model``: see :data:`POLICY_NAMES`."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    blocks = tuple(block_classes)
+    if name == "recommended":
+        return recommended_policy(model, blocks, min_params)
+    if name == "seeds":  # the seeds' logic with the threshold scaled to the model
+        return seeds_hybrid_policy(blocks, min_params)
+    if name == "seeds_verbatim":  # the seeds' code exactly, 2e7 and one block class
+        if len(blocks) != 1:
+            raise PolicyError("the seeds' get_hybrid_policy takes exactly one block class")
+        return get_hybrid_policy(blocks[0])
+    if name == "blocks_only":  # misses oversized modules outside the blocks
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
+    if name == "root_only":
+        return _wrap_nothing
+    raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+def plan_verdict(
+    model: nn.Module,
+    policy: Any,
+    block_classes: Sequence[type[nn.Module]],
+    min_params: int,
+    what: str = "plan",
+) -> Verdict:
+    """The exact-unit-set claim on a plan (no process group; works on a meta model)."""
+    expected = expected_units(model, block_classes, min_params)
+    plan = plan_units(model, policy)
+    diffs = unit_set_differences(expected, plan)
+    figures = _unit_figures(plan)
+    data = {"expected": [u.to_dict() for u in expected], "plan": [u.to_dict() for u in plan]}
+    if diffs:
+        return Verdict(False, format_unit_mismatch(what, expected, plan, diffs), figures, data)
+    return Verdict(True, f"{what}: {len(plan)} units as expected", figures, data)
+
+
+def _unit_figures(units: Sequence[UnitInfo]) -> dict[str, Any]:
+    sizes = [u.numel for u in units if u.fqn != ROOT]
+    return {
+        "units": len(units),
+        "largest_unit_numel": max(sizes, default=0),
+        "root_numel": sum(u.numel for u in units if u.fqn == ROOT),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Shared rank-side helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _build(spec: ModelSpec, ctx: RankContext, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return spec.build(ctx.device)
+
+
+def fsdp1_options(model: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[str, Any]:
+    """FSDP1 keyword arguments a plan needs: ``use_orig_params=True`` for mixed requires_grad.
+
+    With ``use_orig_params=False`` FSDP1 refuses to flatten a unit whose parameters mix
+    frozen and trainable ones ("Must flatten tensors with uniform requires_grad"), which is the
+    normal state of a LoRA block. FSDP2 has no flat parameter and needs nothing.
+    """
+    claimed: set[int] = set()
+    for module in [*unit_modules, model]:
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        if len({p.requires_grad for p in own}) > 1:
+            return {"use_orig_params": True}
+    return {}
+
+
+def _shard_named(
+    model: nn.Module, ctx: RankContext, version: str, policy_obj: Any, **kwargs: Any
+) -> nn.Module:
+    if version == "fsdp1":
+        kwargs = {**fsdp1_options(model, planned_unit_modules(model, policy_obj)), **kwargs}
+    return shard(model, ctx, version, policy_obj, **kwargs)
+
+
+def _param_shapes(model: nn.Module) -> dict[str, list[int]]:
+    return {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _unique_numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# Check: exact unit set / plan equals actual / parameter accounting (one rank function)
+# --------------------------------------------------------------------------------------------
+
+
+def inspect_units(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str = "fsdp1",
+    policy: str = "recommended",
+    apply_policy: str | None = None,
+) -> dict[str, Any]:
+    """Build, plan, shard and report the units as every rank sees them.
+
+    ``policy`` is planned; ``apply_policy`` (default: the same) is applied, so a negative
+    control can show a plan that does not describe what was applied.
+    """
+    check_fsdp_version(version)
+    model = _build(spec, ctx)
+    blocks = spec.block_classes(model)
+    min_params = spec.size_threshold(model)
+    expected = expected_units(model, blocks, min_params)
+    plan = plan_units(model, build_policy(policy, model, blocks, min_params))
+    shapes = _param_shapes(model)
+    numel = _unique_numel(model)
+    shared = shared_parameter_groups(model)
+    applied = build_policy(apply_policy or policy, model, blocks, min_params)
+    sharded = _shard_named(model, ctx, version, applied)
+    actual = actual_units(sharded)
+    strategies = {}
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        strategies = {
+            clean_fqn(n): _compat.fsdp1_sharding_strategy(m)
+            for n, m in sharded.named_modules()
+            if isinstance(m, FSDP)
+        }
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "version": version,
+        "expected": [u.to_dict() for u in expected],
+        "plan": [u.to_dict() for u in plan],
+        "actual": [u.to_dict() for u in actual],
+        "model_numel": numel,
+        "param_shapes": shapes,
+        "shared": shared,
+        "strategies": strategies,
+    }
+
+
+def _units(value: Mapping[str, Any], key: str) -> list[UnitInfo]:
+    return [UnitInfo.from_dict(d) for d in value[key]]
+
+
+def _rank_disagreement(values: Sequence[Mapping[str, Any]], key: str) -> str | None:
+    """Ranks must agree on the unit structure (fqn, class, numel, parent)."""
+    shapes = [
+        [(u.fqn, u.cls, u.numel, u.parent) for u in _units(v, key)] for v in values
+    ]
+    for v, s in zip(values[1:], shapes[1:]):
+        if s != shapes[0]:
+            return (
+                f"ranks disagree on the {key} units: rank 0 and rank {v['rank']} differ\n"
+                + format_unit_tree(_units(values[0], key), "rank 0:")
+                + "\n"
+                + format_unit_tree(_units(v, key), f"rank {v['rank']}:")
+            )
+    return None
+
+
+def verdict_unit_set(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Every rank's actual units equal the claim's expected units."""
+    by_story: dict[str, list[int]] = {}  # identical failures from several ranks told once
+    for v in values:
+        expected, actual = _units(v, "expected"), _units(v, "actual")
+        diffs = unit_set_differences(expected, actual)
+        if diffs:
+            story = format_unit_mismatch(
+                f"{v['version']}, policy {params.get('policy')!r}", expected, actual, diffs)
+            by_story.setdefault(story, []).append(v["rank"])
+    failures = [f"ranks {', '.join(map(str, r))}: {story}" for story, r in by_story.items()]
+    disagreement = _rank_disagreement(values, "actual")
+    if disagreement:
+        failures.append(disagreement)
+    actual0 = _units(values[0], "actual")
+    data = {"actual": values[0]["actual"], "expected": values[0]["expected"]}
+    if failures:
+        return Verdict(False, "unit set differs from the claim\n" + "\n\n".join(failures),
+                       _unit_figures(actual0), data)
+    return Verdict(
+        True,
+        f"{len(actual0)} units, each block exactly one unit, on all {len(values)} ranks",
+        _unit_figures(actual0),
+        data,
+    )
+
+
+def verdict_plan_matches(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
+    """The plan computed without a process group equals the actual units on every rank."""
+    for v in values:
+        plan, actual = _units(v, "plan"), _units(v, "actual")
+        diffs = unit_differences(plan, actual, ("cls", "numel", "parent"))
+        if diffs:
+            what = f"rank {v['rank']}: plan vs actual ({v['version']})"
+            return Verdict(False, format_unit_mismatch(what, plan, actual, diffs),
+                           {"units": len(actual)}, {"plan": v["plan"], "actual": v["actual"]})
+    return Verdict(True, f"plan equals actual ({len(values[0]['plan'])} units) on every rank",
+                   {"units": len(values[0]["plan"])}, {"plan": values[0]["plan"]})
+
+
+def expected_local_numel(
+    unit: UnitInfo, rank: int, world_size: int, version: str, strategy: str,
+    shapes: Mapping[str, Sequence[int]],
+) -> int:
+    """The local shard numel a unit should have on ``rank``.
+
+    FSDP1: one FlatParameter padded to a multiple of the world size, ``ceil(flat / ws)`` on every
+    rank (the flat size includes alignment padding with ``use_orig_params=True``); NO_SHARD
+    keeps it whole. FSDP2: each parameter is chunked along dim 0 like ``torch.chunk`` (chunks
+    of ``ceil(rows / ws)`` rows, the last ones shorter or empty); padding is internal.
+    """
+    if version == "fsdp1":
+        flat = unit.flat_numel if unit.flat_numel is not None else unit.numel
+        if strategy == "NO_SHARD" or flat == 0:
+            return flat
+        return math.ceil(flat / world_size)
+    total = 0
+    for name in unit.params:
+        shape = list(shapes[name])
+        if not shape:
+            total += 1 if rank == 0 else 0  # a scalar is not split; FSDP2 treats it as dim 0
+            continue
+        rows, per_row = shape[0], math.prod(shape[1:])
+        chunk = math.ceil(rows / world_size)
+        total += max(0, min(chunk, rows - rank * chunk)) * per_row
+    return total
+
+
+def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Numels add up; each tied weight in one unit; every rank's shard sizes as expected."""
+    problems: list[str] = []
+    v0 = values[0]
+    actual0 = _units(v0, "actual")
+    total = sum(u.numel for u in actual0)
+    if total != v0["model_numel"]:
+        problems.append(
+            f"units hold {total:,} parameters, the model has {v0['model_numel']:,} "
+            f"({'more: a weight is counted in two units' if total > v0['model_numel'] else 'fewer: parameters are outside every unit'})"
+        )
+    for group in v0["shared"]:
+        holding = sorted({u.fqn or "(root)" for u in actual0 if set(u.params) & set(group)})
+        if len(holding) != 1:
+            problems.append(
+                f"tied weight {' = '.join(group)} is in {len(holding)} units "
+                f"({', '.join(holding) or 'none'}): it must be in exactly one"
+            )
+    shard_rows = []
+    for v in values:
+        for u in _units(v, "actual"):
+            strategy = v["strategies"].get(u.fqn, "FULL_SHARD")
+            want = expected_local_numel(u, v["rank"], v["world_size"], v["version"], strategy,
+                                        v["param_shapes"])
+            if u.local_numel != want:
+                problems.append(
+                    f"rank {v['rank']}: unit {u.fqn or '(root)'} holds a local shard of "
+                    f"{u.local_numel:,} elements, expected {want:,} "
+                    f"({u.numel:,} params over {v['world_size']} ranks, {v['version']})"
+                )
+            shard_rows.append((v["rank"], u.fqn, u.local_numel))
+    for u in actual0:
+        held = sum(n for _, fqn, n in shard_rows if fqn == u.fqn)
+        if held < u.numel and not problems:
+            problems.append(f"unit {u.fqn or '(root)'}: the ranks' shards hold {held:,} < "
+                            f"{u.numel:,} elements")
+    padding = sum(n for *_, n in shard_rows) - total
+    figures = {"model_numel": v0["model_numel"], "units_numel": total, "padding": padding}
+    if problems:
+        return Verdict(False, "parameter accounting failed:\n  " + "\n  ".join(problems)
+                       + "\n\n" + format_unit_tree(actual0, "actual units (rank 0):"), figures,
+                       {"actual": v0["actual"]})
+    return Verdict(True, f"{total:,} parameters in {len(actual0)} units; shards on every rank "
+                   f"as expected ({padding:,} padding elements in all)", figures, {})
+
+
+# --------------------------------------------------------------------------------------------
+# Check: torch's builders give their documented result
+# --------------------------------------------------------------------------------------------
+
+BUILDERS = ("transformer", "size", "lambda", "or", "module_wrap", "custom")
+
+
+def _builder_policy(builder: str, model: nn.Module, blocks: tuple[type[nn.Module], ...],
+                    min_params: int, head: nn.Module) -> Any:
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import (
+        CustomPolicy,
+        ModuleWrapPolicy,
+        lambda_auto_wrap_policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    def is_head(m: nn.Module) -> bool:
+        return m is head
+
+    if builder == "transformer":
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
+    if builder == "size":
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=min_params)
+    if builder == "lambda":
+        return functools.partial(lambda_auto_wrap_policy, lambda_fn=is_head)
+    if builder == "or":
+        return functools.partial(
+            _compat.or_policy(),
+            policies=[
+                functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks)),
+                functools.partial(lambda_auto_wrap_policy, lambda_fn=is_head),
+            ],
+        )
+    if builder == "module_wrap":
+        return ModuleWrapPolicy({nn.Linear})
+    if builder == "custom":
+        no_shard = {"sharding_strategy": ShardingStrategy.NO_SHARD}
+        return CustomPolicy(lambda m: no_shard if m is head else isinstance(m, blocks))
+    raise PolicyError(f"unknown builder {builder!r}; choose one of {', '.join(BUILDERS)}")
+
+
+def documented_unit_modules(
+    builder: str, model: nn.Module, blocks: tuple[type[nn.Module], ...], min_params: int,
+    head: nn.Module,
+) -> tuple[list[str], dict[str, str]]:
+    """What torch's documentation says each builder wraps (FQNs), and per-unit strategies.
+
+    * transformer: every instance of the given classes (nested ones too);
+    * size: bottom-up, a non-container module whose not-yet-wrapped parameters reach the
+      threshold; * lambda: modules for which the function is true; * or: the union;
+    * ModuleWrapPolicy({Linear}): every Linear; * CustomPolicy: modules for which the function
+      is truthy, a dict return overriding that unit's FSDP arguments (here NO_SHARD).
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    head_name = names[id(head)]
+    block_names = [names[id(m)] for m in model.modules() if isinstance(m, blocks)]
+    if builder == "transformer":
+        return block_names, {}
+    if builder == "lambda":
+        return [head_name], {}
+    if builder == "or":
+        return sorted({*block_names, head_name}), {}
+    if builder == "module_wrap":
+        return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)], {}
+    if builder == "custom":
+        return [*block_names, head_name], {head_name: "NO_SHARD"}
+    if builder == "size":
+        chosen: list[str] = []
+
+        def visit(module: nn.Module) -> int:  # returns not-yet-wrapped numel in the subtree
+            free = sum(visit(c) for c in module.children())
+            free += sum(p.numel() for p in module.parameters(recurse=False))
+            if module is not model and free >= min_params and not isinstance(module, CONTAINERS):
+                chosen.append(names[id(module)])
+                return 0
+            return free
+
+        visit(model)
+        return chosen, {}
+    raise PolicyError(f"unknown builder {builder!r}; choose one of {', '.join(BUILDERS)}")
+
+
+def builder_units(
+    ctx: RankContext, builder: str, reference: str = "massive", head: str = "head",
+    claimed_builder: str | None = None,
+) -> dict[str, Any]:
+    """Shard a small reference model with FSDP1 under one of torch's builders.
+
+    ``claimed_builder`` (default: ``builder``) names the builder whose documented result is
+    expected, so a negative control can apply one builder and claim another.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    spec = ModelSpec(reference=reference)
+    model = _build(spec, ctx)
+    blocks = spec.block_classes(model)
+    min_params = spec.size_threshold(model)
+    head_module = model.get_submodule(head)
+    fqns, strategies = documented_unit_modules(
+        claimed_builder or builder, model, blocks, min_params, head_module
+    )
+    from fsdp_conformance.units import units_for_modules
+
+    documented = units_for_modules(model, [model.get_submodule(f) for f in fqns])
+    sharded = shard(model, ctx, "fsdp1",
+                    _builder_policy(builder, model, blocks, min_params, head_module))
+    actual = actual_units(sharded)
+    actual_strategies = {
+        clean_fqn(n): _compat.fsdp1_sharding_strategy(m)
+        for n, m in sharded.named_modules() if isinstance(m, FSDP)
+    }
+    return {
+        "rank": ctx.rank, "world_size": ctx.world_size, "builder": claimed_builder or builder,
+        "documented": [u.to_dict() for u in documented], "actual": [u.to_dict() for u in actual],
+        "documented_strategies": strategies, "strategies": actual_strategies,
+    }
+
+
+def verdict_builder(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Every rank's units equal the builder's documented result, per-unit overrides included."""
+    for v in values:
+        documented, actual = _units(v, "documented"), _units(v, "actual")
+        diffs = unit_differences(documented, actual, ("cls", "numel", "parent"))
+        for fqn, want in v["documented_strategies"].items():
+            got = v["strategies"].get(fqn)
+            if got != want:
+                diffs.append(f"~ unit {fqn}: sharding strategy expected {want}, got {got}")
+            unit = next((u for u in actual if u.fqn == fqn), None)
+            if unit is not None and want == "NO_SHARD" and unit.local_numel != unit.numel:
+                diffs.append(f"~ unit {fqn}: NO_SHARD but rank {v['rank']} holds "
+                             f"{unit.local_numel:,} of {unit.numel:,}")
+        if diffs:
+            return Verdict(False, format_unit_mismatch(
+                f"rank {v['rank']}: builder {v['builder']!r} vs its documented result",
+                documented, actual, diffs), {"units": len(actual)}, {"actual": v["actual"]})
+    return Verdict(True, f"builder {values[0]['builder']!r}: {len(values[0]['actual'])} units as "
+                   "documented on every rank", {"units": len(values[0]["actual"])}, {})
+
+
+# --------------------------------------------------------------------------------------------
+# Check: training steps under FSDP equal a single-process reference
+# --------------------------------------------------------------------------------------------
+
+#: Deliberate misconfigurations for negative controls (plain-data switch on the rank function).
+FAULTS = {
+    "unsynced_root": "parameters outside the planned units are left out of FSDP (FSDP1 "
+    "ignored_modules, FSDP2 no fully_shard on the root): their gradients are never reduced",
+    "params_bf16": "the model is cast to bf16 before wrapping: parameters are no longer fp32",
+    "no_mixed_precision": "bf16 is claimed but no mixed-precision policy is passed",
+    "uniform": "every unit FULL_SHARD bf16 (the seeds' configuration), no per-unit override",
+}
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _mp_kwargs(version: str, precision: str) -> dict[str, Any]:
+    if precision != "bf16":
+        return {}
+    if version == "fsdp1":
+        from torch.distributed.fsdp import MixedPrecision
+
+        return {"mixed_precision": MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)}
+    mp = _compat.mixed_precision_policy_cls()
+    return {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
+
+
+@contextlib.contextmanager
+def record_compute_dtypes(model: nn.Module, seen: dict[str, tuple[str, str]]) -> Iterator[None]:
+    """Record, per Linear/Embedding, the (input, weight) dtypes its forward actually sees.
+
+    Registered on the original modules: under FSDP their ``weight`` during forward is the
+    unsharded (and, with mixed precision, cast) parameter, so this is the compute dtype.
+    """
+    handles = []
+    for raw_name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            name = clean_fqn(raw_name)  # FSDP1 inserts its wrapper into the module names
+
+            def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                if name not in seen and args and isinstance(args[0], torch.Tensor):
+                    seen[name] = (str(args[0].dtype), str(mod.weight.dtype))
+            handles.append(module.register_forward_pre_hook(pre))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _full_params(sharded: nn.Module, version: str) -> dict[str, torch.Tensor]:
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(sharded, writeback=False):
+            return {clean_fqn(n): p.detach().float().clone() for n, p in sharded.named_parameters()}
+    dtensor = _compat.dtensor_cls()
+    return {
+        n: (p.full_tensor() if isinstance(p, dtensor) else p).detach().float().clone()
+        for n, p in sharded.named_parameters()
+    }
+
+
+def train_parity(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str = "fsdp1",
+    policy: str = "recommended",
+    precision: str = "fp32",
+    steps: int = 3,
+    lr: float = 0.05,
+    per_rank_batch: int = 2,
+    fault: str | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` SGD steps under FSDP and on a single-process reference; report both.
+
+    Each rank trains on its slice of one global batch; the reference trains on the whole
+    batch. FSDP averages gradients over ranks, so with equal slices the two see the same
+    gradient. Every rank builds the same reference from the same seed.
+    """
+    check_fsdp_version(version)
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    reference = _build(spec, ctx)
+    model = copy.deepcopy(reference)
+    blocks = spec.block_classes(model)
+    policy_obj = build_policy(policy, model, blocks, spec.size_threshold(model))
+    batch = spec.batch(reference, batch_size=per_rank_batch * ctx.world_size, device=ctx.device)
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError("train_parity slices the batch along dim 0: the input builder must "
+                        f"return a tensor, got {type(batch).__name__}")
+    mine = batch[ctx.rank * per_rank_batch:(ctx.rank + 1) * per_rank_batch]
+
+    kwargs = {} if fault == "no_mixed_precision" else _mp_kwargs(version, precision)
+    if fault == "params_bf16":
+        model = model.to(torch.bfloat16)
+    units = planned_unit_modules(model, policy_obj)
+    if fault == "unsynced_root":
+        covered = {id(m) for u in units for m in u.modules()}
+        outside = [m for m in model.modules() if id(m) not in covered and m is not model
+                   and any(True for _ in m.parameters(recurse=False))]
+        if version == "fsdp1":
+            sharded = _shard_named(model, ctx, version, policy_obj, ignored_modules=outside,
+                                   **kwargs)
+        else:  # blocks sharded, the root (and what only it holds) left as plain tensors
+            fully_shard = _compat.fully_shard()
+            from fsdp_conformance.sharding import device_mesh
+
+            mesh = device_mesh(ctx)
+            for u in sorted(units, key=lambda m: -len([*m.modules()])):
+                fully_shard(u, mesh=mesh, **kwargs)
+            sharded = model
+    else:
+        sharded = _shard_named(model, ctx, version, policy_obj, **kwargs)
+
+    seen: dict[str, tuple[str, str]] = {}
+    opt = torch.optim.SGD(sharded.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        with record_compute_dtypes(model, seen):
+            loss = _loss(sharded(mine))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        ref_loss = _loss(reference(batch))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(ref_loss))
+    stored = sorted({str(p.dtype) for p in sharded.parameters()})
+    full = _full_params(sharded, version)
+    ref_params = dict(reference.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, value in full.items():
+        diff = float((value - ref_params[name].detach().float()).abs().max()) if value.numel() else 0.0
+        if diff > worst:
+            worst, worst_name = diff, name
+    return {
+        "rank": ctx.rank, "version": version, "precision": precision, "losses": losses,
+        "ref_losses": ref_losses, "max_param_diff": worst, "worst_param": worst_name,
+        "stored_dtypes": stored, "compute_dtypes": seen,
+    }
+
+
+def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Losses (mean over ranks) and final full weights match the reference within tolerance;
+    under bf16, every Linear computed in bf16 and every stored parameter stayed fp32."""
+    precision = params.get("precision", "fp32")
+    loss_rtol = BF16_LOSS_RTOL if precision == "bf16" else FP32_LOSS_RTOL
+    param_atol = BF16_PARAM_ATOL if precision == "bf16" else FP32_ATOL
+    problems = []
+    steps = len(values[0]["losses"])
+    worst_loss = 0.0
+    for step in range(steps):
+        fsdp = sum(v["losses"][step] for v in values) / len(values)
+        ref = values[0]["ref_losses"][step]
+        rel = abs(fsdp - ref) / max(abs(ref), 1e-12)
+        worst_loss = max(worst_loss, rel)
+        if rel > loss_rtol:
+            problems.append(f"step {step}: loss {fsdp:.6g} (mean over ranks) vs reference "
+                            f"{ref:.6g}: relative difference {rel:.2e} > {loss_rtol:.0e}")
+    worst_param = max(v["max_param_diff"] for v in values)
+    for v in values:
+        if v["max_param_diff"] > param_atol:
+            problems.append(f"rank {v['rank']}: after {steps} steps {v['worst_param']} differs "
+                            f"from the reference by {v['max_param_diff']:.2e} > {param_atol:.0e}")
+        if v["stored_dtypes"] != ["torch.float32"]:
+            problems.append(f"rank {v['rank']}: stored parameters are {v['stored_dtypes']}, "
+                            "expected float32 only")
+        if precision == "bf16":
+            not_bf16 = sorted(n for n, (inp, w) in v["compute_dtypes"].items()
+                              if w != "torch.bfloat16"
+                              or (inp.startswith("torch.float") and inp != "torch.float32"
+                                  and inp != "torch.bfloat16"))
+            fp32_inputs = sorted(n for n, (inp, _) in v["compute_dtypes"].items()
+                                 if inp == "torch.float32")
+            if not_bf16 or fp32_inputs:
+                bad = sorted({*not_bf16, *fp32_inputs})
+                problems.append(f"rank {v['rank']}: compute did not run in bf16 in "
+                                f"{len(bad)} module(s), e.g. {bad[0]}: input/weight "
+                                f"{v['compute_dtypes'][bad[0]]}")
+    figures = {"loss_rel_diff": worst_loss, "max_param_diff": worst_param, "steps": steps}
+    if problems:
+        return Verdict(False, f"{precision} training under FSDP differs from the reference:\n  "
+                       + "\n  ".join(dict.fromkeys(problems)), figures, {})
+    return Verdict(True, f"{steps} {precision} steps match the reference (loss rel {worst_loss:.1e}"
+                   f" <= {loss_rtol:.0e}, params {worst_param:.1e} <= {param_atol:.0e})",
+                   figures, {})
+
+
+# --------------------------------------------------------------------------------------------
+# Check: the second seed's mixed configuration
+# --------------------------------------------------------------------------------------------
+
+
+def _embedding_fqn(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> str:
+    inside = {id(s) for m in model.modules() if isinstance(m, blocks) for s in m.modules()}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and id(module) not in inside:
+            return name
+    raise PolicyError(f"{type(model).__name__} has no nn.Embedding outside its blocks: the "
+                      "mixed configuration needs an embedding table (pass embedding=<fqn>)")
+
+
+def fsdp2_unit_strategies(sharded: nn.Module) -> dict[str, str]:
+    """Per FSDP2 unit: "NO_SHARD" when every parameter is whole on each rank (replicated, or
+    sharded over a mesh dimension of size 1), else "FULL_SHARD"; read from DTensor placements."""
+    dtensor = _compat.dtensor_cls()
+    placements = {n: p for n, p in sharded.named_parameters() if isinstance(p, dtensor)}
+    out = {}
+    for u in actual_units(sharded):
+        whole = [
+            all(type(pl).__name__ == "Replicate" or size == 1
+                for pl, size in zip(placements[n].placements, placements[n].device_mesh.shape))
+            for n in u.params if n in placements
+        ]
+        if whole:
+            out[u.fqn] = "NO_SHARD" if all(whole) else "FULL_SHARD"
+    return out
+
+
+def mixed_config_units(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str = "fsdp1",
+    embedding: str | None = None,
+    fault: str | None = None,
+) -> dict[str, Any]:
+    """The embedding its own unit, NO_SHARD in fp32; blocks FULL_SHARD in bf16; one step.
+
+    FSDP1: ``CustomPolicy`` whose function returns per-unit overrides for the embedding.
+    FSDP2: ``fully_shard`` per unit; the embedding on a (world, 1) mesh (replicated across
+    ranks, "sharded" over one: FSDP2's NO_SHARD), with no mixed precision.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    check_fsdp_version(version)
+    model = _build(spec, ctx)
+    blocks = spec.block_classes(model)
+    emb_name = embedding or _embedding_fqn(model, blocks)
+    emb = model.get_submodule(emb_name)
+    block_names = [n for n, m in model.named_modules() if isinstance(m, blocks)]
+    uniform = fault == "uniform"
+    if version == "fsdp1":
+        override = {} if uniform else {"sharding_strategy": ShardingStrategy.NO_SHARD,
+                                       "mixed_precision": None}
+        policy = CustomPolicy(
+            lambda m: (override or True) if m is emb else isinstance(m, blocks))
+        sharded = FSDP(model, auto_wrap_policy=policy, device_id=ctx.device,
+                       mixed_precision=MixedPrecision(
+                           param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                           buffer_dtype=torch.bfloat16, cast_forward_inputs=True))
+        strategies = {clean_fqn(n): _compat.fsdp1_sharding_strategy(m)
+                      for n, m in sharded.named_modules() if isinstance(m, FSDP)}
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mp = _compat.mixed_precision_policy_cls()
+        per_unit = {}
+        if not uniform:
+            replicated = init_device_mesh(ctx.device_type, (ctx.world_size, 1),
+                                          mesh_dim_names=("replicate", "shard"))
+            per_unit = {id(emb): {"mesh": replicated, "mp_policy": mp()}}
+        unit_modules = [emb, *(m for m in model.modules() if isinstance(m, blocks))]
+        sharded = shard_fsdp2_modules(
+            model, ctx, unit_modules, per_unit_kwargs=per_unit,
+            mp_policy=mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+        strategies = fsdp2_unit_strategies(sharded)
+    seen: dict[str, tuple[str, str]] = {}
+    batch = spec.batch(model, batch_size=2, device=ctx.device)
+    with record_compute_dtypes(model, seen):
+        _loss(sharded(batch)).backward()
+    stored = {}
+    for u in actual_units(sharded):
+        stored[u.fqn] = sorted({str(p.dtype) for n, p in sharded.named_parameters()
+                                if clean_fqn(n) in u.params})
+    return {
+        "rank": ctx.rank, "world_size": ctx.world_size, "version": version,
+        "embedding": emb_name, "blocks": block_names,
+        "units": [u.to_dict() for u in actual_units(sharded)], "strategies": strategies,
+        "compute_dtypes": seen, "stored_dtypes": stored,
+    }
+
+
+def verdict_mixed(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Per unit on every rank: the embedding NO_SHARD, whole, fp32 compute; blocks FULL_SHARD,
+    sharded, bf16 compute; every stored parameter fp32."""
+    problems = []
+    for v in values:
+        units = {u.fqn: u for u in _units(v, "units")}
+        rank = v["rank"]
+
+        def compute_of(unit: str) -> set[str]:
+            return {w for n, (_, w) in v["compute_dtypes"].items()
+                    if n == unit or n.startswith(unit + ".")}
+
+        want = {v["embedding"]: ("NO_SHARD", "torch.float32")}
+        want.update({b: ("FULL_SHARD", "torch.bfloat16") for b in v["blocks"]})
+        for fqn, (strategy, dtype) in want.items():
+            u = units.get(fqn)
+            if u is None:
+                problems.append(f"rank {rank}: {fqn} is not a unit")
+                continue
+            got = v["strategies"].get(fqn)
+            if got != strategy:
+                problems.append(f"rank {rank}: unit {fqn} is {got}, expected {strategy}")
+            whole = u.local_numel == u.numel
+            if whole != (strategy == "NO_SHARD") and v["world_size"] > 1:
+                problems.append(f"rank {rank}: unit {fqn} holds {u.local_numel:,} of "
+                                f"{u.numel:,} elements locally ({strategy} expected)")
+            if compute_of(fqn) != {dtype}:
+                problems.append(f"rank {rank}: unit {fqn} computed with weights in "
+                                f"{sorted(compute_of(fqn))}, expected {dtype}")
+        for fqn, dtypes in v["stored_dtypes"].items():
+            if dtypes and dtypes != ["torch.float32"]:
+                problems.append(f"rank {rank}: unit {fqn or '(root)'} stores {dtypes}, "
+                                "expected float32")
+    if problems:
+        tree = format_unit_tree(_units(values[0], "units"), "units (rank 0):")
+        return Verdict(False, "mixed configuration not in effect:\n  "
+                       + "\n  ".join(problems) + "\n\n" + tree, {}, {})
+    return Verdict(True, f"embedding {values[0]['embedding']} NO_SHARD fp32, "
+                   f"{len(values[0]['blocks'])} blocks FULL_SHARD bf16, on every rank",
+                   {"units": len(values[0]["units"])}, {})
+
+
+# --------------------------------------------------------------------------------------------
+# Check: prefetch (all-gather order against block execution)
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def record_unshards(events: list[tuple[str, Any]]) -> Iterator[None]:
+    """Append ``("gather", key)`` whenever FSDP1 or FSDP2 issues a unit's all-gather.
+
+    Wraps ``FlatParamHandle.unshard`` (FSDP1; recorded only when it really gathers) and
+    ``FSDPParamGroup.unshard`` (FSDP2; recorded when it starts an all-gather). ``key`` is the
+    handle or param group id, mapped to the unit by the caller.
+    """
+    handle_cls = _compat.fsdp1_flat_param_handle_cls()
+    group_cls = _compat.fsdp2_param_group_cls()
+    orig1, orig2 = handle_cls.unshard, group_cls.unshard
+
+    def unshard1(self: Any) -> Any:
+        if self.needs_unshard():
+            events.append(("gather", id(self)))
+        return orig1(self)
+
+    def unshard2(self: Any, *args: Any, **kwargs: Any) -> Any:
+        idle = self._all_gather_result is None and not self.is_unsharded
+        out = orig2(self, *args, **kwargs)
+        if idle and self._all_gather_result is not None:
+            events.append(("gather", id(self)))
+        return out
+
+    handle_cls.unshard, group_cls.unshard = unshard1, unshard2
+    try:
+        yield
+    finally:
+        handle_cls.unshard, group_cls.unshard = orig1, orig2
+
+
+def prefetch_order(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str = "fsdp1",
+    policy: str = "recommended",
+    forward_prefetch: bool = True,
+    backward_prefetch: bool = True,
+    iterations: int = 2,
+) -> dict[str, Any]:
+    """Record all-gathers and block forward/backward start and end, per iteration.
+
+    FSDP1: ``forward_prefetch`` and ``backward_prefetch=BACKWARD_PRE`` (or None). FSDP2:
+    forward prefetch only when asked explicitly (``set_modules_to_forward_prefetch`` on each
+    block with the next); its backward prefetch is on by default and has no public switch,
+    so ``backward_prefetch=False`` is refused there.
+    """
+    from torch.distributed.fsdp import BackwardPrefetch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    check_fsdp_version(version)
+    model = _build(spec, ctx)
+    block_classes = spec.block_classes(model)
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, block_classes)]
+    events: list[tuple[str, Any]] = []
+    for i, (_, block) in enumerate(blocks):
+        def pre(mod: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
+            events.append(("fwd_start", i))
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                # The gradient w.r.t. the block's input is ready: its backward has finished.
+                x.register_hook(lambda g, i=i: events.append(("bwd_end", i)))
+
+        def post(mod: nn.Module, args: tuple[Any, ...], out: Any, i: int = i) -> None:
+            events.append(("fwd_end", i))
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g, i=i: events.append(("bwd_start", i)))
+
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+    policy_obj = build_policy(policy, model, block_classes, spec.size_threshold(model))
+    if version == "fsdp1":
+        sharded = _shard_named(
+            model, ctx, version, policy_obj, forward_prefetch=forward_prefetch,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE if backward_prefetch else None)
+        keys = {id(m._handle): clean_fqn(n) for n, m in sharded.named_modules()
+                if isinstance(m, FSDP) and m._handle is not None}
+    else:
+        if not backward_prefetch:
+            raise ValueError("FSDP2 has no public switch to turn backward prefetch off; "
+                             "use version='fsdp1' for that control")
+        sharded = shard(model, ctx, version, policy_obj)
+        fsdp_cls = _compat.fsdp_module_cls()
+        unit_blocks = [m for _, m in blocks if isinstance(m, fsdp_cls)]
+        if forward_prefetch:
+            for current, following in zip(unit_blocks, unit_blocks[1:]):
+                current.set_modules_to_forward_prefetch([following])
+        keys = {}
+        for n, m in sharded.named_modules():
+            group = _compat.fsdp2_param_group(m)
+            if group is not None:
+                keys[id(group)] = n
+    batch = spec.batch(model, batch_size=2, device=ctx.device)
+    runs = []
+    for _ in range(iterations):
+        events.clear()
+        with record_unshards(events):
+            out = sharded(batch)
+            events.append(("fwd_done", None))
+            _loss(out).backward()
+        runs.append([(kind, keys.get(key, "?") if kind == "gather" else key)
+                     for kind, key in events])
+    units = actual_units(sharded)
+    return {
+        "rank": ctx.rank, "version": version, "blocks": [n for n, _ in blocks],
+        "units": [u.fqn for u in units if u.numel > 0], "runs": runs,
+    }
+
+
+def _block_unit(block: str, units: Sequence[str]) -> str:
+    """The innermost unit holding a block (the block itself with one unit per block)."""
+    holders = [u for u in units if u == block or u == ROOT or block.startswith(u + ".")]
+    return max(holders, key=len)
+
+
+def _timeline(run: Sequence[tuple[str, Any]]) -> str:
+    return " ".join(f"{k}:{v}" if v is not None else k for k, v in run)
+
+
+def verdict_forward_prefetch(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
+    """In the last iteration, the unit of block k+1 is gathered before block k's forward ends."""
+    return _prefetch_verdict(values, "forward")
+
+
+def verdict_backward_prefetch(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
+    """In backward, the unit of block k-1 is gathered before block k's backward ends."""
+    return _prefetch_verdict(values, "backward")
+
+
+def _prefetch_verdict(values: Sequence[Mapping[str, Any]], direction: str) -> Verdict:
+    problems = []
+    for v in values:
+        run = [tuple(e) for e in v["runs"][-1]]
+        blocks, units = v["blocks"], v["units"]
+        owners = [_block_unit(b, units) for b in blocks]
+        if len(set(owners)) < len(blocks):
+            problems.append(f"rank {v['rank']}: blocks share units ({len(set(owners))} units for "
+                            f"{len(blocks)} blocks): there is no next unit to prefetch")
+            continue
+        done = run.index(("fwd_done", None))
+        pairs = (
+            [(k, k + 1, ("fwd_end", k)) for k in range(len(blocks) - 1)] if direction == "forward"
+            else [(k, k - 1, ("bwd_end", k)) for k in range(len(blocks) - 1, 0, -1)]
+        )
+        for k, nxt, end_event in pairs:
+            if end_event not in run:
+                problems.append(f"rank {v['rank']}: block {blocks[k]} never reported {end_event[0]}")
+                continue
+            end = run.index(end_event)
+            window = run[:end] if direction == "forward" else run[done:end]
+            if ("gather", owners[nxt]) not in window:
+                problems.append(f"rank {v['rank']}: unit {owners[nxt]} was not gathered before "
+                                f"block {blocks[k]} finished its {direction}")
+    if problems:
+        return Verdict(False, f"{direction} prefetch not in effect ({values[0]['version']}):\n  "
+                       + "\n  ".join(problems[:6]) + "\n  timeline (rank 0, last iteration): "
+                       + _timeline(values[0]["runs"][-1]), {}, {"runs": values[0]["runs"]})
+    return Verdict(True, f"{direction} prefetch in effect on every rank: each next block's unit "
+                   f"gathered before the current block finished", {},
+                   {"runs": values[0]["runs"]})
+
+
+def verdict_coarse(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """With one coarse unit, one all-gather per iteration and none while blocks run."""
+    problems = []
+    for v in values:
+        for it, run in enumerate(v["runs"]):
+            gathers = [u for kind, u in run if kind == "gather"]
+            if len(v["units"]) != 1 or len(set(gathers)) != 1:
+                problems.append(f"rank {v['rank']}, iteration {it}: {len(v['units'])} units, "
+                                f"gathered {sorted(set(gathers))}: not a single coarse unit")
+                break
+    if problems:
+        return Verdict(False, "expected one coarse unit with nothing to prefetch:\n  "
+                       + "\n  ".join(problems[:4]), {}, {})
+    return Verdict(True, "one coarse unit: a single all-gather per iteration, nothing to "
+                   "prefetch", {}, {})
+
+
+# --------------------------------------------------------------------------------------------
+# The seeds' policy at full scale (plan only)
+# --------------------------------------------------------------------------------------------
+
+
+def seeds_full_scale_plan(policy: str = "seeds_verbatim") -> tuple[list[UnitInfo], Verdict]:
+    """The plan of a policy on the seeds' full-scale MassiveModel (meta, no allocation)."""
+    from fsdp_conformance.models import SEED_MIN_PARAMS, DecoderLayer, MassiveModel, ModelConfig
+
+    with torch.device("meta"):
+        model = MassiveModel(ModelConfig.seeds_full_scale())
+    blocks = (DecoderLayer,)
+    policy_obj = build_policy(policy, model, blocks, SEED_MIN_PARAMS)
+    verdict = plan_verdict(model, policy_obj, blocks, SEED_MIN_PARAMS,
+                           f"policy {policy!r} at dim 4096, 8 layers, threshold 2e7")
+    return plan_units(model, policy_obj), verdict
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+_REF = ModelSpec(reference="massive")
+_TIED = ModelSpec(reference="tied")
+_EMB = ModelSpec(reference="embedding_classifier")
+
+
+def _checks() -> tuple[Check, ...]:
+    out: list[Check] = []
+    for version in ("fsdp1", "fsdp2"):
+        for spec in (_REF, _TIED):
+            common = {"spec": spec, "version": version, "policy": "recommended"}
+            out += [
+                Check("wrap.units.exact", "wrap",
+                      "each block exactly one unit, oversized modules outside blocks wrapped, "
+                      "nothing else", inspect_units, verdict_unit_set, common),
+                Check("wrap.units.plan", "wrap",
+                      "the plan (no process group) equals the actual units on every rank",
+                      inspect_units, verdict_plan_matches, common),
+                Check("wrap.units.accounting", "wrap",
+                      "unit numels add up, tied weights in one unit, shard sizes on every rank",
+                      inspect_units, verdict_accounting, common),
+            ]
+        for precision in ("fp32", "bf16"):
+            out.append(Check(f"wrap.train.{precision}", "wrap",
+                             f"{precision} training steps under FSDP equal a single-process "
+                             "reference", train_parity, verdict_train,
+                             {"spec": _REF, "version": version, "precision": precision}))
+        out.append(Check("wrap.mixed", "wrap",
+                         "embedding NO_SHARD fp32, blocks FULL_SHARD bf16 (second seed)",
+                         mixed_config_units, verdict_mixed, {"spec": _EMB, "version": version}))
+        out.append(Check("wrap.prefetch.forward", "wrap",
+                         "with one unit per block, unit k+1 is gathered before block k ends",
+                         prefetch_order, verdict_forward_prefetch,
+                         {"spec": _REF, "version": version}))
+        out.append(Check("wrap.prefetch.backward", "wrap",
+                         "in backward, unit k-1 is gathered before block k's backward ends",
+                         prefetch_order, verdict_backward_prefetch,
+                         {"spec": _REF, "version": version}))
+        out.append(Check("wrap.prefetch.coarse", "wrap",
+                         "with a single coarse unit there is nothing to prefetch",
+                         prefetch_order, verdict_coarse,
+                         {"spec": _REF, "version": version, "policy": "root_only"}))
+    for builder in BUILDERS:
+        out.append(Check(f"wrap.builders.{builder}", "wrap",
+                         f"torch's {builder} policy builder gives its documented units",
+                         builder_units, verdict_builder, {"builder": builder}))
+    return tuple(out)
+
+
+#: Every wrap check with its reference parameters (the CLI swaps in the user's spec).
+CHECKS: tuple[Check, ...] = _checks()
+
+__all__ = [
+    "CHECKS", "POLICY_NAMES", "BUILDERS", "FAULTS", "expected_units", "build_policy",
+    "plan_verdict", "inspect_units", "verdict_unit_set", "verdict_plan_matches",
+    "verdict_accounting", "expected_local_numel", "builder_units", "verdict_builder",
+    "documented_unit_modules", "train_parity", "verdict_train", "mixed_config_units",
+    "verdict_mixed", "prefetch_order", "verdict_forward_prefetch", "verdict_backward_prefetch",
+    "verdict_coarse", "record_unshards", "record_compute_dtypes", "seeds_full_scale_plan",
+    "fsdp1_options", "unit_set_differences",
+]
