@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -225,10 +224,11 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         f"fsdp2 copy-in shard + gather output of the largest unit: ceil({largest.numel:,}/{w}) "
         f"+ {largest.numel:,} = {ag_numel:,} x {cb} B"))
     rs_numel = _reduce_scatter_buffer_numel(largest.numel, w, config.version)
+    rs_input = ("padded input copy (only when numel % W != 0)" if config.version == "fsdp1"
+                else "input copy")
     terms.append(BoundTerm(
         "reduce-scatter buffers", rs_numel * cb,
-        f"{'padded input copy (only when numel % W != 0) + ' if config.version == 'fsdp1' else 'input copy + '}"
-        f"output shard of the largest unit = {rs_numel:,} x {cb} B"))
+        f"{rs_input} + output shard of the largest unit = {rs_numel:,} x {cb} B"))
     if config.buffer_bytes:
         terms.append(BoundTerm("buffers", config.buffer_bytes,
                                "model buffers, replicated on every rank"))
@@ -245,7 +245,8 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         terms.append(BoundTerm(
             "activation working set", working,
             f"everything one unit's forward produces, saved or not (largest: "
-            f"{working_unit or '(root)'}); also covers that unit's activation gradients in backward"))
+            f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
+            "backward"))
     return Bound(tuple(terms), config.tolerance)
 
 
@@ -319,7 +320,9 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
         return t
 
     class Produced(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
             out = func(*args, **(kwargs or {}))
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and not t._is_view():
@@ -342,8 +345,8 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
     finally:
         for h in handles:
             h.remove()
-    input_bytes = sum(t.untyped_storage().nbytes()
-                      for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor))
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
     return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced)
 
 
@@ -379,8 +382,15 @@ def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str 
 
     model = spec.build("meta")
     units = plan_units(model, wrap_policy(model, spec, "per_layer"))
-    batch = spec.batch(model, batch_size, "meta")
-    acts = profile_activations(model, batch, units)
+    try:
+        batch = spec.batch(model, batch_size, "meta")
+        acts = profile_activations(model, batch, units)
+    except Exception as exc:  # noqa: BLE001 - a user's model or input builder; say which
+        raise MemoryCheckError(
+            f"cannot profile the activations of {spec.name!r} on the meta device "
+            f"({type(exc).__name__}: {exc}); the model's forward and its input builder must work "
+            "with device='meta' (no data-dependent Python control flow on tensor values)"
+        ) from exc
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
     config = StepConfig(world_size=world_size, version=version, param_bytes=param_bytes,
                         compute_bytes=compute_bytes, optimizer=optimizer, buffer_bytes=buffers,
@@ -479,8 +489,8 @@ class OSMeter(Meter):
         if not os.path.exists("/proc/self/clear_refs"):
             return "the OS figure needs Linux /proc/self/clear_refs"
         if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]:
-            return ("the OS figure needs MALLOC_MMAP_THRESHOLD_=65536 set before the rank processes "
-                    "start (run with ranks.configured(env=memory.MALLOC_ENV))")
+            return ("the OS figure needs MALLOC_MMAP_THRESHOLD_=65536 set before the rank "
+                    "processes start (run with ranks.configured(env=memory.MALLOC_ENV))")
         return None
 
     def current(self) -> int:
@@ -738,7 +748,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
 
     check_fsdp_version(version)
     if wrapping not in WRAPPINGS:
-        raise MemoryCheckError(f"unknown wrapping {wrapping!r}; choose one of {', '.join(WRAPPINGS)}")
+        raise MemoryCheckError(
+            f"unknown wrapping {wrapping!r}; choose one of {', '.join(WRAPPINGS)}")
     primary = _choose_meter(ctx, meter, version)
     # FSDPMemTracker needs an FSDP2 model; where a second meter is read, plain MemTracker keeps
     # the two figures about the same set of storages.
@@ -750,7 +761,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     if construction is None and primary == "MemTracker":
         skip_rank(f"torch {_torch_version()} has no MemTracker (moved by an upgrade)")
     tracked = construction is not None and track_construction
-    with construction.tracking() if tracked else contextlib.nullcontext():  # type: ignore[union-attr]
+    scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
+    with scope:
         model = spec.build(ctx.device)
         policy = wrap_policy(model, spec, wrapping)
         sharded = shard(model, ctx, version, policy, **_shard_kwargs(version, wrapping))
@@ -1044,8 +1056,10 @@ def sawtooth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, A
                     f"-{t:.0%})")
         summary.append((r, nonroot))
     first = values[0]
-    data: dict[str, Any] = {"timeline": first["timeline"], "teeth": sawtooth_teeth(first["timeline"]),
+    data: dict[str, Any] = {"timeline": first["timeline"],
+                            "teeth": sawtooth_teeth(first["timeline"]),
                             "wrapping": first["wrapping"], "limit_bytes": first["bound"]["limit"],
+                            "peak_bytes": first["meters"][0]["peak"],
                             "timelines_by_rank": {v["rank"]: v["timeline"] for v in values}}
     if "compare" in first:
         data["compare"] = first["compare"]
@@ -1067,7 +1081,8 @@ def sawtooth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, A
 
 
 def _sharded_state(bound: Bound) -> int:
-    return sum(t.bytes for t in bound.terms if t.scales_with_depth and t.name != "saved activations")
+    return sum(t.bytes for t in bound.terms
+               if t.scales_with_depth and t.name != "saved activations")
 
 
 def _saved_activations(bound: Bound) -> int:

@@ -7,6 +7,7 @@ naive wrappings (monolithic, top-level only) and a per-layer wrapping that never
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import pytest
@@ -261,7 +262,7 @@ def test_checks_cover_every_claim_for_both_versions() -> None:
                for c in memory.CHECKS)
 
 
-def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib", reason="plots are an optional extra (pip install matplotlib)")
     from fsdp_conformance import plots
 
