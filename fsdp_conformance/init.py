@@ -1,0 +1,1368 @@
+"""Meta-device init conformance: zero-memory build, correct weights, identical on every rank.
+
+The phases a reader can follow (torchtitan's order):
+
+1. **Build on meta** (:func:`build_on_meta`): shapes only, no storage.
+2. **Shard**: FSDP1 wraps the meta model and materializes one unit at a time through a
+   ``param_init_fn`` (or its default path, ``to_empty`` + ``reset_parameters``); FSDP2
+   ``fully_shard``\\ s the meta model, then ``to_empty`` allocates only the local shards.
+3. **Initialize deterministically** (:func:`deterministic_init_`, :class:`DeterministicParamInit`):
+   each module's own state is generated *in full* on a CPU generator seeded from
+   ``(seed, module FQN)`` by the module's own ``reset_parameters``, and each rank keeps its slice.
+   The values are therefore the same on 1, 2 or 4 ranks, FSDP1 or FSDP2, CPU or GPU, and equal to
+   a single-process :func:`reference_model` built from the same seed.
+
+The checks (:data:`CHECKS`) compare what every rank holds against that single-process
+reference: never "finite" (``to_empty`` memory can look finite) and never "identical across
+ranks" (gathered weights are identical on every rank even when the ranks initialized
+differently; NOTES.md). :data:`SEEDS_CHECKS` runs the seeds' ``materialization_fn`` as written
+and turns what goes wrong into one-line findings (:func:`describe_init_error`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import math
+import os
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.harness import RankContext, all_gather_objects
+from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1, shard_fsdp2
+from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
+
+MiB = 1024 * 1024
+
+#: How a sharded model gets its values.
+#: - ``deterministic``: this module's per-FQN init (FSDP1 ``param_init_fn``; FSDP2 after
+#:   ``to_empty``).
+#: - ``reset_parameters``: FSDP1's default meta path (no ``param_init_fn``); for FSDP2 the naive
+#:   equivalent, each module's ``reset_parameters()`` on its sharded parameters.
+#: - ``seeds``: the seeds' ``materialization_fn`` as written (FSDP1 ``param_init_fn``; FSDP2:
+#:   applied after ``fully_shard`` with no ``to_empty``, as the seeds would).
+#: - ``seeds_to_empty``: the seeds' function with the minimal fix (``to_empty`` first).
+METHODS = ("deterministic", "reset_parameters", "seeds", "seeds_to_empty")
+
+#: What torch says when ``sync_module_states=True`` meets CPU tensors (FSDP1, by design).
+SYNC_REFUSAL_SNIPPET = "requires them to be on GPU"
+
+#: Meta build: allowed growth of the process's peak memory, as a fraction of the model's
+#: bytes, plus a fixed allowance for Python objects (modules, dicts; ~KB per module).
+META_GROWTH_FRACTION = 0.01
+META_GROWTH_FIXED_MIB = 16.0
+
+#: Peak while materializing: tolerance on the bound (allocator rounding, gloo and Python
+#: objects; NOTES.md saw up to ~8% run-to-run variation of peaks).
+PEAK_TOLERANCE_FRACTION = 0.10
+PEAK_TOLERANCE_FIXED_MIB = 4.0
+
+#: Training step: after one step the sharded model and the reference differ only by the order
+#: of floating-point reductions.
+STEP_RTOL = 1e-4
+STEP_ATOL = 1e-6
+
+#: A small model with every kind of state (norm weights, a non-persistent rotary buffer).
+DEFAULT_SPEC = ModelSpec(
+    reference="llama", config=LlamaConfig(num_layers=2, dim=32, num_heads=4, vocab_size=128)
+)
+#: Large enough (45.5 MiB fp32, 5.1 MiB per block) that the peak bound is meaningful against
+#: noise (~1 MiB with MALLOC_MMAP_THRESHOLD_), small enough for a 2-core CPU lane.
+MEMORY_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=8, dim=384))
+
+
+class InitError(ValueError):
+    """A model cannot be initialized deterministically; the message names the module and fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the process's memory (the OS's own figures)
+# --------------------------------------------------------------------------------------------
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (Linux only)")
+
+
+def reset_peak_rss() -> int:
+    """Reset ``VmHWM`` to the current RSS (``5`` into ``/proc/self/clear_refs``); returns RSS."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+
+# --------------------------------------------------------------------------------------------
+# Phase 1: build on meta
+# --------------------------------------------------------------------------------------------
+
+
+def tensors_on_meta(model: nn.Module) -> list[str]:
+    """FQNs of every parameter and buffer (non-persistent included) still on meta."""
+    names = [clean_fqn(n) for n, p in model.named_parameters() if p.is_meta]
+    names += [clean_fqn(n) for n, b in model.named_buffers() if b.is_meta]
+    return names
+
+
+def build_on_meta(spec: ModelSpec) -> nn.Module:
+    """Build ``spec``'s model under ``torch.device("meta")``: shapes only, no storage.
+
+    Raises :class:`InitError` when the model's constructor allocates real tensors anyway
+    (e.g. ``torch.tensor(...)`` with an explicit ``device=``), naming them.
+    """
+    model = spec.build("meta")
+    real = [n for n, t in _named_state(model) if not t.is_meta]
+    if real:
+        raise InitError(
+            f"{spec.name}: built under torch.device('meta') but {len(real)} tensor(s) are real: "
+            f"{', '.join(real[:5])}; create them without an explicit device= (or register them "
+            "in reset_parameters) so that meta init allocates nothing"
+        )
+    return model
+
+
+def _named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def state_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for _, t in _named_state(model))
+
+
+# --------------------------------------------------------------------------------------------
+# Phase 3: the deterministic, world-size-invariant init
+# --------------------------------------------------------------------------------------------
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    """A stable 63-bit seed for one module (Python's ``hash`` is salted per process)."""
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _own_state(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """``(kind, name, tensor)`` of the module's own parameters and buffers."""
+    own = [("param", n, p) for n, p in module._parameters.items() if p is not None]
+    own += [("buffer", n, b) for n, b in module._buffers.items() if b is not None]
+    return own
+
+
+def _global_shape(t: torch.Tensor) -> torch.Size:
+    return t.shape  # a DTensor's shape is the global one
+
+
+def full_module_state(module: nn.Module, fqn: str, seed: int) -> dict[str, torch.Tensor]:
+    """The module's own state *in full*, on CPU, as its ``reset_parameters`` makes it.
+
+    The module's own tensors are swapped for full-size CPU scratch tensors (filled with NaN so
+    that anything ``reset_parameters`` leaves untouched is caught), ``reset_parameters`` runs on
+    the CPU generator seeded from ``(seed, fqn)``, and the originals are put back. The module's
+    real tensors (meta, a device tensor or a DTensor shard) are never touched here.
+    """
+    own = _own_state(module)
+    if not own:
+        return {}
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise InitError(
+            f"module {fqn or '(root)'} ({type(module).__name__}) owns "
+            f"{', '.join(n for _, n, _ in own)} but has no reset_parameters(); meta init cannot "
+            "recreate its values: define reset_parameters() to initialize its own state"
+        )
+    saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+    scratch: dict[str, torch.Tensor] = {}
+    for kind, name, t in own:
+        s = torch.full(_global_shape(t), float("nan"), dtype=t.dtype) if t.is_floating_point() \
+            else torch.zeros(_global_shape(t), dtype=t.dtype)
+        scratch[name] = s
+        if kind == "param":
+            module._parameters[name] = nn.Parameter(s, requires_grad=False)
+        else:
+            module._buffers[name] = s
+    try:
+        # fork_rng(devices=[]) restores the CPU generator afterwards and leaves CUDA alone.
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.random.default_generator.manual_seed(module_seed(seed, fqn))
+            reset()
+        # The scratch tensors are ours once the originals are back: no copy (peak memory).
+        out = {name: scratch[name] for _, name, _ in own}
+    finally:
+        module._parameters.clear()
+        module._parameters.update(saved_params)
+        module._buffers.clear()
+        module._buffers.update(saved_buffers)
+    # A sum is NaN when any element is: no temporary the size of the tensor (peak memory).
+    untouched = [n for n, t in out.items() if t.is_floating_point() and bool(t.sum().isnan())]
+    if untouched:
+        raise InitError(
+            f"reset_parameters() of {fqn or '(root)'} ({type(module).__name__}) leaves "
+            f"{', '.join(untouched)} uninitialized; make it initialize every tensor the module "
+            "owns (parameters and buffers, non-persistent ones included)"
+        )
+    return out
+
+
+def owners(model: nn.Module) -> dict[int, str]:
+    """id(tensor) -> FQN of the module that initializes it: the first that holds it.
+
+    A tied weight is initialized once, by its first holder in registration order, whatever
+    order the modules are materialized in (FSDP1's breadth-first walk, or ours).
+    """
+    owner: dict[int, str] = {}
+    for mfqn, module in model.named_modules(remove_duplicate=False):
+        for _, _, t in _own_state(module):
+            owner.setdefault(id(t), mfqn)
+    return owner
+
+
+def check_initializable(model: nn.Module) -> None:
+    """Raise one :class:`InitError` naming every module that owns state but cannot reset it."""
+    missing = sorted(
+        {
+            f"{fqn or '(root)'} ({type(m).__name__})"
+            for fqn, m in model.named_modules()
+            if _own_state(m) and not callable(getattr(m, "reset_parameters", None))
+        }
+    )
+    if missing:
+        raise InitError(
+            f"{len(missing)} module(s) own parameters or buffers but have no reset_parameters(): "
+            f"{', '.join(missing[:6])}; meta init cannot recreate their values: define "
+            "reset_parameters() on those classes"
+        )
+
+
+def deterministic_init_(model: nn.Module, seed: int) -> nn.Module:
+    """Initialize a materialized model (plain, or FSDP2-sharded after ``to_empty``) in place.
+
+    For a DTensor parameter the full tensor is generated and only the local chunk is kept
+    (``distribute_tensor(..., src_data_rank=None)``: no communication), so every rank holds its
+    slice of the same full tensor.
+    """
+    check_initializable(model)
+    dtensor = _compat.dtensor_cls()
+    owner = owners(model)
+    for fqn, module in model.named_modules():
+        _init_module_(module, fqn, seed, owner, dtensor)
+    return model
+
+
+def _init_module_(
+    module: nn.Module, fqn: str, seed: int, owner: Mapping[int, str], dtensor: type
+) -> None:
+    """One module's own state; its full values die on return (one module's worth at a time)."""
+    full = full_module_state(module, fqn, seed)
+    with torch.no_grad():
+        for _, name, t in _own_state(module):
+            if owner.get(id(t)) != fqn:
+                continue  # a tied tensor, initialized by its first holder
+            if isinstance(t, dtensor):
+                _copy_to_dtensor(t, full.pop(name))
+            else:
+                t.copy_(full.pop(name).to(t.device))
+
+
+def _copy_to_dtensor(t: Any, full: torch.Tensor) -> None:
+    """Copy this rank's slice of ``full`` into the DTensor ``t``'s local shard.
+
+    ``Shard(d)`` is DTensor's documented ``torch.chunk`` layout, taken as a view (no copy of
+    the full tensor); any other layout goes through ``distribute_tensor(...,
+    src_data_rank=None)``, which slices locally without communication.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    local_tensor = t.to_local()
+    piece = full
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:  # e.g. _StridedShard: let DTensor slice it
+            piece = None
+            break
+        chunks = torch.chunk(piece, t.device_mesh.size(mesh_dim), dim=placement.dim)
+        coordinate = t.device_mesh.get_local_rank(mesh_dim)
+        piece = chunks[coordinate] if coordinate < len(chunks) else piece.narrow(
+            placement.dim, 0, 0)
+    if piece is None or piece.shape != local_tensor.shape:
+        piece = distribute_tensor(
+            full.to(t.device), t.device_mesh, t.placements, src_data_rank=None
+        ).to_local()
+    local_tensor.copy_(piece)
+
+
+def reference_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The single-process reference: the same meta build, ``to_empty``, the same init."""
+    model = build_on_meta(spec)
+    model.to_empty(device=device)
+    return deterministic_init_(model, seed)
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """One SHA-256 over every tensor's name, shape, dtype and bytes (bitwise identity)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def reference_digest(spec: ModelSpec, seed: int) -> str:
+    """The digest every sharded init of ``spec`` with ``seed`` must reproduce."""
+    return state_digest(canonical_state(reference_model(spec, seed)))
+
+
+def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer once, under its first name (as FSDP reports them)."""
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    return state
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (tied ones under each name) and buffer, non-persistent included."""
+    state = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    state.update({n: b for n, b in model.named_buffers(remove_duplicate=False)})
+    return state
+
+
+class DeterministicParamInit:
+    """FSDP1 ``param_init_fn``: ``to_empty(recurse=False)``, then the module's own state.
+
+    FSDP1 calls it once per not-yet-wrapped module of each unit, breadth-first from the unit's
+    root (NOTES.md). The module's own tensors are materialized on ``device`` and filled with
+    their full values from :func:`full_module_state`; FSDP1 shards them afterwards. A tied
+    tensor materialized earlier (in another module) is re-bound rather than re-allocated, so
+    the tie survives ``to_empty``. With ``broadcast_from`` set, each tensor is then broadcast
+    from that rank: the explicit equivalent of ``sync_module_states=True``, which works on CPU.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        seed: int,
+        *,
+        broadcast_from: int | None = None,
+    ) -> None:
+        check_initializable(model)
+        self.device = device
+        self.seed = seed
+        self.broadcast_from = broadcast_from
+        self.names = {id(m): fqn for fqn, m in model.named_modules()}
+        self.owner = owners(model)
+        # id(meta tensor) -> the real tensor made for it. Weak: a strong reference would keep
+        # every unit's unsharded tensors alive after FSDP1 shards them (the whole model!).
+        self.materialized: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.calls: list[str] = []
+
+    def __call__(self, module: nn.Module) -> None:
+        fqn = self.names[id(module)]
+        self.calls.append(fqn)
+        before = {name: t for _, name, t in _own_state(module)}
+        module.to_empty(device=self.device, recurse=False)
+        full = full_module_state(module, fqn, self.seed)
+        with torch.no_grad():
+            for kind, name, t in _own_state(module):
+                old = before[name]
+                if id(old) in self.materialized:  # a tie: keep the one real tensor
+                    real = self.materialized[id(old)]()
+                    if real is None:
+                        raise InitError(
+                            f"{fqn}.{name} is tied to a tensor of another FSDP unit, which FSDP1 "
+                            "has already flattened and sharded; keep tied modules in one unit "
+                            "(recommended_policy does)"
+                        )
+                    if kind == "param":
+                        module._parameters[name] = real  # type: ignore[assignment]
+                    else:
+                        module._buffers[name] = real
+                    continue
+                self.materialized[id(old)] = weakref.ref(t)
+                if self.owner.get(id(old)) == fqn:
+                    t.copy_(full[name].to(t.device))
+                if self.broadcast_from is not None:
+                    import torch.distributed as dist
+
+                    dist.broadcast(t.data, src=self.broadcast_from)
+
+
+# --------------------------------------------------------------------------------------------
+# The seeds' materialization_fn, verbatim
+# --------------------------------------------------------------------------------------------
+
+
+def materialization_fn(module: nn.Module) -> None:
+    """
+    Called by FSDP for each module to initialize weights.
+    This runs on the GPU after storage allocation.
+    """
+    # Only initialize parameters that are actually allocated
+    for name, param in module.named_parameters(recurse=False):
+        if hasattr(param, "_is_sharded"):
+            # FSDP specific flag check might be needed depending on version
+            pass
+        # Standard initialization logic
+        if "weight" in name and param.dim() > 1:
+            torch.nn.init.kaiming_normal_(param)
+        elif "bias" in name:
+            torch.nn.init.zeros_(param)
+
+
+def seeds_fn_with_to_empty(device: torch.device) -> Callable[[nn.Module], None]:
+    """The minimal fix of the seeds' function: materialize the module's own state first."""
+
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            materialization_fn(module)
+
+    return init
+
+
+# --------------------------------------------------------------------------------------------
+# Phase 2: shard a meta model and materialize it, by method
+# --------------------------------------------------------------------------------------------
+
+
+def init_policy(spec: ModelSpec, model: nn.Module, policy: str = "recommended") -> Any:
+    """The wrap policy the init checks shard with: ``recommended`` or the seeds' (scaled)."""
+    from fsdp_conformance.policies import recommended_policy, seeds_hybrid_policy
+
+    blocks = spec.block_classes(model)
+    if policy == "recommended":
+        return recommended_policy(model, blocks, spec.size_threshold(model))
+    if policy == "seeds":
+        return seeds_hybrid_policy(blocks, spec.size_threshold(model))
+    raise ValueError(f"policy must be 'recommended' or 'seeds', got {policy!r}")
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"init method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def materialize(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str,
+    method: str = "deterministic",
+    seed: int = 0,
+    *,
+    policy: str = "recommended",
+    eager: bool = False,
+    **fsdp_kwargs: Any,
+) -> nn.Module:
+    """Build on meta, shard with ``version``, materialize with ``method``; the sharded model.
+
+    ``seed`` is this rank's seed (ranks may be given different ones on purpose). ``eager``
+    builds the model with real storage on the compute device instead of meta (a negative
+    control for the memory check).
+    """
+    check_fsdp_version(version)
+    check_method(method)
+    model = spec.build(ctx.device) if eager else build_on_meta(spec)
+    wrap_policy = init_policy(spec, model, policy)
+    if eager:
+        deterministic_init_(model, seed)
+    torch.manual_seed(seed)  # the RNG the reset_parameters / seeds methods draw from
+    if version == "fsdp1":
+        if not eager:
+            if method == "deterministic":
+                fsdp_kwargs.setdefault(
+                    "param_init_fn", DeterministicParamInit(model, ctx.device, seed)
+                )
+            elif method == "seeds":
+                fsdp_kwargs.setdefault("param_init_fn", materialization_fn)
+            elif method == "seeds_to_empty":
+                fsdp_kwargs.setdefault("param_init_fn", seeds_fn_with_to_empty(ctx.device))
+        return shard_fsdp1(model, ctx, wrap_policy, **fsdp_kwargs)
+    model = shard_fsdp2(model, ctx, wrap_policy, **fsdp_kwargs)
+    if eager:
+        return model
+    if method == "seeds":
+        model.apply(materialization_fn)  # as the seeds would: no to_empty
+        return model
+    model.to_empty(device=ctx.device)
+    if method == "deterministic":
+        deterministic_init_(model, seed)
+    elif method == "reset_parameters":
+        with torch.no_grad():
+            for module in model.modules():
+                if _own_state(module) and callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+    else:  # seeds_to_empty
+        with torch.no_grad():
+            model.apply(materialization_fn)
+    return model
+
+
+def reference_for(
+    spec: ModelSpec, method: str, seed: int, device: torch.device, policy: str = "recommended"
+) -> nn.Module:
+    """The single-process model each method must reproduce, built from the same seed.
+
+    ``deterministic``: :func:`reference_model` (device-independent values). The other methods
+    draw from the global RNG of ``device``; their reference applies the same calls in the order
+    FSDP1 makes them (units bottom-up, breadth-first inside a unit) to a model whose
+    ``to_empty`` memory is first filled with NaN, so anything the method leaves uninitialized
+    shows up as NaN in the reference.
+    """
+    if method == "deterministic":
+        return reference_model(spec, seed)
+    model = build_on_meta(spec)
+    wrap_policy = init_policy(spec, model, policy)
+    units = planned_unit_modules(model, wrap_policy) + [model]
+
+    def poison_and(init: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+        def run(module: nn.Module) -> None:
+            if not _own_state(module):
+                return
+            module.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                for _, _, t in _own_state(module):
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))
+                init(module)
+
+        return run
+
+    if method == "reset_parameters":
+        step = poison_and(lambda m: m.reset_parameters())  # type: ignore[operator]
+    else:  # seeds, seeds_to_empty: the seeds' function, on materialized tensors
+        step = poison_and(materialization_fn)
+    torch.manual_seed(seed)
+    done: set[int] = set()
+    for unit in units:
+        for module in _bfs_until(unit, done):
+            step(module)
+        done.add(id(unit))
+    return model
+
+
+def _bfs_until(root: nn.Module, stop: set[int]) -> list[nn.Module]:
+    """FSDP1's ``_get_modules_to_materialize``: breadth-first, stopping at wrapped units."""
+    order, queue, seen = [], collections.deque([root]), {id(root)}
+    while queue:
+        module = queue.popleft()
+        order.append(module)
+        for child in module.children():
+            if id(child) not in seen and id(child) not in stop:
+                seen.add(id(child))
+                queue.append(child)
+    return order
+
+
+# --------------------------------------------------------------------------------------------
+# Inspecting a sharded model against the reference
+# --------------------------------------------------------------------------------------------
+
+
+def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    return a.shape == e.shape and a.dtype == e.dtype and torch.equal(a, e)
+
+
+def _uninitialized(expected: torch.Tensor) -> bool:
+    return expected.is_floating_point() and bool(expected.isnan().any())
+
+
+def inspect_sharded(
+    model: nn.Module, reference: nn.Module, ctx: RankContext, version: str
+) -> dict[str, Any]:
+    """Where every tensor is, and whether this rank's shards and the gathered tensors match.
+
+    Collective (gathers full parameters): every rank must call it.
+    """
+    ref = full_state(reference)
+    wrong_device = [
+        f"{clean_fqn(n)} on {t.device}"
+        for n, t in _named_state(model)
+        if not t.is_meta and t.device != ctx.device
+    ]
+    report: dict[str, Any] = {
+        "rank": ctx.rank,
+        "device": str(ctx.device),
+        "on_meta": tensors_on_meta(model),
+        "wrong_device": wrong_device,
+    }
+    if report["on_meta"]:
+        return report  # gathering meta shards would only raise inside torch
+    local_bad, full_bad, uninit = [], [], []
+    if version == "fsdp1":
+        local_bad, checked = _fsdp1_local_mismatches(model, ref, ctx)
+    else:
+        local_bad, checked = _fsdp2_local_mismatches(model, ref, ctx)
+    gathered = gathered_state(model, version)
+    for name, t in gathered.items():
+        expected = ref.get(name)
+        if expected is None:
+            full_bad.append(f"{name} (not in the reference)")
+        elif not _equal(t, expected):
+            (uninit if _uninitialized(expected) else full_bad).append(name)
+    report.update(
+        local_mismatch=local_bad,
+        local_checked=checked,
+        full_mismatch=full_bad,
+        uninitialized=uninit,
+        missing=sorted(set(ref) - set(gathered) - _aliases(reference)),
+        digest=state_digest(gathered),
+        reference_digest=state_digest({n: ref[n] for n in gathered if n in ref}),
+    )
+    return report
+
+
+def _aliases(model: nn.Module) -> set[str]:
+    """Names of tied tensors other than their first name (FSDP reports each tensor once)."""
+    first = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    return set(full_state(model)) - first
+
+
+def gathered_state(model: nn.Module, version: str) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters and the buffers, by clean FQN, as CPU copies."""
+    out: dict[str, torch.Tensor] = {}
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False):
+            for n, p in model.named_parameters():
+                out[clean_fqn(n)] = p.detach().cpu().clone()
+    else:
+        dtensor = _compat.dtensor_cls()
+        for n, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, dtensor) else p  # type: ignore[attr-defined]
+            out[n] = full.detach().cpu().clone()
+    for n, b in model.named_buffers():
+        out[clean_fqn(n)] = b.detach().cpu().clone()
+    return out
+
+
+def _fsdp1_local_mismatches(
+    model: nn.Module, ref: Mapping[str, torch.Tensor], ctx: RankContext
+) -> tuple[list[str], int]:
+    """Each unit's local flat shard against the same slice of the reference's flat unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    bad, checked = [], 0
+    for name, unit in model.named_modules():
+        if not isinstance(unit, FSDP):
+            continue
+        flat = _compat.fsdp1_flat_param(unit)
+        if flat is None:
+            continue
+        prefix = clean_fqn(name)
+        fqns = [f"{prefix}.{clean_fqn(f)}" if prefix else clean_fqn(f)
+                for f in _compat.fsdp1_param_fqns(flat)]
+        reference_flat = torch.cat([ref[f].detach().cpu().reshape(-1) for f in fqns])
+        local = flat.detach().cpu().reshape(-1)
+        start = ctx.rank * local.numel() if local.numel() < reference_flat.numel() else 0
+        expected = reference_flat[start : start + local.numel()]
+        checked += 1
+        if not torch.equal(local[: expected.numel()], expected):
+            bad.append(f"{prefix or '(root)'} [flat shard {start}:{start + expected.numel()}]")
+    return bad, checked
+
+
+def _fsdp2_local_mismatches(
+    model: nn.Module, ref: Mapping[str, torch.Tensor], ctx: RankContext
+) -> tuple[list[str], int]:
+    """Each DTensor's local shard against ``torch.chunk(reference, world_size)[rank]``."""
+    dtensor = _compat.dtensor_cls()
+    bad, checked = [], 0
+    for name, p in model.named_parameters():
+        if not isinstance(p, dtensor):
+            continue
+        chunks = torch.chunk(ref[name].detach().cpu(), ctx.world_size, dim=0)
+        expected = chunks[ctx.rank] if ctx.rank < len(chunks) else ref[name][:0].cpu()
+        checked += 1
+        if not _equal(p.to_local(), expected):  # type: ignore[attr-defined]
+            bad.append(name)
+    return bad, checked
+
+
+# --------------------------------------------------------------------------------------------
+# Findings: what torch raised, in one line
+# --------------------------------------------------------------------------------------------
+
+
+_FINDINGS = (
+    (
+        ("Inconsistent compute device", "meta"),
+        "the param_init_fn left the module's parameters on meta, so FSDP1 refused it ({msg}); "
+        "the param_init_fn must call module.to_empty(device=..., recurse=False) before "
+        "initializing (the seeds' materialization_fn never does)",
+    ),
+    (
+        ("should be materialized from meta device",),
+        "the sharded parameters were still on meta at the first forward ({msg}); call "
+        "model.to_empty(device=...) after fully_shard, then initialize",
+    ),
+    (
+        ("Cannot copy out of meta tensor",),
+        "a tensor (often a buffer) was left on meta and failed at forward ({msg}); materialize "
+        "buffers too (to_empty covers them)",
+    ),
+    (
+        (SYNC_REFUSAL_SNIPPET,),
+        "torch refuses sync_module_states=True with CPU tensors ({msg}); on CPU broadcast from "
+        "rank 0 explicitly instead",
+    ),
+)
+
+
+def describe_init_error(exc: BaseException) -> str:
+    """One line a person can act on, instead of a traceback from inside torch."""
+    if isinstance(exc, InitError):
+        return str(exc)  # ours: already names the module and the fix
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    msg = f"{type(exc).__name__}: {first}"
+    for needles, text in _FINDINGS:
+        if all(n in str(exc) for n in needles):
+            return text.format(msg=msg)
+    return msg
+
+
+def _agree_on_failure(ctx: RankContext, error: str | None) -> list[str | None]:
+    """Every rank's error (or None): all ranks decide together whether to go on."""
+    if ctx.world_size == 1:
+        return [error]
+    return all_gather_objects(error, ctx.device_type)
+
+
+# --------------------------------------------------------------------------------------------
+# Rank functions (module level: pickled to the ranks) and verdicts
+# --------------------------------------------------------------------------------------------
+
+
+def meta_build_rank(ctx: RankContext, spec: ModelSpec, device: str = "meta") -> dict[str, Any]:
+    """Build ``spec`` on ``device`` and measure how much the process's peak memory grew."""
+    spec.build("meta")  # warm-up: imports and first-call caches are not the model's cost
+    rss_before = reset_peak_rss()
+    model = spec.build(device)
+    peak = status_bytes("VmHWM")
+    numel = sum(p.numel() for p in model.parameters())
+    report = {
+        "rank": ctx.rank,
+        "device": device,
+        "numel": numel,
+        "model_bytes": sum(
+            t.numel() * t.element_size() for _, t in _named_state(model)
+        ),
+        "growth_bytes": peak - rss_before,
+        "not_on_meta": [n for n, t in _named_state(model) if not t.is_meta][:10],
+    }
+    del model
+    return report
+
+
+def meta_build_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    worst = max(values, key=lambda v: v["growth_bytes"])
+    model_mib = worst["model_bytes"] / MiB
+    allowed = META_GROWTH_FRACTION * worst["model_bytes"] + META_GROWTH_FIXED_MIB * MiB
+    figures = {
+        "params": worst["numel"],
+        "model_MiB": round(model_mib, 1),
+        "growth_MiB": round(worst["growth_bytes"] / MiB, 2),
+        "allowed_MiB": round(allowed / MiB, 1),
+    }
+    real = [v for v in values if v["not_on_meta"]]
+    if real:
+        return Verdict(False, f"rank {real[0]['rank']}: built with storage (not on meta): "
+                       f"{', '.join(real[0]['not_on_meta'])}", figures)
+    if worst["growth_bytes"] > allowed:
+        return Verdict(
+            False,
+            f"building {worst['numel']:,} parameters ({model_mib:,.0f} MiB) grew rank "
+            f"{worst['rank']}'s peak memory by {worst['growth_bytes'] / MiB:,.1f} MiB, over the "
+            f"{allowed / MiB:,.1f} MiB allowed for a meta build: the model allocated storage",
+            figures,
+        )
+    return Verdict(
+        True,
+        f"{worst['numel']:,} parameters ({model_mib:,.0f} MiB) on meta; peak memory grew by "
+        f"{worst['growth_bytes'] / MiB:,.2f} MiB at most (allowed {allowed / MiB:,.1f} MiB)",
+        figures,
+    )
+
+
+def materialize_rank(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    method: str = "deterministic",
+    seed: int = 0,
+    rank_seed_offset: int = 0,
+    policy: str = "recommended",
+    forward: bool = True,
+) -> dict[str, Any]:
+    """Meta build, shard, materialize with ``method``; report against the reference.
+
+    ``rank_seed_offset`` gives rank r the seed ``seed + r * offset`` (a negative control: ranks
+    that initialized differently). The reference always uses ``seed``. A failure inside torch
+    is caught on every rank and returned as a one-line finding, never a traceback.
+    """
+    my_seed = seed + ctx.rank * rank_seed_offset
+    error, report = None, {}
+    try:
+        model = materialize(ctx, spec, version, method, my_seed, policy=policy)
+        if forward:  # FSDP2 and a buffer left on meta only fail here
+            with torch.no_grad():
+                model(spec.batch(unwrapped(model), batch_size=1, device=ctx.device))
+    except Exception as exc:  # noqa: BLE001 - torch's refusal (or InitError) is the finding
+        error = describe_init_error(exc)
+    errors = _agree_on_failure(ctx, error)
+    if any(errors):
+        return {"rank": ctx.rank, "error": error, "errors": errors}
+    reference = reference_for(spec, method, seed, ctx.device, policy)
+    report = inspect_sharded(model, reference, ctx, version)
+    report.update(error=None, method=method, version=version)
+    return report
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside an FSDP1 root wrapper (FSDP2 keeps the module itself)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return model.module if isinstance(model, FSDP) else model
+
+
+def _rank_errors(values: Sequence[Mapping[str, Any]]) -> str | None:
+    """One line per distinct failure, with the ranks it happened on (None: no failure)."""
+    errors = next((v["errors"] for v in values if v.get("errors")), None)
+    if not errors or not any(errors):
+        return None
+    by_message: dict[str, list[int]] = {}
+    for rank, error in enumerate(errors):
+        if error:
+            # "on rank 1" inside torch's message would split one finding into N.
+            by_message.setdefault(re.sub(r"rank \d+", "rank N", error), []).append(rank)
+    return "; ".join(
+        f"{'all ranks' if len(r) == len(errors) else 'ranks ' + str(r)}: {m}"
+        for m, r in by_message.items()
+    )
+
+
+def _listing(items: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Every tensor on the compute device, with values (= the reference's), on every rank."""
+    error = _rank_errors(values)
+    if error:
+        return Verdict(False, error, {"error": error})
+    problems = []
+    for v in values:
+        r = v["rank"]
+        if v["on_meta"]:
+            problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
+        if v["wrong_device"]:
+            problems.append(f"rank {r}: not on {v['device']}: {_listing(v['wrong_device'])}")
+        if v.get("uninitialized"):
+            problems.append(
+                f"rank {r}: never initialized by the init (to_empty memory): "
+                f"{_listing(v['uninitialized'])}"
+            )
+        if v.get("full_mismatch"):
+            problems.append(
+                f"rank {r}: values differ from the reference: {_listing(v['full_mismatch'])}"
+            )
+        if v.get("missing"):
+            problems.append(f"rank {r}: missing from the model: {_listing(v['missing'])}")
+    figures = {"ranks": len(values)}
+    if problems:
+        return Verdict(False, "not every tensor is materialized and initialized:\n  "
+                       + "\n  ".join(problems), figures, {"ranks": list(values)})
+    return Verdict(
+        True,
+        f"every parameter and buffer on {values[0]['device'].split(':')[0]} and equal to the "
+        f"reference on all {len(values)} ranks",
+        figures,
+    )
+
+
+def weights_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Local shards = slices of the reference; gathered = the reference; on every rank."""
+    error = _rank_errors(values)
+    if error:
+        return Verdict(False, error, {"error": error})
+    problems = []
+    for v in values:
+        r = v["rank"]
+        if v["on_meta"]:
+            problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
+            continue
+        if v["local_mismatch"]:
+            problems.append(
+                f"rank {r}: local shards differ from the reference's slices: "
+                f"{_listing(v['local_mismatch'])}"
+            )
+        bad = v["full_mismatch"] + v["uninitialized"]
+        if bad:
+            problems.append(f"rank {r}: gathered weights differ from the reference: "
+                            f"{_listing(bad)}")
+    digests = sorted({v.get("digest") for v in values if v.get("digest")})
+    figures = {
+        "digest": digests[0][:16] if len(digests) == 1 else "differs",
+        "reference_digest": (values[0].get("reference_digest") or "")[:16],
+        "ranks": len(values),
+    }
+    if problems:
+        return Verdict(
+            False,
+            "weights do not match the single-process reference built from the same seed:\n  "
+            + "\n  ".join(problems),
+            figures,
+            {"ranks": list(values)},
+        )
+    return Verdict(
+        True,
+        f"every rank's shards and the gathered weights equal the reference "
+        f"(digest {figures['digest']}) on {len(values)} ranks",
+        figures,
+        {"digest": digests[0]},
+    )
+
+
+def sync_module_states_rank(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    seed: int = 0,
+    rank_seed_offset: int = 1000,
+    sync: bool = True,
+) -> dict[str, Any]:
+    """FSDP1 ``sync_module_states``: ranks initialize differently; rank 0 should win.
+
+    On CPU torch refuses the option; the refusal is returned as data.
+    """
+    my_seed = seed + ctx.rank * rank_seed_offset
+    model = build_on_meta(spec)
+    init = DeterministicParamInit(model, ctx.device, my_seed)
+    error, refusal = None, None
+    try:
+        model = shard_fsdp1(model, ctx, init_policy(spec, model), param_init_fn=init,
+                            sync_module_states=sync)
+    except ValueError as exc:
+        if SYNC_REFUSAL_SNIPPET in str(exc):
+            refusal = str(exc)
+        else:
+            error = describe_init_error(exc)
+    errors = _agree_on_failure(ctx, error or refusal)
+    if any(errors):
+        return {"rank": ctx.rank, "device_type": ctx.device_type, "refusal": refusal,
+                "error": error, "errors": errors if error else None}
+    report = inspect_sharded(model, reference_model(spec, seed), ctx, "fsdp1")
+    report.update(device_type=ctx.device_type, refusal=None, error=None, sync=sync)
+    return report
+
+
+def sync_module_states_verdict(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
+    """CPU: torch's refusal, on every rank, is the expected fact. GPU: rank 0's weights win."""
+    if values[0]["device_type"] == "cpu":
+        refused = [v for v in values if v.get("refusal")]
+        if len(refused) == len(values):
+            message = refused[0]["refusal"].splitlines()[0]
+            return Verdict(
+                True,
+                f"conformance fact: torch refuses sync_module_states=True on CPU on all "
+                f"{len(values)} ranks: {message!r}",
+                {"refused": True},
+                {"refusal": message},
+            )
+        if any(v.get("error") for v in values):
+            return Verdict(False, _rank_errors(values) or "error", {"refused": False})
+        weights = weights_verdict(values, params)
+        if not params.get("sync", True):
+            return Verdict(False, "sync_module_states was off: nothing refused and nothing "
+                           f"synchronized; the weights: {weights.message}", {"refused": False})
+        return Verdict(
+            False,
+            "torch no longer refuses sync_module_states=True on CPU (a change since 2.13: "
+            f"update the conformance fact); the weights then: {weights.message}",
+            {"refused": False},
+        )
+    verdict = weights_verdict(values, params)
+    if not verdict.passed:
+        return Verdict(False, "rank 0's weights did not reach every rank: " + verdict.message,
+                       verdict.figures, verdict.data)
+    return Verdict(True, "sync_module_states=True: rank 0's weights reached every rank; "
+                   + verdict.message, verdict.figures, verdict.data)
+
+
+def broadcast_rank0_rank(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    rank_seed_offset: int = 1000,
+    broadcast: bool = True,
+) -> dict[str, Any]:
+    """The CPU-capable equivalents of ``sync_module_states``: rank 0's weights to every rank.
+
+    FSDP2: ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
+    broadcast_from_rank0=True))`` with rank 0's full state dict (the others pass ``{}``).
+    FSDP1: a ``param_init_fn`` that broadcasts each module's state from rank 0 before FSDP1
+    shards it. Ranks first initialize with different seeds, so only a working broadcast gives
+    every rank the reference (built from ``seed``, rank 0's).
+    """
+    my_seed = seed + ctx.rank * rank_seed_offset
+    mutated = None
+    if version == "fsdp1":
+        model = build_on_meta(spec)
+        init = DeterministicParamInit(
+            model, ctx.device, my_seed, broadcast_from=0 if broadcast else None
+        )
+        model = shard_fsdp1(model, ctx, init_policy(spec, model), param_init_fn=init)
+    else:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        model = materialize(ctx, spec, "fsdp2", "deterministic", my_seed)
+        if broadcast:
+            full: dict[str, torch.Tensor] = {}
+            if ctx.rank == 0:
+                full = {k: v.to(ctx.device) for k, v in reference_model(spec, seed)
+                        .state_dict().items()}
+            before = {k: (id(v), v.data_ptr()) for k, v in full.items()}
+            set_model_state_dict(
+                model, full,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            # Rank 0's dict is mutated in place (its values replaced by the model's own
+            # tensors): a caller must not reuse it as "the checkpoint". Recorded per rank.
+            mutated = set(before) != set(full) or any(
+                (id(v), v.data_ptr()) != before[k] for k, v in full.items()
+            )
+    report = inspect_sharded(model, reference_model(spec, seed), ctx, version)
+    report.update(error=None, version=version, broadcast=broadcast, dict_mutated=mutated)
+    return report
+
+
+def train_step_rank(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    rank_seed_offset: int = 0,
+    lr: float = 0.1,
+) -> dict[str, Any]:
+    """One SGD step after meta init, against the same step on the single-process reference.
+
+    Every rank feeds the same batch, so the averaged gradient equals the reference's.
+    """
+    model = materialize(ctx, spec, version, "deterministic", seed + ctx.rank * rank_seed_offset)
+    reference = reference_model(spec, seed, ctx.device)
+    batch = spec.batch(reference, batch_size=2, device=ctx.device)
+    losses = []
+    for m in (model, reference):
+        optimizer = torch.optim.SGD(m.parameters(), lr=lr)
+        loss = m(batch).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    after = gathered_state(model, version)
+    expected = full_state(reference)
+    worst_name, worst = "", 0.0
+    bad = []
+    for name, t in after.items():
+        e = expected[name].detach().cpu()
+        if not torch.allclose(t, e, rtol=STEP_RTOL, atol=STEP_ATOL):
+            bad.append(name)
+        diff = float((t - e).abs().max()) if t.numel() else 0.0
+        if diff > worst:
+            worst_name, worst = name, diff
+    return {
+        "rank": ctx.rank,
+        "loss": losses[0],
+        "reference_loss": losses[1],
+        "mismatch": bad,
+        "max_abs_diff": worst,
+        "max_abs_diff_at": worst_name,
+    }
+
+
+def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    worst = max(values, key=lambda v: v["max_abs_diff"])
+    figures = {
+        "loss": values[0]["loss"],
+        "reference_loss": values[0]["reference_loss"],
+        "max_abs_diff": worst["max_abs_diff"],
+    }
+    problems = [
+        f"rank {v['rank']}: loss {v['loss']:.6g} vs reference {v['reference_loss']:.6g}"
+        for v in values
+        if not math.isclose(v["loss"], v["reference_loss"], rel_tol=STEP_RTOL, abs_tol=STEP_ATOL)
+    ]
+    problems += [
+        f"rank {v['rank']}: after the step, weights differ from the reference "
+        f"(rtol {STEP_RTOL}, atol {STEP_ATOL}): {_listing(v['mismatch'])}"
+        for v in values
+        if v["mismatch"]
+    ]
+    if problems:
+        return Verdict(False, "the first training step after meta init does not match the "
+                       "reference:\n  " + "\n  ".join(problems), figures)
+    return Verdict(
+        True,
+        f"step after meta init matches the reference on {len(values)} ranks (loss "
+        f"{values[0]['loss']:.6g}; largest weight difference {worst['max_abs_diff']:.2g} at "
+        f"{worst['max_abs_diff_at'] or '-'})",
+        figures,
+    )
+
+
+def peak_memory_rank(
+    ctx: RankContext,
+    spec: ModelSpec = MEMORY_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    eager: bool = False,
+    policy: str = "recommended",
+) -> dict[str, Any]:
+    """Peak memory while building on meta, sharding and materializing, against the bound.
+
+    CPU lane: the host's ``VmHWM``, meaningful in fresh rank processes started with
+    ``MALLOC_MMAP_THRESHOLD_=65536`` (every large tensor its own mmap, so freed memory leaves
+    RSS; NOTES.md). GPU lane: the CUDA allocator's peak, where the parameters live.
+    ``eager=True`` builds the model with storage first (the negative control).
+    """
+    meta = build_on_meta(spec)
+    units = plan_units(meta, init_policy(spec, meta, policy))
+    element = next(meta.parameters()).element_size()
+    total = sum(p.numel() for p in meta.parameters()) * element
+    largest_unit = max(u.numel for u in units) * element
+    largest_param = max(p.numel() for p in meta.parameters()) * element
+    # Sharded model on this rank: each unit's flat/padded (FSDP1) or per-parameter (FSDP2)
+    # shard, rounded up: what the rank keeps after materializing.
+    if version == "fsdp1":
+        sharded = sum(math.ceil(u.numel / ctx.world_size) for u in units) * element
+    else:
+        sharded = sum(
+            math.ceil(p.shape[0] / ctx.world_size) * (p.numel() // max(p.shape[0], 1))
+            if p.dim() else p.numel()
+            for p in meta.parameters()
+        ) * element
+    del meta
+    # Warm-up on a tiny model: imports, the device mesh, gloo's buffers, the CUDA context and
+    # first-call caches are the process's fixed costs, not the model's.
+    materialize(ctx, ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=8)),
+                version, "deterministic", seed)
+    with _peak_meter(ctx) as reading:
+        model = materialize(ctx, spec, version, "deterministic", seed, policy=policy,
+                            eager=eager)
+    del model
+    return {
+        "rank": ctx.rank,
+        "version": version,
+        "device_type": ctx.device_type,
+        "meter": reading["meter"],
+        "peak_bytes": reading["peak"],
+        "kept_bytes": reading["kept"],
+        "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "model_bytes": total,
+        "largest_unit_bytes": largest_unit,
+        "largest_param_bytes": largest_param,
+        "sharded_bytes": sharded,
+    }
+
+
+@contextlib.contextmanager
+def _peak_meter(ctx: RankContext) -> Iterator[dict[str, Any]]:
+    """Peak and kept bytes of the block, on the memory that holds the parameters.
+
+    CPU: the process's ``VmHWM`` (reset through ``clear_refs``). GPU: the CUDA caching
+    allocator's peak (the parameters live there; the host only ever holds one module's full
+    values while they are generated).
+    """
+    reading: dict[str, Any] = {}
+    if ctx.device_type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device)
+        yield reading
+        torch.cuda.synchronize(ctx.device)
+        reading.update(
+            meter="cuda allocator",
+            peak=torch.cuda.max_memory_allocated(ctx.device) - before,
+            kept=torch.cuda.memory_allocated(ctx.device) - before,
+        )
+        return
+    before = reset_peak_rss()
+    yield reading
+    reading.update(meter="VmHWM", peak=status_bytes("VmHWM") - before,
+                   kept=status_bytes("VmRSS") - before)
+
+
+def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:
+    """The bound term by term (bytes, explanation).
+
+    - the sharded model this rank keeps;
+    - one unit's unsharded parameters: FSDP1 materializes a whole unit before sharding it;
+      FSDP2 materializes only shards, and our init generates one full *parameter* at a time
+      (at most one unit);
+    - FSDP1 only: one more unit, the flat parameter FSDP1 concatenates the unit into while the
+      materialized originals still exist (then it keeps only the shard);
+    - a tolerance of PEAK_TOLERANCE_FRACTION of that plus PEAK_TOLERANCE_FIXED_MIB.
+    """
+    unit = value["largest_unit_bytes"]
+    flatten = unit if value["version"] == "fsdp1" else 0
+    raw = value["sharded_bytes"] + unit + flatten
+    bound = raw * (1 + PEAK_TOLERANCE_FRACTION) + PEAK_TOLERANCE_FIXED_MIB * MiB
+    terms = (f"sharded {value['sharded_bytes'] / MiB:.1f} + unit {unit / MiB:.1f}"
+             + (f" + flat copy {flatten / MiB:.1f}" if flatten else "")
+             + f" MiB, +{PEAK_TOLERANCE_FRACTION:.0%} +{PEAK_TOLERANCE_FIXED_MIB:.0f} MiB")
+    return bound, terms
+
+
+def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    rows, over = [], []
+    for v in values:
+        bound, terms = peak_memory_bound(v)
+        rows.append(
+            f"rank {v['rank']}: peak {v['peak_bytes'] / MiB:.1f} MiB ({v['meter']}), bound {bound / MiB:.1f} "
+            f"MiB ({terms}), full model {v['model_bytes'] / MiB:.1f} MiB"
+        )
+        if v["peak_bytes"] > bound:
+            over.append(v["rank"])
+    worst = max(values, key=lambda v: v["peak_bytes"])
+    bound, _ = peak_memory_bound(worst)
+    figures = {
+        "peak_MiB": round(worst["peak_bytes"] / MiB, 1),
+        "bound_MiB": round(bound / MiB, 1),
+        "model_MiB": round(worst["model_bytes"] / MiB, 1),
+    }
+    note = ""
+    if values[0]["device_type"] == "cpu" and not values[0]["mmap_threshold"]:
+        note = ("\n  (MALLOC_MMAP_THRESHOLD_ was not set in the rank processes: freed heap is "
+                "reused and the high-water mark is noise; run with the check's env)")
+    if over:
+        return Verdict(False, f"peak memory while materializing exceeds the bound on ranks "
+                       f"{over}: a rank held more than its shards plus one unit\n  "
+                       + "\n  ".join(rows) + note, figures, {"ranks": list(values)})
+    return Verdict(True, "peak memory while materializing within the bound on every rank:\n  "
+                   + "\n  ".join(rows) + note, figures, {"ranks": list(values)})
+
+
+# --------------------------------------------------------------------------------------------
+# The checks
+# --------------------------------------------------------------------------------------------
+
+_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+CHECKS: tuple[Check, ...] = (
+    Check(
+        "init.meta_build", "init",
+        "building the model on meta allocates no storage (peak memory grows by almost nothing)",
+        meta_build_rank, meta_build_verdict, {"spec": DEFAULT_SPEC},
+    ),
+    Check(
+        "init.no_meta.fsdp1", "init",
+        "FSDP1 + param_init_fn: every parameter and buffer on the compute device, initialized",
+        materialize_rank, no_meta_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    ),
+    Check(
+        "init.no_meta.fsdp2", "init",
+        "FSDP2 + to_empty + init: every parameter and buffer on the compute device, initialized",
+        materialize_rank, no_meta_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    ),
+    Check(
+        "init.weights.fsdp1", "init",
+        "FSDP1: each rank's shards and the gathered weights equal the single-process reference",
+        materialize_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    ),
+    Check(
+        "init.weights.fsdp2", "init",
+        "FSDP2: each rank's shards and the gathered weights equal the single-process reference",
+        materialize_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    ),
+    Check(
+        "init.weights.fsdp1_default", "init",
+        "FSDP1's default meta path (to_empty + reset_parameters per module, no param_init_fn) "
+        "equals the same calls made single-process in FSDP1's order",
+        materialize_rank, weights_verdict,
+        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "reset_parameters"},
+    ),
+    Check(
+        "init.sync_module_states", "init",
+        "FSDP1 sync_module_states=True: refused on CPU (a fact); on GPU rank 0's weights win",
+        sync_module_states_rank, sync_module_states_verdict, {"spec": DEFAULT_SPEC},
+    ),
+    Check(
+        "init.broadcast_rank0.fsdp1", "init",
+        "FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank 0's weights",
+        broadcast_rank0_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    ),
+    Check(
+        "init.broadcast_rank0.fsdp2", "init",
+        "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank rank 0's weights",
+        broadcast_rank0_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    ),
+    Check(
+        "init.train_step.fsdp1", "init",
+        "FSDP1: the first training step after meta init matches the reference's",
+        train_step_rank, train_step_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    ),
+    Check(
+        "init.train_step.fsdp2", "init",
+        "FSDP2: the first training step after meta init matches the reference's",
+        train_step_rank, train_step_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    ),
+    Check(
+        "init.peak_memory.fsdp1", "init",
+        "FSDP1: peak host memory while materializing stays within shards + one unit (+ flat copy)",
+        peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp1"},
+        env=_MMAP_ENV,
+    ),
+    Check(
+        "init.peak_memory.fsdp2", "init",
+        "FSDP2: peak host memory while materializing stays within shards + one unit",
+        peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp2"},
+        env=_MMAP_ENV,
+    ),
+)
+
+#: The seeds' ``materialization_fn`` as written, through the same checks: expected to fail,
+#: each with a one-line finding (docs/init.md). Not in CHECKS: they judge the seeds' code, not
+#: the user's model.
+SEEDS_CHECKS: tuple[Check, ...] = (
+    Check(
+        "init.seeds_fn.fsdp1", "init",
+        "the seeds' materialization_fn as FSDP1's param_init_fn (never calls to_empty)",
+        materialize_rank, no_meta_verdict,
+        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "seeds"},
+    ),
+    Check(
+        "init.seeds_fn.fsdp2", "init",
+        "the seeds' materialization_fn after fully_shard, without to_empty",
+        materialize_rank, no_meta_verdict,
+        {"spec": DEFAULT_SPEC, "version": "fsdp2", "method": "seeds"},
+    ),
+    Check(
+        "init.seeds_fn_to_empty.fsdp1", "init",
+        "the seeds' function with to_empty added: 1-D weights and buffers stay uninitialized",
+        materialize_rank, no_meta_verdict,
+        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "seeds_to_empty"},
+    ),
+)
+
