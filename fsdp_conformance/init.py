@@ -58,7 +58,7 @@ SYNC_REFUSAL_SNIPPET = "requires them to be on GPU"
 
 #: Meta build: allowed growth of the process's peak memory, as a fraction of the model's
 #: bytes, plus a fixed allowance for Python objects (modules, dicts; ~KB per module).
-META_GROWTH_FRACTION = 0.01
+META_GROWTH_FRACTION = 0.001
 META_GROWTH_FIXED_MIB = 16.0
 
 #: Peak while materializing: tolerance on the bound (allocator rounding, gloo and Python
@@ -1240,8 +1240,8 @@ def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str
     for v in values:
         bound, terms = peak_memory_bound(v)
         rows.append(
-            f"rank {v['rank']}: peak {v['peak_bytes'] / MiB:.1f} MiB ({v['meter']}), bound {bound / MiB:.1f} "
-            f"MiB ({terms}), full model {v['model_bytes'] / MiB:.1f} MiB"
+            f"rank {v['rank']}: peak {v['peak_bytes'] / MiB:.1f} MiB ({v['meter']}), "
+            f"bound {bound / MiB:.1f} MiB ({terms}), full model {v['model_bytes'] / MiB:.1f} MiB"
         )
         if v["peak_bytes"] > bound:
             over.append(v["rank"])
