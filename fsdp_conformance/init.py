@@ -737,6 +737,16 @@ def describe_init_error(exc: BaseException) -> str:
     return msg
 
 
+def _preflight(ctx: RankContext, spec: ModelSpec) -> dict[str, Any] | None:
+    """A model that cannot be meta-initialized at all: one finding instead of a traceback."""
+    try:
+        check_initializable(build_on_meta(spec))
+    except ValueError as exc:  # InitError, ModelSpecError, PolicyError: messages say the fix
+        return {"rank": ctx.rank, "error": str(exc), "errors": [str(exc)] * ctx.world_size,
+                "device_type": ctx.device_type}
+    return None
+
+
 def _agree_on_failure(ctx: RankContext, error: str | None) -> list[str | None]:
     """Every rank's error (or None): all ranks decide together whether to go on."""
     if ctx.world_size == 1:
@@ -951,6 +961,9 @@ def sync_module_states_rank(
 
     On CPU torch refuses the option; the refusal is returned as data.
     """
+    failed = _preflight(ctx, spec)
+    if failed:
+        return failed
     my_seed = seed + ctx.rank * rank_seed_offset
     model = build_on_meta(spec)
     init = DeterministicParamInit(model, ctx.device, my_seed)
@@ -976,6 +989,9 @@ def sync_module_states_verdict(
     values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> Verdict:
     """CPU: torch's refusal, on every rank, is the expected fact. GPU: rank 0's weights win."""
+    if any(v.get("error") for v in values):
+        error = _rank_errors(values) or "a rank failed"
+        return Verdict(False, error, {"error": error})
     if values[0]["device_type"] == "cpu":
         refused = [v for v in values if v.get("refusal")]
         if len(refused) == len(values):
@@ -987,8 +1003,6 @@ def sync_module_states_verdict(
                 {"refused": True},
                 {"refusal": message},
             )
-        if any(v.get("error") for v in values):
-            return Verdict(False, _rank_errors(values) or "error", {"refused": False})
         weights = weights_verdict(values, params)
         if not params.get("sync", True):
             return Verdict(False, "sync_module_states was off: nothing refused and nothing "
@@ -1023,6 +1037,9 @@ def broadcast_rank0_rank(
     shards it. Ranks first initialize with different seeds, so only a working broadcast gives
     every rank the reference (built from ``seed``, rank 0's).
     """
+    failed = _preflight(ctx, spec)
+    if failed:
+        return failed
     my_seed = seed + ctx.rank * rank_seed_offset
     mutated = None
     if version == "fsdp1":
@@ -1070,6 +1087,9 @@ def train_step_rank(
 
     Every rank feeds the same batch, so the averaged gradient equals the reference's.
     """
+    failed = _preflight(ctx, spec)
+    if failed:
+        return failed
     model = materialize(ctx, spec, version, "deterministic", seed + ctx.rank * rank_seed_offset)
     reference = reference_model(spec, seed, ctx.device)
     batch = spec.batch(reference, batch_size=2, device=ctx.device)
@@ -1103,6 +1123,9 @@ def train_step_rank(
 
 
 def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    error = _rank_errors(values)
+    if error:
+        return Verdict(False, error, {"error": error})
     worst = max(values, key=lambda v: v["max_abs_diff"])
     figures = {
         "loss": values[0]["loss"],
@@ -1147,6 +1170,9 @@ def peak_memory_rank(
     RSS; NOTES.md). GPU lane: the CUDA allocator's peak, where the parameters live.
     ``eager=True`` builds the model with storage first (the negative control).
     """
+    failed = _preflight(ctx, spec)
+    if failed:
+        return failed
     meta = build_on_meta(spec)
     units = plan_units(meta, init_policy(spec, meta, policy))
     element = next(meta.parameters()).element_size()
@@ -1236,6 +1262,9 @@ def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:
 
 
 def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    error = _rank_errors(values)
+    if error:
+        return Verdict(False, error, {"error": error})
     rows, over = [], []
     for v in values:
         bound, terms = peak_memory_bound(v)

@@ -301,3 +301,18 @@ def test_checks_are_listed_with_stable_names_and_the_init_claim() -> None:
     assert all(c.env == {"MALLOC_MMAP_THRESHOLD_": "65536"}
                for c in init.CHECKS if c.name.startswith("init.peak_memory"))
     assert not set(names) & {c.name for c in init.SEEDS_CHECKS}
+
+
+def raw_param_model() -> nn.Module:
+    """A user's model with a module that owns a parameter but has no reset_parameters()."""
+    return nn.Sequential(nn.Linear(8, 8), _RawParam(), nn.Linear(4, 8))
+
+
+@pytest.mark.world_size(2)
+def test_a_model_that_cannot_be_meta_initialized_gets_one_clear_finding(ranks: Ranks) -> None:
+    user = ModelSpec(reference=None, factory=f"{__name__}:raw_param_model", block_cls=("Linear",))
+    for name in ("init.weights.fsdp2", "init.train_step.fsdp1", "init.broadcast_rank0.fsdp1"):
+        verdict = run_check(ranks, check(name), spec=user)
+        assert not verdict.passed, name
+        assert "1 (_RawParam)" in verdict.message and "define reset_parameters()" in verdict.message
+        assert "Traceback" not in verdict.message, name
