@@ -21,7 +21,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.harness import CheckSkipped, RankContext, traceback_text
+from fsdp_conformance import harness
+from fsdp_conformance.harness import (
+    _UNPICKLABLE_VALUE,
+    CheckSkipped,
+    RankContext,
+    traceback_text,
+)
 
 #: Modules and classes whose attributes a check might monkeypatch; restored after each check.
 _GUARDED = (
@@ -207,16 +213,7 @@ def main(argv: Sequence[str]) -> None:
         try:
             conn.send(reply)
         except Exception as exc:  # noqa: BLE001 - an unpicklable return value
-            conn.send(
-                (
-                    task_id,
-                    "error",
-                    None,
-                    f"the check returned a value that cannot be pickled ({exc}); "
-                    "return plain data (dicts, lists, numbers, strings)",
-                    reply[4],
-                )
-            )
+            conn.send((task_id, "error", None, _UNPICKLABLE_VALUE.format(exc=exc), reply[4]))
     _shutdown()
 
 
@@ -224,7 +221,11 @@ def _load_parent_main(path: str) -> None:
     """Import the parent's script as ``__mp_main__`` (as multiprocessing's spawn does)."""
     import runpy
 
-    namespace = runpy.run_path(path, run_name="__mp_main__")
+    harness._loading_parent_main = True
+    try:
+        namespace = runpy.run_path(path, run_name="__mp_main__")
+    finally:
+        harness._loading_parent_main = False
     module = types.ModuleType("__mp_main__")
     module.__dict__.update(namespace)
     sys.modules["__mp_main__"] = module

@@ -42,6 +42,13 @@ STACK_DUMP_WAIT_S = 0.5
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
 
+_UNPICKLABLE_VALUE = (
+    "the check returned a value that cannot be pickled ({exc}); "
+    "return plain data (dicts, lists, numbers, strings)"
+)
+#: Set by a rank process while it imports the parent's ``__main__`` script.
+_loading_parent_main = False
+
 
 # --------------------------------------------------------------------------------------------
 # What a check sees on its rank
@@ -194,6 +201,13 @@ class RankPool:
         start_timeout: float = 60.0,
         pg_timeout: float = 300.0,
     ) -> None:
+        if _loading_parent_main:
+            # As multiprocessing's spawn: the script is re-imported on every rank, so an
+            # unguarded pool at its top level would start ranks from within each rank.
+            raise HarnessError(
+                "a RankPool was started while a rank imported the parent's __main__ script; "
+                "start pools under `if __name__ == \"__main__\":` in that script"
+            )
         if world_size < 1:
             raise HarnessError(f"world_size must be >= 1, got {world_size}")
         if backend not in ("gloo", "nccl"):
@@ -372,7 +386,7 @@ class RankPool:
             if remaining <= 0:
                 break
             for conn in wait(list(pending), timeout=remaining):
-                r = pending.pop(conn)  # type: ignore[arg-type]
+                r = pending.pop(conn)  # type: ignore[arg-type,call-overload]
                 outcomes[r.rank] = self._receive(r, task_id)
                 if not outcomes[r.rank].ok and outcomes[r.rank].status != "skip":
                     # Someone failed: the others may be stuck in a collective with it.
@@ -574,6 +588,11 @@ class LauncherRunner:
 
         status, value, detail, caught = execute_check(fn, self.ctx, args, kwargs)
         mine = RankOutcome(self.rank, status, value, detail, tuple(caught))
+        try:
+            pickle.dumps(mine)
+        except Exception as exc:  # noqa: BLE001 - must still join the all-gather, or all hang
+            detail = _UNPICKLABLE_VALUE.format(exc=exc)
+            mine = RankOutcome(self.rank, "error", detail=detail, warnings=mine.warnings)
         return all_gather_objects(mine, self.device_type)
 
 

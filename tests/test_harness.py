@@ -1,0 +1,764 @@
+"""The rank harness, proven by injecting each fault it must report.
+
+Fault injection runs in separate pytest sessions (the plugin loaded through its ``pytest11``
+entry point), one session per module for all the faults, and asserts both the outcome and what
+the report says. The pool's own behaviour (reuse, rebuild, fresh processes, clean global state)
+is tested in-process through the ``ranks`` fixture; the check functions for those live at module
+level here, so that the ranks can unpickle them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_conformance.harness import HarnessError, RankContext, RankFailure
+
+pytestmark = pytest.mark.cpu
+
+#: Wall-clock limit for one inner pytest session (a guard, not a timing assertion).
+SESSION_LIMIT_S = 300
+
+WORKER_MODULE = "fsdp_conformance._worker"
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: inner sessions and the processes they leave
+# --------------------------------------------------------------------------------------------
+
+
+def inner_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without anything that would steer an inner session."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(extra or {})
+    return env
+
+
+def start_session(
+    directory: Path, args: Sequence[str], env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *args],
+        cwd=directory,
+        env=inner_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@dataclasses.dataclass
+class Session:
+    """A finished inner pytest session: where it ran, its pid and its result."""
+
+    directory: Path
+    pid: int
+    result: pytest.RunResult
+
+
+def finish_session(proc: subprocess.Popen[str], directory: Path) -> Session:
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=SESSION_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"inner pytest session ran over {SESSION_LIMIT_S}s:\n{out}")
+    result = pytest.RunResult(proc.returncode, out.splitlines(), [], time.monotonic() - start)
+    return Session(directory, proc.pid, result)
+
+
+def run_session(
+    directory: Path, args: Sequence[str], env: Mapping[str, str] | None = None
+) -> Session:
+    return finish_session(start_session(directory, args, env), directory)
+
+
+def rank_processes_of(session: Session) -> list[str]:
+    """Live rank processes of a session: started by its pid, or in its folder (xdist workers)."""
+    pattern = re.compile(rf"'parent_pid': {session.pid}\b")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
+        except OSError:  # the process ended while we looked, or is not ours to read
+            continue
+        if WORKER_MODULE in cmdline and (
+            pattern.search(cmdline) or Path(cwd) == session.directory.resolve()
+        ):
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def failure_section(result: pytest.RunResult, test_name: str) -> pytest.LineMatcher:
+    """The lines of one test's failure report (from its ``___ name ___`` header to the next)."""
+    lines = result.outlines
+    header = re.compile(rf"^_+ {re.escape(test_name)}(\[.*\])? _+$")
+    starts = [i for i, line in enumerate(lines) if header.match(line)]
+    assert starts, f"no failure section for {test_name}:\n" + "\n".join(lines)
+    end = starts[0] + 1
+    while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
+        end += 1
+    return pytest.LineMatcher(lines[starts[0] : end])
+
+
+# --------------------------------------------------------------------------------------------
+# One inner session, every fault
+# --------------------------------------------------------------------------------------------
+
+FAULTS_CONFTEST = """
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # Runs after the plugin closed its pools, while this process still lives: any rank
+    # process still running now was leaked by the harness.
+    pattern = re.compile(r"'parent_pid': %d\\b" % os.getpid())
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\\0", b" ").decode()
+        except OSError:
+            continue
+        if "fsdp_conformance._worker" in cmdline and pattern.search(cmdline):
+            left.append(entry.name)
+    Path("leftover-ranks.txt").write_text(" ".join(left))
+"""
+
+FAULTS = """
+import ctypes
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from fsdp_conformance.harness import skip_rank
+
+pytestmark = pytest.mark.cpu
+
+
+def _raise_on_rank1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank one is unhappy")
+    return ctx.rank
+
+
+def _raise_on_every_rank(ctx):
+    raise KeyError(f"missing key on rank {ctx.rank}")
+
+
+def _sigkill(ctx, victim):
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def _exit_early(ctx, victim):
+    if ctx.rank == victim:
+        os._exit(7)
+    dist.barrier()
+
+
+def _segfault_rank1(ctx):
+    if ctx.rank == 1:
+        ctypes.string_at(0)
+    dist.barrier()
+
+
+def _spin_forever():
+    while True:
+        time.sleep(0.05)
+
+
+def _hang_rank1(ctx):
+    if ctx.rank == 1:
+        _spin_forever()
+    dist.barrier()  # rank 0 waits here for rank 1, forever
+
+
+def _skip_everywhere(ctx):
+    skip_rank("feature X is missing in this torch")
+
+
+def _skip_rank0_only(ctx):
+    if ctx.rank == 0:
+        skip_rank("rank 0 thinks feature X is missing")
+    return ctx.rank
+
+
+def _rank(ctx):
+    return ctx.rank
+
+
+def test_exception_on_one_rank(ranks):
+    ranks.run(_raise_on_rank1)
+
+
+def test_exceptions_on_all_ranks(ranks):
+    ranks.run(_raise_on_every_rank)
+
+
+def test_sigkill_rank1(ranks):
+    ranks.run(_sigkill, 1)
+
+
+def test_sigkill_rank0(ranks):
+    ranks.run(_sigkill, 0)
+
+
+def test_os_exit_rank1(ranks):
+    ranks.run(_exit_early, 1)
+
+
+def test_os_exit_rank0(ranks):
+    ranks.run(_exit_early, 0)
+
+
+def test_segfault_rank1(ranks):
+    ranks.run(_segfault_rank1)
+
+
+def test_hang_rank1(ranks):
+    ranks.configured(timeout=2).run(_hang_rank1)
+
+
+def test_skip_on_every_rank(ranks):
+    ranks.run(_skip_everywhere)
+
+
+def test_skip_on_one_rank(ranks):
+    ranks.run(_skip_rank0_only)
+
+
+def test_clean_check_after_all_faults(ranks):
+    assert ranks.run(_rank) == [0, 1]
+"""
+
+FAULT_TESTS = (
+    "test_exception_on_one_rank",
+    "test_exceptions_on_all_ranks",
+    "test_sigkill_rank1",
+    "test_sigkill_rank0",
+    "test_os_exit_rank1",
+    "test_os_exit_rank0",
+    "test_segfault_rank1",
+    "test_hang_rank1",
+    "test_skip_on_one_rank",
+)
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Session:
+    directory = tmp_path_factory.mktemp("faults")
+    (directory / "conftest.py").write_text(FAULTS_CONFTEST)
+    (directory / "test_faults.py").write_text(FAULTS)
+    return run_session(directory, ["test_faults.py", "-m", "cpu"])
+
+
+def test_fault_session_outcomes(faults: Session) -> None:
+    faults.result.assert_outcomes(failed=len(FAULT_TESTS), passed=1, skipped=1)
+    faults.result.stdout.fnmatch_lines(
+        [f"FAILED test_faults.py::{name}*" for name in FAULT_TESTS], consecutive=False
+    )
+
+
+def test_exception_on_one_rank_shows_that_ranks_traceback(faults: Session) -> None:
+    section = failure_section(faults.result, "test_exception_on_one_rank")
+    section.fnmatch_lines(
+        [
+            (
+                "*RankFailure: check '*_raise_on_rank1' failed on 2 ranks: "
+                "rank 0 passed, rank 1 raised"
+            ),
+            "*--- rank 1: raised ---",
+            "*Traceback (most recent call last):",
+            "*in _raise_on_rank1",
+            "*ValueError: rank one is unhappy",
+        ]
+    )
+    section.no_fnmatch_line("*--- rank 0:*")
+
+
+def test_exceptions_on_all_ranks_label_each_traceback_by_rank(faults: Session) -> None:
+    section = failure_section(faults.result, "test_exceptions_on_all_ranks")
+    section.fnmatch_lines(
+        [
+            "*failed on 2 ranks: rank 0 raised, rank 1 raised",
+            "*--- rank 0: raised ---",
+            "*in _raise_on_every_rank",
+            "*KeyError: 'missing key on rank 0'",
+            "*--- rank 1: raised ---",
+            "*in _raise_on_every_rank",
+            "*KeyError: 'missing key on rank 1'",
+        ]
+    )
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigkilled_rank_is_named_with_its_signal_and_the_others_story(
+    faults: Session, victim: int
+) -> None:
+    other = 1 - victim
+    section = failure_section(faults.result, f"test_sigkill_rank{victim}")
+    section.fnmatch_lines([f"*failed on 2 ranks: *rank {victim} died*"])
+    section.fnmatch_lines(
+        [
+            f"*--- rank {victim}: died ---",
+            "*killed by SIGKILL (exit status -9) before reporting*",
+        ]
+    )
+    # What the survivor was doing: gloo's error from the barrier, or its stack in the barrier.
+    section.fnmatch_lines([f"*--- rank {other}: *"])
+    section.fnmatch_lines(["*barrier*"])
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_calling_os_exit_is_named_with_its_exit_code(faults: Session, victim: int) -> None:
+    other = 1 - victim
+    section = failure_section(faults.result, f"test_os_exit_rank{victim}")
+    section.fnmatch_lines([f"*failed on 2 ranks: *rank {victim} died*"])
+    section.fnmatch_lines(
+        [f"*--- rank {victim}: died ---", "*exited with code 7 before reporting*"]
+    )
+    section.fnmatch_lines([f"*--- rank {other}: *"])
+    section.fnmatch_lines(["*barrier*"])
+
+
+def test_segfaulting_rank_shows_sigsegv_and_its_python_stack(faults: Session) -> None:
+    section = failure_section(faults.result, "test_segfault_rank1")
+    section.fnmatch_lines(
+        [
+            "*failed on 2 ranks: *rank 1 died*",
+            "*--- rank 1: died ---",
+            "*killed by SIGSEGV (exit status -11) before reporting; its log ends:",
+            "*Fatal Python error: Segmentation fault*",
+            "*in _segfault_rank1",
+        ]
+    )
+
+
+def test_hanging_rank_is_stopped_after_the_timeout_with_every_ranks_stack(
+    faults: Session,
+) -> None:
+    section = failure_section(faults.result, "test_hang_rank1")
+    section.fnmatch_lines(
+        [
+            "*failed on 2 ranks: rank 0 did not finish, rank 1 did not finish",
+            "*--- rank 0: did not finish ---",
+            "*no result after the check's timeout of 2s; its stacks:",
+            "*in barrier",
+            "*--- rank 1: did not finish ---",
+            "*no result after the check's timeout of 2s; its stacks:",
+            "*in _spin_forever",
+            "*in _hang_rank1",
+        ]
+    )
+
+
+def test_skip_on_every_rank_skips_the_test_with_the_reason(faults: Session) -> None:
+    faults.result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: feature X is missing in this torch"])
+
+
+def test_skip_on_one_rank_only_is_a_failure_saying_the_ranks_disagree(faults: Session) -> None:
+    section = failure_section(faults.result, "test_skip_on_one_rank")
+    section.fnmatch_lines(
+        [
+            "*ranks disagree on skipping (rank 0 skipped, rank 1 passed)*",
+            "*--- rank 0: skipped ---",
+            "*rank 0 thinks feature X is missing",
+        ]
+    )
+
+
+def test_faults_do_not_end_the_session_and_later_checks_run_on_clean_ranks(
+    faults: Session,
+) -> None:
+    faults.result.stdout.fnmatch_lines(
+        ["PASSED test_faults.py::test_clean_check_after_all_faults*"]
+    )
+
+
+def test_no_rank_process_is_left_behind_after_the_faults(faults: Session) -> None:
+    leftover = (faults.directory / "leftover-ranks.txt").read_text()
+    assert leftover == "", f"rank processes still running at the end of the session: {leftover}"
+    assert rank_processes_of(faults) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The pool, in-process (the `ranks` fixture of this very session)
+# --------------------------------------------------------------------------------------------
+
+
+def _pid(ctx: RankContext) -> int:
+    return os.getpid()
+
+
+def _raise_on_rank1(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        raise ValueError("rank one is unhappy")
+
+
+def _abort_after_reporting(ctx: RankContext) -> int:
+    """Simulate gloo's abort at exit: this rank dies 0.3 s after its result went out."""
+    if ctx.rank == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
+        timer = threading.Timer(0.3, os.abort)
+        timer.daemon = True
+        timer.start()
+    return os.getpid()
+
+
+def _env(ctx: RankContext, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _pid_and_env(ctx: RankContext, name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
+def _global_state(ctx: RankContext) -> dict[str, Any]:
+    import torch
+
+    kaiming = torch.nn.init.kaiming_normal_
+    return {
+        "dtype": str(torch.get_default_dtype()),
+        "device": str(torch.empty(0).device),
+        "grad": torch.is_grad_enabled(),
+        "kaiming_normal_": f"{kaiming.__module__}.{kaiming.__qualname__}",
+        "leak": os.environ.get("FSDP_CONFORMANCE_TEST_LEAK"),
+        "cwd": os.getcwd(),
+        "first_random": torch.rand(1, device="cpu").item(),
+    }
+
+
+def _no_init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    return tensor
+
+
+def _dirty_global_state(ctx: RankContext) -> dict[str, Any]:
+    import torch
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+    torch.set_grad_enabled(False)
+    torch.nn.init.kaiming_normal_ = _no_init
+    os.environ["FSDP_CONFORMANCE_TEST_LEAK"] = "1"
+    os.chdir("/")
+    torch.manual_seed(1234)
+    return _global_state(ctx)
+
+
+def _return_unpicklable(ctx: RankContext) -> Any:
+    return lambda: ctx.rank
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this value only loads on a rank")
+
+
+class _LoadsOnlyOnRanks:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_to_load, ())
+
+
+def _return_unloadable(ctx: RankContext) -> Any:
+    return _LoadsOnlyOnRanks()
+
+
+def _process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited: gone, or a zombie with no thread left.
+
+    A zombie leader whose other threads are still dying (the aborting thread, say) is not yet
+    reported to ``waitpid``: its parent still sees it running.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    state = fields.get("State", "").split()[:1]
+    return state in (["Z"], ["X"]) and fields.get("Threads", "1").strip() == "1"
+
+
+def wait_until_gone(pid: int, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not _process_gone(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"process {pid} still running after {limit_s}s")
+        time.sleep(0.05)
+
+
+@pytest.mark.world_size(2)
+def test_warm_pool_is_reused_across_checks(ranks) -> None:
+    first = ranks.run(_pid)
+    second = ranks.run(_pid)
+    assert first == second
+    assert len(set(first)) == 2 and os.getpid() not in first
+
+
+@pytest.mark.world_size(2)
+def test_leftover_scan_finds_the_live_ranks_of_this_session(ranks) -> None:
+    # The scan the fault tests rely on must not be vacuous: it sees this session's warm ranks.
+    pids = ranks.run(_pid)
+    this_session = Session(Path.cwd(), os.getpid(), None)  # type: ignore[arg-type]
+    found = {int(line.split(":")[0]) for line in rank_processes_of(this_session)}
+    assert set(pids) <= found
+
+
+@pytest.mark.world_size(2)
+def test_pool_is_rebuilt_after_a_failure(ranks) -> None:
+    before = ranks.run(_pid)
+    with pytest.raises(RankFailure, match="rank 1 raised"):
+        ranks.run(_raise_on_rank1)
+    after = ranks.run(_pid)
+    assert set(after).isdisjoint(before)
+    for pid in before:
+        assert _process_gone(pid), f"rank process {pid} of the failed pool still runs"
+
+
+@pytest.mark.world_size(2)
+def test_rank_dying_after_reporting_passes_and_the_next_check_gets_a_fresh_pool(ranks) -> None:
+    pids = ranks.run(_abort_after_reporting)  # passes: every rank reported before the abort
+    wait_until_gone(pids[1])
+    after = ranks.run(_pid)
+    assert set(after).isdisjoint(pids)
+
+
+@pytest.mark.world_size(2)
+def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
+    warm = ranks.run(_pid)
+    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
+    assert [value for _, value in seen] == ["65536", "65536"]
+    assert {pid for pid, _ in seen}.isdisjoint(warm)
+    assert all(_process_gone(pid) for pid, _ in seen)  # fresh ranks end with their check
+    # The warm pool neither saw the variable nor was replaced.
+    assert ranks.run(_env, "MALLOC_MMAP_THRESHOLD_") == [None, None]
+    assert ranks.run(_pid) == warm
+
+
+@pytest.mark.world_size(2)
+def test_each_check_starts_from_the_same_global_state(ranks) -> None:
+    pids = ranks.run(_pid)
+    clean = ranks.run(_global_state)
+    dirty = ranks.run(_dirty_global_state)
+    assert dirty[0]["dtype"] == "torch.float64" and dirty[0]["leak"] == "1"  # the check did it
+    assert ranks.run(_global_state) == clean
+    assert clean[0]["dtype"] == "torch.float32"
+    assert clean[0]["kaiming_normal_"] == "torch.nn.init.kaiming_normal_"
+    assert clean[0]["leak"] is None
+    assert ranks.run(_pid) == pids  # same warm processes throughout
+
+
+@pytest.mark.world_size(2)
+def test_unpicklable_check_is_a_harness_error_naming_the_fix(ranks) -> None:
+    pids = ranks.run(_pid)
+    with pytest.raises(HarnessError, match="cannot be pickled.*define check functions at module"):
+        ranks.run(lambda ctx: ctx.rank)
+    assert ranks.run(_pid) == pids  # nothing reached the ranks: the pool is still good
+
+
+@pytest.mark.world_size(2)
+def test_unpicklable_return_value_fails_with_a_clear_message(ranks) -> None:
+    with pytest.raises(RankFailure) as info:
+        ranks.run(_return_unpicklable)
+    message = str(info.value)
+    assert "rank 0 raised, rank 1 raised" in message
+    assert "the check returned a value that cannot be pickled" in message
+    assert "return plain data" in message
+
+
+@pytest.mark.world_size(2)
+def test_return_value_that_cannot_load_in_the_parent_fails_with_a_clear_message(ranks) -> None:
+    with pytest.raises(RankFailure) as info:
+        ranks.run(_return_unloadable)
+    message = str(info.value)
+    assert "the parent could not unpickle this rank's reply" in message
+    assert "this value only loads on a rank" in message
+    assert ranks.run(_env, "HOME") is not None  # and the next check runs
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions side by side
+# --------------------------------------------------------------------------------------------
+
+SIDE_BY_SIDE = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _sum_of_ranks(ctx, offset):
+    t = torch.tensor([ctx.rank + offset])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.parametrize("offset", range(4))
+def test_all_reduce(ranks, offset):
+    assert ranks.run(_sum_of_ranks, offset) == [1 + 2 * offset] * 2
+"""
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Session]:
+    """Two sessions at once in two folders: a plain one and one with two xdist workers."""
+    started = {}
+    for name, extra in (("plain", []), ("xdist", ["-n", "2"])):
+        directory = tmp_path_factory.mktemp(name)
+        (directory / "test_side.py").write_text(SIDE_BY_SIDE)
+        started[name] = (start_session(directory, ["test_side.py", "-m", "cpu", *extra]), directory)
+    return {name: finish_session(proc, directory) for name, (proc, directory) in started.items()}
+
+
+def test_two_sessions_side_by_side_both_pass(side_by_side: dict[str, Session]) -> None:
+    for session in side_by_side.values():
+        session.result.assert_outcomes(passed=4)
+
+
+def test_xdist_workers_each_get_their_own_pools(side_by_side: dict[str, Session]) -> None:
+    side_by_side["xdist"].result.stdout.fnmatch_lines(["*2 workers*"])
+    side_by_side["xdist"].result.assert_outcomes(passed=4)
+
+
+def test_sessions_side_by_side_leave_no_rank_process(side_by_side: dict[str, Session]) -> None:
+    for session in side_by_side.values():
+        assert rank_processes_of(session) == []
+
+
+# --------------------------------------------------------------------------------------------
+# External launcher (torchrun)
+# --------------------------------------------------------------------------------------------
+
+LAUNCHED = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+
+def _rank_and_pid(ctx):
+    return [ctx.rank, os.getpid()]
+
+
+def _raise_on_rank1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("only rank 1 fails")
+    return ctx.rank
+
+
+def test_runs_in_process_on_the_launchers_group(ranks):
+    values = ranks.run(_rank_and_pid)
+    assert [rank for rank, _ in values] == [0, 1]
+    assert values[int(os.environ["RANK"])][1] == os.getpid()  # no rank pool: this process
+
+
+def _unpicklable_on_rank1(ctx):
+    return (lambda: None) if ctx.rank == 1 else ctx.rank
+
+
+def test_failure_on_one_rank(ranks):
+    ranks.run(_raise_on_rank1)
+
+
+def test_unpicklable_value_on_one_rank(ranks):
+    ranks.run(_unpicklable_on_rank1)
+"""
+
+
+def run_torchrun(directory: Path, *pytest_args: str) -> tuple[int, dict[int, pytest.LineMatcher]]:
+    """Run pytest under torchrun on 2 local ranks: its exit code and each rank's output."""
+    logs = directory / f"logs-{'-'.join(pytest_args)}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--redirects", "3", "--log-dir", str(logs),
+        "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-m", "cpu",
+        "--fsdp-timeout=5",  # the outer guard (pytest-timeout) becomes 85 s: a hang fails
+        *pytest_args,
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, cwd=directory, env=inner_env(), capture_output=True, text=True,
+            timeout=SESSION_LIMIT_S, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun ran over {SESSION_LIMIT_S}s; the ranks' logs are in {logs}")
+    by_rank = {}
+    for rank in (0, 1):
+        found = sorted(logs.glob(f"*/attempt_*/{rank}/stdout.log"))
+        assert found, f"no output of rank {rank} under {logs}; torchrun said:\n{proc.stderr}"
+        by_rank[rank] = pytest.LineMatcher(found[-1].read_text().splitlines())
+    return proc.returncode, by_rank
+
+
+@pytest.fixture(scope="module")
+def launched_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("launched")
+    (directory / "test_launched.py").write_text(LAUNCHED)
+    return directory
+
+
+def test_under_torchrun_every_ranks_pytest_passes(launched_dir: Path) -> None:
+    returncode, ranks_output = run_torchrun(launched_dir, "test_launched.py", "-k", "in_process")
+    for output in ranks_output.values():
+        output.fnmatch_lines(
+            ["*ranks: external launcher (env://)*", "*= 1 passed, 2 deselected in *"]
+        )
+    assert returncode == 0
+
+
+def test_under_torchrun_a_check_failing_on_one_rank_fails_on_every_rank(
+    launched_dir: Path,
+) -> None:
+    returncode, ranks_output = run_torchrun(
+        launched_dir, "test_launched.py", "-k", "failure or unpicklable"
+    )
+    for output in ranks_output.values():
+        output.fnmatch_lines(
+            [
+                "*RankFailure: check '*_raise_on_rank1' failed on 2 ranks: rank 0 passed, *",
+                "*ValueError: only rank 1 fails",
+            ]
+        )
+        # An unpicklable value on one rank still joins the all-gather: a failure, not a hang.
+        output.fnmatch_lines(
+            [
+                "*RankFailure: check '*_unpicklable_on_rank1' failed on 2 ranks: rank 0 passed, *",
+                "*the check returned a value that cannot be pickled*",
+            ]
+        )
+        output.fnmatch_lines(
+            [
+                "FAILED test_launched.py::test_failure_on_one_rank*",
+                "FAILED test_launched.py::test_unpicklable_value_on_one_rank*",
+                "*= 2 failed, 1 deselected in *",
+            ]
+        )
+    assert returncode != 0

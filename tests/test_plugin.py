@@ -1,0 +1,193 @@
+"""The pytest plugin, end to end: each test runs a separate pytest session (``pytester``) that
+loads the plugin through its ``pytest11`` entry point, and asserts on its outcome and output."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+
+from fsdp_conformance.harness import cuda_device_count
+
+pytestmark = pytest.mark.cpu
+
+LANES = """
+import pytest
+
+
+def _rank(ctx):
+    return ctx.rank
+
+
+def test_unmarked():
+    pass
+
+
+@pytest.mark.gpu
+def test_gpu_with_ranks(ranks):
+    ranks.run(_rank)
+
+
+@pytest.mark.gpu
+def test_gpu_without_ranks():
+    import torch
+
+    assert torch.cuda.is_available()
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_outer_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inner sessions see only the settings a test gives them."""
+    for name in list(os.environ):
+        if name.startswith("FSDP_CONFORMANCE_"):
+            monkeypatch.delenv(name)
+
+
+def test_markers_are_registered_and_listed(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--markers")
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.cpu: runs on gloo on any machine*",
+            "@pytest.mark.gpu: needs CUDA and NCCL*",
+            "@pytest.mark.world_size(*sizes): run this test once per world size*",
+        ],
+        consecutive=False,
+    )
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_unmarked_test_is_in_the_cpu_lane(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_lanes=LANES)
+    result = pytester.runpytest_subprocess("-m", "cpu", "-rA")
+    result.assert_outcomes(passed=1, deselected=2)
+    result.stdout.fnmatch_lines(["PASSED test_lanes.py::test_unmarked"])
+
+
+def test_every_test_carries_a_lane_marker(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_lanes=LANES)
+    result = pytester.runpytest_subprocess("-m", "not cpu and not gpu")
+    result.assert_outcomes(deselected=3)
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without CUDA")
+def test_gpu_lane_on_a_cpu_machine_skips_with_the_reason_and_exits_0(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_lanes=LANES)
+    result = pytester.runpytest_subprocess("-m", "gpu", "-rA")
+    result.assert_outcomes(skipped=2, deselected=1)
+    result.stdout.fnmatch_lines(
+        ["SKIPPED [[]2[]] *gpu lane: no CUDA device (torch.cuda.is_available() is False)"]
+    )
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_bad_setting_from_the_environment_is_a_usage_error_naming_the_variable(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_lanes=LANES)
+    monkeypatch.setenv("FSDP_CONFORMANCE_WORLD_SIZES", "x")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            (
+                "ERROR: invalid world_sizes 'x' from environment variable "
+                "FSDP_CONFORMANCE_WORLD_SIZES: 'x' is not a positive integer; "
+                "expected N[[],N...[]]*"
+            )
+        ]
+    )
+
+
+def test_bad_setting_on_the_command_line_is_a_usage_error_naming_the_flag(
+    pytester: pytest.Pytester,
+) -> None:
+    result = pytester.runpytest_subprocess("--fsdp-timeout=-1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: invalid timeout '-1' from command line --fsdp-timeout*"])
+
+
+def test_report_header_shows_torch_version_and_world_sizes(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_lanes=LANES)
+    monkeypatch.setenv("FSDP_CONFORMANCE_WORLD_SIZES", "2,4")
+    result = pytester.runpytest_subprocess("--co")
+    torch_version = importlib.metadata.version("torch")
+    result.stdout.fnmatch_lines(
+        [f"fsdp-conformance: torch {torch_version} (*), *world sizes 2,4, *ranks: warm pool*"]
+    )
+
+
+WORLD_SIZES = """
+import pytest
+
+
+@pytest.mark.world_size(1, 3)
+def test_marked(world_size):
+    pass
+
+
+def test_default(world_size):
+    pass
+
+
+def test_uses_ranks(ranks):
+    pass
+"""
+
+PRINT_TIMEOUTS = """
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        print(f"TIMEOUT {item.name}: {marker.args if marker else None}")
+"""
+
+
+def test_world_size_marker_parametrizes_and_ranks_tests_get_an_outer_timeout(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_sizes=WORLD_SIZES)
+    pytester.makeconftest(PRINT_TIMEOUTS)
+    result = pytester.runpytest_subprocess("--co", "-q", "-s", "--fsdp-timeout=10")
+    for line in [
+        "test_sizes.py::test_marked[[]ws1[]]",
+        "test_sizes.py::test_marked[[]ws3[]]",
+        "test_sizes.py::test_default[[]ws2[]]",
+        "test_sizes.py::test_uses_ranks[[]ws2-cpu[]]",
+        "test_sizes.py::test_uses_ranks[[]ws2-gpu[]]",
+        # pytest-timeout guards every test that runs ranks: several checks' worth of time.
+        "TIMEOUT test_uses_ranks[[]ws2-cpu[]]: (110.0,)",
+        "TIMEOUT test_marked[[]ws1[]]: None",
+    ]:
+        result.stdout.fnmatch_lines([line])
+
+
+def test_bad_world_size_marker_names_the_test_and_the_fix(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_bad="""
+        import pytest
+
+        @pytest.mark.world_size(0)
+        def test_zero(world_size):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(
+        [
+            (
+                "*test_bad.py::test_zero: world_size marker takes positive integers, got (0,); "
+                "write e.g. @pytest.mark.world_size(2, 4)"
+            )
+        ]
+    )
