@@ -326,8 +326,17 @@ def unit_differences(
         for field in compare:
             a, b = getattr(exp[fqn], field), getattr(act[fqn], field)
             if a != b:
-                diffs.append(f"~ unit {fqn or '(root)'}: {field} expected {a!r}, got {b!r}")
+                diffs.append(
+                    f"~ unit {fqn or '(root)'}: {field} expected {_show(a)}, got {_show(b)}"
+                )
     return diffs
+
+
+def _show(value: Any) -> str:
+    """Counts with thousands separators (as in the trees), everything else as repr."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return repr(value)
 
 
 def format_unit_mismatch(

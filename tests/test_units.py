@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from fsdp_conformance.models import (
     SEED_MIN_PARAMS,

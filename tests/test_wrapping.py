@@ -1,0 +1,258 @@
+"""The wrap claim on real ranks, FSDP1 and FSDP2: each check passes on the recommended policy
+and fails, with a specific message, on a broken one (negative controls)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from fsdp_conformance.harness import Ranks
+from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.wrapping import (
+    BF16_LOSS_RTOL,
+    FP32_ATOL,
+    inspect_units,
+    mixed_config_units,
+    prefetch_order,
+    train_parity,
+    verdict_accounting,
+    verdict_backward_prefetch,
+    verdict_coarse,
+    verdict_forward_prefetch,
+    verdict_mixed,
+    verdict_plan_matches,
+    verdict_train,
+    verdict_unit_set,
+)
+
+VERSIONS = ("fsdp1", "fsdp2")
+#: dim 30: the head (30 x 234 + 234 = 7,254) does not divide by 4, so padding shows at ws 4.
+ODD = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=30))
+SMALL = ModelSpec(reference="massive", config=ModelConfig(num_layers=3, dim=32))
+TIED = ModelSpec(reference="tied", config=ModelConfig(num_layers=2, dim=32))
+LORA = ModelSpec(reference="lora", config=ModelConfig(num_layers=2, dim=30))
+EMB = ModelSpec(reference="embedding_classifier", config=ModelConfig(num_layers=2, dim=32))
+
+
+def _all_unit_verdicts(values: list[Any], params: dict[str, Any]) -> None:
+    for verdict_fn in (verdict_unit_set, verdict_plan_matches, verdict_accounting):
+        verdict = verdict_fn(values, params)
+        assert verdict.passed, verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# Exact unit set, plan == actual, parameter accounting
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2, 4)
+def test_recommended_units_exact_plan_and_accounting(ranks: Ranks, world_size: int) -> None:
+    # The tied model at world size 2 only: a 4-rank pool is the costly part on 2 cores.
+    for version in VERSIONS:
+        for spec in (ODD, TIED) if world_size == 2 else (ODD,):
+            params = {"spec": spec, "version": version, "policy": "recommended"}
+            values = ranks.run(inspect_units, **params)
+            assert len(values) == world_size
+            _all_unit_verdicts(values, params)
+            accounting = verdict_accounting(values, params)
+            if spec is ODD and world_size == 4:
+                # 7,254 head elements over 4 ranks: FSDP1 pads its flat parameter to 7,256.
+                assert accounting.figures["padding"] >= (2 if version == "fsdp1" else 0)
+
+
+@pytest.mark.world_size(2)
+def test_mixed_requires_grad_block_is_one_unit(ranks: Ranks) -> None:
+    # FSDP1 needs use_orig_params=True for a block mixing frozen and trainable parameters;
+    # its flat parameter then carries alignment padding, which accounting must subtract.
+    for version in VERSIONS:
+        params = {"spec": LORA, "version": version, "policy": "recommended"}
+        values = ranks.run(inspect_units, **params)
+        _all_unit_verdicts(values, params)
+        if version == "fsdp1":
+            block = next(u for u in values[0]["actual"] if u["fqn"] == "layers.0")
+            assert block["flat_numel"] > block["numel"]  # alignment padding present
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_seeds_policy_fails_the_unit_set(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": SMALL, "version": version, "policy": "seeds"}
+        verdict = verdict_unit_set(ranks.run(inspect_units, **params), params)
+        assert not verdict.passed
+        assert "layers.0.mlp.0 is a unit nested inside the block unit layers.0" in verdict.message
+        assert "expected units:" in verdict.message and "actual units:" in verdict.message
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_blocks_only_misses_the_oversized_head(ranks: Ranks) -> None:
+    params = {"spec": SMALL, "version": "fsdp2", "policy": "blocks_only"}
+    verdict = verdict_unit_set(ranks.run(inspect_units, **params), params)
+    assert not verdict.passed
+    assert "- missing unit head (Linear" in verdict.message
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_plan_that_does_not_describe_the_wrapping(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": SMALL, "version": version, "policy": "recommended",
+                  "apply_policy": "seeds"}
+        verdict = verdict_plan_matches(ranks.run(inspect_units, **params), params)
+        assert not verdict.passed
+        assert "+ unexpected unit layers.0.mlp.0 (Linear" in verdict.message
+
+
+@pytest.mark.world_size(2)
+def test_seeds_policy_on_tied_weights_duplicates_the_weight(ranks: Ranks) -> None:
+    """Negative control for accounting, and what the seeds' policy does to a tied weight:
+    `embed` and `head` become two units that each hold the shared weight."""
+    for version in VERSIONS:
+        params = {"spec": TIED, "version": version, "policy": "seeds"}
+        values = ranks.run(inspect_units, **params)
+        verdict = verdict_accounting(values, params)
+        assert not verdict.passed
+        assert "tied weight embed.weight = head.weight is in 2 units (embed, head)" in (
+            verdict.message)
+        assert "more: a weight is counted in two units" in verdict.message
+        if version == "fsdp1":
+            # FSDP1 flattens the weight twice (two copies); the plan, which assigns each
+            # parameter once, does not describe that.
+            plan = verdict_plan_matches(values, params)
+            assert not plan.passed and "~ unit head: numel expected 0, got 16,000" in plan.message
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_one_rank_with_a_wrong_shard_or_units(ranks: Ranks) -> None:
+    params = {"spec": ODD, "version": "fsdp1", "policy": "recommended"}
+    values = ranks.run(inspect_units, **params)
+    _all_unit_verdicts(values, params)
+    bad = copy.deepcopy(values)
+    bad[1]["actual"][-1]["local_numel"] += 1  # rank 1 alone reports a wrong shard size
+    verdict = verdict_accounting(bad, params)
+    assert not verdict.passed and "rank 1: unit head holds a local shard of" in verdict.message
+    bad = copy.deepcopy(values)
+    bad[1]["actual"] = bad[1]["actual"][:-1]  # rank 1 alone lost a unit
+    verdict = verdict_unit_set(bad, params)
+    assert not verdict.passed and "ranks disagree on the actual units" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# Training parity
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_training_steps_match_single_process_reference(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        for precision in ("fp32", "bf16"):
+            params = {"spec": SMALL, "version": version, "precision": precision}
+            values = ranks.run(train_parity, **params)
+            verdict = verdict_train(values, params)
+            assert verdict.passed, verdict.message
+            if precision == "fp32":
+                assert verdict.figures["max_param_diff"] <= FP32_ATOL
+            else:
+                assert 0 < verdict.figures["loss_rel_diff"] <= BF16_LOSS_RTOL  # really bf16
+                dtypes = {w for v in values for _, w in v["compute_dtypes"].values()}
+                assert dtypes == {"torch.bfloat16"}
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_parameters_outside_fsdp_diverge(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": SMALL, "version": version, "precision": "fp32",
+                  "fault": "unsynced_root"}
+        verdict = verdict_train(ranks.run(train_parity, **params), params)
+        assert not verdict.passed
+        assert "embed.weight's update differs from the reference's by" in verdict.message
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_bf16_not_in_effect_or_params_not_fp32(ranks: Ranks) -> None:
+    params = {"spec": SMALL, "version": "fsdp1", "precision": "bf16",
+              "fault": "no_mixed_precision"}
+    verdict = verdict_train(ranks.run(train_parity, **params), params)
+    assert not verdict.passed and "compute did not run in bf16" in verdict.message
+    params = {"spec": SMALL, "version": "fsdp2", "precision": "bf16", "fault": "params_bf16"}
+    verdict = verdict_train(ranks.run(train_parity, **params), params)
+    assert not verdict.passed
+    assert "stored parameters are ['torch.bfloat16'], expected float32" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# The second seed's mixed configuration
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_mixed_configuration_embedding_no_shard_fp32_blocks_bf16(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": EMB, "version": version}
+        values = ranks.run(mixed_config_units, **params)
+        verdict = verdict_mixed(values, params)
+        assert verdict.passed, verdict.message
+        for v in values:
+            assert v["strategies"]["embedding"] == "NO_SHARD"
+            assert v["compute_dtypes"]["embedding"][1] == "torch.float32"
+            assert v["compute_dtypes"]["layers.0.attn"] == ("torch.bfloat16", "torch.bfloat16")
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_uniform_configuration_is_not_the_mixed_one(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": EMB, "version": version, "fault": "uniform"}
+        verdict = verdict_mixed(ranks.run(mixed_config_units, **params), params)
+        assert not verdict.passed
+        assert "unit embedding is FULL_SHARD, expected NO_SHARD" in verdict.message
+        assert "unit embedding computed with weights in ['torch.bfloat16']" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# Prefetch
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_prefetch_with_one_unit_per_block(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": SMALL, "version": version}
+        values = ranks.run(prefetch_order, **params)
+        for verdict_fn in (verdict_forward_prefetch, verdict_backward_prefetch):
+            verdict = verdict_fn(values, params)
+            assert verdict.passed, verdict.message
+        # Nothing to prefetch is not what per-block wrapping looks like.
+        coarse = verdict_coarse(values, params)
+        assert not coarse.passed and "not a single coarse unit" in coarse.message
+
+
+@pytest.mark.world_size(2)
+def test_one_coarse_unit_has_nothing_to_prefetch(ranks: Ranks) -> None:
+    for version in VERSIONS:
+        params = {"spec": SMALL, "version": version, "policy": "root_only"}
+        values = ranks.run(prefetch_order, **params)
+        assert verdict_coarse(values, params).passed
+        forward = verdict_forward_prefetch(values, params)
+        assert not forward.passed and "there is no next unit to prefetch" in forward.message
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
+    # FSDP1's defaults: forward_prefetch=False, so the next unit is gathered only when its
+    # block starts; backward_prefetch=None likewise gathers late in backward.
+    params = {"spec": SMALL, "version": "fsdp1", "forward_prefetch": False,
+              "backward_prefetch": False}
+    values = ranks.run(prefetch_order, **params)
+    forward = verdict_forward_prefetch(values, params)
+    assert not forward.passed
+    assert "unit layers.1 was not gathered before block layers.0 finished its forward" in (
+        forward.message)
+    backward = verdict_backward_prefetch(values, params)
+    assert not backward.passed
+    assert "unit layers.1 was not gathered before block layers.2 finished its backward" in (
+        backward.message)
+    # FSDP2 without explicit forward prefetch: its implicit prefetch overlaps on CUDA streams
+    # only; in the order the CPU issues all-gathers, unit k+1 comes after block k.
+    params = {"spec": SMALL, "version": "fsdp2", "forward_prefetch": False}
+    forward = verdict_forward_prefetch(ranks.run(prefetch_order, **params), params)
+    assert not forward.passed and "was not gathered before" in forward.message
