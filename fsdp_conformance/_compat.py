@@ -164,3 +164,17 @@ def fsdp2_param_group(module: nn.Module) -> Any | None:
 def fsdp1_original_numels(flat_param: Any) -> list[int]:
     """Numels of the original parameters flattened into an FSDP1 FlatParameter (no padding)."""
     return [int(n) for n in flat_param._numels]
+
+
+# -- attention on meta (private aten op), for activation plans ---------------------------------
+
+
+def flash_attention_cpu_op() -> Callable[..., Any] | None:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (it has a meta kernel), or None.
+
+    On meta, ``scaled_dot_product_attention`` falls back to the math path, which saves the
+    full ``seq x seq`` attention weights for backward; the fused op saves what flash attention
+    saves (q, k, v, output, logsumexp), as on GPU and in the CPU flash kernel.
+    """
+    packet = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return getattr(packet, "default", None) if packet is not None else None
