@@ -475,7 +475,7 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
             lo, hi = (lo, mid) if total(mid) <= device_bytes else (mid, hi)
         w = hi
     at = plan.estimate(w)
-    reason = (f"{w:,} ranks: {fmt_bytes(at.total)} per rank <= {fmt_bytes(device_bytes)}"
+    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {fmt_bytes(at.total)} per rank <= {fmt_bytes(device_bytes)}"
               + (f" (at {w - 1:,} ranks: {fmt_bytes(total(w - 1))})" if w > 1 else ""))
     return DevicesNeeded(device_bytes, w, at.total, floor, max_world_size, reason)
 
@@ -810,7 +810,8 @@ def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: S
                           for d in device_bytes]
     total = next(iter(plans.values())).total_numel
     return {"model": {"label": choice.label, "params": total},
-            "claim": {"text": SEEDS_CLAIM, "fp16_weight_bytes": total * DTYPE_BYTES["fp16"]},
+            "claim": {"text": SEEDS_CLAIM if choice.spec.config == LLAMA_PRESETS["70b"] else None,
+                      "fp16_weight_bytes": total * DTYPE_BYTES["fp16"]},
             "settings": settings.to_dict(), "world_sizes": list(world_sizes),
             "device_bytes": list(device_bytes), "rows": rows, "devices_needed": needed}
 
@@ -819,8 +820,8 @@ def format_comparison(data: Mapping[str, Any]) -> str:
     m, claim = data["model"], data["claim"]
     settings = PlanSettings(**{**data["settings"], "policy": "recommended"})
     devices = data["device_bytes"]
-    lines = [f'the seeds\' claim: "{claim["text"]}"',
-             f"{m['label']}: {m['params']:,} params x 2 B (fp16) = "
+    lines = [f'the seeds\' claim: "{claim["text"]}"'] if claim["text"] else []
+    lines += [f"{m['label']}: {m['params']:,} params x 2 B (fp16) = "
              f"{fmt_bytes(claim['fp16_weight_bytes'])} of weights on one host", "",
              f"estimated peak per rank of a training step ({settings.describe()}):",
              f"{'policy':<12} {'units':>5} {'ranks':>6} {'sharded state':>14} "

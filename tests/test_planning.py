@@ -17,7 +17,7 @@ import pytest
 
 from fsdp_conformance import planning
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.memory import Bound, per_layer_bound
+from fsdp_conformance.memory import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
 
 GB = 10**9
@@ -298,19 +298,21 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
 
 
 def test_comparison_flags_a_reduced_bound_above_and_an_inflated_one_below() -> None:
-    spec = _spec("massive", 2, 64)
-    case = {"spec": spec, "version": "fsdp2", "policy": "recommended", "optimizer": "adamw"}
-    bound = planning.estimate_for_case(case, 2)
-    peak = int(0.8 * bound.total)  # where per-layer peaks land (docs/planning.md)
-    ok, lines = planning.compare_to_measurement(bound, {0: peak, 1: peak}, min_ratio=0.45)
-    assert ok and all(ln.endswith(": ok") for ln in lines)
-    reduced = Bound(tuple(t for t in bound.terms if t.name != "optimizer state"),
-                    bound.tolerance)
-    ok, lines = planning.compare_to_measurement(reduced, {0: peak, 1: peak}, min_ratio=0.45)
-    assert not ok and "ABOVE 1.10 x the estimate" in lines[0]
-    inflated = Bound(bound.terms * 3, bound.tolerance)
-    ok, lines = planning.compare_to_measurement(inflated, {0: peak, 1: peak}, min_ratio=0.45)
-    assert not ok and "BELOW 0.45 x the estimate: the estimate is too loose" in lines[1]
+    terms = (BoundTerm("sharded params", 300, "x"), BoundTerm("optimizer state", 600, "x"),
+             BoundTerm("saved activations", 100, "x"))
+    bound = Bound(terms, 0.10)
+    peaks = {0: 800, 1: 800}  # where per-layer peaks land: 0.8 of the estimate
+    ok, lines = planning.compare_to_measurement(bound, peaks, min_ratio=0.45)
+    assert ok and all(ln.endswith(": ok") for ln in lines) and len(lines) == 2
+    reduced = Bound(tuple(t for t in terms if t.name != "optimizer state"), 0.10)
+    ok, lines = planning.compare_to_measurement(reduced, peaks, min_ratio=0.45)
+    assert not ok and all("ABOVE 1.10 x the estimate: the estimate misses 400 B" in ln
+                          for ln in lines)
+    inflated = Bound(terms * 3, 0.10)
+    ok, lines = planning.compare_to_measurement(inflated, {0: 800, 1: 2000}, min_ratio=0.45)
+    assert not ok
+    assert "BELOW 0.45 x the estimate: the estimate is too loose" in lines[0]
+    assert lines[1].endswith(": ok")  # judged per rank
 
 
 def test_trust_check_is_registered_for_both_versions_on_a_model_spec() -> None:
