@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="exit 1 on any difference, not only on regressions")
     compare.add_argument("--json", action="store_true", help="print the differences as JSON")
 
-    plan = sub.add_parser("plan", help="wrap plan and memory estimate at full scale, no devices")
-    plan.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    sub.add_parser("plan", add_help=False,
+                   help="wrap plan and memory estimate at full scale, no devices "
+                   "(`fsdp-conformance plan --help`)")
     return parser
 
 
@@ -170,22 +171,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        from fsdp_conformance import planning
-    except ImportError:
-        raise UsageError("`plan` is not available in this build") from None
-    return int(planning.main(args.rest))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from fsdp_conformance.models import ModelSpecError
     from fsdp_conformance.policies import PolicyError
     from fsdp_conformance.reports import ReportError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        # `plan` has its own parser (planning.main); argparse.REMAINDER refuses leading flags.
+        from fsdp_conformance import planning
+
+        return int(planning.main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan}
+    handlers = {"run": cmd_run, "compare": cmd_compare}
     try:
         return handlers[args.command](args)
     except (UsageError, SettingsError, ModelSpecError, PolicyError, ReportError) as exc:

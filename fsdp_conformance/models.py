@@ -441,27 +441,29 @@ def build_reference(name: str, config: ModelConfig | LlamaConfig | None = None,
 
 def make_batch(model: nn.Module, batch_size: int = 2, seq_len: int = 8,
                device: str | torch.device = "cpu", seed: int = 1234) -> torch.Tensor:
-    """A deterministic input batch for a reference model (same on every rank for a seed)."""
+    """A deterministic input batch (the same on every rank for a seed).
+
+    The input kind follows the model's first ``nn.Embedding`` or ``nn.Linear`` in registration
+    order (wrappers such as FSDP1's are looked through): an embedding takes token ids below its
+    ``num_embeddings``, a linear takes features of its ``in_features``. A model that starts
+    otherwise (convolutions, several inputs) needs an input builder (``--fsdp-input``).
+    """
     g = torch.Generator().manual_seed(seed)
-    config = getattr(model, "config", None)
-    if isinstance(model, (EmbeddingClassifier, TiedLM, LlamaModel)):
-        vocab = (
-            model.embedding.num_embeddings if isinstance(model, EmbeddingClassifier)
-            else model.embed.num_embeddings if isinstance(model, TiedLM)
-            else model.config.vocab_size
-        )
-        return torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
-    dim = config.dim if config is not None else _first_in_features(model)
-    return torch.randn(batch_size, seq_len, dim, generator=g).to(device)
+    first = _first_input_module(model)
+    if isinstance(first, nn.Embedding):
+        shape: tuple[int, ...] = (batch_size, seq_len)
+        return torch.randint(0, first.num_embeddings, shape, generator=g).to(device)
+    return torch.randn(batch_size, seq_len, first.in_features, generator=g).to(device)
 
 
-def _first_in_features(model: nn.Module) -> int:
+def _first_input_module(model: nn.Module) -> nn.Embedding | nn.Linear:
     for module in model.modules():
-        if isinstance(module, nn.Linear):
-            return module.in_features
-    raise ValueError(
-        f"cannot build a default batch for {type(model).__name__}: pass an input builder "
-        "(--fsdp-input pkg.module:builder)"
+        if isinstance(module, (nn.Embedding, nn.Linear)):
+            return module
+    raise ModelSpecError(
+        f"cannot build a default batch for {type(model).__name__}: it has no nn.Embedding or "
+        "nn.Linear; pass an input builder "
+        "(--fsdp-input pkg.module:builder, called as builder(model, batch_size, device))"
     )
 
 

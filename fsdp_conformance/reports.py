@@ -16,8 +16,8 @@ Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.m
       ]
     }
 
-``figures`` conventions that compare understands: keys ending in ``_bytes`` are memory figures
-(compared with a relative tolerance), keys ending in ``_dtype`` are dtypes (any change is
+``figures`` conventions that compare understands: keys ending in ``_bytes`` (or ``_MiB``) are
+memory figures (compared with a relative tolerance), keys ending in ``_dtype`` are dtypes (any change is
 reported), ``units`` is a unit count and ``data["units"]`` a unit list (structure changes are
 reported), ``digest`` an init digest.
 """
@@ -222,10 +222,23 @@ def _key_figures(figures: Mapping[str, Any], limit: int = 4) -> str:
     return ", ".join(parts)
 
 
+def _first_line(message: str, width: int = 100) -> str:
+    """The most telling line of a failure message: the last exception line, else the first."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    errors = [line for line in lines if "Error:" in line or "Exception:" in line]
+    line = errors[-1] if errors else lines[0]
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def format_table(report: Mapping[str, Any]) -> str:
     rows = [("check", "outcome", "key figures")]
     for e in report["checks"]:
-        rows.append((e["id"], e["outcome"].upper(), _key_figures(e["figures"])))
+        figures = _key_figures(e["figures"])
+        if e["outcome"] in ("failed", "error", "skipped"):
+            figures = _first_line(e["message"]) + (f" | {figures}" if figures else "")
+        rows.append((e["id"], e["outcome"].upper(), figures))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
     lines.insert(1, "-" * min(120, max(len(line) for line in lines)))
@@ -327,12 +340,12 @@ def _compare_entry(
         a, b = of.get(key), nf.get(key)
         if a == b:
             continue
-        if key.endswith("_bytes") and isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        if _is_memory_key(key) and isinstance(a, (int, float)) and isinstance(b, (int, float)):
             rel = (b - a) / a if a else float("inf")
             if abs(rel) > tol:
                 diffs.append(Difference(
                     cid, "memory", rel > 0,
-                    f"{key}: {a / 2**20:.2f} MiB -> {b / 2**20:.2f} MiB ({rel:+.1%}, "
+                    f"{key}: {_mib(key, a):.2f} MiB -> {_mib(key, b):.2f} MiB ({rel:+.1%}, "
                     f"tolerance {tol:.0%})"))
         elif key.endswith("_dtype") or key.endswith("_dtypes"):
             diffs.append(Difference(cid, "dtype", True, f"{key}: {a} -> {b}"))
@@ -348,6 +361,15 @@ def _compare_entry(
         kind = "deprecation" if w in deprecations else "warning"
         diffs.append(Difference(cid, kind, False, f"new {kind}: {w}"))
     return diffs
+
+
+def _is_memory_key(key: str) -> bool:
+    """Memory figures: ``*_bytes``, or ``*_MiB`` / ``*_mib`` (already in MiB)."""
+    return key.endswith("_bytes") or key.lower().endswith("_mib")
+
+
+def _mib(key: str, value: float) -> float:
+    return value / 2**20 if key.endswith("_bytes") else value
 
 
 def _unit_change(old_units: Sequence[Mapping[str, Any]], new_units: Sequence[Mapping[str, Any]]) -> str:
