@@ -60,9 +60,25 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         table = pyproject_settings(str(config.rootpath))
         ini = {o.name: config.getini(o.ini) or table.get(o.name) for o in OPTIONS}
-        config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini)
+        settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if settings.model:
+        _validate_user_model(settings)
+
+
+def _validate_user_model(settings: Settings) -> None:
+    """Bad --fsdp-model input is one usage error naming the problem and the fix."""
+    from fsdp_conformance.models import ModelSpecError
+    from fsdp_conformance.policies import PolicyError
+    from fsdp_conformance.suite import user_spec, validate_user_model
+
+    try:
+        spec = user_spec(settings)
+        if spec is not None:
+            validate_user_model(spec, ["cpu"], settings.world_sizes)
+    except (ModelSpecError, PolicyError) as exc:
+        raise pytest.UsageError(f"--fsdp-model: {exc}") from None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -103,8 +119,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the added tests carry lane markers too
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
     settings = config.stash[SETTINGS_KEY]
+    if settings.model and not any(_is_model_test(item) for item in items):
+        items.extend(_model_test_items(session))
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
     for item in items:
         if not any(item.get_closest_marker(lane) for lane in LANES):
@@ -112,6 +133,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         uses_ranks = "ranks" in getattr(item, "fixturenames", ())
         if uses_ranks and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(outer, method="signal"))
+
+
+def _is_model_test(item: pytest.Item) -> bool:
+    return getattr(getattr(item, "module", None), "__name__", "") == "fsdp_conformance.model_tests"
+
+
+def _model_test_items(session: pytest.Session) -> list[pytest.Item]:
+    """The conformance checks on the user's model (--fsdp-model), as test items."""
+    from pathlib import Path
+
+    import fsdp_conformance.model_tests as model_tests
+
+    module = pytest.Module.from_parent(session, path=Path(model_tests.__file__))
+    return [item for item in module.collect() if isinstance(item, pytest.Item)]
 
 
 @pytest.hookimpl(tryfirst=True)
