@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import hashlib
 import math
 import os
@@ -317,8 +318,15 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach().cpu().contiguous()
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a contiguous CPU tensor, without numpy (torch does not require it)."""
+    if not t.numel():
+        return b""
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def reference_digest(spec: ModelSpec, seed: int) -> str:
