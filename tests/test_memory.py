@@ -281,3 +281,33 @@ def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path
     out = plots.plot_report_timelines(report, str(tmp_path / "r.png"))
     assert out is not None and (tmp_path / "r.png").stat().st_size > 0
     assert plots.plot_report_timelines({"checks": []}, str(tmp_path / "none.png")) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# depth_verdict on hand-made readings: growth means deeper > shallower, not any spread
+# ---------------------------------------------------------------------------------------------
+
+
+def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]:
+    """Rows as rank_depths returns them: sharded state 1 MB per layer, monolithic + 4 MB/layer."""
+    rows = []
+    for depth, per_layer in zip((2, 4, 8), per_layer_mb):
+        sharded = memory.BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)
+        bound = memory.Bound((sharded,), 0.1)
+        rows.append({"depth": depth, "bound": bound.to_dict(), "layer_bytes": 4 * 10**6,
+                     "per_layer": int((per_layer + depth) * 10**6),
+                     "monolithic": int((5 * depth + 1) * 10**6)})
+    return {"rank": rank, "rows": rows, "wrapping": "per_layer", "reference": "monolithic"}
+
+
+def test_depth_verdict_ignores_a_shallow_outlier_but_catches_growth() -> None:
+    params = {"spec": memory.DEFAULT_SPEC, "version": "fsdp2"}
+    # Seen once on torch 2.14.1: one rank read ~1 MB more at the smallest depth only.
+    outlier = memory.depth_verdict([_depth_values([7.0, 7.0, 7.0]),
+                                    _depth_values([8.2, 7.0, 7.0], rank=1)], params)
+    assert outlier.passed, outlier.message
+    grows = memory.depth_verdict([_depth_values([7.0, 7.0, 7.0]),
+                                  _depth_values([7.0, 7.0, 8.2], rank=1)], params)
+    assert not grows.passed
+    assert "rank 1: the per_layer working set grows with depth" in grows.message
+    assert "at 8 layers" in grows.message and grows.message.count("rank 1:") >= 2
