@@ -9,17 +9,20 @@ Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.m
       "settings": {"world_sizes": [2], "backend": "auto", "model": null, ...},
       "summary": {"passed": 20, "failed": 0, "skipped": 2, "error": 0},
       "checks": [
-        {"id": "wrap.unit_set[cpu,ws2,fsdp1]", "check": "wrap.unit_set", "claim": "wrap",
-         "lane": "cpu", "world_size": 2, "variant": "fsdp1", "outcome": "passed",
-         "message": "...", "figures": {...}, "data": {...}, "seconds": 0.12,
-         "warnings": ["UserWarning: ..."], "deprecations": ["FutureWarning: ..."]}
+        {"id": "wrap.units.exact[cpu,ws2,fsdp1,massive]", "check": "wrap.units.exact",
+         "claim": "wrap", "lane": "cpu", "world_size": 2, "variant": "fsdp1,massive",
+         "outcome": "passed", "message": "...", "figures": {...}, "data": {...},
+         "seconds": 0.12, "warnings": ["UserWarning: ..."], "deprecations": ["FutureWarning: ..."]}
       ]
     }
 
 ``figures`` conventions that compare understands: keys ending in ``_bytes`` (or ``_MiB``) are
-memory figures (compared with a relative tolerance), keys ending in ``_dtype`` are dtypes (any change is
-reported), ``units`` is a unit count and ``data["units"]`` a unit list (structure changes are
-reported), ``digest`` an init digest.
+memory figures, a number or a list of numbers (compared with a relative tolerance and an
+absolute floor); keys ending in ``_dtype``/``_dtypes`` are dtypes (any change is a regression);
+``units`` is a unit count; floats are measurements compare leaves to the checks; any other
+changed figure (an init ``digest``, a count) is reported as a change. ``data["units"]``, else
+``data["actual"]``, else ``data["plan"]``, is the check's unit list (structure changes are
+regressions).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -37,9 +41,13 @@ from fsdp_conformance.settings import Settings
 
 SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
+OUTCOMES = ("passed", "failed", "skipped", "error")
 DEPRECATION_CATEGORIES = ("DeprecationWarning", "FutureWarning", "PendingDeprecationWarning")
 #: compare's default relative tolerance on memory figures.
 DEFAULT_MEMORY_TOLERANCE = 0.05
+#: compare's default absolute floor on memory moves: smaller ones are not reported (a move off a
+#: zero baseline has no relative size, and OS high-water marks resolve to about 1 MB).
+DEFAULT_MEMORY_FLOOR_BYTES = 2**20
 
 
 class ReportError(ValueError):
@@ -163,8 +171,11 @@ def write_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so that an interrupted run never leaves a truncated file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
+        # mkstemp creates 0600; a report is an artifact others read (CI uploads, teammates),
+        # so give it the mode a plain open() would have: 0666 less the umask.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -176,6 +187,12 @@ def write_atomic(path: str, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json_report(path: str, report: Mapping[str, Any]) -> None:
@@ -200,7 +217,34 @@ def load_report(path: str) -> dict[str, Any]:
             f"{path!r} has schema version {version}, this tool reads {SCHEMA_VERSION}; "
             "re-run `fsdp-conformance run` with this version to produce a comparable report"
         )
+    _validate_structure(path, report)
     return report
+
+
+def _validate_structure(path: str, report: Mapping[str, Any]) -> None:
+    """The fields compare and the formatters read, so a damaged report is one clear error."""
+    fix = "re-run `fsdp-conformance run` to write a complete report"
+    env = report.get("environment")
+    if not isinstance(env, dict) or not isinstance(env.get("torch"), str):
+        raise ReportError(f"{path!r} has no environment.torch; {fix}")
+    checks = report.get("checks")
+    if not isinstance(checks, list):
+        raise ReportError(f"{path!r} has no list of checks; {fix}")
+    seen: set[str] = set()
+    for i, entry in enumerate(checks):
+        if not isinstance(entry, dict) or not all(
+            isinstance(entry.get(k), str) for k in ("id", "outcome")
+        ):
+            raise ReportError(f"{path!r}: checks[{i}] has no string 'id' and 'outcome'; {fix}")
+        if entry["outcome"] not in OUTCOMES:
+            raise ReportError(
+                f"{path!r}: check {entry['id']!r} has outcome {entry['outcome']!r}, expected one "
+                f"of {', '.join(OUTCOMES)}; {fix}"
+            )
+        if entry["id"] in seen:
+            # compare matches checks by id: a repeated id would silently hide one of them.
+            raise ReportError(f"{path!r}: check id {entry['id']!r} appears twice; {fix}")
+        seen.add(entry["id"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +256,7 @@ def _key_figures(figures: Mapping[str, Any], limit: int = 4) -> str:
     parts = []
     for key, value in figures.items():
         if key.endswith("_bytes") and isinstance(value, (int, float)):
-            parts.append(f"{key[:-6]} {value / 2**20:.2f} MiB")
+            parts.append(f"{key[:-6]} {format_bytes(value)}")
         elif isinstance(value, float):
             parts.append(f"{key} {value:.4g}")
         elif isinstance(value, (int, str, bool)):
@@ -220,6 +264,13 @@ def _key_figures(figures: Mapping[str, Any], limit: int = 4) -> str:
         if len(parts) == limit:
             break
     return ", ".join(parts)
+
+
+def format_bytes(value: float) -> str:
+    """MiB, or KiB below one MiB (small models' units would all read 0.00 MiB)."""
+    if abs(value) < 2**20:
+        return f"{value / 2**10:.1f} KiB"
+    return f"{value / 2**20:.2f} MiB"
 
 
 def _first_line(message: str, width: int = 100) -> str:
@@ -255,13 +306,14 @@ def format_table(report: Mapping[str, Any]) -> str:
 def format_markdown(report: Mapping[str, Any]) -> str:
     env, s = report["environment"], report["summary"]
     status = "PASS" if s["failed"] == 0 and s["error"] == 0 else "FAIL"
+    build = f"cuda {env['torch_cuda']}" if env["torch_cuda"] else "cpu build"
     lines = [
         f"## FSDP conformance: {status}",
         "",
-        f"torch `{env['torch']}` ({'cuda ' + str(env['torch_cuda']) if env['torch_cuda'] else 'cpu build'}), "
-        f"{env['cuda_devices']} CUDA device(s), python {env['python']}; "
-        f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors "
-        f"in {report['duration_s']:.1f}s.",
+        (f"torch `{env['torch']}` ({build}), "
+         f"{env['cuda_devices']} CUDA device(s), python {env['python']}; "
+         f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors "
+         f"in {report['duration_s']:.1f}s."),
         "",
         "| check | outcome | key figures |",
         "|---|---|---|",
@@ -286,13 +338,28 @@ def format_markdown(report: Mapping[str, Any]) -> str:
 # compare: the upgrade gate
 # --------------------------------------------------------------------------------------------
 
+#: ``data`` keys that hold a check's unit list (the units torch built), in order of preference.
+UNIT_DATA_KEYS = ("units", "actual", "plan")
+#: Unit fields compare looks at; a change in any of them is a changed unit structure.
+UNIT_FIELDS = ("cls", "numel", "parent", "local_numel", "params")
+#: Outcome order: a move to a lower rank is a regression (failed and error rank alike).
+_OUTCOME_RANK = {"passed": 2, "skipped": 1, "failed": 0, "error": 0}
+#: Source locations and object addresses inside warning texts change with every torch build;
+#: without stripping them the same warning would show up as "new" after any upgrade.
+_WARNING_NOISE = (
+    re.compile(r"\s*\(Triggered internally at [^)]*\)\.?"),
+    re.compile(r"\bat 0x[0-9a-fA-F]+"),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Difference:
     """One difference between two reports."""
 
     check_id: str
-    kind: str  # outcome | missing | added | units | memory | dtype | warning | figure
+    #: outcome | missing | added | units | memory | dtype | warning | deprecation | figure |
+    #: settings
+    kind: str
     regression: bool
     text: str
 
@@ -304,63 +371,113 @@ def compare_reports(
     old: Mapping[str, Any],
     new: Mapping[str, Any],
     memory_tolerance: float = DEFAULT_MEMORY_TOLERANCE,
+    memory_floor_bytes: float = DEFAULT_MEMORY_FLOOR_BYTES,
 ) -> list[Difference]:
-    """Every difference that matters for an upgrade, regressions flagged."""
+    """Every difference that matters for an upgrade, regressions flagged.
+
+    Checks are matched by ``id``. Regressions: a worse outcome (passed -> skipped/failed/error,
+    skipped -> failed/error), a check missing from ``new``, a changed unit structure or unit
+    count, a memory figure up by more than ``memory_tolerance`` (relative) and
+    ``memory_floor_bytes`` (absolute), a changed dtype figure. Reported but not regressions:
+    better outcomes, added checks, memory down, other changed figures, new warnings and
+    deprecations, different settings.
+    """
     old_checks = {e["id"]: e for e in old["checks"]}
     new_checks = {e["id"]: e for e in new["checks"]}
-    diffs: list[Difference] = []
+    diffs = _compare_settings(old.get("settings") or {}, new.get("settings") or {})
     for cid in sorted(old_checks.keys() - new_checks.keys()):
+        was = old_checks[cid]["outcome"]
         diffs.append(Difference(cid, "missing", True,
-                                f"check missing from the new report (was {old_checks[cid]['outcome']})"))
+                                f"check missing from the new report (was {was})"))
     for cid in sorted(new_checks.keys() - old_checks.keys()):
         diffs.append(Difference(cid, "added", False,
                                 f"new check (now {new_checks[cid]['outcome']})"))
     for cid in sorted(old_checks.keys() & new_checks.keys()):
-        diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance)
+        diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance,
+                                memory_floor_bytes)
     return diffs
 
 
-_RANK = {"passed": 3, "skipped": 1, "failed": 0, "error": 0}
+def _compare_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:
+    # Context, not a verdict: different settings usually explain the differences that follow.
+    return [
+        Difference("(settings)", "settings", False,
+                   f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
 
 
 def _compare_entry(
-    cid: str, old: Mapping[str, Any], new: Mapping[str, Any], tol: float
+    cid: str, old: Mapping[str, Any], new: Mapping[str, Any], tol: float, floor: float
 ) -> list[Difference]:
     diffs = []
     o, n = old["outcome"], new["outcome"]
     if o != n:
-        regression = _RANK.get(n, 0) < _RANK.get(o, 0)
-        diffs.append(Difference(cid, "outcome", regression, f"{o} -> {n}"))
-    old_units = old.get("data", {}).get("units")
-    new_units = new.get("data", {}).get("units")
-    if old_units is not None and new_units is not None and old_units != new_units:
-        diffs.append(Difference(cid, "units", True, _unit_change(old_units, new_units)))
-    of, nf = old.get("figures", {}), new.get("figures", {})
+        regression = _OUTCOME_RANK[n] < _OUTCOME_RANK[o]
+        why = _first_line(new.get("message", "")) if n != "passed" else ""
+        text = f"{o} -> {n}" + (f": {why}" if why else "")
+        diffs.append(Difference(cid, "outcome", regression, text))
+    old_units, new_units = unit_list(old), unit_list(new)
+    if old_units is not None and new_units is not None:
+        change = _unit_change(old_units, new_units)
+        if change:
+            diffs.append(Difference(cid, "units", True, change))
+    of, nf = old.get("figures") or {}, new.get("figures") or {}
     for key in sorted(of.keys() | nf.keys()):
         a, b = of.get(key), nf.get(key)
         if a == b:
             continue
-        if _is_memory_key(key) and isinstance(a, (int, float)) and isinstance(b, (int, float)):
-            rel = (b - a) / a if a else float("inf")
-            if abs(rel) > tol:
-                diffs.append(Difference(
-                    cid, "memory", rel > 0,
-                    f"{key}: {_mib(key, a):.2f} MiB -> {_mib(key, b):.2f} MiB ({rel:+.1%}, "
-                    f"tolerance {tol:.0%})"))
-        elif key.endswith("_dtype") or key.endswith("_dtypes"):
+        if _is_memory_key(key) and a is not None and b is not None:
+            diffs += _memory_change(cid, key, a, b, tol, floor)
+        elif key.endswith(("_dtype", "_dtypes")):
             diffs.append(Difference(cid, "dtype", True, f"{key}: {a} -> {b}"))
-        elif key == "units" and old_units is not None:
-            continue  # reported with the unit lists
         elif key == "units":
-            diffs.append(Difference(cid, "units", True, f"unit count {a} -> {b}"))
-        elif not isinstance(a, float) and not isinstance(b, float):
+            if old_units is None or new_units is None:  # else reported with the unit lists
+                diffs.append(Difference(cid, "units", True, f"unit count {a} -> {b}"))
+        elif _is_measurement(a) or _is_measurement(b):
+            continue  # measured floats (losses, ratios) move run to run; their checks judge them
+        else:
             diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
-    new_warnings = sorted(set(new.get("warnings", [])) - set(old.get("warnings", [])))
+    old_warnings = {_warning_key(w) for w in old.get("warnings", [])}
     deprecations = set(new.get("deprecations", []))
-    for w in new_warnings:
-        kind = "deprecation" if w in deprecations else "warning"
-        diffs.append(Difference(cid, kind, False, f"new {kind}: {w}"))
+    reported: set[str] = set()
+    for w in sorted(new.get("warnings", [])):
+        key = _warning_key(w)
+        if key in old_warnings or key in reported:
+            continue
+        reported.add(key)
+        deprecation = w in deprecations or w.split(":", 1)[0] in DEPRECATION_CATEGORIES
+        kind = "deprecation" if deprecation else "warning"
+        # one line per difference: C++ warnings carry a newline before their hint
+        diffs.append(Difference(cid, kind, False, f"new {kind}: {' '.join(w.split())}"))
     return diffs
+
+
+def unit_list(entry: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """The unit list a report entry stores (``data["units"]``, ``["actual"]`` or ``["plan"]``)."""
+    data = entry.get("data") or {}
+    for key in UNIT_DATA_KEYS:
+        units = data.get(key)
+        if isinstance(units, list) and all(isinstance(u, dict) and "fqn" in u for u in units):
+            return units
+    return None
+
+
+def _warning_key(text: str) -> str:
+    for pattern in _WARNING_NOISE:
+        text = pattern.sub("", text)
+    return " ".join(text.split())
+
+
+def _is_measurement(value: Any) -> bool:
+    """A float, or a list of numbers with a float among them."""
+    if isinstance(value, float):
+        return True
+    if isinstance(value, list) and value:
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        return numbers and any(isinstance(v, float) for v in value)
+    return False
 
 
 def _is_memory_key(key: str) -> bool:
@@ -372,32 +489,80 @@ def _mib(key: str, value: float) -> float:
     return value / 2**20 if key.endswith("_bytes") else value
 
 
-def _unit_change(old_units: Sequence[Mapping[str, Any]], new_units: Sequence[Mapping[str, Any]]) -> str:
-    o = {u["fqn"]: u for u in old_units}
-    n = {u["fqn"]: u for u in new_units}
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _memory_change(
+    cid: str, key: str, a: Any, b: Any, tol: float, floor_bytes: float
+) -> list[Difference]:
+    """A memory figure (a number, or a list of numbers compared element by element)."""
+    if _number(a) and _number(b):
+        pairs = [(key, a, b)]
+    elif (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+          and all(_number(x) for x in a + b)):
+        pairs = [(f"{key}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
+    else:
+        return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
+    floor = floor_bytes if key.endswith("_bytes") else floor_bytes / 2**20
+    diffs = []
+    for label, x, y in pairs:
+        # Both a relative and an absolute threshold: a move off a zero (or tiny) baseline is
+        # infinite in relative terms, and OS high-water marks resolve to about 1 MB.
+        rel = (y - x) / x if x else float("inf") if y > x else float("-inf")
+        if abs(y - x) <= floor or abs(rel) <= tol:
+            continue
+        diffs.append(Difference(
+            cid, "memory", y > x,
+            f"{label}: {_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}; tolerance "
+            f"{tol:.0%}, floor {floor_bytes / 2**20:.2f} MiB)"))
+    return diffs
+
+
+def _unit_change(
+    old_units: Sequence[Mapping[str, Any]], new_units: Sequence[Mapping[str, Any]]
+) -> str:
+    """'' when the structures agree, else the changed units, one ``+``/``-``/``~`` item each."""
+    def norm(u: Mapping[str, Any]) -> dict[str, Any]:
+        out = {f: u.get(f) for f in UNIT_FIELDS}
+        if isinstance(out["params"], list):
+            out["params"] = sorted(out["params"])
+        return out
+
+    o = {u["fqn"]: norm(u) for u in old_units}
+    n = {u["fqn"]: norm(u) for u in new_units}
     parts = []
-    for fqn in sorted(o.keys() - n.keys()):
-        parts.append(f"- {fqn or '(root)'} ({o[fqn].get('cls')})")
-    for fqn in sorted(n.keys() - o.keys()):
-        parts.append(f"+ {fqn or '(root)'} ({n[fqn].get('cls')})")
-    for fqn in sorted(o.keys() & n.keys()):
-        for field in ("cls", "numel", "parent"):
-            if o[fqn].get(field) != n[fqn].get(field):
-                parts.append(f"~ {fqn or '(root)'} {field}: {o[fqn].get(field)!r} -> {n[fqn].get(field)!r}")
-    return "unit structure changed: " + ("; ".join(parts) if parts else "order or local sizes")
+    for fqn in [u["fqn"] for u in old_units if u["fqn"] not in n]:
+        parts.append(f"- {fqn or '(root)'} ({o[fqn]['cls']})")
+    for fqn in [u["fqn"] for u in new_units if u["fqn"] not in o]:
+        parts.append(f"+ {fqn or '(root)'} ({n[fqn]['cls']})")
+    for fqn in [u["fqn"] for u in old_units if u["fqn"] in n]:
+        for field in UNIT_FIELDS:
+            a, b = o[fqn][field], n[fqn][field]
+            if a == b:
+                continue
+            if field == "params" and isinstance(a, list) and isinstance(b, list):
+                moved = [f"-{p}" for p in a if p not in b] + [f"+{p}" for p in b if p not in a]
+                parts.append(f"~ {fqn or '(root)'} params: {' '.join(moved)}")
+            else:
+                parts.append(f"~ {fqn or '(root)'} {field}: {a!r} -> {b!r}")
+    if not parts and [u["fqn"] for u in old_units] != [u["fqn"] for u in new_units]:
+        parts.append("unit order: " + ", ".join(u["fqn"] or "(root)" for u in new_units))
+    return "unit structure changed: " + "; ".join(parts) if parts else ""
 
 
 def format_differences(
     old: Mapping[str, Any], new: Mapping[str, Any], diffs: Sequence[Difference]
 ) -> str:
+    regressions = sum(d.regression for d in diffs)
     head = (
         f"compare: torch {old['environment']['torch']} -> {new['environment']['torch']}: "
-        f"{sum(d.regression for d in diffs)} regression(s), {len(diffs)} difference(s)"
+        f"{regressions} regression(s), {len(diffs)} difference(s)"
     )
     if not diffs:
         return head + "\nno differences"
     lines = [head]
-    for d in diffs:
+    for d in sorted(diffs, key=lambda d: not d.regression):  # regressions first, stable
         mark = "REGRESSION" if d.regression else "change"
         lines.append(f"  [{mark}] {d.check_id}: {d.kind}: {d.text}")
     return "\n".join(lines)
