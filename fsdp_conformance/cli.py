@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("new", help="report of the candidate torch")
     compare.add_argument("--memory-tolerance", type=float, default=None, metavar="FRACTION",
                          help="relative change of a memory figure that counts (default 0.05)")
+    compare.add_argument("--memory-floor-mib", type=float, default=None, metavar="MIB",
+                         help="memory moves smaller than this many MiB are not reported, "
+                         "whatever their relative size (default 1)")
     compare.add_argument("--fail-on-change", action="store_true",
                          help="exit 1 on any difference, not only on regressions")
     compare.add_argument("--json", action="store_true", help="print the differences as JSON")
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_cli_settings(args: argparse.Namespace) -> Settings:
     cli = {o.name: getattr(args, o.name, None) for o in OPTIONS}
-    return resolve_settings(cli, os.environ, pyproject_settings(os.getcwd()))
+    return resolve_settings(cli, os.environ, {}, pyproject_settings(os.getcwd()))
 
 
 def lanes_for(choice: str) -> list[str]:
@@ -108,9 +111,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = suite.user_spec(settings)
     if spec is not None:
         suite.validate_user_model(spec, lanes, settings.world_sizes)
+    selected = suite.select_checks(suite.all_checks(), spec, args.checks)
+    if not selected:
+        # Before running anything: an empty report would pass any gate downstream.
+        raise UsageError(f"no check matched --checks {args.checks!r}; see `fsdp-conformance run "
+                         "--list` for the check names")
     if args.list:
-        for check in suite.all_checks():
-            print(f"{check.name:<40} {check.claim:<7} {check.description}")
+        # What this command line would run: one line per check and variant (FSDP version, model).
+        for check, params in selected:
+            variant = suite.variant_of(params)
+            label = f"{check.name}[{variant}]" if variant else check.name
+            print(f"{label:<50} {check.claim:<7} {check.description}")
         return EXIT_OK
     print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
     report = suite.run_suite(settings, lanes, pattern=args.checks)
@@ -127,8 +138,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.plot:
         print(write_plot(report, args.out))
     s = report["summary"]
-    if not report["checks"]:
-        raise UsageError(f"no check matched --checks {args.checks!r}; see `run --list`")
     return EXIT_FAILED if s["failed"] or s["error"] else EXIT_OK
 
 
@@ -136,7 +145,8 @@ def write_plot(report: dict[str, Any], out_dir: str) -> str:
     try:
         from fsdp_conformance import plots
     except ImportError as exc:
-        return f"plot: not written ({exc}); install the 'plot' extra: pip install 'fsdp-conformance[plot]'"
+        return (f"plot: not written ({exc}); install the 'plot' extra: "
+                "pip install 'fsdp-conformance[plot]'")
     try:
         path = plots.plot_report_timelines(report, os.path.join(out_dir, "memory_timeline.png"))
     except ImportError:
@@ -153,14 +163,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.memory_tolerance if args.memory_tolerance is not None
         else reports.DEFAULT_MEMORY_TOLERANCE
     )
-    if tolerance < 0:
-        raise UsageError(f"--memory-tolerance must be >= 0, got {tolerance}")
-    diffs = reports.compare_reports(old, new, memory_tolerance=tolerance)
+    if not tolerance >= 0:  # also refuses nan
+        raise UsageError(f"--memory-tolerance must be a fraction >= 0 (0.05 = 5%), got {tolerance}")
+    floor_mib = (
+        args.memory_floor_mib if args.memory_floor_mib is not None
+        else reports.DEFAULT_MEMORY_FLOOR_BYTES / 2**20
+    )
+    if not floor_mib >= 0:
+        raise UsageError(f"--memory-floor-mib must be >= 0 (in MiB), got {floor_mib}")
+    diffs = reports.compare_reports(old, new, memory_tolerance=tolerance,
+                                    memory_floor_bytes=floor_mib * 2**20)
     if args.json:
         print(json.dumps({
             "old": {"path": args.old, "torch": old["environment"]["torch"]},
             "new": {"path": args.new, "torch": new["environment"]["torch"]},
             "memory_tolerance": tolerance,
+            "memory_floor_mib": floor_mib,
             "regressions": sum(d.regression for d in diffs),
             "differences": [d.to_dict() for d in diffs],
         }, indent=2))

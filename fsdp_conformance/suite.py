@@ -93,21 +93,27 @@ class Progress:
     """Prints one line per check as it finishes (to stderr by default)."""
 
     total: int
-    stream: TextIO = sys.stderr
+    #: None: ``sys.stderr`` as it is when a line is written (so capture and redirection apply).
+    stream: TextIO | None = None
     done: int = 0
+
+    @property
+    def out(self) -> TextIO:
+        return self.stream if self.stream is not None else sys.stderr
 
     def start(self, label: str) -> None:
         width = len(str(self.total))
-        self.stream.write(f"[{self.done + 1:>{width}}/{self.total}] {label} ... ")
-        self.stream.flush()
+        self.out.write(f"[{self.done + 1:>{width}}/{self.total}] {label} ... ")
+        self.out.flush()
 
     def finish(self, run: CheckRun) -> None:
         self.done += 1
-        self.stream.write(f"{run.outcome} ({run.seconds:.2f}s)\n")
+        out = self.out
+        out.write(f"{run.outcome} ({run.seconds:.2f}s)\n")
         if run.outcome in ("failed", "error"):
             for line in run.detail.strip().splitlines()[:40]:
-                self.stream.write(f"      {line}\n")
-        self.stream.flush()
+                out.write(f"      {line}\n")
+        out.flush()
 
 
 def run_suite(
@@ -115,7 +121,7 @@ def run_suite(
     lanes: Iterable[str],
     *,
     pattern: str | None = None,
-    stream: TextIO = sys.stderr,
+    stream: TextIO | None = None,
     checks: Sequence[Check] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
