@@ -59,8 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
     cli = {o.name: config.getoption(o.dest) for o in OPTIONS}
     try:
         table = pyproject_settings(str(config.rootpath))
-        ini = {o.name: config.getini(o.ini) or table.get(o.name) for o in OPTIONS}
-        settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini)
+        ini = {o.name: config.getini(o.ini) for o in OPTIONS}
+        settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini, table)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
     if settings.model:

@@ -179,12 +179,15 @@ def resolve_settings(
     cli: Mapping[str, Any],
     environ: Mapping[str, str],
     ini: Mapping[str, Any],
+    pyproject: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Resolve every option: CLI, then environment, then ini/pyproject, then the default.
+    """Resolve every option: CLI, then environment, then ini, then pyproject, then the default.
 
     ``cli`` maps option names to values given on the command line (None: not given);
-    ``ini`` maps option names to raw values from the ini file or a pyproject table.
+    ``ini`` maps option names to raw values from pytest's ini file; ``pyproject`` maps them to
+    values of the ``[tool.fsdp_conformance]`` table (see :func:`pyproject_settings`).
     """
+    pyproject = pyproject or {}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for option in OPTIONS:
@@ -196,6 +199,9 @@ def resolve_settings(
             raw, source = environ[option.env], f"environment variable {option.env}"
         elif ini.get(option.name) not in (None, "", []):
             raw, source = ini[option.name], f"ini key {option.ini}"
+        elif pyproject.get(option.name) not in (None, "", []):
+            raw = pyproject[option.name]
+            source = f"pyproject.toml [tool.{PYPROJECT_TABLE}] {option.name}"
         if source == "default":
             values[option.name] = option.default
         else:
@@ -247,6 +253,9 @@ def pyproject_settings(start: str) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"{path} is not valid TOML ({exc})") from None
     table = data.get("tool", {}).get(PYPROJECT_TABLE, {})
+    if not isinstance(table, dict):
+        raise SettingsError(f"tool.{PYPROJECT_TABLE} in {path} is not a table; write it as "
+                            f"[tool.{PYPROJECT_TABLE}] with keys {', '.join(OPTIONS_BY_NAME)}")
     unknown = sorted(set(table) - set(OPTIONS_BY_NAME))
     if unknown:
         raise SettingsError(
