@@ -502,7 +502,8 @@ def load_object(path: str, what: str) -> Any:
                 f"check the name after the colon"
             ) from None
     if not callable(obj):
-        raise ModelSpecError(f"{what} {path!r} is not callable ({type(obj).__name__})")
+        raise ModelSpecError(f"{what} {path!r} is not callable ({type(obj).__name__}); "
+                             "name a function or class after the colon")
     return obj
 
 
@@ -556,7 +557,7 @@ class ModelSpec:
         if not isinstance(model, nn.Module):
             raise ModelSpecError(
                 f"model factory {self.factory!r} returned {type(model).__name__}, "
-                "not an nn.Module"
+                "not an nn.Module; make it return the model itself (an nn.Module instance)"
             )
         return model
 
