@@ -1,0 +1,494 @@
+"""Reports: entries, the JSON report and its atomic write, the human formats, and compare.
+
+Everything here is built by hand with ``check_entry``/``build_report``: no ranks, no suite run.
+The CLI end to end (real runs, real reports) is in test_cli.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_conformance import reports
+from fsdp_conformance.reports import Difference, ReportError, compare_reports
+from fsdp_conformance.settings import Settings
+
+pytestmark = pytest.mark.cpu
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------------------------
+# Builders
+# --------------------------------------------------------------------------------------------
+
+
+def entry(
+    check: str = "wrap.units.exact",
+    outcome: str = "passed",
+    *,
+    variant: str = "fsdp1,massive",
+    figures: Mapping[str, Any] | None = None,
+    data: Mapping[str, Any] | None = None,
+    warnings: Iterable[str] = (),
+    message: str = "ok",
+) -> dict[str, Any]:
+    return reports.check_entry(
+        check=check, claim=check.split(".")[0], lane="cpu", world_size=2, variant=variant,
+        outcome=outcome, message=message, figures=figures or {}, data=data or {}, seconds=0.1,
+        warnings=warnings,
+    )
+
+
+def report(*entries: Mapping[str, Any], torch_version: str = "2.13.0+cpu",
+           settings: Settings | None = None) -> dict[str, Any]:
+    built = reports.build_report(list(entries), settings or Settings(), 1.5)
+    built["environment"]["torch"] = torch_version
+    return built
+
+
+def unit(fqn: str, cls: str, numel: int, parent: str | None = "",
+         params: Sequence[str] = ()) -> dict[str, Any]:
+    return {"fqn": fqn, "cls": cls, "numel": numel, "local_numel": numel // 2,
+            "parent": parent, "params": list(params)}
+
+
+def per_layer_units(layers: int = 2, layer_numel: int = 100) -> list[dict[str, Any]]:
+    return [unit("", "MassiveModel", 10, None, ["embed.weight"])] + [
+        unit(f"layers.{i}", "DecoderLayer", layer_numel, "", [f"layers.{i}.attn.weight"])
+        for i in range(layers)
+    ]
+
+
+def compare_one(old: Mapping[str, Any], new: Mapping[str, Any], **kw: Any) -> list[Difference]:
+    return compare_reports(report(old), report(new), **kw)
+
+
+def kinds(diffs: Sequence[Difference]) -> list[tuple[str, bool]]:
+    return [(d.kind, d.regression) for d in diffs]
+
+
+# --------------------------------------------------------------------------------------------
+# Entries and the report
+# --------------------------------------------------------------------------------------------
+
+
+def test_check_entry_id_names_check_lane_world_size_and_variant() -> None:
+    e = entry("init.weights.fsdp1", variant="fsdp1,llama")
+    assert e["id"] == "init.weights.fsdp1[cpu,ws2,fsdp1,llama]"
+    assert entry("wrap.builders.size", variant="")["id"] == "wrap.builders.size[cpu,ws2]"
+
+
+def test_check_entry_sorts_warnings_and_picks_out_the_deprecations() -> None:
+    e = entry(warnings=["UserWarning: b", "FutureWarning: NO_SHARD is deprecated",
+                        "UserWarning: b", "DeprecationWarning: old api"])
+    assert e["warnings"] == ["DeprecationWarning: old api", "FutureWarning: NO_SHARD is deprecated",
+                             "UserWarning: b"]
+    assert e["deprecations"] == ["DeprecationWarning: old api",
+                                 "FutureWarning: NO_SHARD is deprecated"]
+
+
+def test_check_entry_turns_check_data_into_plain_json() -> None:
+    @dataclasses.dataclass
+    class Row:
+        name: str
+        dtype: Any
+
+    e = entry(figures={"param_dtype": torch.bfloat16, "sizes": (1, 2)},
+              data={"rows": [Row("a", torch.float32)], "seen": {3, 1}, 7: None})
+    text = json.dumps(e)  # must not raise
+    back = json.loads(text)
+    assert back["figures"] == {"param_dtype": "torch.bfloat16", "sizes": [1, 2]}
+    assert back["data"] == {"rows": [{"name": "a", "dtype": "torch.float32"}], "seen": [1, 3],
+                            "7": None}
+
+
+def test_build_report_has_schema_environment_settings_and_counts() -> None:
+    settings = Settings(world_sizes=(2, 4), model="pkg.mod:build", sources={"model": "cli"})
+    r = reports.build_report(
+        [entry(outcome="passed"), entry("a.b", "failed"), entry("c.d", "skipped")], settings, 2.0
+    )
+    assert r["schema"] == reports.SCHEMA and r["schema_version"] == 1
+    assert r["environment"]["torch"] == torch.__version__
+    assert "gloo" in r["environment"]["backends"]
+    assert r["settings"]["world_sizes"] == [2, 4] and r["settings"]["model"] == "pkg.mod:build"
+    assert "sources" not in r["settings"]  # where a value came from is not part of the result
+    assert r["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 0}
+    assert [e["check"] for e in r["checks"]] == ["wrap.units.exact", "a.b", "c.d"]
+    json.dumps(r)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing and loading
+# --------------------------------------------------------------------------------------------
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name not in ("report.json",))
+
+
+def test_report_round_trips_through_write_and_load(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "report.json"  # the folder is created
+    r = report(entry(figures={"peak_bytes": 3 * MiB}))
+    reports.write_json_report(str(path), r)
+    assert reports.load_report(str(path)) == r
+    assert _leftovers(path.parent) == []
+
+
+def test_written_report_is_readable_by_others_like_any_file(tmp_path: Path) -> None:
+    # mkstemp makes 0600 files; a CI artifact must get the mode open() would give it.
+    path = tmp_path / "report.json"
+    old_mask = os.umask(0o022)
+    try:
+        reports.write_json_report(str(path), report())
+    finally:
+        os.umask(old_mask)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("fail_at", ["dumps", "fsync", "replace"])
+def test_interrupted_write_keeps_the_old_report_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: str
+) -> None:
+    path = tmp_path / "report.json"
+    old = report(entry(outcome="passed"))
+    reports.write_json_report(str(path), old)
+    before = path.read_bytes()
+
+    def interrupt(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt  # as Ctrl-C mid-write
+
+    target = {"dumps": (reports.json, "dumps"), "fsync": (reports.os, "fsync"),
+              "replace": (reports.os, "replace")}[fail_at]
+    monkeypatch.setattr(*target, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        reports.write_json_report(str(path), report(entry(outcome="failed")))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert reports.load_report(str(path))["summary"]["passed"] == 1
+    assert _leftovers(tmp_path) == []
+
+
+def _write(path: Path, content: Any) -> str:
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+def test_load_report_refuses_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ReportError, match=r"does not exist; give the path of a JSON report"):
+        reports.load_report(str(tmp_path / "nope.json"))
+
+
+def test_load_report_refuses_a_file_that_is_not_json(tmp_path: Path) -> None:
+    with pytest.raises(ReportError, match=r"is not valid JSON .*written by `fsdp-conformance run`"):
+        reports.load_report(_write(tmp_path / "r.json", '{"schema": "fsdp-conf'))
+
+
+def test_load_report_refuses_another_schema(tmp_path: Path) -> None:
+    with pytest.raises(ReportError, match=r"not an fsdp-conformance report"):
+        reports.load_report(_write(tmp_path / "r.json", {"schema": "junit", "checks": []}))
+    with pytest.raises(ReportError, match=r"not an fsdp-conformance report"):
+        reports.load_report(_write(tmp_path / "r.json", [1, 2]))
+
+
+def test_load_report_refuses_another_schema_version_and_says_to_rerun(tmp_path: Path) -> None:
+    r = report()
+    r["schema_version"] = 2
+    with pytest.raises(ReportError, match=r"schema version 2, this tool reads 1; re-run"):
+        reports.load_report(_write(tmp_path / "r.json", r))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda r: r.pop("environment"), "no environment.torch"),
+        (lambda r: r.update(checks={}), "no list of checks"),
+        (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\] has no string 'id' and 'outcome'"),
+        (lambda r: r["checks"][0].update(outcome="ok"), "has outcome 'ok', expected one of"),
+        (lambda r: r["checks"].append(dict(r["checks"][0])), "appears twice"),
+    ],
+)
+def test_load_report_refuses_a_damaged_report_in_one_message(
+    tmp_path: Path, damage: Any, message: str
+) -> None:
+    r = report(entry())
+    damage(r)
+    with pytest.raises(ReportError, match=message) as info:
+        reports.load_report(_write(tmp_path / "r.json", r))
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Human output
+# --------------------------------------------------------------------------------------------
+
+
+def test_table_shows_each_check_its_outcome_figures_and_the_failure_reason() -> None:
+    r = report(
+        entry(figures={"units": 6, "peak_bytes": 27 * MiB + MiB // 2}),
+        entry("memory.sawtooth", "failed", figures={"max_rise_bytes": 300 * 1024},
+              message="the timeline is not a sawtooth\n  rank 0: ...\n"),
+        entry("init.weights.fsdp1", "error",
+              message="check failed\nTraceback ...\nValueError: meta vs cpu\n"),
+    )
+    table = reports.format_table(r)
+    lines = table.splitlines()
+    assert lines[0].split() == ["check", "outcome", "key", "figures"]
+    assert "wrap.units.exact[cpu,ws2,fsdp1,massive]" in lines[2]
+    assert "PASSED" in lines[2] and "units 6, peak 27.50 MiB" in lines[2]
+    # KiB below a MiB: a small model's units would otherwise all read 0.00 MiB.
+    assert "FAILED   the timeline is not a sawtooth | max_rise 300.0 KiB" in table
+    assert "ERROR    ValueError: meta vs cpu" in table  # the telling line, not the first
+    assert lines[-1] == "1 passed, 1 failed, 0 skipped, 1 errors in 1.5s (torch 2.13.0+cpu)"
+
+
+def test_markdown_summary_has_status_table_failure_details_and_deprecations() -> None:
+    passing = reports.format_markdown(report(entry()))
+    assert passing.startswith("## FSDP conformance: PASS")
+    r = report(
+        entry(warnings=["FutureWarning: The `NO_SHARD` sharding strategy is deprecated."]),
+        entry("memory.sawtooth", "failed", message="rank 1: unit layers.0 gathered twice"),
+    )
+    md = reports.format_markdown(r)
+    assert md.startswith("## FSDP conformance: FAIL")
+    assert "| `memory.sawtooth[cpu,ws2,fsdp1,massive]` | ❌ failed |" in md
+    assert "<details><summary>memory.sawtooth[cpu,ws2,fsdp1,massive]: failed</summary>" in md
+    assert "rank 1: unit layers.0 gathered twice" in md
+    assert "### Deprecations torch emitted" in md
+    assert "- FutureWarning: The `NO_SHARD` sharding strategy is deprecated." in md
+
+
+# --------------------------------------------------------------------------------------------
+# compare: outcomes and presence
+# --------------------------------------------------------------------------------------------
+
+
+def test_identical_reports_have_no_differences() -> None:
+    e = entry(figures={"units": 3, "peak_bytes": 5 * MiB, "loss": 0.33},
+              data={"actual": per_layer_units()}, warnings=["UserWarning: x"])
+    old, new = report(e, torch_version="2.13.0"), report(e, torch_version="2.14.1")
+    assert compare_reports(old, new) == []
+    assert reports.format_differences(old, new, []) == (
+        "compare: torch 2.13.0 -> 2.14.1: 0 regression(s), 0 difference(s)\nno differences"
+    )
+
+
+def test_pass_to_fail_is_a_regression_with_the_reason() -> None:
+    diffs = compare_one(entry(), entry(outcome="failed", message="unit set differs\n- layers.1"))
+    assert kinds(diffs) == [("outcome", True)]
+    assert diffs[0].text == "passed -> failed: unit set differs"
+
+
+def test_fail_to_pass_is_a_change_not_a_regression() -> None:
+    diffs = compare_one(entry(outcome="failed"), entry(outcome="passed"))
+    assert kinds(diffs) == [("outcome", False)] and diffs[0].text == "failed -> passed"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "regression"),
+    [
+        ("passed", "skipped", True),  # a check that stopped running proves nothing any more
+        ("passed", "error", True),
+        ("skipped", "failed", True),
+        ("skipped", "passed", False),
+        ("error", "failed", False),  # broken both times: a change of how, not a regression
+        ("failed", "error", False),
+    ],
+)
+def test_outcome_moves_are_regressions_only_when_worse(
+    old: str, new: str, regression: bool
+) -> None:
+    diffs = compare_one(entry(outcome=old), entry(outcome=new))
+    assert kinds(diffs) == [("outcome", regression)]
+
+
+def test_a_missing_check_is_a_regression_and_an_added_one_a_change() -> None:
+    old = report(entry("wrap.units.exact"), entry("init.weights.fsdp1", variant="fsdp1,llama"))
+    new = report(entry("wrap.units.exact"), entry("memory.sawtooth"))
+    diffs = compare_reports(old, new)
+    assert [(d.check_id, d.kind, d.regression) for d in diffs] == [
+        ("init.weights.fsdp1[cpu,ws2,fsdp1,llama]", "missing", True),
+        ("memory.sawtooth[cpu,ws2,fsdp1,massive]", "added", False),
+    ]
+    assert diffs[0].text == "check missing from the new report (was passed)"
+
+
+def test_different_settings_are_reported_as_context_not_regressions() -> None:
+    old = report(entry(), settings=Settings(world_sizes=(2,)))
+    new = report(entry(), settings=Settings(world_sizes=(2, 4), model="pkg.mod:build"))
+    diffs = compare_reports(old, new)
+    assert [(d.check_id, d.kind, d.regression, d.text) for d in diffs] == [
+        ("(settings)", "settings", False, "model: None -> 'pkg.mod:build'"),
+        ("(settings)", "settings", False, "world_sizes: [2] -> [2, 4]"),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# compare: unit structure
+# --------------------------------------------------------------------------------------------
+
+
+def test_changed_unit_structure_is_a_regression_naming_the_units() -> None:
+    old_units = per_layer_units(layers=2)
+    mlp = unit("layers.1.mlp", "Sequential", 60, "", ["layers.1.mlp.0.weight"])
+    new_units = [*old_units[:2], mlp]
+    diffs = compare_one(entry(figures={"units": 3}, data={"actual": old_units}),
+                        entry(figures={"units": 3}, data={"actual": new_units}))
+    assert kinds(diffs) == [("units", True)]
+    assert diffs[0].text == (
+        "unit structure changed: - layers.1 (DecoderLayer); + layers.1.mlp (Sequential)"
+    )
+
+
+def test_unit_count_change_is_reported_once_with_the_unit_lists() -> None:
+    diffs = compare_one(entry(figures={"units": 3}, data={"units": per_layer_units(2)}),
+                        entry(figures={"units": 2}, data={"units": per_layer_units(1)}))
+    assert kinds(diffs) == [("units", True)]
+    assert "- layers.1 (DecoderLayer)" in diffs[0].text
+
+
+def test_unit_size_parent_and_parameter_moves_are_named_field_by_field() -> None:
+    old_units = per_layer_units(2)
+    new_units = [dict(u) for u in old_units]
+    new_units[1] = dict(new_units[1], numel=120, local_numel=60)
+    new_units[2] = dict(new_units[2], parent="layers.0",
+                        params=["layers.1.attn.weight", "embed.weight"])
+    diffs = compare_one(entry(data={"plan": old_units}), entry(data={"plan": new_units}))
+    assert kinds(diffs) == [("units", True)]
+    assert diffs[0].text == (
+        "unit structure changed: ~ layers.0 numel: 100 -> 120; ~ layers.0 local_numel: 50 -> 60; "
+        "~ layers.1 parent: '' -> 'layers.0'; ~ layers.1 params: +embed.weight"
+    )
+
+
+def test_parameter_order_inside_a_unit_is_not_a_structure_change() -> None:
+    a = [unit("", "M", 10, None, ["a.weight", "a.bias"])]
+    b = [unit("", "M", 10, None, ["a.bias", "a.weight"])]
+    assert compare_one(entry(data={"actual": a}), entry(data={"actual": b})) == []
+
+
+def test_unit_count_without_unit_lists_is_still_compared() -> None:
+    diffs = compare_one(entry(figures={"units": 6}), entry(figures={"units": 5}))
+    assert [(d.kind, d.regression, d.text) for d in diffs] == [("units", True, "unit count 6 -> 5")]
+
+
+# --------------------------------------------------------------------------------------------
+# compare: memory, dtypes, other figures
+# --------------------------------------------------------------------------------------------
+
+
+def test_memory_up_by_more_than_the_tolerance_is_a_regression() -> None:
+    diffs = compare_one(entry(figures={"peak_bytes": 100 * MiB}),
+                        entry(figures={"peak_bytes": 106 * MiB}))
+    assert kinds(diffs) == [("memory", True)]
+    assert diffs[0].text == ("peak_bytes: 100.00 MiB -> 106.00 MiB (+6.0%; tolerance 5%, "
+                             "floor 1.00 MiB)")
+
+
+def test_memory_within_the_tolerance_is_not_reported() -> None:
+    assert compare_one(entry(figures={"peak_bytes": 100 * MiB}),
+                       entry(figures={"peak_bytes": 104 * MiB})) == []
+
+
+def test_memory_down_by_more_than_the_tolerance_is_a_change() -> None:
+    diffs = compare_one(entry(figures={"peak_MiB": 40.0}), entry(figures={"peak_MiB": 30.0}))
+    assert kinds(diffs) == [("memory", False)]
+    assert "peak_MiB: 40.00 MiB -> 30.00 MiB (-25.0%" in diffs[0].text
+
+
+def test_memory_tolerance_is_honoured() -> None:
+    old, new = entry(figures={"peak_bytes": 100 * MiB}), entry(figures={"peak_bytes": 106 * MiB})
+    assert compare_one(old, new, memory_tolerance=0.10) == []
+    assert kinds(compare_one(old, new, memory_tolerance=0.01)) == [("memory", True)]
+
+
+def test_memory_floor_keeps_moves_off_a_zero_baseline_from_counting() -> None:
+    # growth off 0 is infinite in relative terms; under the absolute floor it is noise.
+    old, new = entry(figures={"growth_MiB": 0.0}), entry(figures={"growth_MiB": 0.5})
+    assert compare_one(old, new) == []
+    diffs = compare_one(old, new, memory_floor_bytes=0.25 * MiB)
+    assert kinds(diffs) == [("memory", True)] and "(+inf%" in diffs[0].text
+
+
+def test_memory_lists_are_compared_element_by_element() -> None:
+    old = entry(figures={"working_set_bytes": [7 * MiB, 7 * MiB, 7 * MiB]})
+    within = entry(figures={"working_set_bytes": [7 * MiB, 7 * MiB, 7 * MiB + 65536]})
+    beyond = entry(figures={"working_set_bytes": [7 * MiB, 7 * MiB, 9 * MiB]})
+    assert compare_one(old, within) == []
+    diffs = compare_one(old, beyond)
+    assert kinds(diffs) == [("memory", True)]
+    assert diffs[0].text.startswith("working_set_bytes[2]: 7.00 MiB -> 9.00 MiB")
+
+
+def test_dtype_change_is_a_regression() -> None:
+    diffs = compare_one(entry(figures={"reduce_dtype": "torch.float32"}),
+                        entry(figures={"reduce_dtype": "torch.bfloat16"}))
+    assert [(d.kind, d.regression, d.text) for d in diffs] == [
+        ("dtype", True, "reduce_dtype: torch.float32 -> torch.bfloat16")]
+
+
+def test_measured_floats_are_left_to_the_checks_and_other_figures_are_changes() -> None:
+    old = entry(figures={"loss": 0.3328, "tracker_over_truth": [0.999, 0.991],
+                         "digest": "b70745a46663be67", "steps": 3})
+    new = entry(figures={"loss": 0.3329, "tracker_over_truth": [0.987, 0.992],
+                         "digest": "8c4881791b91a717", "steps": 3})
+    diffs = compare_one(old, new)
+    assert [(d.kind, d.regression, d.text) for d in diffs] == [
+        ("figure", False, "digest: 'b70745a46663be67' -> '8c4881791b91a717'")]
+
+
+# --------------------------------------------------------------------------------------------
+# compare: warnings and deprecations
+# --------------------------------------------------------------------------------------------
+
+
+def test_new_warning_and_new_deprecation_are_reported_as_changes() -> None:
+    old = entry(warnings=["UserWarning: known"])
+    new = entry(warnings=["UserWarning: known", "UserWarning: returned a view tensor",
+                          "FutureWarning: `NO_SHARD` is deprecated"])
+    diffs = compare_one(old, new)
+    assert [(d.kind, d.regression, d.text) for d in diffs] == [
+        ("deprecation", False, "new deprecation: FutureWarning: `NO_SHARD` is deprecated"),
+        ("warning", False, "new warning: UserWarning: returned a view tensor"),
+    ]
+
+
+def test_a_warning_whose_source_line_moved_is_not_new() -> None:
+    # torch's C++ warnings carry their source location, which moves in every release.
+    text = ("UserWarning: Converting a tensor with requires_grad=True to a scalar may lead to "
+            "unexpected behavior.\nConsider using tensor.detach() first. (Triggered internally "
+            "at /__w/pytorch/pytorch/torch/csrc/autograd/generated/"
+            "python_variable_methods.cpp:{}.)")
+    old, new = entry(warnings=[text.format(822)]), entry(warnings=[text.format(820)])
+    assert compare_one(old, new) == []
+    # a genuinely new one is reported on one line
+    diffs = compare_one(entry(), new)
+    assert kinds(diffs) == [("warning", False)] and "\n" not in diffs[0].text
+    assert diffs[0].text.endswith("scalar may lead to unexpected behavior. Consider using "
+                                  "tensor.detach() first. (Triggered internally at "
+                                  "/__w/pytorch/pytorch/torch/csrc/autograd/generated/"
+                                  "python_variable_methods.cpp:820.)")
+
+
+# --------------------------------------------------------------------------------------------
+# compare: the human output
+# --------------------------------------------------------------------------------------------
+
+
+def test_differences_print_regressions_first_with_their_check_ids() -> None:
+    old = report(entry("a.one", outcome="failed"), entry("b.two"), torch_version="2.13.0")
+    new = report(entry("a.one"), entry("b.two", outcome="failed", message="boom"),
+                 torch_version="2.14.1")
+    text = reports.format_differences(old, new, compare_reports(old, new))
+    assert text.splitlines() == [
+        "compare: torch 2.13.0 -> 2.14.1: 1 regression(s), 2 difference(s)",
+        "  [REGRESSION] b.two[cpu,ws2,fsdp1,massive]: outcome: passed -> failed: boom",
+        "  [change] a.one[cpu,ws2,fsdp1,massive]: outcome: failed -> passed",
+    ]
