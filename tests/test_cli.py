@@ -92,8 +92,9 @@ NOT_CALLABLE = 3
 
 
 @pytest.fixture(autouse=True)
-def _no_outer_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs here see only the settings a test gives them."""
+def _no_outer_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Runs here see only the settings a test gives them (no env, no repo pyproject table)."""
+    monkeypatch.chdir(tmp_path)
     for option in OPTIONS:
         monkeypatch.delenv(option.env, raising=False)
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
