@@ -65,6 +65,16 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     if settings.model:
         _validate_user_model(settings)
+        _collect_model_tests(config)
+
+
+def _collect_model_tests(config: pytest.Config) -> None:
+    """With --fsdp-model, the conformance checks (model_tests.py) join the collection."""
+    import fsdp_conformance.model_tests as model_tests
+
+    path = os.path.abspath(model_tests.__file__)
+    if path not in config.args:
+        config.args.append(path)
 
 
 def _validate_user_model(settings: Settings) -> None:
@@ -124,8 +134,6 @@ def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     settings = config.stash[SETTINGS_KEY]
-    if settings.model and not any(_is_model_test(item) for item in items):
-        items.extend(_model_test_items(session))
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
     for item in items:
         if not any(item.get_closest_marker(lane) for lane in LANES):
@@ -133,20 +141,6 @@ def pytest_collection_modifyitems(
         uses_ranks = "ranks" in getattr(item, "fixturenames", ())
         if uses_ranks and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(outer, method="signal"))
-
-
-def _is_model_test(item: pytest.Item) -> bool:
-    return getattr(getattr(item, "module", None), "__name__", "") == "fsdp_conformance.model_tests"
-
-
-def _model_test_items(session: pytest.Session) -> list[pytest.Item]:
-    """The conformance checks on the user's model (--fsdp-model), as test items."""
-    from pathlib import Path
-
-    import fsdp_conformance.model_tests as model_tests
-
-    module = pytest.Module.from_parent(session, path=Path(model_tests.__file__))
-    return [item for item in module.collect() if isinstance(item, pytest.Item)]
 
 
 @pytest.hookimpl(tryfirst=True)
