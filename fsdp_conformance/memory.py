@@ -519,16 +519,27 @@ def _status_kb(field: str) -> int:
 
 
 class CudaMeter(Meter):
-    """The CUDA caching allocator's own figures for this rank's device."""
+    """The CUDA caching allocator's own figures for this rank's device.
 
-    def __init__(self, device: Any) -> None:
+    ``baseline`` (from :func:`cuda_baseline`, read before the model is built) is subtracted from
+    every figure: the allocator also holds memory that is not the step's (cuBLAS/cuBLASLt
+    workspaces, 8 to 32 MiB per handle and stream depending on the GPU, allocated at the first
+    matmul and kept for the life of the process; whatever earlier checks in the same warm rank
+    process still hold), which would otherwise be counted against the per-layer bound.
+    The allocator's counters are host-side: a free is counted when the tensor is released, and
+    the block is reused in stream order, so reading them needs no synchronize; the peak is read
+    after a synchronize so that every queued allocation of the step has happened.
+    """
+
+    def __init__(self, device: Any, baseline: int = 0) -> None:
         super().__init__("cuda")
         self.device = device
+        self.baseline = baseline
 
     def current(self) -> int:
         import torch
 
-        return int(torch.cuda.memory_allocated(self.device))
+        return int(torch.cuda.memory_allocated(self.device)) - self.baseline
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Meter]:
@@ -539,7 +550,31 @@ class CudaMeter(Meter):
         self.start = self.current()
         yield self
         torch.cuda.synchronize(self.device)
-        self.peak = int(torch.cuda.max_memory_allocated(self.device))
+        self.peak = int(torch.cuda.max_memory_allocated(self.device)) - self.baseline
+
+
+def cuda_baseline(device: Any) -> int:
+    """Allocator bytes on ``device`` that belong to no model: read before a model is built.
+
+    Collects garbage first (an earlier check's FSDP model can sit in reference cycles, its
+    device memory still allocated), then runs one tiny Linear forward and backward so that the
+    cuBLAS/cuBLASLt workspaces of the forward thread and of the autograd thread (one per handle
+    and stream, from the caching allocator) exist before the baseline is read.
+    """
+    import gc
+
+    import torch
+
+    gc.collect()
+    with torch.random.fork_rng(devices=[device]):  # the check's own seeding stays untouched
+        layer = torch.nn.Linear(16, 16, device=device)
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        layer(x).sum().backward()
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            layer(x).sum().backward()  # bf16 GEMMs (mixed precision) use the same handles
+    del layer, x
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
 
 
 def tracker_meter(device: Any, model: Any = None, optimizer: Any = None) -> TrackerMeter | None:
@@ -759,6 +794,9 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     if primary == "FSDPMemTracker" and (not track_construction or also):
         primary = "MemTracker"
     second = _choose_meter(ctx, also, version) if also else None
+    # Read before anything of the check is allocated: on GPU the allocator's figures are
+    # relative to it (CudaMeter), so workspaces and earlier checks' memory are not the step's.
+    baseline = cuda_baseline(ctx.device) if "cuda" in (primary, second) else 0
     torch.manual_seed(0)
     construction = tracker_meter(ctx.device) if primary == "MemTracker" else None
     if construction is None and primary == "MemTracker":
@@ -773,7 +811,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         batch = spec.batch(sharded, batch_size, ctx.device)
         train_step(sharded, batch, opt)  # warm-up: lazy init, optimizer state, buffers
         _zero_grad(sharded, opt)
-    meters = [_make_meter(name, ctx, sharded, opt, batch, construction)
+    meters = [_make_meter(name, ctx, sharded, opt, batch, construction, baseline)
               for name in (primary, second) if name]
     rec = (record_timeline(sharded, meters[0]) if timeline and primary != "none"
            else contextlib.nullcontext(Timeline()))
@@ -811,7 +849,7 @@ class _NoMeter(Meter):
 
 
 def _make_meter(name: str, ctx: RankContext, model: Any, opt: Any, batch: Any,
-                construction: TrackerMeter | None) -> Meter:
+                construction: TrackerMeter | None, cuda_base: int = 0) -> Meter:
     if name == "MemTracker":
         return construction or tracker_meter(ctx.device)  # type: ignore[return-value]
     if name == "FSDPMemTracker":
@@ -820,7 +858,7 @@ def _make_meter(name: str, ctx: RankContext, model: Any, opt: Any, batch: Any,
         m.tracker.track_inputs((batch,))
         return m
     if name == "cuda":
-        return CudaMeter(ctx.device)
+        return CudaMeter(ctx.device, cuda_base)
     if name == "os":
         return OSMeter(functools.partial(resident_tensor_bytes, model, opt, [batch]))
     return _NoMeter("none")
@@ -872,6 +910,40 @@ DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=8, d
 DEFAULT_DEPTHS = (2, 4, 8)
 
 
+#: Below this unsharded size of the largest unit, a unit's gather cannot be told apart from the
+#: activations and allocator rounding between two hooks: the sawtooth is not measurable.
+SAWTOOTH_MIN_UNIT_BYTES = 256 * 1024
+
+
+def rank_sawtooth(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                  **kwargs: Any) -> dict[str, Any]:
+    """:func:`rank_step` for the sawtooth, skipped (on every rank alike) when units are tiny."""
+    units, config = plan_step(spec, ctx.world_size, version,
+                              optimizer=kwargs.get("optimizer"),
+                              batch_size=kwargs.get("batch_size", 2))
+    largest = _block_bytes(units, config)
+    if largest < SAWTOOTH_MIN_UNIT_BYTES:
+        skip_rank(f"the largest unit of {spec.name} is {largest / 1024:.0f} KiB unsharded, under "
+                  f"{SAWTOOTH_MIN_UNIT_BYTES // 1024} KiB: a gather that small cannot be told "
+                  "apart from activations in the timeline; use a larger config of the model")
+    return rank_step(ctx, spec, version, **kwargs)
+
+
+def require_sharding(ctx: RankContext, version: str) -> None:
+    """Skip (on every rank alike) where the wrapping cannot change memory: FSDP1 at one rank.
+
+    FSDP1 clamps every sharding strategy to NO_SHARD at world size 1 (torch's
+    ``_init_core_state`` warns "FSDP is switching to use `NO_SHARD`"): units never gather or
+    release, so per-layer and monolithic wrapping hold the same memory and neither the bound's
+    negative controls nor the sawtooth can be told apart. FSDP2 still shards over a mesh of one
+    (it gathers into separate unsharded parameters), so it is measured at world size 1.
+    """
+    if version == "fsdp1" and ctx.world_size == 1:
+        skip_rank("FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
+                  "NO_SHARD): nothing is gathered or released, so the per-layer memory claims "
+                  "cannot be told apart from monolithic wrapping; run at world size >= 2")
+
+
 def rank_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
               wrapping: str = "per_layer", optimizer: str | None = None, batch_size: int = 2,
               compare_with: str | None = None) -> dict[str, Any]:
@@ -880,6 +952,7 @@ def rank_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "
     ``compare_with`` (e.g. "monolithic") also measures that wrapping's timeline, for the
     picture; reference models only, since a user's model may not fit unsharded.
     """
+    require_sharding(ctx, version)
     units, config = plan_step(spec, ctx.world_size, version, optimizer=optimizer,
                               batch_size=batch_size)
     result = measure_step(ctx, spec, version, wrapping, optimizer=optimizer,
@@ -918,6 +991,7 @@ def rank_depths(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str =
                   f"{spec.name!r} is a factory")
     if len(set(depths)) < 3:
         raise MemoryCheckError(f"depth invariance needs at least three depths, got {list(depths)}")
+    require_sharding(ctx, version)
     rows = []
     for depth in sorted(set(depths)):
         deep = with_depth(spec, depth)
@@ -1200,7 +1274,7 @@ PEAK_CHECKS = _variants(
 SAWTOOTH_CHECKS = _variants(
     "memory.sawtooth",
     "the timeline rises by about one unit at each gather and falls back at each release",
-    rank_step, sawtooth_verdict, compare_with="monolithic")
+    rank_sawtooth, sawtooth_verdict, compare_with="monolithic")
 DEPTH_CHECKS = _variants(
     "memory.depth_invariance",
     "more layers add only sharded state per rank (per-layer); monolithic adds the full layers",

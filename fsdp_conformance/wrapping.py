@@ -36,7 +36,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.checks import Check, Verdict
-from fsdp_conformance.harness import RankContext
+from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.policies import (
     PolicyError,
@@ -886,7 +886,10 @@ def mixed_config_units(
     check_fsdp_version(version)
     model = _build(spec, ctx)
     blocks = spec.block_classes(model)
-    emb_name = embedding or _embedding_fqn(model, blocks)
+    try:
+        emb_name = embedding or _embedding_fqn(model, blocks)
+    except PolicyError as exc:  # every rank builds the same model: all ranks skip alike
+        skip_rank(f"the second seed's mixed configuration does not apply: {exc}")
     emb = model.get_submodule(emb_name)
     block_names = [n for n, m in model.named_modules() if isinstance(m, blocks)]
     uniform = fault == "uniform"
