@@ -140,11 +140,16 @@ def test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth(
     ranks: Ranks, version: str, wrapping: str
 ) -> None:
     values, params = _step(ranks, version, wrapping)
-    peak = memory.peak_verdict(values, params)
-    assert not peak.passed
-    assert "peak exceeds the per-layer bound on rank(s) 0, 1" in peak.message
-    assert "expected (per-layer bound, term by term)" in peak.message
-    assert "sharded params" in peak.message and "actual units:" in peak.message
+    # At one rank (the single-GPU lane) the sharded state is the whole model, so a monolithic
+    # peak (measured 63.8 MB) stays under the per-layer limit (69.3 MB) at this size: the
+    # bound's negative control needs >= 2 ranks; the sawtooth's holds at one rank too.
+    if ranks.world_size >= 2:
+        peak = memory.peak_verdict(values, params)
+        assert not peak.passed
+        every_rank = ", ".join(str(r) for r in range(ranks.world_size))
+        assert f"peak exceeds the per-layer bound on rank(s) {every_rank}" in peak.message
+        assert "expected (per-layer bound, term by term)" in peak.message
+        assert "sharded params" in peak.message and "actual units:" in peak.message
     saw = memory.sawtooth_verdict(values, params)
     assert not saw.passed
     assert "unit (root) gathered" in saw.message
@@ -166,7 +171,9 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(ranks: R
     assert verdict.passed, verdict.message
     compare = verdict.data["compare"]
     assert compare["wrapping"] == "monolithic"
-    assert compare["peak"] > verdict.data["limit_bytes"]  # saturation vs sawtooth
+    if ranks.world_size >= 2:  # at one rank the sharded state is the whole model (see above)
+        assert compare["peak"] > verdict.data["limit_bytes"]  # saturation vs sawtooth
+    assert compare["peak"] > verdict.data["peak_bytes"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -187,7 +194,9 @@ def test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows(
         mono = [row["monolithic"] for row in rows]
         # Per-layer adds the layers' sharded params + grads (at 2 ranks: their full size once);
         # monolithic adds that plus their unsharded params and grads: at least twice as much.
-        assert mono[-1] - mono[0] > 2 * (peaks[-1] - peaks[0])
+        # At one rank the sharded part is already twice their full size: more, not twice.
+        factor = 2 if ranks.world_size >= 2 else 1
+        assert mono[-1] - mono[0] > factor * (peaks[-1] - peaks[0])
 
 
 @pytest.mark.parametrize("version", VERSIONS)
