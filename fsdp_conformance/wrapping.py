@@ -884,6 +884,10 @@ def mixed_config_units(
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     check_fsdp_version(version)
+    if ctx.world_size == 1:  # every rank alike: the world size is the same everywhere
+        skip_rank("the mixed configuration needs world size >= 2: at one rank FULL_SHARD and "
+                  "NO_SHARD are the same layout (FSDP1 switches every unit to NO_SHARD; FSDP2's "
+                  "shards over a mesh of one are whole), so the per-unit strategies cannot differ")
     model = _build(spec, ctx)
     blocks = spec.block_classes(model)
     try:
@@ -1045,6 +1049,10 @@ def prefetch_order(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     check_fsdp_version(version)
+    if version == "fsdp1" and ctx.world_size == 1:
+        skip_rank("FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
+                  "NO_SHARD): units are never gathered, so there is no prefetch to observe; run "
+                  "at world size >= 2 (FSDP2 still gathers at one rank)")
     model = _build(spec, ctx)
     block_classes = spec.block_classes(model)
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, block_classes)]
