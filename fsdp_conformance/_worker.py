@@ -61,7 +61,10 @@ def clean_global_state(seed: int = 0) -> Iterator[None]:
     """Every check starts from the same state and leaves nothing behind.
 
     Seeds reset; default dtype and device, grad mode, environment, working directory and
-    warning filters restored; attributes patched on torch's FSDP modules put back.
+    warning filters restored; attributes patched on torch's FSDP modules put back. fp32 matmuls
+    and convolutions run in full fp32 (no TF32): the fp32 parity checks compare FSDP against
+    an fp32 reference with fp32 tolerances (1e-5), which TF32's 10-bit mantissa would break on
+    Ampere and later GPUs (cuDNN allows TF32 by default; a runner may enable it for cuBLAS).
     """
     import torch
 
@@ -70,6 +73,10 @@ def clean_global_state(seed: int = 0) -> Iterator[None]:
     environ = dict(os.environ)
     cwd = os.getcwd()
     dtype = torch.get_default_dtype()
+    matmul_precision = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     random.seed(seed)
     torch.manual_seed(seed)
     if "numpy" in sys.modules:
@@ -80,6 +87,8 @@ def clean_global_state(seed: int = 0) -> Iterator[None]:
             yield
     finally:
         torch.set_default_dtype(dtype)
+        torch.set_float32_matmul_precision(matmul_precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)
         torch.set_grad_enabled(True)
