@@ -431,7 +431,8 @@ class RankPool:
             )
         got_id, status, value, detail, caught = message
         if got_id != task_id:  # an invariant of the protocol, not user input
-            return RankOutcome(r.rank, "error", detail=f"protocol error: task {got_id} != {task_id}")
+            return RankOutcome(r.rank, "error",
+                               detail=f"protocol error: task {got_id} != {task_id}")
         return RankOutcome(r.rank, status, value=value, detail=detail, warnings=tuple(caught))
 
     def _dump_stacks(self, ranks: Sequence[_Rank]) -> dict[int, str]:

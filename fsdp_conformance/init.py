@@ -39,7 +39,7 @@ from fsdp_conformance import _compat
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1, shard_fsdp2
+from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
 
 MiB = 1024 * 1024

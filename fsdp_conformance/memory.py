@@ -26,7 +26,7 @@ from typing import Any
 
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelConfig, LlamaConfig, ModelSpec
+from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.units import ROOT, UnitInfo
 
 MB = 1e6
@@ -187,7 +187,6 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     if not units:
         raise ValueError("per_layer_bound needs at least one unit (the root)")
     w, pb, cb = config.world_size, config.param_bytes, config.compute_bytes
-    total_numel = sum(u.numel for u in units)
     shard_numel = sum(_shard(u.numel, w) for u in units)
     num_tensors = sum(len(u.params) for u in units)
     root = next((u for u in units if u.fqn == ROOT), None)

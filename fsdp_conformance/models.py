@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
 
 
 class MassiveModel(nn.Module):
-    """The seeds' model: ``embed`` (dim x dim), ``layers`` of DecoderLayer, ``head`` (dim x vocab)."""
+    """The seeds' model: ``embed`` (dim x dim), DecoderLayer ``layers``, ``head`` (dim x vocab)."""
 
     def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
@@ -222,7 +222,9 @@ class LoRADecoderLayer(nn.Module):
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.attn = LoRALinear(dim, dim)
-        self.mlp = nn.Sequential(LoRALinear(dim, hidden_dim), nn.ReLU(), LoRALinear(hidden_dim, dim))
+        self.mlp = nn.Sequential(
+            LoRALinear(dim, hidden_dim), nn.ReLU(), LoRALinear(hidden_dim, dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.attn(x))

@@ -475,7 +475,8 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
             lo, hi = (lo, mid) if total(mid) <= device_bytes else (mid, hi)
         w = hi
     at = plan.estimate(w)
-    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {fmt_bytes(at.total)} per rank <= {fmt_bytes(device_bytes)}"
+    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {fmt_bytes(at.total)} per rank "
+              f"<= {fmt_bytes(device_bytes)}"
               + (f" (at {w - 1:,} ranks: {fmt_bytes(total(w - 1))})" if w > 1 else ""))
     return DevicesNeeded(device_bytes, w, at.total, floor, max_world_size, reason)
 
@@ -738,8 +739,8 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
              format_plan_tree(plan, w, report.get("verification"), collapse), "",
              f"sharded parameters per rank: {fmt_bytes(report['sharded_param_bytes_per_rank'])} "
              f"({s.param_dtype})", "",
-             f"estimated peak per rank of a training step (memory.per_layer_bound, "
-             f"docs/memory.md):", format_bound(bound), ""]
+             "estimated peak per rank of a training step (memory.per_layer_bound, "
+             "docs/memory.md):", format_bound(bound), ""]
     lines.append("devices needed (smallest world size whose estimate fits the device):")
     for d in report["devices_needed"]:
         lines.append(f"  {fmt_bytes(d['device_bytes'])}: {d['reason']}")

@@ -125,7 +125,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         marked = [lane for lane in LANES if metafunc.definition.get_closest_marker(lane)]
         lanes = marked or list(LANES)  # unmarked: both lanes, each carrying its marker
         metafunc.parametrize(
-            "lane", [pytest.param(lane, marks=getattr(pytest.mark, lane), id=lane) for lane in lanes]
+            "lane",
+            [pytest.param(lane, marks=getattr(pytest.mark, lane), id=lane) for lane in lanes],
         )
 
 

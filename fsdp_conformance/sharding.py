@@ -74,7 +74,9 @@ def shard_fsdp2(
     )
 
 
-def shard(model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any) -> nn.Module:
+def shard(
+    model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any
+) -> nn.Module:
     """Shard ``model`` with FSDP1 or FSDP2 under ``policy``; returns the sharded model."""
     if check_fsdp_version(version) == "fsdp1":
         return shard_fsdp1(model, ctx, policy, **kwargs)

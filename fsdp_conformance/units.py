@@ -158,7 +158,9 @@ def _with_parents(units: Sequence[UnitInfo], order: Sequence[str] = ()) -> list[
                     break
         out.append(dataclasses.replace(u, parent=parent))
     rank = {fqn: i for i, fqn in enumerate(order)}
-    return sorted(out, key=lambda u: (u.fqn != ROOT, rank.get(u.fqn, len(rank)), _natural_key(u.fqn)))
+    return sorted(
+        out, key=lambda u: (u.fqn != ROOT, rank.get(u.fqn, len(rank)), _natural_key(u.fqn))
+    )
 
 
 def _natural_key(fqn: str) -> list[Any]:

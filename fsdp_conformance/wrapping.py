@@ -437,9 +437,10 @@ def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str,
     actual0 = _units(v0, "actual")
     total = sum(u.numel for u in actual0)
     if total != v0["model_numel"]:
+        why = ("more: a weight is counted in two units" if total > v0["model_numel"]
+               else "fewer: parameters are outside every unit")
         problems.append(
-            f"units hold {total:,} parameters, the model has {v0['model_numel']:,} "
-            f"({'more: a weight is counted in two units' if total > v0['model_numel'] else 'fewer: parameters are outside every unit'})"
+            f"units hold {total:,} parameters, the model has {v0['model_numel']:,} ({why})"
         )
     for group in v0["shared"]:
         holding = sorted({u.fqn or "(root)" for u in actual0 if set(u.params) & set(group)})
@@ -1156,7 +1157,8 @@ def _prefetch_verdict(values: Sequence[Mapping[str, Any]], direction: str) -> Ve
         )
         for k, nxt, end_event in pairs:
             if end_event not in run:
-                problems.append(f"rank {v['rank']}: block {blocks[k]} never reported {end_event[0]}")
+                problems.append(
+                    f"rank {v['rank']}: block {blocks[k]} never reported {end_event[0]}")
                 continue
             end = run.index(end_event)
             window = run[:end] if direction == "forward" else run[done:end]
