@@ -47,7 +47,7 @@ def recursive_wrap() -> Callable[..., Any]:
     return _import(_WRAP, "_recursive_wrap")
 
 
-def policy_base() -> type:
+def policy_base() -> type[Any]:
     return _import(_WRAP, "_Policy")
 
 
@@ -91,7 +91,7 @@ def fully_shard() -> Callable[..., Any]:
 
 
 @functools.cache
-def fsdp_module_cls() -> type:
+def fsdp_module_cls() -> type[Any]:
     try:
         return _import("torch.distributed.fsdp", "FSDPModule")
     except CompatError:
@@ -99,14 +99,14 @@ def fsdp_module_cls() -> type:
 
 
 @functools.cache
-def mixed_precision_policy_cls() -> type:
+def mixed_precision_policy_cls() -> type[Any]:
     try:
         return _import("torch.distributed.fsdp", "MixedPrecisionPolicy")
     except CompatError:
         return _import("torch.distributed._composable.fsdp", "MixedPrecisionPolicy")
 
 
-def dtensor_cls() -> type:
+def dtensor_cls() -> type[Any]:
     try:
         return _import("torch.distributed.tensor", "DTensor")
     except CompatError:
@@ -116,7 +116,7 @@ def dtensor_cls() -> type:
 # -- memory trackers (private `_tools`) -------------------------------------------------------
 
 
-def mem_tracker_cls() -> type | None:
+def mem_tracker_cls() -> type[Any] | None:
     """torch's ``MemTracker`` (any module), or None when an upgrade moved it."""
     try:
         return _import("torch.distributed._tools.mem_tracker", "MemTracker")
@@ -124,7 +124,7 @@ def mem_tracker_cls() -> type | None:
         return None
 
 
-def fsdp_mem_tracker_cls() -> type | None:
+def fsdp_mem_tracker_cls() -> type[Any] | None:
     """torch's ``FSDPMemTracker`` (FSDP2, per-category), or None when an upgrade moved it."""
     try:
         return _import("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")
@@ -135,7 +135,7 @@ def fsdp_mem_tracker_cls() -> type | None:
 # -- the fake process group (private `torch.testing._internal`) ------------------------------
 
 
-def fake_store_cls() -> type:
+def fake_store_cls() -> type[Any]:
     """``FakeStore``; importing its module registers the ``fake`` backend."""
     return _import("torch.testing._internal.distributed.fake_pg", "FakeStore")
 
@@ -143,12 +143,12 @@ def fake_store_cls() -> type:
 # -- unshard (all-gather) observation, for the prefetch checks (private classes) -------------
 
 
-def fsdp1_flat_param_handle_cls() -> type:
+def fsdp1_flat_param_handle_cls() -> type[Any]:
     """FSDP1's ``FlatParamHandle``: its ``unshard()`` issues a unit's all-gather."""
     return _import("torch.distributed.fsdp._flat_param", "FlatParamHandle")
 
 
-def fsdp2_param_group_cls() -> type:
+def fsdp2_param_group_cls() -> type[Any]:
     """FSDP2's ``FSDPParamGroup``: its ``unshard()`` issues a unit's all-gather."""
     return _import("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup")
 

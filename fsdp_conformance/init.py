@@ -30,7 +30,7 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,9 @@ from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 MiB = 1024 * 1024
 
@@ -157,7 +160,9 @@ def module_seed(seed: int, fqn: str) -> int:
 
 def _own_state(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     """``(kind, name, tensor)`` of the module's own parameters and buffers."""
-    own = [("param", n, p) for n, p in module._parameters.items() if p is not None]
+    own: list[tuple[str, str, torch.Tensor]] = [
+        ("param", n, p) for n, p in module._parameters.items() if p is not None
+    ]
     own += [("buffer", n, b) for n, b in module._buffers.items() if b is not None]
     return own
 
@@ -288,17 +293,18 @@ def _copy_to_dtensor(t: Any, full: torch.Tensor) -> None:
 
     local_tensor = t.to_local()
     piece = full
+    sliced = True  # False: a layout this function leaves to DTensor
     for mesh_dim, placement in enumerate(t.placements):
         if isinstance(placement, Replicate):
             continue
         if type(placement) is not Shard:  # e.g. _StridedShard: let DTensor slice it
-            piece = None
+            sliced = False
             break
         chunks = torch.chunk(piece, t.device_mesh.size(mesh_dim), dim=placement.dim)
         coordinate = t.device_mesh.get_local_rank(mesh_dim)
         piece = chunks[coordinate] if coordinate < len(chunks) else piece.narrow(
             placement.dim, 0, 0)
-    if piece is None or piece.shape != local_tensor.shape:
+    if not sliced or piece.shape != local_tensor.shape:
         piece = distribute_tensor(
             full.to(t.device), t.device_mesh, t.placements, src_data_rank=None
         ).to_local()
@@ -336,14 +342,16 @@ def reference_digest(spec: ModelSpec, seed: int) -> str:
 
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer once, under its first name (as FSDP reports them)."""
-    state = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = dict(model.named_parameters())
     state.update(dict(model.named_buffers()))
     return state
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter (tied ones under each name) and buffer, non-persistent included."""
-    state = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    state: dict[str, torch.Tensor] = {
+        n: p for n, p in model.named_parameters(remove_duplicate=False)
+    }
     state.update({n: b for n, b in model.named_buffers(remove_duplicate=False)})
     return state
 
@@ -512,8 +520,12 @@ def materialize(
     elif method == "reset_parameters":
         with torch.no_grad():
             for module in model.modules():
-                if _own_state(module) and callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
+                if not _own_state(module):
+                    continue
+                # getattr: nn.Module.__getattr__ is typed Tensor | Module, not a method
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
     else:  # seeds_to_empty
         with torch.no_grad():
             model.apply(materialization_fn)
@@ -611,7 +623,9 @@ def inspect_sharded(
     }
     if report["on_meta"]:
         return report  # gathering meta shards would only raise inside torch
-    local_bad, full_bad, uninit = [], [], []
+    local_bad: list[str] = []
+    full_bad: list[str] = []
+    uninit: list[str] = []
     if version == "fsdp1":
         local_bad, checked = _fsdp1_local_mismatches(model, ref, ctx)
     else:
@@ -653,7 +667,7 @@ def gathered_state(model: nn.Module, version: str) -> dict[str, torch.Tensor]:
     else:
         dtensor = _compat.dtensor_cls()
         for n, p in model.named_parameters():
-            full = p.full_tensor() if isinstance(p, dtensor) else p  # type: ignore[attr-defined]
+            full = p.full_tensor() if isinstance(p, dtensor) else p
             out[n] = full.detach().cpu().clone()
     for n, b in model.named_buffers():
         out[clean_fqn(n)] = b.detach().cpu().clone()
@@ -698,7 +712,7 @@ def _fsdp2_local_mismatches(
         chunks = torch.chunk(ref[name].detach().cpu(), ctx.world_size, dim=0)
         expected = chunks[ctx.rank] if ctx.rank < len(chunks) else ref[name][:0].cpu()
         checked += 1
-        if not _equal(p.to_local(), expected):  # type: ignore[attr-defined]
+        if not _equal(p.to_local(), expected):
             bad.append(name)
     return bad, checked
 
@@ -935,7 +949,7 @@ def weights_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, An
         if bad:
             problems.append(f"rank {r}: gathered weights differ from the reference: "
                             f"{_listing(bad)}")
-    digests = sorted({v.get("digest") for v in values if v.get("digest")})
+    digests: list[str] = sorted({v["digest"] for v in values if v.get("digest")})
     figures = {
         "digest": digests[0][:16] if len(digests) == 1 else "differs",
         "reference_digest": (values[0].get("reference_digest") or "")[:16],
@@ -1070,7 +1084,7 @@ def broadcast_rank0_rank(
                         .state_dict().items()}
             before = {k: (id(v), v.data_ptr()) for k, v in full.items()}
             set_model_state_dict(
-                model, full,
+                model, cast("dict[str, ValueType]", full),  # dict is invariant in its values
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
             )
             # Rank 0's dict is mutated in place (its values replaced by the model's own

@@ -321,6 +321,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding; ``inv_freq`` is a non-persistent buffer (not in state dicts)."""
 
+    inv_freq: torch.Tensor  # registered in __init__ (register_buffer); typed for mypy
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim = head_dim

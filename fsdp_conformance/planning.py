@@ -204,7 +204,11 @@ def choose_model(*, preset: str | None = None, reference: str | None = None,
                             f"{', '.join(REFERENCE_MODELS)} (or --preset {', '.join(PRESETS)})")
         config: ModelConfig | LlamaConfig = (LlamaConfig() if reference == "llama"
                                              else ModelConfig())
-        changes = {k: v for k, v in (("num_layers", layers), ("dim", dim)) if v is not None}
+        # Any: mypy's dataclasses.replace plugin checks **changes against every field of the
+        # union's members (their field sets differ), so dict[str, int] reads as "Never".
+        changes: dict[str, Any] = {
+            k: v for k, v in (("num_layers", layers), ("dim", dim)) if v is not None
+        }
         try:
             config = dataclasses.replace(config, **changes)
         except ValueError as exc:
@@ -540,7 +544,8 @@ def verify_fsdp2_shards(plan: ModelPlan, world_size: int, model: Any = None) -> 
     finally:
         dist.destroy_process_group()
     by_fqn = {u.fqn: u for u in actual}
-    rows, mismatched = [], []
+    rows: list[dict[str, Any]] = []
+    mismatched: list[str] = []
     for u in plan.units:
         got = by_fqn.get(u.fqn)
         padded = fsdp2_padded_local_numel(plan, u, world_size)

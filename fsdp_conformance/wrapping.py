@@ -449,7 +449,7 @@ def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str,
                 f"tied weight {' = '.join(group)} is in {len(holding)} units "
                 f"({', '.join(holding) or 'none'}): it must be in exactly one"
             )
-    shard_rows = []
+    shard_rows: list[tuple[int, str, int]] = []
     for v in values:
         for u in _units(v, "actual"):
             strategy = v["strategies"].get(u.fqn, "FULL_SHARD")
@@ -461,6 +461,8 @@ def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str,
                     f"{u.local_numel:,} elements, expected {want:,} "
                     f"({u.numel:,} params over {v['world_size']} ranks, {v['version']})"
                 )
+            if u.local_numel is None:  # unreachable: formatting None above already raised
+                raise TypeError(f"unit {u.fqn or '(root)'} has no local shard numel")
             shard_rows.append((v["rank"], u.fqn, u.local_numel))
     for u in actual0:
         held = sum(n for _, fqn, n in shard_rows if fqn == u.fqn)
@@ -898,6 +900,7 @@ def mixed_config_units(
     emb = model.get_submodule(emb_name)
     block_names = [n for n, m in model.named_modules() if isinstance(m, blocks)]
     uniform = fault == "uniform"
+    sharded: nn.Module  # FSDP1 wrapper or the fully_shard-ed model
     if version == "fsdp1":
         override = {} if uniform else {"sharding_strategy": ShardingStrategy.NO_SHARD,
                                        "mixed_precision": None}
