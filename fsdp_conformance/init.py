@@ -38,6 +38,7 @@ import torch.nn as nn
 from fsdp_conformance import _compat
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
+from fsdp_conformance.memory import MALLOC_ENV, reset_peak_rss, status_bytes
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
@@ -86,27 +87,6 @@ MEMORY_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=8, di
 
 class InitError(ValueError):
     """A model cannot be initialized deterministically; the message names the module and fix."""
-
-
-# --------------------------------------------------------------------------------------------
-# Reading the process's memory (the OS's own figures)
-# --------------------------------------------------------------------------------------------
-
-
-def status_bytes(field: str) -> int:
-    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``) in bytes."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} (Linux only)")
-
-
-def reset_peak_rss() -> int:
-    """Reset ``VmHWM`` to the current RSS (``5`` into ``/proc/self/clear_refs``); returns RSS."""
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-    return status_bytes("VmRSS")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1319,8 +1299,6 @@ def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str
 # The checks
 # --------------------------------------------------------------------------------------------
 
-_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
 CHECKS: tuple[Check, ...] = (
     Check(
         "init.meta_build", "init",
@@ -1383,13 +1361,13 @@ CHECKS: tuple[Check, ...] = (
         "init.peak_memory.fsdp1", "init",
         "FSDP1: peak host memory while materializing stays within shards + one unit (+ flat copy)",
         peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp1"},
-        env=_MMAP_ENV,
+        env=MALLOC_ENV,
     ),
     Check(
         "init.peak_memory.fsdp2", "init",
         "FSDP2: peak host memory while materializing stays within shards + one unit",
         peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp2"},
-        env=_MMAP_ENV,
+        env=MALLOC_ENV,
     ),
 )
 

@@ -496,25 +496,31 @@ class OSMeter(Meter):
         return None
 
     def current(self) -> int:
-        return self.resident_fn() + _status_kb("VmRSS") * 1024 - self.rss_start
+        return self.resident_fn() + status_bytes("VmRSS") - self.rss_start
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Meter]:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        self.rss_start = _status_kb("VmRSS") * 1024
+        self.rss_start = reset_peak_rss()
         self.start = self.resident_fn()
         yield self
-        self.hwm = _status_kb("VmHWM") * 1024
+        self.hwm = status_bytes("VmHWM")
         self.peak = self.start + max(0, self.hwm - self.rss_start)
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
         for line in f:
             if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (Linux only)")
+
+
+def reset_peak_rss() -> int:
+    """Reset ``VmHWM`` to the current RSS (``5`` into ``/proc/self/clear_refs``); returns RSS."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
 
 
 class CudaMeter(Meter):
