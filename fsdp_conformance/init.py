@@ -39,7 +39,7 @@ from fsdp_conformance import _compat
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.memory import MALLOC_ENV, reset_peak_rss, status_bytes
-from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
 
@@ -1098,7 +1098,7 @@ def train_step_rank(
     losses = []
     for m in (model, reference):
         optimizer = torch.optim.SGD(m.parameters(), lr=lr)
-        loss = m(batch).float().pow(2).mean()
+        loss = default_loss(m(batch))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

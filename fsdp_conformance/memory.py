@@ -26,7 +26,7 @@ from typing import Any
 
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
 from fsdp_conformance.units import ROOT, UnitInfo
 
 MB = 1e6
@@ -284,15 +284,6 @@ def _unit_of(model: Any, units: Sequence[UnitInfo]) -> dict[int, str]:
                 break
         owner[id(module)] = unit
     return owner
-
-
-def default_loss(output: Any) -> Any:
-    """The step's loss: the mean square of the output (any shape, any float dtype)."""
-    if isinstance(output, (tuple, list)):
-        output = output[0]
-    if isinstance(output, Mapping):
-        output = next(iter(output.values()))
-    return output.float().pow(2).mean()
 
 
 def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -441,6 +441,19 @@ def build_reference(name: str, config: ModelConfig | LlamaConfig | None = None,
         ) from None
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return ref.build(config) if config is not None else ref.build()
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss every check's training step uses: the mean square of the output in fp32.
+
+    Any output shape and float dtype; a tuple/list or mapping output contributes its first
+    tensor. One definition, so the checks' steps and the memory profile compute the same thing.
+    """
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    if isinstance(output, Mapping):
+        output = next(iter(output.values()))
+    return output.float().pow(2).mean()
 
 
 def make_batch(model: nn.Module, batch_size: int = 2, seq_len: int = 8,

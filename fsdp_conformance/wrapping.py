@@ -37,7 +37,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models import ModelSpec, default_loss
 from fsdp_conformance.policies import (
     PolicyError,
     get_hybrid_policy,
@@ -634,10 +634,6 @@ FAULTS = {
 }
 
 
-def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().pow(2).mean()
-
-
 def _mp_kwargs(version: str, precision: str) -> dict[str, Any]:
     if precision != "bf16":
         return {}
@@ -753,11 +749,11 @@ def train_parity(
     losses, ref_losses = [], []
     for _ in range(steps):
         with record_compute_dtypes(model, seen):
-            loss = _loss(sharded(mine))
+            loss = default_loss(sharded(mine))
         loss.backward()
         _sgd_step(sharded, lr)
         losses.append(float(loss))
-        ref_loss = _loss(reference(batch))
+        ref_loss = default_loss(reference(batch))
         ref_loss.backward()
         _sgd_step(reference, lr)
         ref_losses.append(float(ref_loss))
@@ -929,7 +925,7 @@ def mixed_config_units(
     seen: dict[str, tuple[str, str]] = {}
     batch = spec.batch(model, batch_size=2, device=ctx.device)
     with record_compute_dtypes(model, seen):
-        _loss(sharded(batch)).backward()
+        default_loss(sharded(batch)).backward()
     stored = {}
     for u in actual_units(sharded):
         stored[u.fqn] = sorted({str(p.dtype) for n, p in sharded.named_parameters()
@@ -1109,7 +1105,7 @@ def prefetch_order(
         with record_unshards(events):
             out = sharded(batch)
             events.append(("fwd_done", None))
-            _loss(out).backward()
+            default_loss(out).backward()
         runs.append([(kind, keys.get(key, "?") if kind == "gather" else key)
                      for kind, key in events])
     units = actual_units(sharded)
