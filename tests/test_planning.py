@@ -245,8 +245,7 @@ def _case(reference: str, layers: int, dim: int, version: str, policy: str,
 
 
 #: Several models, depths, both versions and both measurable policies; parameter-heavy
-#: (batch 2) and activation-heavy (batch 32 to 64) steps. FSDP1 only on float-input models:
-#: measure_step builds token batches from the wrapped model, which FSDP1 hides (reported).
+#: (batch 2) and activation-heavy (batch 32 to 64) steps; token and float inputs on both.
 TRUST_CASES = [
     _case("massive", 4, 128, "fsdp1", "recommended", "adamw"),
     _case("massive", 4, 64, "fsdp2", "recommended", "adamw"),
@@ -256,6 +255,7 @@ TRUST_CASES = [
     _case("tied", 2, 32, "fsdp2", "recommended", batch_size=64),
     _case("encoder_decoder", 2, 64, "fsdp1", "monolithic"),
     _case("massive", 4, 64, "fsdp2", "monolithic"),
+    _case("llama", 2, 64, "fsdp1", "recommended", batch_size=32),
 ]
 #: Negative controls: the term that dominates each regime, deliberately left out of the bound.
 #: Optimizer state in a parameter-heavy step; saved activations in the activation-heavy ones
