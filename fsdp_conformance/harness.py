@@ -688,6 +688,15 @@ class Ranks:
                     f"world size {self.world_size} is not this launch's "
                     f"(WORLD_SIZE={self.launcher.world_size})"
                 )
+            if self.launcher.device_type != self.device_type:
+                # One launch has one process group: a gpu lane on gloo, or a cpu lane on nccl
+                # (CPU tensors in NCCL collectives), would test the wrong thing or crash.
+                raise CheckSkipped(
+                    f"{self.lane} lane: this launch's process group is {self.launcher.backend} "
+                    f"on {self.launcher.device_type}; run the {self.lane} lane in its own launch "
+                    f"(e.g. torchrun ... -m pytest -m {self.lane} --fsdp-backend "
+                    f"{'nccl' if self.lane == 'gpu' else 'gloo'})"
+                )
             return self.launcher.run_outcomes(fn, args, kwargs)
         if self.manager is None:  # an invariant of how Ranks is built
             raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")

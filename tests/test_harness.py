@@ -762,3 +762,23 @@ def test_under_torchrun_a_check_failing_on_one_rank_fails_on_every_rank(
             ]
         )
     assert returncode != 0
+
+
+@pytest.mark.cpu
+def test_under_a_launcher_a_lane_of_another_device_skips_with_the_fix() -> None:
+    # One launch has one process group: the cpu lane's checks on an NCCL launch would put CPU
+    # tensors into NCCL collectives. The launcher stands in (no GPU here); nothing is run.
+    from types import SimpleNamespace
+
+    from fsdp_conformance.harness import CheckSkipped, Ranks
+
+    nccl_launch = SimpleNamespace(world_size=2, device_type="cuda", backend="nccl")
+    ranks = Ranks(None, 2, lane="cpu", backend="gloo", launcher=nccl_launch)  # type: ignore[arg-type]
+    with pytest.raises(CheckSkipped, match=r"cpu lane: this launch's process group is nccl"):
+        ranks.run(_rank_of)
+    with pytest.raises(CheckSkipped, match=r"-m cpu --fsdp-backend gloo"):
+        ranks.run(_rank_of)
+
+
+def _rank_of(ctx: RankContext) -> int:
+    return ctx.rank
