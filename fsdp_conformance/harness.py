@@ -645,7 +645,8 @@ def lane_unavailable(lane: str, world_size: int) -> str | None:
     if world_size > found:
         return (
             f"gpu lane: world size {world_size} needs {world_size} CUDA devices, found {found} "
-            f"(one rank per device); run with --fsdp-world-sizes {found} or on a larger machine"
+            f"(one rank per device); run it on a machine with {world_size} GPUs (tests without "
+            f"a world_size marker follow --fsdp-world-sizes, e.g. {found})"
         )
     return None
 
