@@ -1056,6 +1056,11 @@ def prefetch_order(
     model = _build(spec, ctx)
     block_classes = spec.block_classes(model)
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, block_classes)]
+    if len(blocks) < 2:
+        # Same model on every rank, so every rank skips alike; with one block there is no
+        # next unit, and the order verdicts would have nothing to examine.
+        skip_rank(f"prefetch needs at least two blocks to observe an order; the model has "
+                  f"{len(blocks)}: use a config with two or more blocks")
     events: list[tuple[str, Any]] = []
     for i, (_, block) in enumerate(blocks):
         def pre(mod: nn.Module, args: tuple[Any, ...], i: int = i) -> Any:
@@ -1148,6 +1153,11 @@ def _prefetch_verdict(values: Sequence[Mapping[str, Any]], direction: str) -> Ve
         if len(set(owners)) < len(blocks):
             problems.append(f"rank {v['rank']}: blocks share units ({len(set(owners))} units for "
                             f"{len(blocks)} blocks): there is no next unit to prefetch")
+            continue
+        if len(blocks) < 2:
+            # No block pair to examine: passing here would prove nothing.
+            problems.append(f"rank {v['rank']}: fewer than two blocks ({len(blocks)}): no next "
+                            "unit whose gather order could be checked")
             continue
         done = run.index(("fwd_done", None))
         pairs = (

@@ -256,3 +256,24 @@ def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
     params = {"spec": SMALL, "version": "fsdp2", "forward_prefetch": False}
     forward = verdict_forward_prefetch(ranks.run(prefetch_order, **params), params)
     assert not forward.passed and "was not gathered before" in forward.message
+
+
+def test_prefetch_verdicts_cannot_pass_with_fewer_than_two_blocks() -> None:
+    # One block has no next unit: a verdict that examined no block pair proved nothing.
+    run = [("fwd_start", 0), ("gather", "layers.0"), ("fwd_end", 0), ("fwd_done", None),
+           ("bwd_start", 0), ("bwd_end", 0)]
+    values = [{"rank": r, "version": "fsdp2", "blocks": ["layers.0"], "units": ["", "layers.0"],
+               "runs": [run]} for r in range(2)]
+    for verdict_fn in (verdict_forward_prefetch, verdict_backward_prefetch):
+        verdict = verdict_fn(values, {})
+        assert not verdict.passed
+        assert "fewer than two blocks" in verdict.message
+
+
+@pytest.mark.world_size(2)
+def test_prefetch_skips_a_model_with_one_block_on_every_rank(ranks: Ranks) -> None:
+    from fsdp_conformance.harness import CheckSkipped
+
+    one_block = ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=32))
+    with pytest.raises(CheckSkipped, match="needs at least two blocks"):
+        ranks.configured(skip=None).run(prefetch_order, spec=one_block, version="fsdp2")
