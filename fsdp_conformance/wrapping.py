@@ -436,19 +436,28 @@ def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str,
     v0 = values[0]
     actual0 = _units(v0, "actual")
     total = sum(u.numel for u in actual0)
-    if total != v0["model_numel"]:
-        why = ("more: a weight is counted in two units" if total > v0["model_numel"]
-               else "fewer: parameters are outside every unit")
-        problems.append(
-            f"units hold {total:,} parameters, the model has {v0['model_numel']:,} ({why})"
-        )
-    for group in v0["shared"]:
-        holding = sorted({u.fqn or "(root)" for u in actual0 if set(u.params) & set(group)})
-        if len(holding) != 1:
-            problems.append(
-                f"tied weight {' = '.join(group)} is in {len(holding)} units "
-                f"({', '.join(holding) or 'none'}): it must be in exactly one"
-            )
+    # Every rank's own units: a rank that miscounts or splits a tied weight fails the check
+    # even when rank 0 is right (identical findings from several ranks are told once).
+    by_story: dict[str, list[int]] = {}
+    for v in values:
+        units = _units(v, "actual")
+        rank_total = sum(u.numel for u in units)
+        if rank_total != v["model_numel"]:
+            why = ("more: a weight is counted in two units" if rank_total > v["model_numel"]
+                   else "fewer: parameters are outside every unit")
+            by_story.setdefault(
+                f"units hold {rank_total:,} parameters, the model has {v['model_numel']:,} "
+                f"({why})", []).append(v["rank"])
+        for group in v["shared"]:
+            holding = sorted({u.fqn or "(root)" for u in units if set(u.params) & set(group)})
+            if len(holding) != 1:
+                by_story.setdefault(
+                    f"tied weight {' = '.join(group)} is in {len(holding)} units "
+                    f"({', '.join(holding) or 'none'}): it must be in exactly one", []
+                ).append(v["rank"])
+    for story, ranks in by_story.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        problems.append(f"{who}: {story}")
     shard_rows: list[tuple[int, str, int]] = []
     for v in values:
         for u in _units(v, "actual"):

@@ -277,3 +277,30 @@ def test_prefetch_skips_a_model_with_one_block_on_every_rank(ranks: Ranks) -> No
     one_block = ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=32))
     with pytest.raises(CheckSkipped, match="needs at least two blocks"):
         ranks.configured(skip=None).run(prefetch_order, spec=one_block, version="fsdp2")
+
+
+def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
+    # Two ranks of FSDP1 on a model whose embed.weight is tied to head.weight (16 elements).
+    def value(rank: int, units: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"rank": rank, "world_size": 2, "version": "fsdp1", "actual": units,
+                "model_numel": 16, "shared": [["embed.weight", "head.weight"]],
+                "strategies": {}, "param_shapes": {"embed.weight": [4, 4],
+                                                   "head.weight": [4, 4]}}
+
+    def unit(fqn: str, numel: int, params: tuple[str, ...]) -> dict[str, Any]:
+        return {"fqn": fqn, "cls": "Net" if not fqn else "Linear", "numel": numel,
+                "local_numel": numel // 2, "parent": None if not fqn else "",
+                "params": params, "flat_numel": None}
+
+    good = [unit("", 16, ("embed.weight",))]
+    assert verdict_accounting([value(0, good), value(1, good)], {}).passed
+    # Rank 1 alone splits the tied weight into a second unit.
+    split = [*good, unit("head", 0, ("head.weight",))]
+    verdict = verdict_accounting([value(0, good), value(1, split)], {})
+    assert not verdict.passed
+    assert "rank 1: tied weight embed.weight = head.weight is in 2 units" in verdict.message
+    # Rank 1 alone counts more parameters than the model has.
+    more = [unit("", 20, ("embed.weight",))]
+    verdict = verdict_accounting([value(0, good), value(1, more)], {})
+    assert not verdict.passed
+    assert "rank 1: units hold 20 parameters, the model has 16" in verdict.message
