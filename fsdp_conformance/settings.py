@@ -10,6 +10,7 @@ it came from, and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,9 @@ def _parse_backend(text: str) -> str:
 
 def _parse_seconds(text: str) -> float:
     value = float(text)
+    if not math.isfinite(value):
+        # nan slips past `<= 0`, and inf overflows the harness's waits and pytest-timeout.
+        raise ValueError("must be a finite number > 0")
     if value <= 0:
         raise ValueError("must be > 0")
     return value
@@ -54,7 +58,10 @@ def _parse_optional_int(text: str) -> int | None:
     value = str(text).strip().replace("_", "")
     if not value:
         return None
-    number = int(float(value))  # accepts 2e7 as written in the seeds
+    as_float = float(value)  # accepts 2e7 as written in the seeds
+    if not math.isfinite(as_float):
+        raise ValueError("must be a finite number >= 0")  # int(inf) raises OverflowError
+    number = int(as_float)
     if number < 0:
         raise ValueError("must be >= 0")
     return number

@@ -90,6 +90,15 @@ def test_backend_for_each_lane() -> None:
           "'0' is not a positive integer")),
         ("env", "timeout", "soon",
          "invalid timeout 'soon' from environment variable FSDP_CONFORMANCE_TIMEOUT"),
+        # nan passes a plain `<= 0` test; inf overflows the harness's waits and pytest-timeout.
+        ("cli", "timeout", "nan",
+         "invalid timeout 'nan' from command line --fsdp-timeout: must be a finite number > 0"),
+        ("env", "timeout", "inf",
+         ("invalid timeout 'inf' from environment variable FSDP_CONFORMANCE_TIMEOUT: must be a "
+          "finite number > 0")),
+        # int(float('1e999')) raises OverflowError, which is not a ValueError.
+        ("cli", "min_params", "1e999",
+         "invalid min_params '1e999' from command line --fsdp-min-params: must be a finite"),
     ],
 )
 def test_bad_value_names_the_value_its_source_and_the_fix(
