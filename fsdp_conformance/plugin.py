@@ -63,6 +63,14 @@ def pytest_configure(config: pytest.Config) -> None:
         settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini, table)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if not settings.model:
+        # A model option without the model would otherwise be ignored without a word.
+        for name in ("block_cls", "input"):
+            if getattr(settings, name):
+                raise pytest.UsageError(
+                    f"--fsdp-{name.replace('_', '-')} is set but no --fsdp-model: give the model "
+                    "factory too (e.g. --fsdp-model mypkg.model:build_model)"
+                )
     if settings.model:
         _validate_user_model(settings)
         _collect_model_tests(config)

@@ -559,8 +559,12 @@ def user_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
         (["--fsdp-model", f"{USER_MODULE}:build", "--fsdp-block-cls", "TransformerBlock"],
          ("ERROR: --fsdp-model: block class 'TransformerBlock' matches no module class in the "
           f"model Net; its module classes are: {USER_MODULE}.Net, *{USER_MODULE}.Block")),
+        # As `fsdp-conformance run --block-cls` without --model: not silently ignored.
+        (["--fsdp-block-cls", "Block"],
+         ("ERROR: --fsdp-block-cls is set but no --fsdp-model: give the model factory too "
+          "(e.g. --fsdp-model mypkg.model:build_model)")),
     ],
-    ids=["import-path", "block-not-in-model"],
+    ids=["import-path", "block-not-in-model", "block-without-model"],
 )
 def test_pytest_fsdp_model_bad_input_is_a_usage_error(
     user_project: pytest.Pytester, args: list[str], message: str
