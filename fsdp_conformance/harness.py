@@ -281,14 +281,29 @@ class RankPool:
                     conn = listener.accept()
                 except (TimeoutError, OSError):
                     continue
-                hello = conn.recv()
+                try:
+                    hello = conn.recv()
+                except (EOFError, OSError):
+                    conn.close()
+                    continue  # it died after connecting: the poll above names it next round
                 conns[hello["rank"]] = conn
             # Every rank reports once its process group is up (or the error that stopped it).
             for rank, conn in conns.items():
                 remaining = max(0.1, deadline - time.monotonic())
                 if not conn.poll(remaining):
                     raise HarnessError(self._start_failure(procs, "process group init timed out"))
-                status, detail = conn.recv()
+                try:
+                    status, detail = conn.recv()
+                except (EOFError, OSError):
+                    # The rank died while joining (a crash in the backend's init): its exit
+                    # and log say why, not a bare EOFError.
+                    dead = next(proc for r, proc, _, _ in procs if r == rank)
+                    try:
+                        dead.wait(2.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    raise HarnessError(self._start_failure(
+                        procs, f"rank {rank} exited while joining the process group")) from None
                 if status != "ready":
                     raise HarnessError(f"rank {rank} could not join the process group:\n{detail}")
         except BaseException:
