@@ -123,10 +123,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             label = f"{check.name}[{variant}]" if variant else check.name
             print(f"{label:<50} {check.claim:<7} {check.description}")
         return EXIT_OK
-    print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
-    report = suite.run_suite(settings, lanes, pattern=args.checks)
     json_path = args.json_path or os.path.join(args.out, "report.json")
     md_path = args.markdown or os.path.join(args.out, "summary.md")
+    # Before any check runs: a folder we cannot write would lose the whole run at the end.
+    for path, flag in ((json_path, "--json" if args.json_path else "--out"),
+                       (md_path, "--markdown" if args.markdown else "--out")):
+        _ensure_writable_folder(path, flag)
+    print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
+    report = suite.run_suite(settings, lanes, pattern=args.checks)
     reports.write_json_report(json_path, report)
     markdown = reports.format_markdown(report)
     reports.write_atomic(md_path, markdown)
@@ -139,6 +143,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(write_plot(report, args.out))
     s = report["summary"]
     return EXIT_FAILED if s["failed"] or s["error"] else EXIT_OK
+
+
+def _ensure_writable_folder(path: str, flag: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot write the report to {os.path.dirname(path) or '.'} "
+                         f"({exc.strerror}); give {flag} a folder you can write") from None
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot write the report to {os.path.dirname(path) or '.'} (not "
+                         f"writable); give {flag} a folder you can write")
 
 
 def write_plot(report: dict[str, Any], out_dir: str) -> str:

@@ -600,3 +600,17 @@ def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(
     result.stderr.fnmatch_lines([
         ("ERROR: unknown key(s) world_size in [[]tool.fsdp_conformance[]] of *pyproject.toml; "
          "known keys: world_sizes, backend, timeout, model, block_cls, min_params, input")])
+
+
+def test_unwritable_report_folder_is_exit_2_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code, out, err = main(["run", "--out", str(blocker / "out")], capsys)
+    assert_one_line_error(code, out, err, "run", f"cannot write the report to {blocker / 'out'}",
+                          "--out")
+    code, out, err = main(["run", "--out", str(tmp_path / "ok"), "--markdown",
+                           str(blocker / "summary.md")], capsys)
+    assert_one_line_error(code, out, err, "run", "cannot write the report to", "--markdown")
