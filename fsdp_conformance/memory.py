@@ -1013,9 +1013,23 @@ def rank_meter_agreement(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                          track_construction: bool = True, batch_size: int = 2) -> dict[str, Any]:
     """The tracker and the ground truth (OS on CPU, CUDA allocator on GPU) on the same step."""
     truth = "cuda" if ctx.device_type == "cuda" else "os"
-    return measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth,
-                        batch_size=batch_size, timeline=False,
-                        track_construction=track_construction)
+    result = measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth,
+                          batch_size=batch_size, timeline=False,
+                          track_construction=track_construction)
+    # A step the ground truth cannot resolve makes any tracker figure "agree": skip it, on
+    # every rank alike (the smallest rank's step decides, so no rank skips alone).
+    import torch
+    import torch.distributed as dist
+
+    seen = result["meters"][1]["peak"] - result["meters"][1]["start"]
+    smallest = torch.tensor([int(seen)], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    if smallest.item() <= METER_RESOLUTION_BYTES:
+        skip_rank(f"the step of {spec.name} adds {smallest.item() / MB:.2f} MB by the "
+                  f"{truth} figure, within the meters' resolution ({_mb(METER_RESOLUTION_BYTES)}):"
+                  " tracker and truth cannot be compared; use a larger config of the model or "
+                  "batch")
+    return result
 
 
 # ============================================================================================
@@ -1232,7 +1246,13 @@ def meter_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
         got, want = tracker["peak"] - tracker["start"], truth["peak"] - truth["start"]
         ratio = got / want if want else float("inf")
         ratios.append(round(ratio, 3))
-        if abs(got - want) > max(t * want, METER_RESOLUTION_BYTES):
+        if want <= METER_RESOLUTION_BYTES:
+            # Within the resolution any tracker figure, 0 included, would "agree": no verdict.
+            problems.append(f"rank {v['rank']}: {truth['source']} saw the step add only "
+                            f"{_mb(want)}, below the meters' resolution "
+                            f"({_mb(METER_RESOLUTION_BYTES)}): the tracker's {_mb(got)} cannot "
+                            "be judged; use a larger config of the model or batch")
+        elif abs(got - want) > max(t * want, METER_RESOLUTION_BYTES):
             problems.append(f"rank {v['rank']}: {tracker['source']} saw the step add {_mb(got)}, "
                             f"{truth['source']} {_mb(want)} (ratio {ratio:.3f}, tolerance {t:.0%} "
                             f"or {_mb(METER_RESOLUTION_BYTES)}, whichever is larger)")

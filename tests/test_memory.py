@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pathlib
 import time
+from typing import Any
 
 import pytest
 
@@ -320,3 +321,30 @@ def test_depth_verdict_ignores_a_shallow_outlier_but_catches_growth() -> None:
     assert not grows.passed
     assert "rank 1: the per_layer working set grows with depth" in grows.message
     assert "at 8 layers" in grows.message and grows.message.count("rank 1:") >= 2
+
+
+def test_meter_verdict_cannot_pass_when_the_step_is_below_the_meters_resolution() -> None:
+    # A tracker that saw nothing (0) against a truth of 1.5 MB differs by less than the
+    # resolution: without a guard it would "agree". Too small a step cannot be judged.
+    def value(rank: int, tracker: int, truth: int) -> dict[str, Any]:
+        return {"rank": rank, "meters": [{"source": "MemTracker", "start": 0, "peak": tracker},
+                                         {"source": "os", "start": 0, "peak": truth}]}
+
+    small = [value(r, 0, int(1.5e6)) for r in range(2)]
+    verdict = memory.meter_verdict(small, {})
+    assert not verdict.passed
+    assert "below the meters' resolution" in verdict.message
+    big = [value(r, 50 * 10**6, 51 * 10**6) for r in range(2)]
+    assert memory.meter_verdict(big, {}).passed
+
+
+@pytest.mark.world_size(2)
+def test_meter_check_skips_on_every_rank_when_the_step_is_too_small_to_resolve(
+    ranks: Ranks,
+) -> None:
+    from fsdp_conformance.harness import CheckSkipped
+
+    tiny = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=16))
+    check = memory.METER_CHECKS[1]
+    with pytest.raises(CheckSkipped, match="within the meters' resolution"):
+        run_check(ranks.configured(skip=None), check, spec=tiny)
