@@ -135,8 +135,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     markdown = reports.format_markdown(report)
     reports.write_atomic(md_path, markdown)
     if os.environ.get("GITHUB_STEP_SUMMARY"):
-        with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:
-            f.write(markdown)
+        try:
+            with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:
+                f.write(markdown)
+        except OSError as exc:  # the report is written already: say so, do not lose the run
+            print(f"fsdp-conformance run: warning: could not append to $GITHUB_STEP_SUMMARY "
+                  f"({exc}); the summary is in {md_path}", file=sys.stderr)
     print(reports.format_table(report))
     print(f"report: {json_path}\nsummary: {md_path}")
     if args.plot:

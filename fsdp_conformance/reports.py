@@ -390,8 +390,10 @@ def compare_reports(
         diffs.append(Difference(cid, "missing", True,
                                 f"check missing from the new report (was {was})"))
     for cid in sorted(new_checks.keys() - old_checks.keys()):
-        diffs.append(Difference(cid, "added", False,
-                                f"new check (now {new_checks[cid]['outcome']})"))
+        # A new check that fails is a failure on the candidate torch: the gate must not pass it.
+        now = new_checks[cid]["outcome"]
+        diffs.append(Difference(cid, "added", now in ("failed", "error"),
+                                f"new check (now {now})"))
     for cid in sorted(old_checks.keys() & new_checks.keys()):
         diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance,
                                 memory_floor_bytes)

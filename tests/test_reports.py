@@ -320,6 +320,15 @@ def test_a_missing_check_is_a_regression_and_an_added_one_a_change() -> None:
     assert diffs[0].text == "check missing from the new report (was passed)"
 
 
+def test_an_added_check_that_fails_is_a_regression() -> None:
+    old = report(entry("wrap.units.exact"))
+    new = report(entry("wrap.units.exact"), entry("memory.sawtooth", outcome="failed"))
+    diffs = compare_reports(old, new)
+    assert [(d.check_id, d.kind, d.regression) for d in diffs] == [
+        ("memory.sawtooth[cpu,ws2,fsdp1,massive]", "added", True),
+    ]
+
+
 def test_different_settings_are_reported_as_context_not_regressions() -> None:
     old = report(entry(), settings=Settings(world_sizes=(2,)))
     new = report(entry(), settings=Settings(world_sizes=(2, 4), model="pkg.mod:build"))
