@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import suite
-from fsdp_conformance.checks import Check
+from fsdp_conformance.checks import Check, run_check
 from fsdp_conformance.harness import Ranks
 
 
@@ -35,6 +35,5 @@ def test_conformance(ranks: Ranks, conformance_check: tuple[Check, dict[str, Any
     check, params = conformance_check
     if ranks.lane not in check.lanes:
         pytest.skip(f"{check.name} runs on the {', '.join(check.lanes)} lane(s) only")
-    runner = ranks.configured(env=dict(check.env)) if check.env else ranks
-    verdict = check.verdict(runner.run(check.rank_fn, **params), params)
+    verdict = run_check(ranks, check, **params)
     assert verdict.passed, verdict.message

@@ -218,13 +218,16 @@ def _resolve_one(model: nn.Module, item: Any, present: set[type]) -> type[nn.Mod
 # --------------------------------------------------------------------------------------------
 
 
-def validate_plan(model: nn.Module, policy: Any, *, what: str = "the wrap policy") -> list[Any]:
+def validate_plan(
+    model: nn.Module, policy: Any, *, what: str = "the wrap policy", detail: str = ""
+) -> list[Any]:
     """The plan of ``policy`` on ``model`` (see :func:`~fsdp_conformance.units.plan_units`).
 
     Raises :class:`PolicyError` when the policy wraps nothing but the root: FSDP would then
     all-gather every parameter at once (the "monolithic" case the seeds warn about), and any
     check that only looks for "some FSDP wrapper" would pass. The message lists the model's
-    module classes with their instance counts and sizes, so the right block class is visible.
+    module classes with their instance counts and sizes, so the right block class is visible;
+    ``detail`` adds the caller's context (e.g. the block classes and threshold it was given).
     """
     from fsdp_conformance.units import plan_units
 
@@ -246,4 +249,5 @@ def validate_plan(model: nn.Module, policy: Any, *, what: str = "the wrap policy
         f"{what} wraps nothing but the root of {type(model).__name__}: all {total:,} parameters "
         "would be gathered at once. Fix: name the model's block class (e.g. --fsdp-block-cls) "
         f"or lower the size threshold; its module classes are: {listing or '(none)'}"
+        + (f" ({detail})" if detail else "")
     )

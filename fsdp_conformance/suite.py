@@ -183,19 +183,17 @@ MEMORY_HEADROOM = 0.8
 
 def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequence[int]) -> None:
     """Fail early, in one line each: import path, factory, block class, empty policy, size."""
-    from fsdp_conformance.policies import PolicyError, recommended_policy
-    from fsdp_conformance.units import plan_units
+    from fsdp_conformance.policies import recommended_policy, validate_plan
 
     model = spec.build("meta")
     blocks = spec.block_classes(model)
     threshold = spec.size_threshold(model)
-    plan = plan_units(model, recommended_policy(model, blocks, threshold))
-    if len(plan) <= 1:
-        raise PolicyError(
-            f"the wrap policy wraps nothing but the root of {spec.name} (block classes "
-            f"{', '.join(b.__name__ for b in blocks)}, threshold {threshold:,}): check "
-            "--fsdp-block-cls names the model's block class"
-        )
+    validate_plan(
+        model,
+        recommended_policy(model, blocks, threshold),
+        detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}, threshold "
+        f"{threshold:,}; check --fsdp-block-cls names the model's block class",
+    )
     numel = sum(p.numel() for p in model.parameters())
     need = numel * CPU_BYTES_PER_PARAM * max(world_sizes)
     available = _available_host_bytes()
