@@ -48,6 +48,14 @@ _GUARDED = (
     "torch.distributed.fsdp._init_utils",
     "torch.distributed.fsdp._wrap_utils",
     "torch.distributed.fsdp.fully_sharded_data_parallel",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+    "torch.distributed.fsdp._fully_shard._fsdp_param",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
 )
 
 
@@ -59,6 +67,8 @@ def _guarded_namespaces() -> list[Any]:
     fsdp_mod = sys.modules.get("torch.distributed.fsdp")
     if fsdp_mod is not None and hasattr(fsdp_mod, "FullyShardedDataParallel"):
         spaces.append(fsdp_mod.FullyShardedDataParallel)
+    if fsdp_mod is not None and hasattr(fsdp_mod, "FSDPModule"):
+        spaces.append(fsdp_mod.FSDPModule)
     return spaces
 
 

@@ -23,8 +23,6 @@ from fsdp_conformance.harness import RankContext, RankFailure
 
 pytestmark = pytest.mark.cpu
 
-_HANDLER_MARK = "fsdp_conformance_test_handler"
-
 
 def _handler(signum: int, frame: Any) -> None:  # a signal handler a check installs
     pass
@@ -68,6 +66,12 @@ def _probe(item: str) -> Any:
         return gc.isenabled()
     if item == "alarm":
         return signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    if item == "fsdp2_patch":
+        from torch.distributed import device_mesh
+        from torch.distributed.fsdp import FSDPModule
+
+        return (_handler_name(device_mesh.init_device_mesh),
+                hasattr(FSDPModule, "fsdp_conformance_leak"))
     raise AssertionError(f"unknown item {item}")
 
 
@@ -102,6 +106,12 @@ def _leak(item: str) -> None:
         gc.disable()
     elif item == "alarm":
         signal.setitimer(signal.ITIMER_REAL, 3600)
+    elif item == "fsdp2_patch":
+        from torch.distributed import device_mesh
+        from torch.distributed.fsdp import FSDPModule
+
+        device_mesh.init_device_mesh = _handler
+        FSDPModule.fsdp_conformance_leak = True  # type: ignore[attr-defined]
     else:
         raise AssertionError(f"unknown item {item}")
 
@@ -132,6 +142,7 @@ RESTORED = [
     "backend_flags",
     "gc",
     "alarm",
+    "fsdp2_patch",
 ]
 
 
