@@ -194,7 +194,7 @@ class _ProcessState:
         import torch
 
         self.threads = set(threading.enumerate())
-        self.sys_lists = [(name, getattr(sys, name)[:])
+        self.sys_lists = [(name, getattr(sys, name), getattr(sys, name)[:])
                           for name in ("path", "meta_path", "path_hooks")]
         self.recursion_limit = sys.getrecursionlimit()
         self.switch_interval = sys.getswitchinterval()
@@ -216,12 +216,12 @@ class _ProcessState:
         import torch
 
         lost: list[str] = []
-        for name, before in self.sys_lists:
-            now = getattr(sys, name)
-            if now != before:
-                now[:] = before  # in place: importlib holds these very list objects
-            if getattr(sys, name) is not now:
-                setattr(sys, name, now)
+        for name, original, before in self.sys_lists:
+            # The original list, refilled: other code may hold a reference to it.
+            if original != before:
+                original[:] = before
+            if getattr(sys, name) is not original:
+                setattr(sys, name, original)
         if sys.getrecursionlimit() != self.recursion_limit:
             sys.setrecursionlimit(self.recursion_limit)
         if sys.getswitchinterval() != self.switch_interval:

@@ -45,7 +45,7 @@ def _probe(item: str) -> Any:
         return (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     if item == "recursion_limit":
         return sys.getrecursionlimit()
-    if item == "sys_path":
+    if item in ("sys_path", "sys_path_replaced"):
         return list(sys.path)
     if item == "root_log_level":
         return logging.getLogger().level
@@ -88,6 +88,8 @@ def _leak(item: str) -> None:
         sys.setrecursionlimit(sys.getrecursionlimit() + 1234)
     elif item == "sys_path":
         sys.path.insert(0, "/nonexistent/fsdp-conformance-leak")
+    elif item == "sys_path_replaced":
+        sys.path = ["/nonexistent/fsdp-conformance-leak", *sys.path]
     elif item == "root_log_level":
         logging.getLogger().setLevel(logging.DEBUG)
     elif item == "root_handlers":
@@ -135,6 +137,7 @@ RESTORED = [
     "anomaly",
     "recursion_limit",
     "sys_path",
+    "sys_path_replaced",
     "root_log_level",
     "root_handlers",
     "umask",
