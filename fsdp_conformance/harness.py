@@ -97,7 +97,7 @@ class RankOutcome:
     """What one rank did for one check."""
 
     rank: int
-    status: str  # "ok" | "error" | "skip" | "died" | "hung" | "silent"
+    status: str  # "ok" | "error" | "skip" | "died" | "hung" | "silent" | "leaked"
     value: Any = None
     detail: str = ""  # traceback, skip reason, death cause, or stack dump
     #: Warnings the check emitted on this rank ("Category: message"), deprecations among them.
@@ -127,6 +127,9 @@ _STATUS_TITLE = {
     "died": "died",
     "hung": "did not finish",
     "silent": "never reported",
+    # Passed (or skipped) but left a change the rank cannot undo: a live non-daemon thread,
+    # a destroyed process group. Not "ok", so the pool is discarded and rebuilt.
+    "leaked": "left state behind",
 }
 
 
