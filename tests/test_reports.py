@@ -208,11 +208,16 @@ def test_load_report_refuses_another_schema_version_and_says_to_rerun(tmp_path: 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda r: r.pop("environment"), "no environment.torch"),
-        (lambda r: r.update(checks={}), "no list of checks"),
-        (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\] has no string 'id' and 'outcome'"),
-        (lambda r: r["checks"][0].update(outcome="ok"), "has outcome 'ok', expected one of"),
-        (lambda r: r["checks"].append(dict(r["checks"][0])), "appears twice"),
+        (lambda r: r.pop("environment"), "damaged: environment: expected an object, found "
+         r"nothing \(the field is missing\)"),
+        (lambda r: r.update(checks={}), r"checks: expected a list, found an object \({}\)"),
+        (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\].outcome: expected one of"),
+        (lambda r: r["checks"][0].update(outcome="ok"),
+         r"checks\[0\].outcome: expected one of passed, failed, skipped, error, found a string "
+         r"\(\"ok\"\)"),
+        (lambda r: r["checks"].append(dict(r["checks"][0])),
+         r"checks\[1\].id: expected an id unique in the report, .* appears twice \(also "
+         r"checks\[0\]\)"),
     ],
 )
 def test_load_report_refuses_a_damaged_report_in_one_message(
