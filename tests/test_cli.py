@@ -298,6 +298,90 @@ def test_run_exits_1_when_the_user_models_forward_breaks(
     assert "RuntimeError: forward is broken on purpose" in out  # the table's reason column
 
 
+def _report_timeline(ctx: Any) -> dict[str, Any]:
+    return {"rank": ctx.rank}
+
+
+def _verdict_with_timeline(values: Sequence[Mapping[str, Any]],
+                           params: Mapping[str, Any]) -> Verdict:
+    # the shape memory.sawtooth stores: rank 0's samples at each unit hook
+    timeline = [{"i": i, "unit": f"layers.{i // 2}", "phase": "forward", "bytes": b * 2**20}
+                for i, b in enumerate([10, 13, 10, 13, 10])]
+    return Verdict(True, f"{len(values)} ranks", {"teeth": 2},
+                   {"timeline": timeline, "wrapping": "per_layer", "limit_bytes": 20 * 2**20,
+                    "peak_bytes": 14 * 2**20})
+
+
+TIMELINE = Check("test.timeline", "memory", "a check that stores a memory timeline",
+                 _report_timeline, _verdict_with_timeline, lanes=("cpu",))
+PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
+
+
+def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real run of the memory timeline checks: the PNG, one panel per FSDP version, linked."""
+    out_dir = tmp_path / "out"
+    code, out, err = main(["run", "--checks", "memory.sawtooth", "--out", str(out_dir)], capsys)
+    report = reports.load_report(str(out_dir / "report.json"))
+    s = report["summary"]
+    assert code == (cli.EXIT_FAILED if s["failed"] or s["error"] else cli.EXIT_OK), err
+    png = out_dir / "memory_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.splitlines()[-1] == f"plot: {png}"
+    summary = (out_dir / "summary.md").read_text()
+    assert summary.count(PLOT_LINK) == 1 and "[memory_timeline.png](memory_timeline.png)" in summary
+    from fsdp_conformance import plots
+
+    titles = [p["title"] for p in plots.report_panels(report)]
+    assert [t.split(":")[0] for t in titles] == ["FSDP1", "FSDP2"]
+    assert all("memory.sawtooth (model massive, cpu, world size 2)" in t for t in titles)
+    assert all(set(p["timelines"]) == {"per_layer", "monolithic"}
+               for p in plots.report_panels(report))
+
+
+def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "all_checks", lambda: [TIMELINE])
+    step_summary = tmp_path / "step.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
+    code, out, err = main(["run", "--out", str(tmp_path / "a")], capsys)
+    assert code == cli.EXIT_OK, err
+    png = tmp_path / "a" / "memory_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the control: this report has one
+    assert PLOT_LINK in (tmp_path / "a" / "summary.md").read_text()
+    # the job page cannot resolve a link to the runner's file: it is named, not linked
+    assert f"Memory timeline plot: `{png}`" in step_summary.read_text()
+    assert PLOT_LINK not in step_summary.read_text()
+    step_summary.unlink()
+    code, out, err = main(["run", "--no-plot", "--out", str(tmp_path / "b")], capsys)
+    assert code == cli.EXIT_OK, err
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["report.json", "summary.md"]
+    for text in ((tmp_path / "b" / "summary.md").read_text(), step_summary.read_text()):
+        assert "memory timeline" not in text.lower() and "memory_timeline" not in text
+    assert not [line for line in out.splitlines() if line.startswith("plot")]
+    assert "plot" not in err
+
+
+def test_run_without_a_timeline_writes_no_plot_and_the_summary_says_nothing_of_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
+    code, out, err = main(["run", "--out", str(tmp_path)], capsys)
+    assert code == cli.EXIT_OK, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "summary.md"]
+    text = (tmp_path / "summary.md").read_text()
+    assert "memory timeline" not in text.lower() and "memory_timeline" not in text
+    assert not [line for line in out.splitlines() if line.startswith("plot")]
+    assert "plot" not in err
+    # asked for explicitly, the missing timeline is said (on stderr), still no file
+    code, out, err = main(["run", "--plot", "--out", str(tmp_path)], capsys)
+    assert code == cli.EXIT_OK
+    assert "no memory timeline in this run" in err
+    assert not (tmp_path / "memory_timeline.png").exists()
+
+
 def test_list_shows_each_check_and_variant_once(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = main(["run", "--list"], capsys)
     assert code == cli.EXIT_OK
