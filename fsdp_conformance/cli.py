@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--markdown", default=None, metavar="PATH",
                      help="Markdown summary path [DIR/summary.md]; also appended to "
                      "$GITHUB_STEP_SUMMARY when set")
-    run.add_argument("--plot", action="store_true",
-                     help="write the memory timeline PNG (needs the 'plot' extra: matplotlib)")
+    run.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
+                     help="write memory_timeline.png next to summary.md, which links it: the "
+                     "memory timelines of the run (the default when the run has one); "
+                     "--no-plot: do not")
     run.add_argument("--list", action="store_true", help="list the checks and exit")
 
     compare = sub.add_parser("compare", help="compare two reports: the torch-upgrade gate")
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--fail-on-change", action="store_true",
                          help="exit 1 on any difference, not only on regressions")
     compare.add_argument("--json", action="store_true", help="print the differences as JSON")
+    compare.add_argument("--force", action="store_true",
+                         help="compare reports of different models (model, block class, size "
+                         "threshold, input) or with no check in common anyway; without it such "
+                         "reports are 'not comparable' (exit 2)")
 
     sub.add_parser("plan", add_help=False,
                    help="wrap plan and memory estimate at full scale, no devices "
@@ -132,19 +138,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
     report = suite.run_suite(settings, lanes, pattern=args.checks)
     reports.write_json_report(json_path, report)
-    markdown = reports.format_markdown(report)
+    plot_path = None
+    if args.plot is not False:  # the default: a picture wherever the run has a timeline
+        # next to summary.md, which links it: the pair can be moved or uploaded together
+        plot_path = write_plot(report, os.path.dirname(md_path), explicit=args.plot is True)
+    plot_link = os.path.basename(plot_path) if plot_path else None
+    markdown = reports.format_markdown(report, plot=plot_link)
     reports.write_atomic(md_path, markdown)
     if os.environ.get("GITHUB_STEP_SUMMARY"):
         try:
             with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:
-                f.write(markdown)
+                # the job page cannot show a file of the runner: name it instead of linking it
+                f.write(reports.format_markdown(report, plot_file=plot_path))
         except OSError as exc:  # the report is written already: say so, do not lose the run
             print(f"fsdp-conformance run: warning: could not append to $GITHUB_STEP_SUMMARY "
                   f"({exc}); the summary is in {md_path}", file=sys.stderr)
     print(reports.format_table(report))
     print(f"report: {json_path}\nsummary: {md_path}")
-    if args.plot:
-        print(write_plot(report, args.out))
+    if plot_path:
+        print(f"plot: {plot_path}")
     s = report["summary"]
     return EXIT_FAILED if s["failed"] or s["error"] else EXIT_OK
 
@@ -161,17 +173,31 @@ def _ensure_writable_folder(path: str, flag: str) -> None:
                          f"writable); give {flag} a folder you can write")
 
 
-def write_plot(report: dict[str, Any], out_dir: str) -> str:
+def write_plot(report: dict[str, Any], out_dir: str, *, explicit: bool = False) -> str | None:
+    """Write ``out_dir/memory_timeline.png`` from the report's timelines; its path, or None.
+
+    None when the report has no timeline (no memory timeline check ran), said on stderr only
+    when ``--plot`` was asked for. A plot that cannot be drawn is a warning: the report is
+    written already and the run's verdict does not depend on the picture.
+    """
+    path = os.path.join(out_dir, "memory_timeline.png")
     try:
         from fsdp_conformance import plots
+
+        written = plots.plot_report_timelines(report, path)
     except ImportError as exc:
-        return (f"plot: not written ({exc}); install the 'plot' extra: "
-                "pip install 'fsdp-conformance[plot]'")
-    try:
-        path = plots.plot_report_timelines(report, os.path.join(out_dir, "memory_timeline.png"))
-    except ImportError:
-        return "plot: not written: matplotlib is missing; pip install 'fsdp-conformance[plot]'"
-    return f"plot: {path}" if path else "plot: not written: no memory timeline in this report"
+        print(f"fsdp-conformance run: warning: memory timeline not plotted ({exc}); install "
+              "matplotlib (pip install matplotlib), or pass --no-plot", file=sys.stderr)
+        return None
+    except Exception as exc:  # noqa: BLE001  (a drawing failure must not lose the run)
+        print(f"fsdp-conformance run: warning: memory timeline not plotted "
+              f"({type(exc).__name__}: {exc}); the report and summary are complete",
+              file=sys.stderr)
+        return None
+    if written is None and explicit:
+        print("fsdp-conformance run: no memory timeline in this run (no memory.sawtooth check "
+              "ran): no plot written", file=sys.stderr)
+    return written
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -179,6 +205,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     old = reports.load_report(args.old)
     new = reports.load_report(args.new)
+    differs = reports.comparability(old, new)
+    if differs and not args.force:
+        # Every check would be "missing" and "added": a wall of regressions that hides the cause.
+        raise UsageError(f"{args.old!r} and {args.new!r} are not comparable: {differs}; compare "
+                         "reports of the same model and checks (same --model, --block-cls, "
+                         "--min-params, --input, world sizes and --checks), or pass --force to "
+                         "compare them anyway")
+    if differs:
+        print(f"fsdp-conformance compare: warning: the reports are not comparable ({differs}); "
+              "compared anyway (--force)", file=sys.stderr)
     tolerance = (
         args.memory_tolerance if args.memory_tolerance is not None
         else reports.DEFAULT_MEMORY_TOLERANCE

@@ -1,7 +1,8 @@
 """Memory timelines as a PNG: per-layer sawtooth against the monolithic/naive saturation.
 
-Optional: needs matplotlib (``pip install matplotlib``, the 'plot' extra). The checks never
-import this module; the CLI's ``--plot`` and the benchmark do.
+Needs matplotlib (a dependency; the checks never import this module). ``fsdp-conformance run``
+writes the report's timelines next to the report by default (``cli.write_plot``); the memory
+benchmark draws its own.
 """
 
 from __future__ import annotations
@@ -10,7 +11,94 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-MB = 1e6
+#: The y axis is in MiB, the unit of the table, the summary and compare.
+MiB = 2**20
+
+#: Legend names of the wrappings the memory checks measure.
+_WRAPPING_NAMES = {"per_layer": "per-layer wrapping",
+                   "monolithic": "monolithic (root unit only; sampled at its hooks)"}
+
+
+def _name(label: str) -> str:
+    return _WRAPPING_NAMES.get(label, label)
+
+
+def _xs(events: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]) -> list[float]:
+    """x of each sample on the reference timeline's sample axis.
+
+    Samples of another wrapping are placed where the reference took the same (unit, phase)
+    sample (the root's hooks fire in both: start of forward, end of forward, start of
+    backward), so the lines are compared at the same point of the step. Without such a match
+    the samples are spread over the reference's width.
+    """
+    first: dict[tuple[Any, Any], int] = {}
+    for i, e in enumerate(reference):
+        first.setdefault((e.get("unit"), e.get("phase")), i)
+    keys = [(e.get("unit"), e.get("phase")) for e in events]
+    if events is not reference and len(set(keys)) == len(keys) and all(k in first for k in keys):
+        return [float(first[k]) for k in keys]
+    if events is reference or len(events) < 2:
+        return [float(i) for i in range(len(events))]
+    width = max(1, len(reference) - 1)
+    return [i * width / (len(events) - 1) for i in range(len(events))]
+
+
+def _draw(
+    ax: Any,
+    timelines: Mapping[str, Sequence[Mapping[str, Any]]],
+    *,
+    limit_bytes: int | None,
+    peaks: Mapping[str, int] | None,
+    title: str,
+) -> None:
+    reference = next(iter(timelines.values()), [])
+    others = iter(["tab:orange", "tab:purple", "tab:brown", "tab:gray"])
+    for label, events in timelines.items():
+        ys = [e["bytes"] / MiB for e in events]
+        color = "tab:blue" if events is reference else next(others, None)
+        ax.step(_xs(events, reference), ys, where="post", label=_name(label), color=color,
+                linewidth=1.6, marker="." if len(ys) < 12 else None)
+        if peaks and label in peaks:
+            # the peak can fall between two hook samples (inside a unit's forward or backward)
+            ax.axhline(peaks[label] / MiB, color=color, linestyle=":", linewidth=1.2,
+                       label=f"{_name(label)}: measured peak {peaks[label] / MiB:.1f} MiB")
+    if limit_bytes:
+        ax.axhline(limit_bytes / MiB, color="tab:red", linestyle="--", linewidth=1.2,
+                   label=f"per-layer bound + tolerance {limit_bytes / MiB:.1f} MiB")
+    backward = next((i for i, e in enumerate(reference) if e.get("phase") == "pre_backward"),
+                    None)
+    if backward:
+        ax.axvline(backward, color="0.4", linewidth=0.8)
+        ax.annotate("forward | backward", xy=(backward, 0.0), xycoords=("data", "axes fraction"),
+                    xytext=(0, 6), textcoords="offset points", ha="center", fontsize="small",
+                    color="0.3", backgroundcolor="white")
+    ax.set_xlabel("hook sample, in step order (each unit's gather and release, forward then "
+                  "backward)")
+    ax.set_ylabel("tensor memory, rank 0 (MiB)")
+    ax.set_title(title, fontsize="medium")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig: Any, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on CI runners and rank machines
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_timelines(
@@ -23,43 +111,19 @@ def plot_timelines(
 ) -> str:
     """Draw each timeline (samples at unit hooks, in order) as a step line; return ``path``.
 
-    The x axis is the fraction of the step's hook samples, so timelines with few units (the
-    monolithic one has only the root's) span the same width as the per-layer sawtooth.
-    ``limit_bytes``: the per-layer bound's limit, drawn as a horizontal line. ``peaks``: each
-    timeline's measured peak, drawn as a dotted line (a peak can fall between two hooks).
+    The first timeline (the per-layer sawtooth) sets the x axis, one step per hook sample;
+    the others are placed at the samples they share with it. ``limit_bytes``: the per-layer
+    bound's limit, a horizontal line. ``peaks``: each timeline's measured peak, dotted.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    others = iter(["tab:orange", "tab:purple", "tab:brown", "tab:gray"])
-    for label, events in timelines.items():
-        ys = [e["bytes"] / MB for e in events]
-        xs = [i / max(1, len(ys) - 1) for i in range(len(ys))]
-        color = "tab:blue" if label == "per_layer" else next(others, None)
-        ax.step(xs, ys, where="post", label=label, color=color, linewidth=1.5)
-        if peaks and label in peaks:
-            ax.axhline(peaks[label] / MB, color=color, linestyle=":", linewidth=1,
-                       label=f"{label} peak ({peaks[label] / MB:.1f} MB)")
-    if limit_bytes:
-        ax.axhline(limit_bytes / MB, color="tab:red", linestyle="--",
-                   label=f"per-layer bound + tolerance ({limit_bytes / MB:.1f} MB)")
-    ax.set_xlabel("fraction of the step (samples at each unit's pre/post forward and backward)")
-    ax.set_ylabel("tensor memory on rank 0 (MB)")
-    ax.set_title(title)
-    ax.legend(loc="best", fontsize="small")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    _draw(ax, timelines, limit_bytes=limit_bytes, peaks=peaks, title=title)
+    return _save(fig, path)
 
 
-def plot_report_timelines(report: Mapping[str, Any], path: str) -> str | None:
-    """The first sawtooth check of a report (with its monolithic comparison), or None if none."""
+def report_panels(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One panel per check entry with a timeline (the sawtooth checks: FSDP1, FSDP2, ...)."""
+    panels = []
     for entry in report.get("checks", ()):
         data = entry.get("data") or {}
         if not data.get("timeline"):
@@ -73,7 +137,34 @@ def plot_report_timelines(report: Mapping[str, Any], path: str) -> str | None:
             timelines[other] = compare["timeline"]
             if compare.get("peak"):
                 peaks[other] = compare["peak"]
-        title = f"memory timeline: {entry.get('id', entry.get('check', 'check'))}"
-        return plot_timelines(timelines, path, limit_bytes=data.get("limit_bytes"), peaks=peaks,
-                              title=title)
-    return None
+        variant = [p for p in str(entry.get("variant", "")).split(",") if p]
+        version = next((p.upper() for p in variant if p.startswith("fsdp")), None)
+        model = ", ".join(p for p in variant if not p.startswith("fsdp"))
+        where = ", ".join(x for x in (
+            f"model {model}" if model else "", str(entry.get("lane", "")),
+            f"world size {entry['world_size']}" if entry.get("world_size") else "") if x)
+        head = f"{version}: " if version else ""
+        outcome = f": {entry['outcome']}" if entry.get("outcome") else ""
+        panels.append({
+            "timelines": timelines, "peaks": peaks, "limit_bytes": data.get("limit_bytes"),
+            "title": f"{head}{entry.get('check', entry.get('id', 'check'))} ({where}){outcome}",
+        })
+    return panels
+
+
+def plot_report_timelines(report: Mapping[str, Any], path: str) -> str | None:
+    """Every timeline of a report, one panel per check; ``path``, or None if it has none."""
+    panels = report_panels(report)
+    if not panels:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 4.2 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        _draw(ax, panel["timelines"], limit_bytes=panel["limit_bytes"], peaks=panel["peaks"],
+              title=panel["title"])
+    torch_version = (report.get("environment") or {}).get("torch")
+    fig.suptitle("Memory during one training step" + (f", torch {torch_version}"
+                                                      if torch_version else ""),
+                 fontsize="large")
+    fig.tight_layout()
+    return _save(fig, path)

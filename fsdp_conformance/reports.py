@@ -30,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.settings import Settings
@@ -200,51 +201,203 @@ def write_json_report(path: str, report: Mapping[str, Any]) -> None:
 
 
 def load_report(path: str) -> dict[str, Any]:
+    """Read and validate a whole report (docs/report-schema.md); any damage is one ReportError.
+
+    The message names the file, the JSON path of the bad field (``checks[3].figures``), what
+    the schema expects there and what the file holds, so compare never reads a damaged report
+    (a traceback, or a string's characters taken as warnings).
+    """
     try:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
     except FileNotFoundError:
         raise ReportError(f"report {path!r} does not exist; give the path of a JSON report "
                           "written by `fsdp-conformance run --json`") from None
+    except IsADirectoryError:
+        inside = os.path.join(path, "report.json")
+        hint = f" ({inside!r} is there)" if os.path.isfile(inside) else ""
+        raise ReportError(f"report {path!r} is a folder, not a file{hint}; give the path of "
+                          "the JSON report itself, e.g. fsdp-conformance-report/report.json"
+                          ) from None
+    except UnicodeDecodeError:
+        raise ReportError(f"report {path!r} is not text (not UTF-8); give the path of a JSON "
+                          "report written by `fsdp-conformance run`") from None
+    except OSError as exc:
+        raise ReportError(f"cannot read report {path!r} ({exc.strerror or exc}); check the path "
+                          "and its permissions") from None
     except json.JSONDecodeError as exc:
         raise ReportError(f"report {path!r} is not valid JSON ({exc}); was it written by "
                           "`fsdp-conformance run`?") from None
+    except RecursionError:
+        raise ReportError(f"report {path!r} is nested too deeply to be a report; was it written "
+                          "by `fsdp-conformance run`?") from None
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise ReportError(f"{path!r} is not an fsdp-conformance report (no schema {SCHEMA!r})")
     version = report.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if _is_int(version) and version != SCHEMA_VERSION:
         raise ReportError(
             f"{path!r} has schema version {version}, this tool reads {SCHEMA_VERSION}; "
             "re-run `fsdp-conformance run` with this version to produce a comparable report"
         )
-    _validate_structure(path, report)
+    try:
+        validate_report(report)
+    except _Damage as damage:
+        raise ReportError(
+            f"{path!r} is damaged: {damage.where}: expected {damage.expected}, found "
+            f"{damage.found}; re-run `fsdp-conformance run` to write a complete report"
+        ) from None
     return report
 
 
-def _validate_structure(path: str, report: Mapping[str, Any]) -> None:
-    """The fields compare and the formatters read, so a damaged report is one clear error."""
-    fix = "re-run `fsdp-conformance run` to write a complete report"
-    env = report.get("environment")
-    if not isinstance(env, dict) or not isinstance(env.get("torch"), str):
-        raise ReportError(f"{path!r} has no environment.torch; {fix}")
-    checks = report.get("checks")
-    if not isinstance(checks, list):
-        raise ReportError(f"{path!r} has no list of checks; {fix}")
-    seen: set[str] = set()
-    for i, entry in enumerate(checks):
-        if not isinstance(entry, dict) or not all(
-            isinstance(entry.get(k), str) for k in ("id", "outcome")
-        ):
-            raise ReportError(f"{path!r}: checks[{i}] has no string 'id' and 'outcome'; {fix}")
-        if entry["outcome"] not in OUTCOMES:
-            raise ReportError(
-                f"{path!r}: check {entry['id']!r} has outcome {entry['outcome']!r}, expected one "
-                f"of {', '.join(OUTCOMES)}; {fix}"
-            )
-        if entry["id"] in seen:
+class _Damage(Exception):
+    """One bad field: where (a JSON path), what the schema expects, what was found."""
+
+    def __init__(self, where: str, expected: str, found: str) -> None:
+        super().__init__(f"{where}: expected {expected}, found {found}")
+        self.where, self.expected, self.found = where, expected, found
+
+
+def _is_int(value: Any) -> bool:
+    # JSON true/false load as bool, a subclass of int: a boolean is not a count or a version.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bool)) or _is_number(value)
+
+
+def _found(value: Any) -> str:
+    """A value in JSON terms, short: ``a list ([1, 2])``, ``a boolean (true)``."""
+    if isinstance(value, _Missing):
+        return "nothing (the field is missing)"
+    text = json.dumps(value, allow_nan=True)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    kind = ("null" if value is None else "a boolean" if isinstance(value, bool)
+            else "an integer" if isinstance(value, int) else "a number" if isinstance(value, float)
+            else "a string" if isinstance(value, str) else "a list" if isinstance(value, list)
+            else "an object")
+    return kind if value is None else f"{kind} ({text})"
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+#: Value kinds of the schema: (what the message says is expected, the test).
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "name": ("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
+    "string|null": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "count": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "count|null": ("an integer >= 0 or null", lambda v: v is None or (_is_int(v) and v >= 0)),
+    "positive": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "seconds": ("a finite number >= 0", lambda v: _is_number(v) and v >= 0),
+    "number|null": ("a finite number or null", lambda v: v is None or _is_number(v)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "list": ("a list", lambda v: isinstance(v, list)),
+    "strings": ("a list of strings",
+                lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "sizes": ("a list of integers >= 1",
+              lambda v: isinstance(v, list) and all(_is_int(x) and x >= 1 for x in v)),
+    "lane": ("one of cpu, gpu", lambda v: v in ("cpu", "gpu")),
+    "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: isinstance(v, str) and v in OUTCOMES),
+}
+
+#: The documented fields (docs/report-schema.md) and their kinds. Fields not listed here are
+#: allowed: schema version 1 grows by adding fields.
+_TOP_FIELDS = {"tool_version": "string", "created": "string", "duration_s": "seconds",
+               "environment": "object", "settings": "object", "summary": "object",
+               "checks": "list"}
+_ENVIRONMENT_FIELDS = {"torch": "name", "torch_cuda": "string|null", "torch_git": "string|null",
+                       "python": "string", "platform": "string", "cuda_devices": "count",
+                       "cuda_device_name": "string|null", "backends": "strings"}
+_SETTINGS_FIELDS = {"world_sizes": "sizes", "backend": "string", "timeout": "number|null",
+                    "model": "string|null", "block_cls": "string|null",
+                    "min_params": "number|null", "input": "string|null"}
+_CHECK_FIELDS = {"id": "name", "check": "name", "claim": "name", "lane": "lane",
+                 "world_size": "positive", "variant": "string", "outcome": "outcome",
+                 "message": "string", "figures": "object", "data": "object",
+                 "seconds": "seconds", "warnings": "strings", "deprecations": "strings"}
+_UNIT_FIELDS = {"fqn": "string", "cls": "string", "numel": "count", "local_numel": "count|null",
+                "parent": "string|null", "params": "strings"}
+
+
+def _field(obj: Mapping[str, Any], key: str, where: str, kind: str) -> Any:
+    value = obj.get(key, _MISSING)
+    expected, test = _KINDS[kind]
+    if isinstance(value, _Missing) or not test(value):
+        raise _Damage(where, expected, _found(value))
+    return value
+
+
+def _fields(obj: Mapping[str, Any], spec: Mapping[str, str], prefix: str) -> None:
+    for key, kind in spec.items():
+        _field(obj, key, f"{prefix}{key}", kind)
+
+
+def validate_report(report: Mapping[str, Any]) -> None:
+    """Raise ``_Damage`` at the first field that does not match the documented schema."""
+    if not _is_int(report.get("schema_version")):
+        raise _Damage("schema_version", f"the integer {SCHEMA_VERSION}",
+                      _found(report.get("schema_version", _MISSING)))
+    _fields(report, _TOP_FIELDS, "")
+    _fields(report["environment"], _ENVIRONMENT_FIELDS, "environment.")
+    _fields(report["settings"], _SETTINGS_FIELDS, "settings.")
+    counts = dict.fromkeys(OUTCOMES, 0)
+    first_at: dict[str, int] = {}
+    for i, entry in enumerate(report["checks"]):
+        where = f"checks[{i}]"
+        if not isinstance(entry, dict):
+            raise _Damage(where, "an object (a check entry)", _found(entry))
+        _validate_entry(entry, where)
+        if entry["id"] in first_at:
             # compare matches checks by id: a repeated id would silently hide one of them.
-            raise ReportError(f"{path!r}: check id {entry['id']!r} appears twice; {fix}")
-        seen.add(entry["id"])
+            raise _Damage(f"{where}.id", "an id unique in the report",
+                          f"{_found(entry['id'])}, which appears twice (also "
+                          f"checks[{first_at[entry['id']]}])")
+        first_at[entry["id"]] = i
+        counts[entry["outcome"]] += 1
+    summary = report["summary"]
+    for outcome in OUTCOMES:
+        value = _field(summary, outcome, f"summary.{outcome}", "count")
+        if value != counts[outcome]:
+            raise _Damage(f"summary.{outcome}",
+                          f"{counts[outcome]} (the checks with outcome {outcome!r})", _found(value))
+
+
+def _validate_entry(entry: Mapping[str, Any], where: str) -> None:
+    _fields(entry, _CHECK_FIELDS, f"{where}.")
+    variant = entry["variant"]
+    expected_id = (f"{entry['check']}[{entry['lane']},ws{entry['world_size']}"
+                   f"{',' + variant if variant else ''}]")
+    if entry["id"] != expected_id:
+        raise _Damage(f"{where}.id", f"{expected_id!r} (from check, lane, world_size, variant)",
+                      _found(entry["id"]))
+    for key, value in entry["figures"].items():
+        # Flat: the table and compare read scalars and lists of scalars, nothing nested.
+        if not (_is_scalar(value) or (isinstance(value, list) and all(map(_is_scalar, value)))):
+            raise _Damage(f"{where}.figures.{key}", "a number, string, boolean, null or a list "
+                          "of those", _found(value))
+    warnings = set(entry["warnings"])
+    for j, text in enumerate(entry["deprecations"]):
+        if text not in warnings:
+            raise _Damage(f"{where}.deprecations[{j}]", "one of the entry's warnings",
+                          _found(text))
+    for key in UNIT_DATA_KEYS:
+        units = entry["data"].get(key)
+        if isinstance(units, list) and all(isinstance(u, dict) and "fqn" in u for u in units):
+            # what compare reads as the unit list: its fields must be what it compares
+            for j, u in enumerate(units):
+                _fields(u, _UNIT_FIELDS, f"{where}.data.{key}[{j}].")
+            break
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +456,13 @@ def format_table(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(report: Mapping[str, Any]) -> str:
+def format_markdown(
+    report: Mapping[str, Any], plot: str | None = None, plot_file: str | None = None
+) -> str:
+    """The summary. ``plot``: the timeline PNG relative to the summary's folder, shown inline;
+    ``plot_file``: its path on this machine, named (where a link could not resolve, such as
+    the CI job page). Neither: the summary says nothing about a picture.
+    """
     env, s = report["environment"], report["summary"]
     status = "PASS" if s["failed"] == 0 and s["error"] == 0 else "FAIL"
     build = f"cuda {env['torch_cuda']}" if env["torch_cuda"] else "cpu build"
@@ -324,6 +483,15 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             f"| `{e['id']}` | {icons.get(e['outcome'], '')} {e['outcome']} | "
             f"{_key_figures(e['figures'])} |"
         )
+    if plot:
+        target = plot.replace(os.sep, "/").replace(" ", "%20")
+        lines += ["", "### Memory timeline", "",
+                  f"![memory timeline, one panel per check]({target})", "",
+                  f"[{plot}]({target}): rank 0's memory at every unit hook during one step, "
+                  "per-layer wrapping against monolithic."]
+    elif plot_file:
+        lines += ["", f"Memory timeline plot: `{plot_file}` (written on the machine that ran "
+                  "the checks)."]
     failures = [e for e in report["checks"] if e["outcome"] in ("failed", "error")]
     for e in failures:
         lines += ["", f"<details><summary>{e['id']}: {e['outcome']}</summary>", "", "```",
@@ -398,6 +566,33 @@ def compare_reports(
         diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance,
                                 memory_floor_bytes)
     return diffs
+
+
+#: Settings that define the model under test: reports that differ in one of them measured
+#: different models, so their checks cannot be matched.
+MODEL_SETTINGS = ("model", "block_cls", "min_params", "input")
+
+
+def comparability(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """None when two (validated) reports can be compared, else what differs, in one line.
+
+    Not comparable: a different model (any of ``MODEL_SETTINGS``), or no check id in common
+    (different world sizes, lanes or ``--checks``; an empty report). Either way every check
+    would show up as missing and added, burying the one difference that matters.
+    """
+    reasons = [f"settings.{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
+               for key in MODEL_SETTINGS
+               if old["settings"].get(key) != new["settings"].get(key)]
+    old_ids = {e["id"] for e in old["checks"]}
+    new_ids = {e["id"] for e in new["checks"]}
+    if not old_ids & new_ids:
+        others = [f"{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
+                  for key in sorted(old["settings"].keys() | new["settings"].keys())
+                  if key not in MODEL_SETTINGS
+                  and old["settings"].get(key) != new["settings"].get(key)]
+        reasons.append(f"no check in common ({len(old_ids)} checks vs {len(new_ids)}"
+                       + (f"; settings {', '.join(others)}" if others else "") + ")")
+    return "; ".join(reasons) or None
 
 
 def _compare_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:

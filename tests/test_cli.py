@@ -298,6 +298,90 @@ def test_run_exits_1_when_the_user_models_forward_breaks(
     assert "RuntimeError: forward is broken on purpose" in out  # the table's reason column
 
 
+def _report_timeline(ctx: Any) -> dict[str, Any]:
+    return {"rank": ctx.rank}
+
+
+def _verdict_with_timeline(values: Sequence[Mapping[str, Any]],
+                           params: Mapping[str, Any]) -> Verdict:
+    # the shape memory.sawtooth stores: rank 0's samples at each unit hook
+    timeline = [{"i": i, "unit": f"layers.{i // 2}", "phase": "forward", "bytes": b * 2**20}
+                for i, b in enumerate([10, 13, 10, 13, 10])]
+    return Verdict(True, f"{len(values)} ranks", {"teeth": 2},
+                   {"timeline": timeline, "wrapping": "per_layer", "limit_bytes": 20 * 2**20,
+                    "peak_bytes": 14 * 2**20})
+
+
+TIMELINE = Check("test.timeline", "memory", "a check that stores a memory timeline",
+                 _report_timeline, _verdict_with_timeline, lanes=("cpu",))
+PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
+
+
+def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real run of the memory timeline checks: the PNG, one panel per FSDP version, linked."""
+    out_dir = tmp_path / "out"
+    code, out, err = main(["run", "--checks", "memory.sawtooth", "--out", str(out_dir)], capsys)
+    report = reports.load_report(str(out_dir / "report.json"))
+    s = report["summary"]
+    assert code == (cli.EXIT_FAILED if s["failed"] or s["error"] else cli.EXIT_OK), err
+    png = out_dir / "memory_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.splitlines()[-1] == f"plot: {png}"
+    summary = (out_dir / "summary.md").read_text()
+    assert summary.count(PLOT_LINK) == 1 and "[memory_timeline.png](memory_timeline.png)" in summary
+    from fsdp_conformance import plots
+
+    titles = [p["title"] for p in plots.report_panels(report)]
+    assert [t.split(":")[0] for t in titles] == ["FSDP1", "FSDP2"]
+    assert all("memory.sawtooth (model massive, cpu, world size 2)" in t for t in titles)
+    assert all(set(p["timelines"]) == {"per_layer", "monolithic"}
+               for p in plots.report_panels(report))
+
+
+def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "all_checks", lambda: [TIMELINE])
+    step_summary = tmp_path / "step.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
+    code, out, err = main(["run", "--out", str(tmp_path / "a")], capsys)
+    assert code == cli.EXIT_OK, err
+    png = tmp_path / "a" / "memory_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the control: this report has one
+    assert PLOT_LINK in (tmp_path / "a" / "summary.md").read_text()
+    # the job page cannot resolve a link to the runner's file: it is named, not linked
+    assert f"Memory timeline plot: `{png}`" in step_summary.read_text()
+    assert PLOT_LINK not in step_summary.read_text()
+    step_summary.unlink()
+    code, out, err = main(["run", "--no-plot", "--out", str(tmp_path / "b")], capsys)
+    assert code == cli.EXIT_OK, err
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["report.json", "summary.md"]
+    for text in ((tmp_path / "b" / "summary.md").read_text(), step_summary.read_text()):
+        assert "memory timeline" not in text.lower() and "memory_timeline" not in text
+    assert not [line for line in out.splitlines() if line.startswith("plot")]
+    assert "plot" not in err
+
+
+def test_run_without_a_timeline_writes_no_plot_and_the_summary_says_nothing_of_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
+    code, out, err = main(["run", "--out", str(tmp_path)], capsys)
+    assert code == cli.EXIT_OK, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "summary.md"]
+    text = (tmp_path / "summary.md").read_text()
+    assert "memory timeline" not in text.lower() and "memory_timeline" not in text
+    assert not [line for line in out.splitlines() if line.startswith("plot")]
+    assert "plot" not in err
+    # asked for explicitly, the missing timeline is said (on stderr), still no file
+    code, out, err = main(["run", "--plot", "--out", str(tmp_path)], capsys)
+    assert code == cli.EXIT_OK
+    assert "no memory timeline in this run" in err
+    assert not (tmp_path / "memory_timeline.png").exists()
+
+
 def test_list_shows_each_check_and_variant_once(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = main(["run", "--list"], capsys)
     assert code == cli.EXIT_OK
@@ -528,6 +612,170 @@ def test_compare_bad_report_is_one_line_and_exit_2(
     for args in ([pair[0], bad], [bad, pair[0]]):
         code, out, err = main(["compare", *args], capsys)
         assert_one_line_error(code, out, err, "compare", repr(bad), part)
+
+
+def _good_report() -> dict[str, Any]:
+    """A small report with every documented field: a unit list, warnings, a memory figure."""
+    units = [{"fqn": "", "cls": "MassiveModel", "numel": 10, "local_numel": 5, "parent": None,
+              "params": ["embed.weight"], "flat_numel": 16},
+             {"fqn": "layers.0", "cls": "DecoderLayer", "numel": 100, "local_numel": 50,
+              "parent": "", "params": ["layers.0.fc.weight"], "flat_numel": 112}]
+    wrap = reports.check_entry(
+        check="wrap.units.exact", claim="wrap", lane="cpu", world_size=2,
+        variant="fsdp1,massive", outcome="passed", message="ok", figures={"units": 2},
+        data={"actual": units}, seconds=0.2,
+        warnings=["FutureWarning: NO_SHARD is deprecated", "UserWarning: y"])
+    peak = _entry("memory.peak", peak_bytes=100 * 2**20, working_set_bytes=[1, 2])
+    return reports.build_report([wrap, peak], Settings(), 1.0)
+
+
+def _damage(report: dict[str, Any], where: str, value: Any) -> None:
+    """Set (or with ``value`` DELETE, remove) the field at a JSON path like ``checks[0].data``."""
+    parts = [int(p) if p.isdigit() else p
+             for p in where.replace("[", ".").replace("]", "").split(".")]
+    target: Any = report
+    for part in parts[:-1]:
+        target = target[part]
+    if value is DELETE:
+        del target[parts[-1]]
+    else:
+        target[parts[-1]] = value
+
+
+DELETE = object()
+
+#: (JSON path, damage, what the message says is expected, what it says was found)
+DAMAGED_REPORTS = [
+    ("checks[0].figures", [1, 2], "an object", "a list ([1, 2])"),
+    ("checks[0].data", [], "an object", "a list ([])"),
+    ("checks[0].warnings", "UserWarning: y", "a list of strings", 'a string ("UserWarning: y")'),
+    ("schema_version", True, "the integer 1", "a boolean (true)"),
+    ("schema_version", "1", "the integer 1", 'a string ("1")'),
+    ("environment", DELETE, "an object", "nothing (the field is missing)"),
+    ("environment.torch", 2.13, "a non-empty string", "a number (2.13)"),
+    ("checks", {}, "a list", "an object ({})"),
+    ("checks[1]", "memory.peak", "an object (a check entry)", 'a string ("memory.peak")'),
+    ("checks[0].outcome", "ok", "one of passed, failed, skipped, error", 'a string ("ok")'),
+    ("checks[0].world_size", True, "an integer >= 1", "a boolean (true)"),
+    ("checks[0].lane", "tpu", "one of cpu, gpu", 'a string ("tpu")'),
+    ("checks[1].seconds", "fast", "a finite number >= 0", 'a string ("fast")'),
+    ("checks[1].message", None, "a string", "null"),
+    ("checks[1].figures.peak_bytes", {"rank0": 1}, "a number, string, boolean, null or a list",
+     'an object ({"rank0": 1})'),
+    ("checks[1].figures.working_set_bytes", [[1], [2]], "a number, string, boolean, null or a "
+     "list", "a list ([[1], [2]])"),
+    ("checks[0].data.actual[1].numel", "100", "an integer >= 0", 'a string ("100")'),
+    ("checks[0].data.actual[1].params", "layers.0.fc.weight", "a list of strings", "a string"),
+    ("checks[0].deprecations[0]", "FutureWarning: other", "one of the entry's warnings",
+     'a string ("FutureWarning: other")'),
+    ("checks[1].id", "memory.peak[cpu,ws4,fsdp2,massive]",
+     "'memory.peak[cpu,ws2,fsdp2,massive]' (from check, lane, world_size, variant)",
+     'a string ("memory.peak[cpu,ws4,fsdp2,massive]")'),
+    ("summary.passed", 5, "2 (the checks with outcome 'passed')", "an integer (5)"),
+    ("summary", [], "an object", "a list ([])"),
+    ("settings.world_sizes", "2", "a list of integers >= 1", 'a string ("2")'),
+    ("settings.world_sizes", [True], "a list of integers >= 1", "a list ([true])"),
+    ("duration_s", float("nan"), "a finite number >= 0", "a number (NaN)"),
+]
+
+
+@pytest.mark.parametrize(("where", "value", "expected", "found"), DAMAGED_REPORTS,
+                         ids=[f"{w}={v!r}"[:50] for w, v, *_ in DAMAGED_REPORTS])
+def test_compare_a_damaged_report_is_one_line_naming_the_field_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, value: Any, expected: str,
+    found: str,
+) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_good_report()))
+    code, out, err = main(["compare", str(good), str(good)], capsys)
+    assert code == cli.EXIT_OK, err  # the undamaged report is valid: the damage is the cause
+    damaged = _good_report()
+    _damage(damaged, where, value)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(damaged))
+    for args in ([str(good), str(bad)], [str(bad), str(good)]):
+        code, out, err = main(["compare", *args], capsys)
+        assert_one_line_error(code, out, err, "compare", f"{str(bad)!r} is damaged: {where}: ",
+                              f"expected {expected}", f"found {found}", "re-run")
+
+
+def test_compare_a_duplicated_check_id_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = _good_report()
+    damaged["checks"].append(copy.deepcopy(damaged["checks"][0]))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(damaged))
+    code, out, err = main(["compare", str(bad), str(bad)], capsys)
+    assert_one_line_error(code, out, err, "compare", "checks[2].id: expected an id unique",
+                          "appears twice (also checks[0])")
+
+
+def test_compare_a_folder_or_a_binary_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = tmp_path / "out" / "report.json"
+    good.parent.mkdir()
+    good.write_text(json.dumps(_good_report()))
+    code, out, err = main(["compare", str(good.parent), str(good)], capsys)
+    assert_one_line_error(code, out, err, "compare", f"{str(good.parent)!r} is a folder",
+                          f"({str(good)!r} is there)")
+    binary = tmp_path / "report.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    code, out, err = main(["compare", str(good), str(binary)], capsys)
+    assert_one_line_error(code, out, err, "compare", f"{str(binary)!r} is not text")
+
+
+def _model_report(path: Path, model: str | None, world_size: int = 2) -> str:
+    variant = f"fsdp2,{model or 'massive'}"
+    entries = [reports.check_entry(check=name, claim="memory", lane="cpu", world_size=world_size,
+                                   variant=variant, outcome="passed", message="ok",
+                                   figures={}, data={}, seconds=0.1, warnings=())
+               for name in ("memory.peak", "memory.sawtooth")]
+    settings = Settings(world_sizes=(world_size,), model=model,
+                        block_cls="Block" if model else None)
+    report = reports.build_report(entries, settings, 1.0)
+    reports.write_json_report(str(path), report)
+    return str(path)
+
+
+def test_compare_reports_of_different_models_are_not_comparable_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = _model_report(tmp_path / "old.json", None)
+    new = _model_report(tmp_path / "new.json", "pkg.mod:build")
+    code, out, err = main(["compare", old, new], capsys)
+    assert_one_line_error(
+        code, out, err, "compare", f"{old!r} and {new!r} are not comparable: ",
+        "settings.model None vs 'pkg.mod:build'", "settings.block_cls None vs 'Block'",
+        "no check in common (2 checks vs 2)", "pass --force to compare them anyway")
+    code, out, err = main(["compare", old, new, "--force"], capsys)
+    assert code == cli.EXIT_FAILED  # compared: every old check is missing from the new report
+    assert "warning: the reports are not comparable" in err and "(--force)" in err
+    assert "2 regression(s)" in out.splitlines()[0]
+    assert "[REGRESSION] memory.peak[cpu,ws2,fsdp2,massive]: missing" in out
+
+
+def test_compare_reports_with_no_check_in_common_are_not_comparable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = _model_report(tmp_path / "old.json", None, world_size=2)
+    new = _model_report(tmp_path / "new.json", None, world_size=4)
+    code, out, err = main(["compare", old, new], capsys)
+    assert_one_line_error(code, out, err, "compare", "are not comparable: no check in common "
+                          "(2 checks vs 2; settings world_sizes [2] vs [4])", "--force")
+    empty = tmp_path / "empty.json"
+    reports.write_json_report(str(empty), reports.build_report([], Settings(), 0.0))
+    code, out, err = main(["compare", str(empty), str(empty)], capsys)
+    assert_one_line_error(code, out, err, "compare", "no check in common (0 checks vs 0)")
+    # the same model with one check in common is comparable: the other is missing, a regression
+    partial = json.loads(Path(old).read_text())
+    partial["checks"].pop()
+    partial["summary"]["passed"] = 1
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    code, out, err = main(["compare", old, str(tmp_path / "partial.json")], capsys)
+    assert code == cli.EXIT_FAILED, err
+    assert "[REGRESSION] memory.sawtooth[cpu,ws2,fsdp2,massive]: missing" in out
 
 
 @pytest.mark.parametrize("flag", ["--memory-tolerance", "--memory-floor-mib"])

@@ -208,11 +208,16 @@ def test_load_report_refuses_another_schema_version_and_says_to_rerun(tmp_path: 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda r: r.pop("environment"), "no environment.torch"),
-        (lambda r: r.update(checks={}), "no list of checks"),
-        (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\] has no string 'id' and 'outcome'"),
-        (lambda r: r["checks"][0].update(outcome="ok"), "has outcome 'ok', expected one of"),
-        (lambda r: r["checks"].append(dict(r["checks"][0])), "appears twice"),
+        (lambda r: r.pop("environment"), "damaged: environment: expected an object, found "
+         r"nothing \(the field is missing\)"),
+        (lambda r: r.update(checks={}), r"checks: expected a list, found an object \({}\)"),
+        (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\].outcome: expected one of"),
+        (lambda r: r["checks"][0].update(outcome="ok"),
+         r"checks\[0\].outcome: expected one of passed, failed, skipped, error, found a string "
+         r"\(\"ok\"\)"),
+        (lambda r: r["checks"].append(dict(r["checks"][0])),
+         r"checks\[1\].id: expected an id unique in the report, .* appears twice \(also "
+         r"checks\[0\]\)"),
     ],
 )
 def test_load_report_refuses_a_damaged_report_in_one_message(
@@ -223,6 +228,31 @@ def test_load_report_refuses_a_damaged_report_in_one_message(
     with pytest.raises(ReportError, match=message) as info:
         reports.load_report(_write(tmp_path / "r.json", r))
     assert "\n" not in str(info.value)
+
+
+def test_load_report_accepts_fields_the_schema_does_not_document(tmp_path: Path) -> None:
+    # schema version 1 grows by adding fields: a newer tool's extra fields are not damage
+    r = report(entry(data={"units": per_layer_units()}))
+    r["launcher"] = "torchrun"
+    r["environment"]["hostname"] = "node-1"
+    r["checks"][0]["ranks"] = [0, 1]
+    r["checks"][0]["data"]["units"][0]["extra"] = {"any": ["thing"]}
+    assert reports.load_report(_write(tmp_path / "r.json", r)) == r
+    del r["checks"][0]["data"]["units"][0]["cls"]  # the control: a documented field missing
+    with pytest.raises(ReportError, match=r"checks\[0\]\.data\.units\[0\]\.cls: expected a string"):
+        reports.load_report(_write(tmp_path / "r.json", r))
+
+
+def test_comparability_names_model_settings_and_missing_common_checks() -> None:
+    same = report(entry())
+    assert reports.comparability(same, report(entry(), torch_version="2.14.1")) is None
+    other = report(entry(variant="fsdp1,pkg:build"),
+                   settings=Settings(model="pkg:build", block_cls="Block", min_params=4000))
+    assert reports.comparability(same, other) == (
+        "settings.model None vs 'pkg:build'; settings.block_cls None vs 'Block'; "
+        "settings.min_params None vs 4000; no check in common (1 checks vs 1)")
+    # the same model, one common check: comparable (the others are missing / added)
+    assert reports.comparability(report(entry(), entry("a.b")), same) is None
 
 
 # --------------------------------------------------------------------------------------------
