@@ -7,6 +7,7 @@ The work lives in the library: settings in :mod:`fsdp_conformance.settings`, ran
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from fsdp_conformance.harness import (
     Ranks,
     lane_unavailable,
     launched_externally,
+    outer_deadline,
 )
 from fsdp_conformance.settings import (
     OPTIONS,
@@ -30,6 +32,10 @@ from fsdp_conformance.settings import (
 SETTINGS_KEY = pytest.StashKey[Settings]()
 MANAGER_KEY = pytest.StashKey[PoolManager]()
 LAUNCHER_KEY = pytest.StashKey[LauncherRunner]()
+#: ``time.monotonic()`` when a test's setup began (pytest-timeout's clock started just before).
+STARTED_KEY = pytest.StashKey[float]()
+#: Set on a test whose timeout marker is the plugin's outer guard, not the user's.
+OUTER_GUARD_KEY = pytest.StashKey[bool]()
 
 LANES = ("cpu", "gpu")
 MARKERS = (
@@ -121,6 +127,12 @@ def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ..
             f"{metafunc.definition.nodeid}: world_size marker takes positive integers, got "
             f"{marker.args!r}; write e.g. @pytest.mark.world_size(2, 4)"
         )
+    if settings.world_size_limit is not None:
+        for size in marker.args:
+            message = settings.world_size_limit.error(
+                size, f"the world_size marker of {metafunc.definition.nodeid}")
+            if message:
+                raise pytest.UsageError(message)
     return tuple(marker.args)
 
 
@@ -148,8 +160,45 @@ def pytest_collection_modifyitems(
         if not any(item.get_closest_marker(lane) for lane in LANES):
             item.add_marker(pytest.mark.cpu)  # needs no GPU: part of the CPU lane
         uses_ranks = "ranks" in getattr(item, "fixturenames", ())
-        if uses_ranks and item.get_closest_marker("timeout") is None:
+        if uses_ranks and _pytest_timeout(item) is None and _timeout_plugin_active(config):
+            # No pytest-timeout was asked for (a user's --timeout or marker wins): add the
+            # outer guard. Either way each check's timeout fits inside it (see `ranks`).
             item.add_marker(pytest.mark.timeout(outer, method="signal"))
+            item.stash[OUTER_GUARD_KEY] = True
+
+
+def _timeout_plugin_active(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("timeout")
+
+
+def _pytest_timeout(item: pytest.Item) -> tuple[float, str] | None:
+    """The pytest-timeout in force for ``item`` and where it was set, or None when it has none.
+
+    The same precedence as pytest-timeout itself: the item's marker, then ``--timeout``, then
+    ``PYTEST_TIMEOUT``, then the ini key ``timeout``. 0 means no timeout.
+    """
+    if not _timeout_plugin_active(item.config):
+        return None
+    marker = item.get_closest_marker("timeout")
+    candidates: list[tuple[object, str]] = []
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        ours = item.stash.get(OUTER_GUARD_KEY, False)
+        candidates.append((value, "the plugin's outer guard" if ours else "its timeout marker"))
+    candidates += [
+        (item.config.getoption("timeout", None), "--timeout"),
+        (os.environ.get("PYTEST_TIMEOUT") or None, "PYTEST_TIMEOUT"),
+        (item.config.getini("timeout") or None, "ini key timeout"),
+    ]
+    for value, source in candidates:
+        if value is None:
+            continue
+        try:
+            seconds = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None  # pytest-timeout reports its own bad value
+        return (seconds, source) if seconds > 0 else None
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -164,6 +213,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     unavailable = lane_unavailable(lane, params.get("world_size", 1))
     if unavailable:
         pytest.skip(unavailable)
+    item.stash[STARTED_KEY] = time.monotonic()
 
 
 @pytest.fixture(scope="session")
@@ -203,6 +253,12 @@ def ranks(
         if launcher is None:
             backend = None if fsdp_settings.backend == "auto" else fsdp_settings.backend
             launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(backend)
+    deadline, deadline_note = None, ""
+    outer = _pytest_timeout(request.node)
+    if outer is not None:
+        # Every check ends (stacks dumped) before pytest-timeout would stop the test blind.
+        started = request.node.stash.get(STARTED_KEY, time.monotonic())
+        deadline, deadline_note = outer_deadline(started, *outer)
     return Ranks(
         rank_pools,
         world_size,
@@ -211,6 +267,8 @@ def ranks(
         timeout=fsdp_settings.timeout,
         launcher=launcher,
         skip=_skip,
+        deadline=deadline,
+        deadline_note=deadline_note,
     )
 
 
