@@ -900,3 +900,28 @@ def test_rank_dying_while_joining_the_group_is_a_harness_error_naming_it(
     message = str(info.value)
     assert "could not start 1 gloo ranks" in message
     assert "rank 0: exited with code 3" in message
+
+
+# --------------------------------------------------------------------------------------------
+# Check timeouts inside an outer pytest-timeout (pure functions; the fault session proves the
+# reports)
+# --------------------------------------------------------------------------------------------
+
+
+def test_check_timeout_is_cut_to_end_before_the_outer_deadline_and_says_so() -> None:
+    from fsdp_conformance.harness import fit_timeout, outer_deadline
+
+    now = time.monotonic()
+    deadline, note = outer_deadline(now, 60.0, "--timeout")
+    assert note == ("this test's pytest-timeout of 60s (--timeout), less 5s for the stack dump "
+                    "and teardown")
+    assert deadline == pytest.approx(now + 55.0)
+    assert fit_timeout(30.0, deadline, note) == (30.0, "")  # fits: untouched
+    assert fit_timeout(30.0, None) == (30.0, "")  # no pytest-timeout: untouched
+    cut, why = fit_timeout(120.0, deadline, note)
+    assert 50.0 < cut <= 55.0
+    assert why == f" (cut from 120s to end within {note})"
+    # A short pytest-timeout keeps back a quarter of itself, not 5 s of 8.
+    assert outer_deadline(now, 8.0, "its timeout marker")[0] == pytest.approx(now + 6.0)
+    # Past the deadline a check still gets a moment, so its stacks are dumped.
+    assert fit_timeout(120.0, now - 1.0, note)[0] == 0.1
