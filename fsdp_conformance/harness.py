@@ -570,14 +570,17 @@ class PoolManager:
         self._pg_timeout = pg_timeout
         self.pools_started = 0
 
-    def pool(self, world_size: int, backend: str, device_type: str) -> RankPool:
+    def pool(
+        self, world_size: int, backend: str, device_type: str, *, start_timeout: float = 60.0
+    ) -> RankPool:
         key = (world_size, backend, device_type)
         pool = self._pools.get(key)
         if pool is not None and (pool.broken or not pool.alive):
             pool.close(force=True)
             pool = None
         if pool is None:
-            pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout)
+            pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout,
+                            start_timeout=start_timeout)
             self.pools_started += 1
             self._pools[key] = pool
         return pool
@@ -597,25 +600,45 @@ class PoolManager:
         deadline: float | None = None,
         deadline_note: str = "",
     ) -> list[RankOutcome]:
+        # Starting ranks counts against an outer deadline too: a pool that cannot start in
+        # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
+        start_timeout, _ = fit_timeout(60.0, deadline)
         if fresh or env:
             # Fresh processes: for settings that must exist before the process starts
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
-            pool = RankPool(
-                world_size, backend, device_type, env=env, pg_timeout=self._pg_timeout
-            )
+            pool = self._start_in_time(
+                lambda: RankPool(world_size, backend, device_type, env=env,
+                                 pg_timeout=self._pg_timeout, start_timeout=start_timeout),
+                start_timeout, deadline_note)
             self.pools_started += 1
             try:
                 return pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
                                          deadline_note=deadline_note)
             finally:
                 pool.close(force=pool.broken)
-        pool = self.pool(world_size, backend, device_type)
+        pool = self._start_in_time(
+            lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout),
+            start_timeout, deadline_note)
         outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
                                      deadline_note=deadline_note)
         if pool.broken:
             pool.close(force=True)
             self._pools.pop((world_size, backend, device_type), None)
         return outcomes
+
+    @staticmethod
+    def _start_in_time(
+        start: Callable[[], RankPool], start_timeout: float, deadline_note: str
+    ) -> RankPool:
+        try:
+            return start()
+        except HarnessError as exc:
+            if start_timeout >= 60.0 or "timed out" not in str(exc):
+                raise
+            raise HarnessError(
+                f"{exc}\n(the ranks had {_seconds(start_timeout)} to start, the rest of "
+                f"{deadline_note})"
+            ) from None
 
     def close(self) -> None:
         pools, self._pools = self._pools, {}

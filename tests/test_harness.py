@@ -240,9 +240,9 @@ def test_failure_while_peer_waits(ranks):
     ranks.configured(timeout=100).run(_raise_rank0_while_rank1_waits)
 
 
-# pytest-timeout (20 s) fires long before the check timeout (120 s by default): the check's
+# pytest-timeout (30 s) fires long before the check timeout (120 s by default): the check's
 # timeout must shrink to fit, so the report is every rank's stack, not pytest's bare Timeout.
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(30)
 def test_hang_under_a_shorter_pytest_timeout(ranks):
     ranks.run(_hang_rank1)
 
@@ -466,7 +466,7 @@ def test_check_timeout_fits_inside_a_shorter_pytest_timeout_and_dumps_every_rank
     faults: Session,
 ) -> None:
     section = failure_section(faults.result, "test_hang_under_a_shorter_pytest_timeout")
-    note = ("(cut from 120s to end within this test's pytest-timeout of 20s (its timeout "
+    note = ("(cut from 120s to end within this test's pytest-timeout of 30s (its timeout "
             "marker), less 5s for the stack dump and teardown); its stacks:")
     section.fnmatch_lines(
         [
@@ -925,3 +925,19 @@ def test_check_timeout_is_cut_to_end_before_the_outer_deadline_and_says_so() -> 
     assert outer_deadline(now, 8.0, "its timeout marker")[0] == pytest.approx(now + 6.0)
     # Past the deadline a check still gets a moment, so its stacks are dumped.
     assert fit_timeout(120.0, now - 1.0, note)[0] == 0.1
+
+
+def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_saying_so() -> None:
+    from fsdp_conformance.harness import PoolManager
+
+    manager = PoolManager()
+    try:
+        with pytest.raises(HarnessError) as info:
+            manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
+                                 device_type="cpu", timeout=100.0,
+                                 deadline=time.monotonic() - 1.0, deadline_note="NOTE")
+    finally:
+        manager.close()
+    message = str(info.value)
+    assert message.startswith("could not start 2 gloo ranks: timed out connecting")
+    assert message.endswith("(the ranks had 0.1s to start, the rest of NOTE)")
