@@ -25,8 +25,10 @@ from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
     SettingsError,
+    WorldSizeLimit,
     pyproject_settings,
     resolve_settings,
+    world_size_limit,
 )
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -36,6 +38,7 @@ LAUNCHER_KEY = pytest.StashKey[LauncherRunner]()
 STARTED_KEY = pytest.StashKey[float]()
 #: Set on a test whose timeout marker is the plugin's outer guard, not the user's.
 OUTER_GUARD_KEY = pytest.StashKey[bool]()
+LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
 
 LANES = ("cpu", "gpu")
 MARKERS = (
@@ -69,6 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
         settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini, table)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if not settings.model:
         # A model option without the model would otherwise be ignored without a word.
         for name in ("block_cls", "input"):
@@ -118,7 +122,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"fsdp-conformance: {environment_summary(settings)}"]
 
 
-def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ...]:
+def _world_sizes(
+    metafunc: pytest.Metafunc, settings: Settings, limit: WorldSizeLimit | None
+) -> tuple[int, ...]:
     marker = metafunc.definition.get_closest_marker("world_size")
     if marker is None:
         return settings.world_sizes
@@ -127,9 +133,9 @@ def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ..
             f"{metafunc.definition.nodeid}: world_size marker takes positive integers, got "
             f"{marker.args!r}; write e.g. @pytest.mark.world_size(2, 4)"
         )
-    if settings.world_size_limit is not None:
+    if limit is not None:
         for size in marker.args:
-            message = settings.world_size_limit.error(
+            message = limit.error(
                 size, f"the world_size marker of {metafunc.definition.nodeid}")
             if message:
                 raise pytest.UsageError(message)
@@ -139,7 +145,7 @@ def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ..
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[SETTINGS_KEY]
     if "world_size" in metafunc.fixturenames:
-        sizes = _world_sizes(metafunc, settings)
+        sizes = _world_sizes(metafunc, settings, metafunc.config.stash.get(LIMIT_KEY, None))
         metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
     if "lane" in metafunc.fixturenames:
         marked = [lane for lane in LANES if metafunc.definition.get_closest_marker(lane)]

@@ -286,9 +286,6 @@ class Settings:
     input: str | None = None
     #: An explicit world-size limit, or None to derive it from the machine.
     max_world_size: int | None = None
-    #: The limit the world sizes were checked against, with how it was computed (None: not
-    #: checked, e.g. under an external launcher, which started the processes itself).
-    world_size_limit: WorldSizeLimit | None = dataclasses.field(default=None, compare=False)
     #: Where each value came from ("default", "ini", "env FSDP_...", "--fsdp-..."), for headers.
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -334,28 +331,33 @@ def resolve_settings(
         else:
             values[option.name] = _parse(option, raw, source)
         sources[option.name] = source
-    limit = _world_size_limit(values, sources, environ, machine_limit)
-    return Settings(**values, sources=sources, world_size_limit=limit)
+    settings = Settings(**values, sources=sources)
+    limit = world_size_limit(settings, environ, machine_limit)
+    if limit is not None:
+        for size in settings.world_sizes:
+            message = limit.error(size, sources["world_sizes"])
+            if message:
+                raise SettingsError(message)
+    return settings
 
 
-def _world_size_limit(
-    values: Mapping[str, Any],
-    sources: Mapping[str, str],
+def world_size_limit(
+    settings: Settings,
     environ: Mapping[str, str],
-    machine_limit: Callable[[], WorldSizeLimit],
+    machine_limit: Callable[[], WorldSizeLimit] = machine_world_size_limit,
 ) -> WorldSizeLimit | None:
+    """The largest world size allowed here: ``max_world_size`` if set, else the machine's.
+
+    None under an external launcher: it started the ranks and sized the world, not us.
+    (Not a field of :class:`Settings`: the machine's figure changes run to run, and the
+    settings go into reports that are compared.)
+    """
     if all(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
-        return None  # an external launcher started the ranks: it sized the world, not us
-    if values["max_world_size"] is not None:
-        limit = WorldSizeLimit(values["max_world_size"],
-                               f"set by {sources['max_world_size']}")
-    else:
-        limit = machine_limit()
-    for size in values["world_sizes"]:
-        message = limit.error(size, sources["world_sizes"])
-        if message:
-            raise SettingsError(message)
-    return limit
+        return None
+    if settings.max_world_size is not None:
+        source = settings.sources.get("max_world_size", "max_world_size")
+        return WorldSizeLimit(settings.max_world_size, f"set by {source}")
+    return machine_limit()
 
 
 def _parse(option: Option, raw: Any, source: str) -> Any:

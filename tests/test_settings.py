@@ -17,6 +17,7 @@ from fsdp_conformance.settings import (
     machine_world_size_limit,
     pyproject_settings,
     resolve_settings,
+    world_size_limit,
 )
 
 pytestmark = pytest.mark.cpu
@@ -276,7 +277,7 @@ def test_max_world_size_overrides_the_machine_limit_either_way() -> None:
     s = resolve_settings({"world_sizes": "32"}, {"FSDP_CONFORMANCE_MAX_WORLD_SIZE": "32"}, {},
                          machine_limit=lambda: _machine_of(16))
     assert s.world_sizes == (32,) and s.max_world_size == 32
-    assert s.world_size_limit == WorldSizeLimit(
+    assert world_size_limit(s, {}) == WorldSizeLimit(
         32, "set by environment variable FSDP_CONFORMANCE_MAX_WORLD_SIZE")
     with pytest.raises(SettingsError, match=r"^world size 4 from ini key fsdp_world_sizes is more "
                        r"than this machine can hold: at most 2 ranks \(set by command line "
@@ -287,7 +288,7 @@ def test_max_world_size_overrides_the_machine_limit_either_way() -> None:
 def test_under_an_external_launcher_world_sizes_are_not_bounded_here() -> None:
     launcher = {"RANK": "0", "WORLD_SIZE": "64", "LOCAL_RANK": "0", "MASTER_ADDR": "host"}
     s = resolve_settings({"world_sizes": "64"}, launcher, {}, machine_limit=lambda: _machine_of(2))
-    assert s.world_sizes == (64,) and s.world_size_limit is None
+    assert s.world_sizes == (64,) and world_size_limit(s, launcher) is None
 
 
 def test_limit_rule_memory_first_and_a_generous_core_factor() -> None:
