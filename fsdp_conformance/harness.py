@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 
 #: Seconds to wait for the other ranks to report once one rank has died or failed.
 GRACE_AFTER_FAILURE_S = 3.0
+#: Seconds to wait for the other ranks once one rank skipped: ranks that skip alike reach the
+#: skip at about the same point; one still running after this waits on the skipper (a
+#: collective it will never join) or disagrees with it.
+GRACE_AFTER_SKIP_S = 5.0
+#: Time kept back, before an outer pytest-timeout fires, for dumping every rank's stack and
+#: killing the pool (at most this, and at most a quarter of a short pytest-timeout).
+OUTER_TIMEOUT_RESERVE_S = 5.0
 #: Seconds to let faulthandler write its stack dumps before the ranks are killed.
 STACK_DUMP_WAIT_S = 0.5
 #: Lines of a rank's own log shown in a failure report.
@@ -138,7 +145,8 @@ def format_failure(check_name: str, outcomes: Sequence[RankOutcome]) -> str:
     ordered = sorted(outcomes, key=lambda o: o.rank)
     statuses = {o.status for o in ordered}
     summary = ", ".join(f"rank {o.rank} {_STATUS_TITLE.get(o.status, o.status)}" for o in ordered)
-    if statuses <= {"ok", "skip"}:
+    # A rank stopped while the others skipped did not skip: the ranks disagree.
+    if "skip" in statuses and statuses <= {"ok", "skip", "hung"}:
         headline = (
             f"check {check_name!r}: ranks disagree on skipping ({summary}); "
             "a check must skip on every rank or on none"
@@ -157,6 +165,38 @@ def format_failure(check_name: str, outcomes: Sequence[RankOutcome]) -> str:
 # --------------------------------------------------------------------------------------------
 # The warm pool
 # --------------------------------------------------------------------------------------------
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f}s" if value >= 10 or value == int(value) else f"{value:.1f}s"
+
+
+def outer_deadline(started: float, pytest_timeout: float, source: str) -> tuple[float, str]:
+    """When checks of a test must be done so that its pytest-timeout never fires first.
+
+    ``started``: ``time.monotonic()`` when the test began; ``pytest_timeout``: its pytest-timeout
+    in seconds, from ``source``. Returns the monotonic deadline and the words a failure uses.
+    """
+    reserve = min(OUTER_TIMEOUT_RESERVE_S, pytest_timeout / 4)
+    note = (
+        f"this test's pytest-timeout of {_seconds(pytest_timeout)} ({source}), less "
+        f"{_seconds(reserve)} for the stack dump and teardown"
+    )
+    return started + pytest_timeout - reserve, note
+
+
+def fit_timeout(
+    timeout: float, deadline: float | None, deadline_note: str = ""
+) -> tuple[float, str]:
+    """The check's timeout cut to end by ``deadline``, and what the failure says about it."""
+    if deadline is None:
+        return timeout, ""
+    left = deadline - time.monotonic()
+    if left >= timeout:
+        return timeout, ""
+    # Past the deadline still gets a moment: the stack dump is the point of fitting at all.
+    fitted = max(left, 0.1)
+    return fitted, f" (cut from {_seconds(timeout)} to end within {deadline_note})"
 
 
 def _check_name(fn: Callable[..., Any]) -> str:
@@ -370,8 +410,14 @@ class RankPool:
         kwargs: Mapping[str, Any] | None = None,
         *,
         timeout: float = 120.0,
+        deadline: float | None = None,
+        deadline_note: str = "",
     ) -> list[RankOutcome]:
-        """Run ``fn(ctx, *args, **kwargs)`` on every rank; one :class:`RankOutcome` per rank."""
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; one :class:`RankOutcome` per rank.
+
+        ``deadline`` (``time.monotonic()``): the check must end by then (an outer
+        pytest-timeout), so ``timeout`` shrinks to fit and the failure says so.
+        """
         if self.broken or not self._ranks:
             raise HarnessError("this rank pool is broken or closed; use a fresh one")
         task_id = self._next_task
@@ -385,42 +431,51 @@ class RankPool:
             ) from exc
         payload = pickle.dumps(("run", task_id, inner))
         self.checks_run += 1
+        timeout, note = fit_timeout(timeout, deadline, deadline_note)
         try:
             for r in self._ranks:
                 r.conn.send_bytes(payload)
-            return self._collect(task_id, timeout)
+            return self._collect(task_id, timeout, note)
         except BaseException:
             # Interrupted (Ctrl-C, pytest-timeout): the ranks are in an unknown state.
             self.broken = True
             self.close(force=True)
             raise
 
-    def _collect(self, task_id: int, timeout: float) -> list[RankOutcome]:
+    def _collect(self, task_id: int, timeout: float, note: str = "") -> list[RankOutcome]:
         outcomes: dict[int, RankOutcome] = {}
         pending = {r.conn: r for r in self._ranks}
         deadline = time.monotonic() + timeout
+        #: The outcome whose grace cut the wait short, and that grace.
+        released_by: tuple[RankOutcome, float] | None = None
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             for conn in wait(list(pending), timeout=remaining):
                 r = pending.pop(conn)  # type: ignore[arg-type,call-overload]
-                outcomes[r.rank] = self._receive(r, task_id)
-                if not outcomes[r.rank].ok and outcomes[r.rank].status != "skip":
-                    # Someone failed: the others may be stuck in a collective with it.
-                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+                got = outcomes[r.rank] = self._receive(r, task_id)
+                if not got.ok and pending:
+                    # A rank failed or skipped: the others may wait for it in a collective it
+                    # will never join. They get a grace to report, not the whole timeout.
+                    grace = GRACE_AFTER_SKIP_S if got.status == "skip" else GRACE_AFTER_FAILURE_S
+                    if time.monotonic() + grace < deadline:
+                        deadline = time.monotonic() + grace
+                        released_by = (got, grace)
         if pending:
             self.broken = True
             dumps = self._dump_stacks([pending[c] for c in pending])
-            failed = [o for o in outcomes.values() if o.status not in ("ok", "skip")]
             for r in pending.values():
-                if failed:
+                if released_by is not None:
+                    first, grace = released_by
                     why = (
-                        f"still running {GRACE_AFTER_FAILURE_S:.0f}s after rank "
-                        f"{failed[0].rank} {_STATUS_TITLE[failed[0].status]}; its stacks:"
+                        f"still running {_seconds(grace)} after rank {first.rank} "
+                        f"{_STATUS_TITLE[first.status]} (released then, not after the check's "
+                        f"timeout of {_seconds(timeout)}{note}); its stacks:"
                     )
                 else:
-                    why = f"no result after the check's timeout of {timeout:.0f}s; its stacks:"
+                    why = (f"no result after the check's timeout of {_seconds(timeout)}{note}; "
+                           "its stacks:")
                 outcomes[r.rank] = RankOutcome(r.rank, "hung", detail=f"{why}\n{dumps[r.rank]}")
         if any(o.status not in ("ok", "skip") for o in outcomes.values()):
             self.broken = True
@@ -518,14 +573,17 @@ class PoolManager:
         self._pg_timeout = pg_timeout
         self.pools_started = 0
 
-    def pool(self, world_size: int, backend: str, device_type: str) -> RankPool:
+    def pool(
+        self, world_size: int, backend: str, device_type: str, *, start_timeout: float = 60.0
+    ) -> RankPool:
         key = (world_size, backend, device_type)
         pool = self._pools.get(key)
         if pool is not None and (pool.broken or not pool.alive):
             pool.close(force=True)
             pool = None
         if pool is None:
-            pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout)
+            pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout,
+                            start_timeout=start_timeout)
             self.pools_started += 1
             self._pools[key] = pool
         return pool
@@ -542,24 +600,48 @@ class PoolManager:
         timeout: float,
         fresh: bool = False,
         env: Mapping[str, str] | None = None,
+        deadline: float | None = None,
+        deadline_note: str = "",
     ) -> list[RankOutcome]:
+        # Starting ranks counts against an outer deadline too: a pool that cannot start in
+        # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
+        start_timeout, _ = fit_timeout(60.0, deadline)
         if fresh or env:
             # Fresh processes: for settings that must exist before the process starts
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
-            pool = RankPool(
-                world_size, backend, device_type, env=env, pg_timeout=self._pg_timeout
-            )
+            pool = self._start_in_time(
+                lambda: RankPool(world_size, backend, device_type, env=env,
+                                 pg_timeout=self._pg_timeout, start_timeout=start_timeout),
+                start_timeout, deadline_note)
             self.pools_started += 1
             try:
-                return pool.run_outcomes(fn, args, kwargs, timeout=timeout)
+                return pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
+                                         deadline_note=deadline_note)
             finally:
                 pool.close(force=pool.broken)
-        pool = self.pool(world_size, backend, device_type)
-        outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout)
+        pool = self._start_in_time(
+            lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout),
+            start_timeout, deadline_note)
+        outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
+                                     deadline_note=deadline_note)
         if pool.broken:
             pool.close(force=True)
             self._pools.pop((world_size, backend, device_type), None)
         return outcomes
+
+    @staticmethod
+    def _start_in_time(
+        start: Callable[[], RankPool], start_timeout: float, deadline_note: str
+    ) -> RankPool:
+        try:
+            return start()
+        except HarnessError as exc:
+            if start_timeout >= 60.0 or "timed out" not in str(exc):
+                raise
+            raise HarnessError(
+                f"{exc}\n(the ranks had {_seconds(start_timeout)} to start, the rest of "
+                f"{deadline_note})"
+            ) from None
 
     def close(self) -> None:
         pools, self._pools = self._pools, {}
@@ -689,6 +771,11 @@ class Ranks:
     launcher: LauncherRunner | None = None
     #: Called with the reason when every rank skipped (the plugin passes ``pytest.skip``).
     skip: Callable[[str], Any] | None = None
+    #: ``time.monotonic()`` by which every check must end (an outer pytest-timeout, less the
+    #: time to dump stacks): a check's timeout shrinks to fit, and its failure says so.
+    deadline: float | None = None
+    #: What the deadline is, for that failure ("this test's pytest-timeout of 6s ...").
+    deadline_note: str = ""
 
     @property
     def device_type(self) -> str:
@@ -729,6 +816,8 @@ class Ranks:
             timeout=self.timeout,
             fresh=self.fresh,
             env=self.env,
+            deadline=self.deadline,
+            deadline_note=self.deadline_note,
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

@@ -7,6 +7,7 @@ The work lives in the library: settings in :mod:`fsdp_conformance.settings`, ran
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,18 +19,26 @@ from fsdp_conformance.harness import (
     Ranks,
     lane_unavailable,
     launched_externally,
+    outer_deadline,
 )
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
     SettingsError,
+    WorldSizeLimit,
     pyproject_settings,
     resolve_settings,
+    world_size_limit,
 )
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 MANAGER_KEY = pytest.StashKey[PoolManager]()
 LAUNCHER_KEY = pytest.StashKey[LauncherRunner]()
+#: ``time.monotonic()`` when a test's setup began (pytest-timeout's clock started just before).
+STARTED_KEY = pytest.StashKey[float]()
+#: Set on a test whose timeout marker is the plugin's outer guard, not the user's.
+OUTER_GUARD_KEY = pytest.StashKey[bool]()
+LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
 
 LANES = ("cpu", "gpu")
 MARKERS = (
@@ -63,6 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
         settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini, table)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if not settings.model:
         # A model option without the model would otherwise be ignored without a word.
         for name in ("block_cls", "input"):
@@ -112,7 +122,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"fsdp-conformance: {environment_summary(settings)}"]
 
 
-def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ...]:
+def _world_sizes(
+    metafunc: pytest.Metafunc, settings: Settings, limit: WorldSizeLimit | None
+) -> tuple[int, ...]:
     marker = metafunc.definition.get_closest_marker("world_size")
     if marker is None:
         return settings.world_sizes
@@ -121,13 +133,19 @@ def _world_sizes(metafunc: pytest.Metafunc, settings: Settings) -> tuple[int, ..
             f"{metafunc.definition.nodeid}: world_size marker takes positive integers, got "
             f"{marker.args!r}; write e.g. @pytest.mark.world_size(2, 4)"
         )
+    if limit is not None:
+        for size in marker.args:
+            message = limit.error(
+                size, f"the world_size marker of {metafunc.definition.nodeid}")
+            if message:
+                raise pytest.UsageError(message)
     return tuple(marker.args)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[SETTINGS_KEY]
     if "world_size" in metafunc.fixturenames:
-        sizes = _world_sizes(metafunc, settings)
+        sizes = _world_sizes(metafunc, settings, metafunc.config.stash.get(LIMIT_KEY, None))
         metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
     if "lane" in metafunc.fixturenames:
         marked = [lane for lane in LANES if metafunc.definition.get_closest_marker(lane)]
@@ -148,8 +166,45 @@ def pytest_collection_modifyitems(
         if not any(item.get_closest_marker(lane) for lane in LANES):
             item.add_marker(pytest.mark.cpu)  # needs no GPU: part of the CPU lane
         uses_ranks = "ranks" in getattr(item, "fixturenames", ())
-        if uses_ranks and item.get_closest_marker("timeout") is None:
+        if uses_ranks and _pytest_timeout(item) is None and _timeout_plugin_active(config):
+            # No pytest-timeout was asked for (a user's --timeout or marker wins): add the
+            # outer guard. Either way each check's timeout fits inside it (see `ranks`).
             item.add_marker(pytest.mark.timeout(outer, method="signal"))
+            item.stash[OUTER_GUARD_KEY] = True
+
+
+def _timeout_plugin_active(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("timeout")
+
+
+def _pytest_timeout(item: pytest.Item) -> tuple[float, str] | None:
+    """The pytest-timeout in force for ``item`` and where it was set, or None when it has none.
+
+    The same precedence as pytest-timeout itself: the item's marker, then ``--timeout``, then
+    ``PYTEST_TIMEOUT``, then the ini key ``timeout``. 0 means no timeout.
+    """
+    if not _timeout_plugin_active(item.config):
+        return None
+    marker = item.get_closest_marker("timeout")
+    candidates: list[tuple[object, str]] = []
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        ours = item.stash.get(OUTER_GUARD_KEY, False)
+        candidates.append((value, "the plugin's outer guard" if ours else "its timeout marker"))
+    candidates += [
+        (item.config.getoption("timeout", None), "--timeout"),
+        (os.environ.get("PYTEST_TIMEOUT") or None, "PYTEST_TIMEOUT"),
+        (item.config.getini("timeout") or None, "ini key timeout"),
+    ]
+    for value, source in candidates:
+        if value is None:
+            continue
+        try:
+            seconds = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None  # pytest-timeout reports its own bad value
+        return (seconds, source) if seconds > 0 else None
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -164,6 +219,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     unavailable = lane_unavailable(lane, params.get("world_size", 1))
     if unavailable:
         pytest.skip(unavailable)
+    item.stash[STARTED_KEY] = time.monotonic()
 
 
 @pytest.fixture(scope="session")
@@ -203,6 +259,12 @@ def ranks(
         if launcher is None:
             backend = None if fsdp_settings.backend == "auto" else fsdp_settings.backend
             launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(backend)
+    deadline, deadline_note = None, ""
+    outer = _pytest_timeout(request.node)
+    if outer is not None:
+        # Every check ends (stacks dumped) before pytest-timeout would stop the test blind.
+        started = request.node.stash.get(STARTED_KEY, time.monotonic())
+        deadline, deadline_note = outer_deadline(started, *outer)
     return Ranks(
         rank_pools,
         world_size,
@@ -211,6 +273,8 @@ def ranks(
         timeout=fsdp_settings.timeout,
         launcher=launcher,
         skip=_skip,
+        deadline=deadline,
+        deadline_note=deadline_note,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +40,13 @@ def _parse_backend(text: str) -> str:
     return value
 
 
+#: Upper bound of a check timeout (one week). The harness waits on its ranks with ``poll()``,
+#: whose timeout is milliseconds in a C int: past 2147483 s (24.8 days) every check fails with
+#: ``OverflowError: timeout is too large``; pytest-timeout's ``setitimer`` overflows past 9.2e9 s
+#: (a pytest INTERNALERROR). A check that needs more than a week is a hang.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def _parse_seconds(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -46,12 +54,27 @@ def _parse_seconds(text: str) -> float:
         raise ValueError("must be a finite number > 0")
     if value <= 0:
         raise ValueError("must be > 0")
+    if value > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"must be at most {MAX_TIMEOUT_S:.0f} (one week): the harness waits on its ranks "
+            "with poll(), whose milliseconds overflow past 24.8 days, and a check that needs "
+            "more than a week is a hang"
+        )
     return value
 
 
 def _parse_optional_str(text: str) -> str | None:
     value = str(text).strip()
     return value or None
+
+
+def _parse_optional_positive_int(text: str) -> int | None:
+    value = str(text).strip().replace("_", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{value!r} is not a positive integer")
+    return int(value)
 
 
 def _parse_optional_int(text: str) -> int | None:
@@ -65,6 +88,86 @@ def _parse_optional_int(text: str) -> int | None:
     if number < 0:
         raise ValueError("must be >= 0")
     return number
+
+
+#: Resident memory of one idle rank: the interpreter, torch imported and a gloo process group
+#: joined (VmRSS measured on the 2-core build machine, torch 2.13.0 CPU build: 220 MiB, of
+#: which 143 MiB anonymous and 77 MiB file-backed).
+RANK_BYTES = 220 * 2**20
+#: Share of the available memory the idle ranks may take: the checks need the rest.
+RANK_MEMORY_SHARE = 0.8
+#: Ranks per core. Ranks mostly wait on each other, so moderate oversubscription is fine (the
+#: default world sizes 2 and 4 run on a 2-core CI machine); this only stops a typo.
+RANKS_PER_CORE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldSizeLimit:
+    """The largest world size this machine may run, and how that number was found."""
+
+    limit: int
+    how: str
+
+    def error(self, size: int, where: str) -> str | None:
+        """The one-line error for ``size`` (from ``where``) over the limit, or None."""
+        if size <= self.limit:
+            return None
+        return (
+            f"world size {size} from {where} is more than this machine can hold: at most "
+            f"{self.limit} ranks ({self.how}); use a smaller world size, or set "
+            f"{OPTIONS_BY_NAME['max_world_size'].flag} N (env "
+            f"{OPTIONS_BY_NAME['max_world_size'].env}, or max_world_size in "
+            f"[tool.{PYPROJECT_TABLE}]) to allow N ranks"
+        )
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new process may still take: MemAvailable, capped by a cgroup v2 limit."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        # A container's own limit can be far below the host's free memory.
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            cap = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            used = int(f.read().strip())
+        if cap != "max":
+            room = max(0, int(cap) - used)
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # honours taskset and cpusets, unlike cpu_count
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine_world_size_limit(
+    available: int | None = None, cores: int | None = None
+) -> WorldSizeLimit:
+    """min(available memory x share / per-rank cost, cores x ranks per core), at least 1."""
+    available = available_memory_bytes() if available is None else available
+    cores = usable_cores() if cores is None else cores
+    by_cores = cores * RANKS_PER_CORE
+    parts = [f"cores: {cores} x {RANKS_PER_CORE} = {by_cores}"]
+    limit = by_cores
+    if available is not None:
+        by_memory = int(available * RANK_MEMORY_SHARE // RANK_BYTES)
+        parts.insert(0, f"memory: {available / 2**30:.1f} GiB available x {RANK_MEMORY_SHARE} / "
+                        f"{RANK_BYTES / 2**20:.0f} MiB per idle rank = {by_memory}")
+        limit = min(limit, by_memory)
+    return WorldSizeLimit(max(1, limit), "the smaller of " + ", ".join(parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +253,14 @@ OPTIONS: tuple[Option, ...] = (
         "device) -> tensor or tuple of args",
         "MODULE:BUILDER",
     ),
+    Option(
+        "max_world_size",
+        _parse_optional_positive_int,
+        None,
+        "the largest world size this machine may run (default: derived from available memory "
+        "and cores, see docs/harness.md); set it to run larger worlds than the default allows",
+        "N",
+    ),
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -173,6 +284,8 @@ class Settings:
     min_params: int | None = None
     #: ``pkg.module:builder`` of the user's inputs, or None for a default builder.
     input: str | None = None
+    #: An explicit world-size limit, or None to derive it from the machine.
+    max_world_size: int | None = None
     #: Where each value came from ("default", "ini", "env FSDP_...", "--fsdp-..."), for headers.
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -187,12 +300,16 @@ def resolve_settings(
     environ: Mapping[str, str],
     ini: Mapping[str, Any],
     pyproject: Mapping[str, Any] | None = None,
+    *,
+    machine_limit: Callable[[], WorldSizeLimit] = machine_world_size_limit,
 ) -> Settings:
     """Resolve every option: CLI, then environment, then ini, then pyproject, then the default.
 
     ``cli`` maps option names to values given on the command line (None: not given);
     ``ini`` maps option names to raw values from pytest's ini file; ``pyproject`` maps them to
     values of the ``[tool.fsdp_conformance]`` table (see :func:`pyproject_settings`).
+    World sizes above what the machine can hold (``machine_limit``, unless ``max_world_size``
+    is set) are a :class:`SettingsError`, before any rank process starts.
     """
     pyproject = pyproject or {}
     values: dict[str, Any] = {}
@@ -214,7 +331,33 @@ def resolve_settings(
         else:
             values[option.name] = _parse(option, raw, source)
         sources[option.name] = source
-    return Settings(**values, sources=sources)
+    settings = Settings(**values, sources=sources)
+    limit = world_size_limit(settings, environ, machine_limit)
+    if limit is not None:
+        for size in settings.world_sizes:
+            message = limit.error(size, sources["world_sizes"])
+            if message:
+                raise SettingsError(message)
+    return settings
+
+
+def world_size_limit(
+    settings: Settings,
+    environ: Mapping[str, str],
+    machine_limit: Callable[[], WorldSizeLimit] = machine_world_size_limit,
+) -> WorldSizeLimit | None:
+    """The largest world size allowed here: ``max_world_size`` if set, else the machine's.
+
+    None under an external launcher: it started the ranks and sized the world, not us.
+    (Not a field of :class:`Settings`: the machine's figure changes run to run, and the
+    settings go into reports that are compared.)
+    """
+    if all(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+        return None
+    if settings.max_world_size is not None:
+        source = settings.sources.get("max_world_size", "max_world_size")
+        return WorldSizeLimit(settings.max_world_size, f"set by {source}")
+    return machine_limit()
 
 
 def _parse(option: Option, raw: Any, source: str) -> Any:

@@ -212,8 +212,39 @@ def _skip_rank0_only(ctx):
     return ctx.rank
 
 
+def _skip_rank0_while_rank1_waits(ctx):
+    if ctx.rank == 0:
+        skip_rank("rank 0 has no feature Y")
+    dist.barrier()  # rank 1 waits here for a rank that skipped
+
+
+def _raise_rank0_while_rank1_waits(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank zero gives up")
+    dist.barrier()  # rank 1 waits here for a rank that raised (and lives on)
+
+
 def _rank(ctx):
     return ctx.rank
+
+
+# The check timeout (100 s) is far beyond the grace: a report naming the grace proves the peer
+# was released by it; the pytest-timeout marker only guards against waiting the timeout out.
+@pytest.mark.timeout(120)
+def test_skip_while_peer_waits(ranks):
+    ranks.configured(timeout=100).run(_skip_rank0_while_rank1_waits)
+
+
+@pytest.mark.timeout(120)
+def test_failure_while_peer_waits(ranks):
+    ranks.configured(timeout=100).run(_raise_rank0_while_rank1_waits)
+
+
+# pytest-timeout (30 s) fires long before the check timeout (120 s by default): the check's
+# timeout must shrink to fit, so the report is every rank's stack, not pytest's bare Timeout.
+@pytest.mark.timeout(30)
+def test_hang_under_a_shorter_pytest_timeout(ranks):
+    ranks.run(_hang_rank1)
 
 
 def test_exception_on_one_rank(ranks):
@@ -260,7 +291,10 @@ def test_clean_check_after_all_faults(ranks):
     assert ranks.run(_rank) == [0, 1]
 """
 
-FAULT_TESTS = (
+FAULT_TESTS = (  # in the order of the file
+    "test_skip_while_peer_waits",
+    "test_failure_while_peer_waits",
+    "test_hang_under_a_shorter_pytest_timeout",
     "test_exception_on_one_rank",
     "test_exceptions_on_all_ranks",
     "test_sigkill_rank1",
@@ -394,6 +428,58 @@ def test_skip_on_one_rank_only_is_a_failure_saying_the_ranks_disagree(faults: Se
             "*rank 0 thinks feature X is missing",
         ]
     )
+
+
+def test_skip_while_a_peer_waits_releases_it_after_the_grace_as_a_disagreement(
+    faults: Session,
+) -> None:
+    section = failure_section(faults.result, "test_skip_while_peer_waits")
+    section.fnmatch_lines(
+        [
+            "*ranks disagree on skipping (rank 0 skipped, rank 1 did not finish)*",
+            "*--- rank 0: skipped ---",
+            "*rank 0 has no feature Y",
+            "*--- rank 1: did not finish ---",
+            "*still running 5s after rank 0 skipped (released then, not after the check's "
+            "timeout of 100s); its stacks:",
+            "*in barrier",
+        ]
+    )
+
+
+def test_failure_while_a_peer_waits_releases_it_after_the_grace(faults: Session) -> None:
+    section = failure_section(faults.result, "test_failure_while_peer_waits")
+    section.fnmatch_lines(
+        [
+            "*failed on 2 ranks: rank 0 raised, rank 1 did not finish",
+            "*--- rank 0: raised ---",
+            "*ValueError: rank zero gives up",
+            "*--- rank 1: did not finish ---",
+            "*still running 3s after rank 0 raised (released then, not after the check's "
+            "timeout of 100s); its stacks:",
+            "*in barrier",
+        ]
+    )
+
+
+def test_check_timeout_fits_inside_a_shorter_pytest_timeout_and_dumps_every_rank(
+    faults: Session,
+) -> None:
+    section = failure_section(faults.result, "test_hang_under_a_shorter_pytest_timeout")
+    note = ("(cut from 120s to end within this test's pytest-timeout of 30s (its timeout "
+            "marker), less 5s for the stack dump and teardown); its stacks:")
+    section.fnmatch_lines(
+        [
+            "*failed on 2 ranks: rank 0 did not finish, rank 1 did not finish",
+            "*--- rank 0: did not finish ---",
+            f"*no result after the check's timeout of *s {note}",
+            "*in barrier",
+            "*--- rank 1: did not finish ---",
+            f"*no result after the check's timeout of *s {note}",
+            "*in _spin_forever",
+        ]
+    )
+    section.no_fnmatch_line("*Failed: Timeout*")
 
 
 def test_faults_do_not_end_the_session_and_later_checks_run_on_clean_ranks(
@@ -814,3 +900,44 @@ def test_rank_dying_while_joining_the_group_is_a_harness_error_naming_it(
     message = str(info.value)
     assert "could not start 1 gloo ranks" in message
     assert "rank 0: exited with code 3" in message
+
+
+# --------------------------------------------------------------------------------------------
+# Check timeouts inside an outer pytest-timeout (pure functions; the fault session proves the
+# reports)
+# --------------------------------------------------------------------------------------------
+
+
+def test_check_timeout_is_cut_to_end_before_the_outer_deadline_and_says_so() -> None:
+    from fsdp_conformance.harness import fit_timeout, outer_deadline
+
+    now = time.monotonic()
+    deadline, note = outer_deadline(now, 60.0, "--timeout")
+    assert note == ("this test's pytest-timeout of 60s (--timeout), less 5s for the stack dump "
+                    "and teardown")
+    assert deadline == pytest.approx(now + 55.0)
+    assert fit_timeout(30.0, deadline, note) == (30.0, "")  # fits: untouched
+    assert fit_timeout(30.0, None) == (30.0, "")  # no pytest-timeout: untouched
+    cut, why = fit_timeout(120.0, deadline, note)
+    assert 50.0 < cut <= 55.0
+    assert why == f" (cut from 120s to end within {note})"
+    # A short pytest-timeout keeps back a quarter of itself, not 5 s of 8.
+    assert outer_deadline(now, 8.0, "its timeout marker")[0] == pytest.approx(now + 6.0)
+    # Past the deadline a check still gets a moment, so its stacks are dumped.
+    assert fit_timeout(120.0, now - 1.0, note)[0] == 0.1
+
+
+def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_saying_so() -> None:
+    from fsdp_conformance.harness import PoolManager
+
+    manager = PoolManager()
+    try:
+        with pytest.raises(HarnessError) as info:
+            manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
+                                 device_type="cpu", timeout=100.0,
+                                 deadline=time.monotonic() - 1.0, deadline_note="NOTE")
+    finally:
+        manager.close()
+    message = str(info.value)
+    assert message.startswith("could not start 2 gloo ranks: timed out connecting")
+    assert message.endswith("(the ranks had 0.1s to start, the rest of NOTE)")

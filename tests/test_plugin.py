@@ -191,3 +191,80 @@ def test_bad_world_size_marker_names_the_test_and_the_fix(pytester: pytest.Pytes
             )
         ]
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds: world sizes the machine can hold; check timeouts inside pytest-timeout
+# --------------------------------------------------------------------------------------------
+
+
+def test_world_size_over_the_machine_limit_is_a_usage_error_before_any_rank_starts(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_sizes=WORLD_SIZES)
+    result = pytester.runpytest_subprocess("--fsdp-world-sizes=2,100000", "-p", "no:randomly")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: world size 100000 from command line --fsdp-world-sizes is more than this "
+            "machine can hold: at most * ranks (the smaller of memory: * GiB available x 0.8 / "
+            "220 MiB per idle rank = *, cores: * x 8 = *); use a smaller world size, or set "
+            "--fsdp-max-world-size N (env FSDP_CONFORMANCE_MAX_WORLD_SIZE, or max_world_size "
+            "in [[]tool.fsdp_conformance[]]) to allow N ranks"
+        ]
+    )
+    result.stdout.no_fnmatch_line("*passed*")
+
+
+def test_world_size_marker_over_the_limit_names_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_big="""
+        import pytest
+
+        @pytest.mark.world_size(1000)
+        def test_big(ranks):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("--fsdp-max-world-size=64")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(
+        [
+            "*world size 1000 from the world_size marker of test_big.py::test_big is more than "
+            "this machine can hold: at most 64 ranks (set by command line "
+            "--fsdp-max-world-size); use a smaller world size*"
+        ]
+    )
+
+
+PRINT_DEADLINE = """
+def test_note(ranks):
+    print("NOTE", ranks.deadline_note)
+"""
+
+
+def test_a_users_timeout_is_respected_and_checks_fit_inside_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_sizes=WORLD_SIZES, test_note=PRINT_DEADLINE)
+    pytester.makeconftest(PRINT_TIMEOUTS)
+    # The user's --timeout stands: the plugin adds no outer marker over it...
+    result = pytester.runpytest_subprocess("-s", "-m", "cpu", "--timeout=30", "--fsdp-timeout=10")
+    result.stdout.fnmatch_lines(["TIMEOUT test_uses_ranks[[]ws2-cpu[]]: None"])
+    # ...and the checks' deadline is taken from it (no rank starts: no check runs here).
+    result.stdout.fnmatch_lines(
+        ["*NOTE this test's pytest-timeout of 30s (--timeout), less 5s for the stack dump and "
+         "teardown"]
+    )
+    result.assert_outcomes(passed=5)
+
+
+def test_without_a_users_timeout_checks_fit_inside_the_outer_guard(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_note=PRINT_DEADLINE)
+    result = pytester.runpytest_subprocess("-s", "-m", "cpu", "--fsdp-timeout=10")
+    result.stdout.fnmatch_lines(
+        ["*NOTE this test's pytest-timeout of 110s (the plugin's outer guard), less 5s for the "
+         "stack dump and teardown"]
+    )

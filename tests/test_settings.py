@@ -8,11 +8,16 @@ import pytest
 
 from fsdp_conformance import cli
 from fsdp_conformance.settings import (
+    MAX_TIMEOUT_S,
     OPTIONS,
+    RANK_BYTES,
     Settings,
     SettingsError,
+    WorldSizeLimit,
+    machine_world_size_limit,
     pyproject_settings,
     resolve_settings,
+    world_size_limit,
 )
 
 pytestmark = pytest.mark.cpu
@@ -99,6 +104,17 @@ def test_backend_for_each_lane() -> None:
         # int(float('1e999')) raises OverflowError, which is not a ValueError.
         ("cli", "min_params", "1e999",
          "invalid min_params '1e999' from command line --fsdp-min-params: must be a finite"),
+        # poll()'s milliseconds overflow a C int past 24.8 days: OverflowError in every check.
+        ("cli", "timeout", "2.2e6",
+         "invalid timeout '2.2e6' from command line --fsdp-timeout: must be at most 604800 "
+         "(one week)"),
+        # setitimer overflows past 9.2e9 s: a pytest INTERNALERROR.
+        ("env", "timeout", "1e12",
+         "invalid timeout '1e12' from environment variable FSDP_CONFORMANCE_TIMEOUT: must be "
+         "at most 604800"),
+        ("ini", "max_world_size", "0",
+         "invalid max_world_size '0' from ini key fsdp_max_world_size: '0' is not a positive "
+         "integer; expected N"),
     ],
 )
 def test_bad_value_names_the_value_its_source_and_the_fix(
@@ -197,3 +213,115 @@ def test_cli_settings_resolve_command_line_env_and_pyproject(
     assert s.sources["world_sizes"] == "pyproject.toml [tool.fsdp_conformance] world_sizes"
     assert s.sources["backend"] == "command line --fsdp-backend"
     assert s.sources["timeout"] == "environment variable FSDP_CONFORMANCE_TIMEOUT"
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds: world sizes the machine can hold, timeouts the waits can take
+# --------------------------------------------------------------------------------------------
+
+
+def _machine_of(limit: int) -> WorldSizeLimit:
+    return WorldSizeLimit(limit, f"a test machine of {limit} ranks")
+
+
+def test_the_longest_timeout_is_accepted_and_fits_every_wait() -> None:
+    import select
+    import socket
+    import threading
+
+    s = resolve_settings({"timeout": str(MAX_TIMEOUT_S)}, {}, {})
+    assert s.timeout == MAX_TIMEOUT_S
+    # The harness's waits (multiprocessing.connection.wait: poll() in milliseconds) take it...
+    a, b = socket.socketpair()
+    with a, b:
+        poller = select.poll()
+        poller.register(a, select.POLLIN)
+        b.send(b"x")
+        assert poller.poll(MAX_TIMEOUT_S * 1000)
+        with pytest.raises(OverflowError):  # ...where 2.2e6 s did not
+            poller.poll(2.2e6 * 1000)
+    # ...and so does pytest-timeout for the plugin's outer guard (5 timeouts plus 60 s), as
+    # setitimer or a threading.Timer: both stop at threading.TIMEOUT_MAX.
+    assert MAX_TIMEOUT_S * 5 + 60 < threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize(("where", "source"), [
+    ("cli", "command line --fsdp-world-sizes"),
+    ("env", "environment variable FSDP_CONFORMANCE_WORLD_SIZES"),
+    ("pyproject", "pyproject.toml [tool.fsdp_conformance] world_sizes"),
+])
+def test_world_size_over_the_machine_limit_is_one_error_with_limit_rule_and_override(
+    where: str, source: str
+) -> None:
+    given = {"cli": ({"world_sizes": "2,1000"}, {}, {}, {}),
+             "env": ({}, {"FSDP_CONFORMANCE_WORLD_SIZES": "2,1000"}, {}, {}),
+             "pyproject": ({}, {}, {}, {"world_sizes": [2, 1000]})}[where]
+    with pytest.raises(SettingsError) as info:
+        resolve_settings(*given, machine_limit=lambda: _machine_of(16))  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"world size 1000 from {source} is more than this machine can hold: at most 16 ranks "
+        "(a test machine of 16 ranks); use a smaller world size, or set --fsdp-max-world-size N "
+        "(env FSDP_CONFORMANCE_MAX_WORLD_SIZE, or max_world_size in [tool.fsdp_conformance]) "
+        "to allow N ranks"
+    )
+
+
+def test_a_hundred_thousand_ranks_are_refused_on_this_very_machine() -> None:
+    with pytest.raises(SettingsError, match=r"world size 100000 from command line .* at most "
+                       r"\d+ ranks \(the smaller of memory: .* GiB available x 0.8 / 220 MiB "
+                       r"per idle rank = \d+, cores: \d+ x 8 = \d+\)"):
+        resolve_settings({"world_sizes": "100000"}, {}, {})
+
+
+def test_max_world_size_overrides_the_machine_limit_either_way() -> None:
+    s = resolve_settings({"world_sizes": "32"}, {"FSDP_CONFORMANCE_MAX_WORLD_SIZE": "32"}, {},
+                         machine_limit=lambda: _machine_of(16))
+    assert s.world_sizes == (32,) and s.max_world_size == 32
+    assert world_size_limit(s, {}) == WorldSizeLimit(
+        32, "set by environment variable FSDP_CONFORMANCE_MAX_WORLD_SIZE")
+    with pytest.raises(SettingsError, match=r"^world size 4 from ini key fsdp_world_sizes is more "
+                       r"than this machine can hold: at most 2 ranks \(set by command line "
+                       r"--fsdp-max-world-size\)"):
+        resolve_settings({"max_world_size": "2"}, {}, {"world_sizes": "2,4"})
+
+
+def test_under_an_external_launcher_world_sizes_are_not_bounded_here() -> None:
+    launcher = {"RANK": "0", "WORLD_SIZE": "64", "LOCAL_RANK": "0", "MASTER_ADDR": "host"}
+    s = resolve_settings({"world_sizes": "64"}, launcher, {}, machine_limit=lambda: _machine_of(2))
+    assert s.world_sizes == (64,) and world_size_limit(s, launcher) is None
+
+
+def test_limit_rule_memory_first_and_a_generous_core_factor() -> None:
+    gib = 2**30
+    # The 2-core CI machine: the default world sizes 2 and 4 (and more) stay allowed.
+    ci = machine_world_size_limit(available=16 * gib, cores=2)
+    assert ci.limit == 16
+    assert ci.how == ("the smaller of memory: 16.0 GiB available x 0.8 / 220 MiB per idle "
+                      "rank = 59, cores: 2 x 8 = 16")
+    assert resolve_settings({"world_sizes": "2,4"}, {}, {}, machine_limit=lambda: ci)
+    # Memory binds first on a small machine: 1 GiB holds 3 idle ranks at 80 %.
+    assert machine_world_size_limit(available=1 * gib, cores=64).limit == 3
+    assert int(0.8 * gib // RANK_BYTES) == 3
+    # Never below one rank.
+    assert machine_world_size_limit(available=0, cores=2).limit == 1
+
+
+def test_cli_run_refuses_a_world_size_over_the_limit_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import fsdp_conformance.suite as suite
+
+    def _no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the suite started although the world size was refused")
+
+    monkeypatch.chdir(tmp_path)
+    for option in OPTIONS:
+        monkeypatch.delenv(option.env, raising=False)
+    monkeypatch.setattr(suite, "run_suite", _no_run)
+    code = cli.main(["run", "--world-sizes", "1000", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE
+    assert "world size 1000 from command line --fsdp-world-sizes is more than this machine " \
+        "can hold: at most" in err
+    assert "--fsdp-max-world-size N" in err
+    assert len(err.strip().splitlines()) == 1
