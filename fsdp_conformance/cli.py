@@ -330,9 +330,13 @@ def _interrupted(command: str, exc: KeyboardInterrupt) -> int:
     signum = exc.signum if isinstance(exc, interrupts.Interrupted) else signal.SIGINT
     close_all_pools()
     name = signal.Signals(signum).name
+    if _launched_run:  # no pool here: this process is one of the launch's ranks
+        done = f"rank {os.environ.get('RANK', '?')} of the launch stopped"
+    else:
+        done = "rank processes stopped and their folders removed"
     # A new line: the interrupt may have cut a progress line ("[3/51] check ... ") short.
-    print(f"\nfsdp-conformance {command}: interrupted by {name}; rank processes stopped and their "
-          f"folders removed; no report written (exit {128 + signum})", file=sys.stderr)
+    print(f"\nfsdp-conformance {command}: interrupted by {name}; {done}; no report written "
+          f"(exit {128 + signum})", file=sys.stderr)
     interrupts.ignore_from_now_on()
     return 128 + signum
 

@@ -657,9 +657,13 @@ class LauncherRunner:
     def run_outcomes(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> list[RankOutcome]:
+        from fsdp_conformance import interrupts
         from fsdp_conformance._worker import execute_check
 
         status, value, detail, caught = execute_check(fn, self.ctx, args, kwargs)
+        interrupted = interrupts.pending()
+        if interrupted is not None:
+            raise interrupted  # SIGINT/SIGTERM during the check: stop here, not at the next
         mine = RankOutcome(self.rank, status, value, detail, tuple(caught))
         try:
             pickle.dumps(mine)

@@ -81,6 +81,20 @@ def restore(previous: dict[int, Any]) -> None:
         signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
+def pending(signums: Sequence[int] = HANDLED) -> Interrupted | None:
+    """The interruption an installed handler received, or None.
+
+    For code that runs a check in this process behind a catch-all (``execute_check`` turns
+    every exception into a rank's outcome): an interrupt swallowed there must still stop the
+    run, or a launched rank would go on to the next check while torchrun waits to kill it.
+    """
+    for signum in signums:
+        handler = signal.getsignal(signum)
+        if isinstance(handler, InterruptHandler) and handler.first is not None:
+            return handler.first
+    return None
+
+
 def ignore_from_now_on(signums: Sequence[int] = HANDLED) -> None:
     """After the cleanup: the process is ending with its exit code; more signals change nothing.
 

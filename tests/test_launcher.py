@@ -10,8 +10,10 @@ every rank's exit code.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -225,3 +227,36 @@ def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() ->
     )
     assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
     assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+
+
+def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
+    # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
+    # period. A check runs in the rank's own process here, behind execute_check's catch-all:
+    # the interrupt must still end the rank, not become the check's error and the next check.
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train", "--out", "out"],
+            cwd=tmp_path, env=environ, stdout=subprocess.DEVNULL, stderr=err_file)
+        try:
+            deadline = time.monotonic() + LAUNCH_LIMIT_S
+            while "[1/4] " not in err_path.read_text():
+                assert proc.poll() is None, err_path.read_text()
+                assert time.monotonic() < deadline, err_path.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(LAUNCH_LIMIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = err_path.read_text()
+    for rank in (0, 1):
+        assert (f"fsdp-conformance run: interrupted by SIGTERM; rank {rank} of the launch "
+                "stopped; no report written (exit 143)") in err.splitlines(), err
+    assert "forcefully exiting via 9" not in err  # no rank needed torchrun's SIGKILL
+    assert not (tmp_path / "out" / "report.json").exists()
