@@ -5,18 +5,25 @@
     fsdp-conformance plan --preset 70b --world-size 1024 [--json]
 
 Exit codes: 0 all good; 1 a check failed (run) or a regression was found (compare);
-2 bad input (the message names the problem and the fix).
+2 bad input (the message names the problem and the fix); 130 / 143 interrupted by SIGINT /
+SIGTERM (rank processes killed and their folders removed first).
+Under torchrun/srun, ``run`` runs on the launch's ranks: rank 0 prints and writes the report,
+the others log to ``DIR/rank{N}.log``, and every rank exits with the worst rank's code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
+from fsdp_conformance import interrupts
+from fsdp_conformance.harness import launched_externally
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
@@ -135,8 +142,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     for path, flag in ((json_path, "--json" if args.json_path else "--out"),
                        (md_path, "--markdown" if args.markdown else "--out")):
         _ensure_writable_folder(path, flag)
+    if launched_externally():
+        return _run_launched(args, settings, lanes, json_path, md_path)
     print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
     report = suite.run_suite(settings, lanes, pattern=args.checks)
+    return _write_outputs(args, report, json_path, md_path)
+
+
+def _write_outputs(args: argparse.Namespace, report: dict[str, Any], json_path: str,
+                   md_path: str, rank_logs: Sequence[str] = ()) -> int:
+    from fsdp_conformance import reports
+
     reports.write_json_report(json_path, report)
     plot_path = None
     if args.plot is not False:  # the default: a picture wherever the run has a timeline
@@ -157,8 +173,66 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"report: {json_path}\nsummary: {md_path}")
     if plot_path:
         print(f"plot: {plot_path}")
+    if rank_logs:
+        print(f"other ranks' logs: {', '.join(rank_logs)}")
+    return _exit_code(report)
+
+
+def _exit_code(report: dict[str, Any]) -> int:
     s = report["summary"]
     return EXIT_FAILED if s["failed"] or s["error"] else EXIT_OK
+
+
+#: Set once a run joined an external launcher's process group (see ``main``).
+_launched_run = False
+
+
+def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str],
+                  json_path: str, md_path: str) -> int:
+    """One rank of ``torchrun ... fsdp-conformance run``: rank 0 speaks, the others log.
+
+    Every rank runs every check on the launch's process group and gets every rank's outcome,
+    so every rank builds the same report; rank 0 prints it and writes the files, the others
+    write progress and table to ``DIR/rank{N}.log``. The exit code is the worst of all ranks,
+    so torchrun reports the same outcome whichever rank it looks at.
+    """
+    global _launched_run
+    from fsdp_conformance import reports, suite
+    from fsdp_conformance.harness import LauncherRunner, all_gather_objects
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    settings = suite.launch_settings(settings, world_size)
+    launcher = LauncherRunner(None if settings.backend == "auto" else settings.backend)
+    _launched_run = True
+    header = f"fsdp-conformance: {reports.environment_summary(settings)}"
+    rank_logs = [suite.rank_log_path(args.out, r) for r in range(1, world_size)]
+    with contextlib.ExitStack() as stack:
+        log: TextIO | None = None
+        if launcher.rank == 0:
+            print(header, file=sys.stderr)
+        else:
+            log = stack.enter_context(open(suite.rank_log_path(args.out, launcher.rank), "w",
+                                           encoding="utf-8"))
+            log.write(header + "\n")
+            log.flush()
+        report = suite.run_suite(settings, lanes, pattern=args.checks, stream=log,
+                                 launcher=launcher)
+        if log is None:
+            code = _write_outputs(args, report, json_path, md_path, rank_logs)
+        else:
+            log.write(reports.format_table(report) + "\n")
+            log.write(f"rank 0 writes the report: {json_path}\n")
+            code = _exit_code(report)
+        codes = all_gather_objects(code, launcher.device_type)
+        worst = max(codes)
+        ending = (f"exit {worst} (the worst of every rank's: "
+                  + ", ".join(f"rank {r} {c}" for r, c in enumerate(codes)) + ")")
+        if log is not None:
+            log.write(ending + "\n")
+        elif any(c != code for c in codes):
+            print(ending, file=sys.stderr)
+    launcher.close()
+    return worst
 
 
 def _ensure_writable_folder(path: str, flag: str) -> None:
@@ -259,14 +333,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "compare": cmd_compare}
+    # SIGTERM (timeout, Kubernetes, CI cancellation) ends the run like Ctrl-C: ranks killed,
+    # folders removed, exit 128+N; a second signal during that cleanup is ignored.
+    installed = interrupts.install()
     try:
-        return handlers[args.command](args)
+        code = handlers[args.command](args)
     except (UsageError, SettingsError, ModelSpecError, PolicyError, ReportError) as exc:
         print(f"fsdp-conformance {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("fsdp-conformance: interrupted; no report written", file=sys.stderr)
-        return 130
+        code = EXIT_USAGE
+    except KeyboardInterrupt as exc:
+        code = _interrupted(args.command, exc)
+    finally:
+        if _launched_run:
+            # The outcome is decided: torchrun's SIGTERM to the ranks still running (once one
+            # rank exited non-zero) must not turn this rank's exit code into -15.
+            interrupts.ignore_from_now_on()
+        elif installed is not None and not installed[0].received:
+            interrupts.restore(installed[1])  # in-process callers (tests) get theirs back
+    if _launched_run:
+        # Skip interpreter teardown, as the pool's ranks do: gloo sometimes aborts a process
+        # at exit (docs/harness.md), which torchrun would report as this rank's failure.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _interrupted(command: str, exc: KeyboardInterrupt) -> int:
+    """Clean up after SIGINT/SIGTERM: every rank process killed, every rank folder removed."""
+    from fsdp_conformance.harness import close_all_pools
+
+    signum = exc.signum if isinstance(exc, interrupts.Interrupted) else signal.SIGINT
+    close_all_pools()
+    name = signal.Signals(signum).name
+    if _launched_run:  # no pool here: this process is one of the launch's ranks
+        done = f"rank {os.environ.get('RANK', '?')} of the launch stopped"
+    else:
+        done = "rank processes stopped and their folders removed"
+    # A new line: the interrupt may have cut a progress line ("[3/51] check ... ") short.
+    print(f"\nfsdp-conformance {command}: interrupted by {name}; {done}; no report written "
+          f"(exit {128 + signum})", file=sys.stderr)
+    interrupts.ignore_from_now_on()
+    return 128 + signum
 
 
 if __name__ == "__main__":

@@ -261,8 +261,9 @@ class RankPool:
         self.broken = False
         self.checks_run = 0
         self._next_task = 0
-        self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-ranks-")
         self._ranks: list[_Rank] = []
+        self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-ranks-")
+        _LIVE_POOLS.add(self)  # found by close_all_pools() if an interrupt lands mid-way
         try:
             self._start(dict(env or {}), start_timeout, pg_timeout)
         except BaseException:
@@ -376,8 +377,12 @@ class RankPool:
         return bool(self._ranks) and all(r.proc.poll() is None for r in self._ranks)
 
     def close(self, force: bool = False) -> None:
-        """Stop the ranks (politely unless ``force``) and remove the private folder."""
-        ranks, self._ranks = self._ranks, []
+        """Stop the ranks (politely unless ``force``) and remove the private folder.
+
+        Safe to call again after an interrupt cut it short: a rank leaves ``_ranks`` only
+        once it is killed and waited for, and the folder goes last.
+        """
+        ranks = list(self._ranks)
         if not force:
             for r in ranks:
                 try:
@@ -393,7 +398,9 @@ class RankPool:
         for r in ranks:
             _kill(r.proc)
             r.conn.close()
+            self._ranks.remove(r)
         shutil.rmtree(self._dir, ignore_errors=True)
+        _LIVE_POOLS.discard(self)
 
     def __enter__(self) -> RankPool:
         return self
@@ -528,6 +535,22 @@ class RankPool:
         return dumps
 
 
+#: Every pool not closed yet, whoever holds it: what an interrupt must clean up.
+_LIVE_POOLS: set[RankPool] = set()
+
+
+def close_all_pools() -> int:
+    """Kill every rank process this process started and remove their folders (interrupts).
+
+    Returns how many pools were closed. The pools' owners (``PoolManager``, a ``with`` block)
+    normally close them; this catches a pool an interrupt left half-registered.
+    """
+    pools = list(_LIVE_POOLS)
+    for pool in pools:
+        pool.close(force=True)
+    return len(pools)
+
+
 def _main_path() -> str | None:
     """The parent's ``__main__`` script, so checks defined in a script unpickle on the ranks."""
     main = sys.modules.get("__main__")
@@ -643,10 +666,11 @@ class PoolManager:
                 f"{deadline_note})"
             ) from None
 
-    def close(self) -> None:
+    def close(self, force: bool = False) -> None:
+        """Close every pool; ``force`` kills the ranks at once (on an interrupt)."""
         pools, self._pools = self._pools, {}
         for pool in pools.values():
-            pool.close(force=pool.broken)
+            pool.close(force=force or pool.broken)
 
 
 def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
@@ -682,12 +706,49 @@ class LauncherRunner:
             self.rank, self.world_size, self.local_rank, backend, self.device_type
         )
 
+    def cannot_provide(self, env: Mapping[str, str] | None, fresh: bool) -> str | None:
+        """Why a check needing ``env`` (or fresh processes) cannot be judged in this launch.
+
+        Settings such as ``MALLOC_MMAP_THRESHOLD_`` take effect only if present when the
+        process starts, so what counts is the environment each rank *started* with
+        (``/proc/self/environ``), not ``os.environ`` now. Every rank's answer is all-gathered:
+        a collective, so every rank runs the check or every rank skips it, with one reason.
+        """
+        if fresh:
+            return ("needs fresh rank processes, which an external launcher's ranks are not; "
+                    "run it without the launcher (`fsdp-conformance run` or `pytest` starts "
+                    "its own ranks)")
+        if not env:
+            return None
+        started = startup_environ()
+        missing = sorted(f"{k}={v}" for k, v in env.items() if started.get(k) != v)
+        gathered = all_gather_objects((self.rank, missing), self.device_type)
+        lacking = [rank for rank, m in gathered if m]
+        if not lacking:
+            return None
+        wanted = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+        found = sorted({item for _, m in gathered for item in m})
+        return (f"needs {', '.join(found)} set before the ranks start (rank"
+                f"{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))} started "
+                f"without it); launch with `{wanted} torchrun ...` to run it")
+
+    def close(self) -> None:
+        """Leave the launcher's process group (the launcher itself ends the processes)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def run_outcomes(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> list[RankOutcome]:
+        from fsdp_conformance import interrupts
         from fsdp_conformance._worker import execute_check
 
         status, value, detail, caught = execute_check(fn, self.ctx, args, kwargs)
+        interrupted = interrupts.pending()
+        if interrupted is not None:
+            raise interrupted  # SIGINT/SIGTERM during the check: stop here, not at the next
         mine = RankOutcome(self.rank, status, value, detail, tuple(caught))
         try:
             pickle.dumps(mine)
@@ -695,6 +756,17 @@ class LauncherRunner:
             detail = _UNPICKLABLE_VALUE.format(exc=exc)
             mine = RankOutcome(self.rank, "error", detail=detail, warnings=mine.warnings)
         return all_gather_objects(mine, self.device_type)
+
+
+def startup_environ() -> dict[str, str]:
+    """The environment this process started with (Linux: ``/proc/self/environ``)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return dict(os.environ)  # no procfs: the best we can see
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 def all_gather_objects(obj: Any, device_type: str) -> list[Any]:
@@ -803,6 +875,9 @@ class Ranks:
                     f"(e.g. torchrun ... -m pytest -m {self.lane} --fsdp-backend "
                     f"{'nccl' if self.lane == 'gpu' else 'gloo'})"
                 )
+            unavailable = self.launcher.cannot_provide(self.env, self.fresh)
+            if unavailable:
+                raise CheckSkipped(unavailable)
             return self.launcher.run_outcomes(fn, args, kwargs)
         if self.manager is None:  # an invariant of how Ranks is built
             raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")

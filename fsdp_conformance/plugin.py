@@ -7,16 +7,20 @@ The work lives in the library: settings in :mod:`fsdp_conformance.settings`, ran
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from fsdp_conformance import interrupts
 from fsdp_conformance.harness import (
     CheckSkipped,
     LauncherRunner,
     PoolManager,
     Ranks,
+    close_all_pools,
     lane_unavailable,
     launched_externally,
     outer_deadline,
@@ -39,6 +43,7 @@ STARTED_KEY = pytest.StashKey[float]()
 #: Set on a test whose timeout marker is the plugin's outer guard, not the user's.
 OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
+SIGTERM_KEY = pytest.StashKey[tuple[interrupts.InterruptHandler, dict[int, Any]]]()
 
 LANES = ("cpu", "gpu")
 MARKERS = (
@@ -65,6 +70,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    # SIGTERM (timeout, CI cancellation) as an interrupt, so the session tears down and the
+    # rank pools close; left alone if someone already handles SIGTERM.
+    installed = interrupts.install((signal.SIGTERM,), only_default=True)
+    if installed is not None and installed[1]:
+        config.stash[SIGTERM_KEY] = installed
     cli = {o.name: config.getoption(o.dest) for o in OPTIONS}
     try:
         table = pyproject_settings(str(config.rootpath))
@@ -109,10 +119,23 @@ def _validate_user_model(settings: Settings) -> None:
         raise pytest.UsageError(f"--fsdp-model: {exc}") from None
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    installed = session.config.stash.get(SIGTERM_KEY, None)
+    if installed is not None and installed[0].first is not None:
+        session.exitstatus = installed[0].first.exit_code  # 143: what SIGTERM conventionally is
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    installed = config.stash.get(SIGTERM_KEY, None)
+    interrupted = installed is not None and bool(installed[0].received)
     manager = config.stash.get(MANAGER_KEY, None)
     if manager is not None:
-        manager.close()
+        manager.close(force=interrupted)
+    if interrupted:
+        close_all_pools()  # a fresh pool the interrupt caught before its owner held it
+        interrupts.ignore_from_now_on((signal.SIGTERM,))
+    elif installed is not None:
+        interrupts.restore(installed[1])
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

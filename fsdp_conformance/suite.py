@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
 from fsdp_conformance.checks import Check, CheckRun, execute
-from fsdp_conformance.harness import PoolManager, Ranks, lane_unavailable
+from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks, lane_unavailable
 from fsdp_conformance.models import ModelSpec, ModelSpecError
 from fsdp_conformance.reports import build_report, check_entry
-from fsdp_conformance.settings import Settings
+from fsdp_conformance.settings import Settings, SettingsError
 
 #: Concern modules that contribute checks, in report order.
 CHECK_MODULES = ("fsdp_conformance.wrapping", "fsdp_conformance.init", "fsdp_conformance.memory")
@@ -124,8 +125,14 @@ def run_suite(
     stream: TextIO | None = None,
     checks: Sequence[Check] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
+    launcher: LauncherRunner | None = None,
 ) -> dict[str, Any]:
-    """Run the selected checks on every lane and world size; return the report (plain data)."""
+    """Run the selected checks on every lane and world size; return the report (plain data).
+
+    With ``launcher`` (under torchrun/srun) every check runs in this process on the launch's
+    process group and every rank's outcome is all-gathered, so every rank builds the same
+    report; otherwise on warm rank pools started here.
+    """
     spec = user_spec(settings)
     selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern)
     plan = [
@@ -137,7 +144,7 @@ def run_suite(
     ]
     progress = Progress(len(plan), stream)
     entries: list[dict[str, Any]] = []
-    manager = PoolManager()
+    manager = PoolManager() if launcher is None else None
     start = time.perf_counter()
     try:
         for lane, ws, check, params in plan:
@@ -148,7 +155,7 @@ def run_suite(
                 run = CheckRun(check.name, "skipped", None, unavailable, 0.0)
             else:
                 ranks = Ranks(manager, ws, lane=lane, backend=settings.backend_for(lane),
-                              timeout=settings.timeout)
+                              timeout=settings.timeout, launcher=launcher)
                 run = execute(ranks, check, **params)
             progress.finish(run)
             verdict = run.verdict
@@ -168,9 +175,39 @@ def run_suite(
             entries.append(entry)
             if on_run is not None:
                 on_run(entry)
-    finally:
+    except BaseException:
+        if manager is not None:
+            manager.close(force=True)  # interrupted: kill the ranks now, not politely
+        raise
+    if manager is not None:
         manager.close()
     return build_report(entries, settings, time.perf_counter() - start)
+
+
+def launch_settings(settings: Settings, launch_world_size: int) -> Settings:
+    """The settings of a run under an external launcher: its world size is the launch's.
+
+    The launcher started WORLD_SIZE processes, so that is the world size the checks can have;
+    the default world sizes follow it. World sizes given explicitly must include it (the
+    others are reported as skipped, with the reason).
+    """
+    source = settings.sources.get("world_sizes", "default")
+    if source == "default":
+        sources = {**settings.sources, "world_sizes": "the launcher's WORLD_SIZE"}
+        return dataclasses.replace(settings, world_sizes=(launch_world_size,), sources=sources)
+    if launch_world_size not in settings.world_sizes:
+        sizes = ",".join(map(str, settings.world_sizes))
+        raise SettingsError(
+            f"world sizes {sizes} (from {source}) do not include this launch's WORLD_SIZE="
+            f"{launch_world_size}; launch {settings.world_sizes[0]} ranks (torchrun "
+            f"--nproc-per-node {settings.world_sizes[0]}) or drop the world-size setting"
+        )
+    return settings
+
+
+def rank_log_path(out_dir: str, rank: int) -> str:
+    """Where rank ``rank`` (not 0) of a launched run writes its progress and table."""
+    return os.path.join(out_dir, f"rank{rank}.log")
 
 
 #: Host bytes a CPU rank needs per parameter of the user's model: the fp32 sharded model is

@@ -1,0 +1,262 @@
+"""``fsdp-conformance run`` under torchrun, as torchrun users expect.
+
+Real ``torchrun --nproc-per-node 2`` launches, each narrowed with ``--checks`` to seconds:
+rank 0 prints the progress and the table and writes the report, rank 1 writes
+``DIR/rank1.log``; a check that needs an allocator setting at process start skips on every
+rank (or runs, when the launch has it); a failure on rank 1 only is every rank's failure and
+every rank's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_conformance import reports, suite
+from fsdp_conformance.harness import LauncherRunner, RankContext, RankPool
+from fsdp_conformance.settings import Settings, SettingsError
+
+pytestmark = pytest.mark.cpu
+
+#: A guard on each launch (not a timing assertion): the narrowed runs take seconds.
+LAUNCH_LIMIT_S = 300
+TABLE_HEADER = ["check", "outcome", "key", "figures"]
+MALLOC = "MALLOC_MMAP_THRESHOLD_"
+
+#: Makes every ``wrap.units.exact`` check raise on the rank named by FSDPC_TEST_FAIL_ON_RANK,
+#: after the check's own collectives (so its peers finish and report: a failure, not a hang).
+FAIL_ON_RANK = '''
+import os
+
+if os.environ.get("FSDPC_TEST_FAIL_ON_RANK") == os.environ.get("RANK"):
+    import dataclasses
+
+    from fsdp_conformance import wrapping
+
+    def _failing(fn):
+        def rank_fn(ctx, *args, **kwargs):
+            fn(ctx, *args, **kwargs)
+            raise RuntimeError(f"failure injected on rank {ctx.rank}")
+        return rank_fn
+
+    wrapping.CHECKS = tuple(
+        dataclasses.replace(c, rank_fn=_failing(c.rank_fn)) if c.name == "wrap.units.exact"
+        else c
+        for c in wrapping.CHECKS
+    )
+'''
+
+
+class Launch:
+    def __init__(self, directory: Path, proc: subprocess.CompletedProcess[str]) -> None:
+        self.directory = directory
+        self.out = directory / "out"
+        self.proc = proc
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return reports.load_report(str(self.out / "report.json"))
+
+    @property
+    def rank1_log(self) -> list[str]:
+        return (self.out / "rank1.log").read_text().splitlines()
+
+    def explain(self) -> str:
+        return f"stdout:\n{self.proc.stdout}\nstderr:\n{self.proc.stderr}"
+
+
+def launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
+           pythonpath: Sequence[str] = ()) -> Launch:
+    """``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in ``directory``."""
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                             "GITHUB_STEP_SUMMARY", MALLOC)}
+    environ["PYTHONPATH"] = os.pathsep.join([*pythonpath, *(p for p in sys.path if p)])
+    environ.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fsdp_conformance.cli", "run", "--checks", checks, "--out", "out"]
+    try:
+        proc = subprocess.run(cmd, cwd=directory, env=environ, capture_output=True, text=True,
+                              timeout=LAUNCH_LIMIT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun ran over {LAUNCH_LIMIT_S}s: {exc}")
+    return Launch(directory, proc)
+
+
+@pytest.fixture(scope="module")
+def without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """The two init peak checks (they need MALLOC_MMAP_THRESHOLD_ at start), launched without."""
+    return launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
+
+
+@pytest.fixture(scope="module")
+def with_malloc(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return launch(tmp_path_factory.mktemp("with"), "init.peak_memory", {MALLOC: "65536"})
+
+
+@pytest.fixture(scope="module")
+def failing_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    directory = tmp_path_factory.mktemp("failing")
+    (directory / "site").mkdir()
+    (directory / "site" / "sitecustomize.py").write_text(FAIL_ON_RANK)
+    return launch(directory, "wrap.units.exact", {"FSDPC_TEST_FAIL_ON_RANK": "1"},
+                  [str(directory / "site")])
+
+
+def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
+    without_malloc: Launch,
+) -> None:
+    run = without_malloc
+    assert run.proc.returncode == 0, run.explain()
+    out = run.proc.stdout.splitlines()  # both ranks' stdout and stderr reach torchrun's
+    err = run.proc.stderr.splitlines()
+    assert [line.split() for line in out].count(TABLE_HEADER) == 1, run.explain()
+    assert sum(line.startswith("fsdp-conformance: torch ") for line in err) == 1, run.explain()
+    assert [line.split(" ... ")[0] for line in err if line.startswith("[")] == [
+        "[1/2] init.peak_memory.fsdp1 [cpu, ws2, fsdp1,massive]",
+        "[2/2] init.peak_memory.fsdp2 [cpu, ws2, fsdp2,massive]",
+    ]
+    assert "ranks: external launcher (env://)" in run.proc.stderr
+    assert out[-3:] == ["report: out/report.json", "summary: out/summary.md",
+                        "other ranks' logs: out/rank1.log"]
+    assert sorted(p.name for p in run.out.iterdir()) == ["rank1.log", "report.json",
+                                                         "summary.md"]
+    log = run.rank1_log
+    assert log[0].startswith("fsdp-conformance: torch ")
+    assert [line.split(" ... ")[0] for line in log if line.startswith("[")] == [
+        "[1/2] init.peak_memory.fsdp1 [cpu, ws2, fsdp1,massive]",
+        "[2/2] init.peak_memory.fsdp2 [cpu, ws2, fsdp2,massive]",
+    ]
+    assert [line.split() for line in log].count(TABLE_HEADER) == 1
+    assert log[-1] == "exit 0 (the worst of every rank's: rank 0 0, rank 1 0)"
+
+
+def test_a_check_needing_an_allocator_setting_skips_on_every_rank_with_the_fix(
+    without_malloc: Launch,
+) -> None:
+    report = without_malloc.report
+    assert report["settings"]["world_sizes"] == [2]  # the launch's WORLD_SIZE
+    assert report["summary"] == {"passed": 0, "failed": 0, "skipped": 2, "error": 0}
+    for entry in report["checks"]:
+        assert entry["message"] == (
+            "needs MALLOC_MMAP_THRESHOLD_=65536 set before the ranks start (ranks 0, 1 started "
+            "without it); launch with `MALLOC_MMAP_THRESHOLD_=65536 torchrun ...` to run it"
+        )
+    assert sum(" ... skipped (" in line for line in without_malloc.rank1_log) == 2
+
+
+def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
+    with_malloc: Launch,
+) -> None:
+    run = with_malloc
+    assert run.proc.returncode == 0, run.explain()
+    report = run.report
+    assert report["summary"] == {"passed": 2, "failed": 0, "skipped": 0, "error": 0}
+    for entry in report["checks"]:
+        ranks = entry["data"]["ranks"]
+        # measured on both ranks, in the launched processes, with the setting in place
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["mmap_threshold"] == "65536" and r["meter"] == "VmHWM" for r in ranks)
+
+
+def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
+    failing_on_rank1: Launch,
+) -> None:
+    run = failing_on_rank1
+    assert run.proc.returncode == 1, run.explain()
+    report = run.report  # written by rank 0, whose own part of each check passed
+    assert report["summary"] == {"passed": 0, "failed": 0, "skipped": 0, "error": 4}
+    for entry in report["checks"]:
+        assert "failed on 2 ranks: rank 0 passed, rank 1 raised" in entry["message"]
+        assert "RuntimeError: failure injected on rank 1" in entry["message"]
+    assert run.rank1_log[-1] == "exit 1 (the worst of every rank's: rank 0 1, rank 1 1)"
+    assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# In process: world sizes under a launcher, and what a launch cannot provide
+# --------------------------------------------------------------------------------------------
+
+
+def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -> None:
+    default = Settings(sources={"world_sizes": "default"})
+    assert suite.launch_settings(default, 4).world_sizes == (4,)
+    explicit = Settings(world_sizes=(2, 4), sources={"world_sizes": "command line --world-sizes"})
+    assert suite.launch_settings(explicit, 4) is explicit
+    with pytest.raises(SettingsError) as info:
+        suite.launch_settings(explicit, 3)
+    assert str(info.value) == (
+        "world sizes 2,4 (from command line --world-sizes) do not include this launch's "
+        "WORLD_SIZE=3; launch 2 ranks (torchrun --nproc-per-node 2) or drop the world-size "
+        "setting"
+    )
+
+
+def _what_the_launch_cannot_provide(ctx: RankContext) -> dict[str, Any]:
+    # This rank stands in for a launched process: its group is up, the launcher finds it.
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
+                      LOCAL_RANK=str(ctx.local_rank))
+    launcher = LauncherRunner("gloo")
+    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
+    return {
+        "started_with": launcher.cannot_provide({"FSDPC_STARTED_WITH": "1"}, False),
+        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
+        "other_value": launcher.cannot_provide({"FSDPC_STARTED_WITH": "2"}, False),
+        "fresh": launcher.cannot_provide(None, True),
+    }
+
+
+def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() -> None:
+    with RankPool(1, env={"FSDPC_STARTED_WITH": "1"}) as pool:
+        (outcome,) = pool.run_outcomes(_what_the_launch_cannot_provide)
+    assert outcome.status == "ok", outcome.detail
+    found = outcome.value
+    assert found["started_with"] is None
+    assert found["set_late"] == (
+        "needs FSDPC_SET_LATE=1 set before the ranks start (rank 0 started without it); "
+        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
+    )
+    assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
+    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+
+
+def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
+    # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
+    # period. A check runs in the rank's own process here, behind execute_check's catch-all:
+    # the interrupt must still end the rank, not become the check's error and the next check.
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train", "--out", "out"],
+            cwd=tmp_path, env=environ, stdout=subprocess.DEVNULL, stderr=err_file)
+        try:
+            deadline = time.monotonic() + LAUNCH_LIMIT_S
+            while "[1/4] " not in err_path.read_text():
+                assert proc.poll() is None, err_path.read_text()
+                assert time.monotonic() < deadline, err_path.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(LAUNCH_LIMIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = err_path.read_text()
+    for rank in (0, 1):
+        assert (f"fsdp-conformance run: interrupted by SIGTERM; rank {rank} of the launch "
+                "stopped; no report written (exit 143)") in err.splitlines(), err
+    assert "forcefully exiting via 9" not in err  # no rank needed torchrun's SIGKILL
+    assert not (tmp_path / "out" / "report.json").exists()

@@ -1,0 +1,190 @@
+"""SIGTERM and SIGINT: a message, no rank process and no rank folder left, exit 128 + N.
+
+Fault injection on real subprocesses: ``fsdp-conformance run`` (and a pytest session) is
+started with a private ``TMPDIR``, signalled once its rank processes exist (a check is
+running), and then the exit code, the message, the rank processes (by pid) and the rank
+folders (``fsdp-conformance-ranks-*`` in that ``TMPDIR``) are checked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from fsdp_conformance import interrupts
+
+pytestmark = pytest.mark.cpu
+
+#: Guards on the subprocesses (not timing assertions).
+START_LIMIT_S = 180
+EXIT_LIMIT_S = 60
+WORKER_MODULE = b"fsdp_conformance._worker"
+
+
+def clean_env(tmpdir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                         "GITHUB_STEP_SUMMARY")}
+    env["TMPDIR"] = str(tmpdir)
+    return env
+
+
+def rank_pids(parent: int) -> list[int]:
+    """Live rank processes started by ``parent`` (their spec names the parent's pid)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if WORKER_MODULE in cmdline and f"'parent_pid': {parent},".encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def still_alive(pids: Sequence[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if WORKER_MODULE in Path(f"/proc/{pid}/cmdline").read_bytes():
+                alive.append(pid)
+        except OSError:
+            pass  # gone
+    return alive
+
+
+def signal_when_ranks_run(proc: subprocess.Popen[str], signums: Sequence[int],
+                          gap_s: float = 0.02) -> list[int]:
+    """Wait until ``proc`` has its rank processes, send ``signums``; return the ranks' pids."""
+    deadline = time.monotonic() + START_LIMIT_S
+    pids: list[int] = []
+    while len(pids) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"no rank processes appeared (exit {proc.returncode}):\n{out}\n{err}")
+        time.sleep(0.05)
+        pids = rank_pids(proc.pid)
+    time.sleep(0.5)  # the ranks joined their group and hold a check (or are about to)
+    for signum in signums:
+        os.kill(proc.pid, signum)
+        time.sleep(gap_s)
+    return pids
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running {EXIT_LIMIT_S}s after the signal:\n{out}\n{err}")
+
+
+def start_run(tmp_path: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], Path]:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    # Checks that train: each takes long enough on a busy machine to be signalled mid-way.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train",
+         "--out", str(tmp_path / "out"), *extra],
+        cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, tmpdir
+
+
+def assert_cleaned_up(pids: Sequence[int], tmpdir: Path) -> None:
+    assert still_alive(pids) == [], "rank processes outlived the run"
+    assert sorted(p.name for p in tmpdir.glob("fsdp-conformance-ranks-*")) == []
+
+
+@pytest.mark.parametrize(
+    ("signum", "count", "code"),
+    [
+        pytest.param(signal.SIGTERM, 1, 143, id="sigterm"),
+        pytest.param(signal.SIGINT, 1, 130, id="sigint"),
+        pytest.param(signal.SIGINT, 2, 130, id="sigint-twice"),
+        pytest.param(signal.SIGINT, 5, 130, id="sigint-five-times"),
+    ],
+)
+def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
+    tmp_path: Path, signum: int, count: int, code: int
+) -> None:
+    proc, tmpdir = start_run(tmp_path)
+    pids = signal_when_ranks_run(proc, [signum] * count)
+    out, err = finish(proc)
+    assert proc.returncode == code, err
+    name = signal.Signals(signum).name
+    assert (f"fsdp-conformance run: interrupted by {name}; rank processes stopped and their "
+            f"folders removed; no report written (exit {code})") in err.splitlines()
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert out == ""  # no table: nothing was decided
+    assert not (tmp_path / "out" / "report.json").exists()
+    assert_cleaned_up(pids, tmpdir)
+
+
+SLOW_TEST = """
+import time
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+
+def _sleep(ctx):
+    time.sleep(120)
+
+
+def test_sleeps_on_the_ranks(ranks):
+    ranks.run(_sleep)
+"""
+
+
+def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(tmp_path: Path) -> None:
+    (tmp_path / "test_slow.py").write_text(SLOW_TEST)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_slow.py",
+         "--basetemp", str(tmp_path / "basetemp")],
+        cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = signal_when_ranks_run(proc, [signal.SIGTERM])
+    out, err = finish(proc)
+    assert proc.returncode == 143, out + err
+    assert "Interrupted: SIGTERM" in out, out
+    assert_cleaned_up(pids, tmpdir)
+
+
+def test_interrupt_handler_raises_once_then_only_records() -> None:
+    handler = interrupts.InterruptHandler()
+    with pytest.raises(interrupts.Interrupted) as info:
+        handler(signal.SIGTERM, None)
+    assert info.value.exit_code == 143 and info.value.name == "SIGTERM"
+    assert isinstance(info.value, KeyboardInterrupt)  # `except Exception` cannot swallow it
+    handler(signal.SIGINT, None)  # during the cleanup: recorded, not raised
+    assert handler.received == [signal.SIGTERM, signal.SIGINT]
+    first = handler.first
+    assert first is not None and first.exit_code == 143  # the first signal decides the code
+
+
+def test_a_signal_ignored_at_start_stays_ignored() -> None:
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        installed = interrupts.install((signal.SIGUSR2,))
+        assert installed is not None and installed[1] == {}
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
