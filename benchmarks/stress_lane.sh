@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Runs a pytest selection N times in a row while a CPU load keeps every core busy, and prints
+# pass/fail per run and "N runs, K failures". The memory checks must not flake under load
+# (docs/memory.md, "Under CPU load"); this is how that is shown.
+#
+#   benchmarks/stress_lane.sh [N] [pytest args...]
+#
+# N defaults to 20; the pytest args default to every memory-measuring test (tests/test_memory.py,
+# the init peak tests, the planner's trust test). Examples:
+#
+#   benchmarks/stress_lane.sh                 # 20 runs of the memory-measuring tests
+#   benchmarks/stress_lane.sh 5 -m cpu        # 5 full CPU lanes
+#
+# Environment: PYTHON (default: python), STRESS_LOAD (load processes, default: one per core),
+# STRESS_LOG_DIR (default: a new temporary folder; each run's output is kept there).
+# Exit status: 0 when every run passed, 1 otherwise, 2 on bad arguments.
+set -u
+
+runs=20
+if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
+    runs=$1
+    shift
+elif [[ $# -gt 0 && $1 != -* && $1 != */* && $1 != *.py* ]]; then
+    echo "stress_lane.sh: error: the number of runs must be a positive integer, got '$1'" \
+         "(usage: benchmarks/stress_lane.sh [N] [pytest args...])" >&2
+    exit 2
+fi
+if [[ $runs -lt 1 ]]; then
+    echo "stress_lane.sh: error: the number of runs must be at least 1, got $runs" >&2
+    exit 2
+fi
+if [[ $# -eq 0 ]]; then
+    set -- -m cpu tests/test_memory.py \
+        "tests/test_init.py::test_peak_while_materializing_stays_within_shards_plus_one_unit" \
+        "tests/test_init.py::test_eager_build_exceeds_the_materialization_bound" \
+        "tests/test_planning.py::test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_caught"
+fi
+
+python=${PYTHON:-python}
+load=${STRESS_LOAD:-$(nproc)}
+logs=${STRESS_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/stress-lane.XXXXXX")}
+mkdir -p "$logs"
+
+# The load: busy loops started here, each killed by its own pid on any exit (and on a signal).
+load_pids=()
+stop_load() {
+    for pid in "${load_pids[@]}"; do
+        kill "$pid" 2>/dev/null
+    done
+    for pid in "${load_pids[@]}"; do
+        wait "$pid" 2>/dev/null
+    done
+    load_pids=()
+}
+trap stop_load EXIT
+trap 'stop_load; exit 130' INT
+trap 'stop_load; exit 143' TERM
+for _ in $(seq "$load"); do
+    "$python" -c 'while True: pass' &
+    load_pids+=("$!")
+done
+
+echo "stress lane: $runs run(s) of: pytest $* (load: $load busy process(es); logs: $logs)"
+failures=0
+for i in $(seq "$runs"); do
+    log="$logs/run-$i.log"
+    start=$SECONDS
+    "$python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1
+    rc=$?
+    summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1 | tr -d '=')
+    if [[ $rc -eq 0 ]]; then
+        echo "run $i/$runs: pass ($((SECONDS - start)) s)${summary:+: $summary}"
+    else
+        failures=$((failures + 1))
+        echo "run $i/$runs: FAIL (exit $rc, $((SECONDS - start)) s)${summary:+: $summary}; log: $log"
+        grep -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /'
+    fi
+done
+echo "$runs runs, $failures failures"
+[[ $failures -eq 0 ]]
