@@ -42,8 +42,22 @@ logs=${STRESS_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/stress-lane.XXXXXX")}
 mkdir -p "$logs"
 
 # The load: busy loops started here, each killed by its own pid on any exit (and on a signal).
+# pytest runs in the background and is waited for, so a signal reaches the trap at once (bash
+# defers traps while a foreground child runs) and the trap interrupts that run too.
 load_pids=()
-stop_load() {
+test_pid=
+stop_all() {
+    if [[ -n $test_pid ]]; then
+        # pytest tears its rank pools down on SIGINT; one that does not exit in 10 s is killed.
+        kill -INT "$test_pid" 2>/dev/null
+        for _ in $(seq 20); do
+            kill -0 "$test_pid" 2>/dev/null || break
+            sleep 0.5
+        done
+        kill -KILL "$test_pid" 2>/dev/null
+        wait "$test_pid" 2>/dev/null
+        test_pid=
+    fi
     for pid in "${load_pids[@]}"; do
         kill "$pid" 2>/dev/null
     done
@@ -52,9 +66,9 @@ stop_load() {
     done
     load_pids=()
 }
-trap stop_load EXIT
-trap 'stop_load; exit 130' INT
-trap 'stop_load; exit 143' TERM
+trap stop_all EXIT
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
 for _ in $(seq "$load"); do
     "$python" -c 'while True: pass' &
     load_pids+=("$!")
@@ -65,8 +79,11 @@ failures=0
 for i in $(seq "$runs"); do
     log="$logs/run-$i.log"
     start=$SECONDS
-    "$python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1
+    "$python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1 &
+    test_pid=$!
+    wait "$test_pid"
     rc=$?
+    test_pid=
     summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1 | tr -d '=')
     if [[ $rc -eq 0 ]]; then
         echo "run $i/$runs: pass ($((SECONDS - start)) s)${summary:+: $summary}"
