@@ -693,8 +693,7 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
             stats["calls"] += 1
             # c10d's in-place ops return their arguments: those stay alive, they are the caller's.
             own = {t.untyped_storage()._cdata for t in held}
-            made_here = [r for r in made.refs if (st := r()) is not None and st._cdata not in own]
-            del st
+            made_here = [r for r in made.refs if _storage_key(r) not in own]
             deadline = time.monotonic() + RELEASE_TIMEOUT_S
             first = True
             # Released: the arguments' counts are back and every storage gloo made is gone.
@@ -720,6 +719,12 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
     finally:
         for n, fn in originals.items():
             setattr(dist, n, fn)
+
+
+def _storage_key(ref: Any) -> int | None:
+    # No strong reference outlives this call: holding one would keep the storage alive.
+    st = ref()
+    return None if st is None else int(st._cdata)
 
 
 # ============================================================================================
