@@ -66,16 +66,24 @@ stop_all() {
     done
     load_pids=()
 }
+# Interrupted: the runs finished so far still get their tally line.
+interrupted() {
+    stop_all
+    echo "interrupted during run $i/$runs"
+    echo "$((i - 1)) runs, $failures failures"
+    exit "$1"
+}
+i=0
+failures=0
 trap stop_all EXIT
-trap 'stop_all; exit 130' INT
-trap 'stop_all; exit 143' TERM
+trap 'interrupted 130' INT
+trap 'interrupted 143' TERM
 for _ in $(seq "$load"); do
     "$python" -c 'while True: pass' &
     load_pids+=("$!")
 done
 
 echo "stress lane: $runs run(s) of: pytest $* (load: $load busy process(es); logs: $logs)"
-failures=0
 for i in $(seq "$runs"); do
     log="$logs/run-$i.log"
     start=$SECONDS
