@@ -132,6 +132,21 @@ def fsdp_mem_tracker_cls() -> type[Any] | None:
         return None
 
 
+def use_counts() -> Callable[[torch.Tensor], tuple[int, int]] | None:
+    """``t -> (TensorImpl refs, StorageImpl refs)`` (private ``Tensor._use_count`` and
+    ``torch._C._storage_Use_Count``), or None when an upgrade removed either. The memory checks
+    use them to see when gloo's worker thread has let go of a collective's tensors."""
+    storage_count = getattr(torch._C, "_storage_Use_Count", None)
+    tensor_count = getattr(torch.Tensor, "_use_count", None)
+    if storage_count is None or tensor_count is None:
+        return None
+
+    def counts(t: torch.Tensor) -> tuple[int, int]:
+        return int(tensor_count(t)), int(storage_count(t.untyped_storage()._cdata))
+
+    return counts
+
+
 # -- the fake process group (private `torch.testing._internal`) ------------------------------
 
 

@@ -621,6 +621,113 @@ def resident_tensor_bytes(model: Any, optimizer: Any = None, extra: Sequence[Any
 
 
 # ============================================================================================
+# Collectives that let go of their tensors in program order (gloo)
+# ============================================================================================
+
+#: The synchronous collectives FSDP1 and FSDP2 issue on CPU (``torch.distributed`` attributes,
+#: looked up at call time by FSDP, so replacing them for one step reaches every call).
+SYNCED_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+                      "reduce_scatter_tensor", "all_reduce", "broadcast")
+#: How long a collective's tensors may stay held by gloo's worker after it finished.
+RELEASE_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
+    """While inside, a synchronous collective returns only once gloo's worker let go of its tensors.
+
+    Why: gloo runs a collective on a worker thread, which wakes the caller when the data is there
+    and drops its own references to the tensors a moment later. When the caller has already
+    dropped its own (FSDP2's reduce-scatter input, all-gather buffers), the last reference is the
+    worker's, and the free happens on the worker whenever the OS schedules it: under CPU load,
+    after the main thread has allocated the next unit's buffers. The tracker then sees both at
+    once and the peak is bimodal (docs/memory.md). Waiting here for the worker's release (the
+    tensors' and storages' reference counts back to what they were before the call) makes every
+    free happen on the main thread, in program order: the figure no longer depends on
+    scheduling. Yields counters (``calls``, ``waited``: calls that found the worker still
+    holding on). CUDA: the caching allocator frees in stream order already; nothing changes.
+    """
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_conformance import _compat
+
+    stats = {"calls": 0, "waited": 0}
+    counts = _compat.use_counts()
+    if device_type == "cuda" or counts is None or not dist.is_available():
+        yield stats
+        return
+
+    def tensors_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        leaves = torch.utils._pytree.tree_leaves((list(args), dict(kwargs)))
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+    class Allocations(TorchDispatchMode):
+        """Weak references to every storage created inside the collective (gloo's copies)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: list[weakref.ref[Any]] = []
+
+        def __torch_dispatch__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    self.refs.append(weakref.ref(t.untyped_storage()))
+            return out
+
+    def synced(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op"):
+                return fn(*args, **kwargs)  # its Work holds the tensors until the caller waits
+            held = tensors_of(args, kwargs)
+            before = [counts(t) for t in held]
+            with Allocations() as made:
+                result = fn(*args, **kwargs)
+            stats["calls"] += 1
+            # c10d's in-place ops return their arguments: those stay alive, they are the caller's.
+            own = {t.untyped_storage()._cdata for t in held}
+            made_here = [r for r in made.refs if _storage_key(r) not in own]
+            deadline = time.monotonic() + RELEASE_TIMEOUT_S
+            first = True
+            # Released: the arguments' counts are back and every storage gloo made is gone.
+            while (any(r() is not None for r in made_here)
+                   or any(a > b0 or s > s0 for t, (b0, s0) in zip(held, before)
+                          for a, s in (counts(t),))):
+                if first:
+                    stats["waited"] += 1
+                    first = False
+                if time.monotonic() > deadline:
+                    raise MemoryCheckError(
+                        f"gloo still held the tensors of {name} {RELEASE_TIMEOUT_S:.0f} s after "
+                        "it returned: the step's memory cannot be measured in program order")
+                os.sched_yield()
+            return result
+        return call
+
+    originals = {n: getattr(dist, n) for n in SYNCED_COLLECTIVES if hasattr(dist, n)}
+    try:
+        for n, fn in originals.items():
+            setattr(dist, n, synced(n, fn))
+        yield stats
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def _storage_key(ref: Any) -> int | None:
+    # No strong reference outlives this call: holding one would keep the storage alive.
+    st = ref()
+    return None if st is None else int(st._cdata)
+
+
+# ============================================================================================
 # The timeline: memory at every unit's forward and backward hooks
 # ============================================================================================
 
@@ -810,6 +917,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     rec = (record_timeline(sharded, meters[0]) if timeline and primary != "none"
            else contextlib.nullcontext(Timeline()))
     with contextlib.ExitStack() as stack:
+        # Outermost: every free of the step happens on the main thread, in program order.
+        synced = stack.enter_context(collectives_release_in_order(ctx.device_type))
         for m in reversed(meters):  # the primary innermost: its hooks see the others' work
             stack.enter_context(m.measure())
         tl = stack.enter_context(rec)
@@ -822,6 +931,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         "rank": ctx.rank, "wrapping": wrapping, "version": version, "seconds": seconds,
         "meters": [_meter_data(m, sharded, opt, batch) for m in meters],
         "timeline": tl.to_data(), "units": [u.to_dict() for u in actual_units(sharded)],
+        "collectives": dict(synced),
     }
 
 
@@ -1180,9 +1290,11 @@ def depth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
     Working set = peak - sharded state (params, grads, optimizer state: what per-layer FSDP is
     allowed to add per layer). Saved activations also grow with depth but only part of them is
     alive at a backward peak, so each depth gives a range ``[ws - saved, ws]``; the ranges must
-    meet within the tolerance: ``max(ws - saved) <= (1 + tolerance) * min(ws)``. The monolithic
-    reference must grow by at least the added layers' unsharded bytes between depths, or the
-    measurement could not tell the wrappings apart and the check fails rather than pass blindly.
+    meet within the tolerance: ``max(ws - saved) <= (1 + tolerance) * min(ws)``, whichever depth
+    is the larger one (more at fewer layers is not constant either; the measurement is
+    deterministic, see :func:`collectives_release_in_order`). The monolithic reference must grow
+    by at least the added layers' unsharded bytes between depths, or the measurement could not
+    tell the wrappings apart and the check fails rather than pass blindly.
     """
     t = params.get("tolerance", DEPTH_TOLERANCE)
     problems = []
@@ -1194,16 +1306,18 @@ def depth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
         ws = [row[wrapping] - _sharded_state(b) for row, b in zip(rows, bounds)]
         low = [w - _saved_activations(b) for w, b in zip(ws, bounds)]
         r = v["rank"]
-        # Growth means a deeper model needs more than a shallower one: compare each depth with
-        # every shallower depth (rows are sorted by depth). A shallower outlier (a late free on
-        # gloo's threads once added ~1 MB at 2 layers on one rank) is not growth.
-        grown = [(i, j) for j in range(len(rows)) for i in range(j)
-                 if low[j] > (1 + t) * ws[i]]
-        if grown:
-            i, j = max(grown, key=lambda ij: low[ij[1]] - ws[ij[0]])
+        # Every pair of depths, both ways: the claim is "constant", so a shallow depth that
+        # needs more is a failure too. (A late free on gloo's worker thread once made one
+        # depth read ~1 MB high; frees now happen in program order, so it cannot.)
+        apart = [(i, j) for j in range(len(rows)) for i in range(len(rows))
+                 if i != j and low[j] > (1 + t) * ws[i]]
+        if apart:
+            i, j = max(apart, key=lambda ij: low[ij[1]] - ws[ij[0]])
             steps = ", ".join(f"{row['depth']} layers: {_mb(w)}" for row, w in zip(rows, ws))
+            how = ("grows with depth" if j > i else
+                   "is not constant over depth (larger at fewer layers)")
             problems.append(
-                f"rank {r}: the {wrapping} working set grows with depth ({steps}); at "
+                f"rank {r}: the {wrapping} working set {how} ({steps}); at "
                 f"{rows[j]['depth']} layers at least {_mb(low[j])} (saved activations "
                 f"discounted) > {_mb(ws[i])} at {rows[i]['depth']} layers + {t:.0%}")
         ref_ws = ([row[reference] - _sharded_state(b) for row, b in zip(rows, bounds)]
