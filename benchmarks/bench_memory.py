@@ -98,7 +98,7 @@ def report(version: str, values: list[dict[str, Any]], truth: str) -> None:
 
 def write_plot(value: dict[str, Any], path: str) -> None:
     try:
-        from fsdp_conformance import plots
+        from fsdp_conformance.gate import plots
 
         plots.plot_timelines({w: value[w]["timeline"] for w in ("per_layer", "monolithic")}, path,
                              limit_bytes=memory.Bound.from_dict(value["bound"]).limit,

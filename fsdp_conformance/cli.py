@@ -117,13 +117,15 @@ def lanes_for(choice: str) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fsdp_conformance import reports, suite
+    from fsdp_conformance import user_model
+    from fsdp_conformance.gate import suite
+    from fsdp_conformance.gate.report import environment_summary
 
     settings = resolve_cli_settings(args)
     lanes = lanes_for(args.lane)
-    spec = suite.user_spec(settings)
+    spec = user_model.user_spec(settings)
     if spec is not None:
-        suite.validate_user_model(spec, lanes, settings.world_sizes)
+        user_model.validate_user_model(spec, lanes, settings.world_sizes)
     selected = suite.select_checks(suite.all_checks(), spec, args.checks)
     if not selected:
         # Before running anything: an empty report would pass any gate downstream.
@@ -144,32 +146,33 @@ def cmd_run(args: argparse.Namespace) -> int:
         _ensure_writable_folder(path, flag)
     if launched_externally():
         return _run_launched(args, settings, lanes, json_path, md_path)
-    print(f"fsdp-conformance: {reports.environment_summary(settings)}", file=sys.stderr)
+    print(f"fsdp-conformance: {environment_summary(settings)}", file=sys.stderr)
     report = suite.run_suite(settings, lanes, pattern=args.checks)
     return _write_outputs(args, report, json_path, md_path)
 
 
 def _write_outputs(args: argparse.Namespace, report: dict[str, Any], json_path: str,
                    md_path: str, rank_logs: Sequence[str] = ()) -> int:
-    from fsdp_conformance import reports
+    from fsdp_conformance._files import write_atomic
+    from fsdp_conformance.gate.report import format_markdown, format_table, write_json_report
 
-    reports.write_json_report(json_path, report)
+    write_json_report(json_path, report)
     plot_path = None
     if args.plot is not False:  # the default: a picture wherever the run has a timeline
         # next to summary.md, which links it: the pair can be moved or uploaded together
         plot_path = write_plot(report, os.path.dirname(md_path), explicit=args.plot is True)
     plot_link = os.path.basename(plot_path) if plot_path else None
-    markdown = reports.format_markdown(report, plot=plot_link)
-    reports.write_atomic(md_path, markdown)
+    markdown = format_markdown(report, plot=plot_link)
+    write_atomic(md_path, markdown)
     if os.environ.get("GITHUB_STEP_SUMMARY"):
         try:
             with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:
                 # the job page cannot show a file of the runner: name it instead of linking it
-                f.write(reports.format_markdown(report, plot_file=plot_path))
+                f.write(format_markdown(report, plot_file=plot_path))
         except OSError as exc:  # the report is written already: say so, do not lose the run
             print(f"fsdp-conformance run: warning: could not append to $GITHUB_STEP_SUMMARY "
                   f"({exc}); the summary is in {md_path}", file=sys.stderr)
-    print(reports.format_table(report))
+    print(format_table(report))
     print(f"report: {json_path}\nsummary: {md_path}")
     if plot_path:
         print(f"plot: {plot_path}")
@@ -197,14 +200,15 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
     so torchrun reports the same outcome whichever rank it looks at.
     """
     global _launched_run
-    from fsdp_conformance import reports, suite
+    from fsdp_conformance.gate import suite
+    from fsdp_conformance.gate.report import environment_summary, format_table
     from fsdp_conformance.harness import LauncherRunner, all_gather_objects
 
     world_size = int(os.environ["WORLD_SIZE"])
     settings = suite.launch_settings(settings, world_size)
     launcher = LauncherRunner(None if settings.backend == "auto" else settings.backend)
     _launched_run = True
-    header = f"fsdp-conformance: {reports.environment_summary(settings)}"
+    header = f"fsdp-conformance: {environment_summary(settings)}"
     rank_logs = [suite.rank_log_path(args.out, r) for r in range(1, world_size)]
     with contextlib.ExitStack() as stack:
         log: TextIO | None = None
@@ -220,7 +224,7 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
         if log is None:
             code = _write_outputs(args, report, json_path, md_path, rank_logs)
         else:
-            log.write(reports.format_table(report) + "\n")
+            log.write(format_table(report) + "\n")
             log.write(f"rank 0 writes the report: {json_path}\n")
             code = _exit_code(report)
         codes = all_gather_objects(code, launcher.device_type)
@@ -256,7 +260,7 @@ def write_plot(report: dict[str, Any], out_dir: str, *, explicit: bool = False) 
     """
     path = os.path.join(out_dir, "memory_timeline.png")
     try:
-        from fsdp_conformance import plots
+        from fsdp_conformance.gate import plots
 
         written = plots.plot_report_timelines(report, path)
     except ImportError as exc:
@@ -275,11 +279,12 @@ def write_plot(report: dict[str, Any], out_dir: str, *, explicit: bool = False) 
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from fsdp_conformance import reports
+    from fsdp_conformance.gate import compare
+    from fsdp_conformance.gate.report import load_report
 
-    old = reports.load_report(args.old)
-    new = reports.load_report(args.new)
-    differs = reports.comparability(old, new)
+    old = load_report(args.old)
+    new = load_report(args.new)
+    differs = compare.comparability(old, new)
     if differs and not args.force:
         # Every check would be "missing" and "added": a wall of regressions that hides the cause.
         raise UsageError(f"{args.old!r} and {args.new!r} are not comparable: {differs}; compare "
@@ -291,17 +296,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
               "compared anyway (--force)", file=sys.stderr)
     tolerance = (
         args.memory_tolerance if args.memory_tolerance is not None
-        else reports.DEFAULT_MEMORY_TOLERANCE
+        else compare.DEFAULT_MEMORY_TOLERANCE
     )
     if not tolerance >= 0:  # also refuses nan
         raise UsageError(f"--memory-tolerance must be a fraction >= 0 (0.05 = 5%), got {tolerance}")
     floor_mib = (
         args.memory_floor_mib if args.memory_floor_mib is not None
-        else reports.DEFAULT_MEMORY_FLOOR_BYTES / 2**20
+        else compare.DEFAULT_MEMORY_FLOOR_BYTES / 2**20
     )
     if not floor_mib >= 0:
         raise UsageError(f"--memory-floor-mib must be >= 0 (in MiB), got {floor_mib}")
-    diffs = reports.compare_reports(old, new, memory_tolerance=tolerance,
+    diffs = compare.compare_reports(old, new, memory_tolerance=tolerance,
                                     memory_floor_bytes=floor_mib * 2**20)
     if args.json:
         print(json.dumps({
@@ -313,16 +318,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "differences": [d.to_dict() for d in diffs],
         }, indent=2))
     else:
-        print(reports.format_differences(old, new, diffs))
+        print(compare.format_differences(old, new, diffs))
     if any(d.regression for d in diffs) or (args.fail_on_change and diffs):
         return EXIT_FAILED
     return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fsdp_conformance.gate.report import ReportError
     from fsdp_conformance.models import ModelSpecError
     from fsdp_conformance.policies import PolicyError
-    from fsdp_conformance.reports import ReportError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import suite
+from fsdp_conformance import user_model
 from fsdp_conformance.checks import Check, run_check
+from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import Ranks
 
 
@@ -22,7 +23,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     from fsdp_conformance.plugin import SETTINGS_KEY
 
-    spec = suite.user_spec(metafunc.config.stash[SETTINGS_KEY])
+    spec = user_model.user_spec(metafunc.config.stash[SETTINGS_KEY])
     pairs = suite.select_checks(suite.all_checks(), spec)
     ids = []
     for check, params in pairs:

@@ -109,7 +109,7 @@ def _validate_user_model(settings: Settings) -> None:
     """Bad --fsdp-model input is one usage error naming the problem and the fix."""
     from fsdp_conformance.models import ModelSpecError
     from fsdp_conformance.policies import PolicyError
-    from fsdp_conformance.suite import user_spec, validate_user_model
+    from fsdp_conformance.user_model import user_spec, validate_user_model
 
     try:
         spec = user_spec(settings)
@@ -139,7 +139,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from fsdp_conformance.reports import environment_summary
+    from fsdp_conformance.gate.report import environment_summary
 
     settings = config.stash[SETTINGS_KEY]
     return [f"fsdp-conformance: {environment_summary(settings)}"]

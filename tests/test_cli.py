@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import cli, reports, suite
+from fsdp_conformance import cli, user_model
 from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.gate import compare, suite
+from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.settings import OPTIONS, Settings
 
 pytestmark = pytest.mark.cpu
@@ -174,7 +176,7 @@ def test_run_report_has_the_schema_environment_settings_and_unit_trees(
     real_run: tuple[subprocess.CompletedProcess[str], Path]
 ) -> None:
     _, directory = real_run
-    report = reports.load_report(str(directory / "out" / "report.json"))
+    report = gate_report.load_report(str(directory / "out" / "report.json"))
     assert report["schema"] == "fsdp-conformance-report" and report["schema_version"] == 1
     assert report["environment"]["torch"] == torch.__version__
     assert report["settings"]["world_sizes"] == [2] and report["settings"]["model"] is None
@@ -184,7 +186,7 @@ def test_run_report_has_the_schema_environment_settings_and_unit_trees(
                    for v in ("fsdp1", "fsdp2") for m in ("massive", "tied")]
     for e in report["checks"]:
         assert e["outcome"] == "passed" and e["seconds"] >= 0
-        units = reports.unit_list(e)
+        units = compare.unit_list(e)
         assert units is not None and units[0]["fqn"] == "" and units[0]["parent"] is None
         blocks = [u for u in units if u["cls"] == "DecoderLayer"]
         assert blocks and all(u["local_numel"] * 2 == u["numel"] for u in blocks)  # ws 2
@@ -221,7 +223,7 @@ def test_compare_a_real_report_with_itself_and_with_a_changed_unit(
     code, out, _ = main(["compare", old, old], capsys)
     assert code == cli.EXIT_OK and out.splitlines()[-1] == "no differences"
     changed = json.loads(Path(old).read_text())
-    layer = next(u for u in reports.unit_list(changed["checks"][0]) or [] if u["fqn"] == "layers.1")
+    layer = next(u for u in compare.unit_list(changed["checks"][0]) or [] if u["fqn"] == "layers.1")
     layer["numel"] += 64
     new = tmp_path / "new.json"
     new.write_text(json.dumps(changed))
@@ -276,7 +278,7 @@ def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING, FAILING])
     code, out, err = main(["run", "--out", str(tmp_path)], capsys)
     assert code == cli.EXIT_FAILED
-    report = reports.load_report(str(tmp_path / "report.json"))
+    report = gate_report.load_report(str(tmp_path / "report.json"))
     assert [e["outcome"] for e in report["checks"]] == ["passed", "failed"]
     assert "test.wrong[cpu,ws2]  FAILED   expected 2 on every rank" in out
     assert "[2/2] test.wrong [cpu, ws2] ... failed" in err  # progress, on stderr
@@ -289,7 +291,7 @@ def test_run_exits_1_when_the_user_models_forward_breaks(
     code, out, _ = main(["run", "--model", f"{USER_MODULE}:broken", "--block-cls", "Block",
                          "--checks", "wrap.train.fp32", "--out", str(tmp_path)], capsys)
     assert code == cli.EXIT_FAILED
-    report = reports.load_report(str(tmp_path / "report.json"))
+    report = gate_report.load_report(str(tmp_path / "report.json"))
     assert report["settings"]["model"] == f"{USER_MODULE}:broken"
     assert [(e["id"], e["outcome"]) for e in report["checks"]] == [
         (f"wrap.train.fp32[cpu,ws2,{v},{USER_MODULE}:broken]", "error") for v in ("fsdp1", "fsdp2")
@@ -323,7 +325,7 @@ def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
     """A real run of the memory timeline checks: the PNG, one panel per FSDP version, linked."""
     out_dir = tmp_path / "out"
     code, out, err = main(["run", "--checks", "memory.sawtooth", "--out", str(out_dir)], capsys)
-    report = reports.load_report(str(out_dir / "report.json"))
+    report = gate_report.load_report(str(out_dir / "report.json"))
     s = report["summary"]
     assert code == (cli.EXIT_FAILED if s["failed"] or s["error"] else cli.EXIT_OK), err
     png = out_dir / "memory_timeline.png"
@@ -331,7 +333,7 @@ def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
     assert out.splitlines()[-1] == f"plot: {png}"
     summary = (out_dir / "summary.md").read_text()
     assert summary.count(PLOT_LINK) == 1 and "[memory_timeline.png](memory_timeline.png)" in summary
-    from fsdp_conformance import plots
+    from fsdp_conformance.gate import plots
 
     titles = [p["title"] for p in plots.report_panels(report)]
     assert [t.split(":")[0] for t in titles] == ["FSDP1", "FSDP2"]
@@ -459,7 +461,7 @@ def test_bad_user_model_input_is_one_line_and_exit_2(
 def test_model_too_large_for_the_cpu_lane_is_one_line_and_exit_2(
     user_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(suite, "_available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(user_model, "_available_host_bytes", lambda: 64 * 2**30)
     code, out, err = main(["run", "--list", "--model", f"{USER_MODULE}:huge", "--block-cls",
                            "Block"], capsys)
     assert_one_line_error(code, out, err, "run", "has 10.74 B parameters",
@@ -506,15 +508,16 @@ def test_pyproject_table_gives_the_cli_its_model_and_an_unknown_key_is_exit_2(
 
 
 def _entry(check: str, outcome: str = "passed", **figures: Any) -> dict[str, Any]:
-    return reports.check_entry(check=check, claim="memory", lane="cpu", world_size=2,
-                               variant="fsdp2,massive", outcome=outcome, message="why: " + outcome,
-                               figures=figures, data={}, seconds=0.1, warnings=())
+    return gate_report.check_entry(check=check, claim="memory", lane="cpu", world_size=2,
+                                   variant="fsdp2,massive", outcome=outcome,
+                                   message="why: " + outcome, figures=figures, data={},
+                                   seconds=0.1, warnings=())
 
 
 def _write_report(path: Path, *entries: dict[str, Any], torch_version: str) -> str:
-    report = reports.build_report(list(entries), Settings(), 1.0)
+    report = gate_report.build_report(list(entries), Settings(), 1.0)
     report["environment"]["torch"] = torch_version
-    reports.write_json_report(str(path), report)
+    gate_report.write_json_report(str(path), report)
     return str(path)
 
 
@@ -593,7 +596,7 @@ def _bad_report(tmp_path: Path, kind: str) -> str:
     elif kind == "schema":
         path.write_text(json.dumps({"schema": "other", "checks": []}))
     elif kind == "version":
-        report = reports.build_report([], Settings(), 0.0)
+        report = gate_report.build_report([], Settings(), 0.0)
         report["schema_version"] = 99
         path.write_text(json.dumps(report))
     return str(path)
@@ -620,13 +623,13 @@ def _good_report() -> dict[str, Any]:
               "params": ["embed.weight"], "flat_numel": 16},
              {"fqn": "layers.0", "cls": "DecoderLayer", "numel": 100, "local_numel": 50,
               "parent": "", "params": ["layers.0.fc.weight"], "flat_numel": 112}]
-    wrap = reports.check_entry(
+    wrap = gate_report.check_entry(
         check="wrap.units.exact", claim="wrap", lane="cpu", world_size=2,
         variant="fsdp1,massive", outcome="passed", message="ok", figures={"units": 2},
         data={"actual": units}, seconds=0.2,
         warnings=["FutureWarning: NO_SHARD is deprecated", "UserWarning: y"])
     peak = _entry("memory.peak", peak_bytes=100 * 2**20, working_set_bytes=[1, 2])
-    return reports.build_report([wrap, peak], Settings(), 1.0)
+    return gate_report.build_report([wrap, peak], Settings(), 1.0)
 
 
 def _damage(report: dict[str, Any], where: str, value: Any) -> None:
@@ -728,14 +731,14 @@ def test_compare_a_folder_or_a_binary_file_is_one_line_and_exit_2(
 
 def _model_report(path: Path, model: str | None, world_size: int = 2) -> str:
     variant = f"fsdp2,{model or 'massive'}"
-    entries = [reports.check_entry(check=name, claim="memory", lane="cpu", world_size=world_size,
-                                   variant=variant, outcome="passed", message="ok",
-                                   figures={}, data={}, seconds=0.1, warnings=())
+    entries = [gate_report.check_entry(check=name, claim="memory", lane="cpu",
+                                       world_size=world_size, variant=variant, outcome="passed",
+                                       message="ok", figures={}, data={}, seconds=0.1, warnings=())
                for name in ("memory.peak", "memory.sawtooth")]
     settings = Settings(world_sizes=(world_size,), model=model,
                         block_cls="Block" if model else None)
-    report = reports.build_report(entries, settings, 1.0)
-    reports.write_json_report(str(path), report)
+    report = gate_report.build_report(entries, settings, 1.0)
+    gate_report.write_json_report(str(path), report)
     return str(path)
 
 
@@ -765,7 +768,7 @@ def test_compare_reports_with_no_check_in_common_are_not_comparable(
     assert_one_line_error(code, out, err, "compare", "are not comparable: no check in common "
                           "(2 checks vs 2; settings world_sizes [2] vs [4])", "--force")
     empty = tmp_path / "empty.json"
-    reports.write_json_report(str(empty), reports.build_report([], Settings(), 0.0))
+    gate_report.write_json_report(str(empty), gate_report.build_report([], Settings(), 0.0))
     code, out, err = main(["compare", str(empty), str(empty)], capsys)
     assert_one_line_error(code, out, err, "compare", "no check in common (0 checks vs 0)")
     # the same model with one check in common is comparable: the other is missing, a regression

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import reports, suite
+from fsdp_conformance.gate import report as gate_report
+from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import LauncherRunner, RankContext, RankPool
 from fsdp_conformance.settings import Settings, SettingsError
 
@@ -63,7 +64,7 @@ class Launch:
 
     @property
     def report(self) -> dict[str, Any]:
-        return reports.load_report(str(self.out / "report.json"))
+        return gate_report.load_report(str(self.out / "report.json"))
 
     @property
     def rank1_log(self) -> list[str]:

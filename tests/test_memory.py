@@ -326,7 +326,7 @@ def test_checks_cover_every_claim_for_both_versions() -> None:
 
 def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib", reason="plots are an optional extra (pip install matplotlib)")
-    from fsdp_conformance import plots
+    from fsdp_conformance.gate import plots
 
     def tl(levels: list[int]) -> list[dict]:
         return [{"i": i, "unit": "u", "phase": "forward", "bytes": b} for i, b in enumerate(levels)]

@@ -16,8 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import reports
-from fsdp_conformance.reports import Difference, ReportError, compare_reports
+from fsdp_conformance import _files
+from fsdp_conformance.gate import compare
+from fsdp_conformance.gate import report as gate_report
+from fsdp_conformance.gate.compare import Difference, compare_reports
+from fsdp_conformance.gate.report import ReportError
 from fsdp_conformance.settings import Settings
 
 pytestmark = pytest.mark.cpu
@@ -40,7 +43,7 @@ def entry(
     warnings: Iterable[str] = (),
     message: str = "ok",
 ) -> dict[str, Any]:
-    return reports.check_entry(
+    return gate_report.check_entry(
         check=check, claim=check.split(".")[0], lane="cpu", world_size=2, variant=variant,
         outcome=outcome, message=message, figures=figures or {}, data=data or {}, seconds=0.1,
         warnings=warnings,
@@ -49,7 +52,7 @@ def entry(
 
 def report(*entries: Mapping[str, Any], torch_version: str = "2.13.0+cpu",
            settings: Settings | None = None) -> dict[str, Any]:
-    built = reports.build_report(list(entries), settings or Settings(), 1.5)
+    built = gate_report.build_report(list(entries), settings or Settings(), 1.5)
     built["environment"]["torch"] = torch_version
     return built
 
@@ -112,10 +115,10 @@ def test_check_entry_turns_check_data_into_plain_json() -> None:
 
 def test_build_report_has_schema_environment_settings_and_counts() -> None:
     settings = Settings(world_sizes=(2, 4), model="pkg.mod:build", sources={"model": "cli"})
-    r = reports.build_report(
+    r = gate_report.build_report(
         [entry(outcome="passed"), entry("a.b", "failed"), entry("c.d", "skipped")], settings, 2.0
     )
-    assert r["schema"] == reports.SCHEMA and r["schema_version"] == 1
+    assert r["schema"] == gate_report.SCHEMA and r["schema_version"] == 1
     assert r["environment"]["torch"] == torch.__version__
     assert "gloo" in r["environment"]["backends"]
     assert r["settings"]["world_sizes"] == [2, 4] and r["settings"]["model"] == "pkg.mod:build"
@@ -137,8 +140,8 @@ def _leftovers(directory: Path) -> list[str]:
 def test_report_round_trips_through_write_and_load(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "report.json"  # the folder is created
     r = report(entry(figures={"peak_bytes": 3 * MiB}))
-    reports.write_json_report(str(path), r)
-    assert reports.load_report(str(path)) == r
+    gate_report.write_json_report(str(path), r)
+    assert gate_report.load_report(str(path)) == r
     assert _leftovers(path.parent) == []
 
 
@@ -147,7 +150,7 @@ def test_written_report_is_readable_by_others_like_any_file(tmp_path: Path) -> N
     path = tmp_path / "report.json"
     old_mask = os.umask(0o022)
     try:
-        reports.write_json_report(str(path), report())
+        gate_report.write_json_report(str(path), report())
     finally:
         os.umask(old_mask)
     assert path.stat().st_mode & 0o777 == 0o644
@@ -159,20 +162,20 @@ def test_interrupted_write_keeps_the_old_report_and_leaves_no_temp_file(
 ) -> None:
     path = tmp_path / "report.json"
     old = report(entry(outcome="passed"))
-    reports.write_json_report(str(path), old)
+    gate_report.write_json_report(str(path), old)
     before = path.read_bytes()
 
     def interrupt(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt  # as Ctrl-C mid-write
 
-    target = {"dumps": (reports.json, "dumps"), "fsync": (reports.os, "fsync"),
-              "replace": (reports.os, "replace")}[fail_at]
+    target = {"dumps": (gate_report.json, "dumps"), "fsync": (_files.os, "fsync"),
+              "replace": (_files.os, "replace")}[fail_at]
     monkeypatch.setattr(*target, interrupt)
     with pytest.raises(KeyboardInterrupt):
-        reports.write_json_report(str(path), report(entry(outcome="failed")))
+        gate_report.write_json_report(str(path), report(entry(outcome="failed")))
     monkeypatch.undo()
     assert path.read_bytes() == before
-    assert reports.load_report(str(path))["summary"]["passed"] == 1
+    assert gate_report.load_report(str(path))["summary"]["passed"] == 1
     assert _leftovers(tmp_path) == []
 
 
@@ -183,26 +186,26 @@ def _write(path: Path, content: Any) -> str:
 
 def test_load_report_refuses_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match=r"does not exist; give the path of a JSON report"):
-        reports.load_report(str(tmp_path / "nope.json"))
+        gate_report.load_report(str(tmp_path / "nope.json"))
 
 
 def test_load_report_refuses_a_file_that_is_not_json(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match=r"is not valid JSON .*written by `fsdp-conformance run`"):
-        reports.load_report(_write(tmp_path / "r.json", '{"schema": "fsdp-conf'))
+        gate_report.load_report(_write(tmp_path / "r.json", '{"schema": "fsdp-conf'))
 
 
 def test_load_report_refuses_another_schema(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match=r"not an fsdp-conformance report"):
-        reports.load_report(_write(tmp_path / "r.json", {"schema": "junit", "checks": []}))
+        gate_report.load_report(_write(tmp_path / "r.json", {"schema": "junit", "checks": []}))
     with pytest.raises(ReportError, match=r"not an fsdp-conformance report"):
-        reports.load_report(_write(tmp_path / "r.json", [1, 2]))
+        gate_report.load_report(_write(tmp_path / "r.json", [1, 2]))
 
 
 def test_load_report_refuses_another_schema_version_and_says_to_rerun(tmp_path: Path) -> None:
     r = report()
     r["schema_version"] = 2
     with pytest.raises(ReportError, match=r"schema version 2, this tool reads 1; re-run"):
-        reports.load_report(_write(tmp_path / "r.json", r))
+        gate_report.load_report(_write(tmp_path / "r.json", r))
 
 
 @pytest.mark.parametrize(
@@ -226,7 +229,7 @@ def test_load_report_refuses_a_damaged_report_in_one_message(
     r = report(entry())
     damage(r)
     with pytest.raises(ReportError, match=message) as info:
-        reports.load_report(_write(tmp_path / "r.json", r))
+        gate_report.load_report(_write(tmp_path / "r.json", r))
     assert "\n" not in str(info.value)
 
 
@@ -237,22 +240,22 @@ def test_load_report_accepts_fields_the_schema_does_not_document(tmp_path: Path)
     r["environment"]["hostname"] = "node-1"
     r["checks"][0]["ranks"] = [0, 1]
     r["checks"][0]["data"]["units"][0]["extra"] = {"any": ["thing"]}
-    assert reports.load_report(_write(tmp_path / "r.json", r)) == r
+    assert gate_report.load_report(_write(tmp_path / "r.json", r)) == r
     del r["checks"][0]["data"]["units"][0]["cls"]  # the control: a documented field missing
     with pytest.raises(ReportError, match=r"checks\[0\]\.data\.units\[0\]\.cls: expected a string"):
-        reports.load_report(_write(tmp_path / "r.json", r))
+        gate_report.load_report(_write(tmp_path / "r.json", r))
 
 
 def test_comparability_names_model_settings_and_missing_common_checks() -> None:
     same = report(entry())
-    assert reports.comparability(same, report(entry(), torch_version="2.14.1")) is None
+    assert compare.comparability(same, report(entry(), torch_version="2.14.1")) is None
     other = report(entry(variant="fsdp1,pkg:build"),
                    settings=Settings(model="pkg:build", block_cls="Block", min_params=4000))
-    assert reports.comparability(same, other) == (
+    assert compare.comparability(same, other) == (
         "settings.model None vs 'pkg:build'; settings.block_cls None vs 'Block'; "
         "settings.min_params None vs 4000; no check in common (1 checks vs 1)")
     # the same model, one common check: comparable (the others are missing / added)
-    assert reports.comparability(report(entry(), entry("a.b")), same) is None
+    assert compare.comparability(report(entry(), entry("a.b")), same) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ def test_table_shows_each_check_its_outcome_figures_and_the_failure_reason() -> 
         entry("init.weights.fsdp1", "error",
               message="check failed\nTraceback ...\nValueError: meta vs cpu\n"),
     )
-    table = reports.format_table(r)
+    table = gate_report.format_table(r)
     lines = table.splitlines()
     assert lines[0].split() == ["check", "outcome", "key", "figures"]
     assert "wrap.units.exact[cpu,ws2,fsdp1,massive]" in lines[2]
@@ -280,13 +283,13 @@ def test_table_shows_each_check_its_outcome_figures_and_the_failure_reason() -> 
 
 
 def test_markdown_summary_has_status_table_failure_details_and_deprecations() -> None:
-    passing = reports.format_markdown(report(entry()))
+    passing = gate_report.format_markdown(report(entry()))
     assert passing.startswith("## FSDP conformance: PASS")
     r = report(
         entry(warnings=["FutureWarning: The `NO_SHARD` sharding strategy is deprecated."]),
         entry("memory.sawtooth", "failed", message="rank 1: unit layers.0 gathered twice"),
     )
-    md = reports.format_markdown(r)
+    md = gate_report.format_markdown(r)
     assert md.startswith("## FSDP conformance: FAIL")
     assert "| `memory.sawtooth[cpu,ws2,fsdp1,massive]` | ❌ failed |" in md
     assert "<details><summary>memory.sawtooth[cpu,ws2,fsdp1,massive]: failed</summary>" in md
@@ -305,7 +308,7 @@ def test_identical_reports_have_no_differences() -> None:
               data={"actual": per_layer_units()}, warnings=["UserWarning: x"])
     old, new = report(e, torch_version="2.13.0"), report(e, torch_version="2.14.1")
     assert compare_reports(old, new) == []
-    assert reports.format_differences(old, new, []) == (
+    assert compare.format_differences(old, new, []) == (
         "compare: torch 2.13.0 -> 2.14.1: 0 regression(s), 0 difference(s)\nno differences"
     )
 
@@ -525,7 +528,7 @@ def test_differences_print_regressions_first_with_their_check_ids() -> None:
     old = report(entry("a.one", outcome="failed"), entry("b.two"), torch_version="2.13.0")
     new = report(entry("a.one"), entry("b.two", outcome="failed", message="boom"),
                  torch_version="2.14.1")
-    text = reports.format_differences(old, new, compare_reports(old, new))
+    text = compare.format_differences(old, new, compare_reports(old, new))
     assert text.splitlines() == [
         "compare: torch 2.13.0 -> 2.14.1: 1 regression(s), 2 difference(s)",
         "  [REGRESSION] b.two[cpu,ws2,fsdp1,massive]: outcome: passed -> failed: boom",

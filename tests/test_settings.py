@@ -309,7 +309,7 @@ def test_limit_rule_memory_first_and_a_generous_core_factor() -> None:
 def test_cli_run_refuses_a_world_size_over_the_limit_before_any_rank_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import fsdp_conformance.suite as suite
+    import fsdp_conformance.gate.suite as suite
 
     def _no_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("the suite started although the world size was refused")

@@ -1,4 +1,4 @@
-"""Reports: the JSON report (versioned schema), the Markdown summary, and compare.
+"""Reports: the JSON report (versioned schema), its validation and the Markdown summary.
 
 Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.md)::
 
@@ -16,13 +16,7 @@ Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.m
       ]
     }
 
-``figures`` conventions that compare understands: keys ending in ``_bytes`` (or ``_MiB``) are
-memory figures, a number or a list of numbers (compared with a relative tolerance and an
-absolute floor); keys ending in ``_dtype``/``_dtypes`` are dtypes (any change is a regression);
-``units`` is a unit count; floats are measurements compare leaves to the checks; any other
-changed figure (an init ``digest``, a count) is reported as a change. ``data["units"]``, else
-``data["actual"]``, else ``data["plan"]``, is the check's unit list (structure changes are
-regressions).
+What compare makes of the figures and the unit lists is in ``gate/compare.py``.
 """
 
 from __future__ import annotations
@@ -33,22 +27,16 @@ import json
 import math
 import os
 import platform
-import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance._files import write_atomic
 from fsdp_conformance.settings import Settings
 
 SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
 OUTCOMES = ("passed", "failed", "skipped", "error")
 DEPRECATION_CATEGORIES = ("DeprecationWarning", "FutureWarning", "PendingDeprecationWarning")
-#: compare's default relative tolerance on memory figures.
-DEFAULT_MEMORY_TOLERANCE = 0.05
-#: compare's default absolute floor on memory moves: smaller ones are not reported (a move off a
-#: zero baseline has no relative size, and OS high-water marks resolve to about 1 MB).
-DEFAULT_MEMORY_FLOOR_BYTES = 2**20
 
 
 class ReportError(ValueError):
@@ -166,34 +154,6 @@ def _tool_version() -> str:
     from fsdp_conformance import __version__
 
     return __version__
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that an interrupted run never leaves a truncated file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        # mkstemp creates 0600; a report is an artifact others read (CI uploads, teammates),
-        # so give it the mode a plain open() would have: 0666 less the umask.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def write_json_report(path: str, report: Mapping[str, Any]) -> None:
@@ -326,6 +286,8 @@ _CHECK_FIELDS = {"id": "name", "check": "name", "claim": "name", "lane": "lane",
                  "world_size": "positive", "variant": "string", "outcome": "outcome",
                  "message": "string", "figures": "object", "data": "object",
                  "seconds": "seconds", "warnings": "strings", "deprecations": "strings"}
+#: ``data`` keys that hold a check's unit list (the units torch built), in order of preference.
+UNIT_DATA_KEYS = ("units", "actual", "plan")
 _UNIT_FIELDS = {"fqn": "string", "cls": "string", "numel": "count", "local_numel": "count|null",
                 "parent": "string|null", "params": "strings"}
 
@@ -426,7 +388,7 @@ def format_bytes(value: float) -> str:
     return f"{value / 2**20:.2f} MiB"
 
 
-def _first_line(message: str, width: int = 100) -> str:
+def first_line(message: str, width: int = 100) -> str:
     """The most telling line of a failure message: the last exception line, else the first."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     if not lines:
@@ -441,7 +403,7 @@ def format_table(report: Mapping[str, Any]) -> str:
     for e in report["checks"]:
         figures = _key_figures(e["figures"])
         if e["outcome"] in ("failed", "error", "skipped"):
-            figures = _first_line(e["message"]) + (f" | {figures}" if figures else "")
+            figures = first_line(e["message"]) + (f" | {figures}" if figures else "")
         rows.append((e["id"], e["outcome"].upper(), figures))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
@@ -500,266 +462,3 @@ def format_markdown(
     if deprecations:
         lines += ["", "### Deprecations torch emitted", ""] + [f"- {d}" for d in deprecations]
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------------------------
-# compare: the upgrade gate
-# --------------------------------------------------------------------------------------------
-
-#: ``data`` keys that hold a check's unit list (the units torch built), in order of preference.
-UNIT_DATA_KEYS = ("units", "actual", "plan")
-#: Unit fields compare looks at; a change in any of them is a changed unit structure.
-UNIT_FIELDS = ("cls", "numel", "parent", "local_numel", "params")
-#: Outcome order: a move to a lower rank is a regression (failed and error rank alike).
-_OUTCOME_RANK = {"passed": 2, "skipped": 1, "failed": 0, "error": 0}
-#: Source locations and object addresses inside warning texts change with every torch build;
-#: without stripping them the same warning would show up as "new" after any upgrade.
-_WARNING_NOISE = (
-    re.compile(r"\s*\(Triggered internally at [^)]*\)\.?"),
-    re.compile(r"\bat 0x[0-9a-fA-F]+"),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Difference:
-    """One difference between two reports."""
-
-    check_id: str
-    #: outcome | missing | added | units | memory | dtype | warning | deprecation | figure |
-    #: settings
-    kind: str
-    regression: bool
-    text: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def compare_reports(
-    old: Mapping[str, Any],
-    new: Mapping[str, Any],
-    memory_tolerance: float = DEFAULT_MEMORY_TOLERANCE,
-    memory_floor_bytes: float = DEFAULT_MEMORY_FLOOR_BYTES,
-) -> list[Difference]:
-    """Every difference that matters for an upgrade, regressions flagged.
-
-    Checks are matched by ``id``. Regressions: a worse outcome (passed -> skipped/failed/error,
-    skipped -> failed/error), a check missing from ``new``, a changed unit structure or unit
-    count, a memory figure up by more than ``memory_tolerance`` (relative) and
-    ``memory_floor_bytes`` (absolute), a changed dtype figure. Reported but not regressions:
-    better outcomes, added checks, memory down, other changed figures, new warnings and
-    deprecations, different settings.
-    """
-    old_checks = {e["id"]: e for e in old["checks"]}
-    new_checks = {e["id"]: e for e in new["checks"]}
-    diffs = _compare_settings(old.get("settings") or {}, new.get("settings") or {})
-    for cid in sorted(old_checks.keys() - new_checks.keys()):
-        was = old_checks[cid]["outcome"]
-        diffs.append(Difference(cid, "missing", True,
-                                f"check missing from the new report (was {was})"))
-    for cid in sorted(new_checks.keys() - old_checks.keys()):
-        # A new check that fails is a failure on the candidate torch: the gate must not pass it.
-        now = new_checks[cid]["outcome"]
-        diffs.append(Difference(cid, "added", now in ("failed", "error"),
-                                f"new check (now {now})"))
-    for cid in sorted(old_checks.keys() & new_checks.keys()):
-        diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance,
-                                memory_floor_bytes)
-    return diffs
-
-
-#: Settings that define the model under test: reports that differ in one of them measured
-#: different models, so their checks cannot be matched.
-MODEL_SETTINGS = ("model", "block_cls", "min_params", "input")
-
-
-def comparability(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
-    """None when two (validated) reports can be compared, else what differs, in one line.
-
-    Not comparable: a different model (any of ``MODEL_SETTINGS``), or no check id in common
-    (different world sizes, lanes or ``--checks``; an empty report). Either way every check
-    would show up as missing and added, burying the one difference that matters.
-    """
-    reasons = [f"settings.{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
-               for key in MODEL_SETTINGS
-               if old["settings"].get(key) != new["settings"].get(key)]
-    old_ids = {e["id"] for e in old["checks"]}
-    new_ids = {e["id"] for e in new["checks"]}
-    if not old_ids & new_ids:
-        others = [f"{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
-                  for key in sorted(old["settings"].keys() | new["settings"].keys())
-                  if key not in MODEL_SETTINGS
-                  and old["settings"].get(key) != new["settings"].get(key)]
-        reasons.append(f"no check in common ({len(old_ids)} checks vs {len(new_ids)}"
-                       + (f"; settings {', '.join(others)}" if others else "") + ")")
-    return "; ".join(reasons) or None
-
-
-def _compare_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:
-    # Context, not a verdict: different settings usually explain the differences that follow.
-    return [
-        Difference("(settings)", "settings", False,
-                   f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
-        for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key)
-    ]
-
-
-def _compare_entry(
-    cid: str, old: Mapping[str, Any], new: Mapping[str, Any], tol: float, floor: float
-) -> list[Difference]:
-    diffs = []
-    o, n = old["outcome"], new["outcome"]
-    if o != n:
-        regression = _OUTCOME_RANK[n] < _OUTCOME_RANK[o]
-        why = _first_line(new.get("message", "")) if n != "passed" else ""
-        text = f"{o} -> {n}" + (f": {why}" if why else "")
-        diffs.append(Difference(cid, "outcome", regression, text))
-    old_units, new_units = unit_list(old), unit_list(new)
-    if old_units is not None and new_units is not None:
-        change = _unit_change(old_units, new_units)
-        if change:
-            diffs.append(Difference(cid, "units", True, change))
-    of, nf = old.get("figures") or {}, new.get("figures") or {}
-    for key in sorted(of.keys() | nf.keys()):
-        a, b = of.get(key), nf.get(key)
-        if a == b:
-            continue
-        if _is_memory_key(key) and a is not None and b is not None:
-            diffs += _memory_change(cid, key, a, b, tol, floor)
-        elif key.endswith(("_dtype", "_dtypes")):
-            diffs.append(Difference(cid, "dtype", True, f"{key}: {a} -> {b}"))
-        elif key == "units":
-            if old_units is None or new_units is None:  # else reported with the unit lists
-                diffs.append(Difference(cid, "units", True, f"unit count {a} -> {b}"))
-        elif _is_measurement(a) or _is_measurement(b):
-            continue  # measured floats (losses, ratios) move run to run; their checks judge them
-        else:
-            diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
-    old_warnings = {_warning_key(w) for w in old.get("warnings", [])}
-    deprecations = set(new.get("deprecations", []))
-    reported: set[str] = set()
-    for w in sorted(new.get("warnings", [])):
-        key = _warning_key(w)
-        if key in old_warnings or key in reported:
-            continue
-        reported.add(key)
-        deprecation = w in deprecations or w.split(":", 1)[0] in DEPRECATION_CATEGORIES
-        kind = "deprecation" if deprecation else "warning"
-        # one line per difference: C++ warnings carry a newline before their hint
-        diffs.append(Difference(cid, kind, False, f"new {kind}: {' '.join(w.split())}"))
-    return diffs
-
-
-def unit_list(entry: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
-    """The unit list a report entry stores (``data["units"]``, ``["actual"]`` or ``["plan"]``)."""
-    data = entry.get("data") or {}
-    for key in UNIT_DATA_KEYS:
-        units = data.get(key)
-        if isinstance(units, list) and all(isinstance(u, dict) and "fqn" in u for u in units):
-            return units
-    return None
-
-
-def _warning_key(text: str) -> str:
-    for pattern in _WARNING_NOISE:
-        text = pattern.sub("", text)
-    return " ".join(text.split())
-
-
-def _is_measurement(value: Any) -> bool:
-    """A float, or a list of numbers with a float among them."""
-    if isinstance(value, float):
-        return True
-    if isinstance(value, list) and value:
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        return numbers and any(isinstance(v, float) for v in value)
-    return False
-
-
-def _is_memory_key(key: str) -> bool:
-    """Memory figures: ``*_bytes``, or ``*_MiB`` / ``*_mib`` (already in MiB)."""
-    return key.endswith("_bytes") or key.lower().endswith("_mib")
-
-
-def _mib(key: str, value: float) -> float:
-    return value / 2**20 if key.endswith("_bytes") else value
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _memory_change(
-    cid: str, key: str, a: Any, b: Any, tol: float, floor_bytes: float
-) -> list[Difference]:
-    """A memory figure (a number, or a list of numbers compared element by element)."""
-    if _number(a) and _number(b):
-        pairs = [(key, a, b)]
-    elif (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
-          and all(_number(x) for x in a + b)):
-        pairs = [(f"{key}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
-    else:
-        return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
-    floor = floor_bytes if key.endswith("_bytes") else floor_bytes / 2**20
-    diffs = []
-    for label, x, y in pairs:
-        # Both a relative and an absolute threshold: a move off a zero (or tiny) baseline is
-        # infinite in relative terms, and OS high-water marks resolve to about 1 MB.
-        rel = (y - x) / x if x else float("inf") if y > x else float("-inf")
-        if abs(y - x) <= floor or abs(rel) <= tol:
-            continue
-        diffs.append(Difference(
-            cid, "memory", y > x,
-            f"{label}: {_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}; tolerance "
-            f"{tol:.0%}, floor {floor_bytes / 2**20:.2f} MiB)"))
-    return diffs
-
-
-def _unit_change(
-    old_units: Sequence[Mapping[str, Any]], new_units: Sequence[Mapping[str, Any]]
-) -> str:
-    """'' when the structures agree, else the changed units, one ``+``/``-``/``~`` item each."""
-    def norm(u: Mapping[str, Any]) -> dict[str, Any]:
-        out = {f: u.get(f) for f in UNIT_FIELDS}
-        if isinstance(out["params"], list):
-            out["params"] = sorted(out["params"])
-        return out
-
-    o = {u["fqn"]: norm(u) for u in old_units}
-    n = {u["fqn"]: norm(u) for u in new_units}
-    parts = []
-    for fqn in [u["fqn"] for u in old_units if u["fqn"] not in n]:
-        parts.append(f"- {fqn or '(root)'} ({o[fqn]['cls']})")
-    for fqn in [u["fqn"] for u in new_units if u["fqn"] not in o]:
-        parts.append(f"+ {fqn or '(root)'} ({n[fqn]['cls']})")
-    for fqn in [u["fqn"] for u in old_units if u["fqn"] in n]:
-        for field in UNIT_FIELDS:
-            a, b = o[fqn][field], n[fqn][field]
-            if a == b:
-                continue
-            if field == "params" and isinstance(a, list) and isinstance(b, list):
-                moved = [f"-{p}" for p in a if p not in b] + [f"+{p}" for p in b if p not in a]
-                parts.append(f"~ {fqn or '(root)'} params: {' '.join(moved)}")
-            else:
-                parts.append(f"~ {fqn or '(root)'} {field}: {a!r} -> {b!r}")
-    if not parts and [u["fqn"] for u in old_units] != [u["fqn"] for u in new_units]:
-        parts.append("unit order: " + ", ".join(u["fqn"] or "(root)" for u in new_units))
-    return "unit structure changed: " + "; ".join(parts) if parts else ""
-
-
-def format_differences(
-    old: Mapping[str, Any], new: Mapping[str, Any], diffs: Sequence[Difference]
-) -> str:
-    regressions = sum(d.regression for d in diffs)
-    head = (
-        f"compare: torch {old['environment']['torch']} -> {new['environment']['torch']}: "
-        f"{regressions} regression(s), {len(diffs)} difference(s)"
-    )
-    if not diffs:
-        return head + "\nno differences"
-    lines = [head]
-    for d in sorted(diffs, key=lambda d: not d.regression):  # regressions first, stable
-        mark = "REGRESSION" if d.regression else "change"
-        lines.append(f"  [{mark}] {d.check_id}: {d.kind}: {d.text}")
-    return "\n".join(lines)
