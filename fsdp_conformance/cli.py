@@ -252,10 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
-        # `plan` has its own parser (planning.main); argparse.REMAINDER refuses leading flags.
-        from fsdp_conformance import planning
+        # `plan` has its own parser (plan._cli.main); argparse.REMAINDER refuses leading flags.
+        from fsdp_conformance.plan import _cli as plan_cli
 
-        return int(planning.main(argv[1:]))
+        return int(plan_cli.main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "compare": cmd_compare}
