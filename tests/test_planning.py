@@ -250,6 +250,8 @@ def test_the_planner_is_a_package_that_imports_no_harness_no_claim_and_no_cli() 
     (["--preset", "7b", "--device-memory", "80 potatoes"], "is not a size; write e.g. 80GB"),
     (["--preset", "7b", "--world-size", "0"], "--world-size must be >= 1"),
     (["--preset", "7b", "--policy", "flat"], "argument --policy: invalid choice: 'flat'"),
+    (["--preset", "7b", "--bogus"],
+     "unrecognized arguments: --bogus; see `fsdp-conformance plan --help`"),
     (["--model", "no_such_pkg.mod:build", "--block-cls", "Block"],
      "cannot import module 'no_such_pkg.mod'"),
     (["--model", "fsdp_conformance.models:MassiveModel"], "no block class given"),
@@ -262,6 +264,26 @@ def test_bad_input_is_one_line_naming_the_fix(argv: list[str], needle: str,
     assert out == ""
     assert err.startswith("fsdp-conformance plan: error: ") and err.count("\n") == 1, err
     assert needle in err
+
+
+def test_plan_is_a_subcommand_of_the_one_parser_and_run_and_compare_stay_light() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["plan", "--preset", "70b", "--world-size", "64", "--json"])
+    assert (args.command, args.preset, args.world_size, args.json, args.usage_error) == (
+        "plan", "70b", 64, True, None)
+    # A usage error comes back in args (main prints it: one line, exit 2), not as an exit here.
+    bad = parser.parse_args(["plan", "--preset", "7b", "--world-size", "x"])
+    assert bad.usage_error == ("argument --world-size: invalid int value: 'x'; see "
+                               "`fsdp-conformance plan --help`")
+    # plan's flags come from modules that import torch: they are added when `plan` is parsed,
+    # so that `run`, `compare` and `--help` do not import torch (the probe's control: plan does).
+    probe = ("import sys; from fsdp_conformance import cli; p = cli.build_parser(); "
+             "p.parse_args(['compare', 'old.json', 'new.json']); p.format_help(); "
+             "print('torch' in sys.modules); p.parse_args(['plan', '--preset', '7b']); "
+             "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split() == ["False", "True"], proc.stderr
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -23,3 +23,41 @@ Modules, each importing only those before it: :mod:`.model` (settings, the model
 devices needed), :mod:`.verify` (the FSDP2 cross-check), :mod:`.report` (tables and JSON).
 docs/planning.md has the defaults, the 70B tables and the benchmark.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fsdp_conformance.plan.estimate import (
+    CLAIM_WORLD_SIZES,
+    MAX_WORLD_SIZE,
+    compare_policies,
+    plan_model,
+)
+from fsdp_conformance.plan.model import ModelChoice, PlanSettings, build_meta_model
+from fsdp_conformance.plan.report import format_comparison, format_plan, plan_report
+from fsdp_conformance.plan.verify import verify_fsdp2_shards
+
+
+def plan_command(choice: ModelChoice, settings: PlanSettings, world_size: int,
+                 devices: Sequence[int], *, verify: bool = True, compare: bool = False,
+                 world_sizes: Sequence[int] = CLAIM_WORLD_SIZES,
+                 max_world_size: int = MAX_WORLD_SIZE,
+                 full_tree: bool = False) -> tuple[str, dict[str, Any]]:
+    """What ``fsdp-conformance plan`` prints: (text for people, data for tools: the ``--json``).
+
+    ``compare``: the policies side by side at ``world_sizes``; otherwise the plan at
+    ``world_size``, with the FSDP2 cross-check when ``verify`` and the version is fsdp2.
+    """
+    if compare:
+        data = compare_policies(choice, settings, world_sizes, devices,
+                                max_world_size=max_world_size)
+        return format_comparison(data), data
+    model = build_meta_model(choice)
+    plan = plan_model(choice, settings, model)
+    verification = None
+    if verify and settings.version == "fsdp2":
+        verification = verify_fsdp2_shards(plan, world_size, model)
+    report = plan_report(plan, world_size, devices, verification, max_world_size)
+    return format_plan(plan, report, collapse=not full_tree), report
