@@ -4,7 +4,7 @@ Target (issue 7): under 10 s and under 2 GB of memory on the 2-core build machin
 is a fresh subprocess so that its peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is
 its own; phases are timed with ``time.perf_counter`` inside it:
 
-* import: ``import fsdp_conformance.planning`` (torch included);
+* import: the ``fsdp_conformance.plan`` modules (torch included);
 * plan + estimate: the meta model, the unit plan, the activation profile (a forward on meta),
   the per-layer bound and the "devices needed" search for 80 GB and 141 GB;
 * cross-check: FSDP2 ``fully_shard`` per unit and root on a 1,024-rank fake process group.
@@ -25,16 +25,19 @@ from typing import Any
 CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
-from fsdp_conformance import planning
+from fsdp_conformance.plan.estimate import plan_model
+from fsdp_conformance.plan.model import PlanSettings, build_meta_model, choose_model
+from fsdp_conformance.plan.report import plan_report
+from fsdp_conformance.plan.verify import verify_fsdp2_shards
 t1 = time.perf_counter()
 preset, world_size = sys.argv[1], int(sys.argv[2])
-choice = planning.choose_model(preset=preset)
-model = planning.build_meta_model(choice)
-plan = planning.plan_model(choice, planning.PlanSettings(), model)
-report = planning.plan_report(plan, world_size, [80 * 10**9, 141 * 10**9])
+choice = choose_model(preset=preset)
+model = build_meta_model(choice)
+plan = plan_model(choice, PlanSettings(), model)
+report = plan_report(plan, world_size, [80 * 10**9, 141 * 10**9])
 t2 = time.perf_counter()
 rss_plan = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-check = planning.verify_fsdp2_shards(plan, world_size, model)
+check = verify_fsdp2_shards(plan, world_size, model)
 t3 = time.perf_counter()
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({

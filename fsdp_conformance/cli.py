@@ -19,8 +19,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from fsdp_conformance import interrupts
 from fsdp_conformance.harness import launched_externally
@@ -32,12 +32,61 @@ from fsdp_conformance.settings import (
     resolve_settings,
 )
 
+if TYPE_CHECKING:
+    from fsdp_conformance.plan.model import PlanSettings
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_OUT = "fsdp-conformance-report"
 
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit code 2."""
+
+
+class _DeferredUsageError(Exception):
+    """A usage error of a subcommand parser with ``defer_errors`` (see :class:`_Parser`)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser; as plain argparse unless given ``add_arguments``/``defer_errors``.
+
+    ``add_arguments(parser)`` runs on the first parse, not when the parser is built: ``plan``'s
+    flags name the presets, reference models and optimizers, whose modules import torch, and
+    ``run``, ``compare`` and ``--help`` must not pay for that (about 3 s on the build machine).
+    ``defer_errors``: a usage error (a bad or unknown flag) does not exit from inside argparse;
+    it is returned as ``args.usage_error`` for the command to raise as a :class:`UsageError`,
+    so it reaches :func:`main`'s one handler (one line, exit 2) like every other bad input.
+    """
+
+    def __init__(self, *args: Any,
+                 add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 defer_errors: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+        self._defer_errors = defer_errors
+
+    def error(self, message: str) -> NoReturn:
+        if not self._defer_errors:
+            super().error(message)
+        raise _DeferredUsageError(f"{message}; see `{self.prog} --help`")
+
+    # ignore: typeshed overloads this on the namespace's type; only Namespace is used here
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._add_arguments is not None:
+            add, self._add_arguments = self._add_arguments, None
+            add(self)
+        if not self._defer_errors:
+            return super().parse_known_args(args, namespace)
+        try:
+            parsed, extras = super().parse_known_args(args, namespace)
+            if extras:  # as argparse words it; here, not in the top-level parser
+                self.error(f"unrecognized arguments: {' '.join(extras)}")
+        except _DeferredUsageError as exc:
+            return argparse.Namespace(usage_error=str(exc)), []
+        parsed.usage_error = None
+        return parsed, []
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fsdp-conformance",
         description="Distributed conformance suite for PyTorch FSDP (FSDP1 and FSDP2).",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run the conformance checks and write a report")
     _add_setting_flags(run)
@@ -95,10 +144,75 @@ def build_parser() -> argparse.ArgumentParser:
                          "threshold, input) or with no check in common anyway; without it such "
                          "reports are 'not comparable' (exit 2)")
 
-    sub.add_parser("plan", add_help=False,
+    sub.add_parser("plan", add_arguments=_add_plan_flags, defer_errors=True,
                    help="wrap plan and memory estimate at full scale, no devices "
-                   "(`fsdp-conformance plan --help`)")
+                   "(`fsdp-conformance plan --help`)",
+                   description="Wrap plan and per-rank memory estimate of one training step at "
+                   "full scale, in one process: the model is built on meta, nothing is allocated.")
     return parser
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    from fsdp_conformance.models import REFERENCE_MODELS
+    from fsdp_conformance.plan.estimate import (
+        CLAIM_WORLD_SIZES,
+        DEFAULT_DEVICE_MEMORY,
+        MAX_WORLD_SIZE,
+    )
+    from fsdp_conformance.plan.model import ATTENTION, DTYPE_BYTES, OPTIMIZERS, POLICIES, PRESETS
+
+    model = p.add_argument_group("model (exactly one)")
+    model.add_argument("--preset", metavar="NAME",
+                       help=f"a full-scale shape: {', '.join(PRESETS)} (seeds = the seeds' "
+                       "MassiveModel, dim 4096, 8 layers)")
+    model.add_argument("--reference", metavar="NAME",
+                       help=f"a reference model at CPU size: {', '.join(REFERENCE_MODELS)}")
+    model.add_argument("--model", dest="factory", metavar="PKG.MOD:FACTORY",
+                       help="your model factory (called with no arguments under meta)")
+    model.add_argument("--block-cls", metavar="CLASS[,CLASS]", help="your model's block class(es)")
+    model.add_argument("--min-params", type=int, metavar="N",
+                       help="size-rule threshold (default: 2e7 scaled with dim^2; the seeds' "
+                       "policy on a preset keeps the literal 2e7)")
+    model.add_argument("--input", dest="input_builder", metavar="PKG.MOD:BUILDER",
+                       help="input builder(model, batch_size, device) for your model")
+    model.add_argument("--layers", type=int, help="--reference only: number of blocks")
+    model.add_argument("--dim", type=int, help="--reference only: width")
+    step = p.add_argument_group("training step")
+    step.add_argument("--policy", choices=POLICIES, default="recommended",
+                      help="recommended (one unit per block), seeds (get_hybrid_policy), "
+                      "monolithic (root only) [recommended]")
+    step.add_argument("--fsdp-version", dest="version", choices=("fsdp1", "fsdp2"),
+                      default="fsdp2", help="[fsdp2]")
+    step.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="fp32",
+                      help="sharded params, grads and optimizer state [fp32]")
+    step.add_argument("--compute-dtype", choices=tuple(DTYPE_BYTES), default="bf16",
+                      help="gathered params, unsharded grads, collectives, activations [bf16]")
+    step.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+                      help="both of the above (no mixed precision)")
+    step.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="[adamw]")
+    step.add_argument("--batch-size", type=int, default=1, help="per-rank micro-batch [1]")
+    step.add_argument("--seq-len", type=int, default=4096, help="tokens per sample [4096]")
+    step.add_argument("--attention", choices=ATTENTION, default="flash",
+                      help="flash: fused kernel's saved set; math: also seq x seq weights "
+                      "[flash]")
+    scale = p.add_argument_group("scale")
+    scale.add_argument("--world-size", type=int, default=8, help="ranks to plan for [8]")
+    scale.add_argument("--device-memory", default=DEFAULT_DEVICE_MEMORY, metavar="SIZES",
+                       help=f"device sizes for 'devices needed' (GB = 10^9 B, GiB = 2^30 B) "
+                       f"[{DEFAULT_DEVICE_MEMORY}]")
+    scale.add_argument("--max-world-size", type=int, default=MAX_WORLD_SIZE,
+                       help=f"largest world size searched [{MAX_WORLD_SIZE}]")
+    scale.add_argument("--no-verify", dest="verify", action="store_false",
+                       help="skip the FSDP2 cross-check on the fake process group")
+    out = p.add_argument_group("output")
+    out.add_argument("--compare-policies", action="store_true",
+                     help="the seeds' claim: fp16 weights, and the estimate of every policy at "
+                     "--world-sizes")
+    out.add_argument("--world-sizes", default=",".join(map(str, CLAIM_WORLD_SIZES)),
+                     help="world sizes of --compare-policies [8,64,512,1024]")
+    out.add_argument("--full-tree", action="store_true",
+                     help="one line per unit (default: identical siblings collapsed)")
+    out.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def resolve_cli_settings(args: argparse.Namespace) -> Settings:
@@ -324,20 +438,62 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _plan_settings(args: argparse.Namespace) -> PlanSettings:
+    from fsdp_conformance.plan.model import PlanSettings
+
+    param, compute = args.param_dtype, args.compute_dtype
+    if args.dtype is not None:
+        param = compute = args.dtype
+    return PlanSettings(policy=args.policy, version=args.version, param_dtype=param,
+                        compute_dtype=compute, optimizer=args.optimizer,
+                        batch_size=args.batch_size, seq_len=args.seq_len,
+                        attention=args.attention)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fsdp_conformance.plan import plan_command
+    from fsdp_conformance.plan.model import (
+        PlanError,
+        choose_model,
+        parse_bytes,
+        parse_world_sizes,
+    )
+
+    if args.usage_error:
+        raise UsageError(args.usage_error)
+    try:
+        choice = choose_model(preset=args.preset, reference=args.reference,
+                              factory=args.factory, block_cls=args.block_cls,
+                              min_params=args.min_params, layers=args.layers, dim=args.dim,
+                              input_builder=args.input_builder)
+        settings = _plan_settings(args)
+        devices = [parse_bytes(x) for x in args.device_memory.split(",") if x.strip()]
+        if not devices:
+            raise UsageError("--device-memory is empty; write e.g. 80GB,141GB")
+        if args.max_world_size < 1:
+            raise UsageError(f"--max-world-size must be >= 1, got {args.max_world_size}")
+        world_sizes = parse_world_sizes(args.world_sizes) if args.compare_policies else ()
+        if not args.compare_policies and args.world_size < 1:
+            raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
+        text, data = plan_command(choice, settings, args.world_size, devices,
+                                  verify=args.verify, compare=args.compare_policies,
+                                  world_sizes=world_sizes, max_world_size=args.max_world_size,
+                                  full_tree=args.full_tree)
+    except PlanError as exc:  # the planner's bad input: the same one line as the CLI's own
+        raise UsageError(str(exc)) from None
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fsdp_conformance.gate.report import ReportError
     from fsdp_conformance.models import ModelSpecError
     from fsdp_conformance.policies import PolicyError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:
-        # `plan` has its own parser (planning.main); argparse.REMAINDER refuses leading flags.
-        from fsdp_conformance import planning
-
-        return int(planning.main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "compare": cmd_compare}
+    handlers = {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan}
     # SIGTERM (timeout, Kubernetes, CI cancellation) ends the run like Ctrl-C: ranks killed,
     # folders removed, exit 128+N; a second signal during that cleanup is ignored.
     installed = interrupts.install()

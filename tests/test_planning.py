@@ -7,30 +7,60 @@ through the CLI in a subprocess. The trust test measures real steps on the rank 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from fsdp_conformance import planning
+import fsdp_conformance
+from fsdp_conformance import cli
+from fsdp_conformance.claims.plan_trust import (
+    CHECKS,
+    TRUST_MAX_RATIO,
+    TRUST_MIN_RATIO,
+    compare_to_measurement,
+    default_cases,
+    estimate_for_case,
+    rank_measure_peaks,
+    trust_verdict,
+)
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.memory import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.plan.estimate import (
+    CLAIM_WORLD_SIZES,
+    SHARDED_TERMS,
+    UNIT_TERMS,
+    ModelPlan,
+    breakdown,
+    compare_policies,
+    devices_needed,
+    plan_model,
+)
+from fsdp_conformance.plan.model import POLICIES, ModelChoice, PlanSettings, choose_model
+from fsdp_conformance.plan.report import (
+    _nested_note,
+    format_comparison,
+    format_plan_tree,
+    plan_report,
+)
 
 GB = 10**9
 
 
 @pytest.fixture(scope="module")
-def llama70b() -> planning.ModelChoice:
-    return planning.choose_model(preset="70b")
+def llama70b() -> ModelChoice:
+    return choose_model(preset="70b")
 
 
 @pytest.fixture(scope="module")
-def plan70(llama70b: planning.ModelChoice) -> planning.ModelPlan:
-    return planning.plan_model(llama70b, planning.PlanSettings())
+def plan70(llama70b: ModelChoice) -> ModelPlan:
+    return plan_model(llama70b, PlanSettings())
 
 
 # ------------------------------------------------------------------------------------------
@@ -39,7 +69,7 @@ def plan70(llama70b: planning.ModelChoice) -> planning.ModelPlan:
 
 
 def test_70b_recommended_plan_is_one_unit_per_block_plus_embeddings_and_output(
-    plan70: planning.ModelPlan,
+    plan70: ModelPlan,
 ) -> None:
     c = LLAMA_PRESETS["70b"]
     units = {u.fqn: u for u in plan70.units}
@@ -53,7 +83,7 @@ def test_70b_recommended_plan_is_one_unit_per_block_plus_embeddings_and_output(
 
 
 def test_estimate_is_memorys_per_layer_bound_not_a_second_formula(
-    plan70: planning.ModelPlan,
+    plan70: ModelPlan,
 ) -> None:
     for w in (8, 1024):
         assert plan70.estimate(w) == per_layer_bound(plan70.units, plan70.step_config(w))
@@ -67,9 +97,9 @@ def test_estimate_is_memorys_per_layer_bound_not_a_second_formula(
 
 
 def test_sharded_state_shrinks_with_world_size_and_the_rest_does_not(
-    plan70: planning.ModelPlan,
+    plan70: ModelPlan,
 ) -> None:
-    parts = {w: planning.breakdown(plan70.estimate(w)) for w in planning.CLAIM_WORLD_SIZES}
+    parts = {w: breakdown(plan70.estimate(w)) for w in CLAIM_WORLD_SIZES}
     assert parts[8]["sharded_state"] == pytest.approx(128 * parts[1024]["sharded_state"],
                                                       rel=1e-3)
     assert parts[8]["activations"] == parts[1024]["activations"]
@@ -79,83 +109,83 @@ def test_sharded_state_shrinks_with_world_size_and_the_rest_does_not(
 
 
 def test_monolithic_70b_never_fits_80gb_because_its_one_unit_alone_is_too_big(
-    llama70b: planning.ModelChoice,
+    llama70b: ModelChoice,
 ) -> None:
     # Negative control for "devices needed": the seeds' "monolithic FSDP ... OOM" at scale.
-    plan = planning.plan_model(llama70b, planning.PlanSettings(policy="monolithic", seq_len=512))
+    plan = plan_model(llama70b, PlanSettings(policy="monolithic", seq_len=512))
     for w in (8, 64):
         assert plan.estimate(w).total > 80 * GB
-    need = planning.devices_needed(plan, 80 * GB)
+    need = devices_needed(plan, 80 * GB)
     assert need.world_size is None
     assert need.reason.startswith("never fits: one unit's working set alone is")
     assert "LlamaModel (root)" in need.reason and "fix: a policy with smaller units" in need.reason
 
 
 def test_devices_needed_is_the_smallest_world_size_that_fits(
-    llama70b: planning.ModelChoice,
+    llama70b: ModelChoice,
 ) -> None:
-    plan = planning.plan_model(llama70b, planning.PlanSettings(seq_len=512))
-    need = planning.devices_needed(plan, 80 * GB)
+    plan = plan_model(llama70b, PlanSettings(seq_len=512))
+    need = devices_needed(plan, 80 * GB)
     w = need.world_size
     assert w is not None and w > 1
     assert plan.estimate(w).total <= 80 * GB < plan.estimate(w - 1).total
     assert need.estimate_bytes == plan.estimate(w).total
-    bigger = planning.devices_needed(plan, 141 * GB)
+    bigger = devices_needed(plan, 141 * GB)
     assert bigger.world_size is not None and bigger.world_size < w
 
 
 def test_long_sequences_never_fit_because_of_activations_and_the_reason_says_so(
-    plan70: planning.ModelPlan,
+    plan70: ModelPlan,
 ) -> None:
     # Batch 1 x 4096 without activation checkpointing: ~175 GB of activations per rank.
-    need = planning.devices_needed(plan70, 141 * GB)
+    need = devices_needed(plan70, 141 * GB)
     assert need.world_size is None
     assert "does not shrink with more ranks" in need.reason
     assert "activation checkpointing" in need.reason
 
 
 def test_the_seeds_claim_as_numbers_and_the_policies_side_by_side(
-    llama70b: planning.ModelChoice,
+    llama70b: ModelChoice,
 ) -> None:
-    data = planning.compare_policies(llama70b, planning.PlanSettings(seq_len=512),
-                                     planning.CLAIM_WORLD_SIZES, [80 * GB, 141 * GB])
+    data = compare_policies(llama70b, PlanSettings(seq_len=512), CLAIM_WORLD_SIZES,
+                            [80 * GB, 141 * GB])
     fp16 = data["claim"]["fp16_weight_bytes"]
     assert fp16 == data["model"]["params"] * 2
     assert abs(fp16 - 140 * GB) < 0.02 * 140 * GB  # "approximately 140GB": 137.95 GB
     rows = {(r["policy"], r["world_size"]): r for r in data["rows"]}
-    assert set(rows) == {(p, w) for p in planning.POLICIES for w in planning.CLAIM_WORLD_SIZES}
-    for w in planning.CLAIM_WORLD_SIZES:
+    assert set(rows) == {(p, w) for p in POLICIES for w in CLAIM_WORLD_SIZES}
+    for w in CLAIM_WORLD_SIZES:
         assert rows[("monolithic", w)]["total"] > rows[("recommended", w)]["total"]
         assert not rows[("monolithic", w)]["fits"][str(80 * GB)]
     assert rows[("recommended", 1024)]["fits"][str(80 * GB)]
     assert rows[("recommended", 8)]["units"] == 83 and rows[("seeds", 8)]["units"] == 483
     assert data["devices_needed"]["monolithic"][0]["world_size"] is None
-    text = planning.format_comparison(data)
+    text = format_comparison(data)
     assert "137.95 GB of weights" in text and "approximately 140GB" in text
 
 
 def test_plan_tree_collapses_identical_blocks_and_keeps_the_nesting(
-    llama70b: planning.ModelChoice, plan70: planning.ModelPlan,
+    llama70b: ModelChoice, plan70: ModelPlan,
 ) -> None:
-    tree = planning.format_plan_tree(plan70, 1024)
+    tree = format_plan_tree(plan70, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree
     assert "1.71 GB each" in tree  # one block gathered in bf16
-    full = planning.format_plan_tree(plan70, 1024, collapse=False)
+    full = format_plan_tree(plan70, 1024, collapse=False)
     assert "layers.79  LlamaBlock" in full and len(full.splitlines()) == 84
-    seeds = planning.plan_model(llama70b, planning.PlanSettings(policy="seeds", seq_len=16))
-    tree = planning.format_plan_tree(seeds, 1024)
+    seeds = plan_model(llama70b, PlanSettings(policy="seeds", seq_len=16))
+    tree = format_plan_tree(seeds, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree and "│   ├── wq  Linear" in tree
-    report = planning.plan_report(seeds, 1024, [80 * GB])
-    assert any("nested in other units" in line for line in planning._nested_note(seeds))
+    report = plan_report(seeds, 1024, [80 * GB])
+    assert any("nested in other units" in line for line in _nested_note(seeds))
     assert json.loads(json.dumps(report))["world_size"] == 1024
 
 
 def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None:
-    choice = planning.choose_model(reference="llama", layers=2, dim=64)
-    base = planning.PlanSettings(compute_dtype="fp32", seq_len=256, optimizer="none")
+    choice = choose_model(reference="llama", layers=2, dim=64)
+    base = PlanSettings(compute_dtype="fp32", seq_len=256, optimizer="none")
 
-    def saved(settings: planning.PlanSettings) -> int:
-        return sum(planning.plan_model(choice, settings).activations.saved_bytes.values())
+    def saved(settings: PlanSettings) -> int:
+        return sum(plan_model(choice, settings).activations.saved_bytes.values())
 
     fp32, bf16 = saved(base), saved(dataclasses.replace(base, compute_dtype="bf16"))
     math_ = saved(dataclasses.replace(base, attention="math"))
@@ -164,6 +194,47 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
     # instead of the fused kernel's output and logsumexp (0.1 MB).
     weights = 2 * 4 * 256 * 256 * 4
     assert 0.9 * weights <= math_ - fp32 <= weights
+
+
+#: What the planner must not import: it runs in one process on meta, so the rank harness is no
+#: part of it; the claims use the planner (the trust check), not the reverse; the CLI wires it.
+#: (memory.py is still allowed: the bound and the activation profile live there for now.)
+PLANNER_MUST_NOT_IMPORT = ("fsdp_conformance.harness", "fsdp_conformance._worker",
+                           "fsdp_conformance.checks", "fsdp_conformance.claims",
+                           "fsdp_conformance.wrapping", "fsdp_conformance.init",
+                           "fsdp_conformance.suite", "fsdp_conformance.cli",
+                           "fsdp_conformance.plugin")
+
+
+def _forbidden_imports(source: str, package: str = "fsdp_conformance.plan") -> list[str]:
+    """Modules named by any import in ``source`` (top level or in a function) that the planner
+    must not import, with relative imports resolved against ``package``."""
+    named = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            named += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(x for x in (base, node.module or "") if x)
+            named += [module, *(f"{module}.{a.name}" for a in node.names)]
+    return [m for m in named
+            if any(m == bad or m.startswith(bad + ".") for bad in PLANNER_MUST_NOT_IMPORT)]
+
+
+def test_the_planner_is_a_package_that_imports_no_harness_no_claim_and_no_cli() -> None:
+    # The rule's own control: each way of naming a forbidden module is caught.
+    assert _forbidden_imports("from fsdp_conformance.harness import RankContext")
+    assert _forbidden_imports("def f():\n    from fsdp_conformance import checks")
+    assert _forbidden_imports("import fsdp_conformance.claims.plan_trust")
+    assert _forbidden_imports("from ..cli import main")
+    assert not _forbidden_imports("from fsdp_conformance.memory import Bound\n"
+                                  "from .model import PlanError")
+    folder = Path(fsdp_conformance.__file__).parent / "plan"
+    files = {f.name: f for f in folder.glob("*.py")}
+    assert {"__init__.py", "model.py", "estimate.py", "verify.py", "report.py"} <= set(files)
+    found = {name: bad for name, f in sorted(files.items())
+             if (bad := _forbidden_imports(f.read_text(encoding="utf-8")))}
+    assert not found, f"the planner imports what it must not: {found}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -179,6 +250,8 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
     (["--preset", "7b", "--device-memory", "80 potatoes"], "is not a size; write e.g. 80GB"),
     (["--preset", "7b", "--world-size", "0"], "--world-size must be >= 1"),
     (["--preset", "7b", "--policy", "flat"], "argument --policy: invalid choice: 'flat'"),
+    (["--preset", "7b", "--bogus"],
+     "unrecognized arguments: --bogus; see `fsdp-conformance plan --help`"),
     (["--model", "no_such_pkg.mod:build", "--block-cls", "Block"],
      "cannot import module 'no_such_pkg.mod'"),
     (["--model", "fsdp_conformance.models:MassiveModel"], "no block class given"),
@@ -186,18 +259,36 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
 ])
 def test_bad_input_is_one_line_naming_the_fix(argv: list[str], needle: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    assert planning.main(argv) == 2
+    assert cli.main(["plan", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("fsdp-conformance plan: error: ") and err.count("\n") == 1, err
     assert needle in err
 
 
+def test_plan_is_a_subcommand_of_the_one_parser_and_run_and_compare_stay_light() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["plan", "--preset", "70b", "--world-size", "64", "--json"])
+    assert (args.command, args.preset, args.world_size, args.json, args.usage_error) == (
+        "plan", "70b", 64, True, None)
+    # A usage error comes back in args (main prints it: one line, exit 2), not as an exit here.
+    bad = parser.parse_args(["plan", "--preset", "7b", "--world-size", "x"])
+    assert bad.usage_error == ("argument --world-size: invalid int value: 'x'; see "
+                               "`fsdp-conformance plan --help`")
+    # plan's flags come from modules that import torch: they are added when `plan` is parsed,
+    # so that `run`, `compare` and `--help` do not import torch (the probe's control: plan does).
+    probe = ("import sys; from fsdp_conformance import cli; p = cli.build_parser(); "
+             "p.parse_args(['compare', 'old.json', 'new.json']); p.format_help(); "
+             "print('torch' in sys.modules); p.parse_args(['plan', '--preset', '7b']); "
+             "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split() == ["False", "True"], proc.stderr
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    # planning's own entry point: `fsdp-conformance plan --preset ...` hands its arguments to
-    # planning.main, but the CLI's REMAINDER argument does not take a first "--option" (argparse)
-    return subprocess.run([sys.executable, "-m", "fsdp_conformance.planning", *argv],
+    return subprocess.run([sys.executable, "-m", "fsdp_conformance.cli", "plan", *argv],
                           capture_output=True, text=True, timeout=240, env=env)
 
 
@@ -220,8 +311,7 @@ def test_cli_plan_cross_checks_fsdp2_shards_on_a_1024_rank_fake_process_group() 
     assert v["padding_numel"] == embed + mlp == 71680
     assert all(r["local_numel"] == r["padded_numel"] for r in v["units"])
     assert data["devices_needed"][0]["device_bytes"] == 80 * GB
-    assert {t["name"] for t in data["estimate"]["terms"]} >= {*planning.SHARDED_TERMS,
-                                                              *planning.UNIT_TERMS}
+    assert {t["name"] for t in data["estimate"]["terms"]} >= {*SHARDED_TERMS, *UNIT_TERMS}
     text = _cli("--preset", "7b", "--world-size", "1024", "--no-verify")
     assert text.returncode == 0 and "layers.{0..31}  LlamaBlock x32" in text.stdout
     assert "fsdp2 cross-check" not in text.stdout
@@ -274,24 +364,24 @@ def _without(bound: Bound, name: str) -> Bound:
 def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_caught(
     ranks: Ranks,
 ) -> None:
-    values = ranks.run(planning.rank_measure_peaks, cases=TRUST_CASES)
+    values = ranks.run(rank_measure_peaks, cases=TRUST_CASES)
     params = {"cases": TRUST_CASES}
-    verdict = planning.trust_verdict(values, params)
+    verdict = trust_verdict(values, params)
     assert verdict.passed, verdict.message
     assert verdict.figures["cases"] == len(TRUST_CASES)
-    assert verdict.figures["max_ratio"] <= planning.TRUST_MAX_RATIO
+    assert verdict.figures["max_ratio"] <= TRUST_MAX_RATIO
     # Negative control: the same measurements against bounds each missing a dominant term.
     world_size = len(values)
     estimates = {}
     for i, name in DROPPED_TERMS.items():
         case = TRUST_CASES[i]
-        estimates[i] = _without(planning.estimate_for_case(case, world_size), name)
+        estimates[i] = _without(estimate_for_case(case, world_size), name)
         peaks = {v["rank"]: v["peaks"][i]["peak"] for v in values}
-        ok, lines = planning.compare_to_measurement(
-            estimates[i], peaks, min_ratio=planning.TRUST_MIN_RATIO[case["policy"]])
+        ok, lines = compare_to_measurement(
+            estimates[i], peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]])
         assert not ok, f"case {i}: a bound without {name!r} still passed: {lines}"
         assert all("ABOVE 1.10 x the estimate: the estimate misses" in ln for ln in lines)
-    broken = planning.trust_verdict(values, {**params, "estimates": estimates})
+    broken = trust_verdict(values, {**params, "estimates": estimates})
     assert not broken.passed
     assert f"{len(DROPPED_TERMS) * world_size} outside" in broken.message
     assert f"rank {world_size - 1}: measured" in broken.message  # every rank judged
@@ -302,25 +392,25 @@ def test_comparison_flags_a_reduced_bound_above_and_an_inflated_one_below() -> N
              BoundTerm("saved activations", 100, "x"))
     bound = Bound(terms, 0.10)
     peaks = {0: 800, 1: 800}  # where per-layer peaks land: 0.8 of the estimate
-    ok, lines = planning.compare_to_measurement(bound, peaks, min_ratio=0.45)
+    ok, lines = compare_to_measurement(bound, peaks, min_ratio=0.45)
     assert ok and all(ln.endswith(": ok") for ln in lines) and len(lines) == 2
     reduced = Bound(tuple(t for t in terms if t.name != "optimizer state"), 0.10)
-    ok, lines = planning.compare_to_measurement(reduced, peaks, min_ratio=0.45)
+    ok, lines = compare_to_measurement(reduced, peaks, min_ratio=0.45)
     assert not ok and all("ABOVE 1.10 x the estimate: the estimate misses 400 B" in ln
                           for ln in lines)
     inflated = Bound(terms * 3, 0.10)
-    ok, lines = planning.compare_to_measurement(inflated, {0: 800, 1: 2000}, min_ratio=0.45)
+    ok, lines = compare_to_measurement(inflated, {0: 800, 1: 2000}, min_ratio=0.45)
     assert not ok
     assert "BELOW 0.45 x the estimate: the estimate is too loose" in lines[0]
     assert lines[1].endswith(": ok")  # judged per rank
 
 
 def test_trust_check_is_registered_for_both_versions_on_a_model_spec() -> None:
-    assert {c.params["version"] for c in planning.CHECKS} == {"fsdp1", "fsdp2"}
-    for check in planning.CHECKS:
+    assert {c.params["version"] for c in CHECKS} == {"fsdp1", "fsdp2"}
+    for check in CHECKS:
         assert check.name == "memory.plan_estimate_matches" and check.claim == "memory"
         assert isinstance(check.params["spec"], ModelSpec)
-        assert check.rank_fn is planning.rank_measure_peaks
+        assert check.rank_fn is rank_measure_peaks
     user = ModelSpec(reference=None, factory="fsdp_conformance.models:MassiveModel")
     # On a user's model monolithic is not measured (it may not fit unsharded).
-    assert {c["policy"] for c in planning.default_cases(user, "fsdp2")} == {"recommended"}
+    assert {c["policy"] for c in default_cases(user, "fsdp2")} == {"recommended"}

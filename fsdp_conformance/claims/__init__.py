@@ -1,0 +1,1 @@
+"""The claims: one module per claim."""

@@ -1,0 +1,323 @@
+"""The estimate: a policy's units and the step's activations on meta, memory's per-layer bound
+per world size, the devices needed, and the policies side by side (the seeds' claim)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fsdp_conformance.memory import (
+    ActivationProfile,
+    Bound,
+    StepConfig,
+    per_layer_bound,
+    profile_activations,
+)
+from fsdp_conformance.models import LLAMA_PRESETS, SEED_MIN_PARAMS
+from fsdp_conformance.plan.model import (
+    DTYPE_BYTES,
+    POLICIES,
+    ModelChoice,
+    PlanError,
+    PlanSettings,
+    _require_meta,
+    build_meta_model,
+    fmt_bytes,
+    meta_batch,
+)
+from fsdp_conformance.units import UnitInfo
+
+DEFAULT_DEVICE_MEMORY = "80GB,141GB"
+#: World sizes of the seeds' claim table (and the default of --world-sizes).
+CLAIM_WORLD_SIZES = (8, 64, 512, 1024)
+#: The largest world size searched for "devices needed"; past it a plan "never fits".
+MAX_WORLD_SIZE = 65536
+#: Terms of the bound that shrink with the world size; the rest is the per-rank floor.
+SHARDED_TERMS = ("sharded params", "sharded grads", "optimizer state")
+#: The bound's transient terms of the unit being gathered (its working set).
+UNIT_TERMS = ("unsharded params", "unsharded grads", "all-gather buffers",
+              "reduce-scatter buffers")
+ACTIVATION_TERMS = ("input batch", "saved activations", "activation working set")
+#: The seeds' sentence, quoted by the claim table.
+SEEDS_CLAIM = ("a generic 70B parameter model requires approximately 140GB of system RAM just to "
+               "hold the float16 weights")
+
+
+# ============================================================================================
+# The plan: units and activations on meta
+# ============================================================================================
+
+
+@dataclasses.dataclass
+class ModelPlan:
+    """A policy's units and the step's activations for one model: everything but the W."""
+
+    choice: ModelChoice
+    settings: PlanSettings
+    model_class: str
+    units: list[UnitInfo]
+    activations: ActivationProfile
+    buffer_bytes: int
+    #: Parameter shapes by FQN (for FSDP2's dim-0 padding).
+    param_shapes: dict[str, tuple[int, ...]]
+    seconds: float = 0.0
+
+    @property
+    def total_numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def step_config(self, world_size: int) -> StepConfig:
+        s = self.settings
+        return StepConfig(world_size=world_size, version=s.version,
+                          param_bytes=DTYPE_BYTES[s.param_dtype],
+                          compute_bytes=DTYPE_BYTES[s.compute_dtype],
+                          optimizer=s.optimizer_name, buffer_bytes=self.buffer_bytes,
+                          activations=self.activations)
+
+    def estimate(self, world_size: int) -> Bound:
+        """The per-rank peak of one training step at ``world_size``: memory's per-layer bound."""
+        if world_size < 1:
+            raise PlanError(f"world size must be >= 1, got {world_size}")
+        return per_layer_bound(self.units, self.step_config(world_size))
+
+
+def wrap_policy_for(model: Any, choice: ModelChoice, policy: str) -> Any:
+    """The auto-wrap policy named ``policy`` for this model (see :data:`POLICIES`)."""
+    from fsdp_conformance.memory import wrap_policy
+    from fsdp_conformance.policies import seeds_hybrid_policy
+
+    spec = choice.spec
+    if policy == "recommended":
+        return wrap_policy(model, spec, "per_layer")
+    if policy == "monolithic":
+        return wrap_policy(model, spec, "monolithic")
+    if policy == "seeds":
+        # At full scale the seeds' literal threshold (2e7); on a scaled-down model the same
+        # threshold scaled with dim**2, as the rest of the suite does.
+        threshold = (spec.min_params if spec.min_params is not None
+                     else SEED_MIN_PARAMS if choice.full_scale else spec.size_threshold(model))
+        return seeds_hybrid_policy(spec.block_classes(model), threshold)
+    raise PlanError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -> ModelPlan:
+    """Units of ``settings.policy`` and the activation profile of one step, all on meta.
+
+    ``model`` (a meta model of ``choice``) is reused when given, so several policies cost one
+    build; it is left as it was (parameter dtypes restored).
+    """
+    from fsdp_conformance.units import plan_units
+
+    start = time.perf_counter()
+    model = build_meta_model(choice) if model is None else model
+    _require_meta(model, choice)
+    units = plan_units(model, wrap_policy_for(model, choice, settings.policy))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    activations = profile_step_activations(model, choice, units, settings)
+    return ModelPlan(choice=choice, settings=settings, model_class=type(model).__name__,
+                     units=units, activations=activations, buffer_bytes=buffer_bytes,
+                     param_shapes=shapes, seconds=time.perf_counter() - start)
+
+
+def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
+                             settings: PlanSettings) -> ActivationProfile:
+    """memory.profile_activations in the compute dtype, with the chosen attention kernel.
+
+    Parameters (not buffers: FSDP's mixed precision leaves them alone) and float inputs are
+    cast to the compute dtype for the forward, as FSDP's mixed precision casts them.
+    """
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        settings.compute_dtype]
+    batch = meta_batch(model, choice, settings)
+    batch = torch.utils._pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        batch)
+    with _params_in(model, dtype), _attention(settings.attention):
+        try:
+            return profile_activations(model, batch, units)
+        except PlanError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's forward on meta: one clear line
+            raise PlanError(
+                f"the forward of {choice.label} on meta failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); planning needs a forward "
+                "that runs on meta tensors (no .item(), no data-dependent shapes); pass "
+                "--input pkg.module:builder if the default batch does not fit the model") from None
+
+
+@contextlib.contextmanager
+def _params_in(model: Any, dtype: Any) -> Iterator[None]:
+    saved = {}
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            saved[p] = p.dtype
+            p.data = p.data.to(dtype)  # meta: no storage, only the dtype changes
+    try:
+        yield
+    finally:
+        for p, original in saved.items():
+            p.data = p.data.to(original)
+
+
+@contextlib.contextmanager
+def _attention(kind: str) -> Iterator[None]:
+    """On meta, run scaled_dot_product_attention as the fused kernel ("flash") or unfused.
+
+    On meta torch falls back to the unfused math path, which saves the seq x seq weights; the
+    fused op (via _compat) saves what flash attention saves on GPU and on CPU.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from fsdp_conformance import _compat
+
+    op = _compat.flash_attention_cpu_op() if kind == "flash" else None
+    if op is None:
+        if kind == "flash":
+            raise PlanError(f"torch {torch.__version__} has no fused attention op with a meta "
+                            "kernel; rerun with --attention math (saves seq x seq weights)")
+        yield
+        return
+
+    class FusedOnMeta(TorchFunctionMode):
+        def __torch_function__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
+            kwargs = dict(kwargs or {})
+            if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+                q, k, v, *rest = args
+                names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+                kwargs.update(zip(names, rest))
+                if not kwargs.get("enable_gqa"):
+                    out = op(q, k, v, dropout_p=kwargs.get("dropout_p", 0.0),
+                             is_causal=kwargs.get("is_causal", False),
+                             attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))
+                    return out[0]
+            return func(*args, **kwargs)
+
+    with FusedOnMeta():
+        yield
+
+
+# ============================================================================================
+# World sizes: the estimate per W and devices needed
+# ============================================================================================
+
+
+def term_sum(bound: Bound, names: Sequence[str]) -> int:
+    return sum(t.bytes for t in bound.terms if t.name in names)
+
+
+def breakdown(bound: Bound) -> dict[str, int]:
+    """The estimate in three parts: sharded state, the gathered unit, activations (+ rest)."""
+    sharded = term_sum(bound, SHARDED_TERMS)
+    unit = term_sum(bound, UNIT_TERMS)
+    acts = term_sum(bound, ACTIVATION_TERMS)
+    return {"sharded_state": sharded, "unit_working_set": unit, "activations": acts,
+            "other": bound.total - sharded - unit - acts, "total": bound.total}
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicesNeeded:
+    """The smallest world size at which the estimate fits a device, or why none does."""
+
+    device_bytes: int
+    #: None: does not fit at any world size up to ``max_world_size``.
+    world_size: int | None
+    #: The estimate at ``world_size`` (or at ``max_world_size`` when it never fits).
+    estimate_bytes: int
+    #: What does not shrink with more ranks (every term but the sharded state).
+    floor_bytes: int
+    max_world_size: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def devices_needed(plan: ModelPlan, device_bytes: int,
+                   max_world_size: int = MAX_WORLD_SIZE) -> DevicesNeeded:
+    """Smallest W in 1..max_world_size with ``estimate(W).total <= device_bytes``.
+
+    Bisection: the estimate falls with W (sharded state ~ 1/W); the only terms that can rise
+    are FSDP's padding to a multiple of W (under W elements per unit), negligible next to a
+    device. When even ``max_world_size`` does not fit, the floor (all but the sharded state)
+    is what no number of devices can remove: say which part of it is too big.
+    """
+    def total(w: int) -> int:
+        return plan.estimate(w).total
+
+    top = plan.estimate(max_world_size)
+    floor = top.total - term_sum(top, SHARDED_TERMS)
+    if top.total > device_bytes:
+        return DevicesNeeded(device_bytes, None, top.total, floor, max_world_size,
+                             _never_fits_reason(plan, top, device_bytes, max_world_size))
+    if total(1) <= device_bytes:
+        w = 1
+    else:
+        lo, hi = 1, max_world_size
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if total(mid) <= device_bytes else (mid, hi)
+        w = hi
+    at = plan.estimate(w)
+    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {fmt_bytes(at.total)} per rank "
+              f"<= {fmt_bytes(device_bytes)}"
+              + (f" (at {w - 1:,} ranks: {fmt_bytes(total(w - 1))})" if w > 1 else ""))
+    return DevicesNeeded(device_bytes, w, at.total, floor, max_world_size, reason)
+
+
+def _never_fits_reason(plan: ModelPlan, top: Bound, device: int, max_w: int) -> str:
+    unit = term_sum(top, UNIT_TERMS)
+    acts = term_sum(top, ACTIVATION_TERMS)
+    floor = top.total - term_sum(top, SHARDED_TERMS)
+    largest = max(plan.units, key=lambda u: u.numel)
+    name = largest.fqn or f"{plan.model_class} (root)"
+    parts = (f"largest unit {name} gathered with its grads and collective buffers "
+             f"{fmt_bytes(unit)}, activations {fmt_bytes(acts)}")
+    if unit > device:
+        head = f"never fits: one unit's working set alone is {fmt_bytes(unit)}"
+        fix = "a policy with smaller units"
+    else:
+        head = f"never fits: {fmt_bytes(floor)} per rank does not shrink with more ranks"
+        fix = ("a smaller per-rank batch or sequence, or activation checkpointing (not modelled)"
+               if acts > unit else "a policy with smaller units")
+    return f"{head} ({parts}) > {fmt_bytes(device)} even at {max_w:,} ranks; fix: {fix}"
+
+
+# ============================================================================================
+# The seeds' claim: fp16 weights of the 70B preset, per-rank memory per policy and W
+# ============================================================================================
+
+
+def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: Sequence[int],
+                     device_bytes: Sequence[int], policies: Sequence[str] = POLICIES,
+                     max_world_size: int = MAX_WORLD_SIZE) -> dict[str, Any]:
+    """The estimate per policy and world size, and the devices each policy needs."""
+    model = build_meta_model(choice)
+    rows, needed, plans = [], {}, {}
+    for policy in policies:
+        plan = plan_model(choice, dataclasses.replace(settings, policy=policy), model)
+        plans[policy] = plan
+        largest = max(plan.units, key=lambda u: u.numel)
+        for w in world_sizes:
+            b = plan.estimate(w)
+            rows.append({"policy": policy, "world_size": w, "units": len(plan.units),
+                         "largest_unit": largest.fqn, "largest_unit_params": largest.numel,
+                         **breakdown(b),
+                         "fits": {str(d): b.total <= d for d in device_bytes}})
+        needed[policy] = [devices_needed(plan, d, max_world_size).to_dict()
+                          for d in device_bytes]
+    total = next(iter(plans.values())).total_numel
+    return {"model": {"label": choice.label, "params": total},
+            "claim": {"text": SEEDS_CLAIM if choice.spec.config == LLAMA_PRESETS["70b"] else None,
+                      "fp16_weight_bytes": total * DTYPE_BYTES["fp16"]},
+            "settings": settings.to_dict(), "world_sizes": list(world_sizes),
+            "device_bytes": list(device_bytes), "rows": rows, "devices_needed": needed}

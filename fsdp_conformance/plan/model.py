@@ -1,0 +1,228 @@
+"""The planner's input: the model to plan (a preset, a reference model or the user's factory, built
+on ``meta``), the step's settings in the user's words, sizes, and :class:`PlanError`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from fsdp_conformance.memory import OPTIMIZER_STATES
+from fsdp_conformance.models import (
+    LLAMA_PRESETS,
+    REFERENCE_MODELS,
+    LlamaConfig,
+    ModelConfig,
+    ModelSpec,
+)
+
+#: Bytes per element of the dtypes a plan can use.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: ``recommended`` = one unit per block (policies.recommended_policy); ``seeds`` = the seeds'
+#: get_hybrid_policy (block type OR the size rule, which also fires inside the blocks);
+#: ``monolithic`` = the root is the only unit.
+POLICIES = ("recommended", "seeds", "monolithic")
+#: ``--preset``: the Llama shapes of models.LLAMA_PRESETS, and the seeds' own MassiveModel at
+#: the seeds' scale (dim 4096, 8 layers, vocab 32000).
+PRESETS = (*LLAMA_PRESETS, "seeds")
+OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
+#: flash: what fused attention saves for backward (q, k, v, output, logsumexp), as flash or
+#: memory-efficient attention on GPU and the CPU flash kernel; math: the unfused path, which
+#: also saves the seq x seq attention weights.
+ATTENTION = ("flash", "math")
+
+UNITS_OF_BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+                  "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class PlanError(ValueError):
+    """Bad input to the planner; the message names the problem and the fix (exit code 2)."""
+
+
+# ============================================================================================
+# Settings and the model to plan
+# ============================================================================================
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """What one training step does, in the user's words (resolved to a StepConfig per W)."""
+
+    #: One of :data:`POLICIES`.
+    policy: str = "recommended"
+    #: "fsdp1" or "fsdp2".
+    version: str = "fsdp2"
+    #: Sharded parameters, sharded gradients and optimizer state (the fp32 master copy).
+    param_dtype: str = "fp32"
+    #: Gathered parameters, unsharded gradients, all-gather/reduce-scatter and activations
+    #: (bf16 mixed precision: FSDP2 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``).
+    compute_dtype: str = "bf16"
+    #: One of :data:`OPTIMIZERS` ("none": forward and backward only).
+    optimizer: str = "adamw"
+    #: Per-rank micro-batch.
+    batch_size: int = 1
+    #: Tokens per sample (ignored when the model has its own input builder).
+    seq_len: int = 4096
+    #: One of :data:`ATTENTION`.
+    attention: str = "flash"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("policy", POLICIES), ("version", ("fsdp1", "fsdp2")),
+                              ("param_dtype", tuple(DTYPE_BYTES)),
+                              ("compute_dtype", tuple(DTYPE_BYTES)),
+                              ("optimizer", OPTIMIZERS), ("attention", ATTENTION)):
+            if getattr(self, name) not in allowed:
+                raise PlanError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of "
+                                f"{', '.join(allowed)}")
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise PlanError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def optimizer_name(self) -> str | None:
+        return None if self.optimizer == "none" else self.optimizer
+
+    def describe(self) -> str:
+        opt = "no optimizer" if self.optimizer == "none" else f"{self.optimizer} state"
+        return (f"{self.version}; sharded params, grads and {opt} in {self.param_dtype}; "
+                f"gathered params, unsharded grads, collectives and activations in "
+                f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
+                f"{self.attention} attention")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """The model to plan and how to name it."""
+
+    spec: ModelSpec
+    label: str
+    #: True for the full-scale presets: the seeds' policy then keeps its literal 2e7 threshold.
+    full_scale: bool = False
+
+
+def choose_model(*, preset: str | None = None, reference: str | None = None,
+                 factory: str | None = None, block_cls: str | None = None,
+                 min_params: int | None = None, layers: int | None = None,
+                 dim: int | None = None, input_builder: str | None = None) -> ModelChoice:
+    """A preset, a (small) reference model or the user's factory, with one clear error each."""
+    given = [n for n, v in (("--preset", preset), ("--reference", reference), ("--model", factory))
+             if v is not None]
+    if len(given) != 1:
+        problem = "name one model, not " + " and ".join(given) if given else "no model given"
+        raise PlanError(
+            f"{problem}: "
+            f"pass --preset ({', '.join(PRESETS)}), --reference NAME "
+            f"({', '.join(REFERENCE_MODELS)}) or --model pkg.module:factory --block-cls CLASS")
+    if min_params is not None and min_params < 1:
+        raise PlanError(f"--min-params must be >= 1, got {min_params}")
+    if factory is None and (block_cls or input_builder):
+        raise PlanError("--block-cls and --input go with --model pkg.module:factory")
+    if preset is not None:
+        if layers is not None or dim is not None:
+            raise PlanError("--layers and --dim change a --reference model; a preset has its "
+                            "own shape (use --reference llama --layers N --dim D instead)")
+        if preset == "seeds":
+            spec = ModelSpec(reference="massive", config=ModelConfig.seeds_full_scale(),
+                             min_params=min_params)
+            return ModelChoice(spec, "the seeds' MassiveModel at full scale", full_scale=True)
+        if preset not in LLAMA_PRESETS:
+            raise PlanError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        spec = ModelSpec(reference="llama", config=LLAMA_PRESETS[preset], min_params=min_params)
+        return ModelChoice(spec, f"Llama {preset} preset", full_scale=True)
+    if reference is not None:
+        if reference not in REFERENCE_MODELS:
+            raise PlanError(f"unknown reference model {reference!r}; choose one of "
+                            f"{', '.join(REFERENCE_MODELS)} (or --preset {', '.join(PRESETS)})")
+        config: ModelConfig | LlamaConfig = (LlamaConfig() if reference == "llama"
+                                             else ModelConfig())
+        # Any: mypy's dataclasses.replace plugin checks **changes against every field of the
+        # union's members (their field sets differ), so dict[str, int] reads as "Never".
+        changes: dict[str, Any] = {
+            k: v for k, v in (("num_layers", layers), ("dim", dim)) if v is not None
+        }
+        try:
+            config = dataclasses.replace(config, **changes)
+        except ValueError as exc:
+            raise PlanError(f"--reference {reference}: {exc}") from None
+        spec = ModelSpec(reference=reference, config=config, min_params=min_params)
+        return ModelChoice(spec, f"reference {reference} ({_config_label(config)})")
+    if layers is not None or dim is not None:
+        raise PlanError("--layers and --dim change a --reference model, not a --model factory")
+    blocks = tuple(b.strip() for b in block_cls.split(",") if b.strip()) if block_cls else None
+    spec = ModelSpec(reference=None, factory=factory, block_cls=blocks, min_params=min_params,
+                     input_builder=input_builder)
+    return ModelChoice(spec, f"{factory}")
+
+
+def _config_label(config: ModelConfig | LlamaConfig) -> str:
+    return f"{config.num_layers} layers, dim {config.dim}"
+
+
+def build_meta_model(choice: ModelChoice) -> Any:
+    """The model on ``meta``: shapes only, no storage, at any size."""
+    return choice.spec.build("meta")
+
+
+def _require_meta(model: Any, choice: ModelChoice) -> None:
+    where = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
+    if where - {"meta"}:
+        raise PlanError(
+            f"{choice.label} builds tensors on {', '.join(sorted(where - {'meta'}))} even under "
+            "torch.device('meta'); create parameters without an explicit device= in the factory "
+            "so planning allocates nothing")
+
+
+def meta_batch(model: Any, choice: ModelChoice, settings: PlanSettings) -> Any:
+    """An input batch on meta: token ids or float features, ``batch_size x seq_len``."""
+    import torch
+
+    from fsdp_conformance.models import make_batch
+
+    spec, b, s = choice.spec, settings.batch_size, settings.seq_len
+    if spec.input_builder:
+        return spec.batch(model, b, "meta")
+    if spec.reference is not None:
+        if REFERENCE_MODELS[spec.reference].input_kind == "tokens":
+            return torch.empty((b, s), dtype=torch.long, device="meta")
+        return torch.empty((b, s, model.config.dim), device="meta")
+    return make_batch(model, b, s, device="meta")
+
+
+# ============================================================================================
+# Sizes in the user's words (decimal units, as device memory is quoted)
+# ============================================================================================
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units (1 GB = 10^9 B), as device memory is quoted."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_bytes(text: str, what: str = "--device-memory") -> int:
+    """``80GB``, ``141 GB``, ``80GiB``, ``8e10``: bytes (GB = 10^9 B, GiB = 2^30 B)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in UNITS_OF_BYTES:
+        raise PlanError(f"{what} {text!r} is not a size; write e.g. 80GB, 141GB or 80GiB")
+    value = float(m.group(1)) * UNITS_OF_BYTES[unit]
+    if value <= 0:
+        raise PlanError(f"{what} {text!r} must be positive")
+    return int(value)
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise PlanError(f"--world-sizes {text!r} is not a comma-separated list of integers; "
+                        "write e.g. 8,64,512,1024") from None
+    if not sizes or any(w < 1 for w in sizes):
+        raise PlanError(f"--world-sizes {text!r} needs integers >= 1, e.g. 8,64,512,1024")
+    return sizes
