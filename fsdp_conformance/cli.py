@@ -22,8 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from fsdp_conformance import interrupts
-from fsdp_conformance.harness import launched_externally
+from fsdp_conformance.harness import interrupts, launched_externally
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
