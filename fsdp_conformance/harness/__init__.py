@@ -12,8 +12,8 @@ Two engines share one contract (``run(fn, *args, **kwargs) -> list[value per ran
 
 Outcomes come from what each rank reports, never from exit codes alone: a rank that dies before
 reporting is a failure even if the others passed, and gloo's occasional abort at process exit
-*after* every rank reported (docs/harness.md, "Known limitations") does not turn a pass into a
-failure.
+*after* every rank reported (docs/harness.md, "Gloo's abort at exit") does not turn a pass into
+a failure.
 
 The folder: :mod:`.protocol` (what both sides share; imports nothing from the package),
 :mod:`.outcomes` (rank outcomes to one result), :mod:`.pool`, :mod:`.launcher`, :mod:`.ranks`

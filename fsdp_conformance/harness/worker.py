@@ -181,8 +181,8 @@ def _shutdown() -> None:
             dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: gloo sometimes aborts there (docs/harness.md, "Known
-    # limitations"), and the results are in.
+    # Skip interpreter teardown: gloo sometimes aborts there (docs/harness.md, "Gloo's abort at
+    # exit"), and the results are in.
     os._exit(0)
 
 
