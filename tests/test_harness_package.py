@@ -39,7 +39,8 @@ PUBLIC_NAMES = {
     "skip_rank", "startup_environ", "traceback_text",
 }
 
-#: What each module of the folder may import from the package (§1.2 of the issue 11 plan).
+#: What each module of the folder may import from the package (docs/harness.md: the rank side
+#: and the parent side share only ``protocol``; the pool starts the worker by its module name).
 #: The base modules (settings and the stdlib-only helpers) are allowed everywhere.
 BASE = {f"{PACKAGE}._compat", f"{PACKAGE}.settings", f"{PACKAGE}.sizes", f"{PACKAGE}._files"}
 ALLOWED = {
