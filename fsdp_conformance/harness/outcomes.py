@@ -17,7 +17,6 @@ class HarnessError(RuntimeError):
     """The harness itself could not do what was asked (bad arguments, ranks failed to start)."""
 
 
-
 def resolve_outcomes(check_name: str, outcomes: Sequence[RankOutcome]) -> list[Any]:
     """Turn every rank's outcome into the check's result: values, a skip, or one failure."""
     __tracebackhide__ = True  # the report is the ranks' story, not this frame

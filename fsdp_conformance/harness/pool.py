@@ -82,7 +82,6 @@ def fit_timeout(
     return fitted, f" (cut from {_seconds(timeout)} to end within {deadline_note})"
 
 
-
 @dataclasses.dataclass
 class _Rank:
     rank: int

@@ -55,7 +55,6 @@ def skip_rank(reason: str) -> None:
     raise CheckSkipped(reason)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RankOutcome:
     """What one rank did for one check."""
@@ -70,7 +69,6 @@ class RankOutcome:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
-
 
 
 def function_name(fn: Callable[..., Any]) -> str:

@@ -36,8 +36,6 @@ _UNRESTORABLE_HEADER = (
 )
 
 
-
-
 def _is_pytest_skip(exc: BaseException) -> bool:
     pytest = sys.modules.get("pytest")
     return pytest is not None and isinstance(exc, pytest.skip.Exception)
