@@ -84,7 +84,8 @@ def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
 
 def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     """Run a check and never raise: every outcome (skip, rank failure) becomes a CheckRun."""
-    from fsdp_conformance.harness import CheckSkipped, RankFailure, _check_name
+    from fsdp_conformance.harness import CheckSkipped, RankFailure
+    from fsdp_conformance.harness.protocol import function_name
 
     params = {**check.params, **overrides}
     runner = ranks.configured(env=dict(check.env) if check.env else None, skip=None)
@@ -92,7 +93,7 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     try:
         outcomes = runner.run_outcomes(check.rank_fn, **params)
         caught = tuple(sorted({w for o in outcomes for w in o.warnings}))
-        values = resolve_outcomes(_check_name(check.rank_fn), outcomes)
+        values = resolve_outcomes(function_name(check.rank_fn), outcomes)
         verdict = check.verdict(values, params)
     except CheckSkipped as exc:
         return CheckRun(check.name, SKIPPED, None, str(exc), time.perf_counter() - start)

@@ -22,8 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from fsdp_conformance import interrupts
-from fsdp_conformance.harness import launched_externally
+from fsdp_conformance.harness import interrupts, launched_externally
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import interrupts
 from fsdp_conformance.harness import (
     CheckSkipped,
     LauncherRunner,
     PoolManager,
     Ranks,
     close_all_pools,
+    interrupts,
     lane_unavailable,
     launched_externally,
     outer_deadline,

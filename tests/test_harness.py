@@ -30,7 +30,7 @@ pytestmark = pytest.mark.cpu
 #: Wall-clock limit for one inner pytest session (a guard, not a timing assertion).
 SESSION_LIMIT_S = 300
 
-WORKER_MODULE = "fsdp_conformance._worker"
+WORKER_MODULE = "fsdp_conformance.harness.worker"
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def pytest_unconfigure(config):
             cmdline = (entry / "cmdline").read_bytes().replace(b"\\0", b" ").decode()
         except OSError:
             continue
-        if "fsdp_conformance._worker" in cmdline and pattern.search(cmdline):
+        if "fsdp_conformance.harness.worker" in cmdline and pattern.search(cmdline):
             left.append(entry.name)
     Path("leftover-ranks.txt").write_text(" ".join(left))
 """

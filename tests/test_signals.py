@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_conformance import interrupts
+from fsdp_conformance.harness import interrupts
 
 pytestmark = pytest.mark.cpu
 
 #: Guards on the subprocesses (not timing assertions).
 START_LIMIT_S = 180
 EXIT_LIMIT_S = 60
-WORKER_MODULE = b"fsdp_conformance._worker"
+WORKER_MODULE = b"fsdp_conformance.harness.worker"
 
 
 def clean_env(tmpdir: Path) -> dict[str, str]:

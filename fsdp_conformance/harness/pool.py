@@ -1,18 +1,9 @@
-"""The rank harness: run a picklable check function on N ranks and get back each rank's value.
+"""The warm pool: N rank processes started once, fed checks one at a time, killed on failure.
 
-Two engines share one contract (``run(fn, *args, **kwargs) -> list[value per rank]``):
-
-* :class:`RankPool` (the single-machine default): N worker processes that stay warm across
-  checks, rendezvous through a ``FileStore`` in a private temporary folder (no TCP port, so
-  parallel sessions and ``pytest -n`` workers never collide), and talk to the parent over a
-  unix socket in that same folder.
-* :class:`LauncherRunner`: the processes were started by an external launcher (``torchrun``,
-  ``srun``); the check runs in-process on the ``env://`` process group and every rank's outcome
-  is all-gathered, so every rank's pytest sees the same verdict.
-
-Outcomes come from what each rank reports, never from exit codes alone: a rank that dies before
-reporting is a failure even if the others passed, and gloo's occasional abort at process exit
-*after* every rank reported (see NOTES.md) does not turn a pass into a failure.
+The ranks rendezvous through a ``FileStore`` in a private temporary folder (no TCP port, so
+parallel sessions and ``pytest -n`` workers never collide), and talk to the parent over a unix
+socket in that same folder. Each rank runs :mod:`fsdp_conformance.harness.worker`, started by
+its module name only: the pool never imports the worker.
 """
 
 from __future__ import annotations
@@ -28,12 +19,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
-log = logging.getLogger(__name__)
+from fsdp_conformance.harness import protocol
+from fsdp_conformance.harness.outcomes import STATUS_TITLE, HarnessError, describe_exit
+from fsdp_conformance.harness.protocol import RankOutcome, function_name
+
+#: The harness's one logger; named explicitly, because users configure it by this name.
+log = logging.getLogger("fsdp_conformance.harness")
 
 #: Seconds to wait for the other ranks to report once one rank has died or failed.
 GRACE_AFTER_FAILURE_S = 3.0
@@ -48,118 +43,6 @@ OUTER_TIMEOUT_RESERVE_S = 5.0
 STACK_DUMP_WAIT_S = 0.5
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
-
-_UNPICKLABLE_VALUE = (
-    "the check returned a value that cannot be pickled ({exc}); "
-    "return plain data (dicts, lists, numbers, strings)"
-)
-#: Set by a rank process while it imports the parent's ``__main__`` script.
-_loading_parent_main = False
-
-
-# --------------------------------------------------------------------------------------------
-# What a check sees on its rank
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RankContext:
-    """Where a check runs: passed as the first argument of every check function."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    #: The compute device of this rank: ``cpu`` on gloo, ``cuda:<local_rank>`` on NCCL.
-    device_type: str
-
-    @property
-    def device(self) -> Any:
-        import torch
-
-        if self.device_type == "cuda":
-            return torch.device("cuda", self.local_rank)
-        return torch.device(self.device_type)
-
-
-class CheckSkipped(Exception):
-    """Raised by a check on a rank (``skip_rank``) or by the runner when every rank skipped."""
-
-
-def skip_rank(reason: str) -> None:
-    """Skip the check on this rank (e.g. a feature missing in this torch)."""
-    raise CheckSkipped(reason)
-
-
-class RankFailure(AssertionError):
-    """One or more ranks failed a check: the message holds every rank's story."""
-
-
-class HarnessError(RuntimeError):
-    """The harness itself could not do what was asked (bad arguments, ranks failed to start)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RankOutcome:
-    """What one rank did for one check."""
-
-    rank: int
-    status: str  # "ok" | "error" | "skip" | "died" | "hung" | "silent" | "leaked"
-    value: Any = None
-    detail: str = ""  # traceback, skip reason, death cause, or stack dump
-    #: Warnings the check emitted on this rank ("Category: message"), deprecations among them.
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-def resolve_outcomes(check_name: str, outcomes: Sequence[RankOutcome]) -> list[Any]:
-    """Turn every rank's outcome into the check's result: values, a skip, or one failure."""
-    __tracebackhide__ = True  # the report is the ranks' story, not this frame
-    statuses = {o.status for o in outcomes}
-    if statuses == {"ok"}:
-        return [o.value for o in sorted(outcomes, key=lambda o: o.rank)]
-    if statuses == {"skip"}:
-        reasons = sorted({o.detail for o in outcomes})
-        raise CheckSkipped("; ".join(reasons))
-    raise RankFailure(format_failure(check_name, outcomes))
-
-
-_STATUS_TITLE = {
-    "ok": "passed",
-    "skip": "skipped",
-    "error": "raised",
-    "died": "died",
-    "hung": "did not finish",
-    "silent": "never reported",
-    # Passed (or skipped) but left a change the rank cannot undo: a live non-daemon thread,
-    # a destroyed process group. Not "ok", so the pool is discarded and rebuilt.
-    "leaked": "left state behind",
-}
-
-
-def format_failure(check_name: str, outcomes: Sequence[RankOutcome]) -> str:
-    """A report a person can act on: a one-line summary, then each rank's story."""
-    ordered = sorted(outcomes, key=lambda o: o.rank)
-    statuses = {o.status for o in ordered}
-    summary = ", ".join(f"rank {o.rank} {_STATUS_TITLE.get(o.status, o.status)}" for o in ordered)
-    # A rank stopped while the others skipped did not skip: the ranks disagree.
-    if "skip" in statuses and statuses <= {"ok", "skip", "hung"}:
-        headline = (
-            f"check {check_name!r}: ranks disagree on skipping ({summary}); "
-            "a check must skip on every rank or on none"
-        )
-    else:
-        headline = f"check {check_name!r} failed on {len(ordered)} ranks: {summary}"
-    parts = [headline]
-    for o in ordered:
-        if o.status == "ok":
-            continue
-        title = f"--- rank {o.rank}: {_STATUS_TITLE.get(o.status, o.status)}"
-        parts.append(f"{title} ---\n{o.detail.rstrip()}" if o.detail else title + " ---")
-    return "\n".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,25 +82,6 @@ def fit_timeout(
     return fitted, f" (cut from {_seconds(timeout)} to end within {deadline_note})"
 
 
-def _check_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(code).name
-    except ValueError:
-        return f"signal {code}"
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        return f"killed by {_signal_name(-returncode)} (exit status {returncode})"
-    return f"exited with code {returncode}"
-
-
 @dataclasses.dataclass
 class _Rank:
     rank: int
@@ -244,7 +108,7 @@ class RankPool:
         start_timeout: float = 60.0,
         pg_timeout: float = 300.0,
     ) -> None:
-        if _loading_parent_main:
+        if protocol.loading_parent_main:
             # As multiprocessing's spawn: the script is re-imported on every rank, so an
             # unguarded pool at its top level would start ranks from within each rank.
             raise HarnessError(
@@ -304,7 +168,7 @@ class RankPool:
                 }
                 with open(log_path, "wb") as log_file:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "fsdp_conformance._worker", repr(spec)],
+                        [sys.executable, "-m", "fsdp_conformance.harness.worker", repr(spec)],
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
                         stderr=subprocess.STDOUT,
@@ -433,7 +297,7 @@ class RankPool:
             inner = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix spelled out
             raise HarnessError(
-                f"check {_check_name(fn)} or its arguments cannot be pickled ({exc}); "
+                f"check {function_name(fn)} or its arguments cannot be pickled ({exc}); "
                 "define check functions at module level and pass plain data as arguments"
             ) from exc
         payload = pickle.dumps(("run", task_id, inner))
@@ -477,7 +341,7 @@ class RankPool:
                     first, grace = released_by
                     why = (
                         f"still running {_seconds(grace)} after rank {first.rank} "
-                        f"{_STATUS_TITLE[first.status]} (released then, not after the check's "
+                        f"{STATUS_TITLE[first.status]} (released then, not after the check's "
                         f"timeout of {_seconds(timeout)}{note}); its stacks:"
                     )
                 else:
@@ -671,236 +535,3 @@ class PoolManager:
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             pool.close(force=force or pool.broken)
-
-
-def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
-    """True when an external launcher (torchrun, srun) started this process as one rank."""
-    env = os.environ if environ is None else environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
-
-
-class LauncherRunner:
-    """Run checks in-process on the launcher's ``env://`` process group.
-
-    Every rank runs the same pytest session; each check's outcome on every rank is all-gathered
-    so that every rank reaches the same verdict. A hang here is caught by pytest-timeout.
-    """
-
-    def __init__(self, backend: str | None = None) -> None:
-        import torch
-        import torch.distributed as dist
-
-        env = os.environ
-        self.rank = int(env["RANK"])
-        self.world_size = int(env["WORLD_SIZE"])
-        self.local_rank = int(env["LOCAL_RANK"])
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.backend = backend
-        self.device_type = "cuda" if backend == "nccl" else "cpu"
-        if self.device_type == "cuda":
-            torch.cuda.set_device(self.local_rank)
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method="env://")
-        self.ctx = RankContext(
-            self.rank, self.world_size, self.local_rank, backend, self.device_type
-        )
-
-    def cannot_provide(self, env: Mapping[str, str] | None, fresh: bool) -> str | None:
-        """Why a check needing ``env`` (or fresh processes) cannot be judged in this launch.
-
-        Settings such as ``MALLOC_MMAP_THRESHOLD_`` take effect only if present when the
-        process starts, so what counts is the environment each rank *started* with
-        (``/proc/self/environ``), not ``os.environ`` now. Every rank's answer is all-gathered:
-        a collective, so every rank runs the check or every rank skips it, with one reason.
-        """
-        if fresh:
-            return ("needs fresh rank processes, which an external launcher's ranks are not; "
-                    "run it without the launcher (`fsdp-conformance run` or `pytest` starts "
-                    "its own ranks)")
-        if not env:
-            return None
-        started = startup_environ()
-        missing = sorted(f"{k}={v}" for k, v in env.items() if started.get(k) != v)
-        gathered = all_gather_objects((self.rank, missing), self.device_type)
-        lacking = [rank for rank, m in gathered if m]
-        if not lacking:
-            return None
-        wanted = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
-        found = sorted({item for _, m in gathered for item in m})
-        return (f"needs {', '.join(found)} set before the ranks start (rank"
-                f"{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))} started "
-                f"without it); launch with `{wanted} torchrun ...` to run it")
-
-    def close(self) -> None:
-        """Leave the launcher's process group (the launcher itself ends the processes)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def run_outcomes(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> list[RankOutcome]:
-        from fsdp_conformance import interrupts
-        from fsdp_conformance._worker import execute_check
-
-        status, value, detail, caught = execute_check(fn, self.ctx, args, kwargs)
-        interrupted = interrupts.pending()
-        if interrupted is not None:
-            raise interrupted  # SIGINT/SIGTERM during the check: stop here, not at the next
-        mine = RankOutcome(self.rank, status, value, detail, tuple(caught))
-        try:
-            pickle.dumps(mine)
-        except Exception as exc:  # noqa: BLE001 - must still join the all-gather, or all hang
-            detail = _UNPICKLABLE_VALUE.format(exc=exc)
-            mine = RankOutcome(self.rank, "error", detail=detail, warnings=mine.warnings)
-        return all_gather_objects(mine, self.device_type)
-
-
-def startup_environ() -> dict[str, str]:
-    """The environment this process started with (Linux: ``/proc/self/environ``)."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return dict(os.environ)  # no procfs: the best we can see
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
-def all_gather_objects(obj: Any, device_type: str) -> list[Any]:
-    """All-gather picklable objects without numpy (``all_gather_object`` needs it)."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu"
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    chunks = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(chunks, padded)
-    return [
-        pickle.loads(bytes(chunk[: int(size.item())].cpu().tolist()))
-        for chunk, size in zip(chunks, sizes)
-    ]
-
-
-def traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-
-
-# --------------------------------------------------------------------------------------------
-# The object tests use (the ``ranks`` fixture) and the CLI drives
-# --------------------------------------------------------------------------------------------
-
-
-def cuda_device_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none
-        return 0
-
-
-def lane_unavailable(lane: str, world_size: int) -> str | None:
-    """Why this lane cannot run at this world size here, or None when it can."""
-    if lane != "gpu":
-        return None
-    found = cuda_device_count()
-    if found == 0:
-        return "gpu lane: no CUDA device (torch.cuda.is_available() is False)"
-    if world_size > found:
-        return (
-            f"gpu lane: world size {world_size} needs {world_size} CUDA devices, found {found} "
-            f"(one rank per device); run it on a machine with {world_size} GPUs (tests without "
-            f"a world_size marker follow --fsdp-world-sizes, e.g. {found})"
-        )
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranks:
-    """Runs checks on ``world_size`` ranks of one lane; returns each rank's value.
-
-    ``ranks.run(check, *args, **kwargs)`` calls ``check(ctx, *args, **kwargs)`` on every rank
-    and returns the list of values by rank; a failure on any rank raises :class:`RankFailure`,
-    a skip on every rank raises :class:`CheckSkipped`. ``ranks.configured(...)`` returns a
-    runner with other options (timeout, fresh processes, environment, backend).
-    """
-
-    manager: PoolManager | None
-    world_size: int
-    lane: str = "cpu"
-    backend: str = "gloo"
-    timeout: float = 120.0
-    fresh: bool = False
-    env: Mapping[str, str] | None = None
-    launcher: LauncherRunner | None = None
-    #: Called with the reason when every rank skipped (the plugin passes ``pytest.skip``).
-    skip: Callable[[str], Any] | None = None
-    #: ``time.monotonic()`` by which every check must end (an outer pytest-timeout, less the
-    #: time to dump stacks): a check's timeout shrinks to fit, and its failure says so.
-    deadline: float | None = None
-    #: What the deadline is, for that failure ("this test's pytest-timeout of 6s ...").
-    deadline_note: str = ""
-
-    @property
-    def device_type(self) -> str:
-        return "cuda" if self.lane == "gpu" else "cpu"
-
-    def configured(self, **changes: Any) -> Ranks:
-        return dataclasses.replace(self, **changes)
-
-    def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
-        unavailable = lane_unavailable(self.lane, self.world_size)
-        if unavailable:
-            raise CheckSkipped(unavailable)
-        if self.launcher is not None:
-            if self.launcher.world_size != self.world_size:
-                raise CheckSkipped(
-                    f"world size {self.world_size} is not this launch's "
-                    f"(WORLD_SIZE={self.launcher.world_size})"
-                )
-            if self.launcher.device_type != self.device_type:
-                # One launch has one process group: a gpu lane on gloo, or a cpu lane on nccl
-                # (CPU tensors in NCCL collectives), would test the wrong thing or crash.
-                raise CheckSkipped(
-                    f"{self.lane} lane: this launch's process group is {self.launcher.backend} "
-                    f"on {self.launcher.device_type}; run the {self.lane} lane in its own launch "
-                    f"(e.g. torchrun ... -m pytest -m {self.lane} --fsdp-backend "
-                    f"{'nccl' if self.lane == 'gpu' else 'gloo'})"
-                )
-            unavailable = self.launcher.cannot_provide(self.env, self.fresh)
-            if unavailable:
-                raise CheckSkipped(unavailable)
-            return self.launcher.run_outcomes(fn, args, kwargs)
-        if self.manager is None:  # an invariant of how Ranks is built
-            raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")
-        return self.manager.run_outcomes(
-            fn,
-            args,
-            kwargs,
-            world_size=self.world_size,
-            backend=self.backend,
-            device_type=self.device_type,
-            timeout=self.timeout,
-            fresh=self.fresh,
-            env=self.env,
-            deadline=self.deadline,
-            deadline_note=self.deadline_note,
-        )
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        __tracebackhide__ = True  # a failure points at the test's line, then the ranks' story
-        try:
-            return resolve_outcomes(_check_name(fn), self.run_outcomes(fn, *args, **kwargs))
-        except CheckSkipped as exc:
-            if self.skip is None:
-                raise
-            self.skip(str(exc))
-            raise  # a skip callable that returns: still a skip

@@ -1,0 +1,94 @@
+"""The rank harness: run a picklable check function on N ranks and get back each rank's value.
+
+Two engines share one contract (``run(fn, *args, **kwargs) -> list[value per rank]``):
+
+* :class:`RankPool` (the single-machine default, :mod:`.pool`): N worker processes that stay
+  warm across checks, rendezvous through a ``FileStore`` in a private temporary folder (no TCP
+  port, so parallel sessions and ``pytest -n`` workers never collide), and talk to the parent
+  over a unix socket in that same folder.
+* :class:`LauncherRunner` (:mod:`.launcher`): the processes were started by an external
+  launcher (``torchrun``, ``srun``); the check runs in-process on the ``env://`` process group
+  and every rank's outcome is all-gathered, so every rank's pytest sees the same verdict.
+
+Outcomes come from what each rank reports, never from exit codes alone: a rank that dies before
+reporting is a failure even if the others passed, and gloo's occasional abort at process exit
+*after* every rank reported (docs/harness.md, "Gloo's abort at exit") does not turn a pass into
+a failure.
+
+The folder: :mod:`.protocol` (what both sides share; imports nothing from the package),
+:mod:`.outcomes` (rank outcomes to one result), :mod:`.pool`, :mod:`.launcher`, :mod:`.ranks`
+(the ``ranks`` fixture's object) on the parent's side; :mod:`.worker` and :mod:`.clean_state`
+on the rank's side, importing only :mod:`.protocol`; :mod:`.interrupts` (SIGINT/SIGTERM).
+This module re-exports the public names, so ``from fsdp_conformance.harness import Ranks``
+is the way to use them.
+"""
+
+from __future__ import annotations
+
+from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally, startup_environ
+from fsdp_conformance.harness.outcomes import (
+    HarnessError,
+    RankFailure,
+    describe_exit,
+    format_failure,
+    resolve_outcomes,
+)
+from fsdp_conformance.harness.pool import (
+    GRACE_AFTER_FAILURE_S,
+    GRACE_AFTER_SKIP_S,
+    LOG_TAIL_LINES,
+    OUTER_TIMEOUT_RESERVE_S,
+    STACK_DUMP_WAIT_S,
+    PoolManager,
+    RankPool,
+    close_all_pools,
+    fit_timeout,
+    log,
+    outer_deadline,
+)
+from fsdp_conformance.harness.protocol import (
+    CheckSkipped,
+    RankContext,
+    RankOutcome,
+    all_gather_objects,
+    skip_rank,
+    traceback_text,
+)
+from fsdp_conformance.harness.ranks import Ranks, cuda_device_count, lane_unavailable
+
+__all__ = [
+    "GRACE_AFTER_FAILURE_S",
+    "GRACE_AFTER_SKIP_S",
+    "LOG_TAIL_LINES",
+    "OUTER_TIMEOUT_RESERVE_S",
+    "STACK_DUMP_WAIT_S",
+    "CheckSkipped",
+    "HarnessError",
+    "LauncherRunner",
+    "PoolManager",
+    "RankContext",
+    "RankFailure",
+    "RankOutcome",
+    "RankPool",
+    "Ranks",
+    "all_gather_objects",
+    "close_all_pools",
+    "cuda_device_count",
+    "describe_exit",
+    "fit_timeout",
+    "format_failure",
+    "lane_unavailable",
+    "launched_externally",
+    "log",
+    "outer_deadline",
+    "resolve_outcomes",
+    "skip_rank",
+    "startup_environ",
+    "traceback_text",
+]
+
+# Users catch and read these by this name (pytest prints "fsdp_conformance.harness.RankFailure",
+# as docs/harness.md shows), as when the harness was one module.
+for _exception in (CheckSkipped, HarnessError, RankFailure):
+    _exception.__module__ = __name__
+del _exception

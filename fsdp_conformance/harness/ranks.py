@@ -1,0 +1,120 @@
+"""The object tests use (the ``ranks`` fixture) and the CLI drives: one lane, one world size."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fsdp_conformance.harness.launcher import LauncherRunner
+from fsdp_conformance.harness.outcomes import HarnessError, resolve_outcomes
+from fsdp_conformance.harness.pool import PoolManager
+from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome, function_name
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none
+        return 0
+
+
+def lane_unavailable(lane: str, world_size: int) -> str | None:
+    """Why this lane cannot run at this world size here, or None when it can."""
+    if lane != "gpu":
+        return None
+    found = cuda_device_count()
+    if found == 0:
+        return "gpu lane: no CUDA device (torch.cuda.is_available() is False)"
+    if world_size > found:
+        return (
+            f"gpu lane: world size {world_size} needs {world_size} CUDA devices, found {found} "
+            f"(one rank per device); run it on a machine with {world_size} GPUs (tests without "
+            f"a world_size marker follow --fsdp-world-sizes, e.g. {found})"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Runs checks on ``world_size`` ranks of one lane; returns each rank's value.
+
+    ``ranks.run(check, *args, **kwargs)`` calls ``check(ctx, *args, **kwargs)`` on every rank
+    and returns the list of values by rank; a failure on any rank raises :class:`RankFailure`,
+    a skip on every rank raises :class:`CheckSkipped`. ``ranks.configured(...)`` returns a
+    runner with other options (timeout, fresh processes, environment, backend).
+    """
+
+    manager: PoolManager | None
+    world_size: int
+    lane: str = "cpu"
+    backend: str = "gloo"
+    timeout: float = 120.0
+    fresh: bool = False
+    env: Mapping[str, str] | None = None
+    launcher: LauncherRunner | None = None
+    #: Called with the reason when every rank skipped (the plugin passes ``pytest.skip``).
+    skip: Callable[[str], Any] | None = None
+    #: ``time.monotonic()`` by which every check must end (an outer pytest-timeout, less the
+    #: time to dump stacks): a check's timeout shrinks to fit, and its failure says so.
+    deadline: float | None = None
+    #: What the deadline is, for that failure ("this test's pytest-timeout of 6s ...").
+    deadline_note: str = ""
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.lane == "gpu" else "cpu"
+
+    def configured(self, **changes: Any) -> Ranks:
+        return dataclasses.replace(self, **changes)
+
+    def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
+        unavailable = lane_unavailable(self.lane, self.world_size)
+        if unavailable:
+            raise CheckSkipped(unavailable)
+        if self.launcher is not None:
+            if self.launcher.world_size != self.world_size:
+                raise CheckSkipped(
+                    f"world size {self.world_size} is not this launch's "
+                    f"(WORLD_SIZE={self.launcher.world_size})"
+                )
+            if self.launcher.device_type != self.device_type:
+                # One launch has one process group: a gpu lane on gloo, or a cpu lane on nccl
+                # (CPU tensors in NCCL collectives), would test the wrong thing or crash.
+                raise CheckSkipped(
+                    f"{self.lane} lane: this launch's process group is {self.launcher.backend} "
+                    f"on {self.launcher.device_type}; run the {self.lane} lane in its own launch "
+                    f"(e.g. torchrun ... -m pytest -m {self.lane} --fsdp-backend "
+                    f"{'nccl' if self.lane == 'gpu' else 'gloo'})"
+                )
+            unavailable = self.launcher.cannot_provide(self.env, self.fresh)
+            if unavailable:
+                raise CheckSkipped(unavailable)
+            return self.launcher.run_outcomes(fn, args, kwargs)
+        if self.manager is None:  # an invariant of how Ranks is built
+            raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")
+        return self.manager.run_outcomes(
+            fn,
+            args,
+            kwargs,
+            world_size=self.world_size,
+            backend=self.backend,
+            device_type=self.device_type,
+            timeout=self.timeout,
+            fresh=self.fresh,
+            env=self.env,
+            deadline=self.deadline,
+            deadline_note=self.deadline_note,
+        )
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        __tracebackhide__ = True  # a failure points at the test's line, then the ranks' story
+        try:
+            return resolve_outcomes(function_name(fn), self.run_outcomes(fn, *args, **kwargs))
+        except CheckSkipped as exc:
+            if self.skip is None:
+                raise
+            self.skip(str(exc))
+            raise  # a skip callable that returns: still a skip

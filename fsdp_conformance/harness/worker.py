@@ -1,0 +1,188 @@
+"""The rank side of the harness: one process per rank, started by :class:`RankPool`.
+
+Run as ``python -m fsdp_conformance.harness.worker SPEC``. It joins the process group through
+the pool's file store, then loops: receive a check, run it from a clean global state, send back
+``(task_id, status, value, detail, warnings)``. It never decides a check's outcome; the parent
+does, from what every rank reports. It imports only :mod:`~fsdp_conformance.harness.protocol`
+and :mod:`~fsdp_conformance.harness.clean_state`, never the parent's side of the harness.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import types
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fsdp_conformance.harness import clean_state, protocol
+from fsdp_conformance.harness.clean_state import clean_global_state
+from fsdp_conformance.harness.protocol import (
+    UNPICKLABLE_VALUE,
+    CheckSkipped,
+    RankContext,
+    traceback_text,
+)
+
+_UNRESTORABLE_HEADER = (
+    "the check left this rank in a state the harness cannot restore (the pool is rebuilt, "
+    "so the next check starts clean):"
+)
+
+
+def _is_pytest_skip(exc: BaseException) -> bool:
+    pytest = sys.modules.get("pytest")
+    return pytest is not None and isinstance(exc, pytest.skip.Exception)
+
+
+def execute_check(
+    fn: Callable[..., Any], ctx: RankContext, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[str, Any, str, list[str]]:
+    """Run one check on this rank: ``(status, value, detail, warnings)``."""
+    caught: list[str] = []
+    with clean_global_state() as unrestorable:
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            try:
+                value = fn(ctx, *args, **kwargs)
+                status, detail = "ok", ""
+            except CheckSkipped as exc:
+                value, status, detail = None, "skip", str(exc)
+            except BaseException as exc:  # noqa: BLE001 - every failure is reported, by rank
+                if _is_pytest_skip(exc):
+                    value, status, detail = None, "skip", str(getattr(exc, "msg", exc))
+                else:
+                    value, status, detail = None, "error", traceback_text(exc)
+        for w in records:
+            caught.append(f"{w.category.__name__}: {w.message}")
+    if unrestorable:
+        # The check that changed the state fails (a skip too: the pool must be rebuilt either
+        # way), never the next, innocent one.
+        what = "\n".join(f"- {line}" for line in unrestorable)
+        if status == "error":
+            detail = f"{detail.rstrip()}\n{_UNRESTORABLE_HEADER}\n{what}"
+        else:
+            value, status, detail = None, "leaked", f"{_UNRESTORABLE_HEADER}\n{what}"
+    return status, value, detail, caught
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: die with the parent even if stuck in a collective (best effort)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    backend = spec["backend"]
+    rank, world_size = spec["rank"], spec["world_size"]
+    local_rank = rank  # one machine: one device per rank
+    kwargs: dict[str, Any] = {}
+    if spec["device_type"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{spec['store']}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=spec["pg_timeout"]),
+        **kwargs,
+    )
+    return RankContext(rank, world_size, local_rank, backend, spec["device_type"])
+
+
+def main(argv: Sequence[str]) -> None:
+    from multiprocessing.connection import Client
+
+    spec = ast.literal_eval(argv[0])
+    _set_parent_death_signal()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults: Python stack in the log
+    stacks = open(spec["stacks_path"], "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    clean_state.stacks_file = stacks
+    if spec.get("main_path"):
+        _load_parent_main(spec["main_path"])
+    conn = Client(spec["address"], family="AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
+    conn.send({"rank": spec["rank"], "pid": os.getpid()})
+    try:
+        ctx = _init_process_group(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback_text(exc)))
+        os._exit(1)
+    conn.send(("ready", ""))
+    while True:
+        try:
+            outer = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        message = pickle.loads(outer)
+        if message[0] == "stop":
+            break
+        _, task_id, inner = message
+        try:
+            fn, args, kwargs = pickle.loads(inner)
+        except BaseException as exc:  # noqa: BLE001 - e.g. the test module fails to import here
+            reply: tuple[Any, ...] = (
+                task_id,
+                "error",
+                None,
+                "could not load the check on this rank:\n" + traceback_text(exc),
+                [],
+            )
+        else:
+            reply = (task_id, *execute_check(fn, ctx, args, kwargs))
+        try:
+            conn.send(reply)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable return value
+            conn.send((task_id, "error", None, UNPICKLABLE_VALUE.format(exc=exc), reply[4]))
+    _shutdown()
+
+
+def _load_parent_main(path: str) -> None:
+    """Import the parent's script as ``__mp_main__`` (as multiprocessing's spawn does)."""
+    import runpy
+
+    protocol.loading_parent_main = True
+    try:
+        namespace = runpy.run_path(path, run_name="__mp_main__")
+    finally:
+        protocol.loading_parent_main = False
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(namespace)
+    sys.modules["__mp_main__"] = module
+    sys.modules["__main__"] = module
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo sometimes aborts there (docs/harness.md, "Gloo's abort at
+    # exit"), and the results are in.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
