@@ -33,17 +33,16 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.checks import Check, Verdict
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.memory import (
+from fsdp_conformance.bound import (
     BOUND_TOLERANCE,
     OPTIMIZER_STATES,
     ActivationProfile,
     Bound,
     StepConfig,
     per_layer_bound,
-    profile_activations,
 )
+from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import (
     LLAMA_PRESETS,
     REFERENCE_MODELS,
@@ -54,6 +53,7 @@ from fsdp_conformance.models import (
     ModelSpecError,
 )
 from fsdp_conformance.policies import PolicyError
+from fsdp_conformance.profile import profile_activations
 from fsdp_conformance.units import ROOT, UnitInfo
 
 PROG = "fsdp-conformance plan"
@@ -267,8 +267,8 @@ class ModelPlan:
 
 def wrap_policy_for(model: Any, choice: ModelChoice, policy: str) -> Any:
     """The auto-wrap policy named ``policy`` for this model (see :data:`POLICIES`)."""
-    from fsdp_conformance.memory import wrap_policy
     from fsdp_conformance.policies import seeds_hybrid_policy
+    from fsdp_conformance.profile import wrap_policy
 
     spec = choice.spec
     if policy == "recommended":
@@ -869,7 +869,7 @@ def rank_measure_peaks(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version
                        cases: Sequence[Mapping[str, Any]] | None = None,
                        batch_size: int = 2) -> dict[str, Any]:
     """The measured peak of one training step per case on this rank (memory.measure_step)."""
-    from fsdp_conformance.memory import measure_step
+    from fsdp_conformance.step import measure_step
 
     peaks = []
     for case in cases if cases is not None else default_cases(spec, version):

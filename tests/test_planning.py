@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from fsdp_conformance import planning
+from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.memory import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
 
 GB = 10**9
