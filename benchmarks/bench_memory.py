@@ -15,29 +15,32 @@ import statistics
 import sys
 from typing import Any
 
-from fsdp_conformance import memory
+from fsdp_conformance.bound import Bound, per_layer_bound
 from fsdp_conformance.harness import PoolManager, RankContext, Ranks, cuda_device_count
+from fsdp_conformance.meters import MALLOC_ENV
 from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.profile import plan_step
+from fsdp_conformance.step import measure_step
 
 
 def bench_rank(ctx: RankContext, spec: ModelSpec, version: str, repeat: int) -> dict[str, Any]:
     """Agreement (tracker vs truth), peaks per wrapping, and step times per meter, on this rank."""
     truth = "cuda" if ctx.device_type == "cuda" else "os"
-    both = memory.measure_step(ctx, spec, version, "per_layer", meter="tracker", also=truth,
+    both = measure_step(ctx, spec, version, "per_layer", meter="tracker", also=truth,
                                timeline=False)
     out: dict[str, Any] = {"rank": ctx.rank, "agreement": both["meters"]}
     for wrapping in ("per_layer", "monolithic"):
-        m = memory.measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth)
+        m = measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth)
         out[wrapping] = {"tracker": m["meters"][0]["peak"], truth: m["meters"][1]["peak"],
                          "timeline": m["timeline"]}
-    units, config = memory.plan_step(spec, ctx.world_size, version)
-    out["bound"] = memory.per_layer_bound(units, config).to_dict()
+    units, config = plan_step(spec, ctx.world_size, version)
+    out["bound"] = per_layer_bound(units, config).to_dict()
     times: dict[str, float] = {}
     for meter in ("none", "tracker", truth):
-        runs = [memory.measure_step(ctx, spec, version, "per_layer", meter=meter,
+        runs = [measure_step(ctx, spec, version, "per_layer", meter=meter,
                                     timeline=False)["seconds"] for _ in range(repeat)]
         times[meter] = statistics.median(runs)
-    timed = memory.measure_step(ctx, spec, version, "per_layer", meter="tracker", timeline=True)
+    timed = measure_step(ctx, spec, version, "per_layer", meter="tracker", timeline=True)
     times["tracker+timeline"] = timed["seconds"]
     out["times"] = times
     return out
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = Ranks(manager, args.world_size, lane="gpu" if gpu else "cpu",
                   backend="nccl" if gpu else "gloo", timeout=600)
     if not gpu:
-        ranks = ranks.configured(env=memory.MALLOC_ENV)
+        ranks = ranks.configured(env=MALLOC_ENV)
     truth = "cuda" if gpu else "os"
     lane = "gpu (CUDA allocator)" if gpu else "cpu (OS VmHWM, MALLOC_MMAP_THRESHOLD_=65536)"
     print(f"model: massive dim {args.dim}, {args.layers} layers; world size {args.world_size}; "
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(version: str, values: list[dict[str, Any]], truth: str) -> None:
-    bound = memory.Bound.from_dict(values[0]["bound"])
+    bound = Bound.from_dict(values[0]["bound"])
     print(f"\n== {version} ==")
     print(f"{'rank':>4}  {'tracker step +MB':>16}  {truth + ' step +MB':>14}  {'ratio':>6}")
     for v in values:
@@ -101,7 +104,7 @@ def write_plot(value: dict[str, Any], path: str) -> None:
         from fsdp_conformance.gate import plots
 
         plots.plot_timelines({w: value[w]["timeline"] for w in ("per_layer", "monolithic")}, path,
-                             limit_bytes=memory.Bound.from_dict(value["bound"]).limit,
+                             limit_bytes=Bound.from_dict(value["bound"]).limit,
                              peaks={w: value[w]["tracker"] for w in ("per_layer", "monolithic")},
                              title="fsdp2, rank 0: per-layer sawtooth vs monolithic")
         print(f"plot: {path}")

@@ -22,7 +22,6 @@ and turns what goes wrong into one-line findings (:func:`describe_init_error`).
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import hashlib
 import math
@@ -38,7 +37,7 @@ import torch.nn as nn
 from fsdp_conformance import _compat
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
-from fsdp_conformance.memory import MALLOC_ENV, reset_peak_rss, status_bytes
+from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
@@ -1196,7 +1195,7 @@ def peak_memory_rank(
     # first-call caches are the process's fixed costs, not the model's.
     materialize(ctx, ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=8)),
                 version, "deterministic", seed)
-    with _peak_meter(ctx) as reading:
+    with host_or_cuda_peak(ctx) as reading:
         model = materialize(ctx, spec, version, "deterministic", seed, policy=policy,
                             eager=eager)
     del model
@@ -1213,33 +1212,6 @@ def peak_memory_rank(
         "largest_param_bytes": largest_param,
         "sharded_bytes": sharded,
     }
-
-
-@contextlib.contextmanager
-def _peak_meter(ctx: RankContext) -> Iterator[dict[str, Any]]:
-    """Peak and kept bytes of the block, on the memory that holds the parameters.
-
-    CPU: the process's ``VmHWM`` (reset through ``clear_refs``). GPU: the CUDA caching
-    allocator's peak (the parameters live there; the host only ever holds one module's full
-    values while they are generated).
-    """
-    reading: dict[str, Any] = {}
-    if ctx.device_type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-        before = torch.cuda.memory_allocated(ctx.device)
-        yield reading
-        torch.cuda.synchronize(ctx.device)
-        reading.update(
-            meter="cuda allocator",
-            peak=torch.cuda.max_memory_allocated(ctx.device) - before,
-            kept=torch.cuda.memory_allocated(ctx.device) - before,
-        )
-        return
-    before = reset_peak_rss()
-    yield reading
-    reading.update(meter="VmHWM", peak=status_bytes("VmHWM") - before,
-                   kept=status_bytes("VmRSS") - before)
 
 
 def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:

@@ -14,9 +14,20 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import memory
+from fsdp_conformance.bound import (
+    ActivationProfile,
+    Bound,
+    BoundTerm,
+    MeasureError,
+    StepConfig,
+    per_layer_bound,
+)
 from fsdp_conformance.checks import run_check
 from fsdp_conformance.harness import Ranks
+from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
 from fsdp_conformance.models import LLAMA_PRESETS, ModelConfig, ModelSpec
+from fsdp_conformance.profile import plan_step, wrap_policy
+from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import UnitInfo
 
 VERSIONS = ("fsdp1", "fsdp2")
@@ -37,11 +48,11 @@ def _units() -> list[UnitInfo]:
 
 
 def test_bound_terms_follow_from_the_plan_and_config_term_by_term() -> None:
-    acts = memory.ActivationProfile(input_bytes=64, saved_bytes={"": 8, "layers.0": 40},
+    acts = ActivationProfile(input_bytes=64, saved_bytes={"": 8, "layers.0": 40},
                                     produced_bytes={"layers.0": 96, "head": 32})
-    config = memory.StepConfig(world_size=4, version="fsdp2", optimizer="adam",
+    config = StepConfig(world_size=4, version="fsdp2", optimizer="adam",
                                buffer_bytes=16, activations=acts)
-    bound = memory.per_layer_bound(_units(), config)
+    bound = per_layer_bound(_units(), config)
     shard = 25 + 250 + 250 + 201  # ceil(numel / 4) per unit
     assert bound.term("sharded params").bytes == shard * 4
     assert bound.term("sharded grads").bytes == shard * 4
@@ -56,32 +67,32 @@ def test_bound_terms_follow_from_the_plan_and_config_term_by_term() -> None:
     assert bound.term("activation working set").bytes == 96
     assert bound.total == sum(t.bytes for t in bound.terms)
     assert bound.limit == int(bound.total * 1.10)
-    assert memory.Bound.from_dict(bound.to_dict()) == bound
+    assert Bound.from_dict(bound.to_dict()) == bound
 
 
 def test_bound_fsdp1_gathers_in_place_and_pads_only_when_needed() -> None:
-    bound = memory.per_layer_bound(_units(), memory.StepConfig(world_size=4, version="fsdp1"))
+    bound = per_layer_bound(_units(), StepConfig(world_size=4, version="fsdp1"))
     assert bound.term("all-gather buffers").bytes == 0
     assert bound.term("reduce-scatter buffers").bytes == 250 * 4  # 1000 % 4 == 0: no padded copy
-    odd = memory.per_layer_bound(_units(), memory.StepConfig(world_size=3, version="fsdp1"))
+    odd = per_layer_bound(_units(), StepConfig(world_size=3, version="fsdp1"))
     assert odd.term("reduce-scatter buffers").bytes == (334 + 334 * 3) * 4
 
 
 def test_step_config_rejects_bad_values_with_the_field_named() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1"):
-        memory.StepConfig(world_size=0)
+        StepConfig(world_size=0)
     with pytest.raises(ValueError, match="optimizer 'lion'"):
-        memory.StepConfig(world_size=2, optimizer="lion")
+        StepConfig(world_size=2, optimizer="lion")
     with pytest.raises(ValueError, match="version must be"):
-        memory.StepConfig(world_size=2, version="fsdp3")
+        StepConfig(world_size=2, version="fsdp3")
 
 
 def test_bound_of_70b_on_1024_ranks_is_planned_on_meta_without_allocating() -> None:
     spec = ModelSpec(reference="llama", config=LLAMA_PRESETS["70b"])
     start = time.perf_counter()
-    units, config = memory.plan_step(spec, 1024, "fsdp2", optimizer="adamw", batch_size=1,
+    units, config = plan_step(spec, 1024, "fsdp2", optimizer="adamw", batch_size=1,
                                      compute_bytes=2)
-    bound = memory.per_layer_bound(units, config)
+    bound = per_layer_bound(units, config)
     elapsed = time.perf_counter() - start
     total = sum(u.numel for u in units)
     assert 68e9 < total < 71e9, total  # it is the 70B shape
@@ -97,7 +108,7 @@ def test_bound_of_70b_on_1024_ranks_is_planned_on_meta_without_allocating() -> N
 
 def test_activation_profile_counts_saved_tensors_per_unit_on_meta() -> None:
     spec = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32))
-    units, config = memory.plan_step(spec, 2, "fsdp1", batch_size=2)
+    units, config = plan_step(spec, 2, "fsdp1", batch_size=2)
     acts = config.activations
     assert acts is not None
     # Each DecoderLayer saves the inputs of attn (dim) and mlp.0 (dim), and the ReLU output
@@ -226,7 +237,7 @@ def _late_release_peaks(ctx: Any, hold_s: float = 0.5) -> dict[str, Any]:
         try:
             for n, fn in originals.items():
                 setattr(dist, n, worker(fn, hold))
-            m = memory.measure_step(ctx, spec, "fsdp2", timeline=False)
+            m = measure_step(ctx, spec, "fsdp2", timeline=False)
         finally:
             for n, fn in originals.items():
                 setattr(dist, n, fn)
@@ -278,7 +289,7 @@ def test_depth_needs_a_reference_model() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_tracker_agrees_with_ground_truth_within_five_percent(ranks: Ranks, version: str) -> None:
     check = next(c for c in memory.METER_CHECKS if c.params["version"] == version)
-    assert check.env == memory.MALLOC_ENV  # the OS figure is valid only with it
+    assert check.env == MALLOC_ENV  # the OS figure is valid only with it
     verdict = run_check(ranks, check)
     assert verdict.passed, verdict.message
     # The verdict allows max(5 %, the OS figure's 2 MB resolution): no stricter ratio here.
@@ -296,18 +307,18 @@ def test_meter_check_catches_a_tracker_blind_to_fsdp1_gather_buffers(ranks: Rank
 
 def test_os_meter_refuses_without_the_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    why = memory.OSMeter.available()
+    why = OSMeter.available()
     assert why is not None and "MALLOC_MMAP_THRESHOLD_=65536" in why
 
 
 def test_unknown_wrapping_and_meter_are_named() -> None:
-    with pytest.raises(memory.MemoryCheckError, match="unknown wrapping 'flat'"):
-        memory.wrap_policy(None, memory.DEFAULT_SPEC, "flat")
+    with pytest.raises(MeasureError, match="unknown wrapping 'flat'"):
+        wrap_policy(None, memory.DEFAULT_SPEC, "flat")
     from fsdp_conformance.harness import RankContext
 
     ctx = RankContext(0, 1, 0, "gloo", "cpu")
-    with pytest.raises(memory.MemoryCheckError, match="unknown meter 'gauge'"):
-        memory._choose_meter(ctx, "gauge", "fsdp1")
+    with pytest.raises(MeasureError, match="unknown meter 'gauge'"):
+        choose_meter(ctx, "gauge", "fsdp1")
 
 
 # ------------------------------------------------------------------------------------------
@@ -354,8 +365,8 @@ def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]
     """Rows as rank_depths returns them: sharded state 1 MB per layer, monolithic + 4 MB/layer."""
     rows = []
     for depth, per_layer in zip((2, 4, 8), per_layer_mb):
-        sharded = memory.BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)
-        bound = memory.Bound((sharded,), 0.1)
+        sharded = BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)
+        bound = Bound((sharded,), 0.1)
         rows.append({"depth": depth, "bound": bound.to_dict(), "layer_bytes": 4 * 10**6,
                      "per_layer": int((per_layer + depth) * 10**6),
                      "monolithic": int((5 * depth + 1) * 10**6)})

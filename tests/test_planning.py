@@ -19,6 +19,7 @@ import pytest
 
 import fsdp_conformance
 from fsdp_conformance import cli
+from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.claims.plan_trust import (
     CHECKS,
     TRUST_MAX_RATIO,
@@ -30,7 +31,6 @@ from fsdp_conformance.claims.plan_trust import (
     trust_verdict,
 )
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.memory import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,

@@ -1,7 +1,7 @@
 """Trust in the planner: its estimate against measured peaks of real steps at small scale.
 
 ``memory.plan_estimate_matches`` (:data:`CHECKS`) runs training steps on the rank pools through
-the memory checks' :func:`~fsdp_conformance.memory.measure_step` and judges every rank's peak
+the memory checks' :func:`~fsdp_conformance.step.measure_step` and judges every rank's peak
 against :func:`fsdp_conformance.plan.estimate.plan_model`'s estimate for the same model, policy,
 world size, optimizer and batch (docs/planning.md, "Trust").
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance.bound import BOUND_TOLERANCE, Bound
 from fsdp_conformance.checks import Check, Verdict
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.memory import BOUND_TOLERANCE, Bound
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
 from fsdp_conformance.plan.model import ModelChoice, PlanError, PlanSettings, fmt_bytes
@@ -29,7 +29,7 @@ TRUST_MIN_RATIO = {"recommended": 0.45, "monolithic": 0.25}
 MEASURED_SEQ_LEN = 8
 #: The reference model of the trust check (the memory checks' shape, smaller).
 DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=4, dim=128))
-#: policy -> memory.measure_step's wrapping name.
+#: policy -> step.measure_step's wrapping name.
 MEASURED_WRAPPINGS = {"recommended": "per_layer", "monolithic": "monolithic"}
 
 
@@ -46,8 +46,8 @@ def default_cases(spec: ModelSpec, version: str) -> list[dict[str, Any]]:
 def rank_measure_peaks(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
                        cases: Sequence[Mapping[str, Any]] | None = None,
                        batch_size: int = 2) -> dict[str, Any]:
-    """The measured peak of one training step per case on this rank (memory.measure_step)."""
-    from fsdp_conformance.memory import measure_step
+    """The measured peak of one training step per case on this rank (step.measure_step)."""
+    from fsdp_conformance.step import measure_step
 
     peaks = []
     for case in cases if cases is not None else default_cases(spec, version):

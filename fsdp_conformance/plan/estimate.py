@@ -9,13 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fsdp_conformance.memory import (
-    ActivationProfile,
-    Bound,
-    StepConfig,
-    per_layer_bound,
-    profile_activations,
-)
+from fsdp_conformance.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, SEED_MIN_PARAMS
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
@@ -28,6 +22,7 @@ from fsdp_conformance.plan.model import (
     fmt_bytes,
     meta_batch,
 )
+from fsdp_conformance.profile import profile_activations
 from fsdp_conformance.units import UnitInfo
 
 DEFAULT_DEVICE_MEMORY = "80GB,141GB"
@@ -86,8 +81,8 @@ class ModelPlan:
 
 def wrap_policy_for(model: Any, choice: ModelChoice, policy: str) -> Any:
     """The auto-wrap policy named ``policy`` for this model (see :data:`POLICIES`)."""
-    from fsdp_conformance.memory import wrap_policy
     from fsdp_conformance.policies import seeds_hybrid_policy
+    from fsdp_conformance.profile import wrap_policy
 
     spec = choice.spec
     if policy == "recommended":
@@ -125,7 +120,7 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
 
 def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
                              settings: PlanSettings) -> ActivationProfile:
-    """memory.profile_activations in the compute dtype, with the chosen attention kernel.
+    """profile.profile_activations in the compute dtype, with the chosen attention kernel.
 
     Parameters (not buffers: FSDP's mixed precision leaves them alone) and float inputs are
     cast to the compute dtype for the forward, as FSDP's mixed precision casts them.

@@ -7,7 +7,7 @@ import dataclasses
 import re
 from typing import Any
 
-from fsdp_conformance.memory import OPTIMIZER_STATES
+from fsdp_conformance.bound import OPTIMIZER_STATES
 from fsdp_conformance.models import (
     LLAMA_PRESETS,
     REFERENCE_MODELS,

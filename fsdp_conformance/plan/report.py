@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.memory import Bound
+from fsdp_conformance.bound import Bound
 from fsdp_conformance.plan.estimate import (
     MAX_WORLD_SIZE,
     ModelPlan,

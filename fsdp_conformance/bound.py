@@ -1,0 +1,231 @@
+"""The per-layer bound: plain data in, plain data out (no model, no allocation).
+
+:func:`per_layer_bound` is a pure function of a unit plan (``UnitInfo`` rows from
+:func:`~fsdp_conformance.units.plan_units`) and a :class:`StepConfig` (world size, dtypes,
+optimizer, activation profile). Term by term, so it also answers at full scale (70B on 1,024
+ranks). docs/memory.md derives every term. The memory claim, init's peak check and the planner
+all use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fsdp_conformance.units import ROOT, UnitInfo
+
+MB = 1e6
+
+#: Relative tolerance on the bound. Tracker peaks are deterministic at fixed settings, but the
+#: OS and CUDA figures move a few percent run to run (up to ~8% seen, NOTES.md), so the bound
+#: is checked against ``total * (1 + BOUND_TOLERANCE)``.
+BOUND_TOLERANCE = 0.10
+#: Optimizer state tensors kept per parameter element (sharded, in the parameter dtype).
+OPTIMIZER_STATES = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+#: Adam/AdamW also keep one ``step`` scalar per parameter tensor.
+OPTIMIZER_SCALARS = {None: 0, "sgd": 0, "momentum": 0, "adam": 1, "adamw": 1}
+
+
+class MeasureError(ValueError):
+    """A bound or a measurement was asked for something it cannot do; the message says the fix."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationProfile:
+    """Activation memory of one step, per unit, in bytes (from :func:`profile_activations`)."""
+
+    #: The input batch.
+    input_bytes: int = 0
+    #: Tensors saved for backward, by the unit whose forward saved them (parameters excluded).
+    saved_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Every tensor a unit's forward produces, saved or not (its transient working set).
+    produced_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"input_bytes": self.input_bytes, "saved_bytes": dict(self.saved_bytes),
+                "produced_bytes": dict(self.produced_bytes)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """What a training step does, as plain data: enough to compute the bound without a model."""
+
+    #: Ranks the parameters are sharded over.
+    world_size: int
+    #: "fsdp1" or "fsdp2" (their all-gather and reduce-scatter buffers differ).
+    version: str = "fsdp2"
+    #: Bytes per element of the sharded parameters, sharded gradients and optimizer state.
+    param_bytes: int = 4
+    #: Bytes per element of unsharded parameters and gradients (2 under bf16 mixed precision).
+    compute_bytes: int = 4
+    #: None (forward/backward only), "sgd", "momentum", "adam" or "adamw".
+    optimizer: str | None = None
+    #: Buffers (replicated, never sharded), in bytes.
+    buffer_bytes: int = 0
+    #: Activations; None counts none (a plan without a batch).
+    activations: ActivationProfile | None = None
+    #: Relative tolerance the bound is checked with.
+    tolerance: float = BOUND_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"StepConfig.world_size must be >= 1, got {self.world_size}")
+        if self.version not in ("fsdp1", "fsdp2"):
+            raise ValueError(f"StepConfig.version must be 'fsdp1' or 'fsdp2', got {self.version!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"StepConfig.optimizer {self.optimizer!r} is not one of "
+                f"{sorted(k for k in OPTIMIZER_STATES if k)} or None"
+            )
+        if self.tolerance < 0:
+            raise ValueError(f"StepConfig.tolerance must be >= 0, got {self.tolerance}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundTerm:
+    name: str
+    bytes: int
+    #: How it was computed, with the numbers (shown in failure messages and docs).
+    derivation: str
+    #: True when the term grows with the number of layers (sharded state, saved activations).
+    scales_with_depth: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The per-layer bound: a sum of terms, checked with a relative tolerance."""
+
+    terms: tuple[BoundTerm, ...]
+    tolerance: float
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def limit(self) -> int:
+        """What a measured peak must not exceed: ``total * (1 + tolerance)``."""
+        return int(self.total * (1 + self.tolerance))
+
+    @property
+    def depth_scaling(self) -> int:
+        """The part that grows with depth (sharded state, saved activations)."""
+        return sum(t.bytes for t in self.terms if t.scales_with_depth)
+
+    def term(self, name: str) -> BoundTerm:
+        for t in self.terms:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def format(self) -> str:
+        width = max(len(t.name) for t in self.terms)
+        lines = [f"  {t.name:<{width}}  {t.bytes / MB:9.2f} MB  {t.derivation}" for t in self.terms]
+        lines.append(f"  {'total':<{width}}  {self.total / MB:9.2f} MB  "
+                     f"(limit with {self.tolerance:.0%} tolerance: {self.limit / MB:.2f} MB)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"terms": [dataclasses.asdict(t) for t in self.terms], "tolerance": self.tolerance,
+                "total": self.total, "limit": self.limit}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Bound:
+        return cls(tuple(BoundTerm(**t) for t in data["terms"]), float(data["tolerance"]))
+
+
+def _shard(numel: int, world_size: int) -> int:
+    # FSDP1 pads each flat parameter to a multiple of the world size, so a rank holds exactly
+    # ceil(numel / W); FSDP2 pads each parameter's dim 0, which ceil matches whenever dim 0
+    # divides by W (it does for every model here and for Llama shapes up to 1,024 ranks).
+    return -(-numel // world_size)
+
+
+def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
+    """The per-rank peak of one training step under a per-layer plan, term by term.
+
+    Every term is computed from ``units`` (unsharded numel per unit) and ``config``; see
+    docs/memory.md for the derivation. It is an upper bound: each transient term is the largest
+    it can be, and they are summed as if they coincided.
+    """
+    if not units:
+        raise ValueError("per_layer_bound needs at least one unit (the root)")
+    w, pb, cb = config.world_size, config.param_bytes, config.compute_bytes
+    shard_numel = sum(_shard(u.numel, w) for u in units)
+    num_tensors = sum(len(u.params) for u in units)
+    root = next((u for u in units if u.fqn == ROOT), None)
+    root_numel = root.numel if root is not None else 0
+    others = sorted((u for u in units if u.fqn != ROOT), key=lambda u: u.numel, reverse=True)
+    top2 = others[:2]
+    largest = max(units, key=lambda u: u.numel)
+    terms = [
+        BoundTerm("sharded params", shard_numel * pb,
+                  f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x {pb} B",
+                  scales_with_depth=True),
+        BoundTerm("sharded grads", shard_numel * pb,
+                  f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
+                  scales_with_depth=True),
+    ]
+    states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
+    if config.optimizer is not None:
+        terms.append(BoundTerm(
+            "optimizer state", (states * shard_numel + scalars * num_tensors) * pb,
+            f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
+            f"x {num_tensors} tensors, x {pb} B", scales_with_depth=True))
+    gathered = root_numel + sum(u.numel for u in top2)
+    names = ", ".join(u.fqn for u in top2) or "none"
+    terms.append(BoundTerm(
+        "unsharded params", gathered * cb,
+        f"root ({root_numel:,}, kept gathered from forward into backward) + current and "
+        f"prefetched unit (two largest: {names}) = {gathered:,} x {cb} B"))
+    terms.append(BoundTerm(
+        "unsharded grads", largest.numel * cb,
+        f"the current unit's full gradient before its reduce-scatter (largest unit "
+        f"{largest.fqn or '(root)'}: {largest.numel:,}) x {cb} B; the prefetched one has none yet"))
+    ag_numel = _all_gather_buffer_numel(largest.numel, w, config.version)
+    terms.append(BoundTerm(
+        "all-gather buffers", ag_numel * cb,
+        "fsdp1 gathers into the unsharded flat parameter itself (counted above): 0"
+        if config.version == "fsdp1" else
+        f"fsdp2 copy-in shard + gather output of the largest unit: ceil({largest.numel:,}/{w}) "
+        f"+ {largest.numel:,} = {ag_numel:,} x {cb} B"))
+    rs_numel = _reduce_scatter_buffer_numel(largest.numel, w, config.version)
+    rs_input = ("padded input copy (only when numel % W != 0)" if config.version == "fsdp1"
+                else "input copy")
+    terms.append(BoundTerm(
+        "reduce-scatter buffers", rs_numel * cb,
+        f"{rs_input} + output shard of the largest unit = {rs_numel:,} x {cb} B"))
+    if config.buffer_bytes:
+        terms.append(BoundTerm("buffers", config.buffer_bytes,
+                               "model buffers, replicated on every rank"))
+    acts = config.activations
+    if acts is not None:
+        saved = sum(acts.saved_bytes.values())
+        working_unit = max(acts.produced_bytes, key=lambda k: acts.produced_bytes[k], default=None)
+        working = acts.produced_bytes.get(working_unit, 0) if working_unit is not None else 0
+        terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
+        terms.append(BoundTerm(
+            "saved activations", saved,
+            f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
+            "alive at the end of forward (measured on meta)", scales_with_depth=True))
+        terms.append(BoundTerm(
+            "activation working set", working,
+            f"everything one unit's forward produces, saved or not (largest: "
+            f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
+            "backward"))
+    return Bound(tuple(terms), config.tolerance)
+
+
+def _all_gather_buffer_numel(numel: int, world_size: int, version: str) -> int:
+    if version == "fsdp1":
+        return 0
+    return _shard(numel, world_size) + _shard(numel, world_size) * world_size
+
+
+def _reduce_scatter_buffer_numel(numel: int, world_size: int, version: str) -> int:
+    out = _shard(numel, world_size)
+    if version == "fsdp1":
+        return out + (out * world_size if numel % world_size else 0)
+    return out + out * world_size
+

@@ -1,0 +1,348 @@
+"""Measurement behind a small interface of ours (:class:`Meter`).
+
+torch's ``MemTracker`` / ``FSDPMemTracker`` on CPU (via :mod:`~fsdp_conformance._compat`), the OS
+high-water mark as ground truth (and as the fallback when an upgrade moves the trackers), the
+CUDA caching allocator on GPU. The memory claim, the planner's trust check (through
+:mod:`~fsdp_conformance.step`) and init's peak check read memory only through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from fsdp_conformance.bound import MeasureError
+from fsdp_conformance.harness import RankContext, skip_rank
+
+#: The OS high-water mark resolves tensor memory to about 1 MB (NOTES.md), on each of the two
+#: readings (start, peak) a step increase is the difference of: below 2 MB it cannot judge.
+METER_RESOLUTION_BYTES = 2 * 10**6
+#: The OS figure is only trustworthy with this allocator setting (one mmap per large tensor).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+@dataclasses.dataclass
+class Meter:
+    """Current and peak tensor bytes on one rank, from one source.
+
+    ``tracking()`` wraps everything that should be attributed (model construction included,
+    so that FSDP1's gather buffers are known to the tracker); ``measure()`` wraps the measured
+    step and resets the peak at its start. ``peak`` and ``start`` are absolute bytes.
+    """
+
+    source: str
+    start: int = 0
+    peak: int = 0
+
+    def current(self) -> int:
+        raise NotImplementedError
+
+    def tracking(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Meter]:
+        raise NotImplementedError
+        yield self  # pragma: no cover
+
+
+class TrackerMeter(Meter):
+    """torch's ``MemTracker`` (any module) or ``FSDPMemTracker`` (FSDP2, with categories)."""
+
+    def __init__(self, tracker: Any, source: str, device: Any) -> None:
+        super().__init__(source)
+        self.tracker = tracker
+        self.device = device
+        self.breakdown: dict[str, int] = {}
+
+    def _snapshot(self, kind: str) -> dict[str, int]:
+        snap = self.tracker.get_tracker_snapshot(kind)
+        for dev, values in snap.items():
+            if str(dev) == str(self.device) or getattr(dev, "type", None) == self.device.type:
+                return {_category(k): int(v) for k, v in values.items()}
+        return {}
+
+    def current(self) -> int:
+        return self._snapshot("current").get("Total", 0)
+
+    def tracking(self) -> contextlib.AbstractContextManager[Any]:
+        return self.tracker
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Meter]:
+        # Leaving and re-entering the tracker resets its peak to the current total (its
+        # documented behaviour on __enter__), while what it already tracks stays tracked.
+        # Its per-module statistics refuse a second iteration unless cleared (public API).
+        self.tracker.reset_mod_stats()
+        with self.tracker:
+            self.start = self.current()
+            yield self
+        peak = self._snapshot("peak")
+        self.peak = peak.get("Total", 0)
+        self.breakdown = {k: v for k, v in peak.items() if v and k != "Total"}
+
+
+def _category(key: Any) -> str:
+    return str(getattr(key, "value", key))
+
+
+class OSMeter(Meter):
+    """The kernel's resident high-water mark (``VmHWM``), reset through ``clear_refs``.
+
+    Only tensor memory counts in the checks, so a peak is reported as the tensors resident at
+    the start (``resident_fn``: parameters, gradients, optimizer state, batch) plus the growth of
+    the high-water mark during the step. Valid only with :data:`MALLOC_ENV` set before the
+    process started: otherwise glibc reuses freed heap and the figure is noise (NOTES.md).
+    """
+
+    def __init__(self, resident_fn: Callable[[], int]) -> None:
+        super().__init__("os")
+        self.resident_fn = resident_fn
+        self.rss_start = 0
+        self.hwm = 0
+
+    @staticmethod
+    def available() -> str | None:
+        """None when usable here, else why not."""
+        if not os.path.exists("/proc/self/clear_refs"):
+            return "the OS figure needs Linux /proc/self/clear_refs"
+        if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]:
+            return ("the OS figure needs MALLOC_MMAP_THRESHOLD_=65536 set before the rank "
+                    "processes start (run with ranks.configured(env=memory.MALLOC_ENV))")
+        return None
+
+    def current(self) -> int:
+        return self.resident_fn() + status_bytes("VmRSS") - self.rss_start
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Meter]:
+        self.rss_start = reset_peak_rss()
+        self.start = self.resident_fn()
+        yield self
+        self.hwm = status_bytes("VmHWM")
+        self.peak = self.start + max(0, self.hwm - self.rss_start)
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (Linux only)")
+
+
+def reset_peak_rss() -> int:
+    """Reset ``VmHWM`` to the current RSS (``5`` into ``/proc/self/clear_refs``); returns RSS."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+
+class CudaMeter(Meter):
+    """The CUDA caching allocator's own figures for this rank's device.
+
+    ``baseline`` (from :func:`cuda_baseline`, read before the model is built) is subtracted from
+    every figure: the allocator also holds memory that is not the step's (cuBLAS/cuBLASLt
+    workspaces, 8 to 32 MiB per handle and stream depending on the GPU, allocated at the first
+    matmul and kept for the life of the process; whatever earlier checks in the same warm rank
+    process still hold), which would otherwise be counted against the per-layer bound.
+    The allocator's counters are host-side: a free is counted when the tensor is released, and
+    the block is reused in stream order, so reading them needs no synchronize; the peak is read
+    after a synchronize so that every queued allocation of the step has happened.
+    """
+
+    def __init__(self, device: Any, baseline: int = 0) -> None:
+        super().__init__("cuda")
+        self.device = device
+        self.baseline = baseline
+
+    def current(self) -> int:
+        import torch
+
+        return int(torch.cuda.memory_allocated(self.device)) - self.baseline
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Meter]:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = self.current()
+        yield self
+        torch.cuda.synchronize(self.device)
+        self.peak = int(torch.cuda.max_memory_allocated(self.device)) - self.baseline
+
+
+def cuda_baseline(device: Any) -> int:
+    """Allocator bytes on ``device`` that belong to no model: read before a model is built.
+
+    Collects garbage first (an earlier check's FSDP model can sit in reference cycles, its
+    device memory still allocated), then runs one tiny Linear forward and backward so that the
+    cuBLAS/cuBLASLt workspaces of the forward thread and of the autograd thread (one per handle
+    and stream, from the caching allocator) exist before the baseline is read.
+    """
+    import gc
+
+    import torch
+
+    gc.collect()
+    with torch.random.fork_rng(devices=[device]):  # the check's own seeding stays untouched
+        layer = torch.nn.Linear(16, 16, device=device)
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        layer(x).sum().backward()
+    del layer, x
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def tracker_meter(device: Any, model: Any = None, optimizer: Any = None) -> TrackerMeter | None:
+    """torch's tracker behind our interface, or None when this torch moved it.
+
+    With ``model`` given (an FSDP2 model), ``FSDPMemTracker`` for its per-category breakdown;
+    otherwise ``MemTracker``, which must then be entered (``tracking()``) before the model is
+    built so it knows every storage FSDP allocates.
+    """
+    from fsdp_conformance import _compat
+
+    if model is not None:
+        cls = _compat.fsdp_mem_tracker_cls()
+        if cls is not None:
+            return TrackerMeter(cls(model, optimizer), "FSDPMemTracker", device)
+        return None
+    cls = _compat.mem_tracker_cls()
+    return TrackerMeter(cls(), "MemTracker", device) if cls is not None else None
+
+
+def resident_tensor_bytes(model: Any, optimizer: Any = None, extra: Sequence[Any] = ()) -> int:
+    """Bytes of the tensors a step starts with: local parameter shards, grads, state, buffers."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for b in model.buffers():
+        add(b)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                add(v)
+    for t in extra:
+        add(t)
+    return total
+
+
+
+METERS = ("auto", "tracker", "os", "cuda", "none")
+
+
+def meter_data(m: Meter, model: Any, opt: Any, batch: Any) -> dict[str, Any]:
+    end = resident_tensor_bytes(model, opt, [batch]) if m.source in ("os", "none") else m.current()
+    return {"source": m.source, "start": m.start, "peak": m.peak, "end": end,
+            "breakdown": dict(getattr(m, "breakdown", {}))}
+
+
+class _NoMeter(Meter):
+    """Measures nothing: the baseline for the cost of measuring."""
+
+    def current(self) -> int:
+        return 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Meter]:
+        yield self
+
+
+def make_meter(name: str, ctx: RankContext, model: Any, opt: Any, batch: Any,
+                construction: TrackerMeter | None, cuda_base: int = 0) -> Meter:
+    if name == "MemTracker":
+        return construction or tracker_meter(ctx.device)  # type: ignore[return-value]
+    if name == "FSDPMemTracker":
+        m = tracker_meter(ctx.device, model, opt)
+        assert m is not None  # choose_meter checked the class exists
+        m.tracker.track_inputs((batch,))
+        return m
+    if name == "cuda":
+        return CudaMeter(ctx.device, cuda_base)
+    if name == "os":
+        return OSMeter(functools.partial(resident_tensor_bytes, model, opt, [batch]))
+    return _NoMeter("none")
+
+
+def choose_meter(ctx: RankContext, meter: str, version: str) -> str:
+    from fsdp_conformance import _compat
+
+    if meter not in METERS:
+        raise MeasureError(f"unknown meter {meter!r}; choose one of {', '.join(METERS)}")
+    if meter == "auto":
+        if ctx.device_type == "cuda":
+            return "cuda"
+        if version == "fsdp2" and _compat.fsdp_mem_tracker_cls() is not None:
+            return "FSDPMemTracker"
+        if _compat.mem_tracker_cls() is not None:
+            return "MemTracker"
+        why = OSMeter.available()
+        if why:
+            skip_rank(f"torch {torch_version_string()} moved its memory trackers and {why}")
+        return "os"
+    if meter == "tracker":
+        if _compat.mem_tracker_cls() is None:
+            skip_rank(f"torch {torch_version_string()} has no MemTracker (moved by an upgrade)")
+        return "MemTracker"
+    if meter == "os":
+        why = OSMeter.available()
+        if why:
+            skip_rank(why)
+        return "os"
+    if meter == "cuda" and ctx.device_type != "cuda":
+        skip_rank("the CUDA allocator figure needs the gpu lane")
+    return meter
+
+
+def torch_version_string() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+@contextlib.contextmanager
+def host_or_cuda_peak(ctx: RankContext) -> Iterator[dict[str, Any]]:
+    """Peak and kept bytes of the block, on the memory that holds the parameters.
+
+    CPU: the process's ``VmHWM`` (reset through ``clear_refs``), an :class:`OSMeter` that counts
+    nothing as resident, so its peak is the growth of the high-water mark. GPU: the CUDA caching
+    allocator (a :class:`CudaMeter` whose baseline is what was allocated before the block; the
+    parameters live there, the host only ever holds one module's full values while they are
+    generated). The dict yielded is filled on exit: ``meter`` ("VmHWM" or "cuda allocator"),
+    ``peak`` and ``kept`` (bytes still held at the end), both relative to the block's start.
+    """
+    meter: Meter
+    if ctx.device_type == "cuda":
+        import torch
+
+        meter = CudaMeter(ctx.device, baseline=int(torch.cuda.memory_allocated(ctx.device)))
+        label = "cuda allocator"
+    else:
+        meter = OSMeter(lambda: 0)
+        label = "VmHWM"
+    reading: dict[str, Any] = {}
+    with meter.measure():
+        yield reading
+    reading.update(meter=label, peak=meter.peak, kept=meter.current())

@@ -1,0 +1,146 @@
+"""From a model to the bound's inputs, on meta tensors (nothing allocated).
+
+:func:`plan_step` gives the per-layer unit plan and the :class:`~fsdp_conformance.bound.StepConfig`
+of a model; :func:`profile_activations` measures its activations per unit with a forward on meta.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fsdp_conformance.bound import (
+    BOUND_TOLERANCE,
+    ActivationProfile,
+    MeasureError,
+    StepConfig,
+)
+from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.units import ROOT, UnitInfo
+
+#: The wrappings a check can measure. ``per_layer`` is the recommended policy (one unit per block);
+#: the others are the seeds' naive cases and a broken per-layer variant (negative controls).
+WRAPPINGS = ("per_layer", "monolithic", "top_level", "no_reshard")
+
+
+def _unit_of(model: Any, units: Sequence[UnitInfo]) -> dict[int, str]:
+    """id(module) -> fqn of the unit that owns it (the closest enclosing unit module)."""
+    fqns = {u.fqn for u in units}
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        parts = name.split(".") if name else []
+        unit = ROOT
+        for i in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:i])
+            if candidate in fqns:
+                unit = candidate
+                break
+        owner[id(module)] = unit
+    return owner
+
+
+def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
+                        loss_fn: Callable[[Any], Any] = default_loss) -> ActivationProfile:
+    """Activation bytes per unit for one forward + loss, measured on a meta model and batch.
+
+    Saved tensors are those autograd keeps for backward (``saved_tensors_hooks``), deduplicated
+    by storage; parameters are excluded (they are counted as parameters). Works on any device;
+    on ``meta`` nothing is allocated, so it runs at full scale.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    owner = _unit_of(model, units)
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    stack: list[str] = [ROOT]
+    saved: dict[str, int] = {u.fqn: 0 for u in units}
+    produced: dict[str, int] = {u.fqn: 0 for u in units}
+    seen: set[int] = set()
+
+    def pack(t: Any) -> Any:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in param_storages and key not in seen:
+            seen.add(key)
+            saved[stack[-1]] += st.nbytes()
+        return t
+
+    class Produced(TorchDispatchMode):
+        def __torch_dispatch__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    produced[stack[-1]] += t.untyped_storage().nbytes()
+            return out
+
+    def pre(module: Any, _args: Any) -> None:
+        stack.append(owner[id(module)])
+
+    def post(module: Any, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Produced():
+            loss_fn(model(batch))
+    finally:
+        for h in handles:
+            h.remove()
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
+    return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced)
+
+
+def wrap_policy(model: Any, spec: ModelSpec, wrapping: str) -> Any:
+    """The auto-wrap policy for a wrapping name (see :data:`WRAPPINGS`)."""
+    from fsdp_conformance.policies import recommended_policy
+
+    if wrapping in ("per_layer", "no_reshard"):
+        return recommended_policy(model, spec.block_classes(model), spec.size_threshold(model))
+    if wrapping == "monolithic":
+        return _root_only
+    if wrapping == "top_level":
+        # The seeds' "wrapping only the top-level modules": the root's direct children become
+        # units, nothing below them. Containers (ModuleList/Dict) never run a forward of their
+        # own, so FSDP cannot gather for them: their blocks stay in the root, as they would.
+        import torch.nn as nn
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        top = {id(c) for c in model.children() if not isinstance(c, (nn.ModuleList, nn.ModuleDict))}
+        return functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in top)
+    raise MeasureError(f"unknown wrapping {wrapping!r}; choose one of {', '.join(WRAPPINGS)}")
+
+
+def _root_only(module: Any, recurse: bool, nonwrapped_numel: int) -> bool:
+    return False  # neither descend nor wrap: the root is the only unit (monolithic)
+
+
+def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str | None = None,
+              batch_size: int = 2, compute_bytes: int = 4, param_bytes: int = 4,
+              tolerance: float = BOUND_TOLERANCE) -> tuple[list[UnitInfo], StepConfig]:
+    """The per-layer plan and step configuration of a model, on meta (nothing allocated)."""
+    from fsdp_conformance.units import plan_units
+
+    model = spec.build("meta")
+    units = plan_units(model, wrap_policy(model, spec, "per_layer"))
+    try:
+        batch = spec.batch(model, batch_size, "meta")
+        acts = profile_activations(model, batch, units)
+    except Exception as exc:  # noqa: BLE001 - a user's model or input builder; say which
+        raise MeasureError(
+            f"cannot profile the activations of {spec.name!r} on the meta device "
+            f"({type(exc).__name__}: {exc}); the model's forward and its input builder must work "
+            "with device='meta' (no data-dependent Python control flow on tensor values)"
+        ) from exc
+    buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    config = StepConfig(world_size=world_size, version=version, param_bytes=param_bytes,
+                        compute_bytes=compute_bytes, optimizer=optimizer, buffer_bytes=buffers,
+                        activations=acts, tolerance=tolerance)
+    return units, config
+

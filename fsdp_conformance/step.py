@@ -1,0 +1,252 @@
+"""One measured training step on a rank: build, shard, warm up, measure; plain data back.
+
+Used by the memory claim's rank functions and the planner's trust check. Every free of the
+measured step happens on the main thread, in program order (:func:`collectives_release_in_order`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from fsdp_conformance.bound import MeasureError
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.meters import (
+    choose_meter,
+    cuda_baseline,
+    make_meter,
+    meter_data,
+    torch_version_string,
+    tracker_meter,
+)
+from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.profile import WRAPPINGS, wrap_policy
+from fsdp_conformance.timeline import Timeline, record_timeline
+
+# ============================================================================================
+# Collectives that let go of their tensors in program order (gloo)
+# ============================================================================================
+
+#: The synchronous collectives FSDP1 and FSDP2 issue on CPU (``torch.distributed`` attributes,
+#: looked up at call time by FSDP, so replacing them for one step reaches every call).
+SYNCED_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+                      "reduce_scatter_tensor", "all_reduce", "broadcast")
+#: How long a collective's tensors may stay held by gloo's worker after it finished.
+RELEASE_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
+    """While inside, a synchronous collective returns only once gloo's worker let go of its tensors.
+
+    Why: gloo runs a collective on a worker thread, which wakes the caller when the data is there
+    and drops its own references to the tensors a moment later. When the caller has already
+    dropped its own (FSDP2's reduce-scatter input, all-gather buffers), the last reference is the
+    worker's, and the free happens on the worker whenever the OS schedules it: under CPU load,
+    after the main thread has allocated the next unit's buffers. The tracker then sees both at
+    once and the peak is bimodal (docs/memory.md). Waiting here for the worker's release (the
+    tensors' and storages' reference counts back to what they were before the call) makes every
+    free happen on the main thread, in program order: the figure no longer depends on
+    scheduling. Yields counters (``calls``, ``waited``: calls that found the worker still
+    holding on). CUDA: the caching allocator frees in stream order already; nothing changes.
+    """
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_conformance import _compat
+
+    stats = {"calls": 0, "waited": 0}
+    counts = _compat.use_counts()
+    if device_type == "cuda" or counts is None or not dist.is_available():
+        yield stats
+        return
+
+    def tensors_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        leaves = torch.utils._pytree.tree_leaves((list(args), dict(kwargs)))
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+    class Allocations(TorchDispatchMode):
+        """Weak references to every storage created inside the collective (gloo's copies)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: list[weakref.ref[Any]] = []
+
+        def __torch_dispatch__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    self.refs.append(weakref.ref(t.untyped_storage()))
+            return out
+
+    def synced(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op"):
+                return fn(*args, **kwargs)  # its Work holds the tensors until the caller waits
+            held = tensors_of(args, kwargs)
+            before = [counts(t) for t in held]
+            with Allocations() as made:
+                result = fn(*args, **kwargs)
+            stats["calls"] += 1
+            # c10d's in-place ops return their arguments: those stay alive, they are the caller's.
+            own = {t.untyped_storage()._cdata for t in held}
+            made_here = [r for r in made.refs if _storage_key(r) not in own]
+            deadline = time.monotonic() + RELEASE_TIMEOUT_S
+            first = True
+            # Released: the arguments' counts are back and every storage gloo made is gone.
+            while (any(r() is not None for r in made_here)
+                   or any(a > b0 or s > s0 for t, (b0, s0) in zip(held, before)
+                          for a, s in (counts(t),))):
+                if first:
+                    stats["waited"] += 1
+                    first = False
+                if time.monotonic() > deadline:
+                    raise MeasureError(
+                        f"gloo still held the tensors of {name} {RELEASE_TIMEOUT_S:.0f} s after "
+                        "it returned: the step's memory cannot be measured in program order")
+                os.sched_yield()
+            return result
+        return call
+
+    originals = {n: getattr(dist, n) for n in SYNCED_COLLECTIVES if hasattr(dist, n)}
+    try:
+        for n, fn in originals.items():
+            setattr(dist, n, synced(n, fn))
+        yield stats
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def _storage_key(ref: Any) -> int | None:
+    # No strong reference outlives this call: holding one would keep the storage alive.
+    st = ref()
+    return None if st is None else int(st._cdata)
+
+
+
+# ============================================================================================
+# One measured step on a rank
+# ============================================================================================
+
+
+def make_optimizer(model: Any, name: str | None) -> Any:
+    import torch
+
+    if name is None:
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    raise MeasureError(f"unknown optimizer {name!r}; choose one of sgd, momentum, adam, adamw")
+
+
+def train_step(model: Any, batch: Any, optimizer: Any = None) -> None:
+    """One step: forward, the mean-square loss, backward, and the optimizer when given."""
+    loss = default_loss(model(batch))
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+
+
+def _zero_grad(model: Any, optimizer: Any) -> None:
+    # set_to_none: the measured step starts with no gradients, as a fresh step would.
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+
+
+def _shard_kwargs(version: str, wrapping: str) -> dict[str, Any]:
+    if wrapping != "no_reshard":
+        return {}
+    if version == "fsdp1":
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}
+    return {"reshard_after_forward": False}
+
+
+
+def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", *,
+                 optimizer: str | None = None, batch_size: int = 2, meter: str = "auto",
+                 also: str | None = None, timeline: bool = True,
+                 track_construction: bool = True) -> dict[str, Any]:
+    """Build, shard, warm up and measure one step on this rank; plain data back.
+
+    ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
+    upgrade moved the tracker and the allocator setting allows it), "tracker", "os", "cuda", or
+    "none" (time the step only). ``also``: a second meter read around the same step (the
+    cross-check). ``track_construction=False`` enters ``MemTracker`` only for the step, so it
+    misses FSDP1's gather buffers: the meter check's negative control.
+    """
+    import torch
+
+    from fsdp_conformance.sharding import check_fsdp_version, shard
+    from fsdp_conformance.units import actual_units
+
+    check_fsdp_version(version)
+    if wrapping not in WRAPPINGS:
+        raise MeasureError(
+            f"unknown wrapping {wrapping!r}; choose one of {', '.join(WRAPPINGS)}")
+    primary = choose_meter(ctx, meter, version)
+    # FSDPMemTracker needs an FSDP2 model; where a second meter is read, plain MemTracker keeps
+    # the two figures about the same set of storages.
+    if primary == "FSDPMemTracker" and (not track_construction or also):
+        primary = "MemTracker"
+    second = choose_meter(ctx, also, version) if also else None
+    # Read before anything of the check is allocated: on GPU the allocator's figures are
+    # relative to it (CudaMeter), so workspaces and earlier checks' memory are not the step's.
+    baseline = cuda_baseline(ctx.device) if "cuda" in (primary, second) else 0
+    torch.manual_seed(0)
+    construction = tracker_meter(ctx.device) if primary == "MemTracker" else None
+    if construction is None and primary == "MemTracker":
+        skip_rank(f"torch {torch_version_string()} has no MemTracker (moved by an upgrade)")
+    tracked = construction is not None and track_construction
+    scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
+    with scope:
+        model = spec.build(ctx.device)
+        policy = wrap_policy(model, spec, wrapping)
+        sharded = shard(model, ctx, version, policy, **_shard_kwargs(version, wrapping))
+        opt = make_optimizer(sharded, optimizer)
+        batch = spec.batch(sharded, batch_size, ctx.device)
+        train_step(sharded, batch, opt)  # warm-up: lazy init, optimizer state, buffers
+        _zero_grad(sharded, opt)
+    meters = [make_meter(name, ctx, sharded, opt, batch, construction, baseline)
+              for name in (primary, second) if name]
+    rec = (record_timeline(sharded, meters[0]) if timeline and primary != "none"
+           else contextlib.nullcontext(Timeline()))
+    with contextlib.ExitStack() as stack:
+        # Outermost: every free of the step happens on the main thread, in program order.
+        synced = stack.enter_context(collectives_release_in_order(ctx.device_type))
+        for m in reversed(meters):  # the primary innermost: its hooks see the others' work
+            stack.enter_context(m.measure())
+        tl = stack.enter_context(rec)
+        t0 = time.perf_counter()
+        train_step(sharded, batch, opt)
+        if ctx.device_type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds = time.perf_counter() - t0
+    return {
+        "rank": ctx.rank, "wrapping": wrapping, "version": version, "seconds": seconds,
+        "meters": [meter_data(m, sharded, opt, batch) for m in meters],
+        "timeline": tl.to_data(), "units": [u.to_dict() for u in actual_units(sharded)],
+        "collectives": dict(synced),
+    }
+

@@ -1,0 +1,107 @@
+"""The memory building blocks: one set of meters, shared by the memory and init claims.
+
+The bound (``bound``), its inputs on meta (``profile``), the meters (``meters``), the timeline
+(``timeline``) and the measured step (``step``) are library modules; the claims read memory only
+through them, so a fix to a meter reaches every check that reads it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+import torch
+
+import fsdp_conformance
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.meters import host_or_cuda_peak
+
+PACKAGE = pathlib.Path(fsdp_conformance.__file__).parent
+BLOCKS = ("bound", "profile", "meters", "timeline", "step")
+CLAIMS = ("memory", "init", "wrapping", "planning", "checks", "suite")
+MB = 10**6
+
+needs_clear_refs = pytest.mark.skipif(
+    not os.path.exists("/proc/self/clear_refs"),
+    reason="the host peak meter resets VmHWM through Linux /proc/self/clear_refs")
+
+
+def _imports(module: str) -> set[str]:
+    """Every module ``fsdp_conformance/<module>.py`` imports, at the top or inside a function."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_memory_blocks_import_no_claim(block: str) -> None:
+    # A block that imported a claim would make the claims a library again (init reaching into
+    # memory for its meters was the case this split ended).
+    claims = {f"fsdp_conformance.{c}" for c in CLAIMS}
+    assert not _imports(block) & claims, f"{block}.py imports {sorted(_imports(block) & claims)}"
+
+
+@pytest.mark.parametrize("claim", ("init", "memory"))
+def test_claims_keep_no_copy_of_the_meters(claim: str) -> None:
+    # The peak readings come from meters.py alone: no claim resets or reads a peak itself.
+    source = (PACKAGE / f"{claim}.py").read_text(encoding="utf-8")
+    for reader in ("max_memory_allocated", "reset_peak_memory_stats", "class OSMeter",
+                   "class CudaMeter", "def status_bytes", "def reset_peak_rss"):
+        assert reader not in source, f"{claim}.py has its own {reader!r}: use meters.py"
+
+
+@needs_clear_refs
+def test_host_peak_reads_a_freed_allocation_and_what_the_block_kept() -> None:
+    ctx = RankContext(0, 1, 0, "gloo", "cpu")
+    # 64 MB is above glibc's largest dynamic mmap threshold (32 MB), so it is its own mapping
+    # and leaves the RSS when freed, with or without MALLOC_MMAP_THRESHOLD_ in this process.
+    with host_or_cuda_peak(ctx) as reading:
+        big = torch.ones(16 * 2**20)  # 64 MiB, touched
+        del big
+        kept = torch.ones(4 * 2**20)  # 16 MiB, still held at the end
+    assert reading["meter"] == "VmHWM"
+    assert reading["peak"] >= 60 * MB, reading
+    assert 12 * MB <= reading["kept"] < 60 * MB, reading
+    assert kept.numel() == 4 * 2**20
+
+
+@needs_clear_refs
+def test_host_peak_of_a_block_that_allocates_nothing_is_small() -> None:
+    # Negative control for the test above: the figure is the block's growth, not the RSS.
+    ctx = RankContext(0, 1, 0, "gloo", "cpu")
+    with host_or_cuda_peak(ctx) as reading:
+        pass
+    assert reading["meter"] == "VmHWM"
+    assert 0 <= reading["peak"] < 8 * MB, reading
+
+
+def test_cuda_peak_is_relative_to_what_was_allocated_before_the_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No GPU on the CPU lane: the allocator's counters are replaced by a fake one, to pin the
+    # arithmetic (peak and kept relative to the allocation at the block's start, the peak
+    # counter reset at the start), which init's report data depends on.
+    state = {"allocated": 100, "max": 500}
+
+    def alloc(n: int) -> None:
+        state["allocated"] += n
+        state["max"] = max(state["max"], state["allocated"])
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["max"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: state.update(max=state["allocated"]))
+    ctx = RankContext(0, 1, 0, "nccl", "cuda")
+    with host_or_cuda_peak(ctx) as reading:
+        alloc(70)
+        alloc(-50)
+    assert reading == {"meter": "cuda allocator", "peak": 70, "kept": 20}
