@@ -142,7 +142,7 @@ def use_counts() -> Callable[[torch.Tensor], tuple[int, int]] | None:
         return None
 
     def counts(t: torch.Tensor) -> tuple[int, int]:
-        return int(tensor_count(t)), int(storage_count(t.untyped_storage()._cdata))
+        return int(tensor_count(t)), int(storage_count(storage_key(t.untyped_storage())))
 
     return counts
 
@@ -193,3 +193,64 @@ def flash_attention_cpu_op() -> Callable[..., Any] | None:
     """
     packet = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     return getattr(packet, "default", None) if packet is not None else None
+
+
+# -- tensor internals: pytree, dispatch modes, storage identity, views -------------------------
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """Every leaf of a nested structure of lists, tuples, dicts (``torch.utils._pytree``)."""
+    leaves: Callable[[Any], list[Any]] = _import("torch.utils._pytree", "tree_leaves")
+    return leaves(tree)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf, the structure kept (``torch.utils._pytree``)."""
+    mapped: Callable[..., Any] = _import("torch.utils._pytree", "tree_map")
+    return mapped(fn, tree)
+
+
+def torch_dispatch_mode_cls() -> type[Any]:
+    """``TorchDispatchMode``: sees every aten op (``torch.utils._python_dispatch``)."""
+    return _import("torch.utils._python_dispatch", "TorchDispatchMode")
+
+
+def storage_key(storage: Any) -> int:
+    """An identity for an untyped storage shared by every tensor viewing it (its C pointer)."""
+    return int(storage._cdata)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (private ``Tensor._is_view``)."""
+    return bool(t._is_view())
+
+
+def fsdp1_handle(unit: nn.Module) -> Any | None:
+    """The ``FlatParamHandle`` of an FSDP1 unit (its identity keys the unit's all-gathers)."""
+    return getattr(unit, "_handle", None)
+
+
+#: torch modules whose attributes a check might monkeypatch; the harness snapshots them before
+#: each check and restores them after. Private FSDP modules are named here so that an upgrade
+#: that moves them is seen in this one file.
+GUARDED_TORCH_MODULES = (
+    "torch",
+    "torch.nn",
+    "torch.nn.init",
+    "torch.nn.modules.module",
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp.wrap",
+    "torch.distributed.fsdp._init_utils",
+    "torch.distributed.fsdp._wrap_utils",
+    "torch.distributed.fsdp.fully_sharded_data_parallel",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+    "torch.distributed.fsdp._fully_shard._fsdp_param",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+)

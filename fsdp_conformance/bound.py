@@ -18,7 +18,8 @@ from fsdp_conformance.units import ROOT, UnitInfo
 MB = 1e6
 
 #: Relative tolerance on the bound. Tracker peaks are deterministic at fixed settings, but the
-#: OS and CUDA figures move a few percent run to run (up to ~8% seen, NOTES.md), so the bound
+#: OS and CUDA figures move a few percent run to run (up to ~8% seen: docs/memory.md,
+#: "Facts about measuring memory on CPU"), so the bound
 #: is checked against ``total * (1 + BOUND_TOLERANCE)``.
 BOUND_TOLERANCE = 0.10
 #: Optimizer state tensors kept per parameter element (sharded, in the parameter dtype).

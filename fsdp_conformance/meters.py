@@ -15,10 +15,12 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from fsdp_conformance._compat import storage_key
 from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
 
-#: The OS high-water mark resolves tensor memory to about 1 MB (NOTES.md), on each of the two
+#: The OS high-water mark resolves tensor memory to about 1 MB (docs/memory.md, "Facts about
+#: measuring memory on CPU"), on each of the two
 #: readings (start, peak) a step increase is the difference of: below 2 MB it cannot judge.
 METER_RESOLUTION_BYTES = 2 * 10**6
 #: The OS figure is only trustworthy with this allocator setting (one mmap per large tensor).
@@ -96,7 +98,8 @@ class OSMeter(Meter):
     Only tensor memory counts in the checks, so a peak is reported as the tensors resident at
     the start (``resident_fn``: parameters, gradients, optimizer state, batch) plus the growth of
     the high-water mark during the step. Valid only with :data:`MALLOC_ENV` set before the
-    process started: otherwise glibc reuses freed heap and the figure is noise (NOTES.md).
+    process started: otherwise glibc reuses freed heap and the figure is noise (docs/memory.md,
+    "Facts about measuring memory on CPU").
     """
 
     def __init__(self, resident_fn: Callable[[], int]) -> None:
@@ -231,8 +234,8 @@ def resident_tensor_bytes(model: Any, optimizer: Any = None, extra: Sequence[Any
             return
         local = t.to_local() if hasattr(t, "to_local") else t
         st = local.untyped_storage()
-        if st._cdata not in seen:
-            seen.add(st._cdata)
+        if storage_key(st) not in seen:
+            seen.add(storage_key(st))
             total += st.nbytes()
 
     for p in model.parameters():

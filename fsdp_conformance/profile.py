@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fsdp_conformance._compat import is_view, storage_key, torch_dispatch_mode_cls, tree_leaves
 from fsdp_conformance.bound import (
     BOUND_TOLERANCE,
     ActivationProfile,
@@ -49,10 +50,10 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
     on ``meta`` nothing is allocated, so it runs at full scale.
     """
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    TorchDispatchMode = torch_dispatch_mode_cls()
 
     owner = _unit_of(model, units)
-    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    param_storages = {storage_key(p.untyped_storage()) for p in model.parameters()}
     stack: list[str] = [ROOT]
     saved: dict[str, int] = {u.fqn: 0 for u in units}
     produced: dict[str, int] = {u.fqn: 0 for u in units}
@@ -60,19 +61,19 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
 
     def pack(t: Any) -> Any:
         st = t.untyped_storage()
-        key = st._cdata
+        key = storage_key(st)
         if key not in param_storages and key not in seen:
             seen.add(key)
             saved[stack[-1]] += st.nbytes()
         return t
 
-    class Produced(TorchDispatchMode):
+    class Produced(TorchDispatchMode):  # type: ignore[misc,valid-type]
         def __torch_dispatch__(  # type: ignore[no-untyped-def]
             self, func, types, args=(), kwargs=None
         ):
             out = func(*args, **(kwargs or {}))
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and not t._is_view():
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not is_view(t):
                     produced[stack[-1]] += t.untyped_storage().nbytes()
             return out
 
@@ -92,7 +93,7 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
     finally:
         for h in handles:
             h.remove()
-    leaves = torch.utils._pytree.tree_leaves(batch)
+    leaves = tree_leaves(batch)
     input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
     return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced)
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance._compat import storage_key
 from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import (
@@ -58,9 +59,10 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
 
     import torch
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fsdp_conformance import _compat
+
+    TorchDispatchMode = _compat.torch_dispatch_mode_cls()
 
     stats = {"calls": 0, "waited": 0}
     counts = _compat.use_counts()
@@ -69,10 +71,10 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
         return
 
     def tensors_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        leaves = torch.utils._pytree.tree_leaves((list(args), dict(kwargs)))
+        leaves = _compat.tree_leaves((list(args), dict(kwargs)))
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
-    class Allocations(TorchDispatchMode):
+    class Allocations(TorchDispatchMode):  # type: ignore[misc,valid-type]
         """Weak references to every storage created inside the collective (gloo's copies)."""
 
         def __init__(self) -> None:
@@ -83,8 +85,8 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
             self, func, types, args=(), kwargs=None
         ):
             out = func(*args, **(kwargs or {}))
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and not t._is_view():
+            for t in _compat.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not _compat.is_view(t):
                     self.refs.append(weakref.ref(t.untyped_storage()))
             return out
 
@@ -99,7 +101,7 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
                 result = fn(*args, **kwargs)
             stats["calls"] += 1
             # c10d's in-place ops return their arguments: those stay alive, they are the caller's.
-            own = {t.untyped_storage()._cdata for t in held}
+            own = {_compat.storage_key(t.untyped_storage()) for t in held}
             made_here = [r for r in made.refs if _storage_key(r) not in own]
             deadline = time.monotonic() + RELEASE_TIMEOUT_S
             first = True
@@ -131,7 +133,7 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
 def _storage_key(ref: Any) -> int | None:
     # No strong reference outlives this call: holding one would keep the storage alive.
     st = ref()
-    return None if st is None else int(st._cdata)
+    return None if st is None else storage_key(st)
 
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from fsdp_conformance._compat import tree_leaves
 from fsdp_conformance.meters import Meter
 
 #: Phases in the order a unit goes through them. ``gather``/``release`` samples are taken just
@@ -56,7 +57,7 @@ def record_timeline(model: Any, meter: Meter) -> Iterator[Timeline]:
         timeline.events.append((unit, phase, meter.current()))
 
     def tensors(obj: Any) -> list[Any]:
-        return [t for t in torch.utils._pytree.tree_leaves(obj)
+        return [t for t in tree_leaves(obj)
                 if isinstance(t, torch.Tensor) and t.requires_grad]
 
     for fqn, outer, inner in _units_with_modules(model):

@@ -24,34 +24,14 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-#: Modules and classes whose attributes a check might monkeypatch; restored after each check.
-_GUARDED = (
-    "torch",
-    "torch.nn",
-    "torch.nn.init",
-    "torch.nn.modules.module",
-    "torch.distributed",
-    "torch.distributed.distributed_c10d",
-    "torch.distributed.fsdp",
-    "torch.distributed.fsdp.wrap",
-    "torch.distributed.fsdp._init_utils",
-    "torch.distributed.fsdp._wrap_utils",
-    "torch.distributed.fsdp.fully_sharded_data_parallel",
-    "torch.distributed.fsdp._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fsdp_collectives",
-    "torch.distributed.fsdp._fully_shard._fsdp_param",
-    "torch.distributed.fsdp._fully_shard._fsdp_param_group",
-    "torch.distributed.fsdp._fully_shard._fsdp_state",
-    "torch.distributed.device_mesh",
-    "torch.distributed.tensor",
-)
-
 
 def _guarded_namespaces() -> list[Any]:
+    """Modules and classes whose attributes a check might monkeypatch; restored after each check."""
     import torch
 
-    spaces: list[Any] = [sys.modules[name] for name in _GUARDED if name in sys.modules]
+    from fsdp_conformance._compat import GUARDED_TORCH_MODULES
+
+    spaces: list[Any] = [sys.modules[n] for n in GUARDED_TORCH_MODULES if n in sys.modules]
     spaces += [torch.nn.Module, torch.Tensor]
     fsdp_mod = sys.modules.get("torch.distributed.fsdp")
     if fsdp_mod is not None and hasattr(fsdp_mod, "FullyShardedDataParallel"):

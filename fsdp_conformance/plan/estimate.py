@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from fsdp_conformance._compat import tree_map
 from fsdp_conformance.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, SEED_MIN_PARAMS
 from fsdp_conformance.plan.model import (
@@ -130,7 +131,7 @@ def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[Un
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         settings.compute_dtype]
     batch = meta_batch(model, choice, settings)
-    batch = torch.utils._pytree.tree_map(
+    batch = tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
         batch)
     with _params_in(model, dtype), _attention(settings.attention):
