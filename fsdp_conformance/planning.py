@@ -41,18 +41,17 @@ from fsdp_conformance.bound import (
     StepConfig,
     per_layer_bound,
 )
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import (
     LLAMA_PRESETS,
     REFERENCE_MODELS,
-    SEED_MIN_PARAMS,
     LlamaConfig,
     ModelConfig,
     ModelSpec,
     ModelSpecError,
 )
-from fsdp_conformance.policies import PolicyError
+from fsdp_conformance.policies import SEED_MIN_PARAMS, PolicyError
 from fsdp_conformance.profile import profile_activations
 from fsdp_conformance.units import ROOT, UnitInfo
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fsdp_conformance import cli, reports, suite
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.settings import OPTIONS, Settings
 
 pytestmark = pytest.mark.cpu

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import init
-from fsdp_conformance.checks import Check, run_check
+from fsdp_conformance.claims import init
+from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
 

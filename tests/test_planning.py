@@ -213,7 +213,7 @@ def test_cli_plan_cross_checks_fsdp2_shards_on_a_1024_rank_fake_process_group() 
     assert rows["tok_embeddings"]["local_numel"] == 32 * 4096  # ceil(32000 / 1024) rows
     assert rows["tok_embeddings"]["ceil_numel"] == 32000 * 4096 // 1024
     # Padding per rank over ceil(numel / W): embeddings and output (32,000 rows), and each
-    # block's w1 and w3 (11,008 rows = 10.75 per rank): memory.py's "dim 0 divides by W for
+    # block's w1 and w3 (11,008 rows = 10.75 per rank): bound.py's "dim 0 divides by W for
     # Llama shapes up to 1,024 ranks" does not hold for 7B (it does for 70B's 28,672).
     embed = 2 * (32 * 4096 - 32000 * 4096 // 1024)
     mlp = 32 * 2 * (11 * 4096 - 11008 * 4096 // 1024)

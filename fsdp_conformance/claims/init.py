@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
