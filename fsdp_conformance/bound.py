@@ -230,3 +230,17 @@ def _reduce_scatter_buffer_numel(numel: int, world_size: int, version: str) -> i
         return out + (out * world_size if numel % world_size else 0)
     return out + out * world_size
 
+
+def init_peak_bound(sharded_bytes: int, largest_unit_bytes: int, version: str,
+                    tolerance_fraction: float, fixed_bytes: float) -> tuple[float, int]:
+    """Peak while materializing a meta-built model: ``(bound bytes, FSDP1 flat copy bytes)``.
+
+    The sharded model this rank keeps, plus one unit unsharded (FSDP1 materializes a whole unit
+    before sharding it; FSDP2 materializes only shards, and init generates one full parameter at
+    a time, at most one unit), plus on FSDP1 one more unit: the flat parameter it concatenates
+    the unit into while the materialized originals still exist. Checked with
+    ``tolerance_fraction`` of that plus ``fixed_bytes`` (docs/init.md, the peak-memory bound).
+    """
+    flatten = largest_unit_bytes if version == "fsdp1" else 0
+    raw = sharded_bytes + largest_unit_bytes + flatten
+    return raw * (1 + tolerance_fraction) + fixed_bytes, flatten

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import user_model
-from fsdp_conformance.checks import Check, run_check
+from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import Ranks
 

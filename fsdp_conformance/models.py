@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_conformance.policies import SEED_MIN_PARAMS
+
 SEED_DIM = 4096
 SEED_VOCAB = 32000
 SEED_LAYERS = 8
-#: The seeds' size threshold: "Apply sharding if the module alone exceeds 20 million parameters".
-SEED_MIN_PARAMS = 2 * 10**7
 
 
 def scaled_min_params(dim: int) -> int:

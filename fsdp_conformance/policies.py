@@ -18,9 +18,11 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from fsdp_conformance import _compat
-from fsdp_conformance.models import SEED_MIN_PARAMS
 
 Policy = Callable[..., bool]
+
+#: The seeds' size threshold: "Apply sharding if the module alone exceeds 20 million parameters".
+SEED_MIN_PARAMS = 2 * 10**7
 
 
 class PolicyError(ValueError):

@@ -334,6 +334,22 @@ def unit_differences(
     return diffs
 
 
+def unit_set_differences(expected: Sequence[UnitInfo], actual: Sequence[UnitInfo]) -> list[str]:
+    """Differences in units, classes, sizes and nesting; plus a plain hint for common causes."""
+    diffs = unit_differences(expected, actual, ("cls", "numel", "parent"))
+    if diffs and len(actual) == 1 and len(expected) > 1:
+        diffs.append(
+            "! the policy wrapped nothing but the root: name the model's block class "
+            "(--fsdp-block-cls) or check the size threshold"
+        )
+    expected_fqns = {u.fqn for u in expected}
+    nested = [u for u in actual if u.fqn not in expected_fqns and u.parent in expected_fqns
+              and u.parent != ROOT]
+    for u in nested:
+        diffs.append(f"! {u.fqn} is a unit nested inside the block unit {u.parent}")
+    return diffs
+
+
 def _show(value: Any) -> str:
     """Counts with thousands separators (as in the trees), everything else as repr."""
     if isinstance(value, int) and not isinstance(value, bool):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fsdp_conformance import cli, user_model
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.settings import OPTIONS, Settings

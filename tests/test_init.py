@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import init
-from fsdp_conformance.checks import Check, run_check
+from fsdp_conformance.bound import init_peak_bound
+from fsdp_conformance.claims import init
+from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
 
@@ -292,6 +293,20 @@ def test_eager_build_exceeds_the_materialization_bound(ranks: Ranks) -> None:
     assert not verdict.passed
     assert "exceeds the bound on ranks [0, 1]" in verdict.message
     assert verdict.figures["peak_MiB"] > verdict.figures["bound_MiB"]
+
+
+def test_peak_bound_counts_one_unit_and_fsdp1s_flat_copy() -> None:
+    # The arithmetic lives in bound.init_peak_bound (shared with the memory blocks); the claim
+    # keeps its tolerances and its text. FSDP1 holds one more unit (the flat copy), FSDP2 none.
+    mib = 2**20
+    assert init_peak_bound(10 * mib, 5 * mib, "fsdp1", 0.1, 4 * mib) == (20 * mib * 1.1 + 4 * mib,
+                                                                         5 * mib)
+    assert init_peak_bound(10 * mib, 5 * mib, "fsdp2", 0.1, 4 * mib) == (15 * mib * 1.1 + 4 * mib,
+                                                                         0)
+    bound, terms = init.peak_memory_bound(
+        {"sharded_bytes": 10 * mib, "largest_unit_bytes": 5 * mib, "version": "fsdp1"})
+    assert bound == 20 * mib * 1.1 + 4 * mib
+    assert terms == "sharded 10.0 + unit 5.0 + flat copy 5.0 MiB, +10% +4 MiB"
 
 
 def test_checks_are_listed_with_stable_names_and_the_init_claim() -> None:

@@ -40,7 +40,7 @@ import os
 if os.environ.get("FSDPC_TEST_FAIL_ON_RANK") == os.environ.get("RANK"):
     import dataclasses
 
-    from fsdp_conformance import wrapping
+    from fsdp_conformance.claims import wrap as wrapping
 
     def _failing(fn):
         def rank_fn(ctx, *args, **kwargs):

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import memory
 from fsdp_conformance.bound import (
     ActivationProfile,
     Bound,
@@ -22,7 +21,8 @@ from fsdp_conformance.bound import (
     StepConfig,
     per_layer_bound,
 )
-from fsdp_conformance.checks import run_check
+from fsdp_conformance.claims import memory
+from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
 from fsdp_conformance.models import LLAMA_PRESETS, ModelConfig, ModelSpec

@@ -198,7 +198,6 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
 
 #: What the planner must not import: it runs in one process on meta, so the rank harness is no
 #: part of it; the claims use the planner (the trust check), not the reverse; the CLI wires it.
-#: (memory.py is still allowed: the bound and the activation profile live there for now.)
 PLANNER_MUST_NOT_IMPORT = ("fsdp_conformance.harness", "fsdp_conformance._worker",
                            "fsdp_conformance.checks", "fsdp_conformance.claims",
                            "fsdp_conformance.wrapping", "fsdp_conformance.init",
@@ -227,7 +226,7 @@ def test_the_planner_is_a_package_that_imports_no_harness_no_claim_and_no_cli() 
     assert _forbidden_imports("def f():\n    from fsdp_conformance import checks")
     assert _forbidden_imports("import fsdp_conformance.claims.plan_trust")
     assert _forbidden_imports("from ..cli import main")
-    assert not _forbidden_imports("from fsdp_conformance.memory import Bound\n"
+    assert not _forbidden_imports("from fsdp_conformance.bound import Bound\n"
                                   "from .model import PlanError")
     folder = Path(fsdp_conformance.__file__).parent / "plan"
     files = {f.name: f for f in folder.glob("*.py")}
@@ -304,7 +303,7 @@ def test_cli_plan_cross_checks_fsdp2_shards_on_a_1024_rank_fake_process_group() 
     assert rows["tok_embeddings"]["local_numel"] == 32 * 4096  # ceil(32000 / 1024) rows
     assert rows["tok_embeddings"]["ceil_numel"] == 32000 * 4096 // 1024
     # Padding per rank over ceil(numel / W): embeddings and output (32,000 rows), and each
-    # block's w1 and w3 (11,008 rows = 10.75 per rank): memory.py's "dim 0 divides by W for
+    # block's w1 and w3 (11,008 rows = 10.75 per rank): bound.py's "dim 0 divides by W for
     # Llama shapes up to 1,024 ranks" does not hold for 7B (it does for 70B's 28,672).
     embed = 2 * (32 * 4096 - 32000 * 4096 // 1024)
     mlp = 32 * 2 * (11 * 4096 - 11008 * 4096 // 1024)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_conformance.checks import run_check
+from fsdp_conformance.claims.check import run_check
+from fsdp_conformance.claims.wrap import (
+    BUILDERS,
+    CHECKS,
+    build_policy,
+    builder_units,
+    verdict_builder,
+)
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import (
     DecoderLayer,
@@ -22,13 +29,6 @@ from fsdp_conformance.policies import (
     validate_plan,
 )
 from fsdp_conformance.units import plan_units
-from fsdp_conformance.wrapping import (
-    BUILDERS,
-    CHECKS,
-    build_policy,
-    builder_units,
-    verdict_builder,
-)
 
 SMALL = ModelConfig(num_layers=2, dim=32)
 

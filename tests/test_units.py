@@ -8,8 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.claims.wrap import (
+    expected_units,
+    plan_verdict,
+    seeds_full_scale_plan,
+)
 from fsdp_conformance.models import (
-    SEED_MIN_PARAMS,
     DecoderLayer,
     EncoderDecoder,
     EncoderLayer,
@@ -17,18 +21,13 @@ from fsdp_conformance.models import (
     ModelConfig,
     TiedLM,
 )
-from fsdp_conformance.policies import recommended_policy, seeds_hybrid_policy
+from fsdp_conformance.policies import SEED_MIN_PARAMS, recommended_policy, seeds_hybrid_policy
 from fsdp_conformance.units import (
     UnitInfo,
     format_unit_tree,
     plan_units,
-    units_for_modules,
-)
-from fsdp_conformance.wrapping import (
-    expected_units,
-    plan_verdict,
-    seeds_full_scale_plan,
     unit_set_differences,
+    units_for_modules,
 )
 
 SMALL = ModelConfig(num_layers=2, dim=32)

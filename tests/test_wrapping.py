@@ -8,9 +8,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelConfig, ModelSpec
-from fsdp_conformance.wrapping import (
+from fsdp_conformance.claims.wrap import (
     BF16_LOSS_RTOL,
     FP32_ATOL,
     inspect_units,
@@ -26,6 +24,8 @@ from fsdp_conformance.wrapping import (
     verdict_train,
     verdict_unit_set,
 )
+from fsdp_conformance.harness import Ranks
+from fsdp_conformance.models import ModelConfig, ModelSpec
 
 VERSIONS = ("fsdp1", "fsdp2")
 #: dim 30: the head (30 x 234 + 234 = 7,254) does not divide by 4, so padding shows at ws 4.

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.bound import BOUND_TOLERANCE, Bound
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import plan_model

@@ -6,31 +6,19 @@ Used by ``fsdp-conformance run``. Tests drive the same checks through the ``rank
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
-from fsdp_conformance.checks import Check, CheckRun, execute
+from fsdp_conformance.claims import all_checks
+from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks, lane_unavailable
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.settings import Settings, SettingsError
 from fsdp_conformance.user_model import user_spec
-
-#: Concern modules that contribute checks, in report order.
-CHECK_MODULES = ("fsdp_conformance.wrapping", "fsdp_conformance.init", "fsdp_conformance.memory")
-
-
-def all_checks() -> list[Check]:
-    """Every registered check (each concern module's ``CHECKS``)."""
-    checks: list[Check] = []
-    for name in CHECK_MODULES:
-        module = importlib.import_module(name)
-        checks.extend(getattr(module, "CHECKS", ()))
-    return checks
 
 
 def variant_of(params: dict[str, Any]) -> str:

@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.bound import init_peak_bound
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
@@ -1226,9 +1227,8 @@ def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:
     - a tolerance of PEAK_TOLERANCE_FRACTION of that plus PEAK_TOLERANCE_FIXED_MIB.
     """
     unit = value["largest_unit_bytes"]
-    flatten = unit if value["version"] == "fsdp1" else 0
-    raw = value["sharded_bytes"] + unit + flatten
-    bound = raw * (1 + PEAK_TOLERANCE_FRACTION) + PEAK_TOLERANCE_FIXED_MIB * MiB
+    bound, flatten = init_peak_bound(value["sharded_bytes"], unit, value["version"],
+                                     PEAK_TOLERANCE_FRACTION, PEAK_TOLERANCE_FIXED_MIB * MiB)
     terms = (f"sharded {value['sharded_bytes'] / MiB:.1f} + unit {unit / MiB:.1f}"
              + (f" + flat copy {flatten / MiB:.1f}" if flatten else "")
              + f" MiB, +{PEAK_TOLERANCE_FRACTION:.0%} +{PEAK_TOLERANCE_FIXED_MIB:.0f} MiB")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.bound import MB, Bound, MeasureError, StepConfig, per_layer_bound
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, METER_RESOLUTION_BYTES
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec

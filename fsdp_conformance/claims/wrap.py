@@ -3,7 +3,7 @@ are wrapped by the size rule, nothing else.
 
 The expected unit set is written down here *from the claim itself* (:func:`expected_units`),
 not by running a policy: a policy that is wrong in the same way as its own plan is still caught.
-Checks follow the contract of :mod:`fsdp_conformance.checks`: a rank function (module level,
+Checks follow the contract of :mod:`fsdp_conformance.claims.check`: a rank function (module level,
 plain data in and out) and a verdict computed in the parent from every rank's report.
 
 Checks (``CHECKS``):
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.checks import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec, default_loss
 from fsdp_conformance.policies import (
@@ -56,6 +56,7 @@ from fsdp_conformance.units import (
     plan_units,
     planned_unit_modules,
     unit_differences,
+    unit_set_differences,
 )
 
 #: Containers with no forward of their own: FSDP1 cannot gather around them, and torch's size
@@ -170,22 +171,6 @@ def _assign_params(
 
 def _module_at(model: nn.Module, fqn: str) -> nn.Module:
     return model.get_submodule(fqn) if fqn else model
-
-
-def unit_set_differences(expected: Sequence[UnitInfo], actual: Sequence[UnitInfo]) -> list[str]:
-    """Differences in units, classes, sizes and nesting; plus a plain hint for common causes."""
-    diffs = unit_differences(expected, actual, ("cls", "numel", "parent"))
-    if diffs and len(actual) == 1 and len(expected) > 1:
-        diffs.append(
-            "! the policy wrapped nothing but the root: name the model's block class "
-            "(--fsdp-block-cls) or check the size threshold"
-        )
-    expected_fqns = {u.fqn for u in expected}
-    nested = [u for u in actual if u.fqn not in expected_fqns and u.parent in expected_fqns
-              and u.parent != ROOT]
-    for u in nested:
-        diffs.append(f"! {u.fqn} is a unit nested inside the block unit {u.parent}")
-    return diffs
 
 
 # --------------------------------------------------------------------------------------------
@@ -1216,7 +1201,8 @@ def verdict_coarse(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any
 
 def seeds_full_scale_plan(policy: str = "seeds_verbatim") -> tuple[list[UnitInfo], Verdict]:
     """The plan of a policy on the seeds' full-scale MassiveModel (meta, no allocation)."""
-    from fsdp_conformance.models import SEED_MIN_PARAMS, DecoderLayer, MassiveModel, ModelConfig
+    from fsdp_conformance.models import DecoderLayer, MassiveModel, ModelConfig
+    from fsdp_conformance.policies import SEED_MIN_PARAMS
 
     with torch.device("meta"):
         model = MassiveModel(ModelConfig.seeds_full_scale())
@@ -1301,7 +1287,6 @@ __all__ = [
     "record_unshards",
     "seeds_full_scale_plan",
     "train_parity",
-    "unit_set_differences",
     "verdict_accounting",
     "verdict_backward_prefetch",
     "verdict_builder",

@@ -5,8 +5,8 @@ inspects it and returns plain data; and a *verdict* that the parent computes fro
 data. The data path stays short: ``run_check`` = ``ranks.run(rank_fn, **params)`` then
 ``verdict(values, params)``.
 
-Concern modules (:mod:`~fsdp_conformance.wrapping`, :mod:`~fsdp_conformance.init`,
-:mod:`~fsdp_conformance.memory`) each define their checks and list them in ``CHECKS``.
+Claim modules (:mod:`~fsdp_conformance.claims.wrap`, :mod:`~fsdp_conformance.claims.init`,
+:mod:`~fsdp_conformance.claims.memory`) each define their checks and list them in ``CHECKS``.
 """
 
 from __future__ import annotations
