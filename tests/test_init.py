@@ -150,7 +150,8 @@ def test_ranks_seeded_differently_are_flagged_though_gathered_weights_agree(
 ) -> None:
     for version in VERSIONS:
         values = materialize_values(ranks, version=version, rank_seed_offset=1)
-        # The trap (NOTES.md): every rank gathers the same full weights...
+        # The trap (docs/init.md, "Facts about meta-device init"): every rank gathers the
+        # same full weights...
         assert len({v["digest"] for v in values}) == 1
         # ...which are not the reference's, and rank 1's own shards are wrong.
         verdict = init.weights_verdict(values, {})
@@ -172,7 +173,8 @@ def test_fsdp1_default_reset_parameters_path_matches_its_single_process_order(
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_naive_reset_parameters_on_a_cpu_mesh_is_flagged(ranks: Ranks) -> None:
-    # NOTES.md: no offset RNG on a CPU mesh; every shard draws from its rank's own generator.
+    # No offset RNG on a CPU mesh (docs/init.md, "Facts about meta-device init"): every
+    # shard draws from its rank's own generator.
     verdict = run_check(ranks, check("init.weights.fsdp2"), method="reset_parameters")
     assert not verdict.passed
     assert "local shards differ from the reference's slices" in verdict.message

@@ -15,8 +15,9 @@ The phases a reader can follow (torchtitan's order):
 The checks (:data:`CHECKS`) compare what every rank holds against that single-process
 reference: never "finite" (``to_empty`` memory can look finite) and never "identical across
 ranks" (gathered weights are identical on every rank even when the ranks initialized
-differently; NOTES.md). :data:`SEEDS_CHECKS` runs the seeds' ``materialization_fn`` as written
-and turns what goes wrong into one-line findings (:func:`describe_init_error`).
+differently: docs/init.md, "Facts about meta-device init"). :data:`SEEDS_CHECKS` runs the
+seeds' ``materialization_fn`` as written and turns what goes wrong into one-line findings
+(:func:`describe_init_error`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ META_GROWTH_FRACTION = 0.001
 META_GROWTH_FIXED_MIB = 16.0
 
 #: Peak while materializing: tolerance on the bound (allocator rounding, gloo and Python
-#: objects; NOTES.md saw up to ~8% run-to-run variation of peaks).
+#: objects; peaks vary up to ~8% run to run: docs/memory.md, "Facts about measuring memory on
+#: CPU").
 PEAK_TOLERANCE_FRACTION = 0.10
 PEAK_TOLERANCE_FIXED_MIB = 4.0
 
@@ -340,8 +342,9 @@ class DeterministicParamInit:
     """FSDP1 ``param_init_fn``: ``to_empty(recurse=False)``, then the module's own state.
 
     FSDP1 calls it once per not-yet-wrapped module of each unit, breadth-first from the unit's
-    root (NOTES.md). The module's own tensors are materialized on ``device`` and filled with
-    their full values from :func:`full_module_state`; FSDP1 shards them afterwards. A tied
+    root (docs/init.md, "Facts about meta-device init"). The module's own tensors are
+    materialized on ``device`` and filled with their full values from
+    :func:`full_module_state`; FSDP1 shards them afterwards. A tied
     tensor materialized earlier (in another module) is re-bound rather than re-allocated, so
     the tie survives ``to_empty``. With ``broadcast_from`` set, each tensor is then broadcast
     from that rank: the explicit equivalent of ``sync_module_states=True``, which works on CPU.
@@ -1169,7 +1172,8 @@ def peak_memory_rank(
 
     CPU lane: the host's ``VmHWM``, meaningful in fresh rank processes started with
     ``MALLOC_MMAP_THRESHOLD_=65536`` (every large tensor its own mmap, so freed memory leaves
-    RSS; NOTES.md). GPU lane: the CUDA allocator's peak, where the parameters live.
+    RSS; docs/memory.md, "Facts about measuring memory on CPU"). GPU lane: the CUDA
+    allocator's peak, where the parameters live.
     ``eager=True`` builds the model with storage first (the negative control).
     """
     failed = _preflight(ctx, spec)

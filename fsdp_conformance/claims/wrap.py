@@ -1080,8 +1080,8 @@ def prefetch_order(
         sharded = _shard_named(
             model, ctx, version, policy_obj, forward_prefetch=forward_prefetch,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE if backward_prefetch else None)
-        keys = {id(m._handle): clean_fqn(n) for n, m in sharded.named_modules()
-                if isinstance(m, FSDP) and m._handle is not None}
+        keys = {id(_compat.fsdp1_handle(m)): clean_fqn(n) for n, m in sharded.named_modules()
+                if isinstance(m, FSDP) and _compat.fsdp1_handle(m) is not None}
     else:
         if not backward_prefetch:
             raise ValueError("FSDP2 has no public switch to turn backward prefetch off; "

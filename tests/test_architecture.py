@@ -1,0 +1,181 @@
+"""The package's import rules (docs/architecture.md), checked on every module.
+
+Pure static checks (no torch, no ranks): each module's imports of the package, top-level and
+inside functions, against the layer table; private torch access only in ``_compat.py``; no
+reference to a file outside the repository.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fsdp_conformance"
+
+#: Layer of each top-level module or folder (docs/architecture.md, "the layers").
+LAYERS: dict[str, str] = {
+    "__init__": "base",
+    "_compat": "base",
+    "_files": "base",
+    "settings": "base",
+    "harness": "harness",
+    "units": "blocks",
+    "policies": "blocks",
+    "models": "blocks",
+    "sharding": "blocks",
+    "bound": "blocks",
+    "profile": "blocks",
+    "meters": "blocks",
+    "timeline": "blocks",
+    "step": "blocks",
+    "user_model": "blocks",
+    "plan": "plan",
+    "claims": "claims",
+    "gate": "gate",
+    "cli": "wiring",
+    "plugin": "wiring",
+    "model_tests": "wiring",
+}
+
+#: What each layer may import from the package (its own layer included).
+ALLOWED: dict[str, set[str]] = {
+    "base": {"base"},
+    "harness": {"base", "harness"},
+    "blocks": {"base", "harness", "blocks"},
+    "plan": {"base", "blocks", "plan"},
+    "claims": {"base", "harness", "blocks", "plan", "claims"},
+    "gate": {"base", "harness", "blocks", "claims", "gate"},
+    "wiring": {"base", "harness", "blocks", "plan", "claims", "gate", "wiring"},
+}
+
+#: Private torch access: a ``._name`` step in a dotted torch path, FSDP1's handle, storage
+#: identity and view internals. Allowed only in ``_compat.py``.
+PRIVATE_TORCH = re.compile(
+    r"torch(?:\.\w+)*\._[a-z]\w*|\._handle\b|\._cdata\b|\._is_view\(|\._use_count\("
+)
+
+
+def _modules() -> list[tuple[str, pathlib.Path]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        found.append((".".join(parts), path))
+    return found
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every ``fsdp_conformance`` module this file imports, at any depth, as a dotted name."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "fsdp_conformance":
+                names.update(f"fsdp_conformance.{a.name}" for a in node.names)
+            else:
+                names.add(node.module)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            names.add(node.args[0].value)
+    return {n for n in names if n == "fsdp_conformance" or n.startswith("fsdp_conformance.")}
+
+
+def _layer(dotted: str) -> str:
+    """The layer of ``fsdp_conformance.x.y`` (or of a module name relative to the package)."""
+    head = dotted.removeprefix("fsdp_conformance").lstrip(".").split(".")[0] or "__init__"
+    if head == "__version__":  # `from fsdp_conformance import __version__`
+        head = "__init__"
+    if head not in LAYERS:
+        raise AssertionError(
+            f"module {dotted!r} is in no layer: add it to LAYERS here and to the table in "
+            "docs/architecture.md"
+        )
+    return LAYERS[head]
+
+
+def _violations(name: str, imported: set[str]) -> list[str]:
+    layer = _layer(name)
+    bad = []
+    for target in sorted(imported):
+        target_layer = _layer(target)
+        if target_layer not in ALLOWED[layer]:
+            bad.append(f"{name} ({layer}) imports {target} ({target_layer})")
+    return bad
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    for name, _ in _modules():
+        _layer(name)
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    bad = [v for name, path in _modules() for v in _violations(name, _imports(path))]
+    assert not bad, "import rule broken (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_rule_catches_a_harness_that_imports_a_claim() -> None:
+    # Negative control: the checker itself must flag the layering the docs forbid.
+    assert _violations("harness.pool", {"fsdp_conformance.claims.memory"}) == [
+        "harness.pool (harness) imports fsdp_conformance.claims.memory (claims)"
+    ]
+    assert _violations("claims.wrap", {"fsdp_conformance.cli"})
+    assert _violations("plan.estimate", {"fsdp_conformance.harness"})
+    assert not _violations("claims.wrap", {"fsdp_conformance.step", "fsdp_conformance.harness"})
+
+
+def test_no_claim_imports_another_claim() -> None:
+    bad = []
+    for name, path in _modules():
+        if not name.startswith("claims.") or name == "claims.check":
+            continue
+        for target in _imports(path):
+            short = target.removeprefix("fsdp_conformance.")
+            if short.startswith("claims.") and short not in ("claims.check", name):
+                bad.append(f"{name} imports {short}")
+    assert not bad, "a claim imports another claim; move the shared code to a block:\n" + (
+        "\n".join(bad))
+
+
+def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Source lines without comments (private names in prose are fine)."""
+    return [(i, line.split("#", 1)[0])
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)]
+
+
+def test_private_torch_access_only_in_compat() -> None:
+    bad = []
+    for name, path in _modules():
+        if name == "_compat":
+            continue
+        for lineno, code in _code_lines(path):
+            if PRIVATE_TORCH.search(code):
+                bad.append(f"{path.relative_to(ROOT)}:{lineno}: {code.strip()}")
+    assert not bad, "private torch access outside _compat.py:\n" + "\n".join(bad)
+
+
+def test_the_private_access_pattern_catches_the_usual_forms() -> None:
+    for code in ("from torch.utils._pytree import tree_map", "m._handle.flat_param",
+                 "torch.distributed.fsdp._init_utils", "t.untyped_storage()._cdata"):
+        assert PRIVATE_TORCH.search(code), code
+    for code in ("import torch.distributed as dist", "torch.nn.init.zeros_(w)", "self._ranks"):
+        assert not PRIVATE_TORCH.search(code), code
+
+
+def test_nothing_cites_a_file_outside_the_repository() -> None:
+    # Facts the code relies on live in docs/ (CI and users do not have the team's notes).
+    files = [p for p in (ROOT / "fsdp_conformance").rglob("*.py")]
+    files += [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_architecture.py"]
+    files += list((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in files
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+           if "NOTES.md" in line or "shared/seeds" in line]
+    assert not bad, "references to files outside the repository:\n" + "\n".join(bad)
