@@ -494,10 +494,16 @@ def materialize(
     model = shard_fsdp2(model, ctx, wrap_policy, **fsdp_kwargs)
     if eager:
         return model
+    return _materialize_fsdp2(model, ctx.device, method, seed)
+
+
+def _materialize_fsdp2(model: nn.Module, device: torch.device, method: str,
+                       seed: int) -> nn.Module:
+    """Fill an FSDP2 model sharded on meta with ``method`` (FSDP2 has no ``param_init_fn``)."""
     if method == "seeds":
         model.apply(materialization_fn)  # as the seeds would: no to_empty
         return model
-    model.to_empty(device=ctx.device)
+    model.to_empty(device=device)
     if method == "deterministic":
         deterministic_init_(model, seed)
     elif method == "reset_parameters":

@@ -151,6 +151,12 @@ def _compare_entry(
             continue  # measured floats (losses, ratios) move run to run; their checks judge them
         else:
             diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
+    return diffs + _new_warnings(cid, old, new)
+
+
+def _new_warnings(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:
+    """A difference for each warning the new run raised that the old one did not."""
+    diffs = []
     old_warnings = {_warning_key(w) for w in old.get("warnings", [])}
     deprecations = set(new.get("deprecations", []))
     reported: set[str] = set()
