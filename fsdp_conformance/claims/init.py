@@ -1281,31 +1281,40 @@ def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str
 # The checks
 # --------------------------------------------------------------------------------------------
 
+def _per_version(
+    what: str,
+    descriptions: tuple[str, str],
+    rank_fn: Callable[..., Any],
+    verdict: Callable[..., Verdict],
+    spec: ModelSpec = DEFAULT_SPEC,
+    env: Mapping[str, str] | None = None,
+    **params: Any,
+) -> tuple[Check, Check]:
+    """``init.<what>.fsdp1`` and ``init.<what>.fsdp2``: the same check once per FSDP version."""
+    def check(version: str, description: str) -> Check:
+        return Check(f"init.{what}.{version}", "init", description, rank_fn, verdict,
+                     {"spec": spec, "version": version, **params}, env=env)
+
+    return check("fsdp1", descriptions[0]), check("fsdp2", descriptions[1])
+
+
 CHECKS: tuple[Check, ...] = (
     Check(
         "init.meta_build", "init",
         "building the model on meta allocates no storage (peak memory grows by almost nothing)",
         meta_build_rank, meta_build_verdict, {"spec": DEFAULT_SPEC},
     ),
-    Check(
-        "init.no_meta.fsdp1", "init",
-        "FSDP1 + param_init_fn: every parameter and buffer on the compute device, initialized",
-        materialize_rank, no_meta_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    *_per_version(
+        "no_meta",
+        ("FSDP1 + param_init_fn: every parameter and buffer on the compute device, initialized",
+         "FSDP2 + to_empty + init: every parameter and buffer on the compute device, initialized"),
+        materialize_rank, no_meta_verdict,
     ),
-    Check(
-        "init.no_meta.fsdp2", "init",
-        "FSDP2 + to_empty + init: every parameter and buffer on the compute device, initialized",
-        materialize_rank, no_meta_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
-    ),
-    Check(
-        "init.weights.fsdp1", "init",
-        "FSDP1: each rank's shards and the gathered weights equal the single-process reference",
-        materialize_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
-    ),
-    Check(
-        "init.weights.fsdp2", "init",
-        "FSDP2: each rank's shards and the gathered weights equal the single-process reference",
-        materialize_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    *_per_version(
+        "weights",
+        ("FSDP1: each rank's shards and the gathered weights equal the single-process reference",
+         "FSDP2: each rank's shards and the gathered weights equal the single-process reference"),
+        materialize_rank, weights_verdict,
     ),
     Check(
         "init.weights.fsdp1_default", "init",
@@ -1319,37 +1328,25 @@ CHECKS: tuple[Check, ...] = (
         "FSDP1 sync_module_states=True: refused on CPU (a fact); on GPU rank 0's weights win",
         sync_module_states_rank, sync_module_states_verdict, {"spec": DEFAULT_SPEC},
     ),
-    Check(
-        "init.broadcast_rank0.fsdp1", "init",
-        "FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank 0's weights",
-        broadcast_rank0_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    *_per_version(
+        "broadcast_rank0",
+        ("FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank 0's weights",
+         "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank rank 0's "
+         "weights"),
+        broadcast_rank0_rank, weights_verdict,
     ),
-    Check(
-        "init.broadcast_rank0.fsdp2", "init",
-        "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank rank 0's weights",
-        broadcast_rank0_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    *_per_version(
+        "train_step",
+        ("FSDP1: the first training step after meta init matches the reference's",
+         "FSDP2: the first training step after meta init matches the reference's"),
+        train_step_rank, train_step_verdict,
     ),
-    Check(
-        "init.train_step.fsdp1", "init",
-        "FSDP1: the first training step after meta init matches the reference's",
-        train_step_rank, train_step_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
-    ),
-    Check(
-        "init.train_step.fsdp2", "init",
-        "FSDP2: the first training step after meta init matches the reference's",
-        train_step_rank, train_step_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
-    ),
-    Check(
-        "init.peak_memory.fsdp1", "init",
-        "FSDP1: peak host memory while materializing stays within shards + one unit (+ flat copy)",
-        peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp1"},
-        env=MALLOC_ENV,
-    ),
-    Check(
-        "init.peak_memory.fsdp2", "init",
-        "FSDP2: peak host memory while materializing stays within shards + one unit",
-        peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp2"},
-        env=MALLOC_ENV,
+    *_per_version(
+        "peak_memory",
+        ("FSDP1: peak host memory while materializing stays within shards + one unit "
+         "(+ flat copy)",
+         "FSDP2: peak host memory while materializing stays within shards + one unit"),
+        peak_memory_rank, peak_memory_verdict, spec=MEMORY_SPEC, env=MALLOC_ENV,
     ),
 )
 
@@ -1357,17 +1354,11 @@ CHECKS: tuple[Check, ...] = (
 #: each with a one-line finding (docs/init.md). Not in CHECKS: they judge the seeds' code, not
 #: the user's model.
 SEEDS_CHECKS: tuple[Check, ...] = (
-    Check(
-        "init.seeds_fn.fsdp1", "init",
-        "the seeds' materialization_fn as FSDP1's param_init_fn (never calls to_empty)",
-        materialize_rank, no_meta_verdict,
-        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "seeds"},
-    ),
-    Check(
-        "init.seeds_fn.fsdp2", "init",
-        "the seeds' materialization_fn after fully_shard, without to_empty",
-        materialize_rank, no_meta_verdict,
-        {"spec": DEFAULT_SPEC, "version": "fsdp2", "method": "seeds"},
+    *_per_version(
+        "seeds_fn",
+        ("the seeds' materialization_fn as FSDP1's param_init_fn (never calls to_empty)",
+         "the seeds' materialization_fn after fully_shard, without to_empty"),
+        materialize_rank, no_meta_verdict, method="seeds",
     ),
     Check(
         "init.seeds_fn_to_empty.fsdp1", "init",
