@@ -81,6 +81,18 @@ class ModelConfig:
 # --------------------------------------------------------------------------------------------
 
 
+def _stack(block: Callable[[int, int], nn.Module], config: ModelConfig) -> nn.ModuleList:
+    """``config.num_layers`` blocks of ``config.dim`` x ``config.hidden``."""
+    return nn.ModuleList([block(config.dim, config.hidden) for _ in range(config.num_layers)])
+
+
+def _run(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """The blocks applied in order, each to the last one's output."""
+    for block in blocks:
+        x = block(x)
+    return x
+
+
 class DecoderLayer(nn.Module):
     """The seeds' mock transformer block: ``attn`` linear, then a two-layer MLP."""
 
@@ -101,15 +113,12 @@ class MassiveModel(nn.Module):
         config = config or ModelConfig()
         self.config = config
         self.embed = nn.Linear(config.dim, config.dim)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.layers = _stack(DecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.head(x)
 
 
@@ -129,15 +138,12 @@ class EmbeddingClassifier(nn.Module):
         config = config or ModelConfig()
         self.config = config
         self.embedding = nn.Embedding(4 * config.vocab, config.dim)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.layers = _stack(DecoderLayer, config)
         self.classifier = nn.Linear(config.dim, num_classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.classifier(x.mean(dim=1))
 
 
@@ -164,17 +170,13 @@ class EncoderDecoder(nn.Module):
         self.config = config
         self.encoder = nn.ModuleList([EncoderLayer(config.dim) for _ in range(num_encoder_layers)])
         self.bridge = nn.Linear(config.dim, config.dim)
-        self.decoder = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.decoder = _stack(DecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.encoder:
-            x = layer(x)
+        x = _run(self.encoder, x)
         x = self.bridge(x)
-        for layer in self.decoder:
-            x = layer(x)
+        x = _run(self.decoder, x)
         return self.head(x)
 
 
@@ -189,16 +191,13 @@ class TiedLM(nn.Module):
         config = config or ModelConfig()
         self.config = config
         self.embed = nn.Embedding(config.vocab * 2, config.dim)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.layers = _stack(DecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab * 2, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.head(x)
 
 
@@ -237,16 +236,13 @@ class LoRAModel(nn.Module):
         self.config = config
         self.embed = nn.Linear(config.dim, config.dim)
         self.embed.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            [LoRADecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.layers = _stack(LoRADecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab)
         self.head.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.head(x)
 
 
@@ -389,8 +385,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.output(self.norm(x))
 
 
