@@ -93,7 +93,35 @@ def _run(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class DecoderLayer(nn.Module):
+class _AttnThenMLP(nn.Module):
+    """A block that runs its ``attn`` then its ``mlp`` (no residual, as the seeds wrote it)."""
+
+    attn: nn.Module
+    mlp: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attn(x))
+
+
+class _EmbedLayersHead(nn.Module):
+    """A model that runs ``embed``, then its ``layers`` in order, then ``head``."""
+
+    embed: nn.Module
+    layers: nn.ModuleList
+    head: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_run(self.layers, self.embed(x)))
+
+    def _linear_stack(self, config: ModelConfig, block: Callable[[int, int], nn.Module]) -> None:
+        """The seeds' layout: ``embed`` (dim x dim), ``layers`` of ``block``, ``head``."""
+        self.config = config
+        self.embed = nn.Linear(config.dim, config.dim)
+        self.layers = _stack(block, config)
+        self.head = nn.Linear(config.dim, config.vocab)
+
+
+class DecoderLayer(_AttnThenMLP):
     """The seeds' mock transformer block: ``attn`` linear, then a two-layer MLP."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -101,25 +129,13 @@ class DecoderLayer(nn.Module):
         self.attn = nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
 
-
-class MassiveModel(nn.Module):
+class MassiveModel(_EmbedLayersHead):
     """The seeds' model: ``embed`` (dim x dim), DecoderLayer ``layers``, ``head`` (dim x vocab)."""
 
     def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
-        config = config or ModelConfig()
-        self.config = config
-        self.embed = nn.Linear(config.dim, config.dim)
-        self.layers = _stack(DecoderLayer, config)
-        self.head = nn.Linear(config.dim, config.vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        x = _run(self.layers, x)
-        return self.head(x)
+        self._linear_stack(config or ModelConfig(), DecoderLayer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +196,7 @@ class EncoderDecoder(nn.Module):
         return self.head(x)
 
 
-class TiedLM(nn.Module):
+class TiedLM(_EmbedLayersHead):
     """Embedding and head share one weight (weight tying), both above the size threshold.
 
     The shared weight must end in exactly one unit: wrapping either side on its own splits it.
@@ -194,11 +210,6 @@ class TiedLM(nn.Module):
         self.layers = _stack(DecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab * 2, bias=False)
         self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        x = _run(self.layers, x)
-        return self.head(x)
 
 
 class LoRALinear(nn.Module):
@@ -215,7 +226,7 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_b(self.lora_a(x))
 
 
-class LoRADecoderLayer(nn.Module):
+class LoRADecoderLayer(_AttnThenMLP):
     """A block with mixed ``requires_grad``: frozen base weights, trainable adapters."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -225,25 +236,13 @@ class LoRADecoderLayer(nn.Module):
             LoRALinear(dim, hidden_dim), nn.ReLU(), LoRALinear(hidden_dim, dim)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
 
-
-class LoRAModel(nn.Module):
+class LoRAModel(_EmbedLayersHead):
     def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
-        config = config or ModelConfig()
-        self.config = config
-        self.embed = nn.Linear(config.dim, config.dim)
+        self._linear_stack(config or ModelConfig(), LoRADecoderLayer)
         self.embed.requires_grad_(False)
-        self.layers = _stack(LoRADecoderLayer, config)
-        self.head = nn.Linear(config.dim, config.vocab)
         self.head.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        x = _run(self.layers, x)
-        return self.head(x)
 
 
 # --------------------------------------------------------------------------------------------

@@ -883,29 +883,59 @@ def _listing(items: Sequence[str], limit: int = 6) -> str:
     return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
+def _error_verdict(values: Sequence[Mapping[str, Any]]) -> Verdict | None:
+    """The failed verdict when a rank reported errors instead of values (None when none did)."""
+    error = _rank_errors(values)
+    return Verdict(False, error, {"error": error}) if error else None
+
+
+def _no_meta_problems(v: Mapping[str, Any]) -> list[str]:
+    """One rank's tensors left on meta, on another device, uninitialized or wrong."""
+    r = v["rank"]
+    problems = []
+    if v["on_meta"]:
+        problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
+    if v["wrong_device"]:
+        problems.append(f"rank {r}: not on {v['device']}: {_listing(v['wrong_device'])}")
+    if v.get("uninitialized"):
+        problems.append(
+            f"rank {r}: never initialized by the init (to_empty memory): "
+            f"{_listing(v['uninitialized'])}"
+        )
+    if v.get("full_mismatch"):
+        problems.append(
+            f"rank {r}: values differ from the reference: {_listing(v['full_mismatch'])}"
+        )
+    if v.get("missing"):
+        problems.append(f"rank {r}: missing from the model: {_listing(v['missing'])}")
+    return problems
+
+
+def _weights_problems(v: Mapping[str, Any]) -> list[str]:
+    """One rank's shards or gathered weights that differ from the reference."""
+    r = v["rank"]
+    if v["on_meta"]:
+        # Nothing to compare on meta: the values below would only repeat the finding.
+        return [f"rank {r}: still on meta: {_listing(v['on_meta'])}"]
+    problems = []
+    if v["local_mismatch"]:
+        problems.append(
+            f"rank {r}: local shards differ from the reference's slices: "
+            f"{_listing(v['local_mismatch'])}"
+        )
+    bad = v["full_mismatch"] + v["uninitialized"]
+    if bad:
+        problems.append(f"rank {r}: gathered weights differ from the reference: "
+                        f"{_listing(bad)}")
+    return problems
+
+
 def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every tensor on the compute device, with values (= the reference's), on every rank."""
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
-    problems = []
-    for v in values:
-        r = v["rank"]
-        if v["on_meta"]:
-            problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
-        if v["wrong_device"]:
-            problems.append(f"rank {r}: not on {v['device']}: {_listing(v['wrong_device'])}")
-        if v.get("uninitialized"):
-            problems.append(
-                f"rank {r}: never initialized by the init (to_empty memory): "
-                f"{_listing(v['uninitialized'])}"
-            )
-        if v.get("full_mismatch"):
-            problems.append(
-                f"rank {r}: values differ from the reference: {_listing(v['full_mismatch'])}"
-            )
-        if v.get("missing"):
-            problems.append(f"rank {r}: missing from the model: {_listing(v['missing'])}")
+    failed = _error_verdict(values)
+    if failed:
+        return failed
+    problems = [p for v in values for p in _no_meta_problems(v)]
     figures = {"ranks": len(values)}
     if problems:
         return Verdict(False, "not every tensor is materialized and initialized:\n  "
@@ -920,24 +950,10 @@ def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, An
 
 def weights_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Local shards = slices of the reference; gathered = the reference; on every rank."""
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
-    problems = []
-    for v in values:
-        r = v["rank"]
-        if v["on_meta"]:
-            problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
-            continue
-        if v["local_mismatch"]:
-            problems.append(
-                f"rank {r}: local shards differ from the reference's slices: "
-                f"{_listing(v['local_mismatch'])}"
-            )
-        bad = v["full_mismatch"] + v["uninitialized"]
-        if bad:
-            problems.append(f"rank {r}: gathered weights differ from the reference: "
-                            f"{_listing(bad)}")
+    failed = _error_verdict(values)
+    if failed:
+        return failed
+    problems = [p for v in values for p in _weights_problems(v)]
     digests: list[str] = sorted({v["digest"] for v in values if v.get("digest")})
     figures = {
         "digest": digests[0][:16] if len(digests) == 1 else "differs",
@@ -1134,9 +1150,9 @@ def train_step_rank(
 
 
 def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
+    failed = _error_verdict(values)
+    if failed:
+        return failed
     worst = max(values, key=lambda v: v["max_abs_diff"])
     figures = {
         "loss": values[0]["loss"],
@@ -1157,13 +1173,9 @@ def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str,
     if problems:
         return Verdict(False, "the first training step after meta init does not match the "
                        "reference:\n  " + "\n  ".join(problems), figures)
-    return Verdict(
-        True,
-        f"step after meta init matches the reference on {len(values)} ranks (loss "
-        f"{values[0]['loss']:.6g}; largest weight difference {worst['max_abs_diff']:.2g} at "
-        f"{worst['max_abs_diff_at'] or '-'})",
-        figures,
-    )
+    return Verdict(True, f"step after meta init matches the reference on {len(values)} ranks "
+                   f"(loss {values[0]['loss']:.6g}; largest weight difference "
+                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'})", figures)
 
 
 def peak_memory_rank(
@@ -1246,9 +1258,9 @@ def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:
 
 
 def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
+    failed = _error_verdict(values)
+    if failed:
+        return failed
     rows, over = [], []
     for v in values:
         bound, terms = peak_memory_bound(v)

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance._files import PlainData
 from fsdp_conformance.gate.report import DEPRECATION_CATEGORIES, UNIT_DATA_KEYS, first_line
 
 #: compare's default relative tolerance on memory figures.
@@ -36,7 +37,7 @@ _WARNING_NOISE = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Difference:
+class Difference(PlainData):
     """One difference between two reports."""
 
     check_id: str
@@ -45,9 +46,6 @@ class Difference:
     kind: str
     regression: bool
     text: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def compare_reports(
