@@ -178,8 +178,8 @@ class _ProcessState:
                             if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def restore(self) -> list[str]:
-        # Order matters only loosely, but it is kept as it was: interpreter state first, then
-        # the process-wide settings, then torch's, then what can only be reported.
+        # Interpreter state first, then process-wide settings, then torch's; what cannot be
+        # undone (torch flags, the process group, threads) is reported last, in that order.
         self._restore_sys()
         self._restore_gc_and_logging()
         if _umask() != self.umask:
