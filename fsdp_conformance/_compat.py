@@ -82,35 +82,38 @@ def fsdp1_sharding_strategy(unit: nn.Module) -> str:
 # -- FSDP2 --------------------------------------------------------------------------------------
 
 
+def _import_first(name: str, *paths: str) -> Any:
+    """``name`` from the first of ``paths`` that has it; the error names the last one tried."""
+    for path in paths[:-1]:
+        try:
+            return _import(path, name)
+        except CompatError:
+            pass
+    return _import(paths[-1], name)
+
+
+# torch < 2.6 kept FSDP2 under _composable, and DTensor under _tensor.
+_FSDP2 = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+_DTENSOR = ("torch.distributed.tensor", "torch.distributed._tensor")
+
+
 @functools.cache
 def fully_shard() -> Callable[..., Any]:
-    try:
-        return _import("torch.distributed.fsdp", "fully_shard")
-    except CompatError:  # torch < 2.6 kept it under _composable
-        return _import("torch.distributed._composable.fsdp", "fully_shard")
+    return _import_first("fully_shard", *_FSDP2)
 
 
 @functools.cache
 def fsdp_module_cls() -> type[Any]:
-    try:
-        return _import("torch.distributed.fsdp", "FSDPModule")
-    except CompatError:
-        return _import("torch.distributed._composable.fsdp", "FSDPModule")
+    return _import_first("FSDPModule", *_FSDP2)
 
 
 @functools.cache
 def mixed_precision_policy_cls() -> type[Any]:
-    try:
-        return _import("torch.distributed.fsdp", "MixedPrecisionPolicy")
-    except CompatError:
-        return _import("torch.distributed._composable.fsdp", "MixedPrecisionPolicy")
+    return _import_first("MixedPrecisionPolicy", *_FSDP2)
 
 
 def dtensor_cls() -> type[Any]:
-    try:
-        return _import("torch.distributed.tensor", "DTensor")
-    except CompatError:
-        return _import("torch.distributed._tensor", "DTensor")
+    return _import_first("DTensor", *_DTENSOR)
 
 
 # -- memory trackers (private `_tools`) -------------------------------------------------------

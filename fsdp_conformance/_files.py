@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+from typing import Any, cast
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -33,3 +35,12 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+class PlainData:
+    """Base of the frozen dataclasses that go into reports and JSON: ``to_dict`` gives their
+    fields as plain data (nested dataclasses, lists and tuples included)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        # cast: asdict takes dataclass instances, which a mixin cannot say it is.
+        return dataclasses.asdict(cast(Any, self))

@@ -81,7 +81,47 @@ class ModelConfig:
 # --------------------------------------------------------------------------------------------
 
 
-class DecoderLayer(nn.Module):
+def _stack(block: Callable[[int, int], nn.Module], config: ModelConfig) -> nn.ModuleList:
+    """``config.num_layers`` blocks of ``config.dim`` x ``config.hidden``."""
+    return nn.ModuleList([block(config.dim, config.hidden) for _ in range(config.num_layers)])
+
+
+def _run(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """The blocks applied in order, each to the last one's output."""
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+class _AttnThenMLP(nn.Module):
+    """A block that runs its ``attn`` then its ``mlp`` (no residual, as the seeds wrote it)."""
+
+    attn: nn.Module
+    mlp: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attn(x))
+
+
+class _EmbedLayersHead(nn.Module):
+    """A model that runs ``embed``, then its ``layers`` in order, then ``head``."""
+
+    embed: nn.Module
+    layers: nn.ModuleList
+    head: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_run(self.layers, self.embed(x)))
+
+    def _linear_stack(self, config: ModelConfig, block: Callable[[int, int], nn.Module]) -> None:
+        """The seeds' layout: ``embed`` (dim x dim), ``layers`` of ``block``, ``head``."""
+        self.config = config
+        self.embed = nn.Linear(config.dim, config.dim)
+        self.layers = _stack(block, config)
+        self.head = nn.Linear(config.dim, config.vocab)
+
+
+class DecoderLayer(_AttnThenMLP):
     """The seeds' mock transformer block: ``attn`` linear, then a two-layer MLP."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -89,28 +129,13 @@ class DecoderLayer(nn.Module):
         self.attn = nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
 
-
-class MassiveModel(nn.Module):
+class MassiveModel(_EmbedLayersHead):
     """The seeds' model: ``embed`` (dim x dim), DecoderLayer ``layers``, ``head`` (dim x vocab)."""
 
     def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
-        config = config or ModelConfig()
-        self.config = config
-        self.embed = nn.Linear(config.dim, config.dim)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
-        self.head = nn.Linear(config.dim, config.vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+        self._linear_stack(config or ModelConfig(), DecoderLayer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,15 +154,12 @@ class EmbeddingClassifier(nn.Module):
         config = config or ModelConfig()
         self.config = config
         self.embedding = nn.Embedding(4 * config.vocab, config.dim)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.layers = _stack(DecoderLayer, config)
         self.classifier = nn.Linear(config.dim, num_classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.classifier(x.mean(dim=1))
 
 
@@ -164,21 +186,17 @@ class EncoderDecoder(nn.Module):
         self.config = config
         self.encoder = nn.ModuleList([EncoderLayer(config.dim) for _ in range(num_encoder_layers)])
         self.bridge = nn.Linear(config.dim, config.dim)
-        self.decoder = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.decoder = _stack(DecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.encoder:
-            x = layer(x)
+        x = _run(self.encoder, x)
         x = self.bridge(x)
-        for layer in self.decoder:
-            x = layer(x)
+        x = _run(self.decoder, x)
         return self.head(x)
 
 
-class TiedLM(nn.Module):
+class TiedLM(_EmbedLayersHead):
     """Embedding and head share one weight (weight tying), both above the size threshold.
 
     The shared weight must end in exactly one unit: wrapping either side on its own splits it.
@@ -189,17 +207,9 @@ class TiedLM(nn.Module):
         config = config or ModelConfig()
         self.config = config
         self.embed = nn.Embedding(config.vocab * 2, config.dim)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
+        self.layers = _stack(DecoderLayer, config)
         self.head = nn.Linear(config.dim, config.vocab * 2, bias=False)
         self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 class LoRALinear(nn.Module):
@@ -216,7 +226,7 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_b(self.lora_a(x))
 
 
-class LoRADecoderLayer(nn.Module):
+class LoRADecoderLayer(_AttnThenMLP):
     """A block with mixed ``requires_grad``: frozen base weights, trainable adapters."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -226,28 +236,13 @@ class LoRADecoderLayer(nn.Module):
             LoRALinear(dim, hidden_dim), nn.ReLU(), LoRALinear(hidden_dim, dim)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
 
-
-class LoRAModel(nn.Module):
+class LoRAModel(_EmbedLayersHead):
     def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
-        config = config or ModelConfig()
-        self.config = config
-        self.embed = nn.Linear(config.dim, config.dim)
+        self._linear_stack(config or ModelConfig(), LoRADecoderLayer)
         self.embed.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            [LoRADecoderLayer(config.dim, config.hidden) for _ in range(config.num_layers)]
-        )
-        self.head = nn.Linear(config.dim, config.vocab)
         self.head.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,8 +384,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        x = _run(self.layers, x)
         return self.output(self.norm(x))
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -55,8 +56,6 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
     scheduling. Yields counters (``calls``, ``waited``: calls that found the worker still
     holding on). CUDA: the caching allocator frees in stream order already; nothing changes.
     """
-    import weakref
-
     import torch
     import torch.distributed as dist
 
@@ -103,20 +102,7 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
             # c10d's in-place ops return their arguments: those stay alive, they are the caller's.
             own = {_compat.storage_key(t.untyped_storage()) for t in held}
             made_here = [r for r in made.refs if _storage_key(r) not in own]
-            deadline = time.monotonic() + RELEASE_TIMEOUT_S
-            first = True
-            # Released: the arguments' counts are back and every storage gloo made is gone.
-            while (any(r() is not None for r in made_here)
-                   or any(a > b0 or s > s0 for t, (b0, s0) in zip(held, before)
-                          for a, s in (counts(t),))):
-                if first:
-                    stats["waited"] += 1
-                    first = False
-                if time.monotonic() > deadline:
-                    raise MeasureError(
-                        f"gloo still held the tensors of {name} {RELEASE_TIMEOUT_S:.0f} s after "
-                        "it returned: the step's memory cannot be measured in program order")
-                os.sched_yield()
+            _wait_for_release(name, made_here, held, before, counts, stats)
             return result
         return call
 
@@ -128,6 +114,25 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
     finally:
         for n, fn in originals.items():
             setattr(dist, n, fn)
+
+
+def _wait_for_release(name: str, made_here: Sequence[weakref.ref[Any]], held: Sequence[Any],
+                      before: Sequence[tuple[int, int]], counts: Callable[[Any], tuple[int, int]],
+                      stats: dict[str, int]) -> None:
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    first = True
+    # Released: the arguments' counts are back and every storage gloo made is gone.
+    while (any(r() is not None for r in made_here)
+           or any(a > b0 or s > s0 for t, (b0, s0) in zip(held, before)
+                  for a, s in (counts(t),))):
+        if first:
+            stats["waited"] += 1
+            first = False
+        if time.monotonic() > deadline:
+            raise MeasureError(
+                f"gloo still held the tensors of {name} {RELEASE_TIMEOUT_S:.0f} s after "
+                "it returned: the step's memory cannot be measured in program order")
+        os.sched_yield()
 
 
 def _storage_key(ref: Any) -> int | None:

@@ -14,13 +14,14 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance._files import PlainData
 
 ROOT = ""
 _FSDP1_PREFIX = "_fsdp_wrapped_module"
 
 
 @dataclasses.dataclass(frozen=True)
-class UnitInfo:
+class UnitInfo(PlainData):
     """One FSDP unit."""
 
     #: FQN of the wrapped module in the original model ("" for the root).
@@ -43,9 +44,6 @@ class UnitInfo:
     @property
     def depth(self) -> int:
         return 0 if self.fqn == ROOT else self.fqn.count(".") + 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> UnitInfo:

@@ -494,10 +494,16 @@ def materialize(
     model = shard_fsdp2(model, ctx, wrap_policy, **fsdp_kwargs)
     if eager:
         return model
+    return _materialize_fsdp2(model, ctx.device, method, seed)
+
+
+def _materialize_fsdp2(model: nn.Module, device: torch.device, method: str,
+                       seed: int) -> nn.Module:
+    """Fill an FSDP2 model sharded on meta with ``method`` (FSDP2 has no ``param_init_fn``)."""
     if method == "seeds":
         model.apply(materialization_fn)  # as the seeds would: no to_empty
         return model
-    model.to_empty(device=ctx.device)
+    model.to_empty(device=device)
     if method == "deterministic":
         deterministic_init_(model, seed)
     elif method == "reset_parameters":
@@ -877,29 +883,59 @@ def _listing(items: Sequence[str], limit: int = 6) -> str:
     return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
+def _error_verdict(values: Sequence[Mapping[str, Any]]) -> Verdict | None:
+    """The failed verdict when a rank reported errors instead of values (None when none did)."""
+    error = _rank_errors(values)
+    return Verdict(False, error, {"error": error}) if error else None
+
+
+def _no_meta_problems(v: Mapping[str, Any]) -> list[str]:
+    """One rank's tensors left on meta, on another device, uninitialized or wrong."""
+    r = v["rank"]
+    problems = []
+    if v["on_meta"]:
+        problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
+    if v["wrong_device"]:
+        problems.append(f"rank {r}: not on {v['device']}: {_listing(v['wrong_device'])}")
+    if v.get("uninitialized"):
+        problems.append(
+            f"rank {r}: never initialized by the init (to_empty memory): "
+            f"{_listing(v['uninitialized'])}"
+        )
+    if v.get("full_mismatch"):
+        problems.append(
+            f"rank {r}: values differ from the reference: {_listing(v['full_mismatch'])}"
+        )
+    if v.get("missing"):
+        problems.append(f"rank {r}: missing from the model: {_listing(v['missing'])}")
+    return problems
+
+
+def _weights_problems(v: Mapping[str, Any]) -> list[str]:
+    """One rank's shards or gathered weights that differ from the reference."""
+    r = v["rank"]
+    if v["on_meta"]:
+        # Nothing to compare on meta: the values below would only repeat the finding.
+        return [f"rank {r}: still on meta: {_listing(v['on_meta'])}"]
+    problems = []
+    if v["local_mismatch"]:
+        problems.append(
+            f"rank {r}: local shards differ from the reference's slices: "
+            f"{_listing(v['local_mismatch'])}"
+        )
+    bad = v["full_mismatch"] + v["uninitialized"]
+    if bad:
+        problems.append(f"rank {r}: gathered weights differ from the reference: "
+                        f"{_listing(bad)}")
+    return problems
+
+
 def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every tensor on the compute device, with values (= the reference's), on every rank."""
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
-    problems = []
-    for v in values:
-        r = v["rank"]
-        if v["on_meta"]:
-            problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
-        if v["wrong_device"]:
-            problems.append(f"rank {r}: not on {v['device']}: {_listing(v['wrong_device'])}")
-        if v.get("uninitialized"):
-            problems.append(
-                f"rank {r}: never initialized by the init (to_empty memory): "
-                f"{_listing(v['uninitialized'])}"
-            )
-        if v.get("full_mismatch"):
-            problems.append(
-                f"rank {r}: values differ from the reference: {_listing(v['full_mismatch'])}"
-            )
-        if v.get("missing"):
-            problems.append(f"rank {r}: missing from the model: {_listing(v['missing'])}")
+    failed = _error_verdict(values)
+    if failed:
+        return failed
+    problems = [p for v in values for p in _no_meta_problems(v)]
     figures = {"ranks": len(values)}
     if problems:
         return Verdict(False, "not every tensor is materialized and initialized:\n  "
@@ -914,24 +950,10 @@ def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, An
 
 def weights_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Local shards = slices of the reference; gathered = the reference; on every rank."""
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
-    problems = []
-    for v in values:
-        r = v["rank"]
-        if v["on_meta"]:
-            problems.append(f"rank {r}: still on meta: {_listing(v['on_meta'])}")
-            continue
-        if v["local_mismatch"]:
-            problems.append(
-                f"rank {r}: local shards differ from the reference's slices: "
-                f"{_listing(v['local_mismatch'])}"
-            )
-        bad = v["full_mismatch"] + v["uninitialized"]
-        if bad:
-            problems.append(f"rank {r}: gathered weights differ from the reference: "
-                            f"{_listing(bad)}")
+    failed = _error_verdict(values)
+    if failed:
+        return failed
+    problems = [p for v in values for p in _weights_problems(v)]
     digests: list[str] = sorted({v["digest"] for v in values if v.get("digest")})
     figures = {
         "digest": digests[0][:16] if len(digests) == 1 else "differs",
@@ -1128,9 +1150,9 @@ def train_step_rank(
 
 
 def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
+    failed = _error_verdict(values)
+    if failed:
+        return failed
     worst = max(values, key=lambda v: v["max_abs_diff"])
     figures = {
         "loss": values[0]["loss"],
@@ -1151,13 +1173,9 @@ def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str,
     if problems:
         return Verdict(False, "the first training step after meta init does not match the "
                        "reference:\n  " + "\n  ".join(problems), figures)
-    return Verdict(
-        True,
-        f"step after meta init matches the reference on {len(values)} ranks (loss "
-        f"{values[0]['loss']:.6g}; largest weight difference {worst['max_abs_diff']:.2g} at "
-        f"{worst['max_abs_diff_at'] or '-'})",
-        figures,
-    )
+    return Verdict(True, f"step after meta init matches the reference on {len(values)} ranks "
+                   f"(loss {values[0]['loss']:.6g}; largest weight difference "
+                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'})", figures)
 
 
 def peak_memory_rank(
@@ -1240,9 +1258,9 @@ def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:
 
 
 def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
-    error = _rank_errors(values)
-    if error:
-        return Verdict(False, error, {"error": error})
+    failed = _error_verdict(values)
+    if failed:
+        return failed
     rows, over = [], []
     for v in values:
         bound, terms = peak_memory_bound(v)
@@ -1275,31 +1293,40 @@ def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str
 # The checks
 # --------------------------------------------------------------------------------------------
 
+def _per_version(
+    what: str,
+    descriptions: tuple[str, str],
+    rank_fn: Callable[..., Any],
+    verdict: Callable[..., Verdict],
+    spec: ModelSpec = DEFAULT_SPEC,
+    env: Mapping[str, str] | None = None,
+    **params: Any,
+) -> tuple[Check, Check]:
+    """``init.<what>.fsdp1`` and ``init.<what>.fsdp2``: the same check once per FSDP version."""
+    def check(version: str, description: str) -> Check:
+        return Check(f"init.{what}.{version}", "init", description, rank_fn, verdict,
+                     {"spec": spec, "version": version, **params}, env=env)
+
+    return check("fsdp1", descriptions[0]), check("fsdp2", descriptions[1])
+
+
 CHECKS: tuple[Check, ...] = (
     Check(
         "init.meta_build", "init",
         "building the model on meta allocates no storage (peak memory grows by almost nothing)",
         meta_build_rank, meta_build_verdict, {"spec": DEFAULT_SPEC},
     ),
-    Check(
-        "init.no_meta.fsdp1", "init",
-        "FSDP1 + param_init_fn: every parameter and buffer on the compute device, initialized",
-        materialize_rank, no_meta_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    *_per_version(
+        "no_meta",
+        ("FSDP1 + param_init_fn: every parameter and buffer on the compute device, initialized",
+         "FSDP2 + to_empty + init: every parameter and buffer on the compute device, initialized"),
+        materialize_rank, no_meta_verdict,
     ),
-    Check(
-        "init.no_meta.fsdp2", "init",
-        "FSDP2 + to_empty + init: every parameter and buffer on the compute device, initialized",
-        materialize_rank, no_meta_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
-    ),
-    Check(
-        "init.weights.fsdp1", "init",
-        "FSDP1: each rank's shards and the gathered weights equal the single-process reference",
-        materialize_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
-    ),
-    Check(
-        "init.weights.fsdp2", "init",
-        "FSDP2: each rank's shards and the gathered weights equal the single-process reference",
-        materialize_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    *_per_version(
+        "weights",
+        ("FSDP1: each rank's shards and the gathered weights equal the single-process reference",
+         "FSDP2: each rank's shards and the gathered weights equal the single-process reference"),
+        materialize_rank, weights_verdict,
     ),
     Check(
         "init.weights.fsdp1_default", "init",
@@ -1313,37 +1340,25 @@ CHECKS: tuple[Check, ...] = (
         "FSDP1 sync_module_states=True: refused on CPU (a fact); on GPU rank 0's weights win",
         sync_module_states_rank, sync_module_states_verdict, {"spec": DEFAULT_SPEC},
     ),
-    Check(
-        "init.broadcast_rank0.fsdp1", "init",
-        "FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank 0's weights",
-        broadcast_rank0_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
+    *_per_version(
+        "broadcast_rank0",
+        ("FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank 0's weights",
+         "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank rank 0's "
+         "weights"),
+        broadcast_rank0_rank, weights_verdict,
     ),
-    Check(
-        "init.broadcast_rank0.fsdp2", "init",
-        "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank rank 0's weights",
-        broadcast_rank0_rank, weights_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
+    *_per_version(
+        "train_step",
+        ("FSDP1: the first training step after meta init matches the reference's",
+         "FSDP2: the first training step after meta init matches the reference's"),
+        train_step_rank, train_step_verdict,
     ),
-    Check(
-        "init.train_step.fsdp1", "init",
-        "FSDP1: the first training step after meta init matches the reference's",
-        train_step_rank, train_step_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp1"},
-    ),
-    Check(
-        "init.train_step.fsdp2", "init",
-        "FSDP2: the first training step after meta init matches the reference's",
-        train_step_rank, train_step_verdict, {"spec": DEFAULT_SPEC, "version": "fsdp2"},
-    ),
-    Check(
-        "init.peak_memory.fsdp1", "init",
-        "FSDP1: peak host memory while materializing stays within shards + one unit (+ flat copy)",
-        peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp1"},
-        env=MALLOC_ENV,
-    ),
-    Check(
-        "init.peak_memory.fsdp2", "init",
-        "FSDP2: peak host memory while materializing stays within shards + one unit",
-        peak_memory_rank, peak_memory_verdict, {"spec": MEMORY_SPEC, "version": "fsdp2"},
-        env=MALLOC_ENV,
+    *_per_version(
+        "peak_memory",
+        ("FSDP1: peak host memory while materializing stays within shards + one unit "
+         "(+ flat copy)",
+         "FSDP2: peak host memory while materializing stays within shards + one unit"),
+        peak_memory_rank, peak_memory_verdict, spec=MEMORY_SPEC, env=MALLOC_ENV,
     ),
 )
 
@@ -1351,17 +1366,11 @@ CHECKS: tuple[Check, ...] = (
 #: each with a one-line finding (docs/init.md). Not in CHECKS: they judge the seeds' code, not
 #: the user's model.
 SEEDS_CHECKS: tuple[Check, ...] = (
-    Check(
-        "init.seeds_fn.fsdp1", "init",
-        "the seeds' materialization_fn as FSDP1's param_init_fn (never calls to_empty)",
-        materialize_rank, no_meta_verdict,
-        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "seeds"},
-    ),
-    Check(
-        "init.seeds_fn.fsdp2", "init",
-        "the seeds' materialization_fn after fully_shard, without to_empty",
-        materialize_rank, no_meta_verdict,
-        {"spec": DEFAULT_SPEC, "version": "fsdp2", "method": "seeds"},
+    *_per_version(
+        "seeds_fn",
+        ("the seeds' materialization_fn as FSDP1's param_init_fn (never calls to_empty)",
+         "the seeds' materialization_fn after fully_shard, without to_empty"),
+        materialize_rank, no_meta_verdict, method="seeds",
     ),
     Check(
         "init.seeds_fn_to_empty.fsdp1", "init",

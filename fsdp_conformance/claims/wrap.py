@@ -415,14 +415,10 @@ def expected_local_numel(
     return total
 
 
-def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
-    """Numels add up; each tied weight in one unit; every rank's shard sizes as expected."""
-    problems: list[str] = []
-    v0 = values[0]
-    actual0 = _units(v0, "actual")
-    total = sum(u.numel for u in actual0)
+def _unit_count_problems(values: Sequence[Mapping[str, Any]]) -> list[str]:
     # Every rank's own units: a rank that miscounts or splits a tied weight fails the check
     # even when rank 0 is right (identical findings from several ranks are told once).
+    problems: list[str] = []
     by_story: dict[str, list[int]] = {}
     for v in values:
         units = _units(v, "actual")
@@ -443,6 +439,16 @@ def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str,
     for story, ranks in by_story.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         problems.append(f"{who}: {story}")
+    return problems
+
+
+def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Numels add up; each tied weight in one unit; every rank's shard sizes as expected."""
+    problems: list[str] = []
+    v0 = values[0]
+    actual0 = _units(v0, "actual")
+    total = sum(u.numel for u in actual0)
+    problems += _unit_count_problems(values)
     shard_rows: list[tuple[int, str, int]] = []
     for v in values:
         for u in _units(v, "actual"):
@@ -1092,12 +1098,29 @@ def prefetch_order(
         if forward_prefetch:
             for current, following in itertools.pairwise(unit_blocks):
                 current.set_modules_to_forward_prefetch([following])
-        keys = {}
-        for n, m in sharded.named_modules():
-            group = _compat.fsdp2_param_group(m)
-            if group is not None:
-                keys[id(group)] = n
+        keys = _fsdp2_group_keys(sharded)
     batch = spec.batch(model, batch_size=2, device=ctx.device)
+    runs = _record_runs(sharded, batch, events, keys, iterations)
+    units = actual_units(sharded)
+    return {
+        "rank": ctx.rank, "version": version, "blocks": [n for n, _ in blocks],
+        "units": [u.fqn for u in units if u.numel > 0], "runs": runs,
+    }
+
+
+def _fsdp2_group_keys(sharded: nn.Module) -> dict[int, str]:
+    """FSDP2 unit names by the identity of their param group (what ``record_unshards`` sees)."""
+    keys = {}
+    for n, m in sharded.named_modules():
+        group = _compat.fsdp2_param_group(m)
+        if group is not None:
+            keys[id(group)] = n
+    return keys
+
+
+def _record_runs(sharded: nn.Module, batch: Any, events: list[tuple[str, Any]],
+                 keys: Mapping[int, str], iterations: int) -> list[list[tuple[str, Any]]]:
+    """One event list per training iteration, gathers named by their unit."""
     runs = []
     for _ in range(iterations):
         events.clear()
@@ -1107,11 +1130,7 @@ def prefetch_order(
             default_loss(out).backward()
         runs.append([(kind, keys.get(key, "?") if kind == "gather" else key)
                      for kind, key in events])
-    units = actual_units(sharded)
-    return {
-        "rank": ctx.rank, "version": version, "blocks": [n for n, _ in blocks],
-        "units": [u.fqn for u in units if u.numel > 0], "runs": runs,
-    }
+    return runs
 
 
 def _block_unit(block: str, units: Sequence[str]) -> str:

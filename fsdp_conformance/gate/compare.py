@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance._files import PlainData
 from fsdp_conformance.gate.report import DEPRECATION_CATEGORIES, UNIT_DATA_KEYS, first_line
 
 #: compare's default relative tolerance on memory figures.
@@ -36,7 +37,7 @@ _WARNING_NOISE = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Difference:
+class Difference(PlainData):
     """One difference between two reports."""
 
     check_id: str
@@ -45,9 +46,6 @@ class Difference:
     kind: str
     regression: bool
     text: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def compare_reports(
@@ -151,6 +149,12 @@ def _compare_entry(
             continue  # measured floats (losses, ratios) move run to run; their checks judge them
         else:
             diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
+    return diffs + _new_warnings(cid, old, new)
+
+
+def _new_warnings(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:
+    """A difference for each warning the new run raised that the old one did not."""
+    diffs = []
     old_warnings = {_warning_key(w) for w in old.get("warnings", [])}
     deprecations = set(new.get("deprecations", []))
     reported: set[str] = set()

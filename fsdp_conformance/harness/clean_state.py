@@ -178,9 +178,23 @@ class _ProcessState:
                             if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def restore(self) -> list[str]:
-        import torch
+        # Interpreter state first, then process-wide settings, then torch's; what cannot be
+        # undone (torch flags, the process group, threads) is reported last, in that order.
+        self._restore_sys()
+        self._restore_gc_and_logging()
+        if _umask() != self.umask:
+            os.umask(self.umask)
+        self._restore_signals()
+        if self.itimer == (0.0, 0.0) and signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0):
+            signal.setitimer(signal.ITIMER_REAL, 0)  # a pending alarm would fire mid-next-check
+        if self.faulthandler and not faulthandler.is_enabled():
+            faulthandler.enable(file=sys.stderr, all_threads=True)
+        lost = self._restore_torch()
+        lost += self._lost_group()
+        lost += self._live_threads()
+        return lost
 
-        lost: list[str] = []
+    def _restore_sys(self) -> None:
         for name, original, before in self.sys_lists:
             # The original list, refilled: other code may hold a reference to it.
             if original != before:
@@ -196,6 +210,8 @@ class _ProcessState:
         if (sys.gettrace(), sys.getprofile()) != self.trace:
             sys.settrace(self.trace[0])
             sys.setprofile(self.trace[1])
+
+    def _restore_gc_and_logging(self) -> None:
         enabled, threshold = self.gc
         if gc.get_threshold() != threshold:
             gc.set_threshold(*threshold)
@@ -209,13 +225,11 @@ class _ProcessState:
             root.handlers[:] = handlers
         if logging.root.manager.disable != disable:
             logging.disable(disable)
-        if _umask() != self.umask:
-            os.umask(self.umask)
-        self._restore_signals()
-        if self.itimer == (0.0, 0.0) and signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0):
-            signal.setitimer(signal.ITIMER_REAL, 0)  # a pending alarm would fire mid-next-check
-        if self.faulthandler and not faulthandler.is_enabled():
-            faulthandler.enable(file=sys.stderr, all_threads=True)
+
+    def _restore_torch(self) -> list[str]:
+        import torch
+
+        lost: list[str] = []
         for (name, before), (_, get, set_) in zip(self.flags, _torch_flags()):
             if get() == before:
                 continue
@@ -229,6 +243,10 @@ class _ProcessState:
                             "torch cannot change back in this process")
         if self.cuda_device is not None and torch.cuda.current_device() != self.cuda_device:
             torch.cuda.set_device(self.cuda_device)
+        return lost
+
+    def _lost_group(self) -> list[str]:
+        lost: list[str] = []
         if self.group is not None:
             group = _default_group()
             if group is None:
@@ -238,7 +256,6 @@ class _ProcessState:
             elif group is not self.group:
                 lost.append("it replaced the default process group (destroyed it and called "
                             "init_process_group again); leave the harness's group in place")
-        lost += self._live_threads()
         return lost
 
     def _restore_signals(self) -> None:

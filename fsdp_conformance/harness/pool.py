@@ -150,70 +150,10 @@ class RankPool:
         env.pop("LOCAL_RANK", None)
         procs: list[tuple[int, subprocess.Popen[bytes], str, str]] = []
         try:
-            for rank in range(self.world_size):
-                log_path = os.path.join(self._dir, f"rank{rank}.log")
-                stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
-                spec = {
-                    "address": address,
-                    "authkey": authkey.hex(),
-                    "rank": rank,
-                    "world_size": self.world_size,
-                    "backend": self.backend,
-                    "device_type": self.device_type,
-                    "store": os.path.join(self._dir, "store"),
-                    "stacks_path": stacks_path,
-                    "pg_timeout": pg_timeout,
-                    "parent_pid": os.getpid(),
-                    "main_path": _main_path(),
-                }
-                with open(log_path, "wb") as log_file:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "fsdp_conformance.harness.worker", repr(spec)],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=os.getcwd(),
-                    )
-                procs.append((rank, proc, log_path, stacks_path))
-            conns: dict[int, Connection] = {}
+            self._spawn(procs, env, address, authkey, pg_timeout)
             deadline = time.monotonic() + start_timeout
-            listener._listener._socket.settimeout(0.2)  # type: ignore[attr-defined]
-            while len(conns) < self.world_size:
-                if time.monotonic() > deadline:
-                    raise HarnessError(self._start_failure(procs, "timed out connecting"))
-                for _, proc, _, _ in procs:
-                    if proc.poll() is not None:
-                        raise HarnessError(self._start_failure(procs, "a rank exited at start"))
-                try:
-                    conn = listener.accept()
-                except (TimeoutError, OSError):
-                    continue
-                try:
-                    hello = conn.recv()
-                except (EOFError, OSError):
-                    conn.close()
-                    continue  # it died after connecting: the poll above names it next round
-                conns[hello["rank"]] = conn
-            # Every rank reports once its process group is up (or the error that stopped it).
-            for rank, conn in conns.items():
-                remaining = max(0.1, deadline - time.monotonic())
-                if not conn.poll(remaining):
-                    raise HarnessError(self._start_failure(procs, "process group init timed out"))
-                try:
-                    status, detail = conn.recv()
-                except (EOFError, OSError):
-                    # The rank died while joining (a crash in the backend's init): its exit
-                    # and log say why, not a bare EOFError.
-                    dead = next(proc for r, proc, _, _ in procs if r == rank)
-                    try:
-                        dead.wait(2.0)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    raise HarnessError(self._start_failure(
-                        procs, f"rank {rank} exited while joining the process group")) from None
-                if status != "ready":
-                    raise HarnessError(f"rank {rank} could not join the process group:\n{detail}")
+            conns = self._accept(listener, procs, deadline)
+            self._await_ready(conns, procs, deadline)
         except BaseException:
             for _, proc, _, _ in procs:
                 _kill(proc)
@@ -224,6 +164,80 @@ class RankPool:
             _Rank(rank, proc, conns[rank], log_path, stacks_path)
             for rank, proc, log_path, stacks_path in procs
         ]
+
+    def _spawn(self, procs: list[tuple[int, subprocess.Popen[bytes], str, str]],
+               env: dict[str, str], address: str, authkey: bytes, pg_timeout: float) -> None:
+        # Appends as it goes, so that the caller can kill the ranks already started.
+        for rank in range(self.world_size):
+            log_path = os.path.join(self._dir, f"rank{rank}.log")
+            stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
+            spec = {
+                "address": address,
+                "authkey": authkey.hex(),
+                "rank": rank,
+                "world_size": self.world_size,
+                "backend": self.backend,
+                "device_type": self.device_type,
+                "store": os.path.join(self._dir, "store"),
+                "stacks_path": stacks_path,
+                "pg_timeout": pg_timeout,
+                "parent_pid": os.getpid(),
+                "main_path": _main_path(),
+            }
+            with open(log_path, "wb") as log_file:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fsdp_conformance.harness.worker", repr(spec)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=os.getcwd(),
+                )
+            procs.append((rank, proc, log_path, stacks_path))
+
+    def _accept(self, listener: Listener, procs: list[Any],
+                deadline: float) -> dict[int, Connection]:
+        conns: dict[int, Connection] = {}
+        listener._listener._socket.settimeout(0.2)  # type: ignore[attr-defined]
+        while len(conns) < self.world_size:
+            if time.monotonic() > deadline:
+                raise HarnessError(self._start_failure(procs, "timed out connecting"))
+            for _, proc, _, _ in procs:
+                if proc.poll() is not None:
+                    raise HarnessError(self._start_failure(procs, "a rank exited at start"))
+            try:
+                conn = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                hello = conn.recv()
+            except (EOFError, OSError):
+                conn.close()
+                continue  # it died after connecting: the poll above names it next round
+            conns[hello["rank"]] = conn
+        return conns
+
+    def _await_ready(self, conns: dict[int, Connection], procs: list[Any],
+                     deadline: float) -> None:
+        # Every rank reports once its process group is up (or the error that stopped it).
+        for rank, conn in conns.items():
+            remaining = max(0.1, deadline - time.monotonic())
+            if not conn.poll(remaining):
+                raise HarnessError(self._start_failure(procs, "process group init timed out"))
+            try:
+                status, detail = conn.recv()
+            except (EOFError, OSError):
+                # The rank died while joining (a crash in the backend's init): its exit
+                # and log say why, not a bare EOFError.
+                dead = next(proc for r, proc, _, _ in procs if r == rank)
+                try:
+                    dead.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise HarnessError(self._start_failure(
+                    procs, f"rank {rank} exited while joining the process group")) from None
+            if status != "ready":
+                raise HarnessError(f"rank {rank} could not join the process group:\n{detail}")
 
     def _start_failure(self, procs: list[Any], what: str) -> str:
         lines = [f"could not start {self.world_size} {self.backend} ranks: {what}"]

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fsdp_conformance._compat import tree_map
+from fsdp_conformance._files import PlainData
 from fsdp_conformance.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
 from fsdp_conformance.models import LLAMA_PRESETS, SEED_MIN_PARAMS
 from fsdp_conformance.plan.model import (
@@ -221,7 +222,7 @@ def breakdown(bound: Bound) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DevicesNeeded:
+class DevicesNeeded(PlainData):
     """The smallest world size at which the estimate fits a device, or why none does."""
 
     device_bytes: int
@@ -233,9 +234,6 @@ class DevicesNeeded:
     floor_bytes: int
     max_world_size: int
     reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def devices_needed(plan: ModelPlan, device_bytes: int,
