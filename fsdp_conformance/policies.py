@@ -215,11 +215,12 @@ def policy_for(
     threshold (2e7) unless the spec sets one; on a scaled-down model the threshold is scaled
     with dim**2, as the rest of the suite does.
     """
-    blocks = () if name in ("root_only", "top_level") else spec.block_classes(model)
+    if name in ("root_only", "top_level"):
+        # Neither needs the spec's block classes, which a factory model may not name.
+        return policy(name, model, (), 0)
+    blocks = spec.block_classes(model)
     if name == "seeds" and full_scale and spec.min_params is None:
         return policy(name, model, blocks, SEED_MIN_PARAMS)
-    if name in ("root_only", "top_level"):
-        return policy(name, model, blocks, 0)
     return policy(name, model, blocks, spec.size_threshold(model))
 
 
