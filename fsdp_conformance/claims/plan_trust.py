@@ -48,11 +48,11 @@ def rank_measure_peaks(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version
     """The measured peak of one training step per case on this rank (step.measure_step)."""
     from fsdp_conformance.step import measure_step
 
+    # The planner's policies that step.measure_step can measure, as its wrapping labels.
+    measured = {p: label for p in POLICIES if (label := wrapping_label(plan_policy(p)))}
     peaks = []
     for case in cases if cases is not None else default_cases(spec, version):
         policy = case["policy"]
-        # The planner's policies that step.measure_step can measure, as its wrapping labels.
-        measured = {p: label for p in POLICIES if (label := wrapping_label(plan_policy(p)))}
         if policy not in measured:
             raise PlanError(f"policy {policy!r} cannot be measured; choose one of "
                             f"{', '.join(measured)}")
