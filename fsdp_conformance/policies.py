@@ -2,17 +2,23 @@
 
 Both are built on torch's own builders (``transformer_auto_wrap_policy``,
 ``size_based_auto_wrap_policy``, ``_or_policy``), so a change in torch shows up here.
+
+:func:`policy` is the one registry every claim and the planner resolve a policy name with
+(:data:`PolicyName`); memory's wrapping labels (:data:`WRAPPINGS`) and the planner's
+``--policy`` names (:data:`PLAN_POLICIES`) map onto it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, get_args
 
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import (
+    lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -139,6 +145,139 @@ def shared_parameter_groups(model: nn.Module) -> list[list[str]]:
             if fqn not in names.setdefault(id(p), []):
                 names[id(p)].append(fqn)
     return sorted(sorted(g) for g in names.values() if len(g) > 1)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry: every policy by name
+# --------------------------------------------------------------------------------------------
+
+PolicyName = Literal["recommended", "seeds", "seeds_verbatim", "blocks_only", "root_only",
+                     "top_level"]
+POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
+
+
+def _root_only(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return False  # neither descend nor wrap: the root is the only unit (monolithic)
+
+
+def _top_level(model: nn.Module) -> Policy:
+    # The seeds' "wrapping only the top-level modules": the root's direct children become
+    # units, nothing below them. Containers (ModuleList/Dict) never run a forward of their
+    # own, so FSDP cannot gather for them: their blocks stay in the root, as they would.
+    top = {id(c) for c in model.children() if not isinstance(c, (nn.ModuleList, nn.ModuleDict))}
+    return functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in top)
+
+
+def policy(
+    name: PolicyName, model: nn.Module, blocks: Sequence[type[nn.Module]], min_params: int
+) -> Policy:
+    """The auto-wrap policy ``name`` (one of :data:`POLICY_NAMES`) for ``model``.
+
+    ``blocks`` and ``min_params`` are used by the names that need them (``root_only`` and
+    ``top_level`` ignore both). An unknown name raises :class:`PolicyError` listing the names.
+    """
+    blocks = tuple(blocks)
+    if name == "recommended":
+        return recommended_policy(model, blocks, min_params)
+    if name == "seeds":  # the seeds' logic with the threshold scaled to the model
+        return seeds_hybrid_policy(blocks, min_params)
+    if name == "seeds_verbatim":  # the seeds' code exactly, 2e7 and one block class
+        if len(blocks) != 1:
+            raise PolicyError("the seeds' get_hybrid_policy takes exactly one block class")
+        return get_hybrid_policy(blocks[0])
+    if name == "blocks_only":  # misses oversized modules outside the blocks
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
+    if name == "root_only":
+        return _root_only
+    if name == "top_level":
+        return _top_level(model)
+    raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+class SpecLike(Protocol):
+    """What :func:`policy_for` needs of a model spec (``models.ModelSpec`` has it; policies
+    cannot import models, which imports this module)."""
+
+    @property
+    def min_params(self) -> int | None: ...
+
+    def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]: ...
+
+    def size_threshold(self, model: nn.Module) -> int: ...
+
+
+def policy_for(
+    name: PolicyName, model: nn.Module, spec: SpecLike, *, full_scale: bool = False
+) -> Policy:
+    """:func:`policy` with the block classes and the size threshold taken from ``spec``.
+
+    ``full_scale``: the model is at the seeds' own scale, so ``seeds`` keeps the seeds' literal
+    threshold (2e7) unless the spec sets one; on a scaled-down model the threshold is scaled
+    with dim**2, as the rest of the suite does.
+    """
+    if name in ("root_only", "top_level"):
+        # Neither needs the spec's block classes, which a factory model may not name.
+        return policy(name, model, (), 0)
+    blocks = spec.block_classes(model)
+    if name == "seeds" and full_scale and spec.min_params is None:
+        return policy(name, model, blocks, SEED_MIN_PARAMS)
+    return policy(name, model, blocks, spec.size_threshold(model))
+
+
+# Memory's wrapping labels: they appear in report data and plots, so they stay as labels and
+# map onto a policy plus whether FSDP reshards parameters after the forward.
+WrappingName = Literal["per_layer", "monolithic", "top_level", "no_reshard"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrapping:
+    """A wrapping label resolved: the policy and the reshard-after-forward choice."""
+
+    policy: PolicyName
+    #: False: FSDP1 ``SHARD_GRAD_OP``, FSDP2 ``reshard_after_forward=False`` (see
+    #: :func:`fsdp_conformance.sharding.reshard_kwargs`).
+    reshard_after_forward: bool = True
+
+
+#: ``per_layer`` is the recommended policy (one unit per block); the others are the seeds'
+#: naive cases and a broken per-layer variant (negative controls).
+WRAPPINGS: Mapping[WrappingName, Wrapping] = {
+    "per_layer": Wrapping("recommended"),
+    "monolithic": Wrapping("root_only"),
+    "top_level": Wrapping("top_level"),
+    "no_reshard": Wrapping("recommended", reshard_after_forward=False),
+}
+
+
+def wrapping(label: str) -> Wrapping:
+    """The :class:`Wrapping` of a label of :data:`WRAPPINGS`; unknown: :class:`PolicyError`."""
+    found = WRAPPINGS.get(label)  # type: ignore[call-overload]
+    if found is None:
+        raise PolicyError(f"unknown wrapping {label!r}; choose one of {', '.join(WRAPPINGS)}")
+    return found
+
+
+def wrapping_label(name: str) -> WrappingName | None:
+    """The wrapping label that measures policy ``name`` as planned (resharding), if any."""
+    for label, w in WRAPPINGS.items():
+        if w.policy == name and w.reshard_after_forward:
+            return label
+    return None
+
+
+#: The planner's ``--policy`` names (user-visible, and keys of its output) -> registry names.
+PLAN_POLICIES: Mapping[str, PolicyName] = {
+    "recommended": "recommended",
+    "seeds": "seeds",
+    "monolithic": "root_only",
+}
+
+
+def plan_policy(name: str) -> PolicyName:
+    """The registry name of the planner's policy ``name``; unknown: :class:`PolicyError`."""
+    if name not in PLAN_POLICIES:
+        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(PLAN_POLICIES)}")
+    return PLAN_POLICIES[name]
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ of a model; :func:`profile_activations` measures its activations per unit with a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,11 +17,8 @@ from fsdp_conformance.bound import (
     StepConfig,
 )
 from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.policies import policy_for
 from fsdp_conformance.units import ROOT, UnitInfo
-
-#: The wrappings a check can measure. ``per_layer`` is the recommended policy (one unit per block);
-#: the others are the seeds' naive cases and a broken per-layer variant (negative controls).
-WRAPPINGS = ("per_layer", "monolithic", "top_level", "no_reshard")
 
 
 def _unit_of(model: Any, units: Sequence[UnitInfo]) -> dict[int, str]:
@@ -98,30 +94,6 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
     return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced)
 
 
-def wrap_policy(model: Any, spec: ModelSpec, wrapping: str) -> Any:
-    """The auto-wrap policy for a wrapping name (see :data:`WRAPPINGS`)."""
-    from fsdp_conformance.policies import recommended_policy
-
-    if wrapping in ("per_layer", "no_reshard"):
-        return recommended_policy(model, spec.block_classes(model), spec.size_threshold(model))
-    if wrapping == "monolithic":
-        return _root_only
-    if wrapping == "top_level":
-        # The seeds' "wrapping only the top-level modules": the root's direct children become
-        # units, nothing below them. Containers (ModuleList/Dict) never run a forward of their
-        # own, so FSDP cannot gather for them: their blocks stay in the root, as they would.
-        import torch.nn as nn
-        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
-        top = {id(c) for c in model.children() if not isinstance(c, (nn.ModuleList, nn.ModuleDict))}
-        return functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in top)
-    raise MeasureError(f"unknown wrapping {wrapping!r}; choose one of {', '.join(WRAPPINGS)}")
-
-
-def _root_only(module: Any, recurse: bool, nonwrapped_numel: int) -> bool:
-    return False  # neither descend nor wrap: the root is the only unit (monolithic)
-
-
 def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str | None = None,
               batch_size: int = 2, compute_bytes: int = 4, param_bytes: int = 4,
               tolerance: float = BOUND_TOLERANCE) -> tuple[list[UnitInfo], StepConfig]:
@@ -129,7 +101,7 @@ def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str 
     from fsdp_conformance.units import plan_units
 
     model = spec.build("meta")
-    units = plan_units(model, wrap_policy(model, spec, "per_layer"))
+    units = plan_units(model, policy_for("recommended", model, spec))
     try:
         batch = spec.batch(model, batch_size, "meta")
         acts = profile_activations(model, batch, units)

@@ -74,6 +74,21 @@ def shard_fsdp2(
     )
 
 
+def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:
+    """The FSDP keyword arguments that keep parameters gathered after the forward, if asked.
+
+    FSDP1 says it with ``sharding_strategy=SHARD_GRAD_OP``, FSDP2 with
+    ``reshard_after_forward=False``; resharding is both versions' default (no arguments).
+    """
+    if reshard_after_forward:
+        return {}
+    if check_fsdp_version(version) == "fsdp1":
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}
+    return {"reshard_after_forward": False}
+
+
 def shard(
     model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any
 ) -> nn.Module:

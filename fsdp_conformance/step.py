@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance import policies
 from fsdp_conformance._compat import storage_key
 from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
@@ -26,7 +27,6 @@ from fsdp_conformance.meters import (
     tracker_meter,
 )
 from fsdp_conformance.models import ModelSpec, default_loss
-from fsdp_conformance.profile import WRAPPINGS, wrap_policy
 from fsdp_conformance.timeline import Timeline, record_timeline
 
 # ============================================================================================
@@ -180,16 +180,6 @@ def _zero_grad(model: Any, optimizer: Any) -> None:
         model.zero_grad(set_to_none=True)
 
 
-def _shard_kwargs(version: str, wrapping: str) -> dict[str, Any]:
-    if wrapping != "no_reshard":
-        return {}
-    if version == "fsdp1":
-        from torch.distributed.fsdp import ShardingStrategy
-
-        return {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}
-    return {"reshard_after_forward": False}
-
-
 
 def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", *,
                  optimizer: str | None = None, batch_size: int = 2, meter: str = "auto",
@@ -205,13 +195,11 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     """
     import torch
 
-    from fsdp_conformance.sharding import check_fsdp_version, shard
+    from fsdp_conformance.sharding import check_fsdp_version, reshard_kwargs, shard
     from fsdp_conformance.units import actual_units
 
     check_fsdp_version(version)
-    if wrapping not in WRAPPINGS:
-        raise MeasureError(
-            f"unknown wrapping {wrapping!r}; choose one of {', '.join(WRAPPINGS)}")
+    wrap = policies.wrapping(wrapping)
     primary = choose_meter(ctx, meter, version)
     # FSDPMemTracker needs an FSDP2 model; where a second meter is read, plain MemTracker keeps
     # the two figures about the same set of storages.
@@ -229,8 +217,9 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
     with scope:
         model = spec.build(ctx.device)
-        policy = wrap_policy(model, spec, wrapping)
-        sharded = shard(model, ctx, version, policy, **_shard_kwargs(version, wrapping))
+        policy = policies.policy_for(wrap.policy, model, spec)
+        sharded = shard(model, ctx, version, policy,
+                        **reshard_kwargs(version, wrap.reshard_after_forward))
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device)
         train_step(sharded, batch, opt)  # warm-up: lazy init, optimizer state, buffers

@@ -42,14 +42,14 @@ MEMORY_HEADROOM = 0.8
 
 def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequence[int]) -> None:
     """Fail early, in one line each: import path, factory, block class, empty policy, size."""
-    from fsdp_conformance.policies import recommended_policy, validate_plan
+    from fsdp_conformance.policies import policy, validate_plan
 
     model = spec.build("meta")
     blocks = spec.block_classes(model)
     threshold = spec.size_threshold(model)
     validate_plan(
         model,
-        recommended_policy(model, blocks, threshold),
+        policy("recommended", model, blocks, threshold),
         detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}, threshold "
         f"{threshold:,}; check --fsdp-block-cls names the model's block class",
     )

@@ -26,7 +26,7 @@ from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
 from fsdp_conformance.models import LLAMA_PRESETS, ModelConfig, ModelSpec
-from fsdp_conformance.profile import plan_step, wrap_policy
+from fsdp_conformance.profile import plan_step
 from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import UnitInfo
 
@@ -312,11 +312,13 @@ def test_os_meter_refuses_without_the_allocator_setting(monkeypatch: pytest.Monk
 
 
 def test_unknown_wrapping_and_meter_are_named() -> None:
-    with pytest.raises(MeasureError, match="unknown wrapping 'flat'"):
-        wrap_policy(None, memory.DEFAULT_SPEC, "flat")
     from fsdp_conformance.harness import RankContext
+    from fsdp_conformance.policies import PolicyError
 
     ctx = RankContext(0, 1, 0, "gloo", "cpu")
+    # The wrapping is resolved before anything is built, so this needs no process group.
+    with pytest.raises(PolicyError, match="unknown wrapping 'flat'"):
+        measure_step(ctx, memory.DEFAULT_SPEC, "fsdp1", "flat")
     with pytest.raises(MeasureError, match="unknown meter 'gauge'"):
         choose_meter(ctx, "gauge", "fsdp1")
 

@@ -41,6 +41,7 @@ from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
+from fsdp_conformance.policies import PolicyName, policy_for
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
 
@@ -438,18 +439,6 @@ def seeds_fn_with_to_empty(device: torch.device) -> Callable[[nn.Module], None]:
 # --------------------------------------------------------------------------------------------
 
 
-def init_policy(spec: ModelSpec, model: nn.Module, policy: str = "recommended") -> Any:
-    """The wrap policy the init checks shard with: ``recommended`` or the seeds' (scaled)."""
-    from fsdp_conformance.policies import recommended_policy, seeds_hybrid_policy
-
-    blocks = spec.block_classes(model)
-    if policy == "recommended":
-        return recommended_policy(model, blocks, spec.size_threshold(model))
-    if policy == "seeds":
-        return seeds_hybrid_policy(blocks, spec.size_threshold(model))
-    raise ValueError(f"policy must be 'recommended' or 'seeds', got {policy!r}")
-
-
 def check_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(f"init method must be one of {METHODS}, got {method!r}")
@@ -463,7 +452,7 @@ def materialize(
     method: str = "deterministic",
     seed: int = 0,
     *,
-    policy: str = "recommended",
+    policy: PolicyName = "recommended",
     eager: bool = False,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
@@ -476,7 +465,7 @@ def materialize(
     check_fsdp_version(version)
     check_method(method)
     model = spec.build(ctx.device) if eager else build_on_meta(spec)
-    wrap_policy = init_policy(spec, model, policy)
+    wrap_policy = policy_for(policy, model, spec)
     if eager:
         deterministic_init_(model, seed)
     torch.manual_seed(seed)  # the RNG the reset_parameters / seeds methods draw from
@@ -522,7 +511,8 @@ def _materialize_fsdp2(model: nn.Module, device: torch.device, method: str,
 
 
 def reference_for(
-    spec: ModelSpec, method: str, seed: int, device: torch.device, policy: str = "recommended"
+    spec: ModelSpec, method: str, seed: int, device: torch.device,
+    policy: PolicyName = "recommended",
 ) -> nn.Module:
     """The single-process model each method must reproduce, built from the same seed.
 
@@ -535,7 +525,7 @@ def reference_for(
     if method == "deterministic":
         return reference_model(spec, seed)
     model = build_on_meta(spec)
-    wrap_policy = init_policy(spec, model, policy)
+    wrap_policy = policy_for(policy, model, spec)
     units = planned_unit_modules(model, wrap_policy) + [model]
 
     def poison_and(init: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
@@ -828,7 +818,7 @@ def materialize_rank(
     method: str = "deterministic",
     seed: int = 0,
     rank_seed_offset: int = 0,
-    policy: str = "recommended",
+    policy: PolicyName = "recommended",
     forward: bool = True,
 ) -> dict[str, Any]:
     """Meta build, shard, materialize with ``method``; report against the reference.
@@ -996,7 +986,8 @@ def sync_module_states_rank(
     init = DeterministicParamInit(model, ctx.device, my_seed)
     error, refusal = None, None
     try:
-        model = shard_fsdp1(model, ctx, init_policy(spec, model), param_init_fn=init,
+        policy = policy_for("recommended", model, spec)
+        model = shard_fsdp1(model, ctx, policy, param_init_fn=init,
                             sync_module_states=sync)
     except ValueError as exc:
         if SYNC_REFUSAL_SNIPPET in str(exc):
@@ -1074,7 +1065,8 @@ def broadcast_rank0_rank(
         init = DeterministicParamInit(
             model, ctx.device, my_seed, broadcast_from=0 if broadcast else None
         )
-        model = shard_fsdp1(model, ctx, init_policy(spec, model), param_init_fn=init)
+        policy = policy_for("recommended", model, spec)
+        model = shard_fsdp1(model, ctx, policy, param_init_fn=init)
     else:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -1184,7 +1176,7 @@ def peak_memory_rank(
     version: str = "fsdp2",
     seed: int = 0,
     eager: bool = False,
-    policy: str = "recommended",
+    policy: PolicyName = "recommended",
 ) -> dict[str, Any]:
     """Peak memory while building on meta, sharding and materializing, against the bound.
 
@@ -1198,7 +1190,7 @@ def peak_memory_rank(
     if failed:
         return failed
     meta = build_on_meta(spec)
-    units = plan_units(meta, init_policy(spec, meta, policy))
+    units = plan_units(meta, policy_for(policy, meta, spec))
     element = next(meta.parameters()).element_size()
     total = sum(p.numel() for p in meta.parameters()) * element
     largest_unit = max(u.numel for u in units) * element

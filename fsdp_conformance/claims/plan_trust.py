@@ -16,7 +16,8 @@ from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
-from fsdp_conformance.plan.model import ModelChoice, PlanError, PlanSettings, fmt_bytes
+from fsdp_conformance.plan.model import POLICIES, ModelChoice, PlanError, PlanSettings, fmt_bytes
+from fsdp_conformance.policies import plan_policy, wrapping_label
 
 #: Trust: the estimate is an upper bound, checked with the memory checks' tolerance above it
 #: (a measured peak may exceed it by at most 10%)...
@@ -29,8 +30,6 @@ TRUST_MIN_RATIO = {"recommended": 0.45, "monolithic": 0.25}
 MEASURED_SEQ_LEN = 8
 #: The reference model of the trust check (the memory checks' shape, smaller).
 DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=4, dim=128))
-#: policy -> step.measure_step's wrapping name.
-MEASURED_WRAPPINGS = {"recommended": "per_layer", "monolithic": "monolithic"}
 
 
 def default_cases(spec: ModelSpec, version: str) -> list[dict[str, Any]]:
@@ -49,14 +48,16 @@ def rank_measure_peaks(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version
     """The measured peak of one training step per case on this rank (step.measure_step)."""
     from fsdp_conformance.step import measure_step
 
+    # The planner's policies that step.measure_step can measure, as its wrapping labels.
+    measured = {p: label for p in POLICIES if (label := wrapping_label(plan_policy(p)))}
     peaks = []
     for case in cases if cases is not None else default_cases(spec, version):
         policy = case["policy"]
-        if policy not in MEASURED_WRAPPINGS:
+        if policy not in measured:
             raise PlanError(f"policy {policy!r} cannot be measured; choose one of "
-                            f"{', '.join(MEASURED_WRAPPINGS)}")
+                            f"{', '.join(measured)}")
         opt = case.get("optimizer", "none")
-        m = measure_step(ctx, case["spec"], case["version"], MEASURED_WRAPPINGS[policy],
+        m = measure_step(ctx, case["spec"], case["version"], measured[policy],
                          optimizer=None if opt == "none" else opt,
                          batch_size=case.get("batch_size", batch_size), timeline=False)
         peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})

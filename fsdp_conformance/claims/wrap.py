@@ -34,17 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance import _compat
+from fsdp_conformance import _compat, policies
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec, default_loss
-from fsdp_conformance.policies import (
-    PolicyError,
-    get_hybrid_policy,
-    recommended_policy,
-    seeds_hybrid_policy,
-    shared_parameter_groups,
-)
+from fsdp_conformance.policies import PolicyError, PolicyName, shared_parameter_groups
 from fsdp_conformance.sharding import check_fsdp_version, shard, shard_fsdp2_modules
 from fsdp_conformance.units import (
     ROOT,
@@ -62,9 +56,6 @@ from fsdp_conformance.units import (
 #: Containers with no forward of their own: FSDP1 cannot gather around them, and torch's size
 #: policy never wraps them (``exclude_wrap_modules``), so the claim never expects them as units.
 CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict)
-
-#: Policies a check can be asked to apply, by name (plain data crosses to the ranks).
-POLICY_NAMES = ("recommended", "seeds", "seeds_verbatim", "blocks_only", "root_only")
 
 #: Tolerances of the training-parity checks (measured margins in docs/wrapping.md).
 FP32_ATOL = 1e-5  # max |param - reference| after the steps; fp32 reduction order only
@@ -174,34 +165,8 @@ def _module_at(model: nn.Module, fqn: str) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------
-# Policies by name, and the plan-level check (no ranks)
+# The plan-level check (no ranks; policies by name: policies.policy)
 # --------------------------------------------------------------------------------------------
-
-
-def _wrap_nothing(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-    return False
-
-
-def build_policy(
-    name: str, model: nn.Module, block_classes: Sequence[type[nn.Module]], min_params: int
-) -> Any:
-    """A named policy for ``model``: see :data:`POLICY_NAMES`."""
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    blocks = tuple(block_classes)
-    if name == "recommended":
-        return recommended_policy(model, blocks, min_params)
-    if name == "seeds":  # the seeds' logic with the threshold scaled to the model
-        return seeds_hybrid_policy(blocks, min_params)
-    if name == "seeds_verbatim":  # the seeds' code exactly, 2e7 and one block class
-        if len(blocks) != 1:
-            raise PolicyError("the seeds' get_hybrid_policy takes exactly one block class")
-        return get_hybrid_policy(blocks[0])
-    if name == "blocks_only":  # misses oversized modules outside the blocks
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
-    if name == "root_only":
-        return _wrap_nothing
-    raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
 def plan_verdict(
@@ -282,8 +247,8 @@ def inspect_units(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
-    policy: str = "recommended",
-    apply_policy: str | None = None,
+    policy: PolicyName = "recommended",
+    apply_policy: PolicyName | None = None,
 ) -> dict[str, Any]:
     """Build, plan, shard and report the units as every rank sees them.
 
@@ -295,11 +260,11 @@ def inspect_units(
     blocks = spec.block_classes(model)
     min_params = spec.size_threshold(model)
     expected = expected_units(model, blocks, min_params)
-    plan = plan_units(model, build_policy(policy, model, blocks, min_params))
+    plan = plan_units(model, policies.policy(policy, model, blocks, min_params))
     shapes = _param_shapes(model)
     numel = _unique_numel(model)
     shared = shared_parameter_groups(model)
-    applied = build_policy(apply_policy or policy, model, blocks, min_params)
+    applied = policies.policy(apply_policy or policy, model, blocks, min_params)
     sharded = _shard_named(model, ctx, version, applied)
     actual = actual_units(sharded)
     strategies = {}
@@ -696,7 +661,7 @@ def train_parity(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
-    policy: str = "recommended",
+    policy: PolicyName = "recommended",
     precision: str = "fp32",
     steps: int = 3,
     lr: float = 0.05,
@@ -716,7 +681,7 @@ def train_parity(
     model = copy.deepcopy(reference)
     initial = {n: p.detach().float().clone() for n, p in reference.named_parameters()}
     blocks = spec.block_classes(model)
-    policy_obj = build_policy(policy, model, blocks, spec.size_threshold(model))
+    policy_obj = policies.policy(policy, model, blocks, spec.size_threshold(model))
     batch = spec.batch(reference, batch_size=per_rank_batch * ctx.world_size, device=ctx.device)
     if not isinstance(batch, torch.Tensor):
         raise TypeError("train_parity slices the batch along dim 0: the input builder must "
@@ -1033,7 +998,7 @@ def prefetch_order(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
-    policy: str = "recommended",
+    policy: PolicyName = "recommended",
     forward_prefetch: bool = True,
     backward_prefetch: bool = True,
     iterations: int = 2,
@@ -1081,7 +1046,7 @@ def prefetch_order(
 
         block.register_forward_pre_hook(pre)
         block.register_forward_hook(post)
-    policy_obj = build_policy(policy, model, block_classes, spec.size_threshold(model))
+    policy_obj = policies.policy(policy, model, block_classes, spec.size_threshold(model))
     if version == "fsdp1":
         sharded = _shard_named(
             model, ctx, version, policy_obj, forward_prefetch=forward_prefetch,
@@ -1218,7 +1183,7 @@ def verdict_coarse(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any
 # --------------------------------------------------------------------------------------------
 
 
-def seeds_full_scale_plan(policy: str = "seeds_verbatim") -> tuple[list[UnitInfo], Verdict]:
+def seeds_full_scale_plan(policy: PolicyName = "seeds_verbatim") -> tuple[list[UnitInfo], Verdict]:
     """The plan of a policy on the seeds' full-scale MassiveModel (meta, no allocation)."""
     from fsdp_conformance.models import DecoderLayer, MassiveModel, ModelConfig
     from fsdp_conformance.policies import SEED_MIN_PARAMS
@@ -1226,7 +1191,7 @@ def seeds_full_scale_plan(policy: str = "seeds_verbatim") -> tuple[list[UnitInfo
     with torch.device("meta"):
         model = MassiveModel(ModelConfig.seeds_full_scale())
     blocks = (DecoderLayer,)
-    policy_obj = build_policy(policy, model, blocks, SEED_MIN_PARAMS)
+    policy_obj = policies.policy(policy, model, blocks, SEED_MIN_PARAMS)
     verdict = plan_verdict(model, policy_obj, blocks, SEED_MIN_PARAMS,
                            f"policy {policy!r} at dim 4096, 8 layers, threshold 2e7")
     return plan_units(model, policy_obj), verdict
@@ -1291,8 +1256,6 @@ __all__ = [
     "BUILDERS",
     "CHECKS",
     "FAULTS",
-    "POLICY_NAMES",
-    "build_policy",
     "builder_units",
     "documented_unit_modules",
     "expected_local_numel",

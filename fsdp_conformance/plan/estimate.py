@@ -12,7 +12,7 @@ from typing import Any
 from fsdp_conformance._compat import tree_map
 from fsdp_conformance._files import PlainData
 from fsdp_conformance.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
-from fsdp_conformance.models import LLAMA_PRESETS, SEED_MIN_PARAMS
+from fsdp_conformance.models import LLAMA_PRESETS
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
     POLICIES,
@@ -24,6 +24,7 @@ from fsdp_conformance.plan.model import (
     fmt_bytes,
     meta_batch,
 )
+from fsdp_conformance.policies import plan_policy, policy_for
 from fsdp_conformance.profile import profile_activations
 from fsdp_conformance.units import UnitInfo
 
@@ -81,25 +82,6 @@ class ModelPlan:
         return per_layer_bound(self.units, self.step_config(world_size))
 
 
-def wrap_policy_for(model: Any, choice: ModelChoice, policy: str) -> Any:
-    """The auto-wrap policy named ``policy`` for this model (see :data:`POLICIES`)."""
-    from fsdp_conformance.policies import seeds_hybrid_policy
-    from fsdp_conformance.profile import wrap_policy
-
-    spec = choice.spec
-    if policy == "recommended":
-        return wrap_policy(model, spec, "per_layer")
-    if policy == "monolithic":
-        return wrap_policy(model, spec, "monolithic")
-    if policy == "seeds":
-        # At full scale the seeds' literal threshold (2e7); on a scaled-down model the same
-        # threshold scaled with dim**2, as the rest of the suite does.
-        threshold = (spec.min_params if spec.min_params is not None
-                     else SEED_MIN_PARAMS if choice.full_scale else spec.size_threshold(model))
-        return seeds_hybrid_policy(spec.block_classes(model), threshold)
-    raise PlanError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-
-
 def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -> ModelPlan:
     """Units of ``settings.policy`` and the activation profile of one step, all on meta.
 
@@ -111,7 +93,9 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     start = time.perf_counter()
     model = build_meta_model(choice) if model is None else model
     _require_meta(model, choice)
-    units = plan_units(model, wrap_policy_for(model, choice, settings.policy))
+    policy = policy_for(plan_policy(settings.policy), model, choice.spec,
+                        full_scale=choice.full_scale)
+    units = plan_units(model, policy)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
     activations = profile_step_activations(model, choice, units, settings)

@@ -15,13 +15,15 @@ from fsdp_conformance.models import (
     ModelConfig,
     ModelSpec,
 )
+from fsdp_conformance.policies import PLAN_POLICIES
 
 #: Bytes per element of the dtypes a plan can use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: ``recommended`` = one unit per block (policies.recommended_policy); ``seeds`` = the seeds'
 #: get_hybrid_policy (block type OR the size rule, which also fires inside the blocks);
-#: ``monolithic`` = the root is the only unit.
-POLICIES = ("recommended", "seeds", "monolithic")
+#: ``monolithic`` = the root is the only unit (the registry's ``root_only``; the names and
+#: their map are :data:`fsdp_conformance.policies.PLAN_POLICIES`).
+POLICIES = tuple(PLAN_POLICIES)
 #: ``--preset``: the Llama shapes of models.LLAMA_PRESETS, and the seeds' own MassiveModel at
 #: the seeds' scale (dim 4096, 8 layers, vocab 32000).
 PRESETS = (*LLAMA_PRESETS, "seeds")
