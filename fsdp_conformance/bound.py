@@ -13,9 +13,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance.sizes import MB
 from fsdp_conformance.units import ROOT, UnitInfo
-
-MB = 1e6
 
 #: Relative tolerance on the bound. Tracker peaks are deterministic at fixed settings, but the
 #: OS and CUDA figures move a few percent run to run (up to ~8% seen: docs/memory.md,

@@ -30,6 +30,7 @@ from fsdp_conformance.settings import (
     pyproject_settings,
     resolve_settings,
 )
+from fsdp_conformance.sizes import MiB
 
 if TYPE_CHECKING:
     from fsdp_conformance.plan.model import PlanSettings
@@ -216,7 +217,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 def resolve_cli_settings(args: argparse.Namespace) -> Settings:
     cli = {o.name: getattr(args, o.name, None) for o in OPTIONS}
-    return resolve_settings(cli, os.environ, {}, pyproject_settings(os.getcwd()))
+    return resolve_settings(cli, os.environ, {}, pyproject_settings(os.getcwd()),
+                            flag_style="cli")
 
 
 def lanes_for(choice: str) -> list[str]:
@@ -415,12 +417,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--memory-tolerance must be a fraction >= 0 (0.05 = 5%), got {tolerance}")
     floor_mib = (
         args.memory_floor_mib if args.memory_floor_mib is not None
-        else compare.DEFAULT_MEMORY_FLOOR_BYTES / 2**20
+        else compare.DEFAULT_MEMORY_FLOOR_BYTES / MiB
     )
     if not floor_mib >= 0:
         raise UsageError(f"--memory-floor-mib must be >= 0 (in MiB), got {floor_mib}")
     diffs = compare.compare_reports(old, new, memory_tolerance=tolerance,
-                                    memory_floor_bytes=floor_mib * 2**20)
+                                    memory_floor_bytes=floor_mib * MiB)
     if args.json:
         print(json.dumps({
             "old": {"path": args.old, "torch": old["environment"]["torch"]},

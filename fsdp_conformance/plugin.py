@@ -83,14 +83,6 @@ def pytest_configure(config: pytest.Config) -> None:
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
-    if not settings.model:
-        # A model option without the model would otherwise be ignored without a word.
-        for name in ("block_cls", "input"):
-            if getattr(settings, name):
-                raise pytest.UsageError(
-                    f"--fsdp-{name.replace('_', '-')} is set but no --fsdp-model: give the model "
-                    "factory too (e.g. --fsdp-model mypkg.model:build_model)"
-                )
     if settings.model:
         _validate_user_model(settings)
         _collect_model_tests(config)

@@ -13,24 +13,13 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
+
+from fsdp_conformance.sizes import MiB, parse_world_sizes
 
 
 class SettingsError(ValueError):
     """A setting has a bad value; the message names it, its source and the fix."""
-
-
-def _parse_world_sizes(text: str) -> tuple[int, ...]:
-    sizes = []
-    for part in str(text).replace(" ", ",").split(","):
-        if not part:
-            continue
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"{part!r} is not a positive integer")
-        sizes.append(int(part))
-    if not sizes:
-        raise ValueError("no world size given")
-    return tuple(dict.fromkeys(sizes))
 
 
 def _parse_backend(text: str) -> str:
@@ -93,7 +82,7 @@ def _parse_optional_int(text: str) -> int | None:
 #: Resident memory of one idle rank: the interpreter, torch imported and a gloo process group
 #: joined (VmRSS measured on the 2-core build machine, torch 2.13.0 CPU build: 220 MiB, of
 #: which 143 MiB anonymous and 77 MiB file-backed).
-RANK_BYTES = 220 * 2**20
+RANK_BYTES = 220 * MiB
 #: Share of the available memory the idle ranks may take: the checks need the rest.
 RANK_MEMORY_SHARE = 0.8
 #: Ranks per core. Ranks mostly wait on each other, so moderate oversubscription is fine (the
@@ -165,7 +154,7 @@ def machine_world_size_limit(
     if available is not None:
         by_memory = int(available * RANK_MEMORY_SHARE // RANK_BYTES)
         parts.insert(0, f"memory: {available / 2**30:.1f} GiB available x {RANK_MEMORY_SHARE} / "
-                        f"{RANK_BYTES / 2**20:.0f} MiB per idle rank = {by_memory}")
+                        f"{RANK_BYTES / MiB:.0f} MiB per idle rank = {by_memory}")
         limit = min(limit, by_memory)
     return WorldSizeLimit(max(1, limit), "the smaller of " + ", ".join(parts))
 
@@ -200,7 +189,7 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option(
         "world_sizes",
-        _parse_world_sizes,
+        parse_world_sizes,
         (2,),
         "world sizes to run multi-rank checks at, comma separated (tests marked "
         "world_size(...) use their own)",
@@ -302,6 +291,7 @@ def resolve_settings(
     pyproject: Mapping[str, Any] | None = None,
     *,
     machine_limit: Callable[[], WorldSizeLimit] = machine_world_size_limit,
+    flag_style: FlagStyle = "pytest",
 ) -> Settings:
     """Resolve every option: CLI, then environment, then ini, then pyproject, then the default.
 
@@ -309,7 +299,9 @@ def resolve_settings(
     ``ini`` maps option names to raw values from pytest's ini file; ``pyproject`` maps them to
     values of the ``[tool.fsdp_conformance]`` table (see :func:`pyproject_settings`).
     World sizes above what the machine can hold (``machine_limit``, unless ``max_world_size``
-    is set) are a :class:`SettingsError`, before any rank process starts.
+    is set) are a :class:`SettingsError`, before any rank process starts, and so is a model
+    option without the model; ``flag_style`` spells the flags in that message as the caller's
+    interface does (``pytest``: ``--fsdp-block-cls``; ``cli``: ``--block-cls``).
     """
     pyproject = pyproject or {}
     values: dict[str, Any] = {}
@@ -338,7 +330,31 @@ def resolve_settings(
             message = limit.error(size, sources["world_sizes"])
             if message:
                 raise SettingsError(message)
+    _check_model_options(settings, flag_style)
     return settings
+
+
+#: How an interface spells an option's flag: the plugin's ``--fsdp-block-cls`` or the CLI's
+#: ``--block-cls``.
+FlagStyle = Literal["pytest", "cli"]
+
+
+def _flag(name: str, flag_style: FlagStyle) -> str:
+    prefix = "--fsdp-" if flag_style == "pytest" else "--"
+    return prefix + name.replace("_", "-")
+
+
+def _check_model_options(settings: Settings, flag_style: FlagStyle) -> None:
+    """A model option without the model would otherwise be ignored without a word."""
+    if settings.model:
+        return
+    for name in ("block_cls", "input"):
+        if getattr(settings, name):
+            model = _flag("model", flag_style)
+            raise SettingsError(
+                f"{_flag(name, flag_style)} is set but no {model}: give the model factory "
+                f"too (e.g. {model} mypkg.model:build_model)"
+            )
 
 
 def world_size_limit(

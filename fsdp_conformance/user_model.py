@@ -15,12 +15,7 @@ from fsdp_conformance.settings import Settings
 def user_spec(settings: Settings) -> ModelSpec | None:
     """The user's model from the settings, or None when running on the reference models."""
     if not settings.model:
-        for name in ("block_cls", "input"):
-            if getattr(settings, name):
-                raise ModelSpecError(
-                    f"--{name.replace('_', '-')} is set but no --model: give the model factory "
-                    "too (e.g. --model mypkg.model:build_model)"
-                )
+        # Resolution refused --block-cls / --input without --model (settings.resolve_settings).
         return None
     blocks = tuple(b.strip() for b in settings.block_cls.split(",")) if settings.block_cls else None
     return ModelSpec(

@@ -23,6 +23,7 @@ LAYERS: dict[str, str] = {
     "__init__": "base",
     "_compat": "base",
     "_files": "base",
+    "sizes": "base",
     "settings": "base",
     "harness": "harness",
     "units": "blocks",

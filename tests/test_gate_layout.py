@@ -57,11 +57,11 @@ def test_the_flat_gate_modules_are_gone_without_shims(old: str) -> None:
 def test_user_model_rules_live_beside_the_gate_not_in_it() -> None:
     from fsdp_conformance import user_model
     from fsdp_conformance.gate import suite
-    from fsdp_conformance.models import ModelSpecError
-    from fsdp_conformance.settings import Settings
+    from fsdp_conformance.settings import Settings, SettingsError, resolve_settings
 
     assert user_model.user_spec(Settings()) is None
-    with pytest.raises(ModelSpecError, match="--block-cls is set but no --model"):
-        user_model.user_spec(Settings(block_cls="Block"))
+    # "--block-cls needs --model" is a rule of settings resolution (tests/test_settings.py)
+    with pytest.raises(SettingsError, match="--block-cls is set but no --model"):
+        resolve_settings({"block_cls": "Block"}, {}, {}, flag_style="cli")
     # the suite run uses the one rule, not a copy of it
     assert suite.user_spec is user_model.user_spec

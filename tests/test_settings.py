@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_empty_environment_variable_and_empty_ini_value_count_as_not_set() -> No
 def test_values_are_parsed_into_their_types() -> None:
     s = resolve_settings(
         {"world_sizes": "2, 4,2", "backend": "NCCL", "min_params": "2e7"}, {},
-        {"timeout": "7.5"}, {"block_cls": " Block ", "input": "pkg.mod:batch"},
+        {"timeout": "7.5"}, {"block_cls": " Block ", "input": "pkg.mod:batch", "model": "p.m:f"},
     )
     assert s.world_sizes == (2, 4)  # order kept, duplicates dropped
     assert s.backend == "nccl" and s.timeout == 7.5 and s.min_params == 20_000_000
@@ -131,6 +132,37 @@ def test_bad_value_names_the_value_its_source_and_the_fix(
     assert message.startswith(expected)
     assert option.help in message  # the fix: what the option takes
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("flag_style", "given", "expected"),
+    [
+        ("pytest", ({"block_cls": "Block"}, {}, {}),
+         "--fsdp-block-cls is set but no --fsdp-model: give the model factory too (e.g. "
+         "--fsdp-model mypkg.model:build_model)"),
+        ("cli", ({"block_cls": "Block"}, {}, {}),
+         "--block-cls is set but no --model: give the model factory too (e.g. --model "
+         "mypkg.model:build_model)"),
+        # from any source: the rule is on the resolved settings, not on the command line
+        ("cli", ({}, {"FSDP_CONFORMANCE_INPUT": "pkg.mod:batch"}, {}),
+         "--input is set but no --model: give the model factory too"),
+        ("pytest", ({}, {}, {"input": "pkg.mod:batch"}),
+         "--fsdp-input is set but no --fsdp-model: give the model factory too"),
+    ],
+)
+def test_a_model_option_without_the_model_is_a_settings_error(
+    flag_style: Literal["pytest", "cli"], given: tuple[dict[str, str], ...], expected: str
+) -> None:
+    """One rule for the plugin and the CLI, each spelling the flags as its users type them."""
+    with pytest.raises(SettingsError) as info:
+        resolve_settings(*given, flag_style=flag_style)
+    assert str(info.value).startswith(expected)
+
+
+def test_a_model_option_with_the_model_resolves() -> None:
+    s = resolve_settings({"model": "pkg.m:f", "block_cls": "Block"},
+                         {"FSDP_CONFORMANCE_INPUT": "pkg.mod:batch"}, {}, flag_style="cli")
+    assert (s.model, s.block_cls, s.input) == ("pkg.m:f", "Block", "pkg.mod:batch")
 
 
 def test_a_bad_value_is_reported_even_when_a_lower_source_is_fine() -> None:

@@ -43,12 +43,12 @@ from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rs
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
 from fsdp_conformance.policies import PolicyName, policy_for
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
+from fsdp_conformance.sizes import MiB
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import ValueType
 
-MiB = 1024 * 1024
 
 #: How a sharded model gets its values.
 #: - ``deterministic``: this module's per-FQN init (FSDP1 ``param_init_fn``; FSDP2 after

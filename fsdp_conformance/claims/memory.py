@@ -20,12 +20,13 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.bound import MB, Bound, MeasureError, StepConfig, per_layer_bound
+from fsdp_conformance.bound import Bound, MeasureError, StepConfig, per_layer_bound
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, METER_RESOLUTION_BYTES
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.profile import plan_step
+from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import ROOT, UnitInfo
 
@@ -172,7 +173,7 @@ def rank_meter_agreement(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     smallest = torch.tensor([int(seen)], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     if smallest.item() <= METER_RESOLUTION_BYTES:
-        skip_rank(f"the step of {spec.name} adds {smallest.item() / MB:.2f} MB by the "
+        skip_rank(f"the step of {spec.name} adds {_mb(smallest.item())} by the "
                   f"{truth} figure, within the meters' resolution ({_mb(METER_RESOLUTION_BYTES)}):"
                   " tracker and truth cannot be compared; use a larger config of the model or "
                   "batch")
@@ -185,7 +186,8 @@ def rank_meter_agreement(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
 
 
 def _mb(n: float) -> str:
-    return f"{n / MB:.2f} MB"
+    # The memory claim's unit (decimal MB), from the one formatter.
+    return format_bytes(n, "MB")
 
 
 def _label(params: Mapping[str, Any]) -> str:

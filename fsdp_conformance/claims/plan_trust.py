@@ -16,8 +16,9 @@ from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
-from fsdp_conformance.plan.model import POLICIES, ModelChoice, PlanError, PlanSettings, fmt_bytes
+from fsdp_conformance.plan.model import POLICIES, ModelChoice, PlanError, PlanSettings
 from fsdp_conformance.policies import plan_policy, wrapping_label
+from fsdp_conformance.sizes import format_bytes
 
 #: Trust: the estimate is an upper bound, checked with the memory checks' tolerance above it
 #: (a measured peak may exceed it by at most 10%)...
@@ -93,14 +94,14 @@ def compare_to_measurement(estimate: Bound, peaks_by_rank: Mapping[int, int], *,
         if ratio > max_ratio:
             ok = False
             verdict = (f"ABOVE {max_ratio:.2f} x the estimate: the estimate misses "
-                       f"{fmt_bytes(peak - estimate.total)}")
+                       f"{format_bytes(peak - estimate.total, 'decimal')}")
         elif ratio < min_ratio:
             ok = False
             verdict = f"BELOW {min_ratio:.2f} x the estimate: the estimate is too loose"
         else:
             verdict = "ok"
-        lines.append(f"{label}rank {rank}: measured {fmt_bytes(peak)}, estimate "
-                     f"{fmt_bytes(estimate.total)}, ratio {ratio:.3f}: {verdict}")
+        lines.append(f"{label}rank {rank}: measured {format_bytes(peak, 'decimal')}, estimate "
+                     f"{format_bytes(estimate.total, 'decimal')}, ratio {ratio:.3f}: {verdict}")
     return ok, lines
 
 

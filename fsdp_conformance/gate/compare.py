@@ -18,12 +18,13 @@ from typing import Any
 
 from fsdp_conformance._files import PlainData
 from fsdp_conformance.gate.report import DEPRECATION_CATEGORIES, UNIT_DATA_KEYS, first_line
+from fsdp_conformance.sizes import MiB
 
 #: compare's default relative tolerance on memory figures.
 DEFAULT_MEMORY_TOLERANCE = 0.05
 #: compare's default absolute floor on memory moves: smaller ones are not reported (a move off a
 #: zero baseline has no relative size, and OS high-water marks resolve to about 1 MB).
-DEFAULT_MEMORY_FLOOR_BYTES = 2**20
+DEFAULT_MEMORY_FLOOR_BYTES = MiB
 #: Unit fields compare looks at; a change in any of them is a changed unit structure.
 UNIT_FIELDS = ("cls", "numel", "parent", "local_numel", "params")
 #: Outcome order: a move to a lower rank is a regression (failed and error rank alike).
@@ -202,7 +203,7 @@ def _is_memory_key(key: str) -> bool:
 
 
 def _mib(key: str, value: float) -> float:
-    return value / 2**20 if key.endswith("_bytes") else value
+    return value / MiB if key.endswith("_bytes") else value
 
 
 def _number(value: Any) -> bool:
@@ -220,7 +221,7 @@ def _memory_change(
         pairs = [(f"{key}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
     else:
         return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
-    floor = floor_bytes if key.endswith("_bytes") else floor_bytes / 2**20
+    floor = floor_bytes if key.endswith("_bytes") else floor_bytes / MiB
     diffs = []
     for label, x, y in pairs:
         # Both a relative and an absolute threshold: a move off a zero (or tiny) baseline is
@@ -231,7 +232,7 @@ def _memory_change(
         diffs.append(Difference(
             cid, "memory", y > x,
             f"{label}: {_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}; tolerance "
-            f"{tol:.0%}, floor {floor_bytes / 2**20:.2f} MiB)"))
+            f"{tol:.0%}, floor {floor_bytes / MiB:.2f} MiB)"))
     return diffs
 
 

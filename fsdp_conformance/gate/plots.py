@@ -11,8 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: The y axis is in MiB, the unit of the table, the summary and compare.
-MiB = 2**20
+# The y axis is in MiB, the unit of the table, the summary and compare.
+from fsdp_conformance.sizes import MiB
 
 #: Legend names of the wrappings the memory checks measure.
 _WRAPPING_NAMES = {"per_layer": "per-layer wrapping",

@@ -32,6 +32,7 @@ from typing import Any
 
 from fsdp_conformance._files import write_atomic
 from fsdp_conformance.settings import Settings
+from fsdp_conformance.sizes import format_bytes
 
 SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
@@ -379,13 +380,6 @@ def _key_figures(figures: Mapping[str, Any], limit: int = 4) -> str:
         if len(parts) == limit:
             break
     return ", ".join(parts)
-
-
-def format_bytes(value: float) -> str:
-    """MiB, or KiB below one MiB (small models' units would all read 0.00 MiB)."""
-    if abs(value) < 2**20:
-        return f"{value / 2**10:.1f} KiB"
-    return f"{value / 2**20:.2f} MiB"
 
 
 def first_line(message: str, width: int = 100) -> str:

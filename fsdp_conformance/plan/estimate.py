@@ -21,11 +21,11 @@ from fsdp_conformance.plan.model import (
     PlanSettings,
     _require_meta,
     build_meta_model,
-    fmt_bytes,
     meta_batch,
 )
 from fsdp_conformance.policies import plan_policy, policy_for
 from fsdp_conformance.profile import profile_activations
+from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
 DEFAULT_DEVICE_MEMORY = "80GB,141GB"
@@ -246,9 +246,10 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
             lo, hi = (lo, mid) if total(mid) <= device_bytes else (mid, hi)
         w = hi
     at = plan.estimate(w)
-    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {fmt_bytes(at.total)} per rank "
-              f"<= {fmt_bytes(device_bytes)}"
-              + (f" (at {w - 1:,} ranks: {fmt_bytes(total(w - 1))})" if w > 1 else ""))
+    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, 'decimal')} per rank "
+              f"<= {format_bytes(device_bytes, 'decimal')}"
+              + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})"
+                 if w > 1 else ""))
     return DevicesNeeded(device_bytes, w, at.total, floor, max_world_size, reason)
 
 
@@ -259,15 +260,17 @@ def _never_fits_reason(plan: ModelPlan, top: Bound, device: int, max_w: int) -> 
     largest = max(plan.units, key=lambda u: u.numel)
     name = largest.fqn or f"{plan.model_class} (root)"
     parts = (f"largest unit {name} gathered with its grads and collective buffers "
-             f"{fmt_bytes(unit)}, activations {fmt_bytes(acts)}")
+             f"{format_bytes(unit, 'decimal')}, activations {format_bytes(acts, 'decimal')}")
     if unit > device:
-        head = f"never fits: one unit's working set alone is {fmt_bytes(unit)}"
+        head = f"never fits: one unit's working set alone is {format_bytes(unit, 'decimal')}"
         fix = "a policy with smaller units"
     else:
-        head = f"never fits: {fmt_bytes(floor)} per rank does not shrink with more ranks"
+        head = (f"never fits: {format_bytes(floor, 'decimal')} per rank does not shrink with "
+                "more ranks")
         fix = ("a smaller per-rank batch or sequence, or activation checkpointing (not modelled)"
                if acts > unit else "a policy with smaller units")
-    return f"{head} ({parts}) > {fmt_bytes(device)} even at {max_w:,} ranks; fix: {fix}"
+    return (f"{head} ({parts}) > {format_bytes(device, 'decimal')} even at {max_w:,} ranks; "
+            f"fix: {fix}")
 
 
 # ============================================================================================

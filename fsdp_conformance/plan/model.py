@@ -4,9 +4,9 @@ on ``meta``), the step's settings in the user's words, sizes, and :class:`PlanEr
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
+from fsdp_conformance import sizes
 from fsdp_conformance.bound import OPTIMIZER_STATES
 from fsdp_conformance.models import (
     LLAMA_PRESETS,
@@ -32,10 +32,6 @@ OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
 #: memory-efficient attention on GPU and the CPU flash kernel; math: the unfused path, which
 #: also saves the seq x seq attention weights.
 ATTENTION = ("flash", "math")
-
-UNITS_OF_BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-                  "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
 
 class PlanError(ValueError):
     """Bad input to the planner; the message names the problem and the fix (exit code 2)."""
@@ -199,32 +195,22 @@ def meta_batch(model: Any, choice: ModelChoice, settings: PlanSettings) -> Any:
 # ============================================================================================
 
 
-def fmt_bytes(n: float) -> str:
-    """Decimal units (1 GB = 10^9 B), as device memory is quoted."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def parse_bytes(text: str, what: str = "--device-memory") -> int:
     """``80GB``, ``141 GB``, ``80GiB``, ``8e10``: bytes (GB = 10^9 B, GiB = 2^30 B)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in UNITS_OF_BYTES:
-        raise PlanError(f"{what} {text!r} is not a size; write e.g. 80GB, 141GB or 80GiB")
-    value = float(m.group(1)) * UNITS_OF_BYTES[unit]
-    if value <= 0:
-        raise PlanError(f"{what} {text!r} must be positive")
-    return int(value)
+    try:
+        return sizes.parse_bytes(text, what)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``--world-sizes``: the suite's rules (sizes.parse_world_sizes) with the plan's texts."""
     try:
-        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+        return sizes.parse_world_sizes(text)
     except ValueError:
+        parts = [p for p in text.replace(" ", ",").split(",") if p]
+        if all(p.lstrip("-").isdigit() for p in parts):
+            raise PlanError(
+                f"--world-sizes {text!r} needs integers >= 1, e.g. 8,64,512,1024") from None
         raise PlanError(f"--world-sizes {text!r} is not a comma-separated list of integers; "
                         "write e.g. 8,64,512,1024") from None
-    if not sizes or any(w < 1 for w in sizes):
-        raise PlanError(f"--world-sizes {text!r} needs integers >= 1, e.g. 8,64,512,1024")
-    return sizes

@@ -14,7 +14,8 @@ from fsdp_conformance.plan.estimate import (
     devices_needed,
     term_sum,
 )
-from fsdp_conformance.plan.model import DTYPE_BYTES, PlanSettings, fmt_bytes
+from fsdp_conformance.plan.model import DTYPE_BYTES, PlanSettings
+from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import ROOT, UnitInfo
 
 PROG = "fsdp-conformance plan"
@@ -79,11 +80,11 @@ def format_plan_tree(plan: ModelPlan, world_size: int, verification: Mapping[str
 
     def row(name: str, u: UnitInfo, count: int) -> str:
         each = " each" if count > 1 else ""
-        text = (f"{name:<44} {u.numel:>15,} {fmt_bytes(u.numel * cb) + each:>16} "
-                f"{fmt_bytes(-(-u.numel // world_size) * pb) + each:>17}")
+        text = (f"{name:<44} {u.numel:>15,} {format_bytes(u.numel * cb, 'decimal') + each:>16} "
+                f"{format_bytes(-(-u.numel // world_size) * pb, 'decimal') + each:>17}")
         if local:
             got = local.get(u.fqn)
-            text += f" {'-' if got is None else fmt_bytes(got * pb) + each:>14}"
+            text += f" {'-' if got is None else format_bytes(got * pb, 'decimal') + each:>14}"
         return text
 
     def walk(parent: UnitInfo | None, prefix: str) -> None:
@@ -119,8 +120,9 @@ def _range_name(rel: str, group: Sequence[UnitInfo], parent: str) -> str:
 def format_bound(bound: Bound) -> str:
     """The estimate term by term, with how each term was computed."""
     width = max(len(t.name) for t in bound.terms)
-    lines = [f"  {t.name:<{width}}  {fmt_bytes(t.bytes):>11}  {t.derivation}" for t in bound.terms]
-    lines.append(f"  {'total':<{width}}  {fmt_bytes(bound.total):>11}  per rank")
+    lines = [f"  {t.name:<{width}}  {format_bytes(t.bytes, 'decimal'):>11}  {t.derivation}"
+             for t in bound.terms]
+    lines.append(f"  {'total':<{width}}  {format_bytes(bound.total, 'decimal'):>11}  per rank")
     return "\n".join(lines)
 
 
@@ -157,13 +159,14 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
              f"settings: {s.describe()}", "",
              f"wrap plan: {len(plan.units)} units (GB = 10^9 B)",
              format_plan_tree(plan, w, report.get("verification"), collapse), "",
-             f"sharded parameters per rank: {fmt_bytes(report['sharded_param_bytes_per_rank'])} "
+             "sharded parameters per rank: "
+             f"{format_bytes(report['sharded_param_bytes_per_rank'], 'decimal')} "
              f"({s.param_dtype})", "",
              "estimated peak per rank of a training step (memory.per_layer_bound, "
              "docs/memory.md):", format_bound(bound), ""]
     lines.append("devices needed (smallest world size whose estimate fits the device):")
     for d in report["devices_needed"]:
-        lines.append(f"  {fmt_bytes(d['device_bytes'])}: {d['reason']}")
+        lines.append(f"  {format_bytes(d['device_bytes'], 'decimal')}: {d['reason']}")
     lines += _nested_note(plan)
     v = report.get("verification")
     if v:
@@ -184,7 +187,8 @@ def _nested_note(plan: ModelPlan) -> list[str]:
     cb = DTYPE_BYTES[plan.settings.compute_dtype]
     return [f"  note: {len(nested)} units are nested in other units; while one runs, its "
             f"enclosing unit stays gathered too (largest: {biggest.fqn}, "
-            f"{fmt_bytes(biggest.numel * cb)}), which the per-layer bound does not count"]
+            f"{format_bytes(biggest.numel * cb, 'decimal')}), which the per-layer bound does not "
+            "count"]
 
 
 def _format_verification(v: Mapping[str, Any], param_dtype: str) -> str:
@@ -201,8 +205,8 @@ def _format_verification(v: Mapping[str, Any], param_dtype: str) -> str:
                 + "".join(f"\n  {d}" for d in v["unit_differences"][:8]))
     pad = v["padding_numel"]
     return text + (f"\n  the estimate's ceil(numel/W) is {v['ceil_numel']:,}: FSDP2's padding "
-                   f"adds {pad:,} elements ({fmt_bytes(pad * pb)} per sharded-state tensor "
-                   f"kind) per rank" if pad else
+                   f"adds {pad:,} elements ({format_bytes(pad * pb, 'decimal')} per "
+                   "sharded-state tensor kind) per rank" if pad else
                    "\n  equal to the estimate's ceil(numel/W): no padding at this world size")
 
 
@@ -212,18 +216,21 @@ def format_comparison(data: Mapping[str, Any]) -> str:
     devices = data["device_bytes"]
     lines = [f'the seeds\' claim: "{claim["text"]}"'] if claim["text"] else []
     lines += [f"{m['label']}: {m['params']:,} params x 2 B (fp16) = "
-             f"{fmt_bytes(claim['fp16_weight_bytes'])} of weights on one host", "",
+             f"{format_bytes(claim['fp16_weight_bytes'], 'decimal')} of weights on one host", "",
              f"estimated peak per rank of a training step ({settings.describe()}):",
              f"{'policy':<12} {'units':>5} {'ranks':>6} {'sharded state':>14} "
              f"{'unit working set':>17} {'activations':>12} {'estimate':>11}  "
-             + "  ".join(f"{'fits ' + fmt_bytes(d):>12}" for d in devices)]
+             + "  ".join(f"{'fits ' + format_bytes(d, 'decimal'):>12}" for d in devices)]
     for r in data["rows"]:
         fits = "  ".join(f"{'yes' if r['fits'][str(d)] else 'no':>12}" for d in devices)
         lines.append(f"{r['policy']:<12} {r['units']:>5} {r['world_size']:>6,} "
-                     f"{fmt_bytes(r['sharded_state']):>14} {fmt_bytes(r['unit_working_set']):>17} "
-                     f"{fmt_bytes(r['activations']):>12} {fmt_bytes(r['total']):>11}  {fits}")
+                     f"{format_bytes(r['sharded_state'], 'decimal'):>14} "
+                     f"{format_bytes(r['unit_working_set'], 'decimal'):>17} "
+                     f"{format_bytes(r['activations'], 'decimal'):>12} "
+                     f"{format_bytes(r['total'], 'decimal'):>11}  {fits}")
     lines += ["", "devices needed:"]
     for policy, items in data["devices_needed"].items():
         for d in items:
-            lines.append(f"  {policy:<12} {fmt_bytes(d['device_bytes'])}: {d['reason']}")
+            lines.append(f"  {policy:<12} {format_bytes(d['device_bytes'], 'decimal')}: "
+                         f"{d['reason']}")
     return "\n".join(lines)
