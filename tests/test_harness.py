@@ -441,7 +441,8 @@ def test_skip_while_a_peer_waits_releases_it_after_the_grace_as_a_disagreement(
             "*rank 0 has no feature Y",
             "*--- rank 1: did not finish ---",
             # The check's timeout reads "100s", or less with a note when starting the pool
-            # under load used part of the test's pytest-timeout: released after the grace either way.
+            # under load used part of the test's pytest-timeout: released after the grace
+            # either way.
             "*still running 5s after rank 0 skipped (released then, not after the check's "
             "timeout of *s*); its stacks:",
             "*in barrier",
