@@ -942,5 +942,9 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
     finally:
         manager.close()
     message = str(info.value)
-    assert message.startswith("could not start 2 gloo ranks: timed out connecting")
+    # Which start phase runs out first depends on the machine's speed: on a quiet machine both
+    # ranks connect within the 0.1 s and the process group's init is what times out.
+    first_line = message.splitlines()[0]
+    assert first_line in ("could not start 2 gloo ranks: timed out connecting",
+                          "could not start 2 gloo ranks: process group init timed out")
     assert message.endswith("(the ranks had 0.1s to start, the rest of NOTE)")
