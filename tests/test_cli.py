@@ -683,7 +683,8 @@ DAMAGED_REPORTS = [
 
 
 @pytest.mark.parametrize(("where", "value", "expected", "found"), DAMAGED_REPORTS,
-                         ids=[f"{w}={v!r}"[:50] for w, v, *_ in DAMAGED_REPORTS])
+                         ids=[f"{w}={'<deleted>' if v is DELETE else repr(v)}"[:50]
+                              for w, v, *_ in DAMAGED_REPORTS])
 def test_compare_a_damaged_report_is_one_line_naming_the_field_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, value: Any, expected: str,
     found: str,
