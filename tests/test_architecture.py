@@ -7,11 +7,11 @@ reference to a file outside the repository.
 
 from __future__ import annotations
 
-import ast
 import pathlib
 import re
 
 import pytest
+from package_imports import file_imports
 
 pytestmark = pytest.mark.cpu
 
@@ -72,24 +72,6 @@ def _modules() -> list[tuple[str, pathlib.Path]]:
     return found
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every ``fsdp_conformance`` module this file imports, at any depth, as a dotted name."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "fsdp_conformance":
-                names.update(f"fsdp_conformance.{a.name}" for a in node.names)
-            else:
-                names.add(node.module)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
-            names.add(node.args[0].value)
-    return {n for n in names if n == "fsdp_conformance" or n.startswith("fsdp_conformance.")}
-
-
 def _layer(dotted: str) -> str:
     """The layer of ``fsdp_conformance.x.y`` (or of a module name relative to the package)."""
     head = dotted.removeprefix("fsdp_conformance").lstrip(".").split(".")[0] or "__init__"
@@ -119,7 +101,7 @@ def test_every_module_belongs_to_a_layer() -> None:
 
 
 def test_each_layer_imports_only_the_layers_below_it() -> None:
-    bad = [v for name, path in _modules() for v in _violations(name, _imports(path))]
+    bad = [v for name, path in _modules() for v in _violations(name, file_imports(path))]
     assert not bad, "import rule broken (docs/architecture.md):\n" + "\n".join(bad)
 
 
@@ -138,10 +120,11 @@ def test_no_claim_imports_another_claim() -> None:
     for name, path in _modules():
         if not name.startswith("claims.") or name == "claims.check":
             continue
-        for target in _imports(path):
-            short = target.removeprefix("fsdp_conformance.")
-            if short.startswith("claims.") and short not in ("claims.check", name):
-                bad.append(f"{name} imports {short}")
+        own = name.split(".")[1]
+        for target in file_imports(path):
+            parts = target.removeprefix("fsdp_conformance.").split(".")
+            if parts[0] == "claims" and len(parts) > 1 and parts[1] not in ("check", own):
+                bad.append(f"{name} imports {'.'.join(parts[:2])}")
     assert not bad, "a claim imports another claim; move the shared code to a block:\n" + (
         "\n".join(bad))
 

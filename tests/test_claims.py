@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 import importlib
 import pathlib
 
 import pytest
+from package_imports import file_imports
 
 import fsdp_conformance
 from fsdp_conformance import claims
@@ -15,18 +15,6 @@ from fsdp_conformance.claims.check import Check
 PACKAGE = pathlib.Path(fsdp_conformance.__file__).parent
 CLAIM_FILES = sorted(p.stem for p in (PACKAGE / "claims").glob("*.py")
                      if p.stem not in ("__init__", "check"))
-
-
-def _package_imports(path: pathlib.Path) -> set[str]:
-    """The ``fsdp_conformance`` modules a file imports, at the top or inside a function."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return {m for m in found if m.startswith("fsdp_conformance")}
 
 
 def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
@@ -47,7 +35,7 @@ def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
 def test_a_claim_imports_no_other_claim(claim: str) -> None:
     # Shared code lives in a building block beside claims/, never in another claim.
     others = {f"fsdp_conformance.claims.{c}" for c in CLAIM_FILES if c != claim}
-    found = _package_imports(PACKAGE / "claims" / f"{claim}.py")
+    found = file_imports(PACKAGE / "claims" / f"{claim}.py")
     assert not {m for m in found if m in others or m.rsplit(".", 1)[0] in others}, sorted(found)
     assert not {m for m in found if m.startswith(("fsdp_conformance.suite",
                                                    "fsdp_conformance.cli",
@@ -57,5 +45,5 @@ def test_a_claim_imports_no_other_claim(claim: str) -> None:
 def test_policies_do_not_import_models() -> None:
     # models imports policies (SEED_MIN_PARAMS, block-class resolution); the way back would be
     # the import cycle the seeds' threshold used to close.
-    assert not {m for m in _package_imports(PACKAGE / "policies.py")
+    assert not {m for m in file_imports(PACKAGE / "policies.py")
                 if m.startswith("fsdp_conformance.models")}

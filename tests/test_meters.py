@@ -7,12 +7,12 @@ through them, so a fix to a meter reaches every check that reads it.
 
 from __future__ import annotations
 
-import ast
 import os
 import pathlib
 
 import pytest
 import torch
+from package_imports import file_imports
 
 import fsdp_conformance
 from fsdp_conformance.harness import RankContext
@@ -28,24 +28,11 @@ needs_clear_refs = pytest.mark.skipif(
     reason="the host peak meter resets VmHWM through Linux /proc/self/clear_refs")
 
 
-def _imports(module: str) -> set[str]:
-    """Every module ``fsdp_conformance/<module>.py`` imports, at the top or inside a function."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return found
-
-
 @pytest.mark.parametrize("block", BLOCKS)
 def test_memory_blocks_import_no_claim(block: str) -> None:
     # A block that imported a claim would make the claims a library again (init reaching into
     # memory for its meters was the case this split ended).
-    found = sorted(m for m in _imports(block) if m.startswith(CLAIMS))
+    found = sorted(m for m in file_imports(PACKAGE / f"{block}.py") if m.startswith(CLAIMS))
     assert not found, f"{block}.py imports {found}"
 
 
