@@ -41,6 +41,8 @@ GRACE_AFTER_SKIP_S = 5.0
 OUTER_TIMEOUT_RESERVE_S = 5.0
 #: Seconds to let faulthandler write its stack dumps before the ranks are killed.
 STACK_DUMP_WAIT_S = 0.5
+#: Seconds ranks get to start and join their process group, unless an outer deadline is nearer.
+START_TIMEOUT_S = 60.0
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
 
@@ -105,7 +107,7 @@ class RankPool:
         device_type: str = "cpu",
         *,
         env: Mapping[str, str] | None = None,
-        start_timeout: float = 60.0,
+        start_timeout: float = START_TIMEOUT_S,
         pg_timeout: float = 300.0,
     ) -> None:
         if protocol.loading_parent_main:
@@ -475,7 +477,8 @@ class PoolManager:
         self.pools_started = 0
 
     def pool(
-        self, world_size: int, backend: str, device_type: str, *, start_timeout: float = 60.0
+        self, world_size: int, backend: str, device_type: str, *,
+        start_timeout: float = START_TIMEOUT_S,
     ) -> RankPool:
         key = (world_size, backend, device_type)
         pool = self._pools.get(key)
@@ -506,7 +509,7 @@ class PoolManager:
     ) -> list[RankOutcome]:
         # Starting ranks counts against an outer deadline too: a pool that cannot start in
         # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
-        start_timeout, _ = fit_timeout(60.0, deadline)
+        start_timeout, _ = fit_timeout(START_TIMEOUT_S, deadline)
         if fresh or env:
             # Fresh processes: for settings that must exist before the process starts
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
@@ -537,7 +540,7 @@ class PoolManager:
         try:
             return start()
         except HarnessError as exc:
-            if start_timeout >= 60.0 or "timed out" not in str(exc):
+            if start_timeout >= START_TIMEOUT_S or "timed out" not in str(exc):
                 raise
             raise HarnessError(
                 f"{exc}\n(the ranks had {_seconds(start_timeout)} to start, the rest of "
