@@ -157,8 +157,24 @@ def _world_sizes(
     return tuple(marker.args)
 
 
+def _parametrize_conformance_checks(metafunc: pytest.Metafunc, settings: Settings) -> None:
+    """model_tests.py's one test, once per selected check and variant (the CLI's ``--list``
+    labels): the reference suite, or every model check on the user's model."""
+    from fsdp_conformance import user_model  # the suite imports torch: only when collected
+    from fsdp_conformance.gate import suite
+
+    pairs = suite.select_checks(suite.all_checks(), user_model.user_spec(settings))
+    ids = []
+    for check, params in pairs:
+        variant = suite.variant_of(params)
+        ids.append(f"{check.name}[{variant}]" if variant else check.name)
+    metafunc.parametrize("conformance_check", pairs, ids=ids)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[SETTINGS_KEY]
+    if "conformance_check" in metafunc.fixturenames:  # first: its label leads the test id
+        _parametrize_conformance_checks(metafunc, settings)
     if "world_size" in metafunc.fixturenames:
         sizes = _world_sizes(metafunc, settings, metafunc.config.stash.get(LIMIT_KEY, None))
         metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
