@@ -1,8 +1,11 @@
 """The package's import rules (docs/architecture.md), checked on every module.
 
 Pure static checks (no torch, no ranks): each module's imports of the package, top-level and
-inside functions, against the layer table; private torch access only in ``_compat.py``; no
-reference to a file outside the repository.
+inside functions, against the layer table and the rules inside a layer (the harness's two
+sides, no claim importing another, the named forbidden edges); absolute imports only; each
+folder a regular package with its modules; private torch access only in ``_compat.py``; no
+reference to a file outside the repository. The one import-rule test that needs a subprocess
+(``compare`` and the reports load no torch) is in tests/test_gate_layout.py.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import pathlib
 import re
 
 import pytest
-from package_imports import file_imports
+from package_imports import file_imports, module_imports, relative_imports
 
 pytestmark = pytest.mark.cpu
 
@@ -53,6 +56,40 @@ ALLOWED: dict[str, set[str]] = {
     "claims": {"base", "harness", "blocks", "plan", "claims"},
     "gate": {"base", "harness", "blocks", "claims", "gate"},
     "wiring": {"base", "harness", "blocks", "plan", "claims", "gate", "wiring"},
+}
+
+#: Rules inside a layer: for each module listed, the only modules of its own layer it may
+#: import. The harness's rank side (``worker``, ``clean_state``) and parent side (``pool``,
+#: ``launcher``, ``outcomes``) share only ``protocol``; the pool starts the worker by its module
+#: name (docs/harness.md). A module not listed (``harness.ranks``, the ``harness`` package
+#: itself) may import its whole layer. Importing ``fsdp_conformance.harness`` is importing
+#: every module of the folder (its ``__init__`` does).
+WITHIN_LAYER_ONLY: dict[str, set[str]] = {
+    "harness.protocol": set(),
+    "harness.interrupts": set(),
+    "harness.clean_state": {"harness.protocol"},
+    "harness.worker": {"harness.protocol", "harness.clean_state"},
+    "harness.outcomes": {"harness.protocol"},
+    "harness.pool": {"harness.protocol", "harness.outcomes"},
+    "harness.launcher": {"harness.protocol", "harness.outcomes", "harness.worker",
+                         "harness.interrupts"},
+}
+
+#: Imports the layer table allows but a module must not make, each with the reason.
+NEVER: dict[str, dict[str, str]] = {
+    "policies": {"models": "models imports policies (SEED_MIN_PARAMS, block-class resolution); "
+                           "the way back is the import cycle the seeds' threshold used to close"},
+    "model_tests": {"plugin": "wiring importing wiring: the plugin parametrizes "
+                              "conformance_check, model_tests.py holds only the test"},
+}
+
+#: The modules each folder of the package holds (the diagram in docs/architecture.md).
+FOLDERS: dict[str, set[str]] = {
+    "harness": {"protocol", "outcomes", "pool", "launcher", "ranks", "worker", "clean_state",
+                "interrupts"},
+    "claims": {"check", "wrap", "init", "memory", "plan_trust"},
+    "plan": {"model", "estimate", "verify", "report"},
+    "gate": {"suite", "report", "compare", "plots"},
 }
 
 #: Private torch access: a ``._name`` step in a dotted torch path, FSDP1's handle, storage
@@ -127,6 +164,74 @@ def test_no_claim_imports_another_claim() -> None:
                 bad.append(f"{name} imports {'.'.join(parts[:2])}")
     assert not bad, "a claim imports another claim; move the shared code to a block:\n" + (
         "\n".join(bad))
+
+
+def _short(dotted: str) -> str:
+    return dotted.removeprefix("fsdp_conformance").lstrip(".") or "__init__"
+
+
+def _within_layer_violations(name: str, imported: set[str]) -> list[str]:
+    """What ``name`` imports (``module_imports``' names) against WITHIN_LAYER_ONLY and NEVER."""
+    bad = []
+    for target in sorted(_short(t) for t in imported):
+        if name in WITHIN_LAYER_ONLY and target != name and _layer(target) == _layer(name):
+            allowed = WITHIN_LAYER_ONLY[name]
+            if target not in allowed:
+                bad.append(f"{name} imports {target}; of its layer it may import only "
+                           f"{', '.join(sorted(allowed)) or 'nothing'}")
+        for forbidden, why in NEVER.get(name, {}).items():
+            if target == forbidden or target.startswith(forbidden + "."):
+                bad.append(f"{name} imports {target}: {why}")
+    return bad
+
+
+def test_the_rules_inside_a_layer_hold() -> None:
+    bad = [v for name, path in _modules()
+           for v in _within_layer_violations(
+               name, module_imports(path.read_text(encoding="utf-8"), PACKAGE))]
+    assert not bad, "import rule inside a layer broken (docs/architecture.md):\n" + (
+        "\n".join(bad))
+
+
+def test_the_rules_inside_a_layer_catch_the_edges_they_forbid() -> None:
+    # Negative controls: the old back-and-forth, written into the worker inside a function
+    # body, is caught (the package import as well as the parent-side module); so are the
+    # named edges, and a plain allowed import is not.
+    worker = (PACKAGE / "harness" / "worker.py").read_text(encoding="utf-8") + (
+        "\ndef _sneak():\n"
+        "    from fsdp_conformance.harness.pool import RankPool\n"
+        "    from fsdp_conformance.harness import Ranks\n"
+        "    return RankPool, Ranks\n")
+    assert [v.split(";")[0] for v in _within_layer_violations(
+        "harness.worker", module_imports(worker, PACKAGE))] == [
+        "harness.worker imports harness", "harness.worker imports harness.pool"]
+    assert _within_layer_violations(
+        "policies", module_imports("from fsdp_conformance.models import ModelSpec", PACKAGE))
+    plugin_back = "def f(m):\n    from fsdp_conformance.plugin import SETTINGS_KEY\n"
+    assert _within_layer_violations("model_tests", module_imports(plugin_back, PACKAGE)) == [
+        f"model_tests imports plugin: {NEVER['model_tests']['plugin']}"]
+    assert not _within_layer_violations(
+        "harness.pool", module_imports(
+            "from fsdp_conformance.harness import outcomes, protocol", PACKAGE))
+
+
+def test_the_package_uses_absolute_imports_only() -> None:
+    # The readers of the import graph see absolute imports only; a relative one
+    # (`from ..cli import main` in the planner) would slip past every rule above.
+    bad = [f"{path.relative_to(ROOT)}:{line}" for _, path in _modules()
+           for line in relative_imports(path.read_text(encoding="utf-8"))]
+    assert not bad, "relative imports (write fsdp_conformance.x):\n" + "\n".join(bad)
+    assert relative_imports("import os\ndef f():\n    from ..cli import main\n") == [3]
+
+
+def test_each_folder_is_a_regular_package_with_its_modules() -> None:
+    # A regular package, not a namespace one: setuptools' find() ships only those.
+    folders = {p.parent.name for p in PACKAGE.glob("*/*.py")}
+    assert folders == set(FOLDERS), "add the folder to FOLDERS here and to docs/architecture.md"
+    for folder, modules in FOLDERS.items():
+        found = {p.stem for p in (PACKAGE / folder).glob("*.py")}
+        assert "__init__" in found, folder
+        assert modules <= found, f"{folder}/ lacks {sorted(modules - found)}"
 
 
 def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:

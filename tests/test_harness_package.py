@@ -1,19 +1,18 @@
 """The harness as a package: its public face, its inner import rules, and how its ranks start.
 
 ``fsdp_conformance.harness`` was one module; users import ``Ranks``, ``RankContext``,
-``skip_rank`` and the exceptions from it. These tests hold the package to that face, and to the
-rule that ends the old back-and-forth: the rank side (``worker``, ``clean_state``) and the parent
-side (``pool``, ``launcher``, ``outcomes``) share only ``protocol``.
+``skip_rank`` and the exceptions from it. These tests hold the package to that face. The rule
+that ends the old back-and-forth (the rank side, ``worker`` and ``clean_state``, and the parent
+side, ``pool``, ``launcher`` and ``outcomes``, share only ``protocol``) is in
+tests/test_architecture.py with the package's other import rules.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import pickle
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ pytestmark = pytest.mark.cpu
 
 PACKAGE = "fsdp_conformance"
 HARNESS = f"{PACKAGE}.harness"
-HARNESS_DIR = Path(harness.__file__).resolve().parent
 WORKER_MODULE = f"{HARNESS}.worker"
 
 #: The public names of the single-module harness (every top-level name without a leading
@@ -38,54 +36,6 @@ PUBLIC_NAMES = {
     "lane_unavailable", "launched_externally", "log", "outer_deadline", "resolve_outcomes",
     "skip_rank", "startup_environ", "traceback_text",
 }
-
-#: What each module of the folder may import from the package (docs/harness.md: the rank side
-#: and the parent side share only ``protocol``; the pool starts the worker by its module name).
-#: The base modules (settings and the stdlib-only helpers) are allowed everywhere.
-BASE = {f"{PACKAGE}._compat", f"{PACKAGE}.settings", f"{PACKAGE}.sizes", f"{PACKAGE}._files"}
-ALLOWED = {
-    "protocol": set(),
-    "interrupts": set(),
-    "clean_state": {"protocol"},
-    "worker": {"protocol", "clean_state"},
-    "outcomes": {"protocol"},
-    "pool": {"protocol", "outcomes"},
-    "launcher": {"protocol", "outcomes", "worker", "interrupts"},
-}
-
-
-def package_imports(source: str) -> set[str]:
-    """Every ``fsdp_conformance`` module ``source`` imports, at any depth (function bodies too).
-
-    ``from fsdp_conformance.harness import protocol`` counts as the submodule; ``from
-    fsdp_conformance.harness import Ranks`` as the package ``fsdp_conformance.harness`` itself,
-    whose ``__init__`` imports the whole folder.
-    """
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] != PACKAGE:
-                continue
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                relative = Path(*sub.split(".")[1:])
-                is_module = (HARNESS_DIR.parent / relative).with_suffix(".py").is_file() or (
-                    HARNESS_DIR.parent / relative / "__init__.py").is_file()
-                found.add(sub if is_module else node.module)
-    return found
-
-
-def broken_rules(module: str, source: str) -> list[str]:
-    """The imports of ``harness/<module>.py`` (given as ``source``) that its rule forbids."""
-    imported = package_imports(source)
-    if module in ALLOWED:
-        allowed = {f"{HARNESS}.{m}" for m in ALLOWED[module]}
-    else:  # ranks, __init__: the whole folder
-        allowed = {HARNESS} | {f"{HARNESS}.{p.stem}" for p in HARNESS_DIR.glob("*.py")}
-    return sorted(imported - allowed - BASE)
-
 
 def test_public_names_are_the_single_modules() -> None:
     assert set(harness.__all__) == PUBLIC_NAMES
@@ -105,27 +55,6 @@ def test_the_logger_keeps_its_name() -> None:
 
     assert pool.log is harness.log
     assert harness.log.name == HARNESS  # users configure it by this name
-
-
-@pytest.mark.parametrize("module", sorted(p.stem for p in HARNESS_DIR.glob("*.py")))
-def test_each_harness_module_imports_only_what_its_layer_allows(module: str) -> None:
-    source = (HARNESS_DIR / f"{module}.py").read_text(encoding="utf-8")
-    assert broken_rules(module, source) == [], (
-        f"harness/{module}.py imports beyond its rule {sorted(ALLOWED.get(module, ['*']))}")
-
-
-def test_the_import_rule_catches_a_worker_reaching_for_the_parent_side() -> None:
-    # Negative control: the old back-and-forth, written into the worker, is caught, also when
-    # the import hides in a function body.
-    source = (HARNESS_DIR / "worker.py").read_text(encoding="utf-8") + textwrap.dedent("""
-        def _sneak():
-            from fsdp_conformance.harness.pool import RankPool
-            from fsdp_conformance.harness import Ranks
-            import fsdp_conformance.memory
-            return RankPool, Ranks
-        """)
-    assert broken_rules("worker", source) == [
-        HARNESS, f"{HARNESS}.pool", f"{PACKAGE}.memory"]
 
 
 def _how_this_rank_started(ctx: RankContext) -> dict[str, object]:
