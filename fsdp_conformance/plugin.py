@@ -281,9 +281,7 @@ def ranks(
     rank_pools: PoolManager,
 ) -> Ranks:
     """Runs checks on ``world_size`` ranks of this test's lane: ``ranks.run(check, ...)``."""
-    unavailable = lane_unavailable(lane, world_size)
-    if unavailable:
-        pytest.skip(unavailable)
+    # Whether the lane can run here was decided for this test by pytest_runtest_setup.
     launcher = None
     if launched_externally():
         launcher = request.config.stash.get(LAUNCHER_KEY, None)

@@ -174,6 +174,15 @@ class Option:
         return "--fsdp-" + self.name.replace("_", "-")
 
     @property
+    def cli_flag(self) -> str:
+        """The flag of ``fsdp-conformance run`` (which accepts :attr:`flag` too)."""
+        return "--" + self.name.replace("_", "-")
+
+    def flag_in(self, flag_style: FlagStyle) -> str:
+        """The flag as the front end in use spells it, for a message that names it."""
+        return self.flag if flag_style == "pytest" else self.cli_flag
+
+    @property
     def env(self) -> str:
         return "FSDP_CONFORMANCE_" + self.name.upper()
 
@@ -340,8 +349,7 @@ FlagStyle = Literal["pytest", "cli"]
 
 
 def _flag(name: str, flag_style: FlagStyle) -> str:
-    prefix = "--fsdp-" if flag_style == "pytest" else "--"
-    return prefix + name.replace("_", "-")
+    return OPTIONS_BY_NAME[name].flag_in(flag_style)
 
 
 def _check_model_options(settings: Settings, flag_style: FlagStyle) -> None:

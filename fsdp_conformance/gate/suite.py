@@ -15,9 +15,9 @@ from typing import Any, TextIO
 from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.report import build_report, check_entry
-from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks, lane_unavailable
+from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks
 from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.settings import Settings, SettingsError
+from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
 from fsdp_conformance.user_model import user_spec
 
 
@@ -95,12 +95,15 @@ def run_suite(
     checks: Sequence[Check] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
     launcher: LauncherRunner | None = None,
+    flag_style: FlagStyle = "cli",
 ) -> dict[str, Any]:
     """Run the selected checks on every lane and world size; return the report (plain data).
 
     With ``launcher`` (under torchrun/srun) every check runs in this process on the launch's
     process group and every rank's outcome is all-gathered, so every rank builds the same
-    report; otherwise on warm rank pools started here.
+    report; otherwise on warm rank pools started here. A lane this machine cannot run is
+    reported skipped, with the reason (:meth:`Ranks.run_outcomes` decides it), its flags
+    spelled as ``flag_style``'s front end does.
     """
     spec = user_spec(settings)
     selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern)
@@ -119,13 +122,9 @@ def run_suite(
         for lane, ws, check, params in plan:
             variant = variant_of(params)
             progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
-            unavailable = lane_unavailable(lane, ws)
-            if unavailable:
-                run = CheckRun(check.name, "skipped", None, unavailable, 0.0)
-            else:
-                ranks = Ranks(manager, ws, lane=lane, backend=settings.backend_for(lane),
-                              timeout=settings.timeout, launcher=launcher)
-                run = execute(ranks, check, **params)
+            ranks = Ranks(manager, ws, lane=lane, backend=settings.backend_for(lane),
+                          timeout=settings.timeout, launcher=launcher, flag_style=flag_style)
+            run = execute(ranks, check, **params)
             progress.finish(run)
             verdict = run.verdict
             entry = check_entry(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,9 +11,17 @@ from fsdp_conformance.harness.launcher import LauncherRunner
 from fsdp_conformance.harness.outcomes import HarnessError, resolve_outcomes
 from fsdp_conformance.harness.pool import PoolManager
 from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome, function_name
+from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle
 
 
+@functools.cache
 def cuda_device_count() -> int:
+    """The CUDA devices this process sees, asked of torch once per process.
+
+    Every lane decision of every check reads it, and each torch query may initialize CUDA;
+    the devices do not change under a running process. ``cuda_device_count.cache_clear()``
+    asks again (tests that fake the devices).
+    """
     try:
         import torch
 
@@ -21,8 +30,14 @@ def cuda_device_count() -> int:
         return 0
 
 
-def lane_unavailable(lane: str, world_size: int) -> str | None:
-    """Why this lane cannot run at this world size here, or None when it can."""
+def lane_unavailable(lane: str, world_size: int, flag_style: FlagStyle = "pytest") -> str | None:
+    """Why this lane cannot run at this world size here, or None when it can.
+
+    The one decision: the plugin's ``pytest_runtest_setup`` asks it for every test (before any
+    fixture), :meth:`Ranks.run_outcomes` for every check run outside pytest's parametrization
+    (``fsdp-conformance run``, a ``Ranks`` built by hand or reconfigured); the others use their
+    answer. ``flag_style`` spells the world-size flag as the front end in use does.
+    """
     if lane != "gpu":
         return None
     found = cuda_device_count()
@@ -32,7 +47,8 @@ def lane_unavailable(lane: str, world_size: int) -> str | None:
         return (
             f"gpu lane: world size {world_size} needs {world_size} CUDA devices, found {found} "
             f"(one rank per device); run it on a machine with {world_size} GPUs (tests without "
-            f"a world_size marker follow --fsdp-world-sizes, e.g. {found})"
+            f"a world_size marker follow {OPTIONS_BY_NAME['world_sizes'].flag_in(flag_style)}, "
+            f"e.g. {found})"
         )
     return None
 
@@ -62,6 +78,8 @@ class Ranks:
     deadline: float | None = None
     #: What the deadline is, for that failure ("this test's pytest-timeout of 6s ...").
     deadline_note: str = ""
+    #: The front end in use, whose flags a message names (``cli``: ``fsdp-conformance run``).
+    flag_style: FlagStyle = "pytest"
 
     @property
     def device_type(self) -> str:
@@ -71,7 +89,7 @@ class Ranks:
         return dataclasses.replace(self, **changes)
 
     def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
-        unavailable = lane_unavailable(self.lane, self.world_size)
+        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style)
         if unavailable:
             raise CheckSkipped(unavailable)
         if self.launcher is not None:
