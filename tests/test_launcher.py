@@ -230,6 +230,82 @@ def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() ->
     assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
 
 
+def _interrupted_check(ctx: RankContext) -> None:
+    import torch
+
+    torch.set_default_dtype(torch.float64)  # state the harness must put back on the way out
+    raise KeyboardInterrupt
+
+
+def _bare_launcher() -> LauncherRunner:
+    """A one-rank LauncherRunner without a process group: enough for a check that never
+    reaches the outcome all-gather."""
+    runner = LauncherRunner.__new__(LauncherRunner)
+    runner.rank, runner.world_size, runner.local_rank = 0, 1, 0
+    runner.backend, runner.device_type = "gloo", "cpu"
+    runner.ctx = RankContext(0, 1, 0, "gloo", "cpu")
+    return runner
+
+
+def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_back() -> None:
+    import torch
+
+    from fsdp_conformance.harness.worker import execute_check
+
+    before = torch.get_default_dtype()
+    with pytest.raises(KeyboardInterrupt):
+        _bare_launcher().run_outcomes(_interrupted_check, (), {})
+    assert torch.get_default_dtype() == before
+    # The control: in a pool worker (SIGINT ignored there; the parent handles Ctrl-C) the same
+    # KeyboardInterrupt is something the check raised, reported as that rank's error.
+    status, _, detail, _ = execute_check(_interrupted_check, _bare_launcher().ctx, (), {})
+    assert status == "error" and "KeyboardInterrupt" in detail
+    assert torch.get_default_dtype() == before
+
+
+CTRL_C_SESSION = """
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def _ctrl_c(ctx):
+    os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends every rank on Ctrl-C
+    time.sleep(30)
+
+
+def test_interrupted(ranks):
+    ranks.run(_ctrl_c)
+
+
+def test_after(ranks):
+    Path(f"after_rank{os.environ['RANK']}").write_text("ran")
+"""
+
+
+def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) -> None:
+    # The checks run in each rank's own pytest behind execute_check's catch-all: Ctrl-C must
+    # end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test and
+    # go on to the next.
+    (tmp_path / "test_ctrl_c.py").write_text(CTRL_C_SESSION)
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_ctrl_c.py"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=LAUNCH_LIMIT_S, check=False)
+    told = done.stdout + done.stderr
+    assert not sorted(p.name for p in tmp_path.glob("after_rank*")), told
+    # pytest's banner for an interrupted session (torchrun may SIGTERM the other rank while it
+    # tears down, so one banner is what is certain)
+    assert "!!! KeyboardInterrupt !!!" in told, told
+    assert "RankFailure" not in told, told
+    assert done.returncode != 0, told
+
+
 def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
     # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
     # period. A check runs in the rank's own process here, behind execute_check's catch-all:

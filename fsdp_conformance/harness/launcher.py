@@ -91,10 +91,13 @@ class LauncherRunner:
         from fsdp_conformance.harness import interrupts
         from fsdp_conformance.harness.worker import execute_check
 
-        status, value, detail, caught = execute_check(fn, self.ctx, args, kwargs)
+        # Ctrl-C during the check stops the session here (every rank got it from the terminal
+        # or from torchrun), not as this rank's error followed by the next check.
+        status, value, detail, caught = execute_check(
+            fn, self.ctx, args, kwargs, reraise_interrupts=True)
         interrupted = interrupts.pending()
         if interrupted is not None:
-            raise interrupted  # SIGINT/SIGTERM during the check: stop here, not at the next
+            raise interrupted  # an interrupt the check itself swallowed: stop, not at the next
         mine = RankOutcome(self.rank, status, value, detail, tuple(caught))
         try:
             pickle.dumps(mine)
