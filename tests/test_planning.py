@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch_probe import probe
@@ -43,7 +44,13 @@ from fsdp_conformance.plan.estimate import (
     devices_needed,
     plan_model,
 )
-from fsdp_conformance.plan.model import POLICIES, ModelChoice, PlanSettings, choose_model
+from fsdp_conformance.plan.model import (
+    POLICIES,
+    ModelChoice,
+    PlanSettings,
+    build_meta_model,
+    choose_model,
+)
 from fsdp_conformance.plan.report import (
     _nested_note,
     format_comparison,
@@ -60,8 +67,14 @@ def llama70b() -> ModelChoice:
 
 
 @pytest.fixture(scope="module")
-def plan70(llama70b: ModelChoice) -> ModelPlan:
-    return plan_model(llama70b, PlanSettings())
+def meta70(llama70b: ModelChoice) -> Any:
+    """One meta build of the 70B preset for every plan here (plan_model leaves it as it was)."""
+    return build_meta_model(llama70b)
+
+
+@pytest.fixture(scope="module")
+def plan70(llama70b: ModelChoice, meta70: Any) -> ModelPlan:
+    return plan_model(llama70b, PlanSettings(), meta70)
 
 
 # ------------------------------------------------------------------------------------------
@@ -110,10 +123,10 @@ def test_sharded_state_shrinks_with_world_size_and_the_rest_does_not(
 
 
 def test_monolithic_70b_never_fits_80gb_because_its_one_unit_alone_is_too_big(
-    llama70b: ModelChoice,
+    llama70b: ModelChoice, meta70: Any,
 ) -> None:
     # Negative control for "devices needed": the seeds' "monolithic FSDP ... OOM" at scale.
-    plan = plan_model(llama70b, PlanSettings(policy="monolithic", seq_len=512))
+    plan = plan_model(llama70b, PlanSettings(policy="monolithic", seq_len=512), meta70)
     for w in (8, 64):
         assert plan.estimate(w).total > 80 * GB
     need = devices_needed(plan, 80 * GB)
@@ -123,9 +136,9 @@ def test_monolithic_70b_never_fits_80gb_because_its_one_unit_alone_is_too_big(
 
 
 def test_devices_needed_is_the_smallest_world_size_that_fits(
-    llama70b: ModelChoice,
+    llama70b: ModelChoice, meta70: Any,
 ) -> None:
-    plan = plan_model(llama70b, PlanSettings(seq_len=512))
+    plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
     need = devices_needed(plan, 80 * GB)
     w = need.world_size
     assert w is not None and w > 1
@@ -166,14 +179,14 @@ def test_the_seeds_claim_as_numbers_and_the_policies_side_by_side(
 
 
 def test_plan_tree_collapses_identical_blocks_and_keeps_the_nesting(
-    llama70b: ModelChoice, plan70: ModelPlan,
+    llama70b: ModelChoice, plan70: ModelPlan, meta70: Any,
 ) -> None:
     tree = format_plan_tree(plan70, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree
     assert "1.71 GB each" in tree  # one block gathered in bf16
     full = format_plan_tree(plan70, 1024, collapse=False)
     assert "layers.79  LlamaBlock" in full and len(full.splitlines()) == 84
-    seeds = plan_model(llama70b, PlanSettings(policy="seeds", seq_len=16))
+    seeds = plan_model(llama70b, PlanSettings(policy="seeds", seq_len=16), meta70)
     tree = format_plan_tree(seeds, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree and "│   ├── wq  Linear" in tree
     report = plan_report(seeds, 1024, [80 * GB])
