@@ -486,11 +486,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from fsdp_conformance.gate.report import ReportError
-    from fsdp_conformance.models import ModelSpecError
-    from fsdp_conformance.policies import PolicyError
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The exceptions :func:`main` prints as one line with exit 2.
 
+    ``models`` and ``policies`` import torch (about 2 s): their errors are named only once a
+    command has loaded them (none can be raised before), so that ``--help``, a bad flag and
+    ``compare`` stay as light as the parser. Called in the ``except`` clause, i.e. only when
+    an exception reaches it.
+    """
+    from fsdp_conformance.gate.report import ReportError
+
+    errors: list[type[Exception]] = [UsageError, SettingsError, ReportError]
+    for module, name in (("fsdp_conformance.models", "ModelSpecError"),
+                         ("fsdp_conformance.policies", "PolicyError")):
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            errors.append(getattr(loaded, name))
+    return tuple(errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -500,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     installed = interrupts.install()
     try:
         code = handlers[args.command](args)
-    except (UsageError, SettingsError, ModelSpecError, PolicyError, ReportError) as exc:
+    except _usage_errors() as exc:
         print(f"fsdp-conformance {args.command}: error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
     except KeyboardInterrupt as exc:

@@ -4,7 +4,11 @@ The real suite runs a few times only, narrowed with ``--checks``: once as a subp
 report, the table, progress, exit 0), once in process with an injected failing check (exit 1),
 once on a user model whose forward breaks (exit 1). Every bad input is checked through
 ``main(argv)`` in process (``run --list`` validates the model without running a check), and
-the pytest front end (``--fsdp-model``) through ``pytester`` subprocesses.
+the pytest front end (``--fsdp-model``) through ``pytester`` sessions in process.
+
+The in-process runs borrow the session's warm rank pools (:func:`warm_pools`) instead of each
+starting and closing its own (two ranks importing torch: seconds each); the subprocess run
+starts and closes its own, as a user's run does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fsdp_conformance import cli, user_model
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
+from fsdp_conformance.harness import PoolManager
 from fsdp_conformance.settings import OPTIONS, Settings
 
 pytestmark = pytest.mark.cpu
@@ -111,6 +116,27 @@ def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         mp.syspath_prepend(str(directory))
         yield directory
     sys.modules.pop(USER_MODULE, None)
+
+
+class _BorrowedPools:
+    """The session's pool manager, lent to an in-process run: its close leaves the pools warm
+    (the session closes them); everything else is the session manager's own."""
+
+    def __init__(self, manager: PoolManager) -> None:
+        self._manager = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def close(self, force: bool = False) -> None:
+        pass
+
+
+@pytest.fixture
+def warm_pools(rank_pools: PoolManager, monkeypatch: pytest.MonkeyPatch) -> PoolManager:
+    """In-process runs (``run_suite``, ``main(["run", ...])``) run on the session's warm pools."""
+    monkeypatch.setattr(suite, "PoolManager", lambda: _BorrowedPools(rank_pools))
+    return rank_pools
 
 
 def run_cli(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None
@@ -259,7 +285,9 @@ FAILING = Check("test.wrong", "wrap", "every rank reports the expected value", _
                 _verdict_expected, params={"value": 1, "expected": 2}, lanes=("cpu",))
 
 
-def test_run_suite_reports_a_failing_check_as_failed_with_progress() -> None:
+def test_run_suite_reports_a_failing_check_as_failed_with_progress(
+    warm_pools: PoolManager,
+) -> None:
     stream = io.StringIO()
     report = suite.run_suite(Settings(), ["cpu"], checks=[PASSING, FAILING], stream=stream)
     assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 0, "error": 0}
@@ -273,7 +301,8 @@ def test_run_suite_reports_a_failing_check_as_failed_with_progress() -> None:
 
 
 def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    warm_pools: PoolManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING, FAILING])
     code, out, err = main(["run", "--out", str(tmp_path)], capsys)
@@ -320,7 +349,7 @@ PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
 
 
 def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A real run of the memory timeline checks: the PNG, one panel per FSDP version, linked."""
     out_dir = tmp_path / "out"
@@ -343,7 +372,8 @@ def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
 
 
 def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    warm_pools: PoolManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [TIMELINE])
     step_summary = tmp_path / "step.md"
@@ -367,7 +397,8 @@ def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
 
 
 def test_run_without_a_timeline_writes_no_plot_and_the_summary_says_nothing_of_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    warm_pools: PoolManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
     code, out, err = main(["run", "--out", str(tmp_path)], capsys)
@@ -797,9 +828,14 @@ def test_compare_negative_thresholds_are_one_line_and_exit_2(
 
 @pytest.fixture
 def user_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """A project folder with the user's model module (importable by the inner session's ranks)."""
+    """A project folder with the user's model module (importable by the inner session's ranks).
+
+    The inner sessions run in this process (``runpytest_inprocess``: a fresh config, the plugin
+    loaded by its entry point): the folder goes on ``sys.path``, which the rank pools pass on.
+    """
     pytester.makepyfile(**{USER_MODULE: USER_MODEL})
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    pytester.syspathinsert()
     return pytester
 
 
@@ -821,7 +857,7 @@ def user_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
 def test_pytest_fsdp_model_bad_input_is_a_usage_error(
     user_project: pytest.Pytester, args: list[str], message: str
 ) -> None:
-    result = user_project.runpytest_subprocess("-m", "cpu", *args)
+    result = user_project.runpytest_inprocess("-m", "cpu", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert "Traceback" not in result.stderr.str()
@@ -833,7 +869,7 @@ def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
     # model from [tool.fsdp_conformance], block class from the command line: both sources at once
     user_project.makepyprojecttoml(
         f'[tool.fsdp_conformance]\nmodel = "{USER_MODULE}:build"\nworld_sizes = [2]\n')
-    result = user_project.runpytest_subprocess(
+    result = user_project.runpytest_inprocess(
         "-m", "cpu", "-k", "wrap.units", "-v", "-p", "no:cacheprovider",
         "--fsdp-block-cls", "Block")
     result.assert_outcomes(passed=6)
@@ -847,7 +883,7 @@ def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyprojecttoml("[tool.fsdp_conformance]\nworld_size = [2, 4]\n")
-    result = pytester.runpytest_subprocess("-m", "cpu")
+    result = pytester.runpytest_inprocess("-m", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         ("ERROR: unknown key(s) world_size in [[]tool.fsdp_conformance[]] of *pyproject.toml; "

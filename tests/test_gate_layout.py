@@ -6,41 +6,54 @@ compares reports on machines and in CI steps that need not load torch; the suite
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torch_probe import loads_torch, probe
 
 import fsdp_conformance
 
 pytestmark = pytest.mark.cpu
 
-#: A guard on the subprocess (not a timing assertion): importing the modules takes a second.
-SUBPROCESS_LIMIT_S = 120
 #: Each flat module of the old layout and the gate module that holds it now.
 GATE_HOMES = {"reports": "report", "suite": "suite", "plots": "plots"}
 
 
-def _loads_torch(*modules: str) -> bool:
-    """Whether importing ``modules`` in a fresh interpreter loads torch."""
-    code = ("import importlib, sys\n"
-            f"for name in {list(modules)!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print('torch' in sys.modules)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=SUBPROCESS_LIMIT_S, check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip() == "True"
-
-
 def test_compare_and_report_import_without_torch() -> None:
-    assert not _loads_torch("fsdp_conformance.cli", "fsdp_conformance.gate.report",
-                            "fsdp_conformance.gate.compare")
+    assert not loads_torch("fsdp_conformance.cli", "fsdp_conformance.gate.report",
+                           "fsdp_conformance.gate.compare")
     # the control: the probe sees torch where a module does load it (the suite run does)
-    assert _loads_torch("fsdp_conformance.gate.suite")
+    assert loads_torch("fsdp_conformance.gate.suite")
+
+
+def test_help_a_bad_flag_and_compare_run_through_main_without_torch(tmp_path: Path) -> None:
+    # main() itself, not only the import: its error handling once imported the model and
+    # policy modules (torch) up front, so `compare` and `--help` paid about 2 s for nothing.
+    from fsdp_conformance.gate.report import build_report, write_json_report
+    from fsdp_conformance.settings import Settings
+
+    write_json_report(str(tmp_path / "r.json"), build_report([], Settings(), 0.0))
+    code = ("import contextlib, io\n"
+            "from fsdp_conformance import cli\n"
+            "def call(*argv):\n"
+            "    out = io.StringIO()\n"
+            "    try:\n"
+            "        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
+            "            code = cli.main(list(argv))\n"
+            "    except SystemExit as exc:\n"
+            "        code = exc.code\n"
+            "    except ImportError:\n"
+            "        if not attempts:\n"
+            "            raise\n"
+            "        code = 'torch'\n"
+            "    print(code, bool(attempts))\n"
+            "call('--help')\n"
+            "call('run', '--bogus')\n"
+            "call('compare', 'r.json', 'missing.json')\n"  # a bad report: exit 2
+            "call('compare', 'r.json', 'r.json')\n"  # no check in common: exit 2
+            "call('run', '--list')\n")  # the control: the suite's checks do load torch
+    assert probe(code, cwd=tmp_path).splitlines() == [
+        "0 False", "2 False", "2 False", "2 False", "torch True"]
 
 
 @pytest.mark.parametrize("old", ["reports", "suite", "plots"])

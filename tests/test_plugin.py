@@ -1,5 +1,11 @@
 """The pytest plugin, end to end: each test runs a separate pytest session (``pytester``) that
-loads the plugin through its ``pytest11`` entry point, and asserts on its outcome and output."""
+loads the plugin through its ``pytest11`` entry point, and asserts on its outcome and output.
+
+The sessions run in this process (``runpytest_inprocess``: a fresh config and plugin manager,
+the entry point loaded as in any session), except where the test is about a fresh process:
+there a subprocess would cost a second or two of importing torch for nothing. One session
+(the markers) runs as a subprocess: the plugin reaches a new interpreter by its entry point.
+"""
 
 from __future__ import annotations
 
@@ -60,14 +66,14 @@ def test_markers_are_registered_and_listed(pytester: pytest.Pytester) -> None:
 
 def test_unmarked_test_is_in_the_cpu_lane(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_lanes=LANES)
-    result = pytester.runpytest_subprocess("-m", "cpu", "-rA")
+    result = pytester.runpytest_inprocess("-m", "cpu", "-rA")
     result.assert_outcomes(passed=1, deselected=2)
     result.stdout.fnmatch_lines(["PASSED test_lanes.py::test_unmarked"])
 
 
 def test_every_test_carries_a_lane_marker(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_lanes=LANES)
-    result = pytester.runpytest_subprocess("-m", "not cpu and not gpu")
+    result = pytester.runpytest_inprocess("-m", "not cpu and not gpu")
     result.assert_outcomes(deselected=3)
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
 
@@ -77,7 +83,7 @@ def test_gpu_lane_on_a_cpu_machine_skips_with_the_reason_and_exits_0(
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(test_lanes=LANES)
-    result = pytester.runpytest_subprocess("-m", "gpu", "-rA")
+    result = pytester.runpytest_inprocess("-m", "gpu", "-rA")
     result.assert_outcomes(skipped=2, deselected=1)
     result.stdout.fnmatch_lines(
         ["SKIPPED [[]2[]] *gpu lane: no CUDA device (torch.cuda.is_available() is False)"]
@@ -90,7 +96,7 @@ def test_bad_setting_from_the_environment_is_a_usage_error_naming_the_variable(
 ) -> None:
     pytester.makepyfile(test_lanes=LANES)
     monkeypatch.setenv("FSDP_CONFORMANCE_WORLD_SIZES", "x")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
@@ -106,7 +112,7 @@ def test_bad_setting_from_the_environment_is_a_usage_error_naming_the_variable(
 def test_bad_setting_on_the_command_line_is_a_usage_error_naming_the_flag(
     pytester: pytest.Pytester,
 ) -> None:
-    result = pytester.runpytest_subprocess("--fsdp-timeout=-1")
+    result = pytester.runpytest_inprocess("--fsdp-timeout=-1")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: invalid timeout '-1' from command line --fsdp-timeout*"])
 
@@ -116,7 +122,7 @@ def test_report_header_shows_torch_version_and_world_sizes(
 ) -> None:
     pytester.makepyfile(test_lanes=LANES)
     monkeypatch.setenv("FSDP_CONFORMANCE_WORLD_SIZES", "2,4")
-    result = pytester.runpytest_subprocess("--co")
+    result = pytester.runpytest_inprocess("--co")
     torch_version = importlib.metadata.version("torch")
     result.stdout.fnmatch_lines(
         [f"fsdp-conformance: torch {torch_version} (*), *world sizes 2,4, *ranks: warm pool*"]
@@ -157,7 +163,7 @@ def test_world_size_marker_parametrizes_and_ranks_tests_get_an_outer_timeout(
 ) -> None:
     pytester.makepyfile(test_sizes=WORLD_SIZES)
     pytester.makeconftest(PRINT_TIMEOUTS)
-    result = pytester.runpytest_subprocess("--co", "-q", "-s", "--fsdp-timeout=10")
+    result = pytester.runpytest_inprocess("--co", "-q", "-s", "--fsdp-timeout=10")
     for line in [
         "test_sizes.py::test_marked[[]ws1[]]",
         "test_sizes.py::test_marked[[]ws3[]]",
@@ -181,7 +187,7 @@ def test_bad_world_size_marker_names_the_test_and_the_fix(pytester: pytest.Pytes
             pass
         """
     )
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(
         [
@@ -202,7 +208,7 @@ def test_world_size_over_the_machine_limit_is_a_usage_error_before_any_rank_star
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(test_sizes=WORLD_SIZES)
-    result = pytester.runpytest_subprocess("--fsdp-world-sizes=2,100000", "-p", "no:randomly")
+    result = pytester.runpytest_inprocess("--fsdp-world-sizes=2,100000", "-p", "no:randomly")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
@@ -226,7 +232,7 @@ def test_world_size_marker_over_the_limit_names_the_test(pytester: pytest.Pytest
             pass
         """
     )
-    result = pytester.runpytest_subprocess("--fsdp-max-world-size=64")
+    result = pytester.runpytest_inprocess("--fsdp-max-world-size=64")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(
         [
@@ -249,7 +255,7 @@ def test_a_users_timeout_is_respected_and_checks_fit_inside_it(
     pytester.makepyfile(test_sizes=WORLD_SIZES, test_note=PRINT_DEADLINE)
     pytester.makeconftest(PRINT_TIMEOUTS)
     # The user's --timeout stands: the plugin adds no outer marker over it...
-    result = pytester.runpytest_subprocess("-s", "-m", "cpu", "--timeout=30", "--fsdp-timeout=10")
+    result = pytester.runpytest_inprocess("-s", "-m", "cpu", "--timeout=30", "--fsdp-timeout=10")
     result.stdout.fnmatch_lines(["TIMEOUT test_uses_ranks[[]ws2-cpu[]]: None"])
     # ...and the checks' deadline is taken from it (no rank starts: no check runs here).
     result.stdout.fnmatch_lines(
@@ -263,7 +269,7 @@ def test_without_a_users_timeout_checks_fit_inside_the_outer_guard(
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(test_note=PRINT_DEADLINE)
-    result = pytester.runpytest_subprocess("-s", "-m", "cpu", "--fsdp-timeout=10")
+    result = pytester.runpytest_inprocess("-s", "-m", "cpu", "--fsdp-timeout=10")
     result.stdout.fnmatch_lines(
         ["*NOTE this test's pytest-timeout of 110s (the plugin's outer guard), less 5s for the "
          "stack dump and teardown"]
