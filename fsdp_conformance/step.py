@@ -168,7 +168,7 @@ def train_step(
 ) -> None:
     """One step: forward, the mean-square loss, backward, and the optimizer when given."""
     loss = default_loss(model(batch))
-    loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward has no annotations
+    loss.backward()
     if optimizer is not None:
         optimizer.step()
 

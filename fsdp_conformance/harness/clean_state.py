@@ -175,9 +175,7 @@ class _ProcessState:
         self.flags = [(name, get()) for name, get, _ in _torch_flags()]
         self.group = _default_group()
         self.cuda_device = (torch.cuda.current_device()
-                            if torch.cuda.is_available()
-                            and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-                            else None)
+                            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def restore(self) -> list[str]:
         # Interpreter state first, then process-wide settings, then torch's; what cannot be
