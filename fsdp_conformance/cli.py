@@ -233,6 +233,7 @@ def lanes_for(choice: str) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fsdp_conformance import user_model
+    from fsdp_conformance.claims import all_checks
     from fsdp_conformance.gate import suite
     from fsdp_conformance.gate.report import environment_summary
 
@@ -241,7 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = user_model.user_spec(settings)
     if spec is not None:
         user_model.validate_user_model(spec, lanes, settings.world_sizes)
-    selected = suite.select_checks(suite.all_checks(), spec, args.checks)
+    selected = suite.select_checks(all_checks(), spec, args.checks)
     if not selected:
         # Before running anything: an empty report would pass any gate downstream.
         raise UsageError(f"no check matched --checks {args.checks!r}; see `fsdp-conformance run "
@@ -343,7 +344,7 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
             log.write(f"rank 0 writes the report: {json_path}\n")
             code = _exit_code(report)
         codes = all_gather_objects(code, launcher.device_type)
-        worst = max(codes)
+        worst: int = max(codes)
         ending = (f"exit {worst} (the worst of every rank's: "
                   + ", ".join(f"rank {r} {c}" for r, c in enumerate(codes)) + ")")
         if log is not None:

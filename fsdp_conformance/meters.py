@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
 from fsdp_conformance._compat import storage_key
 from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
@@ -55,7 +57,7 @@ class Meter:
 class TrackerMeter(Meter):
     """torch's ``MemTracker`` (any module) or ``FSDPMemTracker`` (FSDP2, with categories)."""
 
-    def __init__(self, tracker: Any, source: str, device: Any) -> None:
+    def __init__(self, tracker: Any, source: str, device: torch.device) -> None:
         super().__init__(source)
         self.tracker = tracker
         self.device = device
@@ -72,7 +74,8 @@ class TrackerMeter(Meter):
         return self._snapshot("current").get("Total", 0)
 
     def tracking(self) -> contextlib.AbstractContextManager[Any]:
-        return self.tracker
+        tracker: contextlib.AbstractContextManager[Any] = self.tracker
+        return tracker
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Meter]:
@@ -159,20 +162,16 @@ class CudaMeter(Meter):
     after a synchronize so that every queued allocation of the step has happened.
     """
 
-    def __init__(self, device: Any, baseline: int = 0) -> None:
+    def __init__(self, device: torch.device, baseline: int = 0) -> None:
         super().__init__("cuda")
         self.device = device
         self.baseline = baseline
 
     def current(self) -> int:
-        import torch
-
         return int(torch.cuda.memory_allocated(self.device)) - self.baseline
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Meter]:
-        import torch
-
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.start = self.current()
@@ -181,7 +180,7 @@ class CudaMeter(Meter):
         self.peak = int(torch.cuda.max_memory_allocated(self.device)) - self.baseline
 
 
-def cuda_baseline(device: Any) -> int:
+def cuda_baseline(device: torch.device) -> int:
     """Allocator bytes on ``device`` that belong to no model: read before a model is built.
 
     Collects garbage first (an earlier check's FSDP model can sit in reference cycles, its
@@ -191,7 +190,6 @@ def cuda_baseline(device: Any) -> int:
     """
     import gc
 
-    import torch
 
     gc.collect()
     with torch.random.fork_rng(devices=[device]):  # the check's own seeding stays untouched
@@ -203,7 +201,11 @@ def cuda_baseline(device: Any) -> int:
     return int(torch.cuda.memory_allocated(device))
 
 
-def tracker_meter(device: Any, model: Any = None, optimizer: Any = None) -> TrackerMeter | None:
+def tracker_meter(
+    device: torch.device,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> TrackerMeter | None:
     """torch's tracker behind our interface, or None when this torch moved it.
 
     With ``model`` given (an FSDP2 model), ``FSDPMemTracker`` for its per-category breakdown;
@@ -221,9 +223,12 @@ def tracker_meter(device: Any, model: Any = None, optimizer: Any = None) -> Trac
     return TrackerMeter(cls(), "MemTracker", device) if cls is not None else None
 
 
-def resident_tensor_bytes(model: Any, optimizer: Any = None, extra: Sequence[Any] = ()) -> int:
+def resident_tensor_bytes(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Sequence[Any] = (),
+) -> int:
     """Bytes of the tensors a step starts with: local parameter shards, grads, state, buffers."""
-    import torch
 
     seen: set[int] = set()
     total = 0
@@ -256,7 +261,9 @@ def resident_tensor_bytes(model: Any, optimizer: Any = None, extra: Sequence[Any
 METERS = ("auto", "tracker", "os", "cuda", "none")
 
 
-def meter_data(m: Meter, model: Any, opt: Any, batch: Any) -> dict[str, Any]:
+def meter_data(
+    m: Meter, model: torch.nn.Module, opt: torch.optim.Optimizer | None, batch: Any
+) -> dict[str, Any]:
     end = resident_tensor_bytes(model, opt, [batch]) if m.source in ("os", "none") else m.current()
     return {"source": m.source, "start": m.start, "peak": m.peak, "end": end,
             "breakdown": dict(getattr(m, "breakdown", {}))}
@@ -273,7 +280,8 @@ class _NoMeter(Meter):
         yield self
 
 
-def make_meter(name: str, ctx: RankContext, model: Any, opt: Any, batch: Any,
+def make_meter(name: str, ctx: RankContext, model: torch.nn.Module,
+               opt: torch.optim.Optimizer | None, batch: Any,
                 construction: TrackerMeter | None, cuda_base: int = 0) -> Meter:
     if name == "MemTracker":
         return construction or tracker_meter(ctx.device)  # type: ignore[return-value]
@@ -320,8 +328,6 @@ def choose_meter(ctx: RankContext, meter: str, version: str) -> str:
 
 
 def torch_version_string() -> str:
-    import torch
-
     return str(torch.__version__)
 
 
@@ -338,7 +344,6 @@ def host_or_cuda_peak(ctx: RankContext) -> Iterator[dict[str, Any]]:
     """
     meter: Meter
     if ctx.device_type == "cuda":
-        import torch
 
         meter = CudaMeter(ctx.device, baseline=int(torch.cuda.memory_allocated(ctx.device)))
         label = "cuda allocator"

@@ -100,7 +100,8 @@ class _AttnThenMLP(nn.Module):
     mlp: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
+        out: torch.Tensor = self.mlp(self.attn(x))
+        return out
 
 
 class _EmbedLayersHead(nn.Module):
@@ -111,7 +112,8 @@ class _EmbedLayersHead(nn.Module):
     head: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(_run(self.layers, self.embed(x)))
+        out: torch.Tensor = self.head(_run(self.layers, self.embed(x)))
+        return out
 
     def _linear_stack(self, config: ModelConfig, block: Callable[[int, int], nn.Module]) -> None:
         """The seeds' layout: ``embed`` (dim x dim), ``layers`` of ``block``, ``head``."""
@@ -160,7 +162,8 @@ class EmbeddingClassifier(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         x = _run(self.layers, x)
-        return self.classifier(x.mean(dim=1))
+        out: torch.Tensor = self.classifier(x.mean(dim=1))
+        return out
 
 
 class EncoderLayer(nn.Module):
@@ -174,7 +177,8 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm(x))
-        return x + self.mlp(x)
+        out: torch.Tensor = x + self.mlp(x)
+        return out
 
 
 class EncoderDecoder(nn.Module):
@@ -193,7 +197,8 @@ class EncoderDecoder(nn.Module):
         x = _run(self.encoder, x)
         x = self.bridge(x)
         x = _run(self.decoder, x)
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 class TiedLM(_EmbedLayersHead):
@@ -223,7 +228,8 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Linear(rank, dim_out, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(x))
+        out: torch.Tensor = self.base(x) + self.lora_b(self.lora_a(x))
+        return out
 
 
 class LoRADecoderLayer(_AttnThenMLP):
@@ -369,7 +375,8 @@ class LlamaBlock(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, s, -1))
         h = self.mlp_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        out: torch.Tensor = x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -385,7 +392,8 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         x = _run(self.layers, x)
-        return self.output(self.norm(x))
+        out: torch.Tensor = self.output(self.norm(x))
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,7 +455,8 @@ def default_loss(output: Any) -> torch.Tensor:
         output = output[0]
     if isinstance(output, Mapping):
         output = next(iter(output.values()))
-    return output.float().pow(2).mean()
+    out: torch.Tensor = output.float().pow(2).mean()
+    return out
 
 
 def make_batch(model: nn.Module, batch_size: int = 2, seq_len: int = 8,

@@ -251,7 +251,7 @@ WRAPPINGS: Mapping[WrappingName, Wrapping] = {
 
 def wrapping(label: str) -> Wrapping:
     """The :class:`Wrapping` of a label of :data:`WRAPPINGS`; unknown: :class:`PolicyError`."""
-    found = WRAPPINGS.get(label)  # type: ignore[call-overload]
+    found: Wrapping | None = WRAPPINGS.get(label)  # type: ignore[call-overload]
     if found is None:
         raise PolicyError(f"unknown wrapping {label!r}; choose one of {', '.join(WRAPPINGS)}")
     return found

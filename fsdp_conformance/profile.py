@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from fsdp_conformance._compat import is_view, storage_key, torch_dispatch_mode_cls, tree_leaves
 from fsdp_conformance.bound import (
     BOUND_TOLERANCE,
@@ -21,7 +23,7 @@ from fsdp_conformance.policies import policy_for
 from fsdp_conformance.units import ROOT, UnitInfo
 
 
-def _unit_of(model: Any, units: Sequence[UnitInfo]) -> dict[int, str]:
+def _unit_of(model: torch.nn.Module, units: Sequence[UnitInfo]) -> dict[int, str]:
     """id(module) -> fqn of the unit that owns it (the closest enclosing unit module)."""
     fqns = {u.fqn for u in units}
     owner: dict[int, str] = {}
@@ -37,7 +39,7 @@ def _unit_of(model: Any, units: Sequence[UnitInfo]) -> dict[int, str]:
     return owner
 
 
-def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
+def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[UnitInfo],
                         loss_fn: Callable[[Any], Any] = default_loss) -> ActivationProfile:
     """Activation bytes per unit for one forward + loss, measured on a meta model and batch.
 
@@ -45,7 +47,6 @@ def profile_activations(model: Any, batch: Any, units: Sequence[UnitInfo],
     by storage; parameters are excluded (they are counted as parameters). Works on any device;
     on ``meta`` nothing is allocated, so it runs at full scale.
     """
-    import torch
     TorchDispatchMode = torch_dispatch_mode_cls()
 
     owner = _unit_of(model, units)

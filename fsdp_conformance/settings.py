@@ -410,7 +410,7 @@ def pyproject_settings(start: str) -> dict[str, Any]:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+        import tomli as tomllib  # type: ignore[no-redef,unused-ignore]
 
     directory = os.path.abspath(start)
     while True:

@@ -14,6 +14,9 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fsdp_conformance import policies
 from fsdp_conformance._compat import storage_key
 from fsdp_conformance.bound import MeasureError
@@ -56,8 +59,6 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
     scheduling. Yields counters (``calls``, ``waited``: calls that found the worker still
     holding on). CUDA: the caching allocator frees in stream order already; nothing changes.
     """
-    import torch
-    import torch.distributed as dist
 
     from fsdp_conformance import _compat
 
@@ -147,9 +148,7 @@ def _storage_key(ref: Any) -> int | None:
 # ============================================================================================
 
 
-def make_optimizer(model: Any, name: str | None) -> Any:
-    import torch
-
+def make_optimizer(model: torch.nn.Module, name: str | None) -> torch.optim.Optimizer | None:
     if name is None:
         return None
     params = [p for p in model.parameters() if p.requires_grad]
@@ -164,7 +163,9 @@ def make_optimizer(model: Any, name: str | None) -> Any:
     raise MeasureError(f"unknown optimizer {name!r}; choose one of sgd, momentum, adam, adamw")
 
 
-def train_step(model: Any, batch: Any, optimizer: Any = None) -> None:
+def train_step(
+    model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """One step: forward, the mean-square loss, backward, and the optimizer when given."""
     loss = default_loss(model(batch))
     loss.backward()
@@ -172,7 +173,7 @@ def train_step(model: Any, batch: Any, optimizer: Any = None) -> None:
         optimizer.step()
 
 
-def _zero_grad(model: Any, optimizer: Any) -> None:
+def _zero_grad(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     # set_to_none: the measured step starts with no gradients, as a fresh step would.
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -193,7 +194,6 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     cross-check). ``track_construction=False`` enters ``MemTracker`` only for the step, so it
     misses FSDP1's gather buffers: the meter check's negative control.
     """
-    import torch
 
     from fsdp_conformance.sharding import check_fsdp_version, reshard_kwargs, shard
     from fsdp_conformance.units import actual_units

@@ -7,6 +7,9 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
 from fsdp_conformance._compat import tree_leaves
 from fsdp_conformance.meters import Meter
 
@@ -28,9 +31,8 @@ class Timeline:
                 enumerate(self.events)]
 
 
-def _units_with_modules(model: Any) -> list[tuple[str, Any, Any]]:
+def _units_with_modules(model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
     """(fqn, outer, inner) per FSDP unit: FSDP1's wrapper and wrapped module; FSDP2's module."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from fsdp_conformance import _compat
     from fsdp_conformance.units import clean_fqn
@@ -46,9 +48,8 @@ def _units_with_modules(model: Any) -> list[tuple[str, Any, Any]]:
 
 
 @contextlib.contextmanager
-def record_timeline(model: Any, meter: Meter) -> Iterator[Timeline]:
+def record_timeline(model: torch.nn.Module, meter: Meter) -> Iterator[Timeline]:
     """Sample ``meter.current()`` at every unit's forward and backward hooks while inside."""
-    import torch
 
     timeline = Timeline()
     handles: list[Any] = []

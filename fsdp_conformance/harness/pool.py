@@ -340,7 +340,7 @@ class RankPool:
             if remaining <= 0:
                 break
             for conn in wait(list(pending), timeout=remaining):
-                r = pending.pop(conn)  # type: ignore[arg-type,call-overload]
+                r = pending.pop(conn)  # type: ignore[call-overload]
                 got = outcomes[r.rank] = self._receive(r, task_id)
                 if not got.ok and pending:
                     # A rank failed or skipped: the others may wait for it in a collective it
@@ -434,7 +434,7 @@ def close_all_pools() -> int:
 def _main_path() -> str | None:
     """The parent's ``__main__`` script, so checks defined in a script unpickle on the ranks."""
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
+    path: str | None = getattr(main, "__file__", None)
     if path and path.endswith(".py") and getattr(main, "__spec__", None) is None:
         return os.path.abspath(path)
     return None

@@ -167,6 +167,8 @@ def _attention(kind: str) -> Iterator[None]:
         yield
         return
 
+    fused = op  # narrowed to not-None for the class body below
+
     class FusedOnMeta(TorchFunctionMode):
         def __torch_function__(  # type: ignore[no-untyped-def]
             self, func, types, args=(), kwargs=None
@@ -177,7 +179,7 @@ def _attention(kind: str) -> Iterator[None]:
                 names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
                 kwargs.update(zip(names, rest))
                 if not kwargs.get("enable_gqa"):
-                    out = op(q, k, v, dropout_p=kwargs.get("dropout_p", 0.0),
+                    out = fused(q, k, v, dropout_p=kwargs.get("dropout_p", 0.0),
                              is_causal=kwargs.get("is_causal", False),
                              attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))
                     return out[0]
