@@ -31,7 +31,7 @@ def check(name: str) -> Check:
 
 
 def materialize_values(ranks: Ranks, **params: Any) -> list[Mapping[str, Any]]:
-    return ranks.run(init.materialize_rank, **{"spec": SPEC, **params})
+    return ranks.run(init.rank_materialize, **{"spec": SPEC, **params})
 
 
 # ------------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_same_seed_gives_bitwise_the_same_full_weights_on_any_world_size(ranks: 
     expected = init.reference_digest(SPEC, 0)  # computed here, in one CPU process
     for version in VERSIONS:
         values = materialize_values(ranks, version=version)
-        for verdict in (init.no_meta_verdict(values, {}), init.weights_verdict(values, {})):
+        for verdict in (init.verdict_no_meta(values, {}), init.verdict_weights(values, {})):
             assert verdict.passed, f"{version}: {verdict.message}"
         assert {v["digest"] for v in values} == {expected}, version
 
@@ -154,7 +154,7 @@ def test_ranks_seeded_differently_are_flagged_though_gathered_weights_agree(
         # same full weights...
         assert len({v["digest"] for v in values}) == 1
         # ...which are not the reference's, and rank 1's own shards are wrong.
-        verdict = init.weights_verdict(values, {})
+        verdict = init.verdict_weights(values, {})
         assert not verdict.passed
         assert "rank 1: local shards differ from the reference's slices" in verdict.message
         assert "gathered weights differ from the reference" in verdict.message
@@ -184,8 +184,8 @@ def test_naive_reset_parameters_on_a_cpu_mesh_is_flagged(ranks: Ranks) -> None:
 def test_tied_weights_survive_meta_init_on_both_versions(ranks: Ranks) -> None:
     tied = ModelSpec(reference="tied", config=ModelConfig(num_layers=2, dim=32))
     for version in VERSIONS:
-        values = ranks.run(init.materialize_rank, spec=tied, version=version)
-        verdict = init.weights_verdict(values, {})
+        values = ranks.run(init.rank_materialize, spec=tied, version=version)
+        verdict = init.verdict_weights(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
 
 
@@ -219,9 +219,9 @@ def test_seeds_materialization_fn_yields_one_line_findings(ranks: Ranks) -> None
 @pytest.mark.world_size(2)
 def test_seeds_fn_with_to_empty_passes_on_a_model_it_covers(ranks: Ranks) -> None:
     # MassiveModel has only Linear weights and biases: the check must not cry wolf.
-    values = ranks.run(init.materialize_rank, spec=MASSIVE, version="fsdp1",
+    values = ranks.run(init.rank_materialize, spec=MASSIVE, version="fsdp1",
                        method="seeds_to_empty")
-    verdict = init.no_meta_verdict(values, {})
+    verdict = init.verdict_no_meta(values, {})
     assert verdict.passed, verdict.message
 
 
@@ -248,7 +248,7 @@ def test_rank0_broadcast_reaches_every_rank(ranks: Ranks) -> None:
     for version in VERSIONS:
         name = f"init.broadcast_rank0.{version}"
         values = ranks.run(check(name).rank_fn, **{**check(name).params})
-        verdict = init.weights_verdict(values, {})
+        verdict = init.verdict_weights(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
         if version == "fsdp2":
             # set_model_state_dict(broadcast_from_rank0=True) mutates rank 0's dict (its
