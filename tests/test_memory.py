@@ -181,8 +181,8 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(ranks: R
     assert verdict.passed, verdict.message
     compare = verdict.data["compare"]
     assert compare["wrapping"] == "monolithic"
-    # The picture's data only: that monolithic exceeds the bound is verdict_peak_within_bound's to say
-    # (test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth).
+    # The picture's data only: that monolithic exceeds the bound is verdict_peak_within_bound's
+    # to say (test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth).
     assert compare["timeline"] and compare["peak"] > 0
 
 
@@ -364,7 +364,8 @@ def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path
 
 
 def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]:
-    """Rows as rank_depth_invariance returns them: sharded state 1 MB per layer, monolithic + 4 MB/layer."""
+    """Rows as rank_depth_invariance returns them: sharded state 1 MB per layer, monolithic
+    + 4 MB/layer."""
     rows = []
     for depth, per_layer in zip((2, 4, 8), per_layer_mb):
         sharded = BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)

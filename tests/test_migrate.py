@@ -17,7 +17,7 @@ import pytest
 from fsdp_conformance import cli
 from fsdp_conformance.claims import all_checks, init
 from fsdp_conformance.gate import suite
-from fsdp_conformance.gate.compare import compare_reports, comparability
+from fsdp_conformance.gate.compare import comparability, compare_reports
 from fsdp_conformance.gate.migrate import (
     CHECK_RENAMES,
     LEGACY_NAMES,

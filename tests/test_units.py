@@ -10,8 +10,8 @@ from torch import nn
 
 from fsdp_conformance.claims.wrap import (
     expected_units,
-    verdict_plan,
     seeds_full_scale_plan,
+    verdict_plan,
 )
 from fsdp_conformance.models import (
     DecoderLayer,

@@ -11,18 +11,18 @@ import pytest
 from fsdp_conformance.claims.wrap import (
     BF16_LOSS_RTOL,
     FP32_ATOL,
-    rank_units,
     rank_mixed,
     rank_prefetch,
     rank_train,
-    verdict_units_accounting,
+    rank_units,
+    verdict_mixed,
     verdict_prefetch_backward,
     verdict_prefetch_coarse,
     verdict_prefetch_forward,
-    verdict_mixed,
-    verdict_units_plan,
     verdict_train,
+    verdict_units_accounting,
     verdict_units_exact,
+    verdict_units_plan,
 )
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
