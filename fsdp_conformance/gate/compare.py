@@ -60,12 +60,11 @@ def compare_reports(
 
     Checks are matched by ``id``, after both reports are migrated to the current check names
     (:mod:`~fsdp_conformance.gate.migrate`), so a report of an older layout still matches.
-    Regressions: a worse outcome (passed -> skipped/failed/error,
-    skipped -> failed/error), a check missing from ``new``, a changed unit structure or unit
-    count, a memory figure up by more than ``memory_tolerance`` (relative) and
-    ``memory_floor_bytes`` (absolute), a changed dtype figure. Reported but not regressions:
-    better outcomes, added checks, memory down, other changed figures, new warnings and
-    deprecations, different settings.
+    Regressions: a worse outcome (passed -> skipped/failed/error, skipped -> failed/error), a
+    check missing from ``new``, a changed unit structure or unit count, a memory figure up by
+    more than ``memory_tolerance`` (relative) and ``memory_floor_bytes`` (absolute), a changed
+    dtype figure. Reported but not regressions: better outcomes, added checks, memory down,
+    other changed figures, new warnings and deprecations, different settings.
     """
     old_checks = {e["id"]: e for e in migrate_report(old)["checks"]}
     new_checks = {e["id"]: e for e in migrate_report(new)["checks"]}
