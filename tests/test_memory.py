@@ -381,19 +381,19 @@ def test_depth_verdict_catches_a_shallow_outlier_and_growth() -> None:
     # One rank ~1.2 MB more at the smallest depth only (what a late free on gloo's worker
     # thread once produced, before frees were put in program order): not constant, a failure.
     outlier = memory.verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
-                                    _depth_values([8.2, 7.0, 7.0], rank=1)], params)
+                                               _depth_values([8.2, 7.0, 7.0], rank=1)], params)
     assert not outlier.passed
     assert ("rank 1: the per_layer working set is not constant over depth (larger at fewer "
             "layers)") in outlier.message
     assert "at 2 layers at least 8.20 MB" in outlier.message
     grows = memory.verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
-                                  _depth_values([7.0, 7.0, 8.2], rank=1)], params)
+                                             _depth_values([7.0, 7.0, 8.2], rank=1)], params)
     assert not grows.passed
     assert "rank 1: the per_layer working set grows with depth" in grows.message
     assert "at 8 layers" in grows.message and grows.message.count("rank 1:") >= 2
     # Within the tolerance (10 %) either way: constant.
     within = memory.verdict_depth_invariance([_depth_values([7.0, 7.6, 7.0]),
-                                   _depth_values([7.6, 7.0, 7.0], rank=1)], params)
+                                              _depth_values([7.6, 7.0, 7.0], rank=1)], params)
     assert within.passed, within.message
 
 
