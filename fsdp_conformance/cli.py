@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lane", choices=("cpu", "gpu", "all", "auto"), default="auto",
                      help="lanes to run: auto = cpu, plus gpu when CUDA is present")
     run.add_argument("--checks", metavar="SUBSTRING", default=None,
-                     help="only checks whose name contains SUBSTRING (e.g. 'wrap.')")
+                     help="only checks whose name contains SUBSTRING (e.g. 'wrap.'); a "
+                          "renamed check's old name matches too")
     run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                      help=f"folder for report.json, summary.md (and the plot) [{DEFAULT_OUT}]")
     run.add_argument("--json", dest="json_path", default=None, metavar="PATH",

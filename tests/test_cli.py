@@ -279,9 +279,9 @@ def _verdict_expected(values: Sequence[Mapping[str, int]], params: Mapping[str, 
     return Verdict(True, f"{params['expected']} on every rank", {"value": values[0]["value"]})
 
 
-PASSING = Check("test.right", "wrap", "every rank reports the expected value", _report_value,
+PASSING = Check("test.right", "every rank reports the expected value", _report_value,
                 _verdict_expected, params={"value": 2, "expected": 2}, lanes=("cpu",))
-FAILING = Check("test.wrong", "wrap", "every rank reports the expected value", _report_value,
+FAILING = Check("test.wrong", "every rank reports the expected value", _report_value,
                 _verdict_expected, params={"value": 1, "expected": 2}, lanes=("cpu",))
 
 
@@ -343,7 +343,7 @@ def _verdict_with_timeline(values: Sequence[Mapping[str, Any]],
                     "peak_bytes": 14 * 2**20})
 
 
-TIMELINE = Check("test.timeline", "memory", "a check that stores a memory timeline",
+TIMELINE = Check("test.timeline", "a check that stores a memory timeline",
                  _report_timeline, _verdict_with_timeline, lanes=("cpu",))
 PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
 
@@ -422,7 +422,8 @@ def test_list_shows_each_check_and_variant_once(capsys: pytest.CaptureFixture[st
     assert len(labels) == len(set(labels)) == len(suite.select_checks(suite.all_checks(), None))
     assert "wrap.units.exact[fsdp1,massive]" in labels and "wrap.builders.size" in labels
     code, out, _ = main(["run", "--list", "--checks", "init.weights.fsdp2"], capsys)
-    assert [line.split()[0] for line in out.splitlines()] == ["init.weights.fsdp2[fsdp2,llama]"]
+    # a pattern naming the check before issue 11's rename still selects it
+    assert [line.split()[0] for line in out.splitlines()] == ["init.weights[fsdp2,llama]"]
 
 
 def test_list_on_the_user_model_shows_the_checks_that_run_on_it(

@@ -25,13 +25,15 @@ SPEC = init.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-p
 MASSIVE = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32))
 
 
-def check(name: str) -> Check:
-    (found,) = [c for c in init.CHECKS + init.SEEDS_CHECKS if c.name == name]
+def check(name: str, version: str | None = None) -> Check:
+    """The check ``name`` (its ``version`` variant when it has several)."""
+    (found,) = [c for c in init.CHECKS + init.SEEDS_CHECKS
+                if c.name == name and c.params.get("version") == version]
     return found
 
 
 def materialize_values(ranks: Ranks, **params: Any) -> list[Mapping[str, Any]]:
-    return ranks.run(init.materialize_rank, **{"spec": SPEC, **params})
+    return ranks.run(init.rank_materialize, **{"spec": SPEC, **params})
 
 
 # ------------------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def test_same_seed_gives_bitwise_the_same_full_weights_on_any_world_size(ranks: 
     expected = init.reference_digest(SPEC, 0)  # computed here, in one CPU process
     for version in VERSIONS:
         values = materialize_values(ranks, version=version)
-        for verdict in (init.no_meta_verdict(values, {}), init.weights_verdict(values, {})):
+        for verdict in (init.verdict_no_meta(values, {}), init.verdict_weights(values, {})):
             assert verdict.passed, f"{version}: {verdict.message}"
         assert {v["digest"] for v in values} == {expected}, version
 
@@ -154,7 +156,7 @@ def test_ranks_seeded_differently_are_flagged_though_gathered_weights_agree(
         # same full weights...
         assert len({v["digest"] for v in values}) == 1
         # ...which are not the reference's, and rank 1's own shards are wrong.
-        verdict = init.weights_verdict(values, {})
+        verdict = init.verdict_weights(values, {})
         assert not verdict.passed
         assert "rank 1: local shards differ from the reference's slices" in verdict.message
         assert "gathered weights differ from the reference" in verdict.message
@@ -164,7 +166,7 @@ def test_ranks_seeded_differently_are_flagged_though_gathered_weights_agree(
 def test_fsdp1_default_reset_parameters_path_matches_its_single_process_order(
     ranks: Ranks,
 ) -> None:
-    verdict = run_check(ranks, check("init.weights.fsdp1_default"))
+    verdict = run_check(ranks, check("init.weights.default_path", "fsdp1"))
     assert verdict.passed, verdict.message
     # Valid, but not the deterministic init's values: they depend on the walk order and RNG.
     assert verdict.data["digest"] != init.reference_digest(SPEC, 0)
@@ -175,7 +177,7 @@ def test_fsdp1_default_reset_parameters_path_matches_its_single_process_order(
 def test_naive_reset_parameters_on_a_cpu_mesh_is_flagged(ranks: Ranks) -> None:
     # No offset RNG on a CPU mesh (docs/init.md, "Facts about meta-device init"): every
     # shard draws from its rank's own generator.
-    verdict = run_check(ranks, check("init.weights.fsdp2"), method="reset_parameters")
+    verdict = run_check(ranks, check("init.weights", "fsdp2"), method="reset_parameters")
     assert not verdict.passed
     assert "local shards differ from the reference's slices" in verdict.message
 
@@ -184,8 +186,8 @@ def test_naive_reset_parameters_on_a_cpu_mesh_is_flagged(ranks: Ranks) -> None:
 def test_tied_weights_survive_meta_init_on_both_versions(ranks: Ranks) -> None:
     tied = ModelSpec(reference="tied", config=ModelConfig(num_layers=2, dim=32))
     for version in VERSIONS:
-        values = ranks.run(init.materialize_rank, spec=tied, version=version)
-        verdict = init.weights_verdict(values, {})
+        values = ranks.run(init.rank_materialize, spec=tied, version=version)
+        verdict = init.verdict_weights(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
 
 
@@ -196,21 +198,21 @@ def test_tied_weights_survive_meta_init_on_both_versions(ranks: Ranks) -> None:
 
 @pytest.mark.world_size(2)
 def test_seeds_materialization_fn_yields_one_line_findings(ranks: Ranks) -> None:
-    fsdp1 = run_check(ranks, check("init.seeds_fn.fsdp1"))
+    fsdp1 = run_check(ranks, check("init.seeds_fn", "fsdp1"))
     assert not fsdp1.passed
     assert fsdp1.message.startswith("all ranks: the param_init_fn left the module's parameters")
     assert "meta vs" in fsdp1.message and "Traceback" not in fsdp1.message
 
-    fsdp2 = run_check(ranks, check("init.seeds_fn.fsdp2"))
+    fsdp2 = run_check(ranks, check("init.seeds_fn", "fsdp2"))
     assert not fsdp2.passed
     assert "still on meta at the first forward" in fsdp2.message
     # Without the forward, the check's own inspection finds them (not only torch's error).
-    quiet = run_check(ranks, check("init.seeds_fn.fsdp2"), forward=False)
+    quiet = run_check(ranks, check("init.seeds_fn", "fsdp2"), forward=False)
     assert not quiet.passed and "still on meta: tok_embeddings.weight" in quiet.message
 
     # The minimal fix (to_empty first) still leaves to_empty memory in the 1-D norm weights
     # and the non-persistent rotary buffer: found against the NaN-poisoned reference.
-    fixed = run_check(ranks, check("init.seeds_fn_to_empty.fsdp1"))
+    fixed = run_check(ranks, check("init.seeds_fn_to_empty", "fsdp1"))
     assert not fixed.passed
     assert "never initialized by the init (to_empty memory)" in fixed.message
     assert "attn_norm.weight" in fixed.message and "rotary.inv_freq" in fixed.message
@@ -219,9 +221,9 @@ def test_seeds_materialization_fn_yields_one_line_findings(ranks: Ranks) -> None
 @pytest.mark.world_size(2)
 def test_seeds_fn_with_to_empty_passes_on_a_model_it_covers(ranks: Ranks) -> None:
     # MassiveModel has only Linear weights and biases: the check must not cry wolf.
-    values = ranks.run(init.materialize_rank, spec=MASSIVE, version="fsdp1",
+    values = ranks.run(init.rank_materialize, spec=MASSIVE, version="fsdp1",
                        method="seeds_to_empty")
-    verdict = init.no_meta_verdict(values, {})
+    verdict = init.verdict_no_meta(values, {})
     assert verdict.passed, verdict.message
 
 
@@ -246,15 +248,15 @@ def test_sync_module_states(ranks: Ranks, lane: str) -> None:
 @pytest.mark.world_size(2)
 def test_rank0_broadcast_reaches_every_rank(ranks: Ranks) -> None:
     for version in VERSIONS:
-        name = f"init.broadcast_rank0.{version}"
-        values = ranks.run(check(name).rank_fn, **{**check(name).params})
-        verdict = init.weights_verdict(values, {})
+        broadcast = check("init.broadcast_rank0", version)
+        values = ranks.run(broadcast.rank_fn, **{**broadcast.params})
+        verdict = init.verdict_weights(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
         if version == "fsdp2":
             # set_model_state_dict(broadcast_from_rank0=True) mutates rank 0's dict (its
             # values are replaced); the other ranks' empty dicts stay empty (torch 2.13).
             assert [v["dict_mutated"] for v in values] == [True, False]
-        off = run_check(ranks, check(name), broadcast=False)
+        off = run_check(ranks, broadcast, broadcast=False)
         assert not off.passed and "rank 1: local shards differ" in off.message, version
 
 
@@ -266,9 +268,9 @@ def test_rank0_broadcast_reaches_every_rank(ranks: Ranks) -> None:
 @pytest.mark.world_size(2)
 def test_training_step_after_meta_init_matches_the_reference(ranks: Ranks) -> None:
     for version in VERSIONS:
-        verdict = run_check(ranks, check(f"init.train_step.{version}"))
+        verdict = run_check(ranks, check("init.train_step", version))
         assert verdict.passed, f"{version}: {verdict.message}"
-    bad = run_check(ranks, check("init.train_step.fsdp2"), rank_seed_offset=1)
+    bad = run_check(ranks, check("init.train_step", "fsdp2"), rank_seed_offset=1)
     assert not bad.passed
     assert "vs reference" in bad.message and "weights differ from the reference" in bad.message
 
@@ -283,7 +285,7 @@ def test_training_step_after_meta_init_matches_the_reference(ranks: Ranks) -> No
 def test_peak_while_materializing_stays_within_shards_plus_one_unit(
     ranks: Ranks, version: str
 ) -> None:
-    verdict = run_check(ranks, check(f"init.peak_memory.{version}"))
+    verdict = run_check(ranks, check("init.peak_memory", version))
     assert verdict.passed, verdict.message
     assert verdict.figures["peak_MiB"] < verdict.figures["model_MiB"]
     assert "MALLOC_MMAP_THRESHOLD_ was not set" not in verdict.message
@@ -291,7 +293,7 @@ def test_peak_while_materializing_stays_within_shards_plus_one_unit(
 
 @pytest.mark.world_size(2)
 def test_eager_build_exceeds_the_materialization_bound(ranks: Ranks) -> None:
-    verdict = run_check(ranks, check("init.peak_memory.fsdp2"), eager=True)
+    verdict = run_check(ranks, check("init.peak_memory", "fsdp2"), eager=True)
     assert not verdict.passed
     assert "exceeds the bound on ranks [0, 1]" in verdict.message
     assert verdict.figures["peak_MiB"] > verdict.figures["bound_MiB"]
@@ -313,7 +315,10 @@ def test_peak_bound_counts_one_unit_and_fsdp1s_flat_copy() -> None:
 
 def test_checks_are_listed_with_stable_names_and_the_init_claim() -> None:
     names = [c.name for c in init.CHECKS]
-    assert len(names) == len(set(names))
+    variants = [(c.name, c.params.get("version")) for c in init.CHECKS]
+    assert len(variants) == len(set(variants))
+    # The FSDP version is a variant, never part of a check's name (issue 11).
+    assert not [n for n in names if any(v in n for v in VERSIONS)]
     assert all(c.claim == "init" and c.name.startswith("init.") for c in init.CHECKS)
     assert all(c.env == {"MALLOC_MMAP_THRESHOLD_": "65536"}
                for c in init.CHECKS if c.name.startswith("init.peak_memory"))
@@ -328,8 +333,9 @@ def raw_param_model() -> nn.Module:
 @pytest.mark.world_size(2)
 def test_a_model_that_cannot_be_meta_initialized_gets_one_clear_finding(ranks: Ranks) -> None:
     user = ModelSpec(reference=None, factory=f"{__name__}:raw_param_model", block_cls=("Linear",))
-    for name in ("init.weights.fsdp2", "init.train_step.fsdp1", "init.broadcast_rank0.fsdp1"):
-        verdict = run_check(ranks, check(name), spec=user)
+    for name, version in (("init.weights", "fsdp2"), ("init.train_step", "fsdp1"),
+                          ("init.broadcast_rank0", "fsdp1")):
+        verdict = run_check(ranks, check(name, version), spec=user)
         assert not verdict.passed, name
         assert "1 (_RawParam)" in verdict.message and "define reset_parameters()" in verdict.message
         assert "Traceback" not in verdict.message, name

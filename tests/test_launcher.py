@@ -123,8 +123,8 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
     assert [line.split() for line in out].count(TABLE_HEADER) == 1, run.explain()
     assert sum(line.startswith("fsdp-conformance: torch ") for line in err) == 1, run.explain()
     assert [line.split(" ... ")[0] for line in err if line.startswith("[")] == [
-        "[1/2] init.peak_memory.fsdp1 [cpu, ws2, fsdp1,massive]",
-        "[2/2] init.peak_memory.fsdp2 [cpu, ws2, fsdp2,massive]",
+        "[1/2] init.peak_memory [cpu, ws2, fsdp1,massive]",
+        "[2/2] init.peak_memory [cpu, ws2, fsdp2,massive]",
     ]
     assert "ranks: external launcher (env://)" in run.proc.stderr
     assert out[-3:] == ["report: out/report.json", "summary: out/summary.md",
@@ -134,8 +134,8 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
     log = run.rank1_log
     assert log[0].startswith("fsdp-conformance: torch ")
     assert [line.split(" ... ")[0] for line in log if line.startswith("[")] == [
-        "[1/2] init.peak_memory.fsdp1 [cpu, ws2, fsdp1,massive]",
-        "[2/2] init.peak_memory.fsdp2 [cpu, ws2, fsdp2,massive]",
+        "[1/2] init.peak_memory [cpu, ws2, fsdp1,massive]",
+        "[2/2] init.peak_memory [cpu, ws2, fsdp2,massive]",
     ]
     assert [line.split() for line in log].count(TABLE_HEADER) == 1
     assert log[-1] == "exit 0 (the worst of every rank's: rank 0 0, rank 1 0)"

@@ -127,7 +127,7 @@ def test_activation_profile_counts_saved_tensors_per_unit_on_meta() -> None:
 
 def _step(ranks: Ranks, version: str, wrapping: str) -> tuple[list, dict]:
     params = {"spec": memory.DEFAULT_SPEC, "version": version, "wrapping": wrapping}
-    return ranks.run(memory.rank_step, **params), params
+    return ranks.run(memory.rank_peak_within_bound, **params), params
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -135,10 +135,10 @@ def test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth(
     ranks: Ranks, version: str
 ) -> None:
     values, params = _step(ranks, version, "per_layer")
-    peak = memory.peak_verdict(values, params)
+    peak = memory.verdict_peak_within_bound(values, params)
     assert peak.passed, peak.message
     assert all(v["meters"][0]["peak"] <= peak.figures["limit_bytes"] for v in values)
-    saw = memory.sawtooth_verdict(values, params)
+    saw = memory.verdict_sawtooth(values, params)
     assert saw.passed, saw.message
     assert saw.figures["teeth"] == 9  # 8 layers and the head; the root stays gathered
     assert saw.data["timeline"] and {"unit", "phase", "bytes"} <= set(saw.data["timeline"][0])
@@ -154,13 +154,13 @@ def test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth(
     # peak (measured 63.8 MB) stays under the per-layer limit (69.3 MB) at this size: the
     # bound's negative control needs >= 2 ranks; the sawtooth's holds at one rank too.
     if ranks.world_size >= 2:
-        peak = memory.peak_verdict(values, params)
+        peak = memory.verdict_peak_within_bound(values, params)
         assert not peak.passed
         every_rank = ", ".join(str(r) for r in range(ranks.world_size))
         assert f"peak exceeds the per-layer bound on rank(s) {every_rank}" in peak.message
         assert "expected (per-layer bound, term by term)" in peak.message
         assert "sharded params" in peak.message and "actual units:" in peak.message
-    saw = memory.sawtooth_verdict(values, params)
+    saw = memory.verdict_sawtooth(values, params)
     assert not saw.passed
     assert "unit (root) gathered" in saw.message
 
@@ -170,7 +170,7 @@ def test_sawtooth_check_catches_units_that_keep_their_parameters_after_forward(
     ranks: Ranks, version: str
 ) -> None:
     values, params = _step(ranks, version, "no_reshard")
-    saw = memory.sawtooth_verdict(values, params)
+    saw = memory.verdict_sawtooth(values, params)
     assert not saw.passed
     assert "unit layers.0 kept its parameters after forward" in saw.message
 
@@ -181,8 +181,8 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(ranks: R
     assert verdict.passed, verdict.message
     compare = verdict.data["compare"]
     assert compare["wrapping"] == "monolithic"
-    # The picture's data only: that monolithic exceeds the bound is peak_verdict's to say
-    # (test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth).
+    # The picture's data only: that monolithic exceeds the bound is verdict_peak_within_bound's
+    # to say (test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth).
     assert compare["timeline"] and compare["peak"] > 0
 
 
@@ -359,12 +359,13 @@ def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path
 
 
 # ---------------------------------------------------------------------------------------------
-# depth_verdict on hand-made readings: growth means deeper > shallower, not any spread
+# verdict_depth_invariance on hand-made readings: growth means deeper > shallower, not any spread
 # ---------------------------------------------------------------------------------------------
 
 
 def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]:
-    """Rows as rank_depths returns them: sharded state 1 MB per layer, monolithic + 4 MB/layer."""
+    """Rows as rank_depth_invariance returns them: sharded state 1 MB per layer, monolithic
+    + 4 MB/layer."""
     rows = []
     for depth, per_layer in zip((2, 4, 8), per_layer_mb):
         sharded = BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)
@@ -379,20 +380,20 @@ def test_depth_verdict_catches_a_shallow_outlier_and_growth() -> None:
     params = {"spec": memory.DEFAULT_SPEC, "version": "fsdp2"}
     # One rank ~1.2 MB more at the smallest depth only (what a late free on gloo's worker
     # thread once produced, before frees were put in program order): not constant, a failure.
-    outlier = memory.depth_verdict([_depth_values([7.0, 7.0, 7.0]),
-                                    _depth_values([8.2, 7.0, 7.0], rank=1)], params)
+    outlier = memory.verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
+                                               _depth_values([8.2, 7.0, 7.0], rank=1)], params)
     assert not outlier.passed
     assert ("rank 1: the per_layer working set is not constant over depth (larger at fewer "
             "layers)") in outlier.message
     assert "at 2 layers at least 8.20 MB" in outlier.message
-    grows = memory.depth_verdict([_depth_values([7.0, 7.0, 7.0]),
-                                  _depth_values([7.0, 7.0, 8.2], rank=1)], params)
+    grows = memory.verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
+                                             _depth_values([7.0, 7.0, 8.2], rank=1)], params)
     assert not grows.passed
     assert "rank 1: the per_layer working set grows with depth" in grows.message
     assert "at 8 layers" in grows.message and grows.message.count("rank 1:") >= 2
     # Within the tolerance (10 %) either way: constant.
-    within = memory.depth_verdict([_depth_values([7.0, 7.6, 7.0]),
-                                   _depth_values([7.6, 7.0, 7.0], rank=1)], params)
+    within = memory.verdict_depth_invariance([_depth_values([7.0, 7.6, 7.0]),
+                                              _depth_values([7.6, 7.0, 7.0], rank=1)], params)
     assert within.passed, within.message
 
 
@@ -404,11 +405,11 @@ def test_meter_verdict_cannot_pass_when_the_step_is_below_the_meters_resolution(
                                          {"source": "os", "start": 0, "peak": truth}]}
 
     small = [value(r, 0, int(1.5e6)) for r in range(2)]
-    verdict = memory.meter_verdict(small, {})
+    verdict = memory.verdict_meter_agrees(small, {})
     assert not verdict.passed
     assert "below the meters' resolution" in verdict.message
     big = [value(r, 50 * 10**6, 51 * 10**6) for r in range(2)]
-    assert memory.meter_verdict(big, {}).passed
+    assert memory.verdict_meter_agrees(big, {}).passed
 
 
 @pytest.mark.world_size(2)

@@ -26,8 +26,8 @@ from fsdp_conformance.claims.plan_trust import (
     compare_to_measurement,
     default_cases,
     estimate_for_case,
-    rank_measure_peaks,
-    trust_verdict,
+    rank_plan_estimate_matches,
+    verdict_plan_estimate_matches,
 )
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
@@ -342,9 +342,9 @@ def _without(bound: Bound, name: str) -> Bound:
 def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_caught(
     ranks: Ranks,
 ) -> None:
-    values = ranks.run(rank_measure_peaks, cases=TRUST_CASES)
+    values = ranks.run(rank_plan_estimate_matches, cases=TRUST_CASES)
     params = {"cases": TRUST_CASES}
-    verdict = trust_verdict(values, params)
+    verdict = verdict_plan_estimate_matches(values, params)
     assert verdict.passed, verdict.message
     assert verdict.figures["cases"] == len(TRUST_CASES)
     assert verdict.figures["max_ratio"] <= TRUST_MAX_RATIO
@@ -359,7 +359,7 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
             estimates[i], peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]])
         assert not ok, f"case {i}: a bound without {name!r} still passed: {lines}"
         assert all("ABOVE 1.10 x the estimate: the estimate misses" in ln for ln in lines)
-    broken = trust_verdict(values, {**params, "estimates": estimates})
+    broken = verdict_plan_estimate_matches(values, {**params, "estimates": estimates})
     assert not broken.passed
     assert f"{len(DROPPED_TERMS) * world_size} outside" in broken.message
     assert f"rank {world_size - 1}: measured" in broken.message  # every rank judged
@@ -388,7 +388,7 @@ def test_trust_check_is_registered_for_both_versions_on_a_model_spec() -> None:
     for check in CHECKS:
         assert check.name == "memory.plan_estimate_matches" and check.claim == "memory"
         assert isinstance(check.params["spec"], ModelSpec)
-        assert check.rank_fn is rank_measure_peaks
+        assert check.rank_fn is rank_plan_estimate_matches
     user = ModelSpec(reference=None, factory="fsdp_conformance.models:MassiveModel")
     # On a user's model monolithic is not measured (it may not fit unsharded).
     assert {c["policy"] for c in default_cases(user, "fsdp2")} == {"recommended"}

@@ -8,8 +8,8 @@ from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.claims.wrap import (
     BUILDERS,
     CHECKS,
-    builder_units,
-    verdict_builder,
+    rank_builders,
+    verdict_builders,
 )
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import (
@@ -187,12 +187,12 @@ def test_each_torch_builder_gives_its_documented_units(ranks: Ranks) -> None:
 @pytest.mark.world_size(2)
 def test_negative_control_builder_verdict_catches_a_different_result(ranks: Ranks) -> None:
     # Apply ModuleWrapPolicy({Linear}) but claim transformer_auto_wrap_policy's result.
-    values = ranks.run(builder_units, builder="module_wrap", claimed_builder="transformer")
-    verdict = verdict_builder(values, {})
+    values = ranks.run(rank_builders, builder="module_wrap", claimed_builder="transformer")
+    verdict = verdict_builders(values, {})
     assert not verdict.passed
     assert "+ unexpected unit layers.0.attn (Linear" in verdict.message
     # Per-unit overrides are checked too: CustomPolicy's NO_SHARD head claimed, none applied.
-    values = ranks.run(builder_units, builder="or", claimed_builder="custom")
-    verdict = verdict_builder(values, {})
+    values = ranks.run(rank_builders, builder="or", claimed_builder="custom")
+    verdict = verdict_builders(values, {})
     assert not verdict.passed
     assert "unit head: sharding strategy expected NO_SHARD, got FULL_SHARD" in verdict.message

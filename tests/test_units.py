@@ -10,8 +10,8 @@ from torch import nn
 
 from fsdp_conformance.claims.wrap import (
     expected_units,
-    plan_verdict,
     seeds_full_scale_plan,
+    verdict_plan,
 )
 from fsdp_conformance.models import (
     DecoderLayer,
@@ -83,13 +83,13 @@ def test_recommended_plan_equals_the_claim_on_every_reference_case() -> None:
     ]
     for model, blocks in cases:
         policy = recommended_policy(model, blocks, SMALL.min_params)
-        verdict = plan_verdict(model, policy, blocks, SMALL.min_params)
+        verdict = verdict_plan(model, policy, blocks, SMALL.min_params)
         assert verdict.passed, verdict.message
 
 
 def test_negative_control_seeds_plan_nests_mlp_units_inside_blocks() -> None:
     model = MassiveModel(SMALL)
-    verdict = plan_verdict(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params),
+    verdict = verdict_plan(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params),
                            (DecoderLayer,), SMALL.min_params)
     assert not verdict.passed
     assert "layers.0.mlp.0 is a unit nested inside the block unit layers.0" in verdict.message

@@ -11,18 +11,18 @@ import pytest
 from fsdp_conformance.claims.wrap import (
     BF16_LOSS_RTOL,
     FP32_ATOL,
-    inspect_units,
-    mixed_config_units,
-    prefetch_order,
-    train_parity,
-    verdict_accounting,
-    verdict_backward_prefetch,
-    verdict_coarse,
-    verdict_forward_prefetch,
+    rank_mixed,
+    rank_prefetch,
+    rank_train,
+    rank_units,
     verdict_mixed,
-    verdict_plan_matches,
+    verdict_prefetch_backward,
+    verdict_prefetch_coarse,
+    verdict_prefetch_forward,
     verdict_train,
-    verdict_unit_set,
+    verdict_units_accounting,
+    verdict_units_exact,
+    verdict_units_plan,
 )
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
@@ -37,7 +37,7 @@ EMB = ModelSpec(reference="embedding_classifier", config=ModelConfig(num_layers=
 
 
 def _all_unit_verdicts(values: list[Any], params: dict[str, Any]) -> None:
-    for verdict_fn in (verdict_unit_set, verdict_plan_matches, verdict_accounting):
+    for verdict_fn in (verdict_units_exact, verdict_units_plan, verdict_units_accounting):
         verdict = verdict_fn(values, params)
         assert verdict.passed, verdict.message
 
@@ -53,10 +53,10 @@ def test_recommended_units_exact_plan_and_accounting(ranks: Ranks, world_size: i
     for version in VERSIONS:
         for spec in (ODD, TIED) if world_size == 2 else (ODD,):
             params = {"spec": spec, "version": version, "policy": "recommended"}
-            values = ranks.run(inspect_units, **params)
+            values = ranks.run(rank_units, **params)
             assert len(values) == world_size
             _all_unit_verdicts(values, params)
-            accounting = verdict_accounting(values, params)
+            accounting = verdict_units_accounting(values, params)
             if spec is ODD and world_size == 4:
                 # 7,254 head elements over 4 ranks: FSDP1 pads its flat parameter to 7,256.
                 assert accounting.figures["padding"] >= (2 if version == "fsdp1" else 0)
@@ -68,7 +68,7 @@ def test_mixed_requires_grad_block_is_one_unit(ranks: Ranks) -> None:
     # its flat parameter then carries alignment padding, which accounting must subtract.
     for version in VERSIONS:
         params = {"spec": LORA, "version": version, "policy": "recommended"}
-        values = ranks.run(inspect_units, **params)
+        values = ranks.run(rank_units, **params)
         _all_unit_verdicts(values, params)
         if version == "fsdp1":
             block = next(u for u in values[0]["actual"] if u["fqn"] == "layers.0")
@@ -79,7 +79,7 @@ def test_mixed_requires_grad_block_is_one_unit(ranks: Ranks) -> None:
 def test_negative_control_seeds_policy_fails_the_unit_set(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": SMALL, "version": version, "policy": "seeds"}
-        verdict = verdict_unit_set(ranks.run(inspect_units, **params), params)
+        verdict = verdict_units_exact(ranks.run(rank_units, **params), params)
         assert not verdict.passed
         assert "layers.0.mlp.0 is a unit nested inside the block unit layers.0" in verdict.message
         assert "expected units:" in verdict.message and "actual units:" in verdict.message
@@ -88,7 +88,7 @@ def test_negative_control_seeds_policy_fails_the_unit_set(ranks: Ranks) -> None:
 @pytest.mark.world_size(2)
 def test_negative_control_blocks_only_misses_the_oversized_head(ranks: Ranks) -> None:
     params = {"spec": SMALL, "version": "fsdp2", "policy": "blocks_only"}
-    verdict = verdict_unit_set(ranks.run(inspect_units, **params), params)
+    verdict = verdict_units_exact(ranks.run(rank_units, **params), params)
     assert not verdict.passed
     assert "- missing unit head (Linear" in verdict.message
 
@@ -98,7 +98,7 @@ def test_negative_control_plan_that_does_not_describe_the_wrapping(ranks: Ranks)
     for version in VERSIONS:
         params = {"spec": SMALL, "version": version, "policy": "recommended",
                   "apply_policy": "seeds"}
-        verdict = verdict_plan_matches(ranks.run(inspect_units, **params), params)
+        verdict = verdict_units_plan(ranks.run(rank_units, **params), params)
         assert not verdict.passed
         assert "+ unexpected unit layers.0.mlp.0 (Linear" in verdict.message
 
@@ -109,8 +109,8 @@ def test_seeds_policy_on_tied_weights_duplicates_the_weight(ranks: Ranks) -> Non
     `embed` and `head` become two units that each hold the shared weight."""
     for version in VERSIONS:
         params = {"spec": TIED, "version": version, "policy": "seeds"}
-        values = ranks.run(inspect_units, **params)
-        verdict = verdict_accounting(values, params)
+        values = ranks.run(rank_units, **params)
+        verdict = verdict_units_accounting(values, params)
         assert not verdict.passed
         assert "tied weight embed.weight = head.weight is in 2 units (embed, head)" in (
             verdict.message)
@@ -118,22 +118,22 @@ def test_seeds_policy_on_tied_weights_duplicates_the_weight(ranks: Ranks) -> Non
         if version == "fsdp1":
             # FSDP1 flattens the weight twice (two copies); the plan, which assigns each
             # parameter once, does not describe that.
-            plan = verdict_plan_matches(values, params)
+            plan = verdict_units_plan(values, params)
             assert not plan.passed and "~ unit head: numel expected 0, got 16,000" in plan.message
 
 
 @pytest.mark.world_size(2)
 def test_negative_control_one_rank_with_a_wrong_shard_or_units(ranks: Ranks) -> None:
     params = {"spec": ODD, "version": "fsdp1", "policy": "recommended"}
-    values = ranks.run(inspect_units, **params)
+    values = ranks.run(rank_units, **params)
     _all_unit_verdicts(values, params)
     bad = copy.deepcopy(values)
     bad[1]["actual"][-1]["local_numel"] += 1  # rank 1 alone reports a wrong shard size
-    verdict = verdict_accounting(bad, params)
+    verdict = verdict_units_accounting(bad, params)
     assert not verdict.passed and "rank 1: unit head holds a local shard of" in verdict.message
     bad = copy.deepcopy(values)
     bad[1]["actual"] = bad[1]["actual"][:-1]  # rank 1 alone lost a unit
-    verdict = verdict_unit_set(bad, params)
+    verdict = verdict_units_exact(bad, params)
     assert not verdict.passed and "ranks disagree on the actual units" in verdict.message
 
 
@@ -147,7 +147,7 @@ def test_training_steps_match_single_process_reference(ranks: Ranks) -> None:
     for version in VERSIONS:
         for precision in ("fp32", "bf16"):
             params = {"spec": SMALL, "version": version, "precision": precision}
-            values = ranks.run(train_parity, **params)
+            values = ranks.run(rank_train, **params)
             verdict = verdict_train(values, params)
             assert verdict.passed, verdict.message
             if precision == "fp32":
@@ -163,7 +163,7 @@ def test_negative_control_parameters_outside_fsdp_diverge(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": SMALL, "version": version, "precision": "fp32",
                   "fault": "unsynced_root"}
-        verdict = verdict_train(ranks.run(train_parity, **params), params)
+        verdict = verdict_train(ranks.run(rank_train, **params), params)
         assert not verdict.passed
         assert "embed.weight's update differs from the reference's by" in verdict.message
 
@@ -172,10 +172,10 @@ def test_negative_control_parameters_outside_fsdp_diverge(ranks: Ranks) -> None:
 def test_negative_control_bf16_not_in_effect_or_params_not_fp32(ranks: Ranks) -> None:
     params = {"spec": SMALL, "version": "fsdp1", "precision": "bf16",
               "fault": "no_mixed_precision"}
-    verdict = verdict_train(ranks.run(train_parity, **params), params)
+    verdict = verdict_train(ranks.run(rank_train, **params), params)
     assert not verdict.passed and "compute did not run in bf16" in verdict.message
     params = {"spec": SMALL, "version": "fsdp2", "precision": "bf16", "fault": "params_bf16"}
-    verdict = verdict_train(ranks.run(train_parity, **params), params)
+    verdict = verdict_train(ranks.run(rank_train, **params), params)
     assert not verdict.passed
     assert "stored parameters are ['torch.bfloat16'], expected float32" in verdict.message
 
@@ -189,7 +189,7 @@ def test_negative_control_bf16_not_in_effect_or_params_not_fp32(ranks: Ranks) ->
 def test_mixed_configuration_embedding_no_shard_fp32_blocks_bf16(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": EMB, "version": version}
-        values = ranks.run(mixed_config_units, **params)
+        values = ranks.run(rank_mixed, **params)
         verdict = verdict_mixed(values, params)
         assert verdict.passed, verdict.message
         for v in values:
@@ -202,7 +202,7 @@ def test_mixed_configuration_embedding_no_shard_fp32_blocks_bf16(ranks: Ranks) -
 def test_negative_control_uniform_configuration_is_not_the_mixed_one(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": EMB, "version": version, "fault": "uniform"}
-        verdict = verdict_mixed(ranks.run(mixed_config_units, **params), params)
+        verdict = verdict_mixed(ranks.run(rank_mixed, **params), params)
         assert not verdict.passed
         assert "unit embedding is FULL_SHARD, expected NO_SHARD" in verdict.message
         assert "unit embedding computed with weights in ['torch.bfloat16']" in verdict.message
@@ -217,12 +217,12 @@ def test_negative_control_uniform_configuration_is_not_the_mixed_one(ranks: Rank
 def test_prefetch_with_one_unit_per_block(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": SMALL, "version": version}
-        values = ranks.run(prefetch_order, **params)
-        for verdict_fn in (verdict_forward_prefetch, verdict_backward_prefetch):
+        values = ranks.run(rank_prefetch, **params)
+        for verdict_fn in (verdict_prefetch_forward, verdict_prefetch_backward):
             verdict = verdict_fn(values, params)
             assert verdict.passed, verdict.message
         # Nothing to prefetch is not what per-block wrapping looks like.
-        coarse = verdict_coarse(values, params)
+        coarse = verdict_prefetch_coarse(values, params)
         assert not coarse.passed and "not a single coarse unit" in coarse.message
 
 
@@ -230,9 +230,9 @@ def test_prefetch_with_one_unit_per_block(ranks: Ranks) -> None:
 def test_one_coarse_unit_has_nothing_to_prefetch(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": SMALL, "version": version, "policy": "root_only"}
-        values = ranks.run(prefetch_order, **params)
-        assert verdict_coarse(values, params).passed
-        forward = verdict_forward_prefetch(values, params)
+        values = ranks.run(rank_prefetch, **params)
+        assert verdict_prefetch_coarse(values, params).passed
+        forward = verdict_prefetch_forward(values, params)
         assert not forward.passed and "there is no next unit to prefetch" in forward.message
 
 
@@ -242,19 +242,19 @@ def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
     # block starts; backward_prefetch=None likewise gathers late in backward.
     params = {"spec": SMALL, "version": "fsdp1", "forward_prefetch": False,
               "backward_prefetch": False}
-    values = ranks.run(prefetch_order, **params)
-    forward = verdict_forward_prefetch(values, params)
+    values = ranks.run(rank_prefetch, **params)
+    forward = verdict_prefetch_forward(values, params)
     assert not forward.passed
     assert "unit layers.1 was not gathered before block layers.0 finished its forward" in (
         forward.message)
-    backward = verdict_backward_prefetch(values, params)
+    backward = verdict_prefetch_backward(values, params)
     assert not backward.passed
     assert "unit layers.1 was not gathered before block layers.2 finished its backward" in (
         backward.message)
     # FSDP2 without explicit forward prefetch: its implicit prefetch overlaps on CUDA streams
     # only; in the order the CPU issues all-gathers, unit k+1 comes after block k.
     params = {"spec": SMALL, "version": "fsdp2", "forward_prefetch": False}
-    forward = verdict_forward_prefetch(ranks.run(prefetch_order, **params), params)
+    forward = verdict_prefetch_forward(ranks.run(rank_prefetch, **params), params)
     assert not forward.passed and "was not gathered before" in forward.message
 
 
@@ -264,7 +264,7 @@ def test_prefetch_verdicts_cannot_pass_with_fewer_than_two_blocks() -> None:
            ("bwd_start", 0), ("bwd_end", 0)]
     values = [{"rank": r, "version": "fsdp2", "blocks": ["layers.0"], "units": ["", "layers.0"],
                "runs": [run]} for r in range(2)]
-    for verdict_fn in (verdict_forward_prefetch, verdict_backward_prefetch):
+    for verdict_fn in (verdict_prefetch_forward, verdict_prefetch_backward):
         verdict = verdict_fn(values, {})
         assert not verdict.passed
         assert "fewer than two blocks" in verdict.message
@@ -276,7 +276,7 @@ def test_prefetch_skips_a_model_with_one_block_on_every_rank(ranks: Ranks) -> No
 
     one_block = ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=32))
     with pytest.raises(CheckSkipped, match="needs at least two blocks"):
-        ranks.configured(skip=None).run(prefetch_order, spec=one_block, version="fsdp2")
+        ranks.configured(skip=None).run(rank_prefetch, spec=one_block, version="fsdp2")
 
 
 def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
@@ -293,14 +293,14 @@ def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
                 "params": params, "flat_numel": None}
 
     good = [unit("", 16, ("embed.weight",))]
-    assert verdict_accounting([value(0, good), value(1, good)], {}).passed
+    assert verdict_units_accounting([value(0, good), value(1, good)], {}).passed
     # Rank 1 alone splits the tied weight into a second unit.
     split = [*good, unit("head", 0, ("head.weight",))]
-    verdict = verdict_accounting([value(0, good), value(1, split)], {})
+    verdict = verdict_units_accounting([value(0, good), value(1, split)], {})
     assert not verdict.passed
     assert "rank 1: tied weight embed.weight = head.weight is in 2 units" in verdict.message
     # Rank 1 alone counts more parameters than the model has.
     more = [unit("", 20, ("embed.weight",))]
-    verdict = verdict_accounting([value(0, good), value(1, more)], {})
+    verdict = verdict_units_accounting([value(0, good), value(1, more)], {})
     assert not verdict.passed
     assert "rank 1: units hold 20 parameters, the model has 16" in verdict.message

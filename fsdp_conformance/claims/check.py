@@ -2,11 +2,17 @@
 
 A check is a pair: a *rank function* (module level, picklable) that builds a model, shards it,
 inspects it and returns plain data; and a *verdict* that the parent computes from every rank's
-data. The data path stays short: ``run_check`` = ``ranks.run(rank_fn, **params)`` then
-``verdict(values, params)``.
+data. The data path stays short: every rank's outcome, then ``verdict(values, params)``
+(:func:`execute` and :func:`run_check` share it).
 
-Claim modules (:mod:`~fsdp_conformance.claims.wrap`, :mod:`~fsdp_conformance.claims.init`,
-:mod:`~fsdp_conformance.claims.memory`) each define their checks and list them in ``CHECKS``.
+One convention for every claim module (:mod:`~fsdp_conformance.claims.wrap`,
+:mod:`~fsdp_conformance.claims.init`, :mod:`~fsdp_conformance.claims.memory`, ...):
+
+* a check is named ``<claim>.<what>[.<detail>]``; its claim is the name's first part;
+* its rank function is ``rank_<what>`` and its verdict ``verdict_<what>`` (one rank function may
+  serve several checks);
+* ``CHECKS`` is built only by concatenating :func:`variants` calls: the FSDP version and the
+  model are parameters (hence the report's variant), never part of the name.
 """
 
 from __future__ import annotations
@@ -14,9 +20,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdp_conformance.harness import Ranks, resolve_outcomes
+from fsdp_conformance.harness import CheckSkipped, RankFailure, Ranks, resolve_outcomes
+from fsdp_conformance.harness.protocol import function_name
+
+if TYPE_CHECKING:
+    from fsdp_conformance.models import ModelSpec
 
 #: Outcomes a check can have in a report.
 PASSED, FAILED, SKIPPED, ERROR = "passed", "failed", "skipped", "error"
@@ -44,10 +54,9 @@ class Verdict:
 class Check:
     """One conformance check."""
 
-    #: Dotted, stable name used in reports and compare: ``<claim>.<what>[.<variant>]``.
+    #: Dotted, stable name used in reports and compare: ``<claim>.<what>[.<detail>]``, without
+    #: the FSDP version or model (those are parameters, shown as the report's variant).
     name: str
-    #: The claim it belongs to: "wrap", "init" or "memory".
-    claim: str
     #: One line saying what it proves.
     description: str
     #: ``rank_fn(ctx, **params) -> plain data`` run on every rank.
@@ -60,6 +69,46 @@ class Check:
     env: Mapping[str, str] | None = None
     #: Lanes it applies to.
     lanes: tuple[str, ...] = ("cpu", "gpu")
+
+    @property
+    def claim(self) -> str:
+        """The claim it belongs to ("wrap", "init", "memory"): the name's first part."""
+        return self.name.split(".", 1)[0]
+
+
+#: The FSDP versions a check runs on unless it says otherwise.
+VERSIONS: tuple[str, ...] = ("fsdp1", "fsdp2")
+
+
+def variants(
+    name: str,
+    description: str | Mapping[str, str],
+    rank_fn: Callable[..., Any],
+    verdict: Callable[[Sequence[Any], Mapping[str, Any]], Verdict],
+    *,
+    versions: Sequence[str] | None = VERSIONS,
+    specs: Sequence[ModelSpec] = (),
+    env: Mapping[str, str] | None = None,
+    lanes: tuple[str, ...] = ("cpu", "gpu"),
+    **params: Any,
+) -> tuple[Check, ...]:
+    """One :class:`Check` named ``name`` per (version, spec), version-major.
+
+    The version and spec go into ``params`` (hence into the report's variant), never into the
+    name. ``versions=None``: a check without an FSDP version; ``specs=()``: no ``spec`` param
+    (or one given in ``params``). ``description`` may be a ``{version: text}`` mapping when the
+    versions do different things.
+    """
+    out = []
+    for version in versions if versions is not None else (None,):
+        text = description if isinstance(description, str) else description[version or ""]
+        for spec in specs or (None,):
+            variant: dict[str, Any] = {} if spec is None else {"spec": spec}
+            if version is not None:
+                variant["version"] = version
+            out.append(Check(name, text, rank_fn, verdict, {**variant, **params}, env=env,
+                             lanes=lanes))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,27 +123,42 @@ class CheckRun:
     warnings: tuple[str, ...] = ()
 
 
-def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
-    """Run a check on ``ranks`` and return its verdict (raises on rank failures and skips)."""
-    params = {**check.params, **overrides}
+def _judge(
+    ranks: Ranks, check: Check, params: Mapping[str, Any]
+) -> tuple[Verdict, tuple[str, ...]]:
+    """The one outcome path: every rank's outcome, resolved, then the verdict (and warnings).
+
+    Raises :class:`CheckSkipped` when every rank skipped and :class:`RankFailure` when any
+    rank failed; the callers decide what those become.
+    """
+    __tracebackhide__ = True  # a failure points at the caller's line, then the ranks' story
     runner = ranks.configured(env=dict(check.env)) if check.env else ranks
-    values = runner.run(check.rank_fn, **params)
-    return check.verdict(values, params)
+    outcomes = runner.run_outcomes(check.rank_fn, **params)
+    caught = tuple(sorted({w for o in outcomes for w in o.warnings}))
+    values = resolve_outcomes(function_name(check.rank_fn), outcomes)
+    return check.verdict(values, params), caught
+
+
+def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
+    """Run a check on ``ranks`` and return its verdict (raises on rank failures and skips).
+
+    A skip on every rank goes to ``ranks.skip`` (``pytest.skip`` under the plugin) when set.
+    """
+    __tracebackhide__ = True
+    try:
+        return _judge(ranks, check, {**check.params, **overrides})[0]
+    except CheckSkipped as exc:
+        if ranks.skip is None:
+            raise
+        ranks.skip(str(exc))
+        raise  # a skip callable that returns: still a skip
 
 
 def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     """Run a check and never raise: every outcome (skip, rank failure) becomes a CheckRun."""
-    from fsdp_conformance.harness import CheckSkipped, RankFailure
-    from fsdp_conformance.harness.protocol import function_name
-
-    params = {**check.params, **overrides}
-    runner = ranks.configured(env=dict(check.env) if check.env else None, skip=None)
     start = time.perf_counter()
     try:
-        outcomes = runner.run_outcomes(check.rank_fn, **params)
-        caught = tuple(sorted({w for o in outcomes for w in o.warnings}))
-        values = resolve_outcomes(function_name(check.rank_fn), outcomes)
-        verdict = check.verdict(values, params)
+        verdict, caught = _judge(ranks, check, {**check.params, **overrides})
     except CheckSkipped as exc:
         return CheckRun(check.name, SKIPPED, None, str(exc), time.perf_counter() - start)
     except RankFailure as exc:

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.bound import init_peak_bound
-from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
@@ -760,7 +760,7 @@ def _agree_on_failure(ctx: RankContext, error: str | None) -> list[str | None]:
 # --------------------------------------------------------------------------------------------
 
 
-def meta_build_rank(ctx: RankContext, spec: ModelSpec, device: str = "meta") -> dict[str, Any]:
+def rank_meta_build(ctx: RankContext, spec: ModelSpec, device: str = "meta") -> dict[str, Any]:
     """Build ``spec`` on ``device`` and measure how much the process's peak memory grew."""
     spec.build("meta")  # warm-up: imports and first-call caches are not the model's cost
     rss_before = reset_peak_rss()
@@ -781,7 +781,7 @@ def meta_build_rank(ctx: RankContext, spec: ModelSpec, device: str = "meta") -> 
     return report
 
 
-def meta_build_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_meta_build(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     worst = max(values, key=lambda v: v["growth_bytes"])
     model_mib = worst["model_bytes"] / MiB
     allowed = META_GROWTH_FRACTION * worst["model_bytes"] + META_GROWTH_FIXED_MIB * MiB
@@ -811,7 +811,7 @@ def meta_build_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str,
     )
 
 
-def materialize_rank(
+def rank_materialize(
     ctx: RankContext,
     spec: ModelSpec = DEFAULT_SPEC,
     version: str = "fsdp2",
@@ -920,7 +920,7 @@ def _weights_problems(v: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_no_meta(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every tensor on the compute device, with values (= the reference's), on every rank."""
     failed = _error_verdict(values)
     if failed:
@@ -938,7 +938,7 @@ def no_meta_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, An
     )
 
 
-def weights_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_weights(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Local shards = slices of the reference; gathered = the reference; on every rank."""
     failed = _error_verdict(values)
     if failed:
@@ -967,7 +967,7 @@ def weights_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, An
     )
 
 
-def sync_module_states_rank(
+def rank_sync_module_states(
     ctx: RankContext,
     spec: ModelSpec = DEFAULT_SPEC,
     seed: int = 0,
@@ -1003,7 +1003,7 @@ def sync_module_states_rank(
     return report
 
 
-def sync_module_states_verdict(
+def verdict_sync_module_states(
     values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> Verdict:
     """CPU: torch's refusal, on every rank, is the expected fact. GPU: rank 0's weights win."""
@@ -1021,7 +1021,7 @@ def sync_module_states_verdict(
                 {"refused": True},
                 {"refusal": message},
             )
-        weights = weights_verdict(values, params)
+        weights = verdict_weights(values, params)
         if not params.get("sync", True):
             return Verdict(False, "sync_module_states was off: nothing refused and nothing "
                            f"synchronized; the weights: {weights.message}", {"refused": False})
@@ -1031,7 +1031,7 @@ def sync_module_states_verdict(
             f"update the conformance fact); the weights then: {weights.message}",
             {"refused": False},
         )
-    verdict = weights_verdict(values, params)
+    verdict = verdict_weights(values, params)
     if not verdict.passed:
         return Verdict(False, "rank 0's weights did not reach every rank: " + verdict.message,
                        verdict.figures, verdict.data)
@@ -1039,14 +1039,9 @@ def sync_module_states_verdict(
                    + verdict.message, verdict.figures, verdict.data)
 
 
-def broadcast_rank0_rank(
-    ctx: RankContext,
-    spec: ModelSpec = DEFAULT_SPEC,
-    version: str = "fsdp2",
-    seed: int = 0,
-    rank_seed_offset: int = 1000,
-    broadcast: bool = True,
-) -> dict[str, Any]:
+def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                         seed: int = 0, rank_seed_offset: int = 1000,
+                         broadcast: bool = True) -> dict[str, Any]:
     """The CPU-capable equivalents of ``sync_module_states``: rank 0's weights to every rank.
 
     FSDP2: ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
@@ -1094,14 +1089,8 @@ def broadcast_rank0_rank(
     return report
 
 
-def train_step_rank(
-    ctx: RankContext,
-    spec: ModelSpec = DEFAULT_SPEC,
-    version: str = "fsdp2",
-    seed: int = 0,
-    rank_seed_offset: int = 0,
-    lr: float = 0.1,
-) -> dict[str, Any]:
+def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                    seed: int = 0, rank_seed_offset: int = 0, lr: float = 0.1) -> dict[str, Any]:
     """One SGD step after meta init, against the same step on the single-process reference.
 
     Every rank feeds the same batch, so the averaged gradient equals the reference's.
@@ -1141,7 +1130,7 @@ def train_step_rank(
     }
 
 
-def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     failed = _error_verdict(values)
     if failed:
         return failed
@@ -1170,7 +1159,7 @@ def train_step_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str,
                    f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'})", figures)
 
 
-def peak_memory_rank(
+def rank_peak_memory(
     ctx: RankContext,
     spec: ModelSpec = MEMORY_SPEC,
     version: str = "fsdp2",
@@ -1249,7 +1238,7 @@ def peak_memory_bound(value: Mapping[str, Any]) -> tuple[float, str]:
     return bound, terms
 
 
-def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_peak_memory(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     failed = _error_verdict(values)
     if failed:
         return failed
@@ -1285,90 +1274,77 @@ def peak_memory_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str
 # The checks
 # --------------------------------------------------------------------------------------------
 
-def _per_version(
-    what: str,
-    descriptions: tuple[str, str],
-    rank_fn: Callable[..., Any],
-    verdict: Callable[..., Verdict],
-    spec: ModelSpec = DEFAULT_SPEC,
-    env: Mapping[str, str] | None = None,
-    **params: Any,
-) -> tuple[Check, Check]:
-    """``init.<what>.fsdp1`` and ``init.<what>.fsdp2``: the same check once per FSDP version."""
-    def check(version: str, description: str) -> Check:
-        return Check(f"init.{what}.{version}", "init", description, rank_fn, verdict,
-                     {"spec": spec, "version": version, **params}, env=env)
-
-    return check("fsdp1", descriptions[0]), check("fsdp2", descriptions[1])
-
-
 CHECKS: tuple[Check, ...] = (
-    Check(
-        "init.meta_build", "init",
+    variants(
+        "init.meta_build",
         "building the model on meta allocates no storage (peak memory grows by almost nothing)",
-        meta_build_rank, meta_build_verdict, {"spec": DEFAULT_SPEC},
-    ),
-    *_per_version(
-        "no_meta",
-        ("FSDP1 + param_init_fn: every parameter and buffer on the compute device, initialized",
-         "FSDP2 + to_empty + init: every parameter and buffer on the compute device, initialized"),
-        materialize_rank, no_meta_verdict,
-    ),
-    *_per_version(
-        "weights",
-        ("FSDP1: each rank's shards and the gathered weights equal the single-process reference",
-         "FSDP2: each rank's shards and the gathered weights equal the single-process reference"),
-        materialize_rank, weights_verdict,
-    ),
-    Check(
-        "init.weights.fsdp1_default", "init",
+        rank_meta_build, verdict_meta_build, versions=None, specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "init.no_meta",
+        {"fsdp1": "FSDP1 + param_init_fn: every parameter and buffer on the compute device, "
+                  "initialized",
+         "fsdp2": "FSDP2 + to_empty + init: every parameter and buffer on the compute device, "
+                  "initialized"},
+        rank_materialize, verdict_no_meta, specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "init.weights",
+        {v: f"{v.upper()}: each rank's shards and the gathered weights equal the single-process "
+            "reference" for v in ("fsdp1", "fsdp2")},
+        rank_materialize, verdict_weights, specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "init.weights.default_path",
         "FSDP1's default meta path (to_empty + reset_parameters per module, no param_init_fn) "
         "equals the same calls made single-process in FSDP1's order",
-        materialize_rank, weights_verdict,
-        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "reset_parameters"},
-    ),
-    Check(
-        "init.sync_module_states", "init",
+        rank_materialize, verdict_weights, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
+        method="reset_parameters",
+    )
+    + variants(
+        "init.sync_module_states",
         "FSDP1 sync_module_states=True: refused on CPU (a fact); on GPU rank 0's weights win",
-        sync_module_states_rank, sync_module_states_verdict, {"spec": DEFAULT_SPEC},
-    ),
-    *_per_version(
-        "broadcast_rank0",
-        ("FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank 0's weights",
-         "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank rank 0's "
-         "weights"),
-        broadcast_rank0_rank, weights_verdict,
-    ),
-    *_per_version(
-        "train_step",
-        ("FSDP1: the first training step after meta init matches the reference's",
-         "FSDP2: the first training step after meta init matches the reference's"),
-        train_step_rank, train_step_verdict,
-    ),
-    *_per_version(
-        "peak_memory",
-        ("FSDP1: peak host memory while materializing stays within shards + one unit "
-         "(+ flat copy)",
-         "FSDP2: peak host memory while materializing stays within shards + one unit"),
-        peak_memory_rank, peak_memory_verdict, spec=MEMORY_SPEC, env=MALLOC_ENV,
-    ),
+        rank_sync_module_states, verdict_sync_module_states, versions=None,
+        specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "init.broadcast_rank0",
+        {"fsdp1": "FSDP1: an explicit rank-0 broadcast in param_init_fn gives every rank rank "
+                  "0's weights",
+         "fsdp2": "FSDP2: set_model_state_dict(broadcast_from_rank0=True) gives every rank "
+                  "rank 0's weights"},
+        rank_broadcast_rank0, verdict_weights, specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "init.train_step",
+        {v: f"{v.upper()}: the first training step after meta init matches the reference's"
+         for v in ("fsdp1", "fsdp2")},
+        rank_train_step, verdict_train_step, specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "init.peak_memory",
+        {"fsdp1": "FSDP1: peak host memory while materializing stays within shards + one unit "
+                  "(+ flat copy)",
+         "fsdp2": "FSDP2: peak host memory while materializing stays within shards + one unit"},
+        rank_peak_memory, verdict_peak_memory, specs=(MEMORY_SPEC,), env=MALLOC_ENV,
+    )
 )
 
 #: The seeds' ``materialization_fn`` as written, through the same checks: expected to fail,
 #: each with a one-line finding (docs/init.md). Not in CHECKS: they judge the seeds' code, not
 #: the user's model.
 SEEDS_CHECKS: tuple[Check, ...] = (
-    *_per_version(
-        "seeds_fn",
-        ("the seeds' materialization_fn as FSDP1's param_init_fn (never calls to_empty)",
-         "the seeds' materialization_fn after fully_shard, without to_empty"),
-        materialize_rank, no_meta_verdict, method="seeds",
-    ),
-    Check(
-        "init.seeds_fn_to_empty.fsdp1", "init",
+    variants(
+        "init.seeds_fn",
+        {"fsdp1": "the seeds' materialization_fn as FSDP1's param_init_fn (never calls "
+                  "to_empty)",
+         "fsdp2": "the seeds' materialization_fn after fully_shard, without to_empty"},
+        rank_materialize, verdict_no_meta, specs=(DEFAULT_SPEC,), method="seeds",
+    )
+    + variants(
+        "init.seeds_fn_to_empty",
         "the seeds' function with to_empty added: 1-D weights and buffers stay uninitialized",
-        materialize_rank, no_meta_verdict,
-        {"spec": DEFAULT_SPEC, "version": "fsdp1", "method": "seeds_to_empty"},
-    ),
+        rank_materialize, verdict_no_meta, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
+        method="seeds_to_empty",
+    )
 )
-

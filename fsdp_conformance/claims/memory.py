@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.bound import Bound, MeasureError, StepConfig, per_layer_bound
-from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, METER_RESOLUTION_BYTES
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
@@ -59,7 +59,8 @@ SAWTOOTH_MIN_UNIT_BYTES = 256 * 1024
 
 def rank_sawtooth(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
                   **kwargs: Any) -> dict[str, Any]:
-    """:func:`rank_step` for the sawtooth, skipped (on every rank alike) when units are tiny."""
+    """:func:`rank_peak_within_bound` for the sawtooth, skipped (on every rank alike) when units
+    are tiny."""
     units, config = plan_step(spec, ctx.world_size, version,
                               optimizer=kwargs.get("optimizer"),
                               batch_size=kwargs.get("batch_size", 2))
@@ -68,7 +69,7 @@ def rank_sawtooth(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str
         skip_rank(f"the largest unit of {spec.name} is {largest / 1024:.0f} KiB unsharded, under "
                   f"{SAWTOOTH_MIN_UNIT_BYTES // 1024} KiB: a gather that small cannot be told "
                   "apart from activations in the timeline; use a larger config of the model")
-    return rank_step(ctx, spec, version, **kwargs)
+    return rank_peak_within_bound(ctx, spec, version, **kwargs)
 
 
 def require_sharding(ctx: RankContext, version: str) -> None:
@@ -86,9 +87,10 @@ def require_sharding(ctx: RankContext, version: str) -> None:
                   "cannot be told apart from monolithic wrapping; run at world size >= 2")
 
 
-def rank_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-              wrapping: str = "per_layer", optimizer: str | None = None, batch_size: int = 2,
-              compare_with: str | None = None) -> dict[str, Any]:
+def rank_peak_within_bound(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                           version: str = "fsdp2", wrapping: str = "per_layer",
+                           optimizer: str | None = None, batch_size: int = 2,
+                           compare_with: str | None = None) -> dict[str, Any]:
     """One measured step plus the per-layer bound for this model and world size.
 
     ``compare_with`` (e.g. "monolithic") also measures that wrapping's timeline, for the
@@ -123,10 +125,11 @@ def with_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     return dataclasses.replace(spec, config=dataclasses.replace(config, num_layers=num_layers))
 
 
-def rank_depths(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                depths: Sequence[int] = DEFAULT_DEPTHS, wrapping: str = "per_layer",
-                reference: str = "monolithic", optimizer: str | None = None,
-                batch_size: int = 2) -> dict[str, Any]:
+def rank_depth_invariance(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                          version: str = "fsdp2", depths: Sequence[int] = DEFAULT_DEPTHS,
+                          wrapping: str = "per_layer", reference: str = "monolithic",
+                          optimizer: str | None = None,
+                          batch_size: int = 2) -> dict[str, Any]:
     """Peaks at several depths for ``wrapping`` and for the ``reference`` (monolithic) wrapping."""
     if spec.reference is None:
         skip_rank(f"depth invariance needs a reference model with a settable depth; "
@@ -156,9 +159,9 @@ def _block_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
     return max(others) * config.compute_bytes
 
 
-def rank_meter_agreement(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
-                         version: str = "fsdp2", wrapping: str = "per_layer",
-                         track_construction: bool = True, batch_size: int = 2) -> dict[str, Any]:
+def rank_meter_agrees(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                      version: str = "fsdp2", wrapping: str = "per_layer",
+                      track_construction: bool = True, batch_size: int = 2) -> dict[str, Any]:
     """The tracker and the ground truth (OS on CPU, CUDA allocator on GPU) on the same step."""
     truth = "cuda" if ctx.device_type == "cuda" else "os"
     result = measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth,
@@ -196,7 +199,9 @@ def _label(params: Mapping[str, Any]) -> str:
             f"{getattr(spec, 'name', spec)}")
 
 
-def peak_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_peak_within_bound(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
     """Every rank's measured peak at or under the per-layer bound (with its tolerance)."""
     rows = []
     for v in values:
@@ -255,7 +260,7 @@ def sawtooth_teeth(timeline: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return teeth
 
 
-def sawtooth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_sawtooth(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Each unit's gather rises by about one unit and its release falls back, on every rank.
 
     Rise: at most the current plus the prefetched unit of the per-layer plan (FSDP2 prefetches
@@ -323,7 +328,9 @@ def _saved_activations(bound: Bound) -> int:
     return sum(t.bytes for t in bound.terms if t.name == "saved activations")
 
 
-def depth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_depth_invariance(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
     """The per-layer working set constant across depths on every rank; monolithic's grows.
 
     Working set = peak - sharded state (params, grads, optimizer state: what per-layer FSDP is
@@ -391,7 +398,7 @@ def depth_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
                    figures, data)
 
 
-def meter_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_meter_agrees(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """The tracker's step increase (peak - start) within the tolerance of the ground truth's."""
     t = params.get("tolerance", METER_TOLERANCE)
     problems, ratios = [], []
@@ -424,32 +431,21 @@ def meter_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 # ============================================================================================
 
 
-def _variants(name: str, description: str, rank_fn: Callable[..., Any],
-              verdict: Callable[..., Verdict], env: Mapping[str, str] | None = None,
-              **params: Any) -> tuple[Check, ...]:
-    return tuple(
-        Check(name=name, claim="memory", description=description, rank_fn=rank_fn,
-              verdict=verdict, params={"spec": DEFAULT_SPEC, "version": version, **params},
-              env=env)
-        for version in ("fsdp1", "fsdp2")
-    )
-
-
-PEAK_CHECKS = _variants(
-    "memory.peak_within_bound",
-    "per-layer wrapping: every rank's peak at or under the term-by-term per-layer bound",
-    rank_step, peak_verdict)
-SAWTOOTH_CHECKS = _variants(
-    "memory.sawtooth",
-    "the timeline rises by about one unit at each gather and falls back at each release",
-    rank_sawtooth, sawtooth_verdict, compare_with="monolithic")
-DEPTH_CHECKS = _variants(
-    "memory.depth_invariance",
-    "more layers add only sharded state per rank (per-layer); monolithic adds the full layers",
-    rank_depths, depth_verdict)
-METER_CHECKS = _variants(
-    "memory.meter_agrees",
-    "torch's tracker agrees with ground truth (OS high-water mark / CUDA allocator) on a step",
-    rank_meter_agreement, meter_verdict, env=MALLOC_ENV)
+#: Each memory check once per FSDP version on the reference model: name, rank function,
+#: verdict, extra params, description.
+_ROWS: tuple[tuple[str, Callable[..., Any], Callable[..., Verdict], dict[str, Any], str], ...] = (
+    ("memory.peak_within_bound", rank_peak_within_bound, verdict_peak_within_bound, {},
+     "per-layer wrapping: every rank's peak at or under the term-by-term per-layer bound"),
+    ("memory.sawtooth", rank_sawtooth, verdict_sawtooth, {"compare_with": "monolithic"},
+     "the timeline rises by about one unit at each gather and falls back at each release"),
+    ("memory.depth_invariance", rank_depth_invariance, verdict_depth_invariance, {},
+     "more layers add only sharded state per rank (per-layer); monolithic adds the full layers"),
+    ("memory.meter_agrees", rank_meter_agrees, verdict_meter_agrees, {"env": MALLOC_ENV},
+     "torch's tracker agrees with ground truth (OS high-water mark / CUDA allocator) on a step"),
+)
+PEAK_CHECKS, SAWTOOTH_CHECKS, DEPTH_CHECKS, METER_CHECKS = (
+    variants(name, text, rank_fn, verdict, specs=(DEFAULT_SPEC,), **extra)
+    for name, rank_fn, verdict, extra, text in _ROWS
+)
 
 CHECKS: tuple[Check, ...] = PEAK_CHECKS + SAWTOOTH_CHECKS + DEPTH_CHECKS + METER_CHECKS

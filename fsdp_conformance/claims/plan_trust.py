@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.bound import BOUND_TOLERANCE, Bound
-from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
@@ -43,9 +43,10 @@ def default_cases(spec: ModelSpec, version: str) -> list[dict[str, Any]]:
     return cases
 
 
-def rank_measure_peaks(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                       cases: Sequence[Mapping[str, Any]] | None = None,
-                       batch_size: int = 2) -> dict[str, Any]:
+def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                               version: str = "fsdp2",
+                               cases: Sequence[Mapping[str, Any]] | None = None,
+                               batch_size: int = 2) -> dict[str, Any]:
     """The measured peak of one training step per case on this rank (step.measure_step)."""
     from fsdp_conformance.step import measure_step
 
@@ -113,7 +114,9 @@ def _case_label(case: Mapping[str, Any]) -> str:
             f"opt={case.get('optimizer', 'none')}: ")
 
 
-def trust_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_plan_estimate_matches(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
     """The planning estimate of each case within the tolerance of every rank's measured peak."""
     spec = params.get("spec", DEFAULT_SPEC)
     version = params.get("version", "fsdp2")
@@ -147,14 +150,11 @@ def trust_verdict(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
                    + "\nall cases:\n" + "\n".join(lines), figures, {"rows": rows})
 
 
-CHECKS: tuple[Check, ...] = tuple(
-    Check(name="memory.plan_estimate_matches", claim="memory",
-          description="the planning estimate (per-layer bound on meta) against every rank's "
-          "measured peak of a real step: at most 10% above it, and not too loose",
-          rank_fn=rank_measure_peaks, verdict=trust_verdict,
-          params={"spec": DEFAULT_SPEC, "version": version},
-          # The CUDA allocator adds cuBLAS workspaces and block rounding, which the estimate
-          # does not model; at the small sizes this check runs they would dominate.
-          lanes=("cpu",))
-    for version in ("fsdp1", "fsdp2")
-)
+CHECKS: tuple[Check, ...] = variants(
+    "memory.plan_estimate_matches",
+    "the planning estimate (per-layer bound on meta) against every rank's measured peak of a "
+    "real step: at most 10% above it, and not too loose",
+    rank_plan_estimate_matches, verdict_plan_estimate_matches, specs=(DEFAULT_SPEC,),
+    # The CUDA allocator adds cuBLAS workspaces and block rounding, which the estimate does
+    # not model; at the small sizes this check runs they would dominate.
+    lanes=("cpu",))

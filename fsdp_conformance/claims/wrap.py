@@ -28,14 +28,14 @@ import copy
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_conformance import _compat, policies
-from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec, default_loss
 from fsdp_conformance.policies import PolicyError, PolicyName, shared_parameter_groups
@@ -169,7 +169,7 @@ def _module_at(model: nn.Module, fqn: str) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
-def plan_verdict(
+def verdict_plan(
     model: nn.Module,
     policy: Any,
     block_classes: Sequence[type[nn.Module]],
@@ -243,7 +243,7 @@ def _unique_numel(model: nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def inspect_units(
+def rank_units(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
@@ -310,7 +310,7 @@ def _rank_disagreement(values: Sequence[Mapping[str, Any]], key: str) -> str | N
     return None
 
 
-def verdict_unit_set(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_units_exact(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every rank's actual units equal the claim's expected units."""
     by_story: dict[str, list[int]] = {}  # identical failures from several ranks told once
     for v in values:
@@ -337,7 +337,7 @@ def verdict_unit_set(values: Sequence[Mapping[str, Any]], params: Mapping[str, A
     )
 
 
-def verdict_plan_matches(
+def verdict_units_plan(
     values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> Verdict:
     """The plan computed without a process group equals the actual units on every rank."""
@@ -407,7 +407,9 @@ def _unit_count_problems(values: Sequence[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
-def verdict_accounting(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_units_accounting(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
     """Numels add up; each tied weight in one unit; every rank's shard sizes as expected."""
     problems: list[str] = []
     v0 = values[0]
@@ -528,7 +530,7 @@ def documented_unit_modules(
     raise PolicyError(f"unknown builder {builder!r}; choose one of {', '.join(BUILDERS)}")
 
 
-def builder_units(
+def rank_builders(
     ctx: RankContext, builder: str, reference: str = "massive", head: str = "head",
     claimed_builder: str | None = None,
 ) -> dict[str, Any]:
@@ -564,7 +566,7 @@ def builder_units(
     }
 
 
-def verdict_builder(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_builders(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every rank's units equal the builder's documented result, per-unit overrides included."""
     for v in values:
         documented, actual = _units(v, "documented"), _units(v, "actual")
@@ -657,7 +659,7 @@ def _sgd_step(model: nn.Module, lr: float) -> None:
                 p.grad = None
 
 
-def train_parity(
+def rank_train(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
@@ -684,7 +686,7 @@ def train_parity(
     policy_obj = policies.policy(policy, model, blocks, spec.size_threshold(model))
     batch = spec.batch(reference, batch_size=per_rank_batch * ctx.world_size, device=ctx.device)
     if not isinstance(batch, torch.Tensor):
-        raise TypeError("train_parity slices the batch along dim 0: the input builder must "
+        raise TypeError("rank_train slices the batch along dim 0: the input builder must "
                         f"return a tensor, got {type(batch).__name__}")
     mine = batch[ctx.rank * per_rank_batch:(ctx.rank + 1) * per_rank_batch]
 
@@ -830,7 +832,7 @@ def fsdp2_unit_strategies(sharded: nn.Module) -> dict[str, str]:
     return out
 
 
-def mixed_config_units(
+def rank_mixed(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
@@ -994,7 +996,7 @@ class _BackwardMark(torch.autograd.Function):
         return grad, None
 
 
-def prefetch_order(
+def rank_prefetch(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp1",
@@ -1108,14 +1110,14 @@ def _timeline(run: Sequence[tuple[str, Any]]) -> str:
     return " ".join(f"{k}:{v}" if v is not None else k for k, v in run)
 
 
-def verdict_forward_prefetch(
+def verdict_prefetch_forward(
     values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> Verdict:
     """In the last iteration, the unit of block k+1 is gathered before block k's forward ends."""
     return _prefetch_verdict(values, "forward")
 
 
-def verdict_backward_prefetch(
+def verdict_prefetch_backward(
     values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> Verdict:
     """In backward, the unit of block k-1 is gathered before block k's backward ends."""
@@ -1161,7 +1163,9 @@ def _prefetch_verdict(values: Sequence[Mapping[str, Any]], direction: str) -> Ve
                    {"runs": values[0]["runs"]})
 
 
-def verdict_coarse(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+def verdict_prefetch_coarse(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
     """With one coarse unit, one all-gather per iteration and none while blocks run."""
     problems = []
     for v in values:
@@ -1192,7 +1196,7 @@ def seeds_full_scale_plan(policy: PolicyName = "seeds_verbatim") -> tuple[list[U
         model = MassiveModel(ModelConfig.seeds_full_scale())
     blocks = (DecoderLayer,)
     policy_obj = policies.policy(policy, model, blocks, SEED_MIN_PARAMS)
-    verdict = plan_verdict(model, policy_obj, blocks, SEED_MIN_PARAMS,
+    verdict = verdict_plan(model, policy_obj, blocks, SEED_MIN_PARAMS,
                            f"policy {policy!r} at dim 4096, 8 layers, threshold 2e7")
     return plan_units(model, policy_obj), verdict
 
@@ -1206,76 +1210,86 @@ _TIED = ModelSpec(reference="tied")
 _EMB = ModelSpec(reference="embedding_classifier")
 
 
-def _checks() -> tuple[Check, ...]:
-    out: list[Check] = []
-    for version in ("fsdp1", "fsdp2"):
-        for spec in (_REF, _TIED):
-            common = {"spec": spec, "version": version, "policy": "recommended"}
-            out += [
-                Check("wrap.units.exact", "wrap",
-                      "each block exactly one unit, oversized modules outside blocks wrapped, "
-                      "nothing else", inspect_units, verdict_unit_set, common),
-                Check("wrap.units.plan", "wrap",
-                      "the plan (no process group) equals the actual units on every rank",
-                      inspect_units, verdict_plan_matches, common),
-                Check("wrap.units.accounting", "wrap",
-                      "unit numels add up, tied weights in one unit, shard sizes on every rank",
-                      inspect_units, verdict_accounting, common),
-            ]
-        for precision in ("fp32", "bf16"):
-            out.append(Check(f"wrap.train.{precision}", "wrap",
-                             f"{precision} training steps under FSDP equal a single-process "
-                             "reference", train_parity, verdict_train,
-                             {"spec": _REF, "version": version, "precision": precision}))
-        out.append(Check("wrap.mixed", "wrap",
-                         "embedding NO_SHARD fp32, blocks FULL_SHARD bf16 (second seed)",
-                         mixed_config_units, verdict_mixed, {"spec": _EMB, "version": version}))
-        out.append(Check("wrap.prefetch.forward", "wrap",
-                         "with one unit per block, unit k+1 is gathered before block k ends",
-                         prefetch_order, verdict_forward_prefetch,
-                         {"spec": _REF, "version": version}))
-        out.append(Check("wrap.prefetch.backward", "wrap",
-                         "in backward, unit k-1 is gathered before block k's backward ends",
-                         prefetch_order, verdict_backward_prefetch,
-                         {"spec": _REF, "version": version}))
-        out.append(Check("wrap.prefetch.coarse", "wrap",
-                         "with a single coarse unit there is nothing to prefetch",
-                         prefetch_order, verdict_coarse,
-                         {"spec": _REF, "version": version, "policy": "root_only"}))
-    for builder in BUILDERS:
-        out.append(Check(f"wrap.builders.{builder}", "wrap",
-                         f"torch's {builder} policy builder gives its documented units",
-                         builder_units, verdict_builder, {"builder": builder}))
-    return tuple(out)
+#: A row of a check table: name, rank function, verdict, extra params, description.
+_Row = tuple[str, Callable[..., Any], Callable[..., Verdict], dict[str, Any], str]
+
+#: The unit checks, run on each reference model with the recommended policy.
+_UNIT_ROWS: tuple[_Row, ...] = (
+    ("wrap.units.exact", rank_units, verdict_units_exact, {},
+     "each block exactly one unit, oversized modules outside blocks wrapped, nothing else"),
+    ("wrap.units.plan", rank_units, verdict_units_plan, {},
+     "the plan (no process group) equals the actual units on every rank"),
+    ("wrap.units.accounting", rank_units, verdict_units_accounting, {},
+     "unit numels add up, tied weights in one unit, shard sizes on every rank"),
+)
+#: The checks after them, each on one model (``spec`` in the extra params).
+_VERSION_ROWS: tuple[_Row, ...] = (
+    ("wrap.train.fp32", rank_train, verdict_train, {"spec": _REF, "precision": "fp32"},
+     "fp32 training steps under FSDP equal a single-process reference"),
+    ("wrap.train.bf16", rank_train, verdict_train, {"spec": _REF, "precision": "bf16"},
+     "bf16 training steps under FSDP equal a single-process reference"),
+    ("wrap.mixed", rank_mixed, verdict_mixed, {"spec": _EMB},
+     "embedding NO_SHARD fp32, blocks FULL_SHARD bf16 (second seed)"),
+    ("wrap.prefetch.forward", rank_prefetch, verdict_prefetch_forward, {"spec": _REF},
+     "with one unit per block, unit k+1 is gathered before block k ends"),
+    ("wrap.prefetch.backward", rank_prefetch, verdict_prefetch_backward, {"spec": _REF},
+     "in backward, unit k-1 is gathered before block k's backward ends"),
+    ("wrap.prefetch.coarse", rank_prefetch, verdict_prefetch_coarse,
+     {"spec": _REF, "policy": "root_only"},
+     "with a single coarse unit there is nothing to prefetch"),
+)
+
+
+def _version_checks(version: str) -> tuple[Check, ...]:
+    # Version-major, the unit checks per model first: the order reports and ``run --list``
+    # have always listed the wrap checks in.
+    units = (
+        variants(name, text, rank_fn, verdict, versions=(version,), specs=(spec,),
+                 policy="recommended", **extra)
+        for spec in (_REF, _TIED)
+        for name, rank_fn, verdict, extra, text in _UNIT_ROWS
+    )
+    others = (
+        variants(name, text, rank_fn, verdict, versions=(version,), specs=(extra["spec"],),
+                 **{k: v for k, v in extra.items() if k != "spec"})
+        for name, rank_fn, verdict, extra, text in _VERSION_ROWS
+    )
+    return sum(units, ()) + sum(others, ())
 
 
 #: Every wrap check with its reference parameters (the CLI swaps in the user's spec).
-CHECKS: tuple[Check, ...] = _checks()
+CHECKS: tuple[Check, ...] = (
+    _version_checks("fsdp1") + _version_checks("fsdp2")
+    + sum((variants(f"wrap.builders.{builder}",
+                    f"torch's {builder} policy builder gives its documented units",
+                    rank_builders, verdict_builders, versions=None, builder=builder)
+           for builder in BUILDERS), ())
+)
 
 __all__ = [
     "BUILDERS",
     "CHECKS",
     "FAULTS",
-    "builder_units",
     "documented_unit_modules",
     "expected_local_numel",
     "expected_units",
     "fsdp1_options",
-    "inspect_units",
-    "mixed_config_units",
-    "plan_verdict",
-    "prefetch_order",
+    "rank_builders",
+    "rank_mixed",
+    "rank_prefetch",
+    "rank_train",
+    "rank_units",
     "record_compute_dtypes",
     "record_unshards",
     "seeds_full_scale_plan",
-    "train_parity",
-    "verdict_accounting",
-    "verdict_backward_prefetch",
-    "verdict_builder",
-    "verdict_coarse",
-    "verdict_forward_prefetch",
+    "verdict_builders",
     "verdict_mixed",
-    "verdict_plan_matches",
+    "verdict_plan",
+    "verdict_prefetch_backward",
+    "verdict_prefetch_coarse",
+    "verdict_prefetch_forward",
     "verdict_train",
-    "verdict_unit_set",
+    "verdict_units_accounting",
+    "verdict_units_exact",
+    "verdict_units_plan",
 ]

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance._files import PlainData
+from fsdp_conformance.gate.migrate import migrate_report
 from fsdp_conformance.gate.report import DEPRECATION_CATEGORIES, UNIT_DATA_KEYS, first_line
 from fsdp_conformance.sizes import MiB
 
@@ -57,15 +58,16 @@ def compare_reports(
 ) -> list[Difference]:
     """Every difference that matters for an upgrade, regressions flagged.
 
-    Checks are matched by ``id``. Regressions: a worse outcome (passed -> skipped/failed/error,
-    skipped -> failed/error), a check missing from ``new``, a changed unit structure or unit
-    count, a memory figure up by more than ``memory_tolerance`` (relative) and
-    ``memory_floor_bytes`` (absolute), a changed dtype figure. Reported but not regressions:
-    better outcomes, added checks, memory down, other changed figures, new warnings and
-    deprecations, different settings.
+    Checks are matched by ``id``, after both reports are migrated to the current check names
+    (:mod:`~fsdp_conformance.gate.migrate`), so a report of an older layout still matches.
+    Regressions: a worse outcome (passed -> skipped/failed/error, skipped -> failed/error), a
+    check missing from ``new``, a changed unit structure or unit count, a memory figure up by
+    more than ``memory_tolerance`` (relative) and ``memory_floor_bytes`` (absolute), a changed
+    dtype figure. Reported but not regressions: better outcomes, added checks, memory down,
+    other changed figures, new warnings and deprecations, different settings.
     """
-    old_checks = {e["id"]: e for e in old["checks"]}
-    new_checks = {e["id"]: e for e in new["checks"]}
+    old_checks = {e["id"]: e for e in migrate_report(old)["checks"]}
+    new_checks = {e["id"]: e for e in migrate_report(new)["checks"]}
     diffs = _compare_settings(old.get("settings") or {}, new.get("settings") or {})
     for cid in sorted(old_checks.keys() - new_checks.keys()):
         was = old_checks[cid]["outcome"]
@@ -97,8 +99,8 @@ def comparability(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     reasons = [f"settings.{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
                for key in MODEL_SETTINGS
                if old["settings"].get(key) != new["settings"].get(key)]
-    old_ids = {e["id"] for e in old["checks"]}
-    new_ids = {e["id"] for e in new["checks"]}
+    old_ids = {e["id"] for e in migrate_report(old)["checks"]}
+    new_ids = {e["id"] for e in migrate_report(new)["checks"]}
     if not old_ids & new_ids:
         others = [f"{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
                   for key in sorted(old["settings"].keys() | new["settings"].keys())

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Check, CheckRun, execute
+from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks
 from fsdp_conformance.models import ModelSpec
@@ -39,11 +40,14 @@ def select_checks(
 
     On the user's model only checks that take a ``spec`` run (each with the user's spec in
     place of the reference one); a check's own negative-control variants stay in the tests.
+    ``pattern`` is a substring of the check's name or of the name its variant had before a
+    rename (``init.weights.fsdp2`` still selects ``init.weights`` on FSDP2).
     """
     chosen: list[tuple[Check, dict[str, Any]]] = []
     seen: set[tuple[str, str]] = set()
     for check in checks:
-        if pattern and pattern not in check.name:
+        if pattern and pattern not in check.name and pattern not in (
+                legacy_name(check.name, check.params.get("version")) or ""):
             continue
         params = dict(check.params)
         if spec is not None:
