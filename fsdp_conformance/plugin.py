@@ -161,9 +161,10 @@ def _parametrize_conformance_checks(metafunc: pytest.Metafunc, settings: Setting
     """model_tests.py's one test, once per selected check and variant (the CLI's ``--list``
     labels): the reference suite, or every model check on the user's model."""
     from fsdp_conformance import user_model  # the suite imports torch: only when collected
+    from fsdp_conformance.claims import all_checks
     from fsdp_conformance.gate import suite
 
-    pairs = suite.select_checks(suite.all_checks(), user_model.user_spec(settings))
+    pairs = suite.select_checks(all_checks(), user_model.user_spec(settings))
     ids = []
     for check, params in pairs:
         variant = suite.variant_of(params)

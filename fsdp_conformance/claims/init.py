@@ -185,7 +185,7 @@ def full_module_state(module: nn.Module, fqn: str, seed: int) -> dict[str, torch
     try:
         # fork_rng(devices=[]) restores the CPU generator afterwards and leaves CUDA alone.
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.random.default_generator.manual_seed(module_seed(seed, fqn))
+            torch.default_generator.manual_seed(module_seed(seed, fqn))
             reset()
         # The scratch tensors are ours once the originals are back: no copy (peak memory).
         out = {name: scratch[name] for _, name, _ in own}

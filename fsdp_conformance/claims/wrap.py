@@ -28,7 +28,7 @@ import copy
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -808,7 +808,8 @@ def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 
 def _embedding_fqn(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> str:
     inside = {id(s) for m in model.modules() if isinstance(m, blocks) for s in m.modules()}
-    for name, module in model.named_modules():
+    named: Iterable[tuple[str, nn.Module]] = model.named_modules()  # torch leaves it untyped
+    for name, module in named:
         if isinstance(module, nn.Embedding) and id(module) not in inside:
             return name
     raise PolicyError(f"{type(model).__name__} has no nn.Embedding outside its blocks: the "
@@ -1038,7 +1039,7 @@ def rank_prefetch(
                 # tensor itself would fire after FSDP's pre-backward hook of the previous unit
                 # (registered on the same tensor), which gathers that unit prefetch or not.
                 mark = functools.partial(events.append, ("bwd_end", i))
-                return (_BackwardMark.apply(x, mark), *args[1:])
+                return (_BackwardMark.apply(x, mark), *args[1:])  # type: ignore[no-untyped-call]
             return None
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any, i: int = i) -> None:
