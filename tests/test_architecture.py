@@ -39,6 +39,8 @@ LAYERS: dict[str, str] = {
     "timeline": "blocks",
     "step": "blocks",
     "user_model": "blocks",
+    "hf": "blocks",
+    "hf_models": "blocks",
     "plan": "plan",
     "claims": "claims",
     "gate": "gate",
