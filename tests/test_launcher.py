@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,33 @@ class Launch:
         return f"stdout:\n{self.proc.stdout}\nstderr:\n{self.proc.stderr}"
 
 
-def launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
-           pythonpath: Sequence[str] = ()) -> Launch:
-    """``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in ``directory``."""
+class Running:
+    """A launch under way; ``wait()`` gives its :class:`Launch`."""
+
+    def __init__(self, directory: Path, cmd: list[str], proc: subprocess.Popen[str]) -> None:
+        self.directory = directory
+        self.cmd = cmd
+        self.proc = proc
+
+    def wait(self) -> Launch:
+        try:
+            out, err = self.proc.communicate(timeout=LAUNCH_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"torchrun ran over {LAUNCH_LIMIT_S}s: {' '.join(self.cmd)}")
+        return Launch(self.directory,
+                      subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def start_launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
+                 pythonpath: Sequence[str] = ()) -> Running:
+    """Start ``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in
+    ``directory``."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -85,32 +109,73 @@ def launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
     environ.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fsdp_conformance.cli", "run", "--checks", checks, "--out", "out"]
-    try:
-        proc = subprocess.run(cmd, cwd=directory, env=environ, capture_output=True, text=True,
-                              timeout=LAUNCH_LIMIT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun ran over {LAUNCH_LIMIT_S}s: {exc}")
-    return Launch(directory, proc)
+    proc = subprocess.Popen(cmd, cwd=directory, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return Running(directory, cmd, proc)
 
 
-@pytest.fixture(scope="module")
-def without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+def _start_without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
     """The two init peak checks (they need MALLOC_MMAP_THRESHOLD_ at start), launched without."""
-    return launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
+    return start_launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
 
 
-@pytest.fixture(scope="module")
-def with_malloc(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return launch(tmp_path_factory.mktemp("with"), "init.peak_memory", {MALLOC: "65536"})
+def _start_with_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
+    return start_launch(tmp_path_factory.mktemp("with"), "init.peak_memory", {MALLOC: "65536"})
 
 
-@pytest.fixture(scope="module")
-def failing_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+def _start_failing_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Running:
     directory = tmp_path_factory.mktemp("failing")
     (directory / "site").mkdir()
     (directory / "site" / "sitecustomize.py").write_text(FAIL_ON_RANK)
-    return launch(directory, "wrap.units.exact", {"FSDPC_TEST_FAIL_ON_RANK": "1"},
-                  [str(directory / "site")])
+    return start_launch(directory, "wrap.units.exact", {"FSDPC_TEST_FAIL_ON_RANK": "1"},
+                        [str(directory / "site")])
+
+
+#: The launches below, by the name of the fixture that gives each.
+LAUNCHES = {
+    "without_malloc": _start_without_malloc,
+    "with_malloc": _start_with_malloc,
+    "failing_on_rank1": _start_failing_on_rank1,
+}
+
+
+@pytest.fixture(scope="module")
+def launches(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Running]]:
+    """Starts at once the launches this module's selected tests need.
+
+    Each launch is three processes importing torch plus torchrun's rendezvous and monitoring
+    waits: together on a 2-core machine they take about the CPU time they need, one after
+    another the sum of their wall times. Each fixture below waits for its own.
+    """
+    needed = {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in getattr(item, "fixturenames", ())
+    }
+    started = {name: start(tmp_path_factory) for name, start in LAUNCHES.items() if name in needed}
+    try:
+        yield started
+    finally:
+        for running in started.values():  # a run cut short leaves no torchrun behind
+            running.stop()
+
+
+@pytest.fixture(scope="module")
+def without_malloc(launches: dict[str, Running]) -> Launch:
+    return launches["without_malloc"].wait()
+
+
+@pytest.fixture(scope="module")
+def with_malloc(launches: dict[str, Running]) -> Launch:
+    return launches["with_malloc"].wait()
+
+
+@pytest.fixture(scope="module")
+def failing_on_rank1(launches: dict[str, Running]) -> Launch:
+    return launches["failing_on_rank1"].wait()
 
 
 def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
