@@ -2,9 +2,10 @@
 
 Fault injection runs in separate pytest sessions (the plugin loaded through its ``pytest11``
 entry point), one session per module for all the faults, and asserts both the outcome and what
-the report says. The pool's own behaviour (reuse, rebuild, fresh processes, clean global state)
-is tested in-process through the ``ranks`` fixture; the check functions for those live at module
-level here, so that the ranks can unpickle them.
+the report says. The module's inner sessions and torchrun launches start together (``started``),
+so that one's waits overlap the others' work. The pool's own behaviour (reuse, rebuild, fresh
+processes, clean global state) is tested in-process through the ``ranks`` fixture; the check
+functions for those live at module level here, so that the ranks can unpickle them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,54 @@ def failure_section(result: pytest.RunResult, test_name: str) -> pytest.LineMatc
     while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
         end += 1
     return pytest.LineMatcher(lines[starts[0] : end])
+
+
+# --------------------------------------------------------------------------------------------
+# Started together: this module's inner sessions and torchrun launches
+# --------------------------------------------------------------------------------------------
+
+#: Starts one module fixture's subprocesses (adding each to the list, for the teardown) and
+#: returns what waits for them and gives the fixture's value.
+Starter = Callable[[pytest.TempPathFactory, list[subprocess.Popen[str]]], Callable[[], Any]]
+
+#: The starters, by the name of the fixture that waits for them.
+BACKGROUND: dict[str, Starter] = {}
+
+
+def background(fixture_name: str) -> Callable[[Starter], Starter]:
+    def register(start: Starter) -> Starter:
+        BACKGROUND[fixture_name] = start
+        return start
+
+    return register
+
+
+@pytest.fixture(scope="module")
+def started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Callable[[], Any]]]:
+    """Starts at once every inner session and launch that this module's selected tests need.
+
+    Much of their time is waiting (graces, hangs, torchrun's rendezvous) and each runs the
+    torch imports of a few processes: one after another on a 2-core machine they cost the sum
+    of their wall times, started together about the CPU time they need. Each fixture that
+    gives one of them waits for its own; what the tests assert is the same either way.
+    """
+    needed = {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in getattr(item, "fixturenames", ())
+    }
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield {name: start(tmp_path_factory, procs)
+               for name, start in BACKGROUND.items() if name in needed}
+    finally:
+        for proc in procs:  # a run cut short (a failed fixture, Ctrl-C) leaves none behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,23 +277,25 @@ def _rank(ctx):
     return ctx.rank
 
 
+def _warm(ranks):
+    # The first check on a new pool imports this file (pytest with it) on every rank: on a
+    # loaded machine that can outlast a 2 s timeout or a grace, and the report would show a
+    # rank importing instead of waiting where the fault left it. Done here, before the fault.
+    assert ranks.run(_rank) == [0, 1]
+
+
 # The check timeout (100 s) is far beyond the grace: a report naming the grace proves the peer
 # was released by it; the pytest-timeout marker only guards against waiting the timeout out.
 @pytest.mark.timeout(120)
 def test_skip_while_peer_waits(ranks):
+    _warm(ranks)
     ranks.configured(timeout=100).run(_skip_rank0_while_rank1_waits)
 
 
 @pytest.mark.timeout(120)
 def test_failure_while_peer_waits(ranks):
+    _warm(ranks)
     ranks.configured(timeout=100).run(_raise_rank0_while_rank1_waits)
-
-
-# pytest-timeout (30 s) fires long before the check timeout (120 s by default): the check's
-# timeout must shrink to fit, so the report is every rank's stack, not pytest's bare Timeout.
-@pytest.mark.timeout(30)
-def test_hang_under_a_shorter_pytest_timeout(ranks):
-    ranks.run(_hang_rank1)
 
 
 def test_exception_on_one_rank(ranks):
@@ -256,18 +307,22 @@ def test_exceptions_on_all_ranks(ranks):
 
 
 def test_sigkill_rank1(ranks):
+    _warm(ranks)
     ranks.run(_sigkill, 1)
 
 
 def test_sigkill_rank0(ranks):
+    _warm(ranks)
     ranks.run(_sigkill, 0)
 
 
 def test_os_exit_rank1(ranks):
+    _warm(ranks)
     ranks.run(_exit_early, 1)
 
 
 def test_os_exit_rank0(ranks):
+    _warm(ranks)
     ranks.run(_exit_early, 0)
 
 
@@ -276,11 +331,21 @@ def test_segfault_rank1(ranks):
 
 
 def test_hang_rank1(ranks):
+    _warm(ranks)
     ranks.configured(timeout=2).run(_hang_rank1)
 
 
 def test_skip_on_every_rank(ranks):
     ranks.run(_skip_everywhere)
+
+
+# pytest-timeout (12 s) fires long before the check timeout (120 s by default): the check's
+# timeout must shrink to fit, so the report is every rank's stack, not pytest's bare Timeout.
+# It follows a skip on every rank, which keeps the pool warm: starting ranks on a loaded machine
+# would eat into those 12 s (that case has a test of its own, in the outer session).
+@pytest.mark.timeout(12)
+def test_hang_under_a_shorter_pytest_timeout(ranks):
+    ranks.run(_hang_rank1)
 
 
 def test_skip_on_one_rank(ranks):
@@ -294,7 +359,6 @@ def test_clean_check_after_all_faults(ranks):
 FAULT_TESTS = (  # in the order of the file
     "test_skip_while_peer_waits",
     "test_failure_while_peer_waits",
-    "test_hang_under_a_shorter_pytest_timeout",
     "test_exception_on_one_rank",
     "test_exceptions_on_all_ranks",
     "test_sigkill_rank1",
@@ -303,16 +367,26 @@ FAULT_TESTS = (  # in the order of the file
     "test_os_exit_rank0",
     "test_segfault_rank1",
     "test_hang_rank1",
+    "test_hang_under_a_shorter_pytest_timeout",
     "test_skip_on_one_rank",
 )
 
 
-@pytest.fixture(scope="module")
-def faults(tmp_path_factory: pytest.TempPathFactory) -> Session:
+@background("faults")
+def start_faults(
+    tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
+) -> Callable[[], Session]:
     directory = tmp_path_factory.mktemp("faults")
     (directory / "conftest.py").write_text(FAULTS_CONFTEST)
     (directory / "test_faults.py").write_text(FAULTS)
-    return run_session(directory, ["test_faults.py", "-m", "cpu"])
+    proc = start_session(directory, ["test_faults.py", "-m", "cpu"])
+    procs.append(proc)
+    return lambda: finish_session(proc, directory)
+
+
+@pytest.fixture(scope="module")
+def faults(started: dict[str, Callable[[], Any]]) -> Session:
+    return started["faults"]()
 
 
 def test_fault_session_outcomes(faults: Session) -> None:
@@ -469,8 +543,9 @@ def test_check_timeout_fits_inside_a_shorter_pytest_timeout_and_dumps_every_rank
     faults: Session,
 ) -> None:
     section = failure_section(faults.result, "test_hang_under_a_shorter_pytest_timeout")
-    note = ("(cut from 120s to end within this test's pytest-timeout of 30s (its timeout "
-            "marker), less 5s for the stack dump and teardown); its stacks:")
+    # Under 20 s, the reserve is a quarter of the pytest-timeout (3 s of 12 s), not 5 s.
+    note = ("(cut from 120s to end within this test's pytest-timeout of 12s (its timeout "
+            "marker), less 3s for the stack dump and teardown); its stacks:")
     section.fnmatch_lines(
         [
             "*failed on 2 ranks: rank 0 did not finish, rank 1 did not finish",
@@ -715,15 +790,25 @@ def test_all_reduce(ranks, offset):
 """
 
 
-@pytest.fixture(scope="module")
-def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Session]:
+@background("side_by_side")
+def start_side_by_side(
+    tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
+) -> Callable[[], dict[str, Session]]:
     """Two sessions at once in two folders: a plain one and one with two xdist workers."""
-    started = {}
+    sessions = {}
     for name, extra in (("plain", []), ("xdist", ["-n", "2"])):
         directory = tmp_path_factory.mktemp(name)
         (directory / "test_side.py").write_text(SIDE_BY_SIDE)
-        started[name] = (start_session(directory, ["test_side.py", "-m", "cpu", *extra]), directory)
-    return {name: finish_session(proc, directory) for name, (proc, directory) in started.items()}
+        proc = start_session(directory, ["test_side.py", "-m", "cpu", *extra])
+        procs.append(proc)
+        sessions[name] = (proc, directory)
+    return lambda: {name: finish_session(proc, directory)
+                    for name, (proc, directory) in sessions.items()}
+
+
+@pytest.fixture(scope="module")
+def side_by_side(started: dict[str, Callable[[], Any]]) -> dict[str, Session]:
+    return started["side_by_side"]()
 
 
 def test_two_sessions_side_by_side_both_pass(side_by_side: dict[str, Session]) -> None:
@@ -782,8 +867,12 @@ def test_unpicklable_value_on_one_rank(ranks):
 """
 
 
-def run_torchrun(directory: Path, *pytest_args: str) -> tuple[int, dict[int, pytest.LineMatcher]]:
-    """Run pytest under torchrun on 2 local ranks: its exit code and each rank's output."""
+def start_torchrun(
+    directory: Path, procs: list[subprocess.Popen[str]], *pytest_args: str
+) -> Callable[[], tuple[int, dict[int, pytest.LineMatcher]]]:
+    """Start pytest under torchrun on 2 local ranks; what waits for its exit code and each
+    rank's output."""
+    (directory / "test_launched.py").write_text(LAUNCHED)
     logs = directory / f"logs-{'-'.join(pytest_args)}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -792,30 +881,63 @@ def run_torchrun(directory: Path, *pytest_args: str) -> tuple[int, dict[int, pyt
         "--fsdp-timeout=5",  # the outer guard (pytest-timeout) becomes 85 s: a hang fails
         *pytest_args,
     ]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd, cwd=directory, env=inner_env(), capture_output=True, text=True,
-            timeout=SESSION_LIMIT_S, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"torchrun ran over {SESSION_LIMIT_S}s; the ranks' logs are in {logs}")
-    by_rank = {}
-    for rank in (0, 1):
-        found = sorted(logs.glob(f"*/attempt_*/{rank}/stdout.log"))
-        assert found, f"no output of rank {rank} under {logs}; torchrun said:\n{proc.stderr}"
-        by_rank[rank] = pytest.LineMatcher(found[-1].read_text().splitlines())
-    return proc.returncode, by_rank
+    proc = subprocess.Popen(
+        cmd, cwd=directory, env=inner_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    procs.append(proc)
+
+    def finish() -> tuple[int, dict[int, pytest.LineMatcher]]:
+        try:
+            _, err = proc.communicate(timeout=SESSION_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            pytest.fail(f"torchrun ran over {SESSION_LIMIT_S}s; the ranks' logs are in {logs}")
+        by_rank = {}
+        for rank in (0, 1):
+            found = sorted(logs.glob(f"*/attempt_*/{rank}/stdout.log"))
+            assert found, f"no output of rank {rank} under {logs}; torchrun said:\n{err}"
+            by_rank[rank] = pytest.LineMatcher(found[-1].read_text().splitlines())
+        return proc.returncode, by_rank
+
+    return finish
+
+
+@background("launched_passing")
+def start_launched_passing(
+    tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
+) -> Callable[[], tuple[int, dict[int, pytest.LineMatcher]]]:
+    return start_torchrun(tmp_path_factory.mktemp("launched"), procs,
+                          "test_launched.py", "-k", "in_process")
+
+
+@background("launched_failing")
+def start_launched_failing(
+    tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
+) -> Callable[[], tuple[int, dict[int, pytest.LineMatcher]]]:
+    return start_torchrun(tmp_path_factory.mktemp("launched"), procs,
+                          "test_launched.py", "-k", "failure or unpicklable")
 
 
 @pytest.fixture(scope="module")
-def launched_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("launched")
-    (directory / "test_launched.py").write_text(LAUNCHED)
-    return directory
+def launched_passing(
+    started: dict[str, Callable[[], Any]],
+) -> tuple[int, dict[int, pytest.LineMatcher]]:
+    return started["launched_passing"]()
 
 
-def test_under_torchrun_every_ranks_pytest_passes(launched_dir: Path) -> None:
-    returncode, ranks_output = run_torchrun(launched_dir, "test_launched.py", "-k", "in_process")
+@pytest.fixture(scope="module")
+def launched_failing(
+    started: dict[str, Callable[[], Any]],
+) -> tuple[int, dict[int, pytest.LineMatcher]]:
+    return started["launched_failing"]()
+
+
+def test_under_torchrun_every_ranks_pytest_passes(
+    launched_passing: tuple[int, dict[int, pytest.LineMatcher]],
+) -> None:
+    returncode, ranks_output = launched_passing
     for output in ranks_output.values():
         output.fnmatch_lines(
             ["*ranks: external launcher (env://)*", "*= 1 passed, 2 deselected in *"]
@@ -824,11 +946,9 @@ def test_under_torchrun_every_ranks_pytest_passes(launched_dir: Path) -> None:
 
 
 def test_under_torchrun_a_check_failing_on_one_rank_fails_on_every_rank(
-    launched_dir: Path,
+    launched_failing: tuple[int, dict[int, pytest.LineMatcher]],
 ) -> None:
-    returncode, ranks_output = run_torchrun(
-        launched_dir, "test_launched.py", "-k", "failure or unpicklable"
-    )
+    returncode, ranks_output = launched_failing
     for output in ranks_output.values():
         output.fnmatch_lines(
             [
