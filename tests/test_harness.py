@@ -123,6 +123,200 @@ def failure_section(result: pytest.RunResult, test_name: str) -> pytest.LineMatc
 
 
 # --------------------------------------------------------------------------------------------
+# The pool, in-process (the `ranks` fixture of this very session)
+# --------------------------------------------------------------------------------------------
+
+
+def _pid(ctx: RankContext) -> int:
+    return os.getpid()
+
+
+def _raise_on_rank1(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        raise ValueError("rank one is unhappy")
+
+
+def _abort_after_reporting(ctx: RankContext) -> int:
+    """Simulate gloo's abort at exit: this rank dies 0.3 s after its result went out."""
+    if ctx.rank == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
+        timer = threading.Timer(0.3, os.abort)
+        timer.daemon = True
+        timer.start()
+    return os.getpid()
+
+
+def _env(ctx: RankContext, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _pid_and_env(ctx: RankContext, name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
+def _global_state(ctx: RankContext) -> dict[str, Any]:
+    import torch
+
+    kaiming = torch.nn.init.kaiming_normal_
+    return {
+        "dtype": str(torch.get_default_dtype()),
+        "device": str(torch.empty(0).device),
+        "grad": torch.is_grad_enabled(),
+        "kaiming_normal_": f"{kaiming.__module__}.{kaiming.__qualname__}",
+        "leak": os.environ.get("FSDP_CONFORMANCE_TEST_LEAK"),
+        "cwd": os.getcwd(),
+        "first_random": torch.rand(1, device="cpu").item(),
+    }
+
+
+def _no_init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    return tensor
+
+
+def _dirty_global_state(ctx: RankContext) -> dict[str, Any]:
+    import torch
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+    torch.set_grad_enabled(False)
+    torch.nn.init.kaiming_normal_ = _no_init
+    os.environ["FSDP_CONFORMANCE_TEST_LEAK"] = "1"
+    os.chdir("/")
+    torch.manual_seed(1234)
+    return _global_state(ctx)
+
+
+def _return_unpicklable(ctx: RankContext) -> Any:
+    return lambda: ctx.rank
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this value only loads on a rank")
+
+
+class _LoadsOnlyOnRanks:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_to_load, ())
+
+
+def _return_unloadable(ctx: RankContext) -> Any:
+    return _LoadsOnlyOnRanks()
+
+
+def _process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited: gone, or a zombie with no thread left.
+
+    A zombie leader whose other threads are still dying (the aborting thread, say) is not yet
+    reported to ``waitpid``: its parent still sees it running.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    state = fields.get("State", "").split()[:1]
+    return state in (["Z"], ["X"]) and fields.get("Threads", "1").strip() == "1"
+
+
+def wait_until_gone(pid: int, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not _process_gone(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"process {pid} still running after {limit_s}s")
+        time.sleep(0.05)
+
+
+@pytest.mark.world_size(2)
+def test_warm_pool_is_reused_across_checks(ranks) -> None:
+    first = ranks.run(_pid)
+    second = ranks.run(_pid)
+    assert first == second
+    assert len(set(first)) == 2 and os.getpid() not in first
+
+
+@pytest.mark.world_size(2)
+def test_leftover_scan_finds_the_live_ranks_of_this_session(ranks) -> None:
+    # The scan the fault tests rely on must not be vacuous: it sees this session's warm ranks.
+    pids = ranks.run(_pid)
+    this_session = Session(Path.cwd(), os.getpid(), None)  # type: ignore[arg-type]
+    found = {int(line.split(":")[0]) for line in rank_processes_of(this_session)}
+    assert set(pids) <= found
+
+
+@pytest.mark.world_size(2)
+def test_pool_is_rebuilt_after_a_failure(ranks) -> None:
+    before = ranks.run(_pid)
+    with pytest.raises(RankFailure, match="rank 1 raised"):
+        ranks.run(_raise_on_rank1)
+    after = ranks.run(_pid)
+    assert set(after).isdisjoint(before)
+    for pid in before:
+        assert _process_gone(pid), f"rank process {pid} of the failed pool still runs"
+
+
+@pytest.mark.world_size(2)
+def test_rank_dying_after_reporting_passes_and_the_next_check_gets_a_fresh_pool(ranks) -> None:
+    pids = ranks.run(_abort_after_reporting)  # passes: every rank reported before the abort
+    wait_until_gone(pids[1])
+    after = ranks.run(_pid)
+    assert set(after).isdisjoint(pids)
+
+
+@pytest.mark.world_size(2)
+def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
+    warm = ranks.run(_pid)
+    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
+    assert [value for _, value in seen] == ["65536", "65536"]
+    assert {pid for pid, _ in seen}.isdisjoint(warm)
+    assert all(_process_gone(pid) for pid, _ in seen)  # fresh ranks end with their check
+    # The warm pool neither saw the variable nor was replaced.
+    assert ranks.run(_env, "MALLOC_MMAP_THRESHOLD_") == [None, None]
+    assert ranks.run(_pid) == warm
+
+
+@pytest.mark.world_size(2)
+def test_each_check_starts_from_the_same_global_state(ranks) -> None:
+    pids = ranks.run(_pid)
+    clean = ranks.run(_global_state)
+    dirty = ranks.run(_dirty_global_state)
+    assert dirty[0]["dtype"] == "torch.float64" and dirty[0]["leak"] == "1"  # the check did it
+    assert ranks.run(_global_state) == clean
+    assert clean[0]["dtype"] == "torch.float32"
+    assert clean[0]["kaiming_normal_"] == "torch.nn.init.kaiming_normal_"
+    assert clean[0]["leak"] is None
+    assert ranks.run(_pid) == pids  # same warm processes throughout
+
+
+@pytest.mark.world_size(2)
+def test_unpicklable_check_is_a_harness_error_naming_the_fix(ranks) -> None:
+    pids = ranks.run(_pid)
+    with pytest.raises(HarnessError, match="cannot be pickled.*define check functions at module"):
+        ranks.run(lambda ctx: ctx.rank)
+    assert ranks.run(_pid) == pids  # nothing reached the ranks: the pool is still good
+
+
+@pytest.mark.world_size(2)
+def test_unpicklable_return_value_fails_with_a_clear_message(ranks) -> None:
+    with pytest.raises(RankFailure) as info:
+        ranks.run(_return_unpicklable)
+    message = str(info.value)
+    assert "rank 0 raised, rank 1 raised" in message
+    assert "the check returned a value that cannot be pickled" in message
+    assert "return plain data" in message
+
+
+@pytest.mark.world_size(2)
+def test_return_value_that_cannot_load_in_the_parent_fails_with_a_clear_message(ranks) -> None:
+    with pytest.raises(RankFailure) as info:
+        ranks.run(_return_unloadable)
+    message = str(info.value)
+    assert "the parent could not unpickle this rank's reply" in message
+    assert "this value only loads on a rank" in message
+    assert ranks.run(_env, "HOME") is not None  # and the next check runs
+
+
+# --------------------------------------------------------------------------------------------
 # Started together: this module's inner sessions and torchrun launches
 # --------------------------------------------------------------------------------------------
 
@@ -142,7 +336,7 @@ def background(fixture_name: str) -> Callable[[Starter], Starter]:
     return register
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def started(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Callable[[], Any]]]:
@@ -150,8 +344,10 @@ def started(
 
     Much of their time is waiting (graces, hangs, torchrun's rendezvous) and each runs the
     torch imports of a few processes: one after another on a 2-core machine they cost the sum
-    of their wall times, started together about the CPU time they need. Each fixture that
-    gives one of them waits for its own; what the tests assert is the same either way.
+    of their wall times, started together about the CPU time they need. They start with the
+    module's first test (autouse), so that the in-process pool tests, which come first, run
+    while they do. Each fixture that gives one of them waits for its own; what the tests
+    assert is the same either way.
     """
     needed = {
         name
@@ -572,200 +768,6 @@ def test_no_rank_process_is_left_behind_after_the_faults(faults: Session) -> Non
     leftover = (faults.directory / "leftover-ranks.txt").read_text()
     assert leftover == "", f"rank processes still running at the end of the session: {leftover}"
     assert rank_processes_of(faults) == []
-
-
-# --------------------------------------------------------------------------------------------
-# The pool, in-process (the `ranks` fixture of this very session)
-# --------------------------------------------------------------------------------------------
-
-
-def _pid(ctx: RankContext) -> int:
-    return os.getpid()
-
-
-def _raise_on_rank1(ctx: RankContext) -> None:
-    if ctx.rank == 1:
-        raise ValueError("rank one is unhappy")
-
-
-def _abort_after_reporting(ctx: RankContext) -> int:
-    """Simulate gloo's abort at exit: this rank dies 0.3 s after its result went out."""
-    if ctx.rank == 1:
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
-        timer = threading.Timer(0.3, os.abort)
-        timer.daemon = True
-        timer.start()
-    return os.getpid()
-
-
-def _env(ctx: RankContext, name: str) -> str | None:
-    return os.environ.get(name)
-
-
-def _pid_and_env(ctx: RankContext, name: str) -> tuple[int, str | None]:
-    return os.getpid(), os.environ.get(name)
-
-
-def _global_state(ctx: RankContext) -> dict[str, Any]:
-    import torch
-
-    kaiming = torch.nn.init.kaiming_normal_
-    return {
-        "dtype": str(torch.get_default_dtype()),
-        "device": str(torch.empty(0).device),
-        "grad": torch.is_grad_enabled(),
-        "kaiming_normal_": f"{kaiming.__module__}.{kaiming.__qualname__}",
-        "leak": os.environ.get("FSDP_CONFORMANCE_TEST_LEAK"),
-        "cwd": os.getcwd(),
-        "first_random": torch.rand(1, device="cpu").item(),
-    }
-
-
-def _no_init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-    return tensor
-
-
-def _dirty_global_state(ctx: RankContext) -> dict[str, Any]:
-    import torch
-
-    torch.set_default_dtype(torch.float64)
-    torch.set_default_device("meta")
-    torch.set_grad_enabled(False)
-    torch.nn.init.kaiming_normal_ = _no_init
-    os.environ["FSDP_CONFORMANCE_TEST_LEAK"] = "1"
-    os.chdir("/")
-    torch.manual_seed(1234)
-    return _global_state(ctx)
-
-
-def _return_unpicklable(ctx: RankContext) -> Any:
-    return lambda: ctx.rank
-
-
-def _refuse_to_load() -> None:
-    raise RuntimeError("this value only loads on a rank")
-
-
-class _LoadsOnlyOnRanks:
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_refuse_to_load, ())
-
-
-def _return_unloadable(ctx: RankContext) -> Any:
-    return _LoadsOnlyOnRanks()
-
-
-def _process_gone(pid: int) -> bool:
-    """True once ``pid`` has exited: gone, or a zombie with no thread left.
-
-    A zombie leader whose other threads are still dying (the aborting thread, say) is not yet
-    reported to ``waitpid``: its parent still sees it running.
-    """
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    state = fields.get("State", "").split()[:1]
-    return state in (["Z"], ["X"]) and fields.get("Threads", "1").strip() == "1"
-
-
-def wait_until_gone(pid: int, limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not _process_gone(pid):
-        if time.monotonic() > deadline:
-            pytest.fail(f"process {pid} still running after {limit_s}s")
-        time.sleep(0.05)
-
-
-@pytest.mark.world_size(2)
-def test_warm_pool_is_reused_across_checks(ranks) -> None:
-    first = ranks.run(_pid)
-    second = ranks.run(_pid)
-    assert first == second
-    assert len(set(first)) == 2 and os.getpid() not in first
-
-
-@pytest.mark.world_size(2)
-def test_leftover_scan_finds_the_live_ranks_of_this_session(ranks) -> None:
-    # The scan the fault tests rely on must not be vacuous: it sees this session's warm ranks.
-    pids = ranks.run(_pid)
-    this_session = Session(Path.cwd(), os.getpid(), None)  # type: ignore[arg-type]
-    found = {int(line.split(":")[0]) for line in rank_processes_of(this_session)}
-    assert set(pids) <= found
-
-
-@pytest.mark.world_size(2)
-def test_pool_is_rebuilt_after_a_failure(ranks) -> None:
-    before = ranks.run(_pid)
-    with pytest.raises(RankFailure, match="rank 1 raised"):
-        ranks.run(_raise_on_rank1)
-    after = ranks.run(_pid)
-    assert set(after).isdisjoint(before)
-    for pid in before:
-        assert _process_gone(pid), f"rank process {pid} of the failed pool still runs"
-
-
-@pytest.mark.world_size(2)
-def test_rank_dying_after_reporting_passes_and_the_next_check_gets_a_fresh_pool(ranks) -> None:
-    pids = ranks.run(_abort_after_reporting)  # passes: every rank reported before the abort
-    wait_until_gone(pids[1])
-    after = ranks.run(_pid)
-    assert set(after).isdisjoint(pids)
-
-
-@pytest.mark.world_size(2)
-def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
-    warm = ranks.run(_pid)
-    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-    seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
-    assert [value for _, value in seen] == ["65536", "65536"]
-    assert {pid for pid, _ in seen}.isdisjoint(warm)
-    assert all(_process_gone(pid) for pid, _ in seen)  # fresh ranks end with their check
-    # The warm pool neither saw the variable nor was replaced.
-    assert ranks.run(_env, "MALLOC_MMAP_THRESHOLD_") == [None, None]
-    assert ranks.run(_pid) == warm
-
-
-@pytest.mark.world_size(2)
-def test_each_check_starts_from_the_same_global_state(ranks) -> None:
-    pids = ranks.run(_pid)
-    clean = ranks.run(_global_state)
-    dirty = ranks.run(_dirty_global_state)
-    assert dirty[0]["dtype"] == "torch.float64" and dirty[0]["leak"] == "1"  # the check did it
-    assert ranks.run(_global_state) == clean
-    assert clean[0]["dtype"] == "torch.float32"
-    assert clean[0]["kaiming_normal_"] == "torch.nn.init.kaiming_normal_"
-    assert clean[0]["leak"] is None
-    assert ranks.run(_pid) == pids  # same warm processes throughout
-
-
-@pytest.mark.world_size(2)
-def test_unpicklable_check_is_a_harness_error_naming_the_fix(ranks) -> None:
-    pids = ranks.run(_pid)
-    with pytest.raises(HarnessError, match="cannot be pickled.*define check functions at module"):
-        ranks.run(lambda ctx: ctx.rank)
-    assert ranks.run(_pid) == pids  # nothing reached the ranks: the pool is still good
-
-
-@pytest.mark.world_size(2)
-def test_unpicklable_return_value_fails_with_a_clear_message(ranks) -> None:
-    with pytest.raises(RankFailure) as info:
-        ranks.run(_return_unpicklable)
-    message = str(info.value)
-    assert "rank 0 raised, rank 1 raised" in message
-    assert "the check returned a value that cannot be pickled" in message
-    assert "return plain data" in message
-
-
-@pytest.mark.world_size(2)
-def test_return_value_that_cannot_load_in_the_parent_fails_with_a_clear_message(ranks) -> None:
-    with pytest.raises(RankFailure) as info:
-        ranks.run(_return_unloadable)
-    message = str(info.value)
-    assert "the parent could not unpickle this rank's reply" in message
-    assert "this value only loads on a rank" in message
-    assert ranks.run(_env, "HOME") is not None  # and the next check runs
 
 
 # --------------------------------------------------------------------------------------------
