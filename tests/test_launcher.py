@@ -139,7 +139,7 @@ LAUNCHES = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def launches(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Running]]:
@@ -147,7 +147,9 @@ def launches(
 
     Each launch is three processes importing torch plus torchrun's rendezvous and monitoring
     waits: together on a 2-core machine they take about the CPU time they need, one after
-    another the sum of their wall times. Each fixture below waits for its own.
+    another the sum of their wall times. They start with the module's first test (autouse),
+    so that the in-process tests, which come first, run while they do. Each fixture below
+    waits for its own.
     """
     needed = {
         name
@@ -176,6 +178,58 @@ def with_malloc(launches: dict[str, Running]) -> Launch:
 @pytest.fixture(scope="module")
 def failing_on_rank1(launches: dict[str, Running]) -> Launch:
     return launches["failing_on_rank1"].wait()
+
+
+# --------------------------------------------------------------------------------------------
+# In process: world sizes under a launcher, and what a launch cannot provide
+# --------------------------------------------------------------------------------------------
+
+
+def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -> None:
+    default = Settings(sources={"world_sizes": "default"})
+    assert suite.launch_settings(default, 4).world_sizes == (4,)
+    explicit = Settings(world_sizes=(2, 4), sources={"world_sizes": "command line --world-sizes"})
+    assert suite.launch_settings(explicit, 4) is explicit
+    with pytest.raises(SettingsError) as info:
+        suite.launch_settings(explicit, 3)
+    assert str(info.value) == (
+        "world sizes 2,4 (from command line --world-sizes) do not include this launch's "
+        "WORLD_SIZE=3; launch 2 ranks (torchrun --nproc-per-node 2) or drop the world-size "
+        "setting"
+    )
+
+
+def _what_the_launch_cannot_provide(ctx: RankContext) -> dict[str, Any]:
+    # This rank stands in for a launched process: its group is up, the launcher finds it.
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
+                      LOCAL_RANK=str(ctx.local_rank))
+    launcher = LauncherRunner("gloo")
+    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
+    return {
+        "started_with": launcher.cannot_provide({"FSDPC_STARTED_WITH": "1"}, False),
+        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
+        "other_value": launcher.cannot_provide({"FSDPC_STARTED_WITH": "2"}, False),
+        "fresh": launcher.cannot_provide(None, True),
+    }
+
+
+def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() -> None:
+    with RankPool(1, env={"FSDPC_STARTED_WITH": "1"}) as pool:
+        (outcome,) = pool.run_outcomes(_what_the_launch_cannot_provide)
+    assert outcome.status == "ok", outcome.detail
+    found = outcome.value
+    assert found["started_with"] is None
+    assert found["set_late"] == (
+        "needs FSDPC_SET_LATE=1 set before the ranks start (rank 0 started without it); "
+        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
+    )
+    assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
+    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+
+
+# --------------------------------------------------------------------------------------------
+# Launched: the narrowed runs started together by ``launches``
+# --------------------------------------------------------------------------------------------
 
 
 def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
@@ -248,53 +302,6 @@ def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
     assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
 
 
-# --------------------------------------------------------------------------------------------
-# In process: world sizes under a launcher, and what a launch cannot provide
-# --------------------------------------------------------------------------------------------
-
-
-def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -> None:
-    default = Settings(sources={"world_sizes": "default"})
-    assert suite.launch_settings(default, 4).world_sizes == (4,)
-    explicit = Settings(world_sizes=(2, 4), sources={"world_sizes": "command line --world-sizes"})
-    assert suite.launch_settings(explicit, 4) is explicit
-    with pytest.raises(SettingsError) as info:
-        suite.launch_settings(explicit, 3)
-    assert str(info.value) == (
-        "world sizes 2,4 (from command line --world-sizes) do not include this launch's "
-        "WORLD_SIZE=3; launch 2 ranks (torchrun --nproc-per-node 2) or drop the world-size "
-        "setting"
-    )
-
-
-def _what_the_launch_cannot_provide(ctx: RankContext) -> dict[str, Any]:
-    # This rank stands in for a launched process: its group is up, the launcher finds it.
-    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
-                      LOCAL_RANK=str(ctx.local_rank))
-    launcher = LauncherRunner("gloo")
-    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
-    return {
-        "started_with": launcher.cannot_provide({"FSDPC_STARTED_WITH": "1"}, False),
-        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
-        "other_value": launcher.cannot_provide({"FSDPC_STARTED_WITH": "2"}, False),
-        "fresh": launcher.cannot_provide(None, True),
-    }
-
-
-def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() -> None:
-    with RankPool(1, env={"FSDPC_STARTED_WITH": "1"}) as pool:
-        (outcome,) = pool.run_outcomes(_what_the_launch_cannot_provide)
-    assert outcome.status == "ok", outcome.detail
-    found = outcome.value
-    assert found["started_with"] is None
-    assert found["set_late"] == (
-        "needs FSDPC_SET_LATE=1 set before the ranks start (rank 0 started without it); "
-        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
-    )
-    assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
-    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
-
-
 def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
     # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
     # period. A check runs in the rank's own process here, behind execute_check's catch-all:
@@ -309,8 +316,14 @@ def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path)
              "2", "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train", "--out", "out"],
             cwd=tmp_path, env=environ, stdout=subprocess.DEVNULL, stderr=err_file)
         try:
+            # Each rank in its first check: rank 0 prints its progress, rank 1 logs its own
+            # (rank 0 may start the check while rank 1 is still joining the launch's group; a
+            # SIGTERM then finds rank 1 outside the check).
+            rank1_log = tmp_path / "out" / "rank1.log"
             deadline = time.monotonic() + LAUNCH_LIMIT_S
-            while "[1/4] " not in err_path.read_text():
+            while "[1/4] " not in err_path.read_text() or not (
+                rank1_log.exists() and "[1/4] " in rank1_log.read_text()
+            ):
                 assert proc.poll() is None, err_path.read_text()
                 assert time.monotonic() < deadline, err_path.read_text()
                 time.sleep(0.1)
