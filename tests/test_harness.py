@@ -336,10 +336,51 @@ def background(fixture_name: str) -> Callable[[Starter], Starter]:
     return register
 
 
+class Background:
+    """The subprocesses of this module's fixtures, started before their fixtures ask."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.procs: list[subprocess.Popen[str]] = []
+        self.finishers: dict[str, Callable[[], Any]] = {}
+
+    def start(self, name: str) -> None:
+        self.finishers[name] = BACKGROUND[name](self.tmp_path_factory, self.procs)
+
+    def result(self, name: str) -> Any:
+        """Wait for fixture ``name``'s subprocesses (started now if they were not) and give
+        its value."""
+        if name not in self.finishers:
+            self.start(name)
+        return self.finishers[name]()
+
+    def stop(self) -> None:
+        for proc in self.procs:  # a run cut short (a failed fixture, Ctrl-C) leaves none behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def selected_fixtures(request: pytest.FixtureRequest) -> set[str]:
+    """The fixtures that this module's selected tests use, in a session that runs them all.
+
+    Empty in a pytest-xdist worker, which runs only some of the tests it collected: there each
+    fixture starts its own subprocesses when asked, so no worker starts another's.
+    """
+    if hasattr(request.config, "workerinput"):
+        return set()
+    return {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in getattr(item, "fixturenames", ())
+    }
+
+
 @pytest.fixture(scope="module", autouse=True)
 def started(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Callable[[], Any]]]:
+) -> Iterator[Background]:
     """Starts at once every inner session and launch that this module's selected tests need.
 
     Much of their time is waiting (graces, hangs, torchrun's rendezvous) and each runs the
@@ -349,21 +390,15 @@ def started(
     while they do. Each fixture that gives one of them waits for its own; what the tests
     assert is the same either way.
     """
-    needed = {
-        name
-        for item in request.session.items
-        if getattr(item, "module", None) is request.module
-        for name in getattr(item, "fixturenames", ())
-    }
-    procs: list[subprocess.Popen[str]] = []
+    background = Background(tmp_path_factory)
+    needed = selected_fixtures(request)
     try:
-        yield {name: start(tmp_path_factory, procs)
-               for name, start in BACKGROUND.items() if name in needed}
+        for name in BACKGROUND:
+            if name in needed:
+                background.start(name)
+        yield background
     finally:
-        for proc in procs:  # a run cut short (a failed fixture, Ctrl-C) leaves none behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        background.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,8 +616,8 @@ def start_faults(
 
 
 @pytest.fixture(scope="module")
-def faults(started: dict[str, Callable[[], Any]]) -> Session:
-    return started["faults"]()
+def faults(started: Background) -> Session:
+    return started.result("faults")
 
 
 def test_fault_session_outcomes(faults: Session) -> None:
@@ -809,8 +844,8 @@ def start_side_by_side(
 
 
 @pytest.fixture(scope="module")
-def side_by_side(started: dict[str, Callable[[], Any]]) -> dict[str, Session]:
-    return started["side_by_side"]()
+def side_by_side(started: Background) -> dict[str, Session]:
+    return started.result("side_by_side")
 
 
 def test_two_sessions_side_by_side_both_pass(side_by_side: dict[str, Session]) -> None:
@@ -924,16 +959,16 @@ def start_launched_failing(
 
 @pytest.fixture(scope="module")
 def launched_passing(
-    started: dict[str, Callable[[], Any]],
+    started: Background,
 ) -> tuple[int, dict[int, pytest.LineMatcher]]:
-    return started["launched_passing"]()
+    return started.result("launched_passing")
 
 
 @pytest.fixture(scope="module")
 def launched_failing(
-    started: dict[str, Callable[[], Any]],
+    started: Background,
 ) -> tuple[int, dict[int, pytest.LineMatcher]]:
-    return started["launched_failing"]()
+    return started.result("launched_failing")
 
 
 def test_under_torchrun_every_ranks_pytest_passes(

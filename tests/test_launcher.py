@@ -151,7 +151,9 @@ def launches(
     so that the in-process tests, which come first, run while they do. Each fixture below
     waits for its own.
     """
-    needed = {
+    # A pytest-xdist worker runs only some of the tests it collected: there each fixture
+    # starts its own launch when asked, so no worker starts another's.
+    needed = set() if hasattr(request.config, "workerinput") else {
         name
         for item in request.session.items
         if getattr(item, "module", None) is request.module
@@ -166,17 +168,29 @@ def launches(
 
 
 @pytest.fixture(scope="module")
-def without_malloc(launches: dict[str, Running]) -> Launch:
+def without_malloc(
+    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    if "without_malloc" not in launches:
+        launches["without_malloc"] = LAUNCHES["without_malloc"](tmp_path_factory)
     return launches["without_malloc"].wait()
 
 
 @pytest.fixture(scope="module")
-def with_malloc(launches: dict[str, Running]) -> Launch:
+def with_malloc(
+    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    if "with_malloc" not in launches:
+        launches["with_malloc"] = LAUNCHES["with_malloc"](tmp_path_factory)
     return launches["with_malloc"].wait()
 
 
 @pytest.fixture(scope="module")
-def failing_on_rank1(launches: dict[str, Running]) -> Launch:
+def failing_on_rank1(
+    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    if "failing_on_rank1" not in launches:
+        launches["failing_on_rank1"] = LAUNCHES["failing_on_rank1"](tmp_path_factory)
     return launches["failing_on_rank1"].wait()
 
 
