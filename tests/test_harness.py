@@ -317,6 +317,38 @@ def test_return_value_that_cannot_load_in_the_parent_fails_with_a_clear_message(
 
 
 # --------------------------------------------------------------------------------------------
+# A rank that dies while joining the process group
+# --------------------------------------------------------------------------------------------
+
+DIE_AT_INIT = """
+import os
+if os.environ.get("FSDPC_TEST_DIE_AT_INIT"):
+    import time
+    import torch.distributed as dist
+
+    def _die(*args, **kwargs):
+        time.sleep(1.0)  # after the hello: the parent is waiting for "ready"
+        os._exit(3)
+
+    dist.init_process_group = _die
+"""
+
+
+def test_rank_dying_while_joining_the_group_is_a_harness_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_conformance.harness import RankPool
+
+    (tmp_path / "sitecustomize.py").write_text(DIE_AT_INIT)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the ranks' PYTHONPATH is the parent's sys.path
+    with pytest.raises(HarnessError) as info:
+        RankPool(1, env={"FSDPC_TEST_DIE_AT_INIT": "1"}, start_timeout=30.0)
+    message = str(info.value)
+    assert "could not start 1 gloo ranks" in message
+    assert "rank 0: exited with code 3" in message
+
+
+# --------------------------------------------------------------------------------------------
 # Started together: this module's inner sessions and torchrun launches
 # --------------------------------------------------------------------------------------------
 
@@ -1028,38 +1060,6 @@ def test_under_a_launcher_a_lane_of_another_device_skips_with_the_fix() -> None:
 
 def _rank_of(ctx: RankContext) -> int:
     return ctx.rank
-
-
-# --------------------------------------------------------------------------------------------
-# A rank that dies while joining the process group
-# --------------------------------------------------------------------------------------------
-
-DIE_AT_INIT = """
-import os
-if os.environ.get("FSDPC_TEST_DIE_AT_INIT"):
-    import time
-    import torch.distributed as dist
-
-    def _die(*args, **kwargs):
-        time.sleep(1.0)  # after the hello: the parent is waiting for "ready"
-        os._exit(3)
-
-    dist.init_process_group = _die
-"""
-
-
-def test_rank_dying_while_joining_the_group_is_a_harness_error_naming_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from fsdp_conformance.harness import RankPool
-
-    (tmp_path / "sitecustomize.py").write_text(DIE_AT_INIT)
-    monkeypatch.syspath_prepend(str(tmp_path))  # the ranks' PYTHONPATH is the parent's sys.path
-    with pytest.raises(HarnessError) as info:
-        RankPool(1, env={"FSDPC_TEST_DIE_AT_INIT": "1"}, start_timeout=30.0)
-    message = str(info.value)
-    assert "could not start 1 gloo ranks" in message
-    assert "rank 0: exited with code 3" in message
 
 
 # --------------------------------------------------------------------------------------------
