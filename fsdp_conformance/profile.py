@@ -18,7 +18,7 @@ from fsdp_conformance.bound import (
     MeasureError,
     StepConfig,
 )
-from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.models import ModelSpec, call_model, default_loss
 from fsdp_conformance.policies import policy_for
 from fsdp_conformance.units import ROOT, UnitInfo
 
@@ -86,7 +86,7 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
         handles.append(m.register_forward_hook(post))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Produced():
-            loss_fn(model(batch))
+            loss_fn(call_model(model, batch))
     finally:
         for h in handles:
             h.remove()
