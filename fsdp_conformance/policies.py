@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, get_args
 
@@ -333,11 +334,9 @@ def _resolve_one(model: nn.Module, item: Any, present: set[type]) -> type[nn.Mod
             f"{', '.join(sorted(_qualname(c) for c in by_name))}; give the dotted path"
         )
     if "." in name or ":" in name:
-        from fsdp_conformance.models import import_from_cwd
-
         module_path, _, attr = name.replace(":", ".").rpartition(".")
         try:
-            obj = getattr(import_from_cwd(module_path), attr)
+            obj = getattr(importlib.import_module(module_path), attr)
         except ImportError as exc:
             raise PolicyError(
                 f"cannot import block class {name!r}: {exc}; check the module path"
