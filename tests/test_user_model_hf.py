@@ -343,3 +343,19 @@ def test_cli_run_from_the_model_folder_needs_no_pythonpath(tmp_path: Path) -> No
         cwd=folder, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == cli.EXIT_OK, result.stdout + result.stderr
     assert "2 passed, 0 failed" in result.stdout
+
+
+def llama_naming_its_root() -> nn.Module:
+    model = hf_models.llama(num_layers=1)
+    model._no_split_modules = {"LlamaForCausalLM"}  # the root: the plan wraps nothing else
+    return model
+
+
+def test_an_empty_plan_from_no_split_modules_says_where_the_blocks_came_from() -> None:
+    from fsdp_conformance.user_model import validate_user_model
+
+    spec = _spec(f"{__name__}:llama_naming_its_root", min_params=10**12)
+    with pytest.raises(PolicyError) as info:
+        validate_user_model(spec, ["cpu"], [2])
+    assert ("block classes LlamaForCausalLM (from the model's _no_split_modules), threshold"
+            in str(info.value))
