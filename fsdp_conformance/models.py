@@ -623,6 +623,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if (self.reference is None) == (self.factory is None):
             raise ModelSpecError("ModelSpec needs exactly one of reference= or factory=")
+        if self.depth is not None and (self.reference is not None or self.depth < 1):
+            raise ModelSpecError(
+                f"ModelSpec.depth is for a factory and must be >= 1, got {self.depth} "
+                f"({self.name}); set a reference model's depth in its config")
         if self.reference is not None and self.reference not in REFERENCE_MODELS:
             raise ModelSpecError(
                 f"unknown reference model {self.reference!r}; choose one of "

@@ -222,6 +222,13 @@ def test_a_factory_spec_builds_at_the_depth_asked() -> None:
     assert by_config.config.n_layer == 3 and len(by_config.transformer.h) == 3
 
 
+def test_a_spec_depth_is_for_factories_and_positive() -> None:
+    with pytest.raises(ModelSpecError, match="must be >= 1, got 0"):
+        _spec(f"{HF}:llama", depth=0)
+    with pytest.raises(ModelSpecError, match="set a reference model's depth in its config"):
+        ModelSpec(reference="massive", depth=2)
+
+
 def test_depth_of_a_factory_that_cannot_set_it_names_both_ways() -> None:
     with pytest.raises(memory.MemoryCheckError) as info:
         memory.with_depth(_spec(f"{__name__}:keyword_net"), 4)
