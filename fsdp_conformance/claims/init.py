@@ -40,7 +40,13 @@ from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
-from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec, default_loss
+from fsdp_conformance.models import (
+    LlamaConfig,
+    ModelConfig,
+    ModelSpec,
+    call_model,
+    default_loss,
+)
 from fsdp_conformance.policies import PolicyName, policy_for
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.sizes import MiB
@@ -833,7 +839,8 @@ def rank_materialize(
         model = materialize(ctx, spec, version, method, my_seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
             with torch.no_grad():
-                model(spec.batch(unwrapped(model), batch_size=1, device=ctx.device))
+                call_model(model, spec.batch(unwrapped(model), batch_size=1,
+                                             device=ctx.device))
     except Exception as exc:  # noqa: BLE001 - torch's refusal (or InitError) is the finding
         error = describe_init_error(exc)
     errors = _agree_on_failure(ctx, error)
@@ -1104,7 +1111,7 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
     losses = []
     for m in (model, reference):
         optimizer = torch.optim.SGD(m.parameters(), lr=lr)
-        loss = default_loss(m(batch))
+        loss = default_loss(call_model(m, batch))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
