@@ -40,6 +40,7 @@ from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec, default_loss
 from fsdp_conformance.policies import PolicyError, PolicyName, shared_parameter_groups
 from fsdp_conformance.sharding import check_fsdp_version, shard, shard_fsdp2_modules
+from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.units import (
     ROOT,
     UnitInfo,
@@ -598,6 +599,10 @@ FAULTS = {
     "params_bf16": "the model is cast to bf16 before wrapping: parameters are no longer fp32",
     "no_mixed_precision": "bf16 is claimed but no mixed-precision policy is passed",
     "uniform": "every unit FULL_SHARD bf16 (the seeds' configuration), no per-unit override",
+    "summed_grads": "each rank applies the sum of the ranks' gradients instead of their mean "
+    "(every gradient multiplied by the world size after FSDP reduced it)",
+    "permuted_shard": "the last rank's local shard of the largest parameter is permuted after "
+    "sharding (its elements rolled by one)",
 }
 
 
@@ -649,13 +654,14 @@ def _full_params(sharded: nn.Module, version: str) -> dict[str, torch.Tensor]:
     }
 
 
-def _sgd_step(model: nn.Module, lr: float) -> None:
+def _sgd_step(model: nn.Module, lr: float, grad_factor: float = 1) -> None:
     """Plain SGD, written out: the same arithmetic on sharded (DTensor / flat) and full
-    parameters, without torch.optim's first-use import cost on every rank."""
+    parameters, without torch.optim's first-use import cost on every rank. ``grad_factor``
+    (the world size) turns FSDP's averaged gradient into the sum: the ``summed_grads`` fault."""
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
+                p.add_(p.grad, alpha=-lr * grad_factor)
                 p.grad = None
 
 
@@ -680,15 +686,14 @@ def rank_train(
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
     reference = _build(spec, ctx)
+    # Like with like: both sides without dropout (step.disable_dropout says why not eval()).
+    dropout = disable_dropout(reference)
     model = copy.deepcopy(reference)
     initial = {n: p.detach().float().clone() for n, p in reference.named_parameters()}
+    batch = _comparable_batch(spec, reference, per_rank_batch * ctx.world_size, ctx, dropout)
+    mine = batch[ctx.rank * per_rank_batch:(ctx.rank + 1) * per_rank_batch]
     blocks = spec.block_classes(model)
     policy_obj = policies.policy(policy, model, blocks, spec.size_threshold(model))
-    batch = spec.batch(reference, batch_size=per_rank_batch * ctx.world_size, device=ctx.device)
-    if not isinstance(batch, torch.Tensor):
-        raise TypeError("rank_train slices the batch along dim 0: the input builder must "
-                        f"return a tensor, got {type(batch).__name__}")
-    mine = batch[ctx.rank * per_rank_batch:(ctx.rank + 1) * per_rank_batch]
 
     kwargs = {} if fault == "no_mixed_precision" else _mp_kwargs(version, precision)
     if fault == "params_bf16":
@@ -711,6 +716,8 @@ def rank_train(
             sharded = model
     else:
         sharded = _shard_named(model, ctx, version, policy_obj, **kwargs)
+    if fault == "permuted_shard":
+        _permute_largest_shard(sharded, ctx)
 
     seen: dict[str, tuple[str, str]] = {}
     losses, ref_losses = [], []
@@ -718,7 +725,7 @@ def rank_train(
         with record_compute_dtypes(model, seen):
             loss = default_loss(sharded(mine))
         loss.backward()
-        _sgd_step(sharded, lr)
+        _sgd_step(sharded, lr, ctx.world_size if fault == "summed_grads" else 1)
         losses.append(float(loss))
         ref_loss = default_loss(reference(batch))
         ref_loss.backward()
@@ -745,8 +752,41 @@ def rank_train(
         "rank": ctx.rank, "version": version, "precision": precision, "losses": losses,
         "ref_losses": ref_losses, "max_param_diff": worst, "worst_param": worst_name,
         "max_update_rel_diff": worst_rel, "worst_update_param": worst_rel_name,
-        "stored_dtypes": stored, "compute_dtypes": seen,
+        "stored_dtypes": stored, "compute_dtypes": seen, "dropout_disabled": dropout,
     }
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    dtensor = _compat.dtensor_cls()
+    return p.to_local() if isinstance(p, dtensor) else p
+
+
+def _comparable_batch(spec: ModelSpec, reference: nn.Module, batch_size: int, ctx: RankContext,
+                      dropout: Sequence[str]) -> torch.Tensor:
+    """The global batch, once the reference is known to compute the same thing twice."""
+    batch = spec.batch(reference, batch_size=batch_size, device=ctx.device)
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError("rank_train slices the batch along dim 0: the input builder must "
+                        f"return a tensor, got {type(batch).__name__}")
+    randomness = forward_randomness(reference, batch)
+    if randomness > DETERMINISM_RTOL:
+        # The same model and seeds on every rank: every rank observes this alike and skips.
+        skip_rank(
+            f"{type(reference).__name__}'s forward in training mode still draws random numbers "
+            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
+            f"differ by {randomness:.1e} (relative), so a sharded step cannot be compared with "
+            "the single-process reference. Make the randomness switchable: an nn.Dropout "
+            "module, or a float attribute named like '*dropout*' read when self.training")
+    return batch
+
+
+def _permute_largest_shard(sharded: nn.Module, ctx: RankContext) -> None:
+    if ctx.rank != ctx.world_size - 1:
+        return
+    with torch.no_grad():
+        largest = max(sharded.parameters(), key=lambda p: _local(p).numel())
+        local = _local(largest)
+        local.copy_(local.flatten().roll(1).view_as(local))
 
 
 def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
@@ -791,14 +831,24 @@ def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
                 problems.append(f"rank {v['rank']}: compute did not run in bf16 in "
                                 f"{len(bad)} module(s), e.g. {bad[0]}: input/weight "
                                 f"{v['compute_dtypes'][bad[0]]}")
+    dropout = values[0].get("dropout_disabled", [])
     figures = {"loss_rel_diff": worst_loss, "max_param_diff": worst_param,
-               "update_rel_diff": worst_update, "steps": steps}
+               "update_rel_diff": worst_update, "steps": steps, "dropout_disabled": len(dropout)}
+    # Said in both outcomes: the comparison was of the model without its dropout.
+    note = (f"; dropout disabled for the comparison: {len(dropout)} modules "
+            f"({_listing(dropout)})" if dropout else "")
     if problems:
-        return Verdict(False, f"{precision} training under FSDP differs from the reference:\n  "
-                       + "\n  ".join(dict.fromkeys(problems)), figures, {})
+        return Verdict(False, f"{precision} training under FSDP differs from the reference"
+                       f"{note}:\n  " + "\n  ".join(dict.fromkeys(problems)), figures,
+                       {"dropout_disabled": dropout})
     return Verdict(True, f"{steps} {precision} steps match the reference (loss rel {worst_loss:.1e}"
-                   f" <= {loss_rtol:.0e}, params {worst_param:.1e} <= {param_atol:.0e})",
-                   figures, {})
+                   f" <= {loss_rtol:.0e}, params {worst_param:.1e} <= {param_atol:.0e}){note}",
+                   figures, {"dropout_disabled": dropout})
+
+
+def _listing(names: Sequence[str], shown: int = 3) -> str:
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 # --------------------------------------------------------------------------------------------
