@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.claims.wrap import rank_train, verdict_train
+from fsdp_conformance.claims.wrap import rank_mixed, rank_train, verdict_mixed, verdict_train
 from fsdp_conformance.harness import CheckSkipped, RankContext, Ranks
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.step import disable_dropout, forward_randomness
@@ -117,3 +117,33 @@ def test_parity_skips_when_randomness_cannot_be_switched_off() -> None:
     with pytest.raises(CheckSkipped, match="still draws random numbers after dropout was "
                        r"disabled \(0 modules\): two calls on the same input differ"):
         rank_train(ctx, _NoisySpec(reference="massive"), version="fsdp2")
+
+
+# --------------------------------------------------------------------------------------------
+# Tied embeddings in the mixed per-unit configuration
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_mixed_configuration_keeps_a_tied_head_in_the_embedding_unit(ranks: Ranks) -> None:
+    # Before: FSDP2 raised "Parameter 'transformer.wte.weight' is shared with a parameter
+    # already managed by another FSDP group"; FSDP1 failed (GPT-2's Conv1D was not recorded).
+    params = {"spec": GPT2, "version": "fsdp2"}
+    values = ranks.run(rank_mixed, **params)
+    verdict = verdict_mixed(values, params)
+    assert verdict.passed, verdict.message
+    assert "(one unit with the tied lm_head)" in verdict.message
+    for v in values:
+        assert v["tied"] == {"lm_head": {"same_unit": True, "still_tied": True}}
+        assert v["strategies"]["lm_head"] == v["strategies"]["transformer.wte"] == "NO_SHARD"
+        assert v["compute_dtypes"]["lm_head"][1] == "torch.float32"
+        # Conv1D (a matrix weight, not an nn.Linear) is recorded: the blocks really ran bf16.
+        assert v["compute_dtypes"]["transformer.h.0.attn.c_attn"] == (
+            "torch.bfloat16", "torch.bfloat16")
+
+
+@pytest.mark.world_size(2)
+def test_mixed_configuration_skips_fsdp1_on_a_tied_model_with_the_reason(ranks: Ranks) -> None:
+    with pytest.raises(CheckSkipped, match=r"transformer.wte's weight is tied to lm_head\. "
+                       r"FSDP1 units follow the module tree.*here the root \(GPT2LMHeadModel\)"):
+        ranks.configured(skip=None).run(rank_mixed, spec=GPT2, version="fsdp1")
