@@ -259,8 +259,9 @@ DROPOUT_MODULES = (
 )
 #: A float module attribute whose name holds one of these is a functional dropout probability
 #: (transformers' ``attention_dropout``, passed as ``dropout=`` to the attention interface when
-#: ``self.training``; ``resid_pdrop``; timm's ``drop_prob``).
-DROPOUT_ATTR_WORDS = ("dropout", "pdrop", "drop_prob")
+#: ``self.training``; ``resid_pdrop``; ``layerdrop``, which skips whole layers; timm's
+#: ``drop_prob``).
+DROPOUT_ATTR_WORDS = ("dropout", "pdrop", "layerdrop", "drop_prob")
 #: Two training-mode forwards of the same input after :func:`disable_dropout` may differ by this
 #: much (relative, on the loss) before the model counts as still random.
 DETERMINISM_RTOL = 1e-6
