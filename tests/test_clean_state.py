@@ -160,6 +160,21 @@ def test_a_change_made_by_one_check_is_not_seen_by_the_next(ranks, item: str) ->
     assert ranks.run(_pid) == pids  # restored in place: the same warm processes
 
 
+def _two_dim_mesh(ctx: RankContext) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return list(mesh.shape)
+
+
+@pytest.mark.world_size(2)
+def test_process_groups_made_by_one_check_do_not_block_the_next(ranks) -> None:
+    # A DeviceMesh's groups outlive the check; restoring c10d's group counter made the second
+    # mesh raise "The specified group name has already been created".
+    assert ranks.run(_two_dim_mesh) == [[2, 1], [2, 1]]
+    assert ranks.run(_two_dim_mesh) == [[2, 1], [2, 1]]
+
+
 def _hang(ctx: RankContext) -> None:
     threading.Event().wait(60)
 

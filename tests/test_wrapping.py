@@ -24,7 +24,7 @@ from fsdp_conformance.claims.wrap import (
     verdict_units_exact,
     verdict_units_plan,
 )
-from fsdp_conformance.harness import Ranks
+from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
 
 VERSIONS = ("fsdp1", "fsdp2")
@@ -199,6 +199,28 @@ def test_mixed_configuration_embedding_no_shard_fp32_blocks_bf16(ranks: Ranks) -
 
 
 @pytest.mark.world_size(2)
+def test_mixed_configuration_on_tied_weights_one_unit_or_a_skip(ranks: Ranks) -> None:
+    # FSDP2: the tied head joins the embedding's unit (fully_shard([embed, head])); before, the
+    # first forward raised "Parameter 'head.weight' is shared with a parameter already managed
+    # by another FSDP group". FSDP1 cannot build that unit: every rank skips with the reason.
+    params = {"spec": TIED, "version": "fsdp2"}
+    values = ranks.run(rank_mixed, **params)
+    verdict = verdict_mixed(values, params)
+    assert verdict.passed, verdict.message
+    assert "embedding embed (one unit with the tied head) NO_SHARD fp32" in verdict.message
+    # Negative controls: rank 1 alone reports the head outside the unit, or the tie split.
+    for key, message in (("same_unit", "rank 1: head shares embed's weight but is not in its "
+                          "unit"), ("still_tied", "rank 1: after sharding, head no longer holds "
+                                    "embed's parameter (the tie was split)")):
+        bad = copy.deepcopy(values)
+        bad[1]["tied"]["head"][key] = False
+        failed = verdict_mixed(bad, params)
+        assert not failed.passed and message in failed.message
+    with pytest.raises(CheckSkipped, match="embed's weight is tied to head. FSDP1 units follow"):
+        ranks.configured(skip=None).run(rank_mixed, spec=TIED, version="fsdp1")
+
+
+@pytest.mark.world_size(2)
 def test_negative_control_uniform_configuration_is_not_the_mixed_one(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": EMB, "version": version, "fault": "uniform"}
@@ -272,8 +294,6 @@ def test_prefetch_verdicts_cannot_pass_with_fewer_than_two_blocks() -> None:
 
 @pytest.mark.world_size(2)
 def test_prefetch_skips_a_model_with_one_block_on_every_rank(ranks: Ranks) -> None:
-    from fsdp_conformance.harness import CheckSkipped
-
     one_block = ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=32))
     with pytest.raises(CheckSkipped, match="needs at least two blocks"):
         ranks.configured(skip=None).run(rank_prefetch, spec=one_block, version="fsdp2")

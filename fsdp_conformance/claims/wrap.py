@@ -39,7 +39,13 @@ from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec, batch_rows, call_model, default_loss
 from fsdp_conformance.policies import PolicyError, PolicyName, shared_parameter_groups
-from fsdp_conformance.sharding import check_fsdp_version, shard, shard_fsdp2_modules
+from fsdp_conformance.sharding import (
+    check_fsdp_version,
+    device_mesh,
+    shard,
+    shard_fsdp2_modules,
+)
+from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.units import (
     ROOT,
     UnitInfo,
@@ -598,6 +604,10 @@ FAULTS = {
     "params_bf16": "the model is cast to bf16 before wrapping: parameters are no longer fp32",
     "no_mixed_precision": "bf16 is claimed but no mixed-precision policy is passed",
     "uniform": "every unit FULL_SHARD bf16 (the seeds' configuration), no per-unit override",
+    "summed_grads": "each rank applies the sum of the ranks' gradients instead of their mean "
+    "(every gradient multiplied by the world size after FSDP reduced it)",
+    "permuted_shard": "the last rank's local shard of the largest parameter is permuted after "
+    "sharding (its elements rolled by one)",
 }
 
 
@@ -615,14 +625,17 @@ def _mp_kwargs(version: str, precision: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def record_compute_dtypes(model: nn.Module, seen: dict[str, tuple[str, str]]) -> Iterator[None]:
-    """Record, per Linear/Embedding, the (input, weight) dtypes its forward actually sees.
+    """Record, per module with a matrix ``weight`` of its own (Linear, Embedding, and the like:
+    GPT-2's ``Conv1D``), the (input, weight) dtypes its forward actually sees.
 
     Registered on the original modules: under FSDP their ``weight`` during forward is the
     unsharded (and, with mixed precision, cast) parameter, so this is the compute dtype.
     """
     handles = []
     for raw_name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        weight = dict(module.named_parameters(recurse=False)).get("weight")
+        if isinstance(module, (nn.Linear, nn.Embedding)) or (
+                weight is not None and weight.dim() >= 2):
             name = clean_fqn(raw_name)  # FSDP1 inserts its wrapper into the module names
 
             def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
@@ -649,13 +662,14 @@ def _full_params(sharded: nn.Module, version: str) -> dict[str, torch.Tensor]:
     }
 
 
-def _sgd_step(model: nn.Module, lr: float) -> None:
+def _sgd_step(model: nn.Module, lr: float, grad_factor: float = 1) -> None:
     """Plain SGD, written out: the same arithmetic on sharded (DTensor / flat) and full
-    parameters, without torch.optim's first-use import cost on every rank."""
+    parameters, without torch.optim's first-use import cost on every rank. ``grad_factor``
+    (the world size) turns FSDP's averaged gradient into the sum: the ``summed_grads`` fault."""
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
+                p.add_(p.grad, alpha=-lr * grad_factor)
                 p.grad = None
 
 
@@ -680,12 +694,14 @@ def rank_train(
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
     reference = _build(spec, ctx)
+    # Like with like: both sides without dropout (step.disable_dropout says why not eval()).
+    dropout = disable_dropout(reference)
     model = copy.deepcopy(reference)
     initial = {n: p.detach().float().clone() for n, p in reference.named_parameters()}
+    batch = _comparable_batch(spec, reference, per_rank_batch * ctx.world_size, ctx, dropout)
+    mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
     blocks = spec.block_classes(model)
     policy_obj = policies.policy(policy, model, blocks, spec.size_threshold(model))
-    batch = spec.batch(reference, batch_size=per_rank_batch * ctx.world_size, device=ctx.device)
-    mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
 
     kwargs = {} if fault == "no_mixed_precision" else _mp_kwargs(version, precision)
     if fault == "params_bf16":
@@ -700,14 +716,14 @@ def rank_train(
                                    **kwargs)
         else:  # blocks sharded, the root (and what only it holds) left as plain tensors
             fully_shard = _compat.fully_shard()
-            from fsdp_conformance.sharding import device_mesh
-
             mesh = device_mesh(ctx)
             for u in sorted(units, key=lambda m: -len([*m.modules()])):
                 fully_shard(u, mesh=mesh, **kwargs)
             sharded = model
     else:
         sharded = _shard_named(model, ctx, version, policy_obj, **kwargs)
+    if fault == "permuted_shard":
+        _permute_largest_shard(sharded, ctx)
 
     seen: dict[str, tuple[str, str]] = {}
     losses, ref_losses = [], []
@@ -715,7 +731,7 @@ def rank_train(
         with record_compute_dtypes(model, seen):
             loss = default_loss(call_model(sharded, mine))
         loss.backward()
-        _sgd_step(sharded, lr)
+        _sgd_step(sharded, lr, ctx.world_size if fault == "summed_grads" else 1)
         losses.append(float(loss))
         ref_loss = default_loss(call_model(reference, batch))
         ref_loss.backward()
@@ -742,8 +758,38 @@ def rank_train(
         "rank": ctx.rank, "version": version, "precision": precision, "losses": losses,
         "ref_losses": ref_losses, "max_param_diff": worst, "worst_param": worst_name,
         "max_update_rel_diff": worst_rel, "worst_update_param": worst_rel_name,
-        "stored_dtypes": stored, "compute_dtypes": seen,
+        "stored_dtypes": stored, "compute_dtypes": seen, "dropout_disabled": dropout,
     }
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    dtensor = _compat.dtensor_cls()
+    return p.to_local() if isinstance(p, dtensor) else p
+
+
+def _comparable_batch(spec: ModelSpec, reference: nn.Module, batch_size: int, ctx: RankContext,
+                      dropout: Sequence[str]) -> Any:
+    """The global batch, once the reference is known to compute the same thing twice."""
+    batch = spec.batch(reference, batch_size=batch_size, device=ctx.device)
+    randomness = forward_randomness(reference, batch)
+    if randomness > DETERMINISM_RTOL:
+        # The same model and seeds on every rank: every rank observes this alike and skips.
+        skip_rank(
+            f"{type(reference).__name__}'s forward in training mode still draws random numbers "
+            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
+            f"differ by {randomness:.1e} (relative), so a sharded step cannot be compared with "
+            "the single-process reference. Make the randomness switchable: an nn.Dropout "
+            "module, or a float attribute named like '*dropout*' read when self.training")
+    return batch
+
+
+def _permute_largest_shard(sharded: nn.Module, ctx: RankContext) -> None:
+    if ctx.rank != ctx.world_size - 1:
+        return
+    with torch.no_grad():
+        largest = max(sharded.parameters(), key=lambda p: _local(p).numel())
+        local = _local(largest)
+        local.copy_(local.flatten().roll(1).view_as(local))
 
 
 def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
@@ -788,14 +834,24 @@ def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
                 problems.append(f"rank {v['rank']}: compute did not run in bf16 in "
                                 f"{len(bad)} module(s), e.g. {bad[0]}: input/weight "
                                 f"{v['compute_dtypes'][bad[0]]}")
+    dropout = values[0].get("dropout_disabled", [])
     figures = {"loss_rel_diff": worst_loss, "max_param_diff": worst_param,
-               "update_rel_diff": worst_update, "steps": steps}
+               "update_rel_diff": worst_update, "steps": steps, "dropout_disabled": len(dropout)}
+    # Said in both outcomes: the comparison was of the model without its dropout.
+    note = (f"; dropout disabled for the comparison: {len(dropout)} modules "
+            f"({_listing(dropout)})" if dropout else "")
     if problems:
-        return Verdict(False, f"{precision} training under FSDP differs from the reference:\n  "
-                       + "\n  ".join(dict.fromkeys(problems)), figures, {})
+        return Verdict(False, f"{precision} training under FSDP differs from the reference"
+                       f"{note}:\n  " + "\n  ".join(dict.fromkeys(problems)), figures,
+                       {"dropout_disabled": dropout})
     return Verdict(True, f"{steps} {precision} steps match the reference (loss rel {worst_loss:.1e}"
-                   f" <= {loss_rtol:.0e}, params {worst_param:.1e} <= {param_atol:.0e})",
-                   figures, {})
+                   f" <= {loss_rtol:.0e}, params {worst_param:.1e} <= {param_atol:.0e}){note}",
+                   figures, {"dropout_disabled": dropout})
+
+
+def _listing(names: Sequence[str], shown: int = 3) -> str:
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,7 +873,9 @@ def fsdp2_unit_strategies(sharded: nn.Module) -> dict[str, str]:
     """Per FSDP2 unit: "NO_SHARD" when every parameter is whole on each rank (replicated, or
     sharded over a mesh dimension of size 1), else "FULL_SHARD"; read from DTensor placements."""
     dtensor = _compat.dtensor_cls()
-    placements = {n: p for n, p in sharded.named_parameters() if isinstance(p, dtensor)}
+    # Every name of a tied parameter: each module of a multi-module unit reports its own.
+    placements = {n: p for n, p in sharded.named_parameters(remove_duplicate=False)
+                  if isinstance(p, dtensor)}
     out = {}
     for u in actual_units(sharded):
         whole = [
@@ -860,6 +918,8 @@ def rank_mixed(
         skip_rank(f"the second seed's mixed configuration does not apply: {exc}")
     emb = model.get_submodule(emb_name)
     block_names = [n for n, m in model.named_modules() if isinstance(m, blocks)]
+    tied = tied_partners(model, emb)
+    _skip_untiable(model, emb_name, tied, blocks, version)
     uniform = fault == "uniform"
     sharded: nn.Module  # FSDP1 wrapper or the fully_shard-ed model
     if version == "fsdp1":
@@ -877,15 +937,18 @@ def rank_mixed(
         from torch.distributed.device_mesh import init_device_mesh
 
         mp = _compat.mixed_precision_policy_cls()
-        per_unit = {}
-        if not uniform:
-            replicated = init_device_mesh(ctx.device_type, (ctx.world_size, 1),
-                                          mesh_dim_names=("replicate", "shard"))
-            per_unit = {id(emb): {"mesh": replicated, "mp_policy": mp()}}
-        unit_modules = [emb, *(m for m in model.modules() if isinstance(m, blocks))]
+        bf16 = {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
+        # fp32 named, not left unset: a tied head receives the blocks' bf16 activations, and
+        # only a set param_dtype makes FSDP2 cast a unit's forward inputs to it.
+        emb_kwargs: dict[str, Any] = {**bf16, "mesh": device_mesh(ctx)} if uniform else {
+            "mp_policy": mp(param_dtype=torch.float32),
+            "mesh": init_device_mesh(ctx.device_type, (ctx.world_size, 1),
+                                     mesh_dim_names=("replicate", "shard"))}
+        # Tied modules share the embedding's unit: FSDP2 takes several modules as one unit.
+        emb_unit = [emb, *(model.get_submodule(n) for n in tied)]
+        _compat.fully_shard()(emb_unit if tied else emb, **emb_kwargs)
         sharded = shard_fsdp2_modules(
-            model, ctx, unit_modules, per_unit_kwargs=per_unit,
-            mp_policy=mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+            model, ctx, [m for m in model.modules() if isinstance(m, blocks)], **bf16)
         strategies = fsdp2_unit_strategies(sharded)
     seen: dict[str, tuple[str, str]] = {}
     batch = spec.batch(model, batch_size=2, device=ctx.device)
@@ -897,10 +960,84 @@ def rank_mixed(
                                 if clean_fqn(n) in u.params})
     return {
         "rank": ctx.rank, "world_size": ctx.world_size, "version": version,
-        "embedding": emb_name, "blocks": block_names,
+        "embedding": emb_name, "blocks": block_names, "tied": _tie_report(sharded, emb, tied),
         "units": [u.to_dict() for u in actual_units(sharded)], "strategies": strategies,
         "compute_dtypes": seen, "stored_dtypes": stored,
     }
+
+
+def tied_partners(model: nn.Module, emb: nn.Module) -> list[str]:
+    """Modules outside ``emb``'s subtree that hold one of its parameters directly (a tied
+    output head), by name."""
+    own = {id(p) for p in emb.parameters()}
+    inside = {id(m) for m in emb.modules()}
+    return [n for n, m in model.named_modules() if id(m) not in inside
+            and any(id(p) in own for p in m.parameters(recurse=False))]
+
+
+def _skip_untiable(model: nn.Module, emb_name: str, tied: Sequence[str],
+                   blocks: tuple[type[nn.Module], ...], version: str) -> None:
+    """Skip (every rank alike: one model) when tied modules cannot share the embedding's unit."""
+    if not tied:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    tie = f"{emb_name}'s weight is tied to {', '.join(t or '(root)' for t in tied)}"
+    for t in tied:
+        partner = model.get_submodule(t)
+        holder = next((names[id(m)] for m in model.modules() if isinstance(m, blocks)
+                       and (partner in m.modules() or m in partner.modules())), None)
+        if partner is model or holder is not None:
+            where = "the root" if partner is model else f"block {holder}"
+            skip_rank(f"the second seed's mixed configuration does not apply: {tie}, which "
+                      f"shares a unit with {where}: the embedding's fp32 NO_SHARD unit cannot "
+                      "hold it without taking that unit's parameters too")
+    if version == "fsdp1":
+        common = _common_ancestor([emb_name, *tied])
+        where = (f"{common} ({type(model.get_submodule(common)).__name__})" if common
+                 else f"the root ({type(model).__name__})")
+        skip_rank(f"the second seed's mixed configuration does not apply on FSDP1: {tie}. "
+                  "FSDP1 units follow the module tree: a tied weight belongs to the unit of "
+                  f"the smallest module holding all its users, here {where}, so the embedding "
+                  "cannot be a NO_SHARD unit of its own: wrapped alone, FSDP1 flattens a second "
+                  "copy of the weight into the enclosing unit and the tie is split. FSDP2 runs "
+                  "this check with the tied modules in one unit (fully_shard([...]))")
+
+
+def _common_ancestor(fqns: Sequence[str]) -> str:
+    parts = [f.split(".") if f else [] for f in fqns]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _tie_report(sharded: nn.Module, emb: nn.Module, tied: Sequence[str]) -> dict[str, Any]:
+    """Per tied module, read from what torch built: whether it is in the embedding's FSDP2
+    unit (the same param group) and still holds the embedding's parameter object."""
+    group = _compat.fsdp2_param_group(emb)
+    own = {id(p) for p in emb.parameters()}
+    out = {}
+    for t in tied:
+        partner = sharded.get_submodule(t)
+        out[t] = {
+            "same_unit": group is not None and _compat.fsdp2_param_group(partner) is group,
+            "still_tied": any(id(p) in own for p in partner.parameters(recurse=False)),
+        }
+    return out
+
+
+def _tie_problems(v: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for fqn, seen in v.get("tied", {}).items():
+        if not seen["same_unit"]:
+            problems.append(f"rank {v['rank']}: {fqn} shares {v['embedding']}'s weight but is "
+                            "not in its unit")
+        if not seen["still_tied"]:
+            problems.append(f"rank {v['rank']}: after sharding, {fqn} no longer holds "
+                            f"{v['embedding']}'s parameter (the tie was split)")
+    return problems
 
 
 def verdict_mixed(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
@@ -914,8 +1051,9 @@ def verdict_mixed(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
         def compute_of(unit: str, seen: Mapping[str, Any] = v["compute_dtypes"]) -> set[str]:
             return {w for n, (_, w) in seen.items() if n == unit or n.startswith(unit + ".")}
 
-        want = {v["embedding"]: ("NO_SHARD", "torch.float32")}
+        want = {u: ("NO_SHARD", "torch.float32") for u in (v["embedding"], *v.get("tied", {}))}
         want.update({b: ("FULL_SHARD", "torch.bfloat16") for b in v["blocks"]})
+        problems += _tie_problems(v)
         for fqn, (strategy, dtype) in want.items():
             u = units.get(fqn)
             if u is None:
@@ -939,7 +1077,9 @@ def verdict_mixed(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
         tree = format_unit_tree(_units(values[0], "units"), "units (rank 0):")
         return Verdict(False, "mixed configuration not in effect:\n  "
                        + "\n  ".join(problems) + "\n\n" + tree, {}, {})
-    return Verdict(True, f"embedding {values[0]['embedding']} NO_SHARD fp32, "
+    tied = values[0].get("tied", {})
+    with_tied = f" (one unit with the tied {', '.join(tied)})" if tied else ""
+    return Verdict(True, f"embedding {values[0]['embedding']}{with_tied} NO_SHARD fp32, "
                    f"{len(values[0]['blocks'])} blocks FULL_SHARD bf16, on every rank",
                    {"units": len(values[0]["units"])}, {})
 

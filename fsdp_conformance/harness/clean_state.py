@@ -337,9 +337,19 @@ def clean_global_state(seed: int = 0) -> Iterator[list[str]]:
         unrestorable += process.restore()
 
 
+#: Module attributes that are bookkeeping of state a check may leave (never restored):
+#: process groups a check creates (a DeviceMesh's dimension groups) outlive it, and c10d names
+#: the next group from ``_group_count``; restoring the count made the next check's ``new_group``
+#: reuse a live group's name ("The specified group name has already been created").
+NOT_RESTORED = {"torch.distributed.distributed_c10d": frozenset({"_group_count"})}
+
+
 def _restore_namespace(space: Any, before: Mapping[str, Any]) -> None:
     now = vars(space)
+    kept = NOT_RESTORED.get(getattr(space, "__name__", ""), frozenset())
     for key, value in before.items():
+        if key in kept:
+            continue
         if now.get(key, _MISSING) is not value:
             setattr(space, key, value)
     for key in [k for k in now if k not in before]:
