@@ -546,6 +546,9 @@ class ModelSpec:
     min_params: int | None = None
     #: ``pkg.module:builder`` returning a batch: builder(model, batch_size, device).
     input_builder: str | None = None
+    #: ``pkg.module:fn`` initializing one module's own state for meta init (None: the model's
+    #: own contract; see ``claims.init.module_init_for``).
+    init_fn: str | None = None
 
     def __post_init__(self) -> None:
         if (self.reference is None) == (self.factory is None):
