@@ -246,16 +246,16 @@ class TransformersInit(ModuleInit):
 
     def __init__(self, shadow: nn.Module) -> None:
         self.fns = hf.init_weights_fns(shadow)
-        self.modules = dict(shadow.named_modules())
+        self.by_fqn: dict[str, nn.Module] = dict(shadow.named_modules())
 
     def target(self, module: nn.Module, fqn: str) -> nn.Module:
-        return self.modules[fqn]
+        return self.by_fqn[fqn]
 
     def apply(self, module: nn.Module, fqn: str) -> None:
         self.fns[fqn](module)
         while fqn:
             fqn = fqn.rpartition(".")[0]
-            self.fns[fqn](self.modules[fqn])
+            self.fns[fqn](self.by_fqn[fqn])
 
     def missing(self, model: nn.Module) -> list[str]:
         return []
@@ -465,8 +465,33 @@ def reference_model(spec: ModelSpec, seed: int, device: str | torch.device = "cp
     """The single-process reference: the same meta build, ``to_empty``, the same init."""
     model = build_on_meta(spec)
     init = module_init_for(spec, model)
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     return deterministic_init_(model, seed, init)
+
+
+def to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """``model.to_empty(device=...)``, with tied tensors still one tensor afterwards.
+
+    ``to_empty`` allocates per module, so a weight two modules share (GPT-2's ``lm_head`` and
+    ``wte``) comes out as two tensors: a reference that untied would be initialized twice and
+    train two copies, unlike the sharded model (FSDP1's param_init_fn re-binds ties, FSDP2
+    keeps one parameter). Every later holder is re-bound to its first holder's new tensor.
+    """
+    holders: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for kind, name, t in _own_state(module):
+            holders.setdefault(id(t), []).append((module, kind, name))
+    model.to_empty(device=device)
+    for places in holders.values():
+        if len(places) < 2:
+            continue
+        first, kind, name = places[0]
+        store: dict[str, Any] = first._parameters if kind == "param" else first._buffers
+        real = store[name]
+        for module, kind, name in places[1:]:
+            store = module._parameters if kind == "param" else module._buffers
+            store[name] = real
+    return model
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -561,10 +586,14 @@ class DeterministicParamInit:
                         module._parameters[name] = real  # type: ignore[assignment]
                     else:
                         module._buffers[name] = real
+                    t = real
+                else:
+                    self.materialized[id(old)] = weakref.ref(t)
+                # Only the owner writes, whichever holder FSDP1 reaches first: its walk is
+                # breadth-first, so GPT-2's lm_head comes before transformer.wte, the owner.
+                if self.owner.get(id(old)) != fqn:
                     continue
-                self.materialized[id(old)] = weakref.ref(t)
-                if self.owner.get(id(old)) == fqn:
-                    t.copy_(full[name].to(t.device))
+                t.copy_(full[name].to(t.device))
                 if self.broadcast_from is not None:
                     import torch.distributed as dist
 
@@ -1305,13 +1334,20 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
                     seed: int = 0, rank_seed_offset: int = 0, lr: float = 0.1) -> dict[str, Any]:
     """One SGD step after meta init, against the same step on the single-process reference.
 
-    Every rank feeds the same batch, so the averaged gradient equals the reference's.
+    Every rank feeds the same batch, so the averaged gradient equals the reference's. A model
+    with dropout is compared in eval mode, both sides: the sharded step and the reference draw
+    their masks at different points of the RNG stream, so in train mode they differ by the
+    masks, not by the init (the report says dropout was disabled).
     """
     failed = _preflight(ctx, spec)
     if failed:
         return failed
     model = materialize(ctx, spec, version, "deterministic", seed + ctx.rank * rank_seed_offset)
     reference = reference_model(spec, seed, ctx.device)
+    dropout = dropout_modules(reference)
+    if dropout:
+        model.eval()
+        reference.eval()
     batch = spec.batch(reference, batch_size=2, device=ctx.device)
     losses = []
     for m in (model, reference):
@@ -1339,7 +1375,14 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
         "mismatch": bad,
         "max_abs_diff": worst,
         "max_abs_diff_at": worst_name,
+        "dropout_disabled": dropout,
     }
+
+
+def dropout_modules(model: nn.Module) -> list[str]:
+    """FQNs of the dropout modules that drop anything (``p > 0``)."""
+    return [clean_fqn(n) for n, m in model.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
 
 def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
@@ -1363,12 +1406,16 @@ def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str,
         for v in values
         if v["mismatch"]
     ]
+    dropout = values[0].get("dropout_disabled") or []
+    note = (f"; dropout disabled for the comparison ({len(dropout)} dropout module(s), e.g. "
+            f"{dropout[0]}: both models in eval mode)" if dropout else "")
     if problems:
         return Verdict(False, "the first training step after meta init does not match the "
-                       "reference:\n  " + "\n  ".join(problems), figures)
+                       "reference" + note + ":\n  " + "\n  ".join(problems), figures)
     return Verdict(True, f"step after meta init matches the reference on {len(values)} ranks "
                    f"(loss {values[0]['loss']:.6g}; largest weight difference "
-                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'})", figures)
+                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'}){note}",
+                   figures)
 
 
 def rank_peak_memory(
