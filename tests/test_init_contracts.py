@@ -261,3 +261,9 @@ def test_fsdp1_default_path_skips_a_transformers_model_with_the_reason(ranks: Ra
     assert "calls reset_parameters() on every module that owns state" in run.detail
     assert "model.layers.0.input_layernorm (LlamaRMSNorm)" in run.detail
     assert "transformers' _init_weights" in run.detail
+
+
+def test_an_eager_transformers_model_reinitializes_to_the_reference_without_a_spec() -> None:
+    # No spec: the shadow is a meta copy of the unsharded model (no storage copied).
+    model = init.deterministic_init_(tiny_gpt2(), 0)
+    assert init.state_digest(init.canonical_state(model)) == init.reference_digest(GPT2, 0)
