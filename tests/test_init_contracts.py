@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, execute, run_check
+from fsdp_conformance.gate.report import environment_summary
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec, ModelSpecError
 from fsdp_conformance.settings import SettingsError, pyproject_settings, resolve_settings
@@ -212,6 +213,7 @@ def test_init_fn_is_a_setting_from_every_source(tmp_path: Path) -> None:
         '[tool.fsdp_conformance]\nmodel = "p.m:f"\ninit_fn = "p.m:t"\n')
     table = resolve_settings({}, {}, {}, pyproject_settings(str(tmp_path)))
     assert table.init_fn == "p.m:t"
+    assert environment_summary(given).endswith(", model p.m:f, init fn p.m:init")
     with pytest.raises(SettingsError, match=r"^--init-fn is set but no --model"):
         resolve_settings({"init_fn": "p.m:init"}, {}, {}, flag_style="cli")
 
