@@ -198,6 +198,16 @@ def flash_attention_cpu_op() -> Callable[..., Any] | None:
     return getattr(packet, "default", None) if packet is not None else None
 
 
+def grouped_mm_op() -> Any | None:
+    """The op packet ``aten._grouped_mm`` (mixture-of-experts matmuls), or None.
+
+    Its meta kernel repeats the CUDA kernel's dtype rule (bf16 only), while the CPU kernel also
+    runs fp32: transformers' MoE experts call it in fp32 on CPU, so a meta forward of such a
+    model fails where the real one runs (torch 2.13; see profile.py).
+    """
+    return getattr(torch.ops.aten, "_grouped_mm", None)
+
+
 # -- tensor internals: pytree, dispatch modes, storage identity, views -------------------------
 
 

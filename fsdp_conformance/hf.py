@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -29,6 +30,73 @@ def is_pretrained(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers ``PreTrainedModel``."""
     cls = pretrained_model_cls()
     return cls is not None and isinstance(model, cls)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 12, part H1: block classes, default inputs and depth, read from the model's config
+# --------------------------------------------------------------------------------------------
+
+
+def no_split_modules(model: nn.Module) -> list[str]:
+    """The class names transformers never splits across devices: the model's blocks.
+
+    ``PreTrainedModel._no_split_modules`` (gathered from the submodels in ``post_init``), the
+    same list accelerate's FSDP plugin wraps when it is not told a layer class. Sorted, so
+    every rank and every run resolves them in the same order; empty when the model names none.
+    """
+    names = getattr(model, "_no_split_modules", None) or ()
+    return sorted({str(n) for n in names})
+
+
+def default_inputs(model: nn.Module, batch_size: int, seq_len: int,
+                   device: str | torch.device, generator: torch.Generator) -> dict[str, Any]:
+    """Keyword inputs from the config: ``input_ids`` below ``vocab_size``, shape (batch, seq).
+
+    An encoder-decoder (``config.is_encoder_decoder``) also gets ``decoder_input_ids`` (its
+    forward refuses to run without them when no labels are given). The sequence is cut to
+    ``max_position_embeddings`` where the config has one smaller than ``seq_len``.
+    """
+    config: Any = model.config
+    vocab = int(config.vocab_size)
+    limit = getattr(config, "max_position_embeddings", None)
+    seq = min(seq_len, int(limit)) if isinstance(limit, int) and limit > 0 else seq_len
+
+    def ids() -> torch.Tensor:
+        return torch.randint(0, vocab, (batch_size, seq), generator=generator).to(device)
+
+    inputs = {"input_ids": ids()}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids()
+    return inputs
+
+
+def config_depth(model: nn.Module) -> int | None:
+    """``config.num_hidden_layers`` of a transformers model (any spelling the config maps to it:
+    GPT-2's ``n_layer`` is read through the config's ``attribute_map``), else None."""
+    if not is_pretrained(model):
+        return None
+    config: Any = model.config
+    depth = getattr(config, "num_hidden_layers", None)
+    return depth if isinstance(depth, int) and not isinstance(depth, bool) else None
+
+
+def rebuild_with_depth(model: nn.Module, depth: int) -> nn.Module:
+    """The same transformers model class, built from a copy of its config at ``depth`` layers.
+
+    Only the config carries over: what a factory did to the model after building it (tying,
+    freezing) is not repeated, which is why a factory's own depth keyword is preferred.
+    """
+    import copy
+
+    config: Any = copy.deepcopy(model.config)
+    config.num_hidden_layers = depth
+    rebuilt: nn.Module = type(model)(config)
+    return rebuilt
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 12, part H3: transformers' own per-module init
+# --------------------------------------------------------------------------------------------
 
 
 def init_weights_fns(model: nn.Module) -> dict[str, Any]:

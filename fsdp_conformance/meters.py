@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fsdp_conformance._compat import storage_key
+from fsdp_conformance._compat import storage_key, tree_leaves
 from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
 
@@ -252,7 +252,7 @@ def resident_tensor_bytes(
         for state in optimizer.state.values():
             for v in state.values():
                 add(v)
-    for t in extra:
+    for t in tree_leaves(list(extra)):  # a batch may be a mapping of tensors (call_model)
         add(t)
     return total
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -448,32 +451,82 @@ def build_reference(name: str, config: ModelConfig | LlamaConfig | None = None,
 def default_loss(output: Any) -> torch.Tensor:
     """The loss every check's training step uses: the mean square of the output in fp32.
 
-    Any output shape and float dtype; a tuple/list or mapping output contributes its first
-    tensor. One definition, so the checks' steps and the memory profile compute the same thing.
+    Any output shape and float dtype; a tuple/list output contributes its first element, a
+    mapping its ``logits`` when it has them, else its first value. A transformers
+    ``ModelOutput`` is such a mapping: ``logits`` is named rather than taken as the first
+    value, because with ``labels`` in the input the first value is transformers' own scalar
+    loss, and the checks compare the same loss on every model. One definition, so the checks'
+    steps and the memory profile compute the same thing.
     """
     if isinstance(output, (tuple, list)):
         output = output[0]
     if isinstance(output, Mapping):
-        output = next(iter(output.values()))
+        output = output["logits"] if "logits" in output else next(iter(output.values()))
     out: torch.Tensor = output.float().pow(2).mean()
     return out
 
 
 def make_batch(model: nn.Module, batch_size: int = 2, seq_len: int = 8,
-               device: str | torch.device = "cpu", seed: int = 1234) -> torch.Tensor:
+               device: str | torch.device = "cpu", seed: int = 1234) -> Any:
     """A deterministic input batch (the same on every rank for a seed).
 
-    The input kind follows the model's first ``nn.Embedding`` or ``nn.Linear`` in registration
-    order (wrappers such as FSDP1's are looked through): an embedding takes token ids below its
-    ``num_embeddings``, a linear takes features of its ``in_features``. A model that starts
-    otherwise (convolutions, several inputs) needs an input builder (``--fsdp-input``).
+    A transformers ``PreTrainedModel`` (looked through FSDP1's wrapper) gets keyword inputs
+    from its config (:func:`fsdp_conformance.hf.default_inputs`: ``input_ids`` below
+    ``vocab_size``, plus ``decoder_input_ids`` for an encoder-decoder), a mapping that
+    :func:`call_model` passes as keyword arguments. Any other model gets one tensor whose kind
+    follows its first ``nn.Embedding`` or ``nn.Linear`` in registration order (wrappers are
+    looked through): an embedding takes token ids below its ``num_embeddings``, a linear takes
+    features of its ``in_features``. A model that starts otherwise (convolutions, several
+    inputs) needs an input builder (``--fsdp-input``).
     """
+    from fsdp_conformance import hf
+
     g = torch.Generator().manual_seed(seed)
+    inner = _inside_fsdp1(model)
+    if hf.is_pretrained(inner):
+        return hf.default_inputs(inner, batch_size, seq_len, device, g)
     first = _first_input_module(model)
     if isinstance(first, nn.Embedding):
         shape: tuple[int, ...] = (batch_size, seq_len)
         return torch.randint(0, first.num_embeddings, shape, generator=g).to(device)
     return torch.randn(batch_size, seq_len, first.in_features, generator=g).to(device)
+
+
+def _inside_fsdp1(model: nn.Module) -> nn.Module:
+    """The module an FSDP1 root wraps (FSDP2 keeps the module itself, class included)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    while isinstance(model, FullyShardedDataParallel):
+        model = model.module
+    return model
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on ``batch``: a mapping is passed as keyword arguments, anything else as
+    the one positional argument (a tuple too: that is today's contract of input builders).
+
+    Every forward of the checks goes through here, so an input builder (or the default input
+    of a transformers model) may return ``{"input_ids": ..., "attention_mask": ...}``.
+    """
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch)
+
+
+def batch_rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` (dim 0) of every tensor in a batch: a tensor, a mapping or a
+    tuple/list of tensors; anything else is an error naming the builder's contract."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return {k: batch_rows(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(batch_rows(v, start, stop) for v in batch)
+    raise ModelSpecError(
+        f"cannot split the input batch across ranks along dim 0: it holds a "
+        f"{type(batch).__name__}; the input builder must return a tensor, or a mapping, tuple "
+        "or list of tensors whose first dimension is the batch"
+    )
 
 
 def _first_input_module(model: nn.Module) -> nn.Embedding | nn.Linear:
@@ -496,6 +549,22 @@ class ModelSpecError(ValueError):
     """The model specification cannot be used; the message names the problem and the fix."""
 
 
+def import_from_cwd(module_path: str) -> Any:
+    """Import ``module_path`` with the current folder first on ``sys.path``, as ``python -m``.
+
+    A console script (``fsdp-conformance``, ``pytest``) starts with its own bin folder first
+    on ``sys.path``, not the current one, so ``--model mymodels:build`` run next to
+    ``mymodels.py`` would not import. The folder stays first for the rest of the process (as
+    under ``python -m``), so a factory that imports its sibling modules later finds them too;
+    the rank processes start with the same folder as their working directory and ``-m``.
+    """
+    cwd = os.getcwd()
+    if not sys.path or sys.path[0] not in ("", cwd):
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+    return importlib.import_module(module_path)
+
+
 def load_object(path: str, what: str) -> Any:
     """Import ``pkg.module:name`` (or ``pkg.module.name``) with one clear error per failure."""
     module_path, sep, attr = path.partition(":")
@@ -506,11 +575,12 @@ def load_object(path: str, what: str) -> Any:
             f"{what} {path!r} is not of the form 'pkg.module:name'; e.g. mypkg.model:build_model"
         )
     try:
-        module = importlib.import_module(module_path)
+        module = import_from_cwd(module_path)
     except ImportError as exc:
         raise ModelSpecError(
             f"cannot import module {module_path!r} for {what} {path!r} ({exc}); check the "
-            "path and that the package is installed in this environment (or on PYTHONPATH)"
+            f"path and that the module is in the current folder ({os.getcwd()}), installed in "
+            "this environment, or on PYTHONPATH"
         ) from None
     obj = module
     for part in attr.split("."):
@@ -546,6 +616,9 @@ class ModelSpec:
     min_params: int | None = None
     #: ``pkg.module:builder`` returning a batch: builder(model, batch_size, device).
     input_builder: str | None = None
+    #: The factory's model at this many layers (None: as the factory builds it); see
+    #: :meth:`depth_setting` for how a factory's depth is set.
+    depth: int | None = None
     #: ``pkg.module:fn`` initializing one module's own state for meta init (None: the model's
     #: own contract; see ``claims.init.module_init_for``).
     init_fn: str | None = None
@@ -553,6 +626,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if (self.reference is None) == (self.factory is None):
             raise ModelSpecError("ModelSpec needs exactly one of reference= or factory=")
+        if self.depth is not None and (self.reference is not None or self.depth < 1):
+            raise ModelSpecError(
+                f"ModelSpec.depth is for a factory and must be >= 1, got {self.depth} "
+                f"({self.name}); set a reference model's depth in its config")
         if self.reference is not None and self.reference not in REFERENCE_MODELS:
             raise ModelSpecError(
                 f"unknown reference model {self.reference!r}; choose one of "
@@ -569,13 +646,20 @@ class ModelSpec:
             return build_reference(self.reference, self.config, device)
         assert self.factory is not None  # __post_init__ guarantees one of the two
         factory = load_object(self.factory, "model factory")
+        keyword = depth_keyword(factory) if self.depth is not None else None
+        kwargs = {keyword: self.depth} if keyword else {}
+        called = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "no arguments"
         try:
             with torch.device(device) if device is not None else contextlib.nullcontext():
-                model = factory()
+                model = factory(**kwargs)
+                if self.depth is not None and keyword is None:
+                    model = self._config_at_depth(model, self.depth)
+        except ModelSpecError:
+            raise
         except Exception as exc:
             raise ModelSpecError(
                 f"model factory {self.factory!r} raised {type(exc).__name__}: {exc}; "
-                "fix the factory (it is called with no arguments)"
+                f"fix the factory (it is called with {called})"
             ) from exc
         if not isinstance(model, nn.Module):
             raise ModelSpecError(
@@ -584,14 +668,47 @@ class ModelSpec:
             )
         return model
 
+    def _config_at_depth(self, model: Any, depth: int) -> nn.Module:
+        from fsdp_conformance import hf
+
+        if not isinstance(model, nn.Module) or hf.config_depth(model) is None:
+            raise ModelSpecError(f"cannot build {self.factory!r} at {depth} layers: "
+                                 + NO_SETTABLE_DEPTH)
+        return hf.rebuild_with_depth(model, depth)
+
+    def depth_setting(self) -> str | None:
+        """How this model's depth is set, in words for a report, or None when it cannot be.
+
+        A reference model: its config's ``num_layers``. A factory: its own depth keyword
+        (:data:`DEPTH_KEYWORDS`, preferred: the factory stays in charge of the model), else
+        ``config.num_hidden_layers`` of the transformers model it returns (rebuilt from a copy
+        of that config). A factory taking only ``**kwargs`` is not guessed at: nothing says
+        which name it reads, or that it reads one.
+        """
+        from fsdp_conformance import hf
+
+        if self.reference is not None:
+            return "the reference config's num_layers"
+        assert self.factory is not None
+        keyword = depth_keyword(load_object(self.factory, "model factory"))
+        if keyword is not None:
+            return f"the factory's {keyword}= keyword"
+        model = dataclasses.replace(self, depth=None).build("meta")
+        if hf.config_depth(model) is not None:
+            return f"config.num_hidden_layers of its {type(model).__name__}"
+        return None
+
     def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]:
         """The block classes, resolved against the built model (clear error if absent)."""
+        from fsdp_conformance import hf
         from fsdp_conformance.policies import PolicyError, resolve_block_classes
 
         if self.block_cls:
             return resolve_block_classes(model, list(self.block_cls))
         if self.reference is not None:
             return REFERENCE_MODELS[self.reference].block_classes
+        if hf.is_pretrained(model):
+            return _no_split_block_classes(model, self.name)
         raise PolicyError(
             f"no block class given for {self.factory!r}: pass --fsdp-block-cls with the class of "
             "its transformer block (a class name found in the model or a dotted path)"
@@ -613,6 +730,55 @@ class ModelSpec:
             builder = load_object(self.input_builder, "input builder")
             return builder(model, batch_size, device)
         return make_batch(model, batch_size=batch_size, device=device)
+
+
+#: Keywords a factory may take for its depth (the reference factories' ``num_layers``, common
+#: spellings elsewhere, and the transformers config attribute names).
+DEPTH_KEYWORDS = ("num_layers", "n_layers", "num_hidden_layers", "n_layer")
+
+#: Why a factory's depth cannot be set, and the two ways to make it settable.
+NO_SETTABLE_DEPTH = (
+    "its depth cannot be set: give the factory a depth keyword ("
+    + ", ".join(f"{k}=" for k in DEPTH_KEYWORDS)
+    + "), or make it return a transformers model whose config has num_hidden_layers"
+)
+
+
+def depth_keyword(factory: Callable[..., Any]) -> str | None:
+    """The factory's parameter (of :data:`DEPTH_KEYWORDS`) that can be passed by keyword."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return None
+    for name in DEPTH_KEYWORDS:
+        p = parameters.get(name)
+        if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            return name
+    return None
+
+
+def _no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module], ...]:
+    """A transformers model's blocks: its ``_no_split_modules`` classes found in the model.
+
+    As accelerate's FSDP plugin does when no layer class is given; a listed name the model does
+    not contain (``_no_split_modules`` is gathered over a model family's submodels) is skipped
+    as long as one is found.
+    """
+    from fsdp_conformance import hf
+    from fsdp_conformance.policies import PolicyError, module_classes
+
+    names = hf.no_split_modules(model)
+    found = dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names)
+    if found:
+        return tuple(found)
+    listed = ", ".join(names) if names else "no class"
+    raise PolicyError(
+        f"no block class given for {name!r}, and its transformers model "
+        f"{type(model).__name__} lists {listed} in _no_split_modules"
+        + (", none of which is in the model" if names else "")
+        + "; pass --fsdp-block-cls with the class of its transformer block (one of: "
+        + ", ".join(module_classes(model)) + ")"
+    )
 
 
 def infer_width(model: nn.Module) -> int:

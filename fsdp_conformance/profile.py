@@ -11,14 +11,20 @@ from typing import Any
 
 import torch
 
-from fsdp_conformance._compat import is_view, storage_key, torch_dispatch_mode_cls, tree_leaves
+from fsdp_conformance._compat import (
+    grouped_mm_op,
+    is_view,
+    storage_key,
+    torch_dispatch_mode_cls,
+    tree_leaves,
+)
 from fsdp_conformance.bound import (
     BOUND_TOLERANCE,
     ActivationProfile,
     MeasureError,
     StepConfig,
 )
-from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.models import ModelSpec, call_model, default_loss
 from fsdp_conformance.policies import policy_for
 from fsdp_conformance.units import ROOT, UnitInfo
 
@@ -37,6 +43,35 @@ def _unit_of(model: torch.nn.Module, units: Sequence[UnitInfo]) -> dict[int, str
                 break
         owner[id(module)] = unit
     return owner
+
+
+def _grouped_mm_on_meta() -> Any:
+    """A dispatch mode that runs ``aten._grouped_mm`` on meta in any float dtype.
+
+    torch's meta kernel accepts only bf16 (the CUDA rule) but the CPU kernel runs fp32, which
+    transformers' mixture-of-experts layers use on CPU: without this, a meta forward of such a
+    model raises where the real forward runs. The op is computed on bf16 copies of the meta
+    inputs (shapes only, nothing allocated) and its result given the dtype the CPU kernel
+    returns, so the output and what autograd saves are the real step's, byte for byte.
+    """
+    TorchDispatchMode = torch_dispatch_mode_cls()
+    packet = grouped_mm_op()
+
+    class GroupedMMOnMeta(TorchDispatchMode):  # type: ignore[misc,valid-type]
+        def __torch_dispatch__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
+            kwargs = kwargs or {}
+            a, b = (args + (None, None))[:2]
+            if (packet is not None and getattr(func, "overloadpacket", None) is packet
+                    and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.device.type == "meta" and a.dtype != torch.bfloat16
+                    and kwargs.get("out_dtype") is None):
+                out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+                return out.to(a.dtype)
+            return func(*args, **kwargs)
+
+    return GroupedMMOnMeta()
 
 
 def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[UnitInfo],
@@ -85,8 +120,9 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Produced():
-            loss_fn(model(batch))
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              _grouped_mm_on_meta(), Produced()):
+            loss_fn(call_model(model, batch))
     finally:
         for h in handles:
             h.remove()

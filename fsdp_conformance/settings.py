@@ -224,7 +224,7 @@ OPTIONS: tuple[Option, ...] = (
         _parse_optional_str,
         None,
         "your model: 'pkg.module:factory', a callable returning an nn.Module (built on the meta "
-        "device when the suite asks)",
+        "device when the suite asks; resolved from the current folder first, as python -m does)",
         "MODULE:FACTORY",
     ),
     Option(
@@ -232,7 +232,7 @@ OPTIONS: tuple[Option, ...] = (
         _parse_optional_str,
         None,
         "the transformer block class of --fsdp-model: a dotted import path or a class name found "
-        "in the model",
+        "in the model (default for a transformers model: its _no_split_modules)",
         "CLASS",
     ),
     Option(
@@ -248,7 +248,8 @@ OPTIONS: tuple[Option, ...] = (
         _parse_optional_str,
         None,
         "'pkg.module:builder' returning a batch for --fsdp-model: builder(model, batch_size, "
-        "device) -> tensor or tuple of args",
+        "device) -> the model's one argument (a tensor or tuple), or a mapping of keyword "
+        "arguments",
         "MODULE:BUILDER",
     ),
     Option(

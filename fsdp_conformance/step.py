@@ -29,7 +29,7 @@ from fsdp_conformance.meters import (
     torch_version_string,
     tracker_meter,
 )
-from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.models import ModelSpec, call_model, default_loss
 from fsdp_conformance.timeline import Timeline, record_timeline
 
 # ============================================================================================
@@ -167,7 +167,7 @@ def train_step(
     model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """One step: forward, the mean-square loss, backward, and the optimizer when given."""
-    loss = default_loss(model(batch))
+    loss = default_loss(call_model(model, batch))
     loss.backward()
     if optimizer is not None:
         optimizer.step()

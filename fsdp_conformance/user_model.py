@@ -45,11 +45,13 @@ def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequ
         load_object(spec.init_fn, "init function")
     blocks = spec.block_classes(model)
     threshold = spec.size_threshold(model)
+    # Without --block-cls only a transformers model gets this far: its _no_split_modules.
+    given = "" if spec.block_cls else " (from the model's _no_split_modules)"
     validate_plan(
         model,
         policy("recommended", model, blocks, threshold),
-        detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}, threshold "
-        f"{threshold:,}; check --fsdp-block-cls names the model's block class",
+        detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}{given}, "
+        f"threshold {threshold:,}; check --fsdp-block-cls names the model's block class",
     )
     numel = sum(p.numel() for p in model.parameters())
     need = numel * CPU_BYTES_PER_PARAM * max(world_sizes)

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,33 @@ class Launch:
         return f"stdout:\n{self.proc.stdout}\nstderr:\n{self.proc.stderr}"
 
 
-def launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
-           pythonpath: Sequence[str] = ()) -> Launch:
-    """``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in ``directory``."""
+class Running:
+    """A launch under way; ``wait()`` gives its :class:`Launch`."""
+
+    def __init__(self, directory: Path, cmd: list[str], proc: subprocess.Popen[str]) -> None:
+        self.directory = directory
+        self.cmd = cmd
+        self.proc = proc
+
+    def wait(self) -> Launch:
+        try:
+            out, err = self.proc.communicate(timeout=LAUNCH_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"torchrun ran over {LAUNCH_LIMIT_S}s: {' '.join(self.cmd)}")
+        return Launch(self.directory,
+                      subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def start_launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
+                 pythonpath: Sequence[str] = ()) -> Running:
+    """Start ``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in
+    ``directory``."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -85,32 +109,141 @@ def launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
     environ.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fsdp_conformance.cli", "run", "--checks", checks, "--out", "out"]
-    try:
-        proc = subprocess.run(cmd, cwd=directory, env=environ, capture_output=True, text=True,
-                              timeout=LAUNCH_LIMIT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun ran over {LAUNCH_LIMIT_S}s: {exc}")
-    return Launch(directory, proc)
+    proc = subprocess.Popen(cmd, cwd=directory, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return Running(directory, cmd, proc)
 
 
-@pytest.fixture(scope="module")
-def without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+def _start_without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
     """The two init peak checks (they need MALLOC_MMAP_THRESHOLD_ at start), launched without."""
-    return launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
+    return start_launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
 
 
-@pytest.fixture(scope="module")
-def with_malloc(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return launch(tmp_path_factory.mktemp("with"), "init.peak_memory", {MALLOC: "65536"})
+def _start_with_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
+    return start_launch(tmp_path_factory.mktemp("with"), "init.peak_memory", {MALLOC: "65536"})
 
 
-@pytest.fixture(scope="module")
-def failing_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+def _start_failing_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Running:
     directory = tmp_path_factory.mktemp("failing")
     (directory / "site").mkdir()
     (directory / "site" / "sitecustomize.py").write_text(FAIL_ON_RANK)
-    return launch(directory, "wrap.units.exact", {"FSDPC_TEST_FAIL_ON_RANK": "1"},
-                  [str(directory / "site")])
+    return start_launch(directory, "wrap.units.exact", {"FSDPC_TEST_FAIL_ON_RANK": "1"},
+                        [str(directory / "site")])
+
+
+#: The launches below, by the name of the fixture that gives each.
+LAUNCHES = {
+    "without_malloc": _start_without_malloc,
+    "with_malloc": _start_with_malloc,
+    "failing_on_rank1": _start_failing_on_rank1,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Running]]:
+    """Starts at once the launches this module's selected tests need.
+
+    Each launch is three processes importing torch plus torchrun's rendezvous and monitoring
+    waits: together on a 2-core machine they take about the CPU time they need, one after
+    another the sum of their wall times. They start with the module's first test (autouse),
+    so that the in-process tests, which come first, run while they do. Each fixture below
+    waits for its own.
+    """
+    # A pytest-xdist worker runs only some of the tests it collected: there each fixture
+    # starts its own launch when asked, so no worker starts another's.
+    needed = set() if hasattr(request.config, "workerinput") else {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in getattr(item, "fixturenames", ())
+    }
+    started = {name: start(tmp_path_factory) for name, start in LAUNCHES.items() if name in needed}
+    try:
+        yield started
+    finally:
+        for running in started.values():  # a run cut short leaves no torchrun behind
+            running.stop()
+
+
+@pytest.fixture(scope="module")
+def without_malloc(
+    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    if "without_malloc" not in launches:
+        launches["without_malloc"] = LAUNCHES["without_malloc"](tmp_path_factory)
+    return launches["without_malloc"].wait()
+
+
+@pytest.fixture(scope="module")
+def with_malloc(
+    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    if "with_malloc" not in launches:
+        launches["with_malloc"] = LAUNCHES["with_malloc"](tmp_path_factory)
+    return launches["with_malloc"].wait()
+
+
+@pytest.fixture(scope="module")
+def failing_on_rank1(
+    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    if "failing_on_rank1" not in launches:
+        launches["failing_on_rank1"] = LAUNCHES["failing_on_rank1"](tmp_path_factory)
+    return launches["failing_on_rank1"].wait()
+
+
+# --------------------------------------------------------------------------------------------
+# In process: world sizes under a launcher, and what a launch cannot provide
+# --------------------------------------------------------------------------------------------
+
+
+def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -> None:
+    default = Settings(sources={"world_sizes": "default"})
+    assert suite.launch_settings(default, 4).world_sizes == (4,)
+    explicit = Settings(world_sizes=(2, 4), sources={"world_sizes": "command line --world-sizes"})
+    assert suite.launch_settings(explicit, 4) is explicit
+    with pytest.raises(SettingsError) as info:
+        suite.launch_settings(explicit, 3)
+    assert str(info.value) == (
+        "world sizes 2,4 (from command line --world-sizes) do not include this launch's "
+        "WORLD_SIZE=3; launch 2 ranks (torchrun --nproc-per-node 2) or drop the world-size "
+        "setting"
+    )
+
+
+def _what_the_launch_cannot_provide(ctx: RankContext) -> dict[str, Any]:
+    # This rank stands in for a launched process: its group is up, the launcher finds it.
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
+                      LOCAL_RANK=str(ctx.local_rank))
+    launcher = LauncherRunner("gloo")
+    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
+    return {
+        "started_with": launcher.cannot_provide({"FSDPC_STARTED_WITH": "1"}, False),
+        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
+        "other_value": launcher.cannot_provide({"FSDPC_STARTED_WITH": "2"}, False),
+        "fresh": launcher.cannot_provide(None, True),
+    }
+
+
+def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() -> None:
+    with RankPool(1, env={"FSDPC_STARTED_WITH": "1"}) as pool:
+        (outcome,) = pool.run_outcomes(_what_the_launch_cannot_provide)
+    assert outcome.status == "ok", outcome.detail
+    found = outcome.value
+    assert found["started_with"] is None
+    assert found["set_late"] == (
+        "needs FSDPC_SET_LATE=1 set before the ranks start (rank 0 started without it); "
+        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
+    )
+    assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
+    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+
+
+# --------------------------------------------------------------------------------------------
+# Launched: the narrowed runs started together by ``launches``
+# --------------------------------------------------------------------------------------------
 
 
 def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
@@ -181,53 +314,6 @@ def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
         assert "RuntimeError: failure injected on rank 1" in entry["message"]
     assert run.rank1_log[-1] == "exit 1 (the worst of every rank's: rank 0 1, rank 1 1)"
     assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
-
-
-# --------------------------------------------------------------------------------------------
-# In process: world sizes under a launcher, and what a launch cannot provide
-# --------------------------------------------------------------------------------------------
-
-
-def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -> None:
-    default = Settings(sources={"world_sizes": "default"})
-    assert suite.launch_settings(default, 4).world_sizes == (4,)
-    explicit = Settings(world_sizes=(2, 4), sources={"world_sizes": "command line --world-sizes"})
-    assert suite.launch_settings(explicit, 4) is explicit
-    with pytest.raises(SettingsError) as info:
-        suite.launch_settings(explicit, 3)
-    assert str(info.value) == (
-        "world sizes 2,4 (from command line --world-sizes) do not include this launch's "
-        "WORLD_SIZE=3; launch 2 ranks (torchrun --nproc-per-node 2) or drop the world-size "
-        "setting"
-    )
-
-
-def _what_the_launch_cannot_provide(ctx: RankContext) -> dict[str, Any]:
-    # This rank stands in for a launched process: its group is up, the launcher finds it.
-    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
-                      LOCAL_RANK=str(ctx.local_rank))
-    launcher = LauncherRunner("gloo")
-    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
-    return {
-        "started_with": launcher.cannot_provide({"FSDPC_STARTED_WITH": "1"}, False),
-        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
-        "other_value": launcher.cannot_provide({"FSDPC_STARTED_WITH": "2"}, False),
-        "fresh": launcher.cannot_provide(None, True),
-    }
-
-
-def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() -> None:
-    with RankPool(1, env={"FSDPC_STARTED_WITH": "1"}) as pool:
-        (outcome,) = pool.run_outcomes(_what_the_launch_cannot_provide)
-    assert outcome.status == "ok", outcome.detail
-    found = outcome.value
-    assert found["started_with"] is None
-    assert found["set_late"] == (
-        "needs FSDPC_SET_LATE=1 set before the ranks start (rank 0 started without it); "
-        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
-    )
-    assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
-    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
 
 
 def _interrupted_check(ctx: RankContext) -> None:
@@ -320,8 +406,14 @@ def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path)
              "2", "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train", "--out", "out"],
             cwd=tmp_path, env=environ, stdout=subprocess.DEVNULL, stderr=err_file)
         try:
+            # Each rank in its first check: rank 0 prints its progress, rank 1 logs its own
+            # (rank 0 may start the check while rank 1 is still joining the launch's group; a
+            # SIGTERM then finds rank 1 outside the check).
+            rank1_log = tmp_path / "out" / "rank1.log"
             deadline = time.monotonic() + LAUNCH_LIMIT_S
-            while "[1/4] " not in err_path.read_text():
+            while "[1/4] " not in err_path.read_text() or not (
+                rank1_log.exists() and "[1/4] " in rank1_log.read_text()
+            ):
                 assert proc.poll() is None, err_path.read_text()
                 assert time.monotonic() < deadline, err_path.read_text()
                 time.sleep(0.1)

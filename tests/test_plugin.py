@@ -129,6 +129,8 @@ def test_report_header_shows_torch_version_and_world_sizes(
     )
 
 
+# The inner sessions run in process: a module name of theirs must not be one of this
+# folder's (tests/test_sizes.py), or the second import of that name is refused.
 WORLD_SIZES = """
 import pytest
 
@@ -161,15 +163,15 @@ def pytest_collection_modifyitems(items):
 def test_world_size_marker_parametrizes_and_ranks_tests_get_an_outer_timeout(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makepyfile(test_sizes=WORLD_SIZES)
+    pytester.makepyfile(test_marked_sizes=WORLD_SIZES)
     pytester.makeconftest(PRINT_TIMEOUTS)
     result = pytester.runpytest_inprocess("--co", "-q", "-s", "--fsdp-timeout=10")
     for line in [
-        "test_sizes.py::test_marked[[]ws1[]]",
-        "test_sizes.py::test_marked[[]ws3[]]",
-        "test_sizes.py::test_default[[]ws2[]]",
-        "test_sizes.py::test_uses_ranks[[]ws2-cpu[]]",
-        "test_sizes.py::test_uses_ranks[[]ws2-gpu[]]",
+        "test_marked_sizes.py::test_marked[[]ws1[]]",
+        "test_marked_sizes.py::test_marked[[]ws3[]]",
+        "test_marked_sizes.py::test_default[[]ws2[]]",
+        "test_marked_sizes.py::test_uses_ranks[[]ws2-cpu[]]",
+        "test_marked_sizes.py::test_uses_ranks[[]ws2-gpu[]]",
         # pytest-timeout guards every test that runs ranks: several checks' worth of time.
         "TIMEOUT test_uses_ranks[[]ws2-cpu[]]: (110.0,)",
         "TIMEOUT test_marked[[]ws1[]]: None",
@@ -207,7 +209,7 @@ def test_bad_world_size_marker_names_the_test_and_the_fix(pytester: pytest.Pytes
 def test_world_size_over_the_machine_limit_is_a_usage_error_before_any_rank_starts(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makepyfile(test_sizes=WORLD_SIZES)
+    pytester.makepyfile(test_marked_sizes=WORLD_SIZES)
     result = pytester.runpytest_inprocess("--fsdp-world-sizes=2,100000", "-p", "no:randomly")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
@@ -252,7 +254,7 @@ def test_note(ranks):
 def test_a_users_timeout_is_respected_and_checks_fit_inside_it(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makepyfile(test_sizes=WORLD_SIZES, test_note=PRINT_DEADLINE)
+    pytester.makepyfile(test_marked_sizes=WORLD_SIZES, test_note=PRINT_DEADLINE)
     pytester.makeconftest(PRINT_TIMEOUTS)
     # The user's --timeout stands: the plugin adds no outer marker over it...
     result = pytester.runpytest_inprocess("-s", "-m", "cpu", "--timeout=30", "--fsdp-timeout=10")

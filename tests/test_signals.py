@@ -8,12 +8,13 @@ folders (``fsdp-conformance-ranks-*`` in that ``TMPDIR``) are checked.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -109,29 +110,121 @@ def assert_cleaned_up(pids: Sequence[int], tmpdir: Path) -> None:
     assert sorted(p.name for p in tmpdir.glob("fsdp-conformance-ranks-*")) == []
 
 
-@pytest.mark.parametrize(
-    ("signum", "count", "code"),
-    [
-        pytest.param(signal.SIGTERM, 1, 143, id="sigterm"),
-        pytest.param(signal.SIGINT, 1, 130, id="sigint"),
-        pytest.param(signal.SIGINT, 2, 130, id="sigint-twice"),
-        pytest.param(signal.SIGINT, 5, 130, id="sigint-five-times"),
-    ],
-)
-def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
-    tmp_path: Path, signum: int, count: int, code: int
-) -> None:
-    proc, tmpdir = start_run(tmp_path)
-    pids = signal_when_ranks_run(proc, [signum] * count)
+#: The interrupted runs: the signal, how many times it is sent, and the exit code expected.
+RUNS = {
+    "sigterm": (signal.SIGTERM, 1, 143),
+    "sigint": (signal.SIGINT, 1, 130),
+    "sigint-twice": (signal.SIGINT, 2, 130),
+    "sigint-five-times": (signal.SIGINT, 5, 130),
+}
+
+
+@dataclasses.dataclass
+class Interrupted:
+    """A run signalled once its ranks existed, after it exited."""
+
+    tmp_path: Path
+    tmpdir: Path
+    pids: list[int]
+    returncode: int
+    out: str
+    err: str
+
+
+def signal_each_when_its_ranks_run(
+    procs: Mapping[str, subprocess.Popen[str]], signals: Mapping[str, Sequence[int]],
+    gap_s: float = 0.02,
+) -> dict[str, list[int]]:
+    """:func:`signal_when_ranks_run` for several runs at once, each on its own clock."""
+    deadline = time.monotonic() + START_LIMIT_S
+    found: dict[str, tuple[float, list[int]]] = {}
+    signalled: dict[str, list[int]] = {}
+    while len(signalled) < len(procs):
+        for name, proc in procs.items():
+            if name in signalled:
+                continue
+            if name not in found:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    for other in procs.values():
+                        other.kill()
+                    out, err = proc.communicate()
+                    pytest.fail(f"{name}: no rank processes appeared (exit {proc.returncode}):"
+                                f"\n{out}\n{err}")
+                pids = rank_pids(proc.pid)
+                if len(pids) >= 2:
+                    found[name] = (time.monotonic(), pids)
+            # As signal_when_ranks_run: the ranks joined their group and hold a check (or are
+            # about to) 0.5 s after they appeared.
+            elif time.monotonic() >= found[name][0] + 0.5:
+                for i, signum in enumerate(signals[name]):
+                    if i:
+                        time.sleep(gap_s)
+                    os.kill(proc.pid, signum)
+                signalled[name] = found[name][1]
+        time.sleep(0.05)
+    return signalled
+
+
+@pytest.fixture(scope="module")
+def interrupted_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Interrupted]]:
+    """The selected runs of RUNS, started together and each signalled once its ranks exist.
+
+    Each run is mostly one process importing torch, on one core: started together on a 2-core
+    machine they take about the CPU time they need, one after another the sum of their wall
+    times. Each is signalled on its own clock, as one started alone would be.
+    """
+    # A pytest-xdist worker runs only some of the tests it collected: there each test runs
+    # its own, so no worker starts another's.
+    needed = [] if hasattr(request.config, "workerinput") else [
+        name for name in RUNS
+        if any(getattr(item, "callspec", None) is not None
+               and item.callspec.params.get("run") == name  # type: ignore[attr-defined]
+               and getattr(item, "module", None) is request.module
+               for item in request.session.items)
+    ]
+    started = {name: start_run(tmp_path_factory.mktemp(name)) for name in needed}
+    procs = {name: proc for name, (proc, _) in started.items()}
+    try:
+        pids = signal_each_when_its_ranks_run(
+            procs, {name: [RUNS[name][0]] * RUNS[name][1] for name in needed})
+        runs = {}
+        for name, (proc, tmpdir) in started.items():
+            runs[name] = finished(proc, tmpdir, pids[name])
+        yield runs
+    finally:
+        for proc in procs.values():  # a run cut short leaves none behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def finished(proc: subprocess.Popen[str], tmpdir: Path, pids: list[int]) -> Interrupted:
     out, err = finish(proc)
-    assert proc.returncode == code, err
+    return Interrupted(tmpdir.parent, tmpdir, pids, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
+    interrupted_runs: dict[str, Interrupted], run: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    signum, count, code = RUNS[run]
+    got = interrupted_runs.get(run)
+    if got is None:  # not started with the others (a pytest-xdist worker): alone
+        # Named after the run, not the test: the rank sockets live under TMPDIR, and a unix
+        # socket's path has at most 107 bytes.
+        proc, tmpdir = start_run(tmp_path_factory.mktemp(run))
+        got = finished(proc, tmpdir, signal_when_ranks_run(proc, [signum] * count))
+    err = got.err
+    assert got.returncode == code, err
     name = signal.Signals(signum).name
     assert (f"fsdp-conformance run: interrupted by {name}; rank processes stopped and their "
             f"folders removed; no report written (exit {code})") in err.splitlines()
     assert "Traceback" not in err and "Exception ignored" not in err
-    assert out == ""  # no table: nothing was decided
-    assert not (tmp_path / "out" / "report.json").exists()
-    assert_cleaned_up(pids, tmpdir)
+    assert got.out == ""  # no table: nothing was decided
+    assert not (got.tmp_path / "out" / "report.json").exists()
+    assert_cleaned_up(got.pids, got.tmpdir)
 
 
 SLOW_TEST = """

@@ -45,6 +45,7 @@ from fsdp_conformance.models import (
     LlamaConfig,
     ModelConfig,
     ModelSpec,
+    call_model,
     default_loss,
     load_object,
 )
@@ -1050,7 +1051,8 @@ def rank_materialize(
         model = materialize(ctx, spec, version, method, my_seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
             with torch.no_grad():
-                model(spec.batch(unwrapped(model), batch_size=1, device=ctx.device))
+                call_model(model, spec.batch(unwrapped(model), batch_size=1,
+                                             device=ctx.device))
     except Exception as exc:  # noqa: BLE001 - torch's refusal (or InitError) is the finding
         error = describe_init_error(exc)
     errors = _agree_on_failure(ctx, error)
@@ -1352,7 +1354,7 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
     losses = []
     for m in (model, reference):
         optimizer = torch.optim.SGD(m.parameters(), lr=lr)
-        loss = default_loss(m(batch))
+        loss = default_loss(call_model(m, batch))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -24,7 +24,7 @@ from fsdp_conformance.bound import Bound, MeasureError, StepConfig, per_layer_bo
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, METER_RESOLUTION_BYTES
-from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import NO_SETTABLE_DEPTH, LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.profile import plan_step
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
@@ -113,12 +113,17 @@ def rank_peak_within_bound(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
 
 
 def with_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
-    """The same model with ``num_layers`` blocks (reference models with a config only)."""
+    """The same model with ``num_layers`` blocks.
+
+    A reference model: its config at that depth. A factory: the spec's ``depth``, which
+    :meth:`~fsdp_conformance.models.ModelSpec.build` passes as the factory's depth keyword or
+    sets on a copy of its transformers config (:meth:`~ModelSpec.depth_setting`).
+    """
     if spec.reference is None:
-        raise MemoryCheckError(
-            f"depth invariance needs a model whose depth can be set; {spec.name!r} is a factory "
-            "(run the check on a reference model, or pass specs of several depths yourself)"
-        )
+        if spec.depth_setting() is None:
+            raise MemoryCheckError(f"depth invariance needs a model whose depth can be set; "
+                                   f"{spec.name!r}: {NO_SETTABLE_DEPTH}")
+        return dataclasses.replace(spec, depth=num_layers)
     config = spec.config if spec.config is not None else spec.build("meta").config
     if not isinstance(config, (ModelConfig, LlamaConfig)):
         raise MemoryCheckError(f"reference model {spec.name!r} has no num_layers in its config")
@@ -131,9 +136,10 @@ def rank_depth_invariance(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                           optimizer: str | None = None,
                           batch_size: int = 2) -> dict[str, Any]:
     """Peaks at several depths for ``wrapping`` and for the ``reference`` (monolithic) wrapping."""
-    if spec.reference is None:
-        skip_rank(f"depth invariance needs a reference model with a settable depth; "
-                  f"{spec.name!r} is a factory")
+    how = spec.depth_setting()  # the same answer on every rank: from the spec alone
+    if how is None:
+        skip_rank(f"depth invariance needs a model whose depth can be set; {spec.name!r}: "
+                  f"{NO_SETTABLE_DEPTH}")
     if len(set(depths)) < 3:
         raise MemoryCheckError(f"depth invariance needs at least three depths, got {list(depths)}")
     require_sharding(ctx, version)
@@ -144,13 +150,14 @@ def rank_depth_invariance(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                                   batch_size=batch_size)
         bound = per_layer_bound(units, config)
         row: dict[str, Any] = {"depth": depth, "bound": bound.to_dict(),
-                               "layer_bytes": _block_bytes(units, config)}
+                               "layer_bytes": _block_bytes(units, config), "units": len(units)}
         for w in dict.fromkeys((wrapping, reference)):
             m = measure_step(ctx, deep, version, w, optimizer=optimizer, batch_size=batch_size,
                              timeline=False)
             row[w] = m["meters"][0]["peak"]
         rows.append(row)
-    return {"rank": ctx.rank, "rows": rows, "wrapping": wrapping, "reference": reference}
+    return {"rank": ctx.rank, "rows": rows, "wrapping": wrapping, "reference": reference,
+            "depth_set_by": how}
 
 
 def _block_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
@@ -341,7 +348,8 @@ def verdict_depth_invariance(
     deterministic, see :func:`~fsdp_conformance.step.collectives_release_in_order`). The
     monolithic reference must grow by at least the added layers' unsharded bytes between depths,
     or the measurement could not tell the wrappings apart and the check fails rather than pass
-    blindly.
+    blindly. The per-layer plan must gain units at every deeper depth: a factory that takes a
+    depth keyword but ignores it would otherwise measure one model three times and pass.
     """
     t = params.get("tolerance", DEPTH_TOLERANCE)
     problems = []
@@ -349,6 +357,13 @@ def verdict_depth_invariance(
     for v in values:
         wrapping, reference = v["wrapping"], v["reference"]
         rows = v["rows"]
+        counts = [row.get("units") for row in rows]
+        if None not in counts and any(b <= a for a, b in zip(counts, counts[1:])):
+            problems.append(
+                f"rank {v['rank']}: the model did not get deeper: its per-layer plan has "
+                + ", ".join(f"{c} units at {row['depth']} layers" for c, row in zip(counts, rows))
+                + f" (depth set by {v.get('depth_set_by', 'its config')}); make the factory "
+                "build that many blocks")
         bounds = [Bound.from_dict(row["bound"]) for row in rows]
         ws = [row[wrapping] - _sharded_state(b) for row, b in zip(rows, bounds)]
         low = [w - _saved_activations(b) for w, b in zip(ws, bounds)]
@@ -389,12 +404,15 @@ def verdict_depth_invariance(
               for d, p, s, w, m, mw in table]
     figures = {"depths": [row[0] for row in table], "working_set_bytes": [row[3] for row in table],
                "peak_bytes": table[-1][1]}
+    depths = (f"depths {', '.join(str(d) for d in figures['depths'])} (set by "
+              f"{values[0].get('depth_set_by', 'its config')})")
     data = {"rows_by_rank": {v["rank"]: v["rows"] for v in values}}
     if problems:
-        return Verdict(False, f"{_label(params)}: depth invariance fails:\n" + "\n".join(problems)
+        return Verdict(False, f"{_label(params)}: depth invariance fails at {depths}:\n"
+                       + "\n".join(problems)
                        + "\n" + "\n".join(lines), figures, data)
     return Verdict(True, f"{_label(params)}: working set constant within {t:.0%} over "
-                   f"{len(table)} depths on all {len(values)} ranks\n" + "\n".join(lines),
+                   f"{depths} on all {len(values)} ranks\n" + "\n".join(lines),
                    figures, data)
 
 

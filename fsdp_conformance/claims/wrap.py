@@ -37,7 +37,7 @@ from torch import nn
 from fsdp_conformance import _compat, policies
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec, default_loss
+from fsdp_conformance.models import ModelSpec, batch_rows, call_model, default_loss
 from fsdp_conformance.policies import PolicyError, PolicyName, shared_parameter_groups
 from fsdp_conformance.sharding import check_fsdp_version, shard, shard_fsdp2_modules
 from fsdp_conformance.units import (
@@ -685,10 +685,7 @@ def rank_train(
     blocks = spec.block_classes(model)
     policy_obj = policies.policy(policy, model, blocks, spec.size_threshold(model))
     batch = spec.batch(reference, batch_size=per_rank_batch * ctx.world_size, device=ctx.device)
-    if not isinstance(batch, torch.Tensor):
-        raise TypeError("rank_train slices the batch along dim 0: the input builder must "
-                        f"return a tensor, got {type(batch).__name__}")
-    mine = batch[ctx.rank * per_rank_batch:(ctx.rank + 1) * per_rank_batch]
+    mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
 
     kwargs = {} if fault == "no_mixed_precision" else _mp_kwargs(version, precision)
     if fault == "params_bf16":
@@ -716,11 +713,11 @@ def rank_train(
     losses, ref_losses = [], []
     for _ in range(steps):
         with record_compute_dtypes(model, seen):
-            loss = default_loss(sharded(mine))
+            loss = default_loss(call_model(sharded, mine))
         loss.backward()
         _sgd_step(sharded, lr)
         losses.append(float(loss))
-        ref_loss = default_loss(reference(batch))
+        ref_loss = default_loss(call_model(reference, batch))
         ref_loss.backward()
         _sgd_step(reference, lr)
         ref_losses.append(float(ref_loss))
@@ -893,7 +890,7 @@ def rank_mixed(
     seen: dict[str, tuple[str, str]] = {}
     batch = spec.batch(model, batch_size=2, device=ctx.device)
     with record_compute_dtypes(model, seen):
-        default_loss(sharded(batch)).backward()
+        default_loss(call_model(sharded, batch)).backward()
     stored = {}
     for u in actual_units(sharded):
         stored[u.fqn] = sorted({str(p.dtype) for n, p in sharded.named_parameters()
@@ -1093,7 +1090,7 @@ def _record_runs(sharded: nn.Module, batch: Any, events: list[tuple[str, Any]],
     for _ in range(iterations):
         events.clear()
         with record_unshards(events):
-            out = sharded(batch)
+            out = call_model(sharded, batch)
             events.append(("fwd_done", None))
             default_loss(out).backward()
         runs.append([(kind, keys.get(key, "?") if kind == "gather" else key)
