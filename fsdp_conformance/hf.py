@@ -92,3 +92,28 @@ def rebuild_with_depth(model: nn.Module, depth: int) -> nn.Module:
     config.num_hidden_layers = depth
     rebuilt: nn.Module = type(model)(config)
     return rebuilt
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 12, part H3: transformers' own per-module init
+# --------------------------------------------------------------------------------------------
+
+
+def init_weights_fns(model: nn.Module) -> dict[str, Any]:
+    """FQN -> the ``_init_weights`` transformers applies to that module of ``model``.
+
+    That of the module's nearest ``PreTrainedModel`` (itself included), as transformers'
+    ``initialize_weights`` dispatches when it walks a composite model (``smart_apply``): a
+    sub-model initializes its own subtree with its own ``_init_weights``. Empty when ``model``
+    is not a ``PreTrainedModel``.
+    """
+    cls = pretrained_model_cls()
+    if cls is None or not isinstance(model, cls):
+        return {}
+    fns: dict[str, Any] = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, cls):
+            fns[fqn] = module._init_weights
+        else:
+            fns[fqn] = fns[fqn.rpartition(".")[0]]  # named_modules yields parents first
+    return fns

@@ -619,6 +619,9 @@ class ModelSpec:
     #: The factory's model at this many layers (None: as the factory builds it); see
     #: :meth:`depth_setting` for how a factory's depth is set.
     depth: int | None = None
+    #: ``pkg.module:fn`` initializing one module's own state for meta init (None: the model's
+    #: own contract; see ``claims.init.module_init_for``).
+    init_fn: str | None = None
 
     def __post_init__(self) -> None:
         if (self.reference is None) == (self.factory is None):

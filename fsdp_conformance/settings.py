@@ -260,6 +260,16 @@ OPTIONS: tuple[Option, ...] = (
         "and cores, see docs/harness.md); set it to run larger worlds than the default allows",
         "N",
     ),
+    Option(
+        "init_fn",
+        _parse_optional_str,
+        None,
+        "'pkg.module:fn', the per-module init of --fsdp-model for meta-device init: fn(module) "
+        "initializes the module's own parameters and buffers, called per module as "
+        "reset_parameters() is (default: each module's reset_parameters(), or transformers' "
+        "_init_weights for a PreTrainedModel)",
+        "MODULE:FN",
+    ),
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -285,6 +295,9 @@ class Settings:
     input: str | None = None
     #: An explicit world-size limit, or None to derive it from the machine.
     max_world_size: int | None = None
+    #: ``pkg.module:fn`` initializing one module's own state (meta init), or None for the
+    #: model's own contract (``reset_parameters()``, or transformers' ``_init_weights``).
+    init_fn: str | None = None
     #: Where each value came from ("default", "ini", "env FSDP_...", "--fsdp-..."), for headers.
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -357,7 +370,7 @@ def _check_model_options(settings: Settings, flag_style: FlagStyle) -> None:
     """A model option without the model would otherwise be ignored without a word."""
     if settings.model:
         return
-    for name in ("block_cls", "input"):
+    for name in ("block_cls", "input", "init_fn"):
         if getattr(settings, name):
             model = _flag("model", flag_style)
             raise SettingsError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fsdp_conformance.models import ModelSpec, ModelSpecError
+from fsdp_conformance.models import ModelSpec, ModelSpecError, load_object
 from fsdp_conformance.settings import Settings
 
 
@@ -24,6 +24,7 @@ def user_spec(settings: Settings) -> ModelSpec | None:
         block_cls=blocks,
         min_params=settings.min_params,
         input_builder=settings.input,
+        init_fn=settings.init_fn,
     )
 
 
@@ -40,6 +41,8 @@ def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequ
     from fsdp_conformance.policies import policy, validate_plan
 
     model = spec.build("meta")
+    if spec.init_fn:  # a bad path is one line here, not a finding from every init check
+        load_object(spec.init_fn, "init function")
     blocks = spec.block_classes(model)
     threshold = spec.size_threshold(model)
     # Without --block-cls only a transformers model gets this far: its _no_split_modules.

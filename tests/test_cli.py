@@ -889,7 +889,7 @@ def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(
     result.stderr.fnmatch_lines([
         ("ERROR: unknown key(s) world_size in [[]tool.fsdp_conformance[]] of *pyproject.toml; "
          "known keys: world_sizes, backend, timeout, model, block_cls, min_params, input, "
-         "max_world_size")])
+         "max_world_size, init_fn")])
 
 
 def test_unwritable_report_folder_is_exit_2_before_anything_runs(

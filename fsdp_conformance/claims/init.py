@@ -23,6 +23,7 @@ seeds' ``materialization_fn`` as written and turns what goes wrong into one-line
 from __future__ import annotations
 
 import collections
+import copy
 import ctypes
 import hashlib
 import math
@@ -35,10 +36,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import _compat
+from fsdp_conformance import _compat, hf
 from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Check, Verdict, variants
-from fsdp_conformance.harness import RankContext, all_gather_objects
+from fsdp_conformance.harness import RankContext, all_gather_objects, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import (
     LlamaConfig,
@@ -46,6 +47,7 @@ from fsdp_conformance.models import (
     ModelSpec,
     call_model,
     default_loss,
+    load_object,
 )
 from fsdp_conformance.policies import PolicyName, policy_for
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
@@ -160,53 +162,202 @@ def _global_shape(t: torch.Tensor) -> torch.Size:
     return t.shape  # a DTensor's shape is the global one
 
 
-def full_module_state(module: nn.Module, fqn: str, seed: int) -> dict[str, torch.Tensor]:
-    """The module's own state *in full*, on CPU, as its ``reset_parameters`` makes it.
+class ModuleInit:
+    """How a model's modules get their values: a module's own state, filled in place.
 
-    The module's own tensors are swapped for full-size CPU scratch tensors (filled with NaN so
-    that anything ``reset_parameters`` leaves untouched is caught), ``reset_parameters`` runs on
-    the CPU generator seeded from ``(seed, fqn)``, and the originals are put back. The module's
-    real tensors (meta, a device tensor or a DTensor shard) are never touched here.
+    :meth:`target` is the module whose own tensors :func:`full_module_state` swaps for scratch
+    tensors; :meth:`apply` fills them. Three contracts (docs/init.md, "What a model must
+    provide"): each module's ``reset_parameters()`` (the default), the user's ``--init-fn``,
+    and transformers' ``_init_weights`` for a ``PreTrainedModel``.
     """
-    own = _own_state(module)
-    if not own:
+
+    #: How messages name the init ("reset_parameters()", "init function 'pkg:fn'", ...).
+    label = "reset_parameters()"
+
+    def target(self, module: nn.Module, fqn: str) -> nn.Module:
+        return module
+
+    def apply(self, module: nn.Module, fqn: str) -> None:
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            raise InitError(
+                f"module {fqn or '(root)'} ({type(module).__name__}) owns "
+                f"{', '.join(n for _, n, _ in _own_state(module))} but has no "
+                f"reset_parameters(); meta init cannot recreate its values: {WAYS_OUT}"
+            )
+        reset()
+
+    def missing(self, model: nn.Module) -> list[str]:
+        """Modules this init cannot initialize at all, as ``fqn (Class)``."""
+        return _without_reset_parameters(model)
+
+
+#: The default contract of a plain ``nn.Module``.
+RESET_PARAMETERS = ModuleInit()
+
+#: The three ways out for a module the init cannot recreate (one text for every message).
+WAYS_OUT = (
+    "define reset_parameters() on those classes (initializing the module's own parameters "
+    "and buffers), or name a per-module init with --init-fn pkg.module:fn (--fsdp-init-fn "
+    "under pytest, init_fn in [tool.fsdp_conformance]), or use a transformers "
+    "PreTrainedModel whose _init_weights covers them"
+)
+
+
+def _without_reset_parameters(model: nn.Module) -> list[str]:
+    return sorted(
+        {
+            f"{fqn or '(root)'} ({type(m).__name__})"
+            for fqn, m in model.named_modules()
+            if _own_state(m) and not callable(getattr(m, "reset_parameters", None))
+        }
+    )
+
+
+class UserInit(ModuleInit):
+    """``--init-fn pkg.module:fn``: ``fn(module)`` per module, as ``reset_parameters()`` is."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fn = load_object(path, "init function")
+        self.label = f"init function {path!r}"
+
+    def apply(self, module: nn.Module, fqn: str) -> None:
+        self.fn(module)
+
+    def missing(self, model: nn.Module) -> list[str]:
+        return []  # the function is called on every module; what it leaves out is caught
+
+
+class TransformersInit(ModuleInit):
+    """A ``PreTrainedModel``: transformers' own per-module ``_init_weights``.
+
+    transformers initializes a model by walking it children first and calling, on every
+    module, the ``_init_weights`` of its nearest ``PreTrainedModel`` (``initialize_weights``);
+    an ``_init_weights`` may write a child's tensors too (GPT-2's attention rescales its
+    ``c_proj.weight`` after ``c_proj`` was initialized). So one module's values are its own
+    ``_init_weights`` call followed by each ancestor's, nearest first. They are computed on a
+    *shadow*: a second copy of the model on meta, never sharded, so the ancestors' writes to
+    anything but this module's scratch tensors land on meta tensors (no storage, no effect)
+    and never touch the real model, whatever FSDP has done to it. Non-persistent buffers (the
+    rotary ``inv_freq`` and ``original_inv_freq``) are recomputed by ``_init_weights`` too.
+    """
+
+    label = "transformers' _init_weights"
+
+    def __init__(self, shadow: nn.Module) -> None:
+        self.fns = hf.init_weights_fns(shadow)
+        self.by_fqn: dict[str, nn.Module] = dict(shadow.named_modules())
+
+    def target(self, module: nn.Module, fqn: str) -> nn.Module:
+        return self.by_fqn[fqn]
+
+    def apply(self, module: nn.Module, fqn: str) -> None:
+        self.fns[fqn](module)
+        while fqn:
+            fqn = fqn.rpartition(".")[0]
+            self.fns[fqn](self.by_fqn[fqn])
+
+    def missing(self, model: nn.Module) -> list[str]:
+        return []
+
+
+def init_contract(spec: ModelSpec | None, model: nn.Module) -> str:
+    """Which init a model gets: ``init_fn`` (the user's, when named), ``transformers`` (a
+    ``PreTrainedModel``) or ``reset_parameters`` (any other model)."""
+    if spec is not None and spec.init_fn:
+        return "init_fn"
+    return "transformers" if hf.is_pretrained(model) else "reset_parameters"
+
+
+def module_init_for(spec: ModelSpec | None, model: nn.Module) -> ModuleInit:
+    """The :class:`ModuleInit` of ``spec``'s model (``model``: that model, on meta or not).
+
+    Call it before sharding: a transformers model's shadow is a fresh meta build of ``spec``
+    (or, without a spec, a meta copy of an unsharded ``model``).
+    """
+    contract = init_contract(spec, model)
+    if contract == "init_fn":
+        assert spec is not None and spec.init_fn  # init_contract checked both
+        return UserInit(spec.init_fn)
+    if contract == "transformers":
+        return TransformersInit(build_on_meta(spec) if spec is not None else _meta_copy(model))
+    return RESET_PARAMETERS
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of an unsharded ``model`` whose every tensor is on meta (no storage copied)."""
+    memo: dict[int, Any] = {}
+    for _, t in _named_state(model):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    shadow: nn.Module = copy.deepcopy(model, memo)
+    return shadow
+
+
+class UninitializedError(InitError):
+    """An init left tensors of one or more modules uninitialized.
+
+    ``untouched``: ``(module FQN, class name, tensor names)`` per module, so that one error can
+    name every module of a model (:func:`deterministic_init_`).
+    """
+
+    def __init__(self, label: str, untouched: Sequence[tuple[str, str, str]]) -> None:
+        self.label = label
+        self.untouched = list(untouched)
+        fix = ("make it initialize every tensor the module owns (parameters and buffers, "
+               "non-persistent ones included)")
+        if len(self.untouched) == 1:
+            ((fqn, cls, names),) = self.untouched
+            text = f"{label} of {fqn} ({cls}) leaves {names} uninitialized; {fix}"
+        else:
+            modules = [f"{fqn} ({cls}: {names})" for fqn, cls, names in self.untouched]
+            text = (f"{label} leaves tensors of {len(modules)} modules uninitialized: "
+                    f"{_listing(modules)}; {fix}")
+        super().__init__(text)
+
+
+def full_module_state(module: nn.Module, fqn: str, seed: int,
+                      init: ModuleInit = RESET_PARAMETERS) -> dict[str, torch.Tensor]:
+    """The module's own state *in full*, on CPU, as ``init`` makes it (its reset_parameters).
+
+    The module's own tensors (those of ``init.target``: the module itself, or its place in a
+    transformers shadow) are swapped for full-size CPU scratch tensors (filled with NaN so that
+    anything the init leaves untouched is caught), the init runs on the CPU generator seeded
+    from ``(seed, fqn)``, and the originals are put back. The module's real tensors (meta, a
+    device tensor or a DTensor shard) are never touched here.
+    """
+    if not _own_state(module):
         return {}
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset):
-        raise InitError(
-            f"module {fqn or '(root)'} ({type(module).__name__}) owns "
-            f"{', '.join(n for _, n, _ in own)} but has no reset_parameters(); meta init cannot "
-            "recreate its values: define reset_parameters() to initialize its own state"
-        )
-    saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+    target = init.target(module, fqn)
+    own = _own_state(target)
+    saved_params, saved_buffers = dict(target._parameters), dict(target._buffers)
     scratch: dict[str, torch.Tensor] = {}
     for kind, name, t in own:
         s = torch.full(_global_shape(t), float("nan"), dtype=t.dtype) if t.is_floating_point() \
             else torch.zeros(_global_shape(t), dtype=t.dtype)
         scratch[name] = s
         if kind == "param":
-            module._parameters[name] = nn.Parameter(s, requires_grad=False)
+            target._parameters[name] = nn.Parameter(s, requires_grad=False)
         else:
-            module._buffers[name] = s
+            target._buffers[name] = s
     try:
         # fork_rng(devices=[]) restores the CPU generator afterwards and leaves CUDA alone.
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.default_generator.manual_seed(module_seed(seed, fqn))
-            reset()
+            init.apply(target, fqn)
         # The scratch tensors are ours once the originals are back: no copy (peak memory).
         out = {name: scratch[name] for _, name, _ in own}
     finally:
-        module._parameters.clear()
-        module._parameters.update(saved_params)
-        module._buffers.clear()
-        module._buffers.update(saved_buffers)
+        target._parameters.clear()
+        target._parameters.update(saved_params)
+        target._buffers.clear()
+        target._buffers.update(saved_buffers)
     # A sum is NaN when any element is: no temporary the size of the tensor (peak memory).
     untouched = [n for n, t in out.items() if t.is_floating_point() and bool(t.sum().isnan())]
     if untouched:
-        raise InitError(
-            f"reset_parameters() of {fqn or '(root)'} ({type(module).__name__}) leaves "
-            f"{', '.join(untouched)} uninitialized; make it initialize every tensor the module "
-            "owns (parameters and buffers, non-persistent ones included)"
+        raise UninitializedError(
+            init.label, [(fqn or "(root)", type(module).__name__, ", ".join(untouched))]
         )
     return out
 
@@ -224,43 +375,54 @@ def owners(model: nn.Module) -> dict[int, str]:
     return owner
 
 
-def check_initializable(model: nn.Module) -> None:
-    """Raise one :class:`InitError` naming every module that owns state but cannot reset it."""
-    missing = sorted(
-        {
-            f"{fqn or '(root)'} ({type(m).__name__})"
-            for fqn, m in model.named_modules()
-            if _own_state(m) and not callable(getattr(m, "reset_parameters", None))
-        }
-    )
+def check_initializable(model: nn.Module, init: ModuleInit | None = None) -> None:
+    """Raise one :class:`InitError` naming every module that owns state the init cannot make.
+
+    ``init`` None: the model's own contract (a ``PreTrainedModel``'s ``_init_weights`` needs
+    nothing more; any other model needs ``reset_parameters()`` on every module owning state).
+    """
+    if init is None:
+        if hf.is_pretrained(model):
+            return
+        init = RESET_PARAMETERS
+    missing = init.missing(model)
     if missing:
         raise InitError(
             f"{len(missing)} module(s) own parameters or buffers but have no reset_parameters(): "
-            f"{', '.join(missing[:6])}; meta init cannot recreate their values: define "
-            "reset_parameters() on those classes"
+            f"{', '.join(missing[:6])}; meta init cannot recreate their values: {WAYS_OUT}"
         )
 
 
-def deterministic_init_(model: nn.Module, seed: int) -> nn.Module:
+def deterministic_init_(model: nn.Module, seed: int, init: ModuleInit | None = None) -> nn.Module:
     """Initialize a materialized model (plain, or FSDP2-sharded after ``to_empty``) in place.
 
     For a DTensor parameter the full tensor is generated and only the local chunk is kept
     (``distribute_tensor(..., src_data_rank=None)``: no communication), so every rank holds its
-    slice of the same full tensor.
+    slice of the same full tensor. ``init``: how modules get their values (None: the model's
+    own contract, :func:`module_init_for`; pass it for a sharded transformers model). Every
+    module an init leaves uninitialized is named in one :class:`UninitializedError`.
     """
-    check_initializable(model)
+    init = init if init is not None else module_init_for(None, model)
+    check_initializable(model, init)
     dtensor = _compat.dtensor_cls()
     owner = owners(model)
+    untouched: list[tuple[str, str, str]] = []
     for fqn, module in model.named_modules():
-        _init_module_(module, fqn, seed, owner, dtensor)
+        try:
+            _init_module_(module, fqn, seed, owner, dtensor, init)
+        except UninitializedError as exc:
+            untouched += exc.untouched
+    if untouched:
+        raise UninitializedError(init.label, untouched)
     return model
 
 
 def _init_module_(
-    module: nn.Module, fqn: str, seed: int, owner: Mapping[int, str], dtensor: type
+    module: nn.Module, fqn: str, seed: int, owner: Mapping[int, str], dtensor: type,
+    init: ModuleInit = RESET_PARAMETERS,
 ) -> None:
     """One module's own state; its full values die on return (one module's worth at a time)."""
-    full = full_module_state(module, fqn, seed)
+    full = full_module_state(module, fqn, seed, init)
     with torch.no_grad():
         for _, name, t in _own_state(module):
             if owner.get(id(t)) != fqn:
@@ -303,8 +465,34 @@ def _copy_to_dtensor(t: Any, full: torch.Tensor) -> None:
 def reference_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
     """The single-process reference: the same meta build, ``to_empty``, the same init."""
     model = build_on_meta(spec)
+    init = module_init_for(spec, model)
+    to_empty_keeping_ties(model, device)
+    return deterministic_init_(model, seed, init)
+
+
+def to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """``model.to_empty(device=...)``, with tied tensors still one tensor afterwards.
+
+    ``to_empty`` allocates per module, so a weight two modules share (GPT-2's ``lm_head`` and
+    ``wte``) comes out as two tensors: a reference that untied would be initialized twice and
+    train two copies, unlike the sharded model (FSDP1's param_init_fn re-binds ties, FSDP2
+    keeps one parameter). Every later holder is re-bound to its first holder's new tensor.
+    """
+    holders: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for kind, name, t in _own_state(module):
+            holders.setdefault(id(t), []).append((module, kind, name))
     model.to_empty(device=device)
-    return deterministic_init_(model, seed)
+    for places in holders.values():
+        if len(places) < 2:
+            continue
+        first, kind, name = places[0]
+        store: dict[str, Any] = first._parameters if kind == "param" else first._buffers
+        real = store[name]
+        for module, kind, name in places[1:]:
+            store = module._parameters if kind == "param" else module._buffers
+            store[name] = real
+    return model
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -364,8 +552,10 @@ class DeterministicParamInit:
         seed: int,
         *,
         broadcast_from: int | None = None,
+        init: ModuleInit | None = None,
     ) -> None:
-        check_initializable(model)
+        self.init = init if init is not None else module_init_for(None, model)
+        check_initializable(model, self.init)
         self.device = device
         self.seed = seed
         self.broadcast_from = broadcast_from
@@ -381,7 +571,7 @@ class DeterministicParamInit:
         self.calls.append(fqn)
         before = {name: t for _, name, t in _own_state(module)}
         module.to_empty(device=self.device, recurse=False)
-        full = full_module_state(module, fqn, self.seed)
+        full = full_module_state(module, fqn, self.seed, self.init)
         with torch.no_grad():
             for kind, name, t in _own_state(module):
                 old = before[name]
@@ -397,10 +587,14 @@ class DeterministicParamInit:
                         module._parameters[name] = real  # type: ignore[assignment]
                     else:
                         module._buffers[name] = real
+                    t = real
+                else:
+                    self.materialized[id(old)] = weakref.ref(t)
+                # Only the owner writes, whichever holder FSDP1 reaches first: its walk is
+                # breadth-first, so GPT-2's lm_head comes before transformer.wte, the owner.
+                if self.owner.get(id(old)) != fqn:
                     continue
-                self.materialized[id(old)] = weakref.ref(t)
-                if self.owner.get(id(old)) == fqn:
-                    t.copy_(full[name].to(t.device))
+                t.copy_(full[name].to(t.device))
                 if self.broadcast_from is not None:
                     import torch.distributed as dist
 
@@ -472,14 +666,16 @@ def materialize(
     check_method(method)
     model = spec.build(ctx.device) if eager else build_on_meta(spec)
     wrap_policy = policy_for(policy, model, spec)
+    # Before sharding: a transformers model's init reads an unsharded shadow of it.
+    init = module_init_for(spec, model) if method == "deterministic" else RESET_PARAMETERS
     if eager:
-        deterministic_init_(model, seed)
+        deterministic_init_(model, seed, init)
     torch.manual_seed(seed)  # the RNG the reset_parameters / seeds methods draw from
     if version == "fsdp1":
         if not eager:
             if method == "deterministic":
                 fsdp_kwargs.setdefault(
-                    "param_init_fn", DeterministicParamInit(model, ctx.device, seed)
+                    "param_init_fn", DeterministicParamInit(model, ctx.device, seed, init=init)
                 )
             elif method == "seeds":
                 fsdp_kwargs.setdefault("param_init_fn", materialization_fn)
@@ -489,18 +685,18 @@ def materialize(
     model = shard_fsdp2(model, ctx, wrap_policy, **fsdp_kwargs)
     if eager:
         return model
-    return _materialize_fsdp2(model, ctx.device, method, seed)
+    return _materialize_fsdp2(model, ctx.device, method, seed, init)
 
 
 def _materialize_fsdp2(model: nn.Module, device: torch.device, method: str,
-                       seed: int) -> nn.Module:
+                       seed: int, init: ModuleInit = RESET_PARAMETERS) -> nn.Module:
     """Fill an FSDP2 model sharded on meta with ``method`` (FSDP2 has no ``param_init_fn``)."""
     if method == "seeds":
         model.apply(materialization_fn)  # as the seeds would: no to_empty
         return model
     model.to_empty(device=device)
     if method == "deterministic":
-        deterministic_init_(model, seed)
+        deterministic_init_(model, seed, init)
     elif method == "reset_parameters":
         with torch.no_grad():
             for module in model.modules():
@@ -745,9 +941,18 @@ def describe_init_error(exc: BaseException) -> str:
 
 
 def _preflight(ctx: RankContext, spec: ModelSpec) -> dict[str, Any] | None:
-    """A model that cannot be meta-initialized at all: one finding instead of a traceback."""
+    """A model that cannot be meta-initialized at all: one finding instead of a traceback.
+
+    The reset_parameters() contract is checked by looking at the modules; an init function or
+    transformers' ``_init_weights`` only by running it, on the reference, so that the finding
+    names every module it leaves uninitialized (FSDP1's param_init_fn stops at the first).
+    """
     try:
-        check_initializable(build_on_meta(spec))
+        model = build_on_meta(spec)
+        init = module_init_for(spec, model)
+        check_initializable(model, init)
+        if init is not RESET_PARAMETERS:
+            reference_model(spec, 0)
     except ValueError as exc:  # InitError, ModelSpecError, PolicyError: messages say the fix
         return {"rank": ctx.rank, "error": str(exc), "errors": [str(exc)] * ctx.world_size,
                 "device_type": ctx.device_type}
@@ -834,8 +1039,15 @@ def rank_materialize(
     is caught on every rank and returned as a one-line finding, never a traceback.
     """
     my_seed = seed + ctx.rank * rank_seed_offset
+    if method == "reset_parameters":
+        reason = default_path_inapplicable(spec)
+        if reason:
+            skip_rank(reason)
     error, report = None, {}
     try:
+        # The reference first: an init that leaves modules uninitialized is named for all
+        # of them at once (the sharded path stops at the first).
+        reference = reference_for(spec, method, seed, ctx.device, policy)
         model = materialize(ctx, spec, version, method, my_seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
             with torch.no_grad():
@@ -846,10 +1058,33 @@ def rank_materialize(
     errors = _agree_on_failure(ctx, error)
     if any(errors):
         return {"rank": ctx.rank, "error": error, "errors": errors}
-    reference = reference_for(spec, method, seed, ctx.device, policy)
     report = inspect_sharded(model, reference, ctx, version)
     report.update(error=None, method=method, version=version)
     return report
+
+
+def default_path_inapplicable(spec: ModelSpec) -> str | None:
+    """Why FSDP1's default meta path does not apply to ``spec``'s model (None: it does).
+
+    The default path calls ``reset_parameters()`` on every module that owns state. A model
+    initialized another way (transformers' ``_init_weights``, ``--init-fn``) whose modules
+    lack it is outside that path: FSDP1 would raise on the first such module. A model with no
+    contract at all is not skipped: its finding (no way to initialize it) is the check's.
+    """
+    model = build_on_meta(spec)
+    contract = init_contract(spec, model)
+    missing = _without_reset_parameters(model)
+    if contract == "reset_parameters" or not missing:
+        return None
+    how = ("transformers' _init_weights" if contract == "transformers"
+           else f"the init function {spec.init_fn!r}")
+    return (
+        f"FSDP1's default meta path (no param_init_fn) calls reset_parameters() on every module "
+        f"that owns state, and {len(missing)} module(s) of {spec.name} have none "
+        f"({_listing(missing, 3)}): FSDP1 would raise on them. This model is initialized by "
+        f"{how} through a param_init_fn, which init.no_meta and init.weights check; to use the "
+        "default path instead, define reset_parameters() on those classes"
+    )
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -990,7 +1225,7 @@ def rank_sync_module_states(
         return failed
     my_seed = seed + ctx.rank * rank_seed_offset
     model = build_on_meta(spec)
-    init = DeterministicParamInit(model, ctx.device, my_seed)
+    init = DeterministicParamInit(model, ctx.device, my_seed, init=module_init_for(spec, model))
     error, refusal = None, None
     try:
         policy = policy_for("recommended", model, spec)
@@ -1065,7 +1300,8 @@ def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, versi
     if version == "fsdp1":
         model = build_on_meta(spec)
         init = DeterministicParamInit(
-            model, ctx.device, my_seed, broadcast_from=0 if broadcast else None
+            model, ctx.device, my_seed, broadcast_from=0 if broadcast else None,
+            init=module_init_for(spec, model),
         )
         policy = policy_for("recommended", model, spec)
         model = shard_fsdp1(model, ctx, policy, param_init_fn=init)
@@ -1100,13 +1336,20 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
                     seed: int = 0, rank_seed_offset: int = 0, lr: float = 0.1) -> dict[str, Any]:
     """One SGD step after meta init, against the same step on the single-process reference.
 
-    Every rank feeds the same batch, so the averaged gradient equals the reference's.
+    Every rank feeds the same batch, so the averaged gradient equals the reference's. A model
+    with dropout is compared in eval mode, both sides: the sharded step and the reference draw
+    their masks at different points of the RNG stream, so in train mode they differ by the
+    masks, not by the init (the report says dropout was disabled).
     """
     failed = _preflight(ctx, spec)
     if failed:
         return failed
     model = materialize(ctx, spec, version, "deterministic", seed + ctx.rank * rank_seed_offset)
     reference = reference_model(spec, seed, ctx.device)
+    dropout = dropout_modules(reference)
+    if dropout:
+        model.eval()
+        reference.eval()
     batch = spec.batch(reference, batch_size=2, device=ctx.device)
     losses = []
     for m in (model, reference):
@@ -1134,7 +1377,14 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
         "mismatch": bad,
         "max_abs_diff": worst,
         "max_abs_diff_at": worst_name,
+        "dropout_disabled": dropout,
     }
+
+
+def dropout_modules(model: nn.Module) -> list[str]:
+    """FQNs of the dropout modules that drop anything (``p > 0``)."""
+    return [clean_fqn(n) for n, m in model.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
 
 def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
@@ -1158,12 +1408,16 @@ def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str,
         for v in values
         if v["mismatch"]
     ]
+    dropout = values[0].get("dropout_disabled") or []
+    note = (f"; dropout disabled for the comparison ({len(dropout)} dropout module(s), e.g. "
+            f"{dropout[0]}: both models in eval mode)" if dropout else "")
     if problems:
         return Verdict(False, "the first training step after meta init does not match the "
-                       "reference:\n  " + "\n  ".join(problems), figures)
+                       "reference" + note + ":\n  " + "\n  ".join(problems), figures)
     return Verdict(True, f"step after meta init matches the reference on {len(values)} ranks "
                    f"(loss {values[0]['loss']:.6g}; largest weight difference "
-                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'})", figures)
+                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'}){note}",
+                   figures)
 
 
 def rank_peak_memory(

@@ -61,6 +61,8 @@ def environment_summary(settings: Settings) -> str:
     ]
     if settings.model:
         parts.append(f"model {settings.model}")
+    if settings.init_fn:
+        parts.append(f"init fn {settings.init_fn}")
     return ", ".join(parts)
 
 
