@@ -167,31 +167,34 @@ def launches(
             running.stop()
 
 
+def _wait_for(
+    name: str, launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
+) -> Launch:
+    """The launch ``name`` once it has ended; started now if the module start skipped it."""
+    if name not in launches:
+        launches[name] = LAUNCHES[name](tmp_path_factory)
+    return launches[name].wait()
+
+
 @pytest.fixture(scope="module")
 def without_malloc(
     launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
 ) -> Launch:
-    if "without_malloc" not in launches:
-        launches["without_malloc"] = LAUNCHES["without_malloc"](tmp_path_factory)
-    return launches["without_malloc"].wait()
+    return _wait_for("without_malloc", launches, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def with_malloc(
     launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
 ) -> Launch:
-    if "with_malloc" not in launches:
-        launches["with_malloc"] = LAUNCHES["with_malloc"](tmp_path_factory)
-    return launches["with_malloc"].wait()
+    return _wait_for("with_malloc", launches, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def failing_on_rank1(
     launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
 ) -> Launch:
-    if "failing_on_rank1" not in launches:
-        launches["failing_on_rank1"] = LAUNCHES["failing_on_rank1"](tmp_path_factory)
-    return launches["failing_on_rank1"].wait()
+    return _wait_for("failing_on_rank1", launches, tmp_path_factory)
 
 
 # --------------------------------------------------------------------------------------------
