@@ -545,7 +545,9 @@ def _interrupted(command: str, exc: KeyboardInterrupt) -> int:
     signum = exc.signum if isinstance(exc, interrupts.Interrupted) else signal.SIGINT
     close_all_pools()
     name = signal.Signals(signum).name
-    if _launched_run:  # no pool here: this process is one of the launch's ranks
+    # One of a launch's ranks (no pool here), also while it is still joining the launch's
+    # group, before _launched_run is set.
+    if _launched_run or (command == "run" and launched_externally()):
         done = f"rank {os.environ.get('RANK', '?')} of the launch stopped"
     else:
         done = "rank processes stopped and their folders removed"

@@ -281,3 +281,25 @@ def test_a_signal_ignored_at_start_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_launched_rank_interrupted_while_joining_the_group_names_itself(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # torchrun's SIGTERM can reach a rank before LauncherRunner has joined the launch's group
+    # (before cli._launched_run is set): it is still one of the launch's ranks, with no pool.
+    from fsdp_conformance import cli
+
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                       "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(cli, "_launched_run", False)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = cli._interrupted("run", interrupts.Interrupted(signal.SIGTERM))
+    finally:
+        for signum, handler in saved.items():  # _interrupted ignores both from then on
+            signal.signal(signum, handler)
+    assert code == 143
+    assert "interrupted by SIGTERM; rank 1 of the launch stopped; no report written (exit 143)" \
+        in capsys.readouterr().err
