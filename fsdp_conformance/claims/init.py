@@ -52,6 +52,7 @@ from fsdp_conformance.models import (
 from fsdp_conformance.policies import PolicyName, policy_for
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.sizes import MiB
+from fsdp_conformance.step import disable_dropout
 from fsdp_conformance.units import clean_fqn, plan_units, planned_unit_modules
 
 if TYPE_CHECKING:
@@ -1336,20 +1337,17 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
                     seed: int = 0, rank_seed_offset: int = 0, lr: float = 0.1) -> dict[str, Any]:
     """One SGD step after meta init, against the same step on the single-process reference.
 
-    Every rank feeds the same batch, so the averaged gradient equals the reference's. A model
-    with dropout is compared in eval mode, both sides: the sharded step and the reference draw
-    their masks at different points of the RNG stream, so in train mode they differ by the
-    masks, not by the init (the report says dropout was disabled).
+    Every rank feeds the same batch, so the averaged gradient equals the reference's. Dropout
+    is switched off on both sides (``step.disable_dropout``: p = 0, the models stay in training
+    mode): the sharded step and the reference draw their masks at different points of the RNG
+    stream, so with dropout they differ by the masks, not by the init (the report says so).
     """
     failed = _preflight(ctx, spec)
     if failed:
         return failed
     model = materialize(ctx, spec, version, "deterministic", seed + ctx.rank * rank_seed_offset)
     reference = reference_model(spec, seed, ctx.device)
-    dropout = dropout_modules(reference)
-    if dropout:
-        model.eval()
-        reference.eval()
+    dropout = disable_dropout(reference, model)  # names from the unwrapped reference
     batch = spec.batch(reference, batch_size=2, device=ctx.device)
     losses = []
     for m in (model, reference):
@@ -1381,12 +1379,6 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
     }
 
 
-def dropout_modules(model: nn.Module) -> list[str]:
-    """FQNs of the dropout modules that drop anything (``p > 0``)."""
-    return [clean_fqn(n) for n, m in model.named_modules()
-            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-
-
 def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     failed = _error_verdict(values)
     if failed:
@@ -1409,8 +1401,8 @@ def verdict_train_step(values: Sequence[Mapping[str, Any]], params: Mapping[str,
         if v["mismatch"]
     ]
     dropout = values[0].get("dropout_disabled") or []
-    note = (f"; dropout disabled for the comparison ({len(dropout)} dropout module(s), e.g. "
-            f"{dropout[0]}: both models in eval mode)" if dropout else "")
+    note = (f"; dropout disabled for the comparison ({len(dropout)} dropout setting(s), e.g. "
+            f"{dropout[0]}: p = 0 on both models)" if dropout else "")
     if problems:
         return Verdict(False, "the first training step after meta init does not match the "
                        "reference" + note + ":\n  " + "\n  ".join(problems), figures)
