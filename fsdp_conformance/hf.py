@@ -33,7 +33,7 @@ def is_pretrained(model: nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Issue 12, part H1: block classes, default inputs and depth, read from the model's config
+# Block classes, default inputs and depth, read from the model's config
 # --------------------------------------------------------------------------------------------
 
 
@@ -95,7 +95,7 @@ def rebuild_with_depth(model: nn.Module, depth: int) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------
-# Issue 12, part H3: transformers' own per-module init
+# transformers' own per-module init
 # --------------------------------------------------------------------------------------------
 
 

@@ -247,7 +247,6 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     }
 
 
-
 # ============================================================================================
 # Dropout off for a comparison with a single-process reference
 # ============================================================================================
