@@ -62,17 +62,18 @@ ALLOWED: dict[str, set[str]] = {
 
 #: Rules inside a layer: for each module listed, the only modules of its own layer it may
 #: import. The harness's rank side (``worker``, ``clean_state``) and parent side (``pool``,
-#: ``launcher``, ``outcomes``) share only ``protocol``; the pool starts the worker by its module
-#: name (docs/harness.md). A module not listed (``harness.ranks``, the ``harness`` package
-#: itself) may import its whole layer. Importing ``fsdp_conformance.harness`` is importing
-#: every module of the folder (its ``__init__`` does).
+#: ``forkserver``, ``launcher``, ``outcomes``) share only ``protocol``; the pool and the fork
+#: server start the worker by its module name (docs/harness.md). A module not listed
+#: (``harness.ranks``, the ``harness`` package itself) may import its whole layer. Importing
+#: ``fsdp_conformance.harness`` is importing every module of the folder (its ``__init__`` does).
 WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     "harness.protocol": set(),
     "harness.interrupts": set(),
     "harness.clean_state": {"harness.protocol"},
     "harness.worker": {"harness.protocol", "harness.clean_state"},
     "harness.outcomes": {"harness.protocol"},
-    "harness.pool": {"harness.protocol", "harness.outcomes"},
+    "harness.forkserver": {"harness.outcomes"},
+    "harness.pool": {"harness.protocol", "harness.outcomes", "harness.forkserver"},
     "harness.launcher": {"harness.protocol", "harness.outcomes", "harness.worker",
                          "harness.interrupts"},
 }
@@ -87,8 +88,8 @@ NEVER: dict[str, dict[str, str]] = {
 
 #: The modules each folder of the package holds (the diagram in docs/architecture.md).
 FOLDERS: dict[str, set[str]] = {
-    "harness": {"protocol", "outcomes", "pool", "launcher", "ranks", "worker", "clean_state",
-                "interrupts"},
+    "harness": {"protocol", "outcomes", "pool", "forkserver", "launcher", "ranks", "worker",
+                "clean_state", "interrupts"},
     "claims": {"check", "wrap", "init", "memory", "plan_trust"},
     "plan": {"model", "estimate", "verify", "report"},
     "gate": {"suite", "report", "compare", "plots"},

@@ -24,6 +24,12 @@ from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 from fsdp_conformance.harness import protocol
+from fsdp_conformance.harness.forkserver import (
+    ForkedProcess,
+    ForkServers,
+    close_all_servers,
+    fork_available,
+)
 from fsdp_conformance.harness.outcomes import STATUS_TITLE, HarnessError, describe_exit
 from fsdp_conformance.harness.protocol import RankOutcome, function_name
 
@@ -84,10 +90,14 @@ def fit_timeout(
     return fitted, f" (cut from {_seconds(timeout)} to end within {deadline_note})"
 
 
+#: A rank's process: started with ``exec``, or forked by a fork server (the same interface).
+RankProcess = subprocess.Popen[bytes] | ForkedProcess
+
+
 @dataclasses.dataclass
 class _Rank:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: RankProcess
     conn: Connection
     log_path: str
     stacks_path: str
@@ -109,7 +119,10 @@ class RankPool:
         env: Mapping[str, str] | None = None,
         start_timeout: float = START_TIMEOUT_S,
         pg_timeout: float = 300.0,
+        fork_servers: ForkServers | None = None,
     ) -> None:
+        """``fork_servers``: fork the ranks from these servers' pre-imported torch (CPU only,
+        where the platform allows; :mod:`.forkserver`) instead of starting each with ``exec``."""
         if protocol.loading_parent_main:
             # As multiprocessing's spawn: the script is re-imported on every rank, so an
             # unguarded pool at its top level would start ranks from within each rank.
@@ -129,6 +142,7 @@ class RankPool:
         self._next_task = 0
         self._ranks: list[_Rank] = []
         self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-ranks-")
+        self._fork_servers = fork_servers if device_type == "cpu" and fork_available() else None
         _LIVE_POOLS.add(self)  # found by close_all_pools() if an interrupt lands mid-way
         try:
             self._start(dict(env or {}), start_timeout, pg_timeout)
@@ -150,10 +164,14 @@ class RankPool:
         env.pop("RANK", None)  # never let a stray launcher variable confuse the ranks
         env.pop("WORLD_SIZE", None)
         env.pop("LOCAL_RANK", None)
-        procs: list[tuple[int, subprocess.Popen[bytes], str, str]] = []
+        procs: list[tuple[int, RankProcess, str, str]] = []
+        deadline = time.monotonic() + start_timeout
         try:
-            self._spawn(procs, env, address, authkey, pg_timeout)
-            deadline = time.monotonic() + start_timeout
+            try:
+                self._spawn(procs, env, address, authkey, pg_timeout, deadline)
+            except HarnessError as exc:  # the fork server's: which start failed, then why
+                raise HarnessError(
+                    f"could not start {self.world_size} {self.backend} ranks: {exc}") from None
             conns = self._accept(listener, procs, deadline)
             self._await_ready(conns, procs, deadline)
         except BaseException:
@@ -167,9 +185,10 @@ class RankPool:
             for rank, proc, log_path, stacks_path in procs
         ]
 
-    def _spawn(self, procs: list[tuple[int, subprocess.Popen[bytes], str, str]],
-               env: dict[str, str], address: str, authkey: bytes, pg_timeout: float) -> None:
+    def _spawn(self, procs: list[tuple[int, RankProcess, str, str]], env: dict[str, str],
+               address: str, authkey: bytes, pg_timeout: float, deadline: float) -> None:
         # Appends as it goes, so that the caller can kill the ranks already started.
+        server = self._fork_servers.server(env) if self._fork_servers is not None else None
         for rank in range(self.world_size):
             log_path = os.path.join(self._dir, f"rank{rank}.log")
             stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
@@ -186,6 +205,11 @@ class RankPool:
                 "parent_pid": os.getpid(),
                 "main_path": _main_path(),
             }
+            if server is not None:
+                timeout = deadline - time.monotonic()
+                procs.append((rank, server.spawn(spec, log_path, env, timeout=timeout),
+                              log_path, stacks_path))
+                continue
             with open(log_path, "wb") as log_file:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fsdp_conformance.harness.worker", repr(spec)],
@@ -428,6 +452,7 @@ def close_all_pools() -> int:
     pools = list(_LIVE_POOLS)
     for pool in pools:
         pool.close(force=True)
+    close_all_servers()  # after the pools: their ranks are already killed and reaped
     return len(pools)
 
 
@@ -440,7 +465,7 @@ def _main_path() -> str | None:
     return None
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def _kill(proc: RankProcess) -> None:
     if proc.poll() is None:
         try:
             proc.kill()
@@ -475,6 +500,8 @@ class PoolManager:
         self._pools: dict[tuple[int, str, str], RankPool] = {}
         self._pg_timeout = pg_timeout
         self.pools_started = 0
+        #: Where this manager's CPU ranks are forked from (:mod:`.forkserver`).
+        self.fork_servers = ForkServers()
 
     def pool(
         self, world_size: int, backend: str, device_type: str, *,
@@ -487,7 +514,7 @@ class PoolManager:
             pool = None
         if pool is None:
             pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout,
-                            start_timeout=start_timeout)
+                            start_timeout=start_timeout, fork_servers=self.fork_servers)
             self.pools_started += 1
             self._pools[key] = pool
         return pool
@@ -515,7 +542,8 @@ class PoolManager:
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
             pool = self._start_in_time(
                 lambda: RankPool(world_size, backend, device_type, env=env,
-                                 pg_timeout=self._pg_timeout, start_timeout=start_timeout),
+                                 pg_timeout=self._pg_timeout, start_timeout=start_timeout,
+                                 fork_servers=self.fork_servers),
                 start_timeout, deadline_note)
             self.pools_started += 1
             try:
@@ -552,3 +580,4 @@ class PoolManager:
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             pool.close(force=force or pool.broken)
+        self.fork_servers.close()

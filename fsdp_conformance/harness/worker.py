@@ -201,5 +201,109 @@ def _shutdown() -> None:
     os._exit(0)
 
 
+# --------------------------------------------------------------------------------------------
+# The fork server: ranks forked from a process that has already imported torch
+# --------------------------------------------------------------------------------------------
+
+
+def serve_forks(spec: Mapping[str, Any]) -> None:
+    """Import torch and the preload list once, then fork one rank per request until EOF.
+
+    The parent's side is :class:`fsdp_conformance.harness.forkserver.ForkServer` (the protocol:
+    it sends a request dict, this answers the child's pid; this writes each child's exit status
+    to the request's ``exit_path`` once it has reaped the child).
+    """
+    import importlib
+    import select
+    from multiprocessing.connection import Connection
+
+    _set_parent_death_signal()  # the parent gone: this goes, and its ranks with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    conn = Connection(spec["fd"])
+    for name in spec["preload"]:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - a rank that needs it reports the error
+            print(f"preload {name} failed: {exc!r}", file=sys.stderr)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd fires
+    exit_paths: dict[int, str] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        readable, _, _ = select.select([conn.fileno(), wake_r], [], [])
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        _reap(exit_paths)
+        if conn.fileno() in readable:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                break  # the parent closed us: its pools are closed or it is gone
+            pid = os.fork()
+            if pid == 0:
+                _become_rank(request, conn, (wake_r, wake_w))
+            exit_paths[pid] = request["exit_path"]
+            conn.send(pid)
+    os._exit(0)
+
+
+def _reap(exit_paths: dict[int, str]) -> None:
+    while exit_paths:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = exit_paths.pop(pid, None)
+        if path is not None:
+            with open(path + ".tmp", "w", encoding="ascii") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)  # whole or absent, never half-written
+
+
+def _become_rank(request: Mapping[str, Any], conn: Any, wake_fds: tuple[int, int]) -> None:
+    """In the forked child: look as an ``exec``-started rank would, then run the worker."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        conn.close()
+        for fd in wake_fds:
+            os.close(fd)
+        log_fd = os.open(request["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.chdir(request["cwd"])
+        # As `python -m` with PYTHONPATH set to the parent's sys.path would have it.
+        parent_path = [request["cwd"], *request["sys_path"]]
+        sys.path[:] = parent_path + [p for p in sys.path[1:] if p not in parent_path]
+        os.environ.clear()
+        os.environ.update(request["env"])  # PYTHONPATH and the per-test variables included
+        import random
+
+        random.seed()  # as a fresh interpreter: ranks must not share the server's sequence
+        main([request["spec"]])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the log says why; the exit status says it failed
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--fork-server"]:
+        serve_forks(ast.literal_eval(sys.argv[2]))
+    else:
+        main(sys.argv[1:])

@@ -1,0 +1,282 @@
+"""Cheap rank starts: rank processes forked from a server that has already imported torch.
+
+Starting a rank with ``python -m fsdp_conformance.harness.worker`` costs about 2.4 CPU-seconds,
+nearly all of it importing torch; a test lane starts about a hundred ranks. A :class:`ForkServer`
+is one such process, started once (``python -m fsdp_conformance.harness.worker --fork-server``)
+with the environment the ranks would get. It imports torch, FSDP and the modules the parent has
+loaded from this package and from ``transformers`` (the worker's ``serve_forks``), then forks
+one child per rank on request. A child is the worker of an ``exec``-started rank in everything
+but the import: the same environment, working directory, ``sys.path``, log file and spec.
+
+The server never runs a torch operation, so it holds no thread pool, CUDA context or process
+group a fork could copy half-made. It is used for CPU pools only: a CUDA process cannot be
+forked from a parent that touched the driver, and the GPU lane's start-up is not its cost.
+
+The parent sees a forked rank through :class:`ForkedProcess`, which answers as
+``subprocess.Popen`` does (``pid``, ``poll``, ``wait``, ``kill``). Liveness and ``kill`` go
+through a pidfd (no pid-reuse race); the exit status, which only the server can reap, is the
+file the server writes beside the rank's log once it has reaped it. Nothing is read from the
+server's connection outside a start, so a signal handler that closes pools mid-way (Ctrl-C, a
+pytest-timeout) never finds that stream half-read.
+
+Environment variables that must exist before a process starts (``MALLOC_*``) get a server of
+their own: :class:`ForkServers` keys servers by the ranks' environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from fsdp_conformance.harness.outcomes import HarnessError
+
+#: The worker module: the server runs its ``--fork-server`` mode (named, never imported here).
+WORKER_MODULE = "fsdp_conformance.harness.worker"
+#: Imported in the server before any fork, besides what the parent has loaded (see
+#: :func:`preload_modules`): what every rank imports. A name an upgrade removed is skipped.
+BASE_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp.fully_sharded_data_parallel",
+    "torch.distributed.fsdp.wrap",
+    "torch.distributed.tensor",
+)
+#: Packages whose modules the server imports when the parent has them loaded: heavy, imported by
+#: the ranks of any check that uses them, and safe to import in a process that forks.
+PRELOAD_PACKAGES = ("fsdp_conformance", "transformers", "pytest")
+#: Seconds for the server to import everything and say it is ready.
+SERVER_START_TIMEOUT_S = 60.0
+#: Seconds a terminated rank's exit status may take to appear (the server reaps at once).
+EXIT_STATUS_WAIT_S = 5.0
+#: Servers kept at once (one per distinct rank environment); the oldest is closed first.
+MAX_SERVERS = 3
+
+
+def fork_available() -> bool:
+    """True where ranks can be forked: Linux with pidfds (kernel 5.3 and later)."""
+    if not hasattr(os, "fork") or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
+def preload_modules(modules: Mapping[str, Any] | None = None) -> list[str]:
+    """What a server imports before forking: the base list and the parent's heavy packages."""
+    loaded = sys.modules if modules is None else modules
+    names = list(BASE_PRELOAD)
+    for name in loaded:
+        top = name.partition(".")[0]
+        # Never the worker: the server runs it as __main__, and a second copy would be a twin.
+        if top in PRELOAD_PACKAGES and name not in names and name != WORKER_MODULE:
+            names.append(name)
+    return names
+
+
+class ForkedProcess:
+    """A rank forked by a :class:`ForkServer`, with ``subprocess.Popen``'s interface."""
+
+    def __init__(self, pid: int, exit_path: str, args: Sequence[str],
+                 server: subprocess.Popen[bytes]) -> None:
+        self.pid = pid
+        self._server = server
+        self.args = list(args)
+        self.returncode: int | None = None
+        self._exit_path = exit_path
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # ended (and was reaped) before we looked: the file says how
+            self._pidfd = None
+
+    def _terminated(self, timeout: float) -> bool:
+        if self._pidfd is None:
+            return True
+        readable, _, _ = select.select([self._pidfd], [], [], max(timeout, 0.0))
+        return bool(readable)
+
+    def _read_exit(self) -> int:
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+        while True:
+            try:
+                with open(self._exit_path, encoding="ascii") as f:
+                    return int(f.read())
+            except (OSError, ValueError):
+                if self._server.poll() is not None or time.monotonic() > deadline:
+                    # The server is gone: its ranks die with it (their parent-death signal).
+                    return -signal.SIGKILL
+                time.sleep(0.01)
+
+    def _settle(self) -> int:
+        self.returncode = self._read_exit()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._terminated(0):
+            self._settle()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        if not self._terminated(1e9 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._settle()
+
+    def kill(self) -> None:
+        if self.returncode is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
+class ForkServer:
+    """One server process that forks ranks with the environment it was started with."""
+
+    def __init__(self, env: Mapping[str, str], preload: Sequence[str]) -> None:
+        self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-forks-")
+        self.log_path = os.path.join(self._dir, "server.log")
+        ours, theirs = socket.socketpair()
+        # Its command line names the parent as a rank's does ('parent_pid': N, ...), and the
+        # ranks it forks keep that command line: a scan for a session's ranks finds them all.
+        spec = {"parent_pid": os.getpid(), "fd": theirs.fileno(), "preload": list(preload)}
+        self.args = [sys.executable, "-m", WORKER_MODULE, "--fork-server", repr(spec)]
+        try:
+            with open(self.log_path, "wb") as log_file:
+                self._proc = subprocess.Popen(
+                    self.args, stdin=subprocess.DEVNULL, stdout=log_file,
+                    stderr=subprocess.STDOUT, env=dict(env), pass_fds=[theirs.fileno()],
+                )
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        self._ready = False
+        _LIVE_SERVERS.add(self)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def _await_ready(self, deadline: float) -> None:
+        if self._ready:
+            return
+        if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+            raise HarnessError(self._failure("timed out importing torch"))
+        try:
+            self._conn.recv()
+        except (EOFError, OSError):
+            raise HarnessError(self._failure("exited while importing")) from None
+        self._ready = True
+
+    def _failure(self, what: str) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                log_text = f.read().strip()[-4000:]
+        except OSError:
+            log_text = ""
+        log_text = log_text or "(empty)"
+        return f"the rank fork server (pid {self._proc.pid}) {what}; its log:\n{log_text}"
+
+    def spawn(self, spec: Mapping[str, Any], log_path: str, env: Mapping[str, str], *,
+              timeout: float) -> ForkedProcess:
+        """Fork one rank running the worker with ``spec``; its output goes to ``log_path``.
+
+        ``env`` becomes the child's ``os.environ``: the server's own environment, but for the
+        variables :class:`ForkServers` does not key servers by.
+        """
+        deadline = time.monotonic() + timeout
+        self._await_ready(deadline)
+        exit_path = log_path + ".exit"
+        request = {
+            "spec": repr(dict(spec)),
+            "log_path": log_path,
+            "exit_path": exit_path,
+            "cwd": os.getcwd(),
+            "sys_path": [p for p in sys.path if p],
+            "env": dict(env),
+        }
+        try:
+            self._conn.send(request)
+            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                raise HarnessError(self._failure("timed out forking a rank"))
+            pid = self._conn.recv()
+        except (EOFError, OSError):
+            raise HarnessError(self._failure("exited")) from None
+        return ForkedProcess(pid, exit_path, [*self.args[:3], repr(dict(spec))], self._proc)
+
+    def close(self) -> None:
+        """Stop the server; ranks it forked die with it (their parent-death signal)."""
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        if self._proc.poll() is None:
+            try:
+                self._proc.wait(2.0)  # it exits once its connection closes
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        _LIVE_SERVERS.discard(self)
+
+
+#: Every server not closed yet: what an interrupt must stop (:func:`close_all_servers`).
+_LIVE_SERVERS: set[ForkServer] = set()
+
+
+def close_all_servers() -> int:
+    """Stop every fork server this process started (interrupts); returns how many."""
+    servers = list(_LIVE_SERVERS)
+    for server in servers:
+        server.close()
+    return len(servers)
+
+
+#: Variables a child takes from its start request rather than from its server's start: they
+#: change from test to test (pytest sets ``PYTEST_CURRENT_TEST`` for each) and nothing reads
+#: them while a process starts, so servers need not differ by them.
+AFTER_FORK_PREFIXES = ("PYTEST_", "FSDP_CONFORMANCE_")
+AFTER_FORK_NAMES = ("PYTHONPATH",)
+
+
+def _set_after_fork(name: str) -> bool:
+    return name in AFTER_FORK_NAMES or name.startswith(AFTER_FORK_PREFIXES)
+
+
+class ForkServers:
+    """The servers of one :class:`~fsdp_conformance.harness.pool.PoolManager`, by environment."""
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
+
+    def server(self, env: Mapping[str, str]) -> ForkServer:
+        key = tuple(sorted((k, v) for k, v in env.items() if not _set_after_fork(k)))
+        found = self._servers.get(key)
+        if found is not None and not found.alive:
+            found.close()
+            del self._servers[key]
+            found = None
+        if found is None:
+            while len(self._servers) >= MAX_SERVERS:
+                oldest = next(iter(self._servers))
+                self._servers.pop(oldest).close()
+            found = self._servers[key] = ForkServer(env, preload_modules())
+        return found
+
+    def close(self) -> None:
+        servers, self._servers = self._servers, {}
+        for server in servers.values():
+            server.close()

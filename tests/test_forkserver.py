@@ -1,0 +1,156 @@
+"""Rank starts from the fork server (harness/forkserver.py): cheap, and like an exec start.
+
+The warm pools of this session are forked (the ``ranks`` fixture's manager starts CPU pools
+from its fork servers), so every harness test already runs on forked ranks; these tests pin what
+the fork must preserve and what it must clean up, and what decides between fork and exec.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_conformance.harness import PoolManager, RankContext, RankPool
+from fsdp_conformance.harness.forkserver import (
+    BASE_PRELOAD,
+    WORKER_MODULE,
+    ForkServers,
+    fork_available,
+    preload_modules,
+)
+
+pytestmark = pytest.mark.cpu
+
+needs_fork = pytest.mark.skipif(
+    not fork_available(), reason="this platform has no os.fork or no pidfds (Linux 5.3+): "
+    "every rank is started with exec, which the other harness tests cover")
+
+
+def _how_started(ctx: RankContext) -> dict[str, object]:
+    return {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "cwd": os.getcwd(),
+        "path0": sys.path[0],
+        "pythonpath": os.environ.get("PYTHONPATH", ""),
+        "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "probe": os.environ.get("FSDP_CONFORMANCE_PROBE"),
+        "cmdline": Path("/proc/self/cmdline").read_bytes().split(b"\0")[1:3],
+    }
+
+
+def _pid(ctx: RankContext) -> int:
+    return os.getpid()
+
+
+def _values(outcomes: list) -> list[dict]:
+    assert [o.status for o in outcomes] == ["ok"] * len(outcomes), outcomes
+    return [o.value for o in outcomes]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def _wait_gone(pids: list[int], limit_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + limit_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+@needs_fork
+def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # ranks take the parent's folder at their start, not the server's
+    manager = PoolManager()
+    try:
+        run = dict(args=(), kwargs={}, backend="gloo", device_type="cpu", timeout=60.0)
+        two = _values(manager.run_outcomes(_how_started, world_size=2, **run))
+        # A variable that changes from test to test (as PYTEST_CURRENT_TEST does) reaches the
+        # ranks without a server of its own.
+        monkeypatch.setenv("FSDP_CONFORMANCE_PROBE", "seen")
+        one = _values(manager.run_outcomes(_how_started, world_size=1, **run))
+        malloc = _values(manager.run_outcomes(
+            _how_started, world_size=1, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, **run))
+        server = two[0]["ppid"]
+        # Forked: the parent is the server, not this process; one server for both pools.
+        assert server != os.getpid()
+        assert {v["ppid"] for v in two + one} == {server}
+        # Another environment, another server; that rank sees the variable from its start.
+        assert malloc[0]["ppid"] not in (server, os.getpid())
+        assert malloc[0]["malloc"] == "65536" and two[0]["malloc"] is None
+        assert [v["probe"] for v in two + one] == [None, None, "seen"]
+        for value in two + one + malloc:
+            assert value["cwd"] == str(tmp_path) == value["path0"]  # as `python -m` there
+            assert value["pythonpath"].split(os.pathsep) == [p for p in sys.path if p]
+            assert value["cmdline"] == [b"-m", WORKER_MODULE.encode()]
+        servers = {server, malloc[0]["ppid"]}
+        ranks = [v["pid"] for v in two + one]
+    finally:
+        manager.close()
+    assert _wait_gone([*servers, *ranks]) == [], "closing the manager left processes running"
+
+
+@needs_fork
+def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> None:
+    manager = PoolManager()
+    try:
+        run = dict(args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu",
+                   timeout=60.0)
+        before = _values(manager.run_outcomes(_how_started, **run))
+        os.kill(before[0]["ppid"], signal.SIGKILL)
+        pids = [v["pid"] for v in before]
+        # The ranks' parent-death signal: they do not outlive the server that forked them.
+        assert _wait_gone(pids) == [], "ranks outlived their fork server"
+        after = _values(manager.run_outcomes(_how_started, **run))
+        assert {v["pid"] for v in after}.isdisjoint(pids)
+        assert after[0]["ppid"] != before[0]["ppid"]  # a new server
+    finally:
+        manager.close()
+
+
+def test_a_pool_without_fork_servers_starts_its_ranks_with_exec() -> None:
+    # The default of a RankPool built by hand, and the path of every GPU pool.
+    with RankPool(1) as pool:
+        (outcome,) = pool.run_outcomes(_how_started)
+    assert _values([outcome])[0]["ppid"] == os.getpid()
+
+
+@needs_fork
+def test_a_pool_with_fork_servers_on_a_platform_without_fork_uses_exec(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsdp_conformance.harness.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "fork_available", lambda: False)
+    servers = ForkServers()
+    try:
+        with RankPool(1, fork_servers=servers) as pool:
+            (outcome,) = pool.run_outcomes(_how_started)
+    finally:
+        servers.close()
+    assert _values([outcome])[0]["ppid"] == os.getpid()
+
+
+def test_the_server_preloads_torch_and_the_parents_heavy_packages_but_never_the_worker() -> None:
+    loaded = dict.fromkeys([
+        "os", "numpy", "fsdp_conformance", "fsdp_conformance.claims.wrap", WORKER_MODULE,
+        "transformers", "transformers.models.llama.modeling_llama", "pytest", "_pytest.python",
+        "tests.test_wrapping",
+    ])
+    names = preload_modules(loaded)
+    assert names[: len(BASE_PRELOAD)] == list(BASE_PRELOAD)
+    assert set(names) - set(BASE_PRELOAD) == {
+        "fsdp_conformance", "fsdp_conformance.claims.wrap", "transformers",
+        "transformers.models.llama.modeling_llama", "pytest"}
