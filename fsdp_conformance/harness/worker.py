@@ -217,7 +217,10 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
     import select
     from multiprocessing.connection import Connection
 
-    _set_parent_death_signal()  # the parent gone: this goes, and its ranks with it
+    # No parent-death signal here: it fires when the *thread* that started this process ends,
+    # and a pool may be started from any thread of the session. The parent's death closes the
+    # connection instead, which the loop below sees at once (it only ever waits there); the
+    # ranks' own parent-death signal then takes them with this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
     conn = Connection(spec["fd"])
     for name in spec["preload"]:
@@ -231,7 +234,10 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd fires
     exit_paths: dict[int, str] = {}
-    conn.send(("ready", os.getpid()))
+    try:
+        conn.send(("ready", os.getpid()))
+    except OSError:
+        os._exit(0)  # the parent went while this was importing
     while True:
         readable, _, _ = select.select([conn.fileno(), wake_r], [], [])
         if wake_r in readable:
@@ -247,7 +253,10 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
             if pid == 0:
                 _become_rank(request, conn, (wake_r, wake_w))
             exit_paths[pid] = request["exit_path"]
-            conn.send(pid)
+            try:
+                conn.send(pid)
+            except OSError:
+                break
     os._exit(0)
 
 
