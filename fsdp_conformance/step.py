@@ -227,11 +227,12 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         # the warm-up runs inside it instead. Its first use in a process costs about 2.5 MB
         # of resident memory that is no tensor (measured: the OS saw 20.5 MB against the
         # tracker's 18.0 on a first tracked step, 18.4 on every later one), which would
-        # otherwise be read by the OS meter as the measured step's. Tracked, the warm-up's
-        # collectives also release in program order: a buffer gloo's worker still held would
-        # be counted at the start of the measured step.
+        # otherwise be read by the OS meter as the measured step's. Only where a second meter
+        # reads the same step: the tracker alone sees no such memory, and a tracked warm-up
+        # costs CPU time. Tracked, the warm-up's collectives also release in program order:
+        # a buffer gloo's worker still held would be counted at the start of the measured step.
         first = (make_meter(primary, ctx, sharded, opt, batch, construction, baseline)
-                 if primary == "FSDPMemTracker" else None)
+                 if primary == "FSDPMemTracker" and second else None)
         with contextlib.ExitStack() as warm:
             if first is not None:
                 warm.enter_context(collectives_release_in_order(ctx.device_type))
