@@ -26,8 +26,10 @@ from fsdp_conformance.step import measure_step
 def bench_rank(ctx: RankContext, spec: ModelSpec, version: str, repeat: int) -> dict[str, Any]:
     """Agreement (tracker vs truth), peaks per wrapping, and step times per meter, on this rank."""
     truth = "cuda" if ctx.device_type == "cuda" else "os"
-    both = measure_step(ctx, spec, version, "per_layer", meter="tracker", also=truth,
-                               timeline=False)
+    # The agreement of the meter memory.meter_agrees cross-checks (FSDPMemTracker for FSDP2
+    # on CPU: the source of its figures), on the same step.
+    both = measure_step(ctx, spec, version, "per_layer", meter="auto" if truth == "os"
+                        else "tracker", also=truth, timeline=False)
     out: dict[str, Any] = {"rank": ctx.rank, "agreement": both["meters"]}
     for wrapping in ("per_layer", "monolithic"):
         m = measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth)
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(version: str, values: list[dict[str, Any]], truth: str) -> None:
     bound = Bound.from_dict(values[0]["bound"])
     print(f"\n== {version} ==")
-    print(f"{'rank':>4}  {'tracker step +MB':>16}  {truth + ' step +MB':>14}  {'ratio':>6}")
+    tracker = values[0]["agreement"][0]["source"]
+    print(f"{'rank':>4}  {tracker + ' step +MB':>16}  {truth + ' step +MB':>14}  {'ratio':>6}")
     for v in values:
         tr, gt = v["agreement"]
         a, b = tr["peak"] - tr["start"], gt["peak"] - gt["start"]

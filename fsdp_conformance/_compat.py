@@ -179,6 +179,62 @@ def fsdp2_param_group(module: nn.Module) -> Any | None:
     return getattr(get_state(), "_fsdp_param_group", None)
 
 
+def fsdp2_state(module: nn.Module) -> Any | None:
+    """The ``FSDPState`` ``fully_shard`` attached to ``module``, or None (not an FSDP2 unit).
+
+    Several modules passed to one ``fully_shard([...])`` call share one state.
+    """
+    if not isinstance(module, fsdp_module_cls()):
+        return None
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        raise CompatError(
+            f"torch {torch.__version__}: an FSDPModule has no _get_fsdp_state(); "
+            "fsdp-conformance reads FSDP2's managed parameters from it: see "
+            "fsdp_conformance/_compat.py (fsdp2_state)")
+    return get_state()
+
+
+def fsdp2_managed_params(
+    state: Any,
+) -> list[list[tuple[torch.Tensor, list[tuple[nn.Module, str]]]]]:
+    """Per param group of an FSDP2 state: each managed parameter as torch holds it.
+
+    Each entry is ``(sharded_param, [(module, attribute name), ...])``: the sharded DTensor the
+    group owns, and every module attribute it is registered under (the first is the module it
+    was found on, the others share it: a tied weight in a multi-module unit). Read from
+    ``state._fsdp_param_groups`` (torch 2.13: a list, several groups per state with
+    per-parameter meshes) or ``state._fsdp_param_group`` (older releases: one or None), then
+    ``group.fsdp_params``, ``fsdp_param.sharded_param`` and ``fsdp_param._module_info``.
+    """
+    if hasattr(state, "_fsdp_param_groups"):
+        groups = list(state._fsdp_param_groups)
+    elif hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
+    else:
+        raise CompatError(
+            f"torch {torch.__version__}: FSDPState has neither _fsdp_param_groups nor "
+            "_fsdp_param_group; fsdp-conformance reads FSDP2's units from them: see "
+            "fsdp_conformance/_compat.py (fsdp2_managed_params)")
+    out = []
+    for group in groups:
+        rows = []
+        try:
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                owners = [(info.module, info.param_name), *zip(
+                    info.shared_modules, info.shared_param_names)]
+                rows.append((fsdp_param.sharded_param, owners))
+        except AttributeError as exc:
+            raise CompatError(
+                f"torch {torch.__version__}: FSDP2's param group moved ({exc}); "
+                "fsdp-conformance reads fsdp_params, sharded_param and _module_info: see "
+                "fsdp_conformance/_compat.py (fsdp2_managed_params)") from None
+        out.append(rows)
+    return out
+
+
 def fsdp1_original_numels(flat_param: Any) -> list[int]:
     """Numels of the original parameters flattened into an FSDP1 FlatParameter (no padding)."""
     return [int(n) for n in flat_param._numels]

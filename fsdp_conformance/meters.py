@@ -257,6 +257,38 @@ def resident_tensor_bytes(
     return total
 
 
+def sharded_param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameter shards: FSDP2's local DTensor pieces, FSDP1's flat
+    parameter shards (its padding included), each parameter once.
+
+    A lower bound on what a meter must report at every instant of a step, since the shards
+    stay resident throughout: a meter reading less is blind to memory it must see
+    (:func:`meter_floor_problems`).
+    """
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def meter_floor_problems(rank: int, meters: Sequence[dict[str, Any]],
+                         param_bytes: int | None) -> list[str]:
+    """One line per meter whose start or peak is below this rank's parameter shards."""
+    if param_bytes is None:
+        return []
+    out = []
+    for m in meters:
+        if m["source"] == "none":
+            continue  # measures nothing by design (the timing baseline)
+        low = {k: m[k] for k in ("start", "peak") if m[k] < param_bytes}
+        if low:
+            readings = ", ".join(f"{k} {v:,} B" for k, v in low.items())
+            out.append(f"rank {rank}: {m['source']} reads {readings}, less than the "
+                       f"{param_bytes:,} B of parameter shards this rank holds throughout the "
+                       "step: the meter does not see this rank's memory")
+    return out
+
 
 METERS = ("auto", "tracker", "os", "cuda", "none")
 

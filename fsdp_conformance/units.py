@@ -218,38 +218,121 @@ def fsdp2_original_class(module: nn.Module) -> type:
 
 
 def fsdp2_units(model: nn.Module) -> list[UnitInfo]:
-    """The units of an FSDP2 model (``fully_shard``), root included when it was sharded."""
-    fsdp_cls = _compat.fsdp_module_cls()
+    """The units of an FSDP2 model (``fully_shard``), root included when it was sharded.
+
+    Read from FSDP2's own state (each unit module's ``FSDPState``, its param groups and their
+    managed parameters, through :mod:`~fsdp_conformance._compat`), not from the modules'
+    ``named_parameters()``: a parameter ``fully_shard`` left out (``ignored_params``, or one
+    re-assigned after sharding) is in no unit. Sizes come from the sharded parameters the
+    groups hold, so the figures are right whether or not the model is currently gathered.
+    Modules given to one ``fully_shard([...])`` call share a state; each reports the managed
+    parameters registered in its own subtree (a tied weight under both names).
+    """
     dtensor = _compat.dtensor_cls()
-    unit_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp_cls)]
-    nested: dict[str, set[int]] = {}
-    for name, module in unit_modules:
-        nested[name] = {
-            id(p)
-            for sub_name, sub in unit_modules
-            if sub is not module and _is_below(sub_name, name)
-            for p in sub.parameters()
-        }
+    module_names: dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(m), n)
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    unit_modules = [(n, m, _compat.fsdp2_state(m)) for n, m in model.named_modules()]
+    unit_modules = [(n, m, st) for n, m, st in unit_modules if st is not None]
+    sharing: dict[int, list[str]] = {}
+    for name, _, state in unit_modules:
+        sharing.setdefault(id(state), []).append(name)
     units = []
-    for name, module in unit_modules:
-        prefix = f"{name}." if name else ""
-        own = [
-            (prefix + pname, p)
-            for pname, p in module.named_parameters()
-            if id(p) not in nested[name]
-        ]
+    for name, module, state in unit_modules:
+        own: dict[int, tuple[str, Any]] = {}
+        for group in _compat.fsdp2_managed_params(state):
+            for param, owners in group:
+                fqn = _owner_fqn(module_names, name, owners)
+                if fqn is None and sharing[id(state)][0] == name and not any(
+                        _owner_fqn(module_names, other, owners) is not None
+                        for other in sharing[id(state)][1:]):
+                    # Registered nowhere under the unit's modules any more: still the first
+                    # module's, under the name torch recorded for it.
+                    mod, attr = owners[0]
+                    fqn = _join(module_names.get(id(mod), "<module outside the model>"), attr)
+                if fqn is not None:
+                    own.setdefault(id(param), (fqn, param))
+        rows = sorted(own.values(), key=lambda np: (order.get(np[0], len(order)), np[0]))
         units.append(
             UnitInfo(
                 fqn=name,
                 cls=fsdp2_original_class(module).__name__,
-                numel=sum(p.numel() for _, p in own),
+                numel=sum(p.numel() for _, p in rows),
                 local_numel=sum(
-                    p.to_local().numel() if isinstance(p, dtensor) else p.numel() for _, p in own
+                    p.to_local().numel() if isinstance(p, dtensor) else p.numel() for _, p in rows
                 ),
-                params=tuple(n for n, _ in own),
+                params=tuple(n for n, _ in rows),
             )
         )
     return _with_parents(units, [n for n, _ in model.named_modules()])
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _owner_fqn(
+    module_names: Mapping[int, str], unit: str, owners: Sequence[tuple[nn.Module, str]]
+) -> str | None:
+    """The first name a managed parameter is registered under inside ``unit``'s subtree."""
+    for mod, attr in owners:
+        where = module_names.get(id(mod))
+        if where is not None and (where == unit or _is_below(where, unit)):
+            return _join(where, attr)
+    return None
+
+
+def fsdp2_management_problems(model: nn.Module) -> list[str]:
+    """Every parameter of an FSDP2 model is a sharded DTensor managed by exactly one param
+    group: one line per parameter that is not (empty when all are).
+
+    Read from FSDP2's state (:func:`fsdp2_units` says how). Call it while the model is
+    resharded (after sharding, or after a backward that resharded): between a forward and
+    its backward with ``reshard_after_forward=False`` the registered parameters are the
+    unsharded ones.
+    """
+    dtensor = _compat.dtensor_cls()
+    module_names: dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(m), n)
+    held_by: dict[int, list[str]] = {}
+    stale: list[str] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        state = _compat.fsdp2_state(module)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        groups = _compat.fsdp2_managed_params(state)
+        for i, group in enumerate(groups):
+            label = (name or "(root)") + (f" (group {i})" if len(groups) > 1 else "")
+            for param, owners in group:
+                held_by.setdefault(id(param), []).append(label)
+                if not any(getattr(mod, attr, None) is param for mod, attr in owners):
+                    mod, attr = owners[0]
+                    where = _join(module_names.get(id(mod), "<module outside the model>"), attr)
+                    stale.append(f"{where}: unit {label} manages a parameter the model no "
+                                 "longer holds there (re-assigned after fully_shard)")
+    problems = []
+    for fqn, p in model.named_parameters():
+        holders = held_by.get(id(p), [])
+        if not holders:
+            problems.append(f"{fqn}: managed by no FSDP2 param group ({_describe(p, dtensor)})")
+        elif len(holders) > 1:
+            problems.append(f"{fqn}: managed by {len(holders)} param groups "
+                            f"({', '.join(holders)}); it must be exactly one")
+        elif not (isinstance(p, dtensor) and any(pl.is_shard() for pl in p.placements)):
+            problems.append(f"{fqn}: managed by {holders[0]} but not sharded "
+                            f"({_describe(p, dtensor)})")
+    return problems + stale
+
+
+def _describe(p: Any, dtensor: type[Any]) -> str:
+    if isinstance(p, dtensor):
+        return (f"DTensor {tuple(p.placements)}, {p.to_local().numel():,} of {p.numel():,} "
+                "elements local")
+    return (f"plain {type(p).__name__}, replicated: all {p.numel():,} elements on every rank")
 
 
 def _is_below(name: str, ancestor: str) -> bool:

@@ -306,6 +306,50 @@ def test_meter_check_catches_a_tracker_blind_to_fsdp1_gather_buffers(ranks: Rank
     assert "the tracker disagrees with the" in verdict.message
 
 
+def _blind_meter_values(ctx: Any) -> dict[str, Any]:
+    """Fault injection in the ranks: torch's trackers read 0 (FSDP2, ``FSDPMemTracker``) or a
+    tenth of what they track (FSDP1, ``MemTracker``); each version's meter cross-check and
+    peak check run on the faulty meter, all in this one rank call."""
+    from fsdp_conformance import meters
+
+    spec = memory.with_depth(memory.DEFAULT_SPEC, 2)
+    original = meters.TrackerMeter._snapshot
+    out: dict[str, Any] = {}
+    for version, scale in (("fsdp2", 0.0), ("fsdp1", 0.1)):
+        def scaled(self: Any, kind: str, scale: float = scale) -> dict[str, int]:
+            return {k: int(v * scale) for k, v in original(self, kind).items()}
+
+        meters.TrackerMeter._snapshot = scaled  # type: ignore[method-assign]
+        try:
+            out[version] = {
+                "meter": memory.rank_meter_agrees(ctx, spec, version),
+                "peak": memory.rank_peak_within_bound(ctx, spec, version),
+            }
+        finally:
+            meters.TrackerMeter._snapshot = original  # type: ignore[method-assign]
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_a_meter_reading_less_than_the_sharded_parameters_fails_both_checks(
+    ranks: Ranks,
+) -> None:
+    # Without the floor a tracker reading 0 passes the peak check (0 is under any bound); the
+    # cross-check now also covers FSDPMemTracker, the source of FSDP2's figures.
+    values = ranks.configured(env=MALLOC_ENV).run(_blind_meter_values)
+    for version, tracker in (("fsdp2", "FSDPMemTracker"), ("fsdp1", "MemTracker")):
+        params = {"spec": memory.with_depth(memory.DEFAULT_SPEC, 2), "version": version}
+        agrees = memory.verdict_meter_agrees([v[version]["meter"] for v in values], params)
+        peak = memory.verdict_peak_within_bound([v[version]["peak"] for v in values], params)
+        for verdict in (agrees, peak):
+            assert not verdict.passed, (version, verdict.message)
+            for rank in range(ranks.world_size):
+                assert (f"rank {rank}: {tracker} reads start " in verdict.message
+                        and "less than the" in verdict.message), verdict.message
+        assert "the meter reads less than the parameter shards" in peak.message
+        assert agrees.figures["tracker"] == tracker
+
+
 def test_os_meter_refuses_without_the_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     why = OSMeter.available()

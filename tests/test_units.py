@@ -152,3 +152,25 @@ def test_expected_units_counts_each_parameter_once(threshold: int) -> None:
     units = expected_units(model, (DecoderLayer,), threshold)
     assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
     assert isinstance(model.head, nn.Linear)
+
+
+def test_fsdp2_state_that_an_upgrade_moved_is_one_message_naming_what_moved() -> None:
+    # FSDP2's units are read from FSDPState's param groups; a torch whose state keeps them
+    # elsewhere (or whose param groups lost fsdp_params) must say so, not raise deep inside.
+    from fsdp_conformance import _compat
+
+    class MovedState:  # neither _fsdp_param_groups nor _fsdp_param_group
+        pass
+
+    class MovedGroup:  # a group without fsdp_params
+        pass
+
+    class OldState:  # torch before per-parameter meshes: one group, or None
+        _fsdp_param_group = MovedGroup()
+
+    with pytest.raises(_compat.CompatError, match="neither _fsdp_param_groups nor "
+                       "_fsdp_param_group.*fsdp2_managed_params"):
+        _compat.fsdp2_managed_params(MovedState())
+    with pytest.raises(_compat.CompatError, match="param group moved.*fsdp_params"):
+        _compat.fsdp2_managed_params(OldState())
+    assert _compat.fsdp2_state(nn.Linear(2, 2)) is None  # not an FSDP2 unit

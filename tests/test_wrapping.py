@@ -104,6 +104,73 @@ def test_negative_control_plan_that_does_not_describe_the_wrapping(ranks: Ranks)
 
 
 @pytest.mark.world_size(2)
+def test_negative_control_a_parameter_fsdp_leaves_unmanaged_fails_every_unit_check(
+    ranks: Ranks,
+) -> None:
+    """The units come from torch's state (FSDP2's param groups, FSDP1's FlatParameters), not
+    from the modules the suite sharded: a block parameter FSDP was told to ignore is plain and
+    replicated on every rank, in no unit, and all three unit checks fail on every rank."""
+    for version in VERSIONS:
+        params = {"spec": ODD, "version": version, "policy": "recommended",
+                  "unmanaged": "layers.0.attn.weight"}
+        values = ranks.run(rank_units, **params)
+        exact = verdict_units_exact(values, params)
+        plan = verdict_units_plan(values, params)
+        accounting = verdict_units_accounting(values, params)
+        for verdict in (exact, plan, accounting):
+            assert not verdict.passed, (version, verdict.message)
+            assert "ranks 0, 1: parameter layers.0.attn.weight is in no unit" in verdict.message
+        # The readable expected-vs-actual tree: the block is 900 parameters short.
+        assert "~ unit layers.0: numel expected 8,280, got 7,380" in exact.message
+        assert "expected units:" in exact.message and "actual units:" in exact.message
+        assert "fewer: parameters are outside every unit" in accounting.message
+        if version == "fsdp2":
+            assert ("ranks 0, 1: layers.0.attn.weight: managed by no FSDP2 param group (plain "
+                    "Parameter, replicated: all 900 elements on every rank)") in exact.message
+
+
+def test_fsdp2_units_are_read_from_the_param_groups_not_the_modules() -> None:
+    """One process, fake backend: a parameter re-assigned after ``fully_shard`` (plain, whole)
+    is still in the module's ``named_parameters()`` but in no param group; the units leave it
+    out, and the management check names both sides of the swap."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_conformance import _compat
+    from fsdp_conformance.units import fsdp2_management_problems, fsdp2_units
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group (the fake one needs "
+                    "its own)")
+    store = _compat.fake_store_cls()()
+    dist.init_process_group("fake", store=store, rank=0, world_size=2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        mesh = init_device_mesh("cpu", (2,))
+        fully_shard = _compat.fully_shard()
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert fsdp2_management_problems(model) == []
+        before = {u.fqn: (u.numel, u.local_numel, u.params) for u in fsdp2_units(model)}
+        assert before == {"": (14, 7, ("1.weight", "1.bias")),
+                          "0": (30, 15, ("0.weight", "0.bias"))}
+        model[0].weight = torch.nn.Parameter(torch.zeros(6, 4))  # plain, replicated
+        after = {u.fqn: u.params for u in fsdp2_units(model)}
+        # The group still manages its DTensor under the name torch recorded for it.
+        assert after == {"": ("1.weight", "1.bias"), "0": ("0.weight", "0.bias")}
+        problems = fsdp2_management_problems(model)
+        assert problems == [
+            "0.weight: managed by no FSDP2 param group (plain Parameter, replicated: all 24 "
+            "elements on every rank)",
+            "0.weight: unit 0 manages a parameter the model no longer holds there "
+            "(re-assigned after fully_shard)",
+        ]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.world_size(2)
 def test_seeds_policy_on_tied_weights_duplicates_the_weight(ranks: Ranks) -> None:
     """Negative control for accounting, and what the seeds' policy does to a tied weight:
     `embed` and `head` become two units that each hold the shared weight."""

@@ -23,7 +23,13 @@ from typing import Any
 from fsdp_conformance.bound import Bound, MeasureError, StepConfig, per_layer_bound
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.meters import MALLOC_ENV, METER_RESOLUTION_BYTES
+from fsdp_conformance.meters import (
+    MALLOC_ENV,
+    METER_RESOLUTION_BYTES,
+    choose_meter,
+    meter_floor_problems,
+    torch_version_string,
+)
 from fsdp_conformance.models import NO_SETTABLE_DEPTH, LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.profile import plan_step
 from fsdp_conformance.sizes import format_bytes
@@ -169,9 +175,18 @@ def _block_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
 def rank_meter_agrees(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                       version: str = "fsdp2", wrapping: str = "per_layer",
                       track_construction: bool = True, batch_size: int = 2) -> dict[str, Any]:
-    """The tracker and the ground truth (OS on CPU, CUDA allocator on GPU) on the same step."""
+    """The tracker and the ground truth (OS on CPU, CUDA allocator on GPU) on the same step.
+
+    The tracker is the meter the other checks read on this lane: on CPU ``FSDPMemTracker``
+    for FSDP2 (the source of its figures), ``MemTracker`` for FSDP1; on GPU, where the
+    allocator itself is the figure, ``MemTracker``.
+    """
     truth = "cuda" if ctx.device_type == "cuda" else "os"
-    result = measure_step(ctx, spec, version, wrapping, meter="tracker", also=truth,
+    meter = "auto" if truth == "os" else "tracker"
+    if meter == "auto" and choose_meter(ctx, "auto", version) == truth:
+        skip_rank(f"torch {torch_version_string()} moved its memory trackers: the {truth} "
+                  "figure is the only meter, there is no tracker to cross-check")
+    result = measure_step(ctx, spec, version, wrapping, meter=meter, also=truth,
                           batch_size=batch_size, timeline=False,
                           track_construction=track_construction)
     # A step the ground truth cannot resolve makes any tracker figure "agree": skip it, on
@@ -216,12 +231,19 @@ def verdict_peak_within_bound(
         meter = v["meters"][0]
         rows.append((v["rank"], meter["peak"], bound, meter))
     over = [(r, p, b, m) for r, p, b, m in rows if p > b.limit]
+    # Under the bound proves nothing from a meter blind to the rank's own shards (one reading 0
+    # would pass): each rank's meter must see at least its parameter shards.
+    blind = [line for v in values
+             for line in meter_floor_problems(v["rank"], v["meters"][:1], v.get("param_bytes"))]
     bound = rows[0][2]
     peak = max(p for _, p, _, _ in rows)
     figures = {"peak_bytes": peak, "bound_bytes": bound.total, "limit_bytes": bound.limit,
                "peak_over_bound": round(peak / bound.total, 3), "source": rows[0][3]["source"]}
     data = {"bound": bound.to_dict(), "peaks": {r: p for r, p, _, _ in rows},
             "breakdown": {r: m["breakdown"] for r, _, _, m in rows}}
+    if blind:
+        return Verdict(False, f"{_label(params)}: the peak cannot be judged, the meter reads less "
+                       "than the parameter shards:\n  " + "\n  ".join(blind), figures, data)
     if not over:
         return Verdict(True, f"{_label(params)}: peak {_mb(peak)} on the highest rank, at or under "
                        f"the per-layer bound {_mb(bound.total)} (limit {_mb(bound.limit)}) on "
@@ -435,12 +457,15 @@ def verdict_meter_agrees(values: Sequence[Mapping[str, Any]], params: Mapping[st
             problems.append(f"rank {v['rank']}: {tracker['source']} saw the step add {_mb(got)}, "
                             f"{truth['source']} {_mb(want)} (ratio {ratio:.3f}, tolerance {t:.0%} "
                             f"or {_mb(METER_RESOLUTION_BYTES)}, whichever is larger)")
+        problems += meter_floor_problems(v["rank"], v["meters"], v.get("param_bytes"))
     truth_src = values[0]["meters"][1]["source"]
-    figures = {"tracker_over_truth": ratios, "truth": truth_src}
+    figures = {"tracker_over_truth": ratios, "truth": truth_src,
+               "tracker": values[0]["meters"][0]["source"]}
     if problems:
         return Verdict(False, f"{_label(params)}: the tracker disagrees with the {truth_src} "
                        "figure:\n" + "\n".join(problems), figures, {})
-    return Verdict(True, f"{_label(params)}: tracker within {t:.0%} of the {truth_src} figure on "
+    return Verdict(True, f"{_label(params)}: {figures['tracker']} within {t:.0%} of the "
+                   f"{truth_src} figure, and every meter at least the parameter shards, on "
                    f"all ranks (ratios {ratios})", figures, {})
 
 

@@ -53,6 +53,7 @@ from fsdp_conformance.units import (
     clean_fqn,
     format_unit_mismatch,
     format_unit_tree,
+    fsdp2_management_problems,
     plan_units,
     planned_unit_modules,
     unit_differences,
@@ -255,14 +256,20 @@ def rank_units(
     version: str = "fsdp1",
     policy: PolicyName = "recommended",
     apply_policy: PolicyName | None = None,
+    unmanaged: str | None = None,
 ) -> dict[str, Any]:
     """Build, plan, shard and report the units as every rank sees them.
 
     ``policy`` is planned; ``apply_policy`` (default: the same) is applied, so a negative
-    control can show a plan that does not describe what was applied.
+    control can show a plan that does not describe what was applied. ``unmanaged`` names a
+    parameter FSDP is told to leave alone (FSDP2 ``ignored_params``, FSDP1 ``ignored_states``):
+    the negative control that shows the units are read from torch's state, not from the plan.
+    FSDP2 ranks also report every parameter that is not a sharded DTensor managed by exactly
+    one param group (``management``).
     """
     check_fsdp_version(version)
     model = _build(spec, ctx)
+    ignored = _ignored_kwargs(model, version, unmanaged)
     blocks = spec.block_classes(model)
     min_params = spec.size_threshold(model)
     expected = expected_units(model, blocks, min_params)
@@ -271,8 +278,9 @@ def rank_units(
     numel = _unique_numel(model)
     shared = shared_parameter_groups(model)
     applied = policies.policy(apply_policy or policy, model, blocks, min_params)
-    sharded = _shard_named(model, ctx, version, applied)
+    sharded = _shard_named(model, ctx, version, applied, **ignored)
     actual = actual_units(sharded)
+    management = fsdp2_management_problems(sharded) if version == "fsdp2" else []
     strategies = {}
     if version == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -293,7 +301,21 @@ def rank_units(
         "param_shapes": shapes,
         "shared": shared,
         "strategies": strategies,
+        "management": management,
     }
+
+
+def _ignored_kwargs(model: nn.Module, version: str, fqn: str | None) -> dict[str, Any]:
+    """The FSDP keyword arguments that leave the parameter ``fqn`` out of every unit."""
+    if fqn is None:
+        return {}
+    names = dict(model.named_parameters())
+    if fqn not in names:
+        raise ValueError(f"unmanaged={fqn!r} is not a parameter of {type(model).__name__}; "
+                         f"choose one of {', '.join(list(names)[:8])}, ...")
+    if version == "fsdp1":
+        return {"ignored_states": [names[fqn]]}
+    return {"ignored_params": {names[fqn]}}
 
 
 def _units(value: Mapping[str, Any], key: str) -> list[UnitInfo]:
@@ -316,6 +338,27 @@ def _rank_disagreement(values: Sequence[Mapping[str, Any]], key: str) -> str | N
     return None
 
 
+def _management_problems(values: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Parameters outside every unit (names in no unit's parameters, a tied weight counted by
+    any of its names), and FSDP2's own findings (``fsdp2_management_problems``), per rank;
+    identical findings from several ranks told once."""
+    by_story: dict[str, list[int]] = {}
+    for v in values:
+        covered = {n for u in _units(v, "actual") for n in u.params}
+        tied = {n: set(g) for g in v.get("shared", []) for n in g}
+        for name in v.get("param_shapes", {}):
+            if name not in covered and not tied.get(name, set()) & covered:
+                by_story.setdefault(f"parameter {name} is in no unit ({v['version']} did not "
+                                    "take it)", []).append(v["rank"])
+        for line in v.get("management", []):
+            by_story.setdefault(line, []).append(v["rank"])
+    out = []
+    for story, ranks in by_story.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        out.append(f"{who}: {story}")
+    return out
+
+
 def verdict_units_exact(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every rank's actual units equal the claim's expected units."""
     by_story: dict[str, list[int]] = {}  # identical failures from several ranks told once
@@ -327,6 +370,10 @@ def verdict_units_exact(values: Sequence[Mapping[str, Any]], params: Mapping[str
                 f"{v['version']}, policy {params.get('policy')!r}", expected, actual, diffs)
             by_story.setdefault(story, []).append(v["rank"])
     failures = [f"ranks {', '.join(map(str, r))}: {story}" for story, r in by_story.items()]
+    managed = _management_problems(values)
+    if managed:
+        failures.append("parameters not managed as one sharded unit each:\n  "
+                        + "\n  ".join(managed))
     disagreement = _rank_disagreement(values, "actual")
     if disagreement:
         failures.append(disagreement)
@@ -347,10 +394,12 @@ def verdict_units_plan(
     values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
 ) -> Verdict:
     """The plan computed without a process group equals the actual units on every rank."""
+    managed = _management_problems(values)
     for v in values:
         plan, actual = _units(v, "plan"), _units(v, "actual")
         diffs = unit_differences(plan, actual, ("cls", "numel", "parent"))
-        if diffs:
+        if diffs or managed:
+            diffs += [f"! {line}" for line in managed]
             what = f"rank {v['rank']}: plan vs actual ({v['version']})"
             return Verdict(False, format_unit_mismatch(what, plan, actual, diffs),
                            {"units": len(actual)}, {"plan": v["plan"], "actual": v["actual"]})
@@ -422,6 +471,7 @@ def verdict_units_accounting(
     actual0 = _units(v0, "actual")
     total = sum(u.numel for u in actual0)
     problems += _unit_count_problems(values)
+    problems += _management_problems(values)
     shard_rows: list[tuple[int, str, int]] = []
     for v in values:
         for u in _units(v, "actual"):
