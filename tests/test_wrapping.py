@@ -170,7 +170,7 @@ def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) 
             verdict = verdict_train(ranks.run(rank_train, **params), params)
             assert not verdict.passed, f"{version} {fault}: {verdict.message}"
             assert "'s update differs from the reference's by" in verdict.message
-            assert verdict.figures["update_rel_diff"] > 0.5  # 1.0 measured for both (ws 2)
+            assert verdict.figures["update_rel_diff"] > 0.5  # measured 0.72 to 1.0 (ws 2)
 
 
 @pytest.mark.world_size(2)
