@@ -166,11 +166,13 @@ def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) 
     # and its parameter limit (2e-2) was above the 9e-4 that summed gradients moved a weight.
     for version in VERSIONS:
         for fault in ("summed_grads", "skipped_reduction"):
-            params = {"spec": SMALL, "version": version, "precision": "bf16", "fault": fault}
+            # One step shows a gradient error: the lane pays for four sharded models, not more.
+            params = {"spec": SMALL, "version": version, "precision": "bf16", "fault": fault,
+                      "steps": 1}
             verdict = verdict_train(ranks.run(rank_train, **params), params)
             assert not verdict.passed, f"{version} {fault}: {verdict.message}"
             assert "'s update differs from the reference's by" in verdict.message
-            assert verdict.figures["update_rel_diff"] > 0.5  # measured 0.72 to 1.0 (ws 2)
+            assert verdict.figures["update_rel_diff"] > 0.5  # 3 steps: 0.72 to 1.0 (ws 2)
 
 
 @pytest.mark.world_size(2)
