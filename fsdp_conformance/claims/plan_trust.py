@@ -3,7 +3,8 @@
 ``memory.plan_estimate_matches`` (:data:`CHECKS`) runs training steps on the rank pools through
 the memory checks' :func:`~fsdp_conformance.step.measure_step` and judges every rank's peak
 against :func:`fsdp_conformance.plan.estimate.plan_model`'s estimate for the same model, policy,
-world size, optimizer and batch (docs/planning.md, "Trust").
+world size, optimizer, compute dtype and batch (docs/planning.md, "Trust"). A claim module:
+the check runs in ``fsdp-conformance run`` with its per-case figures in the report.
 """
 
 from __future__ import annotations
