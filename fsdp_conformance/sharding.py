@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
@@ -87,6 +88,23 @@ def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:
 
         return {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}
     return {"reshard_after_forward": False}
+
+
+def param_dtype_kwargs(version: str, param_dtype: str | None) -> dict[str, Any]:
+    """Mixed precision as a user writes it with only the compute dtype named: FSDP1
+    ``MixedPrecision(param_dtype=...)``, FSDP2 ``MixedPrecisionPolicy(param_dtype=...)``, every
+    other field left to torch (reduce dtype, buffers, input casts). ``None``: no policy."""
+    if param_dtype is None:
+        return {}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if param_dtype not in dtypes:
+        raise ValueError(f"param_dtype {param_dtype!r} is not one of {', '.join(dtypes)}")
+    if check_fsdp_version(version) == "fsdp1":
+        from torch.distributed.fsdp import MixedPrecision
+
+        return {"mixed_precision": MixedPrecision(param_dtype=dtypes[param_dtype])}
+    mp = _compat.mixed_precision_policy_cls()
+    return {"mp_policy": mp(param_dtype=dtypes[param_dtype])}
 
 
 def shard(

@@ -186,17 +186,24 @@ def _zero_grad(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
 def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", *,
                  optimizer: str | None = None, batch_size: int = 2, meter: str = "auto",
                  also: str | None = None, timeline: bool = True,
-                 track_construction: bool = True) -> dict[str, Any]:
+                 track_construction: bool = True,
+                 param_dtype: str | None = None) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
     upgrade moved the tracker and the allocator setting allows it), "tracker", "os", "cuda", or
     "none" (time the step only). ``also``: a second meter read around the same step (the
     cross-check). ``track_construction=False`` enters ``MemTracker`` only for the step, so it
-    misses FSDP1's gather buffers: the meter check's negative control.
+    misses FSDP1's gather buffers: the meter check's negative control. ``param_dtype``: mixed
+    precision with only that dtype named (:func:`~fsdp_conformance.sharding.param_dtype_kwargs`).
     """
 
-    from fsdp_conformance.sharding import check_fsdp_version, reshard_kwargs, shard
+    from fsdp_conformance.sharding import (
+        check_fsdp_version,
+        param_dtype_kwargs,
+        reshard_kwargs,
+        shard,
+    )
     from fsdp_conformance.units import actual_units
 
     check_fsdp_version(version)
@@ -220,7 +227,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         model = spec.build(ctx.device)
         policy = policies.policy_for(wrap.policy, model, spec)
         sharded = shard(model, ctx, version, policy,
-                        **reshard_kwargs(version, wrap.reshard_after_forward))
+                        **reshard_kwargs(version, wrap.reshard_after_forward),
+                        **param_dtype_kwargs(version, param_dtype))
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device)
         # FSDPMemTracker wraps the sharded model, so it cannot be entered for construction;

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 import fsdp_conformance
-from fsdp_conformance.claims import all_checks, init, plan_trust
+from fsdp_conformance.claims import all_checks, init
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
 
-EVERY_CHECK = all_checks() + list(init.SEEDS_CHECKS) + list(plan_trust.CHECKS)
+EVERY_CHECK = all_checks() + list(init.SEEDS_CHECKS)
 CLAIMS = Path(fsdp_conformance.__file__).parent / "claims"
 
 

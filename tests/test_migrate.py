@@ -36,9 +36,14 @@ def old() -> dict[str, Any]:
     return load_report(str(GOLDEN))
 
 
+#: Checks added to ``run`` after the golden report was made: not in its layout.
+ADDED_SINCE = {"memory.plan_estimate_matches"}  # issue 13: the planner in the gate
+
+
 def new_layout(old: Mapping[str, Any]) -> dict[str, Any]:
     """Today's checks, in the suite's order, each with the old run's outcome at that position."""
-    selected = suite.select_checks(all_checks(), None)
+    selected = [(c, p) for c, p in suite.select_checks(all_checks(), None)
+                if c.name not in ADDED_SINCE]
     assert len(selected) == len(old["checks"]), "the golden report is not a full cpu run"
     entries = []
     for (check, params), was in zip(selected, old["checks"]):

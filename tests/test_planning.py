@@ -7,6 +7,7 @@ through the CLI in a subprocess. The trust test measures real steps on the rank 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ from torch_probe import probe
 
 from fsdp_conformance import cli
 from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
+from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.plan_trust import (
     CHECKS,
     TRUST_MAX_RATIO,
@@ -29,6 +31,7 @@ from fsdp_conformance.claims.plan_trust import (
     rank_plan_estimate_matches,
     verdict_plan_estimate_matches,
 )
+from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import (
@@ -363,6 +366,43 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
     assert not broken.passed
     assert f"{len(DROPPED_TERMS) * world_size} outside" in broken.message
     assert f"rank {world_size - 1}: measured" in broken.message  # every rank judged
+
+
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+def test_run_judges_the_planner_in_fp32_and_bf16_and_a_peak_above_the_estimate_fails(
+    ranks: Ranks,
+) -> None:
+    # Before issue 13 `run` had no planner check (plan_trust was not a claim module) and the
+    # trust cases were fp32 only.
+    selected = [(c, p) for c, p in suite.select_checks(all_checks(), None)
+                if c.name == "memory.plan_estimate_matches"]
+    assert [p["version"] for _, p in selected] == ["fsdp1", "fsdp2"]
+    for check, params in selected:
+        values = ranks.run(check.rank_fn, **params)
+        verdict = check.verdict(values, params)
+        assert verdict.passed, verdict.message
+        f = verdict.figures
+        dtypes = [label.rsplit(" ", 1)[1] for label in f["case_labels"]]
+        assert dtypes.count("fp32") >= 2 and dtypes.count("bf16") == 1
+        assert len(f["estimate_bytes"]) == len(f["peak_bytes"]) == len(f["ratios"]) == f["cases"]
+        for est, peak, ratio, low in zip(f["estimate_bytes"], f["peak_bytes"], f["ratios"],
+                                         f["min_allowed_ratios"]):
+            assert ratio == round(peak / est, 3) and low <= ratio <= f["max_allowed_ratio"]
+        bf16 = dtypes.index("bf16")
+        assert f["estimate_bytes"][bf16] < f["estimate_bytes"][0]  # the bf16 terms are smaller
+        assert "opt=none bf16: estimate" in verdict.message
+        # Negative control: the bf16 case measured as a step that gathered everything at once
+        # (the monolithic case's peaks) exceeds its estimate on every rank.
+        mono = next(i for i, c in enumerate(default_cases(params["spec"], params["version"]))
+                    if c["policy"] == "monolithic")
+        bad = copy.deepcopy(values)
+        for v in bad:
+            v["peaks"][bf16] = v["peaks"][mono]
+        broken = check.verdict(bad, params)
+        assert not broken.passed
+        assert f"{len(values)} outside" in broken.message and "bf16: rank 1" in broken.message
+        assert "ABOVE 1.10 x the estimate: the estimate misses" in broken.message
 
 
 def test_comparison_flags_a_reduced_bound_above_and_an_inflated_one_below() -> None:

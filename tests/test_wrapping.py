@@ -10,6 +10,7 @@ import pytest
 
 from fsdp_conformance.claims.wrap import (
     BF16_LOSS_RTOL,
+    BF16_UPDATE_RTOL,
     FP32_ATOL,
     rank_mixed,
     rank_prefetch,
@@ -219,10 +220,26 @@ def test_training_steps_match_single_process_reference(ranks: Ranks) -> None:
             assert verdict.passed, verdict.message
             if precision == "fp32":
                 assert verdict.figures["max_param_diff"] <= FP32_ATOL
-            else:
-                assert 0 < verdict.figures["loss_rel_diff"] <= BF16_LOSS_RTOL  # really bf16
+            else:  # the reference computes as FSDP does: what is left is bf16 rounding
+                assert verdict.figures["loss_rel_diff"] <= BF16_LOSS_RTOL
+                assert verdict.figures["update_rel_diff"] <= BF16_UPDATE_RTOL
                 dtypes = {w for v in values for _, w in v["compute_dtypes"].values()}
                 assert dtypes == {"torch.bfloat16"}
+
+
+@pytest.mark.world_size(2)
+def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) -> None:
+    # Before the mixed-precision reference both passed: the bf16 verdict had no update limit
+    # and its parameter limit (2e-2) was above the 9e-4 that summed gradients moved a weight.
+    for version in VERSIONS:
+        for fault in ("summed_grads", "skipped_reduction"):
+            # One step shows a gradient error: the lane pays for four sharded models, not more.
+            params = {"spec": SMALL, "version": version, "precision": "bf16", "fault": fault,
+                      "steps": 1}
+            verdict = verdict_train(ranks.run(rank_train, **params), params)
+            assert not verdict.passed, f"{version} {fault}: {verdict.message}"
+            assert "'s update differs from the reference's by" in verdict.message
+            assert verdict.figures["update_rel_diff"] > 0.5  # 3 steps: 0.72 to 1.0 (ws 2)
 
 
 @pytest.mark.world_size(2)

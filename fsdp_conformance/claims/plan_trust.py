@@ -3,7 +3,8 @@
 ``memory.plan_estimate_matches`` (:data:`CHECKS`) runs training steps on the rank pools through
 the memory checks' :func:`~fsdp_conformance.step.measure_step` and judges every rank's peak
 against :func:`fsdp_conformance.plan.estimate.plan_model`'s estimate for the same model, policy,
-world size, optimizer and batch (docs/planning.md, "Trust").
+world size, optimizer, compute dtype and batch (docs/planning.md, "Trust"). A claim module:
+the check runs in ``fsdp-conformance run`` with its per-case figures in the report.
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=4, d
 
 
 def default_cases(spec: ModelSpec, version: str) -> list[dict[str, Any]]:
-    """Per-layer with and without AdamW; monolithic too on reference models (it fits there)."""
+    """Per-layer with and without AdamW, fp32; per-layer in bf16 mixed precision (only
+    ``param_dtype`` named, as a user writes it); monolithic too on reference models (it fits
+    there)."""
     cases = [{"spec": spec, "version": version, "policy": "recommended", "optimizer": "none"},
-             {"spec": spec, "version": version, "policy": "recommended", "optimizer": "adamw"}]
+             {"spec": spec, "version": version, "policy": "recommended", "optimizer": "adamw"},
+             {"spec": spec, "version": version, "policy": "recommended", "optimizer": "none",
+              "compute_dtype": "bf16"}]
     if spec.reference is not None:
         cases.append({"spec": spec, "version": version, "policy": "monolithic",
                       "optimizer": "none"})
@@ -61,15 +66,25 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
         opt = case.get("optimizer", "none")
         m = measure_step(ctx, case["spec"], case["version"], measured[policy],
                          optimizer=None if opt == "none" else opt,
-                         batch_size=case.get("batch_size", batch_size), timeline=False)
+                         batch_size=case.get("batch_size", batch_size), timeline=False,
+                         param_dtype=_mixed_param_dtype(case))
         peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})
     return {"rank": ctx.rank, "peaks": peaks}
 
 
+def _mixed_param_dtype(case: Mapping[str, Any]) -> str | None:
+    """The ``param_dtype`` of the case's mixed precision; None for plain fp32 (no policy)."""
+    compute = case.get("compute_dtype", "fp32")
+    return None if compute == "fp32" else compute
+
+
 def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings:
-    """The plan settings of what measure_step runs: fp32 throughout, its batch, seq 8."""
+    """The plan settings of what measure_step runs: fp32 sharded state, the case's compute
+    dtype (fp32 by default; bf16: mixed precision with only ``param_dtype`` named), its batch,
+    seq 8."""
     return PlanSettings(policy=case["policy"], version=case["version"], param_dtype="fp32",
-                        compute_dtype="fp32", optimizer=case.get("optimizer", "none"),
+                        compute_dtype=case.get("compute_dtype", "fp32"),
+                        optimizer=case.get("optimizer", "none"),
                         batch_size=case.get("batch_size", batch_size), seq_len=MEASURED_SEQ_LEN,
                         attention="flash")
 
@@ -111,7 +126,7 @@ def _case_label(case: Mapping[str, Any]) -> str:
     cfg = spec.config
     shape = f" {cfg.num_layers}L d{cfg.dim}" if isinstance(cfg, (ModelConfig, LlamaConfig)) else ""
     return (f"{spec.name}{shape} {case['version']} {case['policy']} "
-            f"opt={case.get('optimizer', 'none')}: ")
+            f"opt={case.get('optimizer', 'none')} {case.get('compute_dtype', 'fp32')}: ")
 
 
 def verdict_plan_estimate_matches(
@@ -136,15 +151,29 @@ def verdict_plan_estimate_matches(
         ratios.append(round(max(peaks.values()) / bound.total, 3))
         rows.append({"case": _case_label(case).rstrip(": "), "estimate": bound.total,
                      "peaks": peaks, "terms": bound.to_dict()["terms"]})
+    # Per case, in case order: what the report keeps and compare reads (the byte lists as
+    # memory, the ratios as measurements the verdict judged, the labels and limits exactly).
     figures = {"cases": len(cases), "min_ratio": min(ratios), "max_ratio": max(ratios),
-               "source": values[0]["peaks"][0]["source"]}
+               "source": values[0]["peaks"][0]["source"],
+               "case_labels": [r["case"] for r in rows],
+               "estimate_bytes": [r["estimate"] for r in rows],
+               "peak_bytes": [max(r["peaks"].values()) for r in rows],
+               "ratios": ratios,
+               "min_allowed_ratios": [TRUST_MIN_RATIO[c["policy"]] for c in cases],
+               "max_allowed_ratio": TRUST_MAX_RATIO}
     head = (f"planning estimate vs measured peak ({values[0]['peaks'][0]['source']}), "
             f"{len(cases)} case(s) x {world_size} ranks; allowed ratio peak/estimate: "
             f"{', '.join(f'{p} {r:.2f}' for p, r in TRUST_MIN_RATIO.items())} to "
-            f"{TRUST_MAX_RATIO:.2f}")
+            f"{TRUST_MAX_RATIO:.2f} (above: the estimate misses a term, beyond the memory "
+            "checks' tolerance; below: it counts what is not there, beyond the loosest ratio "
+            "measured for the policy)")
     if all_ok:
+        per_case = "; ".join(
+            f"{r['case']}: estimate {format_bytes(r['estimate'], 'decimal')}, measured "
+            f"{format_bytes(max(r['peaks'].values()), 'decimal')}, ratio {q:.3f}"
+            for r, q in zip(rows, ratios))
         return Verdict(True, f"{head}: all within (ratios {min(ratios):.3f} to "
-                       f"{max(ratios):.3f})", figures, {"rows": rows})
+                       f"{max(ratios):.3f}): {per_case}", figures, {"rows": rows})
     bad = [ln for ln in lines if not ln.endswith(": ok")]
     return Verdict(False, f"{head}: {len(bad)} outside:\n" + "\n".join(bad)
                    + "\nall cases:\n" + "\n".join(lines), figures, {"rows": rows})

@@ -16,7 +16,8 @@ devices of this size does it need?" before anyone books GPUs:
   local shard on rank 0 and comparing it with the analytic ``ceil(dim0 / W)`` padding.
 * **Trust** (:data:`fsdp_conformance.claims.plan_trust.CHECKS`): the estimate against measured
   peaks of real training steps at small scale (the memory checks'
-  :func:`~fsdp_conformance.step.measure_step`), on every rank.
+  :func:`~fsdp_conformance.step.measure_step`), on every rank, fp32 and bf16; part of
+  ``fsdp-conformance run`` (``memory.plan_estimate_matches``).
 
 Modules, each importing only those before it: :mod:`.model` (settings, the model on meta,
 :class:`~.model.PlanError`), :mod:`.estimate` (units, activations, the bound per world size,
