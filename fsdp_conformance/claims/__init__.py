@@ -16,6 +16,7 @@ CLAIM_MODULES = (
     "fsdp_conformance.claims.wrap",
     "fsdp_conformance.claims.init",
     "fsdp_conformance.claims.memory",
+    "fsdp_conformance.claims.defaults",
 )
 
 
