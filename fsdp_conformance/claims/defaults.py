@@ -80,7 +80,8 @@ class TinyModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = torch.relu(layer(x))
-        return self.norm(x)
+        out: torch.Tensor = self.norm(x)
+        return out
 
 
 def _tiny(ctx: RankContext) -> TinyModel:
@@ -318,9 +319,8 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     def after_forward() -> None:
         # A unit is unsharded while its registered parameters are plain tensors, not DTensors.
         for unit in (*LAYERS, ROOT):
-            module = model.get_submodule(unit)
-            own = module.norm.parameters() if unit == ROOT else module.parameters()
-            if not all(isinstance(p, dtensor) for p in own):
+            module = model.get_submodule("norm" if unit == ROOT else unit)
+            if not all(isinstance(p, dtensor) for p in module.parameters()):
                 unsharded.append(unit)
 
     plain = _step(model, ctx, "fsdp2", after_forward=after_forward)
@@ -330,7 +330,8 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
         {r["unit"] for r in records if r["op"] == "all_gather" and r["phase"] == "backward"})
     figures.update(_dtype_figures("defaults", plain, "all_gather_dtype", "reduce_scatter_dtype"))
     figures["defaults.shards_on_compute_device"] = all(
-        p.to_local().device.type == ctx.device_type for p in model.parameters())
+        p.to_local().device.type == ctx.device_type  # type: ignore[attr-defined]
+        for p in model.parameters())
     cases = {"defaults": records}
     # output_dtype on the root only, as a user writes it: on every unit it would feed bf16
     # activations into the next unit's fp32 parameters (no param_dtype, so no input cast).
@@ -387,13 +388,15 @@ def verdict_fingerprint(values: Sequence[Mapping[str, Any]],
             problems.append(f"{key}: expected {want!r} (torch 2.13, the option omitted), "
                             f"observed {got!r}")
     figures = dict(observed)
-    figures["collectives"] = sum(len(c) for c in first["collectives"].values())
+    figures["collectives_recorded"] = sum(len(c) for c in first["collectives"].values())
     data = {"collectives": first["collectives"], "expected": expected}
     if problems:
-        return Verdict(False, f"{version} defaults differ from the pinned torch's:\n  "
-                       + "\n  ".join(problems), figures, data)
+        # the first line names what moved: compare shows only that line
+        moved = [p.split(":", 1)[0] for p in problems]
+        return Verdict(False, f"{version} defaults differ from the pinned torch's: "
+                       f"{', '.join(moved)}\n  " + "\n  ".join(problems), figures, data)
     return Verdict(True, f"{len(expected)} default behaviours as expected; "
-                   f"{figures['collectives']} collectives recorded", figures, data)
+                   f"{figures['collectives_recorded']} collectives recorded", figures, data)
 
 
 #: One check per FSDP version: every observable of its defaults from one rank call.
