@@ -36,7 +36,9 @@ ROOT = ""
 BF16, FP32 = str(torch.bfloat16), str(torch.float32)
 
 #: What torch 2.13 does with each option omitted (measured on CPU/gloo at world sizes 2 and 4).
-#: Keys are the check's figures: ``<case>.<observable>``.
+#: Keys are the check's figures: ``<case>.<observable>``. Torch 2.15 differs in one: FSDP2's
+#: ``param_dtype_only.reduce_scatter_dtype`` is fp32 there (``reduce_dtype=None`` follows the
+#: gradient's dtype since 2.15; docs/defaults.md).
 EXPECTED: dict[str, dict[str, Any]] = {
     "fsdp1": {
         "defaults.sharding": "FULL_SHARD",
