@@ -65,6 +65,8 @@ def test_fingerprint_matches_torch_and_a_changed_default_is_a_regression(ranks: 
         "observed ['layers.0', 'layers.1', 'layers.2', '']",
         "  defaults.regathered_in_backward: expected ['layers.0', 'layers.1', 'layers.2'] "
         "(torch 2.13, the option omitted), observed []",
+        "  defaults.backward_prefetch: expected 'prefetched' (torch 2.13, the option omitted), "
+        "observed 'nothing to observe'",
         "  param_dtype_only.reduce_scatter_dtype: expected 'torch.bfloat16' (torch 2.13, the "
         "option omitted), observed 'torch.float32'",
     ]
@@ -73,7 +75,6 @@ def test_fingerprint_matches_torch_and_a_changed_default_is_a_regression(ranks: 
     for d in diffs:
         version = d.check_id.rsplit(",", 1)[-1].rstrip("]")
         found.setdefault((version, d.kind, d.regression), []).append(d.text)
-    print("\n".join(f"{k}: {t}" for k, ts in sorted(found.items()) for t in ts))
     for version in ("fsdp1", "fsdp2"):
         [outcome] = found[(version, "outcome", True)]
         assert outcome.startswith("passed -> failed: ")

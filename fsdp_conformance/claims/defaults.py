@@ -55,6 +55,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "fsdp2": {
         "defaults.unsharded_after_forward": [ROOT],
         "defaults.regathered_in_backward": list(LAYERS),
+        "defaults.backward_prefetch": "prefetched",
         "defaults.all_gather_dtype": FP32,
         "defaults.reduce_scatter_dtype": FP32,
         "defaults.shards_on_compute_device": True,
@@ -330,6 +331,7 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     figures["defaults.unsharded_after_forward"] = unsharded
     figures["defaults.regathered_in_backward"] = sorted(
         {r["unit"] for r in records if r["op"] == "all_gather" and r["phase"] == "backward"})
+    figures["defaults.backward_prefetch"] = observe_backward_prefetch(records)
     figures.update(_dtype_figures("defaults", plain, "all_gather_dtype", "reduce_scatter_dtype"))
     figures["defaults.shards_on_compute_device"] = all(
         p.to_local().device.type == ctx.device_type  # type: ignore[attr-defined]
