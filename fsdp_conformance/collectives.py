@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.units import clean_fqn
 
 #: The collective kinds recorded, by the words in their ``c10d`` op names.
 KINDS = (("reduce_scatter", "reduce_scatter"), ("allgather", "all_gather"),
@@ -139,9 +140,10 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
             flat = _compat.fsdp1_flat_param(module)
             if flat is None:
                 continue
-            fqn = _clean(name)
+            fqn = clean_fqn(name)
             unpadded = _compat.fsdp1_unsharded_numel(flat)
-            out[fqn] = sorted({unpadded, flat.numel() * world_size, flat.numel()})
+            # NO_SHARD all-reduces the unpadded flat parameter; the sharded strategies pad it
+            out[fqn] = sorted({unpadded, flat.numel() * world_size})
         return out
     fsdp_cls = _compat.fsdp_module_cls()
     dtensor = _compat.dtensor_cls()
@@ -160,18 +162,3 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
             padded = unpadded
         out[name] = sorted({unpadded, padded})
     return out
-
-
-def _clean(name: str) -> str:
-    from fsdp_conformance.units import clean_fqn
-
-    return clean_fqn(name)
-
-
-def summary(records: Sequence[Mapping[str, Any]]) -> str:
-    """One short line per phase: ``forward: all_gather 0 bf16 288B, ...``."""
-    parts = []
-    for r in records:
-        parts.append(f"{r['phase'] or '-'}:{r['op']}({r['unit']},{r['in_dtype']}->"
-                     f"{r['out_dtype']},{r['in_bytes']}B->{r['out_bytes']}B)")
-    return " ".join(parts)
