@@ -79,6 +79,15 @@ def fsdp1_sharding_strategy(unit: nn.Module) -> str:
     return getattr(strategy, "name", str(strategy))
 
 
+def fsdp1_limit_all_gathers(model: nn.Module) -> bool | None:
+    """The ``limit_all_gathers`` torch resolved for an FSDP1 unit (its undocumented state
+    attribute ``limit_all_gathers``), or None when an upgrade renamed it. The limiter throttles
+    CUDA streams: nothing to observe on CPU, so the defaults fingerprint reads what torch
+    resolved."""
+    value = getattr(model, "limit_all_gathers", getattr(model, "_limit_all_gathers", None))
+    return None if value is None else bool(value)
+
+
 # -- FSDP2 --------------------------------------------------------------------------------------
 
 

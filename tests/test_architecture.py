@@ -38,6 +38,7 @@ LAYERS: dict[str, str] = {
     "meters": "blocks",
     "timeline": "blocks",
     "step": "blocks",
+    "collectives": "blocks",
     "user_model": "blocks",
     "hf": "blocks",
     "hf_models": "blocks",
@@ -90,7 +91,7 @@ NEVER: dict[str, dict[str, str]] = {
 FOLDERS: dict[str, set[str]] = {
     "harness": {"protocol", "outcomes", "pool", "forkserver", "launcher", "ranks", "worker",
                 "clean_state", "interrupts"},
-    "claims": {"check", "wrap", "init", "memory", "plan_trust"},
+    "claims": {"check", "wrap", "init", "memory", "plan_trust", "defaults"},
     "plan": {"model", "estimate", "verify", "report"},
     "gate": {"suite", "report", "compare", "plots"},
 }

@@ -16,7 +16,8 @@ def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
     assert claims.CLAIM_MODULES == ("fsdp_conformance.claims.wrap",
                                     "fsdp_conformance.claims.init",
                                     "fsdp_conformance.claims.memory",
-                                    "fsdp_conformance.claims.plan_trust")
+                                    "fsdp_conformance.claims.plan_trust",
+                                    "fsdp_conformance.claims.defaults")
     expected: list[Check] = []
     for name in claims.CLAIM_MODULES:
         module_checks = importlib.import_module(name).CHECKS
@@ -24,4 +25,4 @@ def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
         expected.extend(module_checks)
     assert claims.all_checks() == expected
     prefixes = [c.name.split(".")[0] for c in claims.all_checks()]
-    assert prefixes == sorted(prefixes, key=["wrap", "init", "memory"].index)
+    assert prefixes == sorted(prefixes, key=["wrap", "init", "memory", "defaults"].index)

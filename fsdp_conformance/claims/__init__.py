@@ -18,6 +18,7 @@ CLAIM_MODULES = (
     "fsdp_conformance.claims.memory",
     # The planner's estimate against measured peaks: named memory.*, reported after memory.
     "fsdp_conformance.claims.plan_trust",
+    "fsdp_conformance.claims.defaults",
 )
 
 

@@ -6,7 +6,9 @@ absolute floor); keys ending in ``_dtype``/``_dtypes`` are dtypes (any change is
 ``units`` is a unit count; floats are measurements compare leaves to the checks; any other
 changed figure (an init ``digest``, a count) is reported as a change. ``data["units"]``, else
 ``data["actual"]``, else ``data["plan"]``, is the check's unit list (structure changes are
-regressions).
+regressions). ``data["collectives"]`` is the check's recorded collectives (a changed dtype or
+byte count, or a collective issued or no longer issued, is a regression; the same collectives in
+another order a difference).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from typing import Any
 
 from fsdp_conformance._files import PlainData
 from fsdp_conformance.gate.migrate import migrate_report
-from fsdp_conformance.gate.report import DEPRECATION_CATEGORIES, UNIT_DATA_KEYS, first_line
+from fsdp_conformance.gate.report import (
+    DEPRECATION_CATEGORIES,
+    UNIT_DATA_KEYS,
+    collective_steps,
+    first_line,
+)
 from fsdp_conformance.sizes import MiB
 
 #: compare's default relative tolerance on memory figures.
@@ -43,8 +50,8 @@ class Difference(PlainData):
     """One difference between two reports."""
 
     check_id: str
-    #: outcome | missing | added | units | memory | dtype | warning | deprecation | figure |
-    #: settings
+    #: outcome | missing | added | units | memory | dtype | collectives | order | warning |
+    #: deprecation | figure | settings
     kind: str
     regression: bool
     text: str
@@ -63,8 +70,10 @@ def compare_reports(
     Regressions: a worse outcome (passed -> skipped/failed/error, skipped -> failed/error), a
     check missing from ``new``, a changed unit structure or unit count, a memory figure up by
     more than ``memory_tolerance`` (relative) and ``memory_floor_bytes`` (absolute), a changed
-    dtype figure. Reported but not regressions: better outcomes, added checks, memory down,
-    other changed figures, new warnings and deprecations, different settings.
+    dtype figure, a recorded collective with another dtype or byte count, or issued in one
+    report only. Reported but not regressions: better outcomes, added checks, memory down,
+    other changed figures, the same collectives in another order, new warnings and
+    deprecations, different settings.
     """
     old_checks = {e["id"]: e for e in migrate_report(old)["checks"]}
     new_checks = {e["id"]: e for e in migrate_report(new)["checks"]}
@@ -152,7 +161,93 @@ def _compare_entry(
             continue  # measured floats (losses, ratios) move run to run; their checks judge them
         else:
             diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
-    return diffs + _new_warnings(cid, old, new)
+    return diffs + _collective_changes(cid, old, new) + _new_warnings(cid, old, new)
+
+
+#: Changed items listed in one difference line before "(+N more)".
+_SHOWN = 4
+
+
+def _items(parts: Sequence[str]) -> str:
+    more = f"; (+{len(parts) - _SHOWN} more)" if len(parts) > _SHOWN else ""
+    return "; ".join(parts[:_SHOWN]) + more
+
+
+def _collective_key(r: Mapping[str, Any]) -> tuple[str, str, str]:
+    return (str(r.get("op")), str(r.get("unit")), str(r.get("phase")))
+
+
+def _collective_name(key: tuple[str, str, str], k: int) -> str:
+    op, unit, phase = key
+    return f"{phase + ' ' if phase else ''}{op} {unit or '(root)'}" + (f" #{k + 1}" if k else "")
+
+
+def _collective_changes(
+    cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
+) -> list[Difference]:
+    """Recorded collectives, step by step: the k-th (op, unit, phase) of one report is matched
+    with the k-th of the other; dtypes and bytes are compared pair by pair."""
+    a, b = collective_steps(old), collective_steps(new)
+    if a is None or b is None:
+        return []
+    diffs = []
+    for step in sorted(a.keys() | b.keys()):
+        label = f"{step}: " if step else ""
+        if step not in b:
+            diffs.append(Difference(
+                cid, "collectives", True,
+                f"{label}no collectives recorded any more (was {len(a[step])})"))
+            continue
+        if step not in a:
+            diffs.append(Difference(cid, "collectives", False,
+                                    f"{label}newly recorded ({len(b[step])} collectives)"))
+            continue
+        diffs += _step_changes(cid, label, a[step], b[step])
+    return diffs
+
+
+def _numbered(records: Sequence[Mapping[str, Any]]) -> list[tuple[tuple[str, str, str], int]]:
+    seen: dict[tuple[str, str, str], int] = {}
+    out = []
+    for r in records:
+        key = _collective_key(r)
+        out.append((key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return out
+
+
+def _step_changes(cid: str, label: str, old: Sequence[Mapping[str, Any]],
+                  new: Sequence[Mapping[str, Any]]) -> list[Difference]:
+    old_ids, new_ids = _numbered(old), _numbered(new)
+    by_old = dict(zip(old_ids, old))
+    by_new = dict(zip(new_ids, new))
+    dtypes, sizes = [], []
+    for ident in old_ids:
+        if ident not in by_new:
+            continue
+        x, y, name = by_old[ident], by_new[ident], _collective_name(*ident)
+        for side in ("in", "out"):
+            if x.get(f"{side}_dtype") != y.get(f"{side}_dtype"):
+                dtypes.append(f"{name} {side}_dtype {x.get(f'{side}_dtype')} -> "
+                              f"{y.get(f'{side}_dtype')}")
+            if x.get(f"{side}_bytes") != y.get(f"{side}_bytes"):
+                sizes.append(f"{name} {side}_bytes {x.get(f'{side}_bytes')} -> "
+                             f"{y.get(f'{side}_bytes')}")
+    gone = [f"- {_collective_name(*i)}" for i in old_ids if i not in by_new]
+    came = [f"+ {_collective_name(*i)}" for i in new_ids if i not in by_old]
+    diffs = []
+    if dtypes:
+        diffs.append(Difference(cid, "dtype", True, f"{label}collective dtype: {_items(dtypes)}"))
+    if sizes:
+        diffs.append(Difference(cid, "collectives", True,
+                                f"{label}collective bytes: {_items(sizes)}"))
+    if gone or came:
+        diffs.append(Difference(cid, "collectives", True,
+                                f"{label}collectives issued: {_items(gone + came)}"))
+    elif old_ids != new_ids:
+        order = ", ".join(_collective_name(*i) for i in new_ids)
+        diffs.append(Difference(cid, "order", False, f"{label}collective order now: {order}"))
+    return diffs
 
 
 def _new_warnings(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:

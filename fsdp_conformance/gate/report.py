@@ -293,6 +293,21 @@ _CHECK_FIELDS = {"id": "name", "check": "name", "claim": "name", "lane": "lane",
 UNIT_DATA_KEYS = ("units", "actual", "plan")
 _UNIT_FIELDS = {"fqn": "string", "cls": "string", "numel": "count", "local_numel": "count|null",
                 "parent": "string|null", "params": "strings"}
+#: ``data`` key of a check's recorded collectives: ``{step: [record, ...]}`` (or one list).
+COLLECTIVES_DATA_KEY = "collectives"
+_COLLECTIVE_FIELDS = {"op": "name", "unit": "string", "phase": "string",
+                      "in_dtype": "string|null", "out_dtype": "string|null",
+                      "in_bytes": "count", "out_bytes": "count"}
+
+
+def collective_steps(entry: Mapping[str, Any]) -> dict[str, list[Any]] | None:
+    """A check entry's recorded collectives by step, or None when it recorded none."""
+    value = (entry.get("data") or {}).get(COLLECTIVES_DATA_KEY)
+    if isinstance(value, list):
+        return {"": value}
+    if isinstance(value, dict) and all(isinstance(v, list) for v in value.values()):
+        return dict(value)
+    return None
 
 
 def _field(obj: Mapping[str, Any], key: str, where: str, kind: str) -> Any:
@@ -363,6 +378,22 @@ def _validate_entry(entry: Mapping[str, Any], where: str) -> None:
             for j, u in enumerate(units):
                 _fields(u, _UNIT_FIELDS, f"{where}.data.{key}[{j}].")
             break
+    if COLLECTIVES_DATA_KEY in entry["data"]:
+        _validate_collectives(entry, f"{where}.data.{COLLECTIVES_DATA_KEY}")
+
+
+def _validate_collectives(entry: Mapping[str, Any], path: str) -> None:
+    # what compare reads as the collectives: every record's fields must be there, typed
+    steps = collective_steps(entry)
+    if steps is None:
+        raise _Damage(path, "an object of lists of collective records (or one list)",
+                      _found(entry["data"][COLLECTIVES_DATA_KEY]))
+    for step, records in steps.items():
+        at = f"{path}.{step}" if step else path
+        for j, r in enumerate(records):
+            if not isinstance(r, dict):
+                raise _Damage(f"{at}[{j}]", "an object (a collective record)", _found(r))
+            _fields(r, _COLLECTIVE_FIELDS, f"{at}[{j}].")
 
 
 # --------------------------------------------------------------------------------------------

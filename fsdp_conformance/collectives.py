@@ -1,0 +1,164 @@
+"""The collectives FSDP issues during a step, as it issued them: op, dtypes, bytes, unit, order.
+
+Observed below FSDP and below ``torch.distributed``'s Python functions: a dispatch mode sees
+every ``c10d`` op the process group runs (``c10d::_allgather_base_``, ``allgather_``,
+``_reduce_scatter_base_``, ``allreduce_``, ``broadcast_``, their coalesced forms), whichever
+FSDP version, Python wrapper or backend issued it. What a record holds is read from the op's
+tensors, never from FSDP's configuration: a changed default (a reduce dtype, a prefetch order, a
+sharding strategy) shows up as a changed record.
+
+The unit a collective serves is found by **size**: the collective's full side (an all-gather's
+output, a reduce-scatter's input, an all-reduce's or broadcast's tensor) is matched against each
+unit's parameter numel, unpadded and padded to a multiple of the world size the way each FSDP
+version pads (FSDP1 pads its flat parameter, FSDP2 each parameter's first dimension). Hooks are
+not used: a prefetched all-gather runs inside another unit's forward or backward, so "the unit
+running now" is not the unit served. Units of equal size cannot be told apart by size; their
+records name every candidate, ``a|b`` (the fingerprint models give every unit its own size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.units import clean_fqn
+
+#: The collective kinds recorded, by the words in their ``c10d`` op names.
+KINDS = (("reduce_scatter", "reduce_scatter"), ("allgather", "all_gather"),
+         ("allreduce", "all_reduce"), ("broadcast", "broadcast"))
+#: The fields of one record (plain data; the report stores the list as it is).
+FIELDS = ("op", "unit", "phase", "in_dtype", "out_dtype", "in_bytes", "out_bytes")
+#: The unit of a collective whose size matches no unit.
+UNKNOWN_UNIT = "?"
+
+
+def _kind(op_name: str) -> str | None:
+    for word, kind in KINDS:
+        if word in op_name:
+            return kind
+    return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in _compat.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _side(tensors: Sequence[torch.Tensor]) -> tuple[str | None, int, int]:
+    """(dtype, bytes, numel) of one side of a collective (several tensors: summed)."""
+    if not tensors:
+        return None, 0, 0
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    return ("|".join(dtypes), sum(t.numel() * t.element_size() for t in tensors),
+            sum(t.numel() for t in tensors))
+
+
+class CollectiveRecorder:
+    """Appends one record per collective to :attr:`records`; set :attr:`phase` as the step goes.
+
+    ``unit_sizes`` maps each unit's FQN to the numels its collectives can have
+    (:func:`unit_sizes`); ``phase`` is the caller's label for where the step is (``forward``,
+    ``backward``, ``optimizer``).
+    """
+
+    def __init__(self, unit_sizes: Mapping[str, Sequence[int]] | None = None) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.phase = ""
+        self._by_size: dict[int, list[str]] = {}
+        for fqn, sizes in (unit_sizes or {}).items():
+            for size in set(sizes):
+                self._by_size.setdefault(size, []).append(fqn)
+
+    def unit_of(self, numel: int) -> str:
+        units = self._by_size.get(numel)
+        return "|".join(units) if units else UNKNOWN_UNIT  # the root's FQN is ""
+
+    def add(self, op_name: str, args: Sequence[Any]) -> None:
+        kind = _kind(op_name)
+        if kind is None or not args:
+            return  # barriers, point-to-point, alltoall: not what FSDP's step issues
+        if kind in ("all_reduce", "broadcast"):
+            out = _tensors(args[0])
+            inp = out  # in place
+            full = out
+        else:
+            # all-gather and reduce-scatter: (output, input, process group, ...)
+            out, inp = _tensors(args[0]), _tensors(args[1] if len(args) > 1 else [])
+            full = out if kind == "all_gather" else inp
+        in_dtype, in_bytes, _ = _side(inp)
+        out_dtype, out_bytes, _ = _side(out)
+        self.records.append({
+            "op": kind, "unit": self.unit_of(_side(full)[2]), "phase": self.phase,
+            "in_dtype": in_dtype, "out_dtype": out_dtype,
+            "in_bytes": in_bytes, "out_bytes": out_bytes,
+        })
+
+
+@contextlib.contextmanager
+def record_collectives(
+    unit_sizes: Mapping[str, Sequence[int]] | None = None,
+) -> Iterator[CollectiveRecorder]:
+    """While inside, every ``c10d`` collective this process issues is recorded, in issue order."""
+    dispatch_mode = _compat.torch_dispatch_mode_cls()
+    recorder = CollectiveRecorder(unit_sizes)
+
+    class _Recorder(dispatch_mode):  # type: ignore[misc,valid-type]
+        def __torch_dispatch__(  # type: ignore[no-untyped-def]
+            self, func, types, args=(), kwargs=None
+        ):
+            if getattr(func, "namespace", None) == "c10d":
+                recorder.add(str(func), args)
+            return func(*args, **(kwargs or {}))
+
+    with _Recorder():
+        yield recorder
+
+
+def _fsdp2_padded(shape: Sequence[int], world_size: int) -> int:
+    # FSDP2 pads each parameter's dim 0 to a multiple of the world size (Shard(0) chunks).
+    if not shape:
+        return world_size
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // world_size) * world_size * rest
+
+
+def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, list[int]]:
+    """Per unit FQN (``""`` the root): the numels a collective serving it can have.
+
+    FSDP1: the flat parameter's unpadded and padded unsharded numel. FSDP2: the sum of the
+    unit's own parameters' numels, unpadded and padded per parameter. Units without parameters
+    issue no collective and are left out.
+    """
+    out: dict[str, list[int]] = {}
+    if version == "fsdp1":
+        for name, module in model.named_modules():
+            flat = _compat.fsdp1_flat_param(module)
+            if flat is None:
+                continue
+            fqn = clean_fqn(name)
+            unpadded = _compat.fsdp1_unsharded_numel(flat)
+            # NO_SHARD all-reduces the unpadded flat parameter; the sharded strategies pad it
+            out[fqn] = sorted({unpadded, flat.numel() * world_size})
+        return out
+    fsdp_cls = _compat.fsdp_module_cls()
+    dtensor = _compat.dtensor_cls()
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp_cls)]
+    for name, module in units:
+        # A unit's own parameters: its parameters less those of the units nested in it.
+        inner = {id(p) for n2, m2 in units if n2 != name and (not name or n2.startswith(name + "."))
+                 for p in m2.parameters()}
+        own = [p for p in module.parameters() if id(p) not in inner]
+        if not own:
+            continue
+        shapes = [tuple(p.shape) for p in own]
+        unpadded = sum(math.prod(s) for s in shapes)
+        padded = sum(_fsdp2_padded(s, world_size) for s in shapes)
+        if not all(isinstance(p, dtensor) for p in own):
+            padded = unpadded
+        out[name] = sorted({unpadded, padded})
+    return out
