@@ -3,5 +3,38 @@
 The suite's own plugin (fixtures, markers, options) is registered through the package's
 ``pytest11`` entry point, and ``pytester`` through ``-p pytester`` in pyproject's addopts, so
 this file declares no plugins: it is also loaded when ``--fsdp-model`` collects the checks from
-an editable install of this repository.
+an editable install of this repository. It holds one fixture the tests share, ``warm_pools``,
+and imports torch only when that fixture is used.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from fsdp_conformance.harness import PoolManager
+
+
+class _BorrowedPools:
+    """The session's pool manager, lent to an in-process run: its close leaves the pools warm
+    (the session closes them); everything else is the session manager's own."""
+
+    def __init__(self, manager: PoolManager) -> None:
+        self._manager = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def close(self, force: bool = False) -> None:
+        pass
+
+
+@pytest.fixture
+def warm_pools(rank_pools: PoolManager, monkeypatch: pytest.MonkeyPatch) -> PoolManager:
+    """In-process runs (``run_suite``, ``main(["run", ...])``) run on the session's warm pools."""
+    from fsdp_conformance.gate import suite
+
+    monkeypatch.setattr(suite, "PoolManager", lambda: _BorrowedPools(rank_pools))
+    return rank_pools

@@ -118,27 +118,6 @@ def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     sys.modules.pop(USER_MODULE, None)
 
 
-class _BorrowedPools:
-    """The session's pool manager, lent to an in-process run: its close leaves the pools warm
-    (the session closes them); everything else is the session manager's own."""
-
-    def __init__(self, manager: PoolManager) -> None:
-        self._manager = manager
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._manager, name)
-
-    def close(self, force: bool = False) -> None:
-        pass
-
-
-@pytest.fixture
-def warm_pools(rank_pools: PoolManager, monkeypatch: pytest.MonkeyPatch) -> PoolManager:
-    """In-process runs (``run_suite``, ``main(["run", ...])``) run on the session's warm pools."""
-    monkeypatch.setattr(suite, "PoolManager", lambda: _BorrowedPools(rank_pools))
-    return rank_pools
-
-
 def run_cli(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None
             ) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items()

@@ -366,3 +366,39 @@ def test_an_empty_plan_from_no_split_modules_says_where_the_blocks_came_from() -
         validate_user_model(spec, ["cpu"], [2])
     assert ("block classes LlamaForCausalLM (from the model's _no_split_modules), threshold"
             in str(info.value))
+
+
+# --------------------------------------------------------------------------------------------
+# The whole suite on each reference transformers model, with no flag beyond --model
+# --------------------------------------------------------------------------------------------
+
+#: A skip names what to do about it ("...; use a larger config of the model", "define
+#: reset_parameters() on those classes"): one of these verbs, after the reason.
+REMEDIES = ("use ", "define ", "pass ", "set ", "run ")
+
+
+@pytest.mark.parametrize("name", sorted(hf_models.FACTORIES))
+def test_the_whole_run_passes_on_a_reference_transformers_model_with_only_model(
+    name: str, warm_pools: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`fsdp-conformance run --model fsdp_conformance.hf_models:<name>`: every check of the
+    cpu lane at the default world size, on the session's warm pools; 0 failed, 0 errors."""
+    from fsdp_conformance.gate.report import load_report
+
+    for variable in [k for k in os.environ if k.startswith("FSDP_CONFORMANCE_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.chdir(tmp_path)  # no pyproject table of this repository applies
+    code = cli.main(["run", "--model", f"fsdp_conformance.hf_models:{name}",
+                     "--out", str(tmp_path / "out"), "--no-plot"])
+    out, err = capsys.readouterr()
+    report = load_report(str(tmp_path / "out" / "report.json"))
+    bad = [f"{e['id']}: {e['outcome']}: {e['message'][:600]}" for e in report["checks"]
+           if e["outcome"] in ("failed", "error")]
+    assert bad == [], "\n".join(bad)
+    assert code == cli.EXIT_OK, out + err
+    summary = report["summary"]
+    assert summary["passed"] >= 30 and summary["failed"] == summary["error"] == 0, summary
+    for entry in report["checks"]:
+        if entry["outcome"] == "skipped":
+            assert any(verb in entry["message"] for verb in REMEDIES), entry
