@@ -60,7 +60,8 @@ PRELOAD_PACKAGES = ("fsdp_conformance", "transformers", "pytest")
 SERVER_START_TIMEOUT_S = 60.0
 #: Seconds a terminated rank's exit status may take to appear (the server reaps at once).
 EXIT_STATUS_WAIT_S = 5.0
-#: Servers kept at once (one per distinct rank environment); the oldest is closed first.
+#: Servers kept at once (one per distinct rank environment); the least recently used is
+#: closed first, and the ranks it forked with it.
 MAX_SERVERS = 3
 
 
@@ -246,10 +247,12 @@ def close_all_servers() -> int:
 
 
 #: Variables a child takes from its start request rather than from its server's start: they
-#: change from test to test (pytest sets ``PYTEST_CURRENT_TEST`` for each) and nothing reads
-#: them while a process starts, so servers need not differ by them.
+#: change from test to test (pytest sets ``PYTEST_CURRENT_TEST`` for each; pytester's
+#: in-process runs set ``HOME``, ``USERPROFILE`` and ``PY_COLORS``) and nothing a rank needs
+#: reads them while a process starts (``sys.path`` is set from the parent's, so the user
+#: site folder ``HOME`` names at start does not matter), so servers need not differ by them.
 AFTER_FORK_PREFIXES = ("PYTEST_", "FSDP_CONFORMANCE_")
-AFTER_FORK_NAMES = ("PYTHONPATH",)
+AFTER_FORK_NAMES = ("PYTHONPATH", "HOME", "USERPROFILE", "PY_COLORS", "COLUMNS", "LINES")
 
 
 def _set_after_fork(name: str) -> bool:
@@ -264,16 +267,16 @@ class ForkServers:
 
     def server(self, env: Mapping[str, str]) -> ForkServer:
         key = tuple(sorted((k, v) for k, v in env.items() if not _set_after_fork(k)))
-        found = self._servers.get(key)
+        found = self._servers.pop(key, None)  # put back last: the oldest is the least used
         if found is not None and not found.alive:
             found.close()
-            del self._servers[key]
             found = None
         if found is None:
             while len(self._servers) >= MAX_SERVERS:
                 oldest = next(iter(self._servers))
                 self._servers.pop(oldest).close()
-            found = self._servers[key] = ForkServer(env, preload_modules())
+            found = ForkServer(env, preload_modules())
+        self._servers[key] = found
         return found
 
     def close(self) -> None:
