@@ -199,7 +199,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     precision with only that dtype named (:func:`~fsdp_conformance.sharding.param_dtype_kwargs`);
     ``reduce_dtype`` names the reduction dtype too. ``record``: the measured step's collectives,
     as torch issued them (:func:`~fsdp_conformance.collectives.record_collectives`), under
-    ``"collective_records"``.
+    ``"collective_records"`` (and each unit's collective numels under
+    ``"collective_unit_sizes"``).
     """
 
     from fsdp_conformance.sharding import (
@@ -266,8 +267,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
             from fsdp_conformance.collectives import record_collectives, unit_sizes
 
             # Innermost: a dispatch mode of its own, it sees the c10d ops and allocates nothing.
-            recorder = stack.enter_context(
-                record_collectives(unit_sizes(sharded, version, ctx.world_size)))
+            sizes = unit_sizes(sharded, version, ctx.world_size)
+            recorder = stack.enter_context(record_collectives(sizes))
         t0 = time.perf_counter()
         train_step(sharded, batch, opt)
         if ctx.device_type == "cuda":
@@ -283,6 +284,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     }
     if record:
         out["collective_records"] = recorder.records
+        # Each unit's possible collective numels: what a record's bytes per element come from.
+        out["collective_unit_sizes"] = sizes
     return out
 
 

@@ -72,22 +72,30 @@ def _as_if_bf16(value: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.world_size(2)
-def test_the_bound_follows_the_observed_dtypes_and_a_peak_over_it_fails_on_every_rank(
+def test_dtypes_that_do_not_match_the_bytes_and_a_peak_over_the_bound_fail_on_every_rank(
     ranks: Ranks,
 ) -> None:
     values = ranks.run(_fp32_gathers_and_a_leak)
     for version in VERSIONS:
         # The bound is derived from what the collectives carried: an fp32 step gets the fp32
-        # bound; the same step with its all-gathers observed as bf16 gets a smaller one.
+        # bound. The same step with its all-gathers recorded as bf16 would get a smaller bound
+        # (less than the bound's slack at this size, so the peak alone would not catch it);
+        # the recorded bytes, 4 per element, say the dtype is wrong: fails on every rank.
         per_rank = [v[version]["fp32"] for v in values]
         honest = memory.verdict_mixed_precision_peak(per_rank, _params(version))
         assert honest.passed, honest.message
         assert honest.figures["fp32_gathers.all_gather_dtype"] == "torch.float32"
         faked = memory.verdict_mixed_precision_peak([_as_if_bf16(v) for v in per_rank],
                                                     _params(version))
-        assert faked.figures["fp32_gathers.all_gather_dtype"] == "torch.bfloat16"
-        assert (faked.figures["fp32_gathers.bound_bytes"]
-                < honest.figures["fp32_gathers.bound_bytes"])
+        assert not faked.passed, faked.message
+        for rank in range(ranks.world_size):
+            assert (f"fp32_gathers: rank {rank}: the recorded dtypes do not describe the bytes "
+                    "moved" in faked.message), faked.message
+        assert "x 2 B of the recorded torch.bfloat16 (4 B per element)" in faked.message
+        config = memory._config_from(per_rank[0]["config"])
+        as_bf16 = memory.observed_step_config(config, {"all_gather_dtype": "torch.bfloat16",
+                                                       "reduce_scatter_dtype": "torch.float32"})
+        assert as_bf16.compute_bytes == 2 and as_bf16.reduce_bytes == 4
         # A peak over the bound of the observed dtypes fails, on every rank, in both cases.
         leak = memory.verdict_mixed_precision_peak([v[version]["leak"] for v in values],
                                                    _params(version))

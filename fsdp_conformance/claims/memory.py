@@ -142,7 +142,8 @@ def rank_mixed_precision_peak(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                          param_dtype=param_dtype, reduce_dtype=reduce_dtype, record=True)
         out["cases"][label] = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
                                "meter": m["meters"][0], "param_bytes": m["param_bytes"],
-                               "collectives": m["collective_records"]}
+                               "collectives": m["collective_records"],
+                               "unit_sizes": m["collective_unit_sizes"]}
     return out
 
 
@@ -530,6 +531,35 @@ def _itemsize(dtype: str | None) -> int | None:
     return value.itemsize if isinstance(value, torch.dtype) else None
 
 
+def dtype_size_problems(records: Sequence[Mapping[str, Any]],
+                        sizes: Mapping[str, Sequence[int]]) -> list[str]:
+    """Collectives whose bytes are not their unit's numel x the bytes of the dtype recorded.
+
+    The bound takes its bytes per element from the recorded dtypes; this ties each dtype to the
+    bytes the collective really moved (an all-gather's output, a reduce-scatter's input), so a
+    dtype that does not describe the data (a recorder or a report that says bf16 where fp32 was
+    gathered) fails instead of shrinking the bound.
+    """
+    problems = []
+    for i, r in enumerate(records):
+        if r["op"] not in ("all_gather", "reduce_scatter"):
+            continue
+        side = "out" if r["op"] == "all_gather" else "in"
+        dtype, nbytes = r[f"{side}_dtype"], r[f"{side}_bytes"]
+        item = _itemsize(dtype)
+        numels = sorted({n for u in r["unit"].split("|") for n in sizes.get(u, ())})
+        if item is None or not numels:
+            problems.append(f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): "
+                            f"{side}put dtype {dtype}, unit sizes {numels or 'unknown'}: its "
+                            "bytes per element cannot be read")
+        elif nbytes not in {n * item for n in numels}:
+            problems.append(
+                f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): {nbytes:,} B "
+                f"{side}put, not its numel ({' or '.join(f'{n:,}' for n in numels)}) x {item} B "
+                f"of the recorded {dtype} ({nbytes / numels[0]:g} B per element)")
+    return problems
+
+
 def observed_step_config(config: StepConfig, dtypes: Mapping[str, str | None]) -> StepConfig:
     """``config`` with the gathered-parameter bytes from the all-gather's output dtype and the
     reduction bytes from the reduce-scatter's input dtype, as observed."""
@@ -563,6 +593,14 @@ def verdict_mixed_precision_peak(
             peaks[r] = meter["peak"]
             problems += [f"{label}: {line}" for line in
                          meter_floor_problems(r, [meter], case.get("param_bytes"))]
+            mismatched = dtype_size_problems(case["collectives"], case["unit_sizes"])
+            if mismatched:
+                problems.append(f"{label}: rank {r}: the recorded dtypes do not describe the "
+                                f"bytes moved; no bound is derived from them:\n    "
+                                + "\n    ".join(mismatched[:4])
+                                + (f"\n    ... and {len(mismatched) - 4} more"
+                                   if len(mismatched) > 4 else ""))
+                continue
             try:
                 config = observed_step_config(_config_from(v["config"]), dtypes)
             except MemoryCheckError:
