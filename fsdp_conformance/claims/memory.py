@@ -626,14 +626,16 @@ def verdict_mixed_precision_peak(
                             + "; ".join(f"rank {r} {d}" for r, d in dtypes_by_rank.items()))
         peak = max(peaks.values())
         case0 = values[0]["cases"][label]
-        figures[f"{label}.param_dtype"] = case0["param_dtype"]
-        figures[f"{label}.reduce_dtype"] = case0["reduce_dtype"] or "unset"
-        figures[f"{label}.all_gather_dtype"] = dtypes0["all_gather_dtype"]
-        figures[f"{label}.reduce_scatter_dtype"] = dtypes0["reduce_scatter_dtype"]
+        # Peak, bound and the observed dtypes first: the run's table shows the first figures.
         figures[f"{label}.peak_bytes"] = peak
         if bounds:
             b = max(bounds.values(), key=lambda x: x.total)
             figures[f"{label}.bound_bytes"] = b.total
+        figures[f"{label}.all_gather_dtype"] = dtypes0["all_gather_dtype"]
+        figures[f"{label}.reduce_scatter_dtype"] = dtypes0["reduce_scatter_dtype"]
+        figures[f"{label}.param_dtype"] = case0["param_dtype"]
+        figures[f"{label}.reduce_dtype"] = case0["reduce_dtype"] or "unset"
+        if bounds:
             figures[f"{label}.limit_bytes"] = b.limit
             data["bounds"][label] = b.to_dict()
             summary.append(f"{label} (all-gather {dtypes0['all_gather_dtype']}, reduce-scatter "
