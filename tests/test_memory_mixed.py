@@ -24,8 +24,15 @@ def test_bf16_peak_is_under_the_bound_of_the_observed_dtypes(ranks: Ranks, versi
     check = next(c for c in memory.MIXED_CHECKS if c.params["version"] == version)
     values = ranks.run(check.rank_fn, **check.params)
     verdict = memory.verdict_mixed_precision_peak(values, check.params)
-    print(verdict.message, verdict.figures)
     assert verdict.passed, verdict.message
+    # The figures are the observed dtypes (what was configured, where the case names it) and
+    # the peak and bound of each case.
+    figures = verdict.figures
+    assert figures["reduce_fp32.all_gather_dtype"] == "torch.bfloat16"
+    assert figures["reduce_fp32.reduce_scatter_dtype"] == "torch.float32"
+    for case in ("reduce_unset", "reduce_fp32"):
+        assert 0 < figures[f"{case}.peak_bytes"] <= figures[f"{case}.limit_bytes"]
+        assert set(verdict.data["collectives"][case][0]) >= {"op", "in_dtype", "out_bytes"}
 
 
 
@@ -104,3 +111,18 @@ def test_dtypes_that_do_not_match_the_bytes_and_a_peak_over_the_bound_fail_on_ev
             for rank in range(ranks.world_size):
                 assert f"{label}: rank {rank}: peak " in leak.message, leak.message
         assert "of the observed dtypes (all-gather torch.bfloat16, reduce-scatter " in leak.message
+
+
+def test_a_bad_reduce_dtype_is_named_and_mixed_dtypes_derive_no_bound() -> None:
+    from fsdp_conformance.sharding import param_dtype_kwargs
+
+    with pytest.raises(ValueError, match="reduce_dtype 'fp8' is not one of bf16, fp16, fp32"):
+        param_dtype_kwargs("fsdp2", "bf16", "fp8")
+    _, config = memory.plan_step(memory.DEFAULT_SPEC, 2, "fsdp2")
+    with pytest.raises(memory.MemoryCheckError, match="no single dtype observed"):
+        memory.observed_step_config(config, {"all_gather_dtype": "torch.bfloat16|torch.float32",
+                                             "reduce_scatter_dtype": "torch.float32"})
+    records = [{"op": "all_gather", "unit": "", "out_dtype": "torch.float32", "out_bytes": 40,
+                "in_dtype": "torch.float32", "in_bytes": 20}]
+    assert memory.dtype_size_problems(records, {"": [10]}) == []
+    assert "not its numel (12) x 4 B" in memory.dtype_size_problems(records, {"": [12]})[0]

@@ -556,7 +556,7 @@ def dtype_size_problems(records: Sequence[Mapping[str, Any]],
             problems.append(
                 f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): {nbytes:,} B "
                 f"{side}put, not its numel ({' or '.join(f'{n:,}' for n in numels)}) x {item} B "
-                f"of the recorded {dtype} ({nbytes / numels[0]:g} B per element)")
+                f"of the recorded {dtype} ({nbytes / numels[0]:.3g} B per element)")
     return problems
 
 
