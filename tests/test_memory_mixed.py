@@ -126,3 +126,13 @@ def test_a_bad_reduce_dtype_is_named_and_mixed_dtypes_derive_no_bound() -> None:
                 "in_dtype": "torch.float32", "in_bytes": 20}]
     assert memory.dtype_size_problems(records, {"": [10]}) == []
     assert "not its numel (12) x 4 B" in memory.dtype_size_problems(records, {"": [12]})[0]
+
+
+@pytest.mark.world_size(1)
+def test_the_check_skips_at_world_size_one_saying_why(ranks: Ranks) -> None:
+    from fsdp_conformance.claims.check import run_check
+    from fsdp_conformance.harness import CheckSkipped
+
+    fsdp2 = next(c for c in memory.MIXED_CHECKS if c.params["version"] == "fsdp2")
+    with pytest.raises(CheckSkipped, match="FSDP2 issues no all-gather or reduce-scatter"):
+        run_check(ranks.configured(skip=None), fsdp2)

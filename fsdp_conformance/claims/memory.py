@@ -134,6 +134,11 @@ def rank_mixed_precision_peak(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     collectives had (:func:`observed_step_config`), not from the case's configuration.
     """
     require_sharding(ctx, version)
+    if ctx.world_size == 1:
+        # torch 2.13's FSDP2 copies shards into the unsharded parameters on a mesh of one
+        # (``_fsdp_param_group``, "world_size == 1"): no collective, so no dtype to observe.
+        skip_rank("at world size 1 FSDP2 issues no all-gather or reduce-scatter: there is no "
+                  "observed dtype to derive the bound from; run at world size >= 2")
     units, config = plan_step(spec, ctx.world_size, version, batch_size=batch_size)
     out: dict[str, Any] = {"rank": ctx.rank, "plan": [u.to_dict() for u in units],
                            "config": _config_data(config), "cases": {}}
