@@ -59,6 +59,9 @@ class StepConfig:
     param_bytes: int = 4
     #: Bytes per element of unsharded parameters and gradients (2 under bf16 mixed precision).
     compute_bytes: int = 4
+    #: Bytes per element of the gradient reduction (the reduce-scatter's input); None: the
+    #: compute bytes (no reduce dtype of its own).
+    reduce_bytes: int | None = None
     #: None (forward/backward only), "sgd", "momentum", "adam" or "adamw".
     optimizer: str | None = None
     #: Buffers (replicated, never sharded), in bytes.
@@ -152,6 +155,7 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     if not units:
         raise ValueError("per_layer_bound needs at least one unit (the root)")
     w, pb, cb = config.world_size, config.param_bytes, config.compute_bytes
+    rb = cb if config.reduce_bytes is None else config.reduce_bytes
     shard_numel = sum(_shard(u.numel, w) for u in units)
     num_tensors = sum(len(u.params) for u in units)
     root = next((u for u in units if u.fqn == ROOT), None)
@@ -179,10 +183,15 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         "unsharded params", gathered * cb,
         f"root ({root_numel:,}, kept gathered from forward into backward) + current and "
         f"prefetched unit (two largest: {names}) = {gathered:,} x {cb} B"))
+    # FSDP1 casts the unsharded gradient to the reduce dtype in place of the flat gradient
+    # (``flat_param.grad.data = grad.to(reduce_dtype)``): both are alive at the cast. FSDP2
+    # copies into its reduce-scatter input instead, counted with the reduce-scatter buffers.
+    cast = rb if config.version == "fsdp1" and rb != cb else 0
     terms.append(BoundTerm(
-        "unsharded grads", largest.numel * cb,
+        "unsharded grads", largest.numel * (cb + cast),
         f"the current unit's full gradient before its reduce-scatter (largest unit "
-        f"{largest.fqn or '(root)'}: {largest.numel:,}) x {cb} B; the prefetched one has none yet"))
+        f"{largest.fqn or '(root)'}: {largest.numel:,}) x {cb} B; the prefetched one has none yet"
+        + (f"; + its fsdp1 cast to the reduce dtype, x {cast} B" if cast else "")))
     ag_numel = _all_gather_buffer_numel(largest.numel, w, config.version)
     terms.append(BoundTerm(
         "all-gather buffers", ag_numel * cb,
@@ -194,8 +203,8 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     rs_input = ("padded input copy (only when numel % W != 0)" if config.version == "fsdp1"
                 else "input copy")
     terms.append(BoundTerm(
-        "reduce-scatter buffers", rs_numel * cb,
-        f"{rs_input} + output shard of the largest unit = {rs_numel:,} x {cb} B"))
+        "reduce-scatter buffers", rs_numel * rb,
+        f"{rs_input} + output shard of the largest unit = {rs_numel:,} x {rb} B"))
     if config.buffer_bytes:
         terms.append(BoundTerm("buffers", config.buffer_bytes,
                                "model buffers, replicated on every rank"))

@@ -90,21 +90,27 @@ def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:
     return {"reshard_after_forward": False}
 
 
-def param_dtype_kwargs(version: str, param_dtype: str | None) -> dict[str, Any]:
+def param_dtype_kwargs(version: str, param_dtype: str | None,
+                       reduce_dtype: str | None = None) -> dict[str, Any]:
     """Mixed precision as a user writes it with only the compute dtype named: FSDP1
     ``MixedPrecision(param_dtype=...)``, FSDP2 ``MixedPrecisionPolicy(param_dtype=...)``, every
-    other field left to torch (reduce dtype, buffers, input casts). ``None``: no policy."""
+    other field left to torch (reduce dtype, buffers, input casts). ``None``: no policy.
+    ``reduce_dtype``: that field named too (``None`` leaves it to torch)."""
     if param_dtype is None:
         return {}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if param_dtype not in dtypes:
-        raise ValueError(f"param_dtype {param_dtype!r} is not one of {', '.join(dtypes)}")
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and value not in dtypes:
+            raise ValueError(f"{name} {value!r} is not one of {', '.join(dtypes)}")
+    named: dict[str, Any] = {"param_dtype": dtypes[param_dtype]}
+    if reduce_dtype is not None:
+        named["reduce_dtype"] = dtypes[reduce_dtype]
     if check_fsdp_version(version) == "fsdp1":
         from torch.distributed.fsdp import MixedPrecision
 
-        return {"mixed_precision": MixedPrecision(param_dtype=dtypes[param_dtype])}
+        return {"mixed_precision": MixedPrecision(**named)}
     mp = _compat.mixed_precision_policy_cls()
-    return {"mp_policy": mp(param_dtype=dtypes[param_dtype])}
+    return {"mp_policy": mp(**named)}
 
 
 def shard(

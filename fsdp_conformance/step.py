@@ -187,7 +187,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
                  optimizer: str | None = None, batch_size: int = 2, meter: str = "auto",
                  also: str | None = None, timeline: bool = True,
                  track_construction: bool = True,
-                 param_dtype: str | None = None) -> dict[str, Any]:
+                 param_dtype: str | None = None, reduce_dtype: str | None = None,
+                 record: bool = False) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
@@ -195,7 +196,11 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     "none" (time the step only). ``also``: a second meter read around the same step (the
     cross-check). ``track_construction=False`` enters ``MemTracker`` only for the step, so it
     misses FSDP1's gather buffers: the meter check's negative control. ``param_dtype``: mixed
-    precision with only that dtype named (:func:`~fsdp_conformance.sharding.param_dtype_kwargs`).
+    precision with only that dtype named (:func:`~fsdp_conformance.sharding.param_dtype_kwargs`);
+    ``reduce_dtype`` names the reduction dtype too. ``record``: the measured step's collectives,
+    as torch issued them (:func:`~fsdp_conformance.collectives.record_collectives`), under
+    ``"collective_records"`` (and each unit's collective numels under
+    ``"collective_unit_sizes"``).
     """
 
     from fsdp_conformance.sharding import (
@@ -228,7 +233,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         policy = policies.policy_for(wrap.policy, model, spec)
         sharded = shard(model, ctx, version, policy,
                         **reshard_kwargs(version, wrap.reshard_after_forward),
-                        **param_dtype_kwargs(version, param_dtype))
+                        **param_dtype_kwargs(version, param_dtype, reduce_dtype))
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device)
         # FSDPMemTracker wraps the sharded model, so it cannot be entered for construction;
@@ -258,12 +263,18 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         for m in reversed(meters):  # the primary innermost: its hooks see the others' work
             stack.enter_context(m.measure())
         tl = stack.enter_context(rec)
+        if record:
+            from fsdp_conformance.collectives import record_collectives, unit_sizes
+
+            # Innermost: a dispatch mode of its own, it sees the c10d ops and allocates nothing.
+            sizes = unit_sizes(sharded, version, ctx.world_size)
+            recorder = stack.enter_context(record_collectives(sizes))
         t0 = time.perf_counter()
         train_step(sharded, batch, opt)
         if ctx.device_type == "cuda":
             torch.cuda.synchronize(ctx.device)
         seconds = time.perf_counter() - t0
-    return {
+    out = {
         "rank": ctx.rank, "wrapping": wrapping, "version": version, "seconds": seconds,
         "meters": [meter_data(m, sharded, opt, batch) for m in meters],
         # What every meter must at least see at every instant of the step: this rank's shards.
@@ -271,6 +282,11 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         "timeline": tl.to_data(), "units": [u.to_dict() for u in actual_units(sharded)],
         "collectives": dict(synced),
     }
+    if record:
+        out["collective_records"] = recorder.records
+        # Each unit's possible collective numels: what a record's bytes per element come from.
+        out["collective_unit_sizes"] = sizes
+    return out
 
 
 # ============================================================================================
