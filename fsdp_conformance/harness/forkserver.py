@@ -208,7 +208,6 @@ class ForkServer:
             "log_path": log_path,
             "exit_path": exit_path,
             "cwd": os.getcwd(),
-            "sys_path": [p for p in sys.path if p],
             "env": dict(env),
         }
         try:

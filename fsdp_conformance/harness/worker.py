@@ -289,8 +289,10 @@ def _become_rank(request: Mapping[str, Any], conn: Any, wake_fds: tuple[int, int
         os.dup2(log_fd, 2)
         os.close(log_fd)
         os.chdir(request["cwd"])
-        # As `python -m` with PYTHONPATH set to the parent's sys.path would have it.
-        parent_path = [request["cwd"], *request["sys_path"]]
+        # As `python -m` in that folder with the request's PYTHONPATH (the parent's sys.path,
+        # which the pool sets for either start) would have it.
+        pythonpath = request["env"].get("PYTHONPATH", "").split(os.pathsep)
+        parent_path = [request["cwd"], *(p for p in pythonpath if p)]
         sys.path[:] = parent_path + [p for p in sys.path[1:] if p not in parent_path]
         os.environ.clear()
         os.environ.update(request["env"])  # PYTHONPATH and the per-test variables included
