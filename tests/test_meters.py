@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Any
 
 import pytest
 import torch
 from package_imports import file_imports
 
 import fsdp_conformance
-from fsdp_conformance.harness import RankContext
+from fsdp_conformance.harness import RankContext, Ranks
 from fsdp_conformance.meters import host_or_cuda_peak
+from fsdp_conformance.models import ModelSpec
 
 PACKAGE = pathlib.Path(fsdp_conformance.__file__).parent
 BLOCKS = ("bound", "profile", "meters", "timeline", "step")
@@ -92,3 +94,88 @@ def test_cuda_peak_is_relative_to_what_was_allocated_before_the_block(
         alloc(70)
         alloc(-50)
     assert reading == {"meter": "cuda allocator", "peak": 70, "kept": 20}
+
+
+def _tracked_step(cls: type, model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    tracker = cls()
+    with tracker:
+        out = model(torch.randn(4, 32)).sum()
+        out.backward()
+    cpu = torch.device("cpu")
+    return {kind: {str(k): v for k, v in tracker.get_tracker_snapshot(kind)[cpu].items()}
+            for kind in ("peak", "current")}
+
+
+def test_the_trackers_that_update_only_the_global_peak_give_torchs_snapshots() -> None:
+    # The suite's MemTracker skips torch's per-module peak walk after each operator; the
+    # snapshots it reads must be torch's own. Many modules, so a walk has something to do.
+    from fsdp_conformance import _compat
+
+    lean, full = _compat.mem_tracker_cls(), _compat.mem_tracker_cls(global_peak_only=False)
+    assert lean is not None and full is not None
+    assert lean is not full and issubclass(lean, full)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+                                  for _ in range(12)))
+    _tracked_step(lean, model)  # first use: lazily made tensors are not the comparison's
+    model.zero_grad(set_to_none=True)
+    torch_snaps = _tracked_step(full, model)
+    model.zero_grad(set_to_none=True)
+    lean_snaps = _tracked_step(lean, model)
+    assert torch_snaps["peak"]["Total"] > 0, torch_snaps
+    assert lean_snaps == torch_snaps
+
+
+def test_a_global_peak_update_that_skips_an_operator_gives_other_snapshots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Negative control for the comparison above: an update that misses operators (here: those
+    # of the backward, where the gradients make the peak) reads a lower peak, and the
+    # comparison sees it.
+    from fsdp_conformance import _compat
+
+    full = _compat.mem_tracker_cls(global_peak_only=False)
+    assert full is not None
+
+    class SkipsBackward(full):  # type: ignore[misc, valid-type]
+        def _update_peak_stats(self, peak_state: object) -> None:
+            if "BW" not in str(peak_state):
+                super()._update_peak_stats(peak_state)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6)))
+    _tracked_step(full, model)
+    model.zero_grad(set_to_none=True)
+    torch_snaps = _tracked_step(full, model)
+    model.zero_grad(set_to_none=True)
+    lower = _tracked_step(SkipsBackward, model)
+    assert lower["peak"]["Total"] < torch_snaps["peak"]["Total"], (lower, torch_snaps)
+
+
+def _fsdp2_tracker_peaks(ctx: RankContext) -> dict[str, Any]:
+    from fsdp_conformance import _compat
+    from fsdp_conformance.step import measure_step
+
+    spec = ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama")
+    lean = _compat.fsdp_mem_tracker_cls()
+    full = _compat.fsdp_mem_tracker_cls(global_peak_only=False)
+    own = _compat.fsdp_mem_tracker_cls
+    out: dict[str, Any] = {"rank": ctx.rank}
+    for name, cls in (("warm-up", lean), ("torch", full), ("lean", lean)):
+        _compat.fsdp_mem_tracker_cls = lambda global_peak_only=True, cls=cls: cls
+        try:
+            meter = measure_step(ctx, spec, "fsdp2", timeline=False)["meters"][0]
+        finally:
+            _compat.fsdp_mem_tracker_cls = own
+        out[name] = {k: meter[k] for k in ("source", "peak", "breakdown")}
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_fsdp_mem_tracker_updating_only_the_global_peak_reads_torchs_figures(ranks: Ranks) -> None:
+    # The FSDP2 meter on a measured step of a transformers model: peak and per-category
+    # breakdown equal torch's own class on every rank.
+    for value in ranks.run(_fsdp2_tracker_peaks):
+        assert value["torch"]["source"] == "FSDPMemTracker", value
+        assert value["torch"]["peak"] > 0, value
+        assert value["lean"] == value["torch"], value
