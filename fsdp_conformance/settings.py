@@ -85,8 +85,8 @@ def _parse_optional_int(text: str) -> int | None:
 RANK_BYTES = 220 * MiB
 #: Share of the available memory the idle ranks may take: the checks need the rest.
 RANK_MEMORY_SHARE = 0.8
-#: Ranks per core. Ranks mostly wait on each other, so moderate oversubscription is fine (the
-#: default world sizes 2 and 4 run on a 2-core CI machine); this only stops a typo.
+#: Ranks per core. Ranks mostly wait on each other, so moderate oversubscription is fine (world
+#: size 4, asked for, runs on a 2-core CI machine); this only stops a typo.
 RANKS_PER_CORE = 8
 
 
@@ -140,6 +140,36 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))  # honours taskset and cpusets, unlike cpu_count
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+#: The world sizes multi-rank checks run at when none are set: each one only where the machine
+#: has a core per rank (:func:`default_world_sizes`).
+DEFAULT_WORLD_SIZES = (2, 4)
+
+
+def default_world_sizes(cores: int) -> tuple[int, ...]:
+    """:data:`DEFAULT_WORLD_SIZES` that have a core per rank here (the smallest always runs).
+
+    Four ranks on two cores time-share: the checks still hold, but a run takes twice as long
+    and every step's timing is the scheduler's, so the default leaves the larger worlds to
+    machines that can hold them; naming the world sizes runs them anywhere.
+    """
+    smallest = DEFAULT_WORLD_SIZES[0]
+    return tuple(ws for ws in DEFAULT_WORLD_SIZES if ws == smallest or ws <= cores)
+
+
+def world_sizes_left_out(settings: Settings) -> str:
+    """Why default world sizes are missing from ``settings`` (empty when none is)."""
+    if settings.sources.get("world_sizes", "default") != "default":
+        return ""
+    left = [ws for ws in DEFAULT_WORLD_SIZES if ws not in settings.world_sizes]
+    if not left:
+        return ""
+    sizes = ",".join(map(str, DEFAULT_WORLD_SIZES))
+    return (f"{','.join(map(str, left))} left out of the default {sizes}: "
+            f"{usable_cores()} core(s) here, one per rank needed; set world sizes {sizes} "
+            f"({OPTIONS_BY_NAME['world_sizes'].cli_flag} / {OPTIONS_BY_NAME['world_sizes'].flag})"
+            " to run it")
 
 
 def machine_world_size_limit(
@@ -199,9 +229,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "world_sizes",
         parse_world_sizes,
-        (2,),
+        DEFAULT_WORLD_SIZES,
         "world sizes to run multi-rank checks at, comma separated (tests marked "
-        "world_size(...) use their own)",
+        "world_size(...) use their own; default: 2, and 4 where the machine has 4 cores)",
         "N[,N...]",
     ),
     Option(
@@ -279,7 +309,8 @@ OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 class Settings:
     """Everything the suite needs to know, resolved once per session."""
 
-    #: World sizes multi-rank checks run at, unless a test's ``world_size`` marker says otherwise.
+    #: World sizes multi-rank checks run at, unless a test's ``world_size`` marker says otherwise
+    #: (unset: :func:`default_world_sizes`, resolved by :func:`resolve_settings`).
     world_sizes: tuple[int, ...] = (2,)
     #: ``auto`` picks gloo for the cpu lane and nccl for the gpu lane.
     backend: str = "auto"
@@ -315,6 +346,7 @@ def resolve_settings(
     *,
     machine_limit: Callable[[], WorldSizeLimit] = machine_world_size_limit,
     flag_style: FlagStyle = "pytest",
+    cores: Callable[[], int] | None = None,
 ) -> Settings:
     """Resolve every option: CLI, then environment, then ini, then pyproject, then the default.
 
@@ -324,7 +356,8 @@ def resolve_settings(
     World sizes above what the machine can hold (``machine_limit``, unless ``max_world_size``
     is set) are a :class:`SettingsError`, before any rank process starts, and so is a model
     option without the model; ``flag_style`` spells the flags in that message as the caller's
-    interface does (``pytest``: ``--fsdp-block-cls``; ``cli``: ``--block-cls``).
+    interface does (``pytest``: ``--fsdp-block-cls``; ``cli``: ``--block-cls``). World sizes
+    left unset are :func:`default_world_sizes` of ``cores()`` (default :func:`usable_cores`).
     """
     pyproject = pyproject or {}
     values: dict[str, Any] = {}
@@ -341,7 +374,9 @@ def resolve_settings(
         elif pyproject.get(option.name) not in (None, "", []):
             raw = pyproject[option.name]
             source = f"pyproject.toml [tool.{PYPROJECT_TABLE}] {option.name}"
-        if source == "default":
+        if source == "default" and option.name == "world_sizes":
+            values[option.name] = default_world_sizes((cores or usable_cores)())
+        elif source == "default":
             values[option.name] = option.default
         else:
             values[option.name] = _parse(option, raw, source)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance._files import write_atomic
-from fsdp_conformance.settings import Settings
+from fsdp_conformance.settings import Settings, world_sizes_left_out
 from fsdp_conformance.sizes import format_bytes
 
 SCHEMA = "fsdp-conformance-report"
@@ -55,7 +55,8 @@ def environment_summary(settings: Settings) -> str:
         f"cuda devices {env['cuda_devices']}",
         f"backends {','.join(env['backends']) or 'none'}",
         f"backend {settings.backend}",
-        f"world sizes {','.join(map(str, settings.world_sizes))}",
+        f"world sizes {','.join(map(str, settings.world_sizes))}"
+        + (f" ({left})" if (left := world_sizes_left_out(settings)) else ""),
         f"check timeout {settings.timeout:g}s",
         "ranks: external launcher (env://)" if launched_externally() else "ranks: warm pool",
     ]

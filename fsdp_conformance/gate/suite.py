@@ -109,15 +109,7 @@ def run_suite(
     reported skipped, with the reason (:meth:`Ranks.run_outcomes` decides it), its flags
     spelled as ``flag_style``'s front end does.
     """
-    spec = user_spec(settings)
-    selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern)
-    plan = [
-        (lane, ws, check, params)
-        for lane in lanes
-        for ws in settings.world_sizes
-        for check, params in selected
-        if lane in check.lanes
-    ]
+    plan = planned_checks(settings, lanes, pattern, checks)
     progress = Progress(len(plan), stream)
     entries: list[dict[str, Any]] = []
     manager = PoolManager() if launcher is None else None
@@ -154,6 +146,23 @@ def run_suite(
     if manager is not None:
         manager.close()
     return build_report(entries, settings, time.perf_counter() - start)
+
+
+def planned_checks(
+    settings: Settings, lanes: Iterable[str], pattern: str | None = None,
+    checks: Sequence[Check] | None = None,
+) -> list[tuple[str, int, Check, dict[str, Any]]]:
+    """(lane, world size, check, params) in run order: each selected check at every world size
+    of ``settings`` on every lane it runs on."""
+    spec = user_spec(settings)
+    selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern)
+    return [
+        (lane, ws, check, params)
+        for lane in lanes
+        for ws in settings.world_sizes
+        for check, params in selected
+        if lane in check.lanes
+    ]
 
 
 def launch_settings(settings: Settings, launch_world_size: int) -> Settings:
