@@ -10,10 +10,15 @@ folder (and this one's) on ``PYTHONPATH``; ``--checks NAME`` selects one of them
   directory (the run's), then sleeps. A test waits for both files and only then signals, so
   the signal always finds every rank inside the check: the run cannot end first, however
   loaded the machine.
-- ``init.peak_memory.injected_failure``: passes on rank 0 and raises on rank 1. Its name
-  extends ``init.peak_memory`` so that ``--checks init.peak_memory`` selects it with the two
-  real checks of that name: one launch shows both those checks running and a failure on
-  rank 1 only.
+- ``init.peak_memory.launch_environment``: on each launched rank, what the launcher says it
+  cannot provide (``LauncherRunner.cannot_provide``) for a variable the ranks started with,
+  one set after the start, one only rank 1 started with, another value, and fresh ranks.
+- ``init.peak_memory.injected_failure``: passes on rank 0 and raises on rank 1.
+
+The last two extend the name ``init.peak_memory`` so that ``--checks init.peak_memory``
+selects them with the two real checks of that name: one launch (with the allocator setting)
+shows those checks running, the launch's environment as its ranks see it, and a failure on
+rank 1 only.
 
 Importing this module imports neither torch nor a claim module (the ``sitecustomize`` also
 runs in torchrun's own process).
@@ -30,6 +35,7 @@ from typing import Any
 from fsdp_conformance.claims.check import Check, Verdict
 
 BLOCKING = "test.blocks_until_signalled"
+LAUNCH_ENVIRONMENT = "init.peak_memory.launch_environment"
 FAILING_ON_RANK1 = "init.peak_memory.injected_failure"
 #: How long a blocked rank sleeps: far past any test's guard (the signal ends it first).
 BLOCK_S = 600.0
@@ -51,6 +57,25 @@ def rank_blocks_until_signalled(ctx: Any) -> None:
     time.sleep(BLOCK_S)
 
 
+def rank_launch_environment(ctx: Any) -> dict[str, str | None]:
+    from fsdp_conformance.harness import LauncherRunner
+
+    launcher = LauncherRunner(ctx.backend)  # the launch's group is up: it is joined, not made
+    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
+    malloc = "MALLOC_MMAP_THRESHOLD_"
+    return {
+        "started_with": launcher.cannot_provide({malloc: os.environ[malloc]}, False),
+        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
+        "rank1_only": launcher.cannot_provide({"LOCAL_RANK": "1"}, False),
+        "other_value": launcher.cannot_provide({malloc: "1"}, False),
+        "fresh": launcher.cannot_provide(None, True),
+    }
+
+
+def verdict_launch_environment(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
+    return Verdict(True, "what each rank's launcher cannot provide", data={"ranks": list(values)})
+
+
 def rank_fails_on_rank1(ctx: Any) -> int:
     if ctx.rank == 1:
         raise RuntimeError(f"failure injected on rank {ctx.rank}")
@@ -64,6 +89,8 @@ def verdict_passes(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
 CHECKS = (
     Check(BLOCKING, "test only: every rank waits in the check until the run is signalled",
           rank_blocks_until_signalled, verdict_passes, lanes=("cpu",)),
+    Check(LAUNCH_ENVIRONMENT, "test only: what the launch provides, as each rank sees it",
+          rank_launch_environment, verdict_launch_environment, lanes=("cpu",)),
     Check(FAILING_ON_RANK1, "test only: passes on rank 0, raises on rank 1",
           rank_fails_on_rank1, verdict_passes, lanes=("cpu",)),
 )
