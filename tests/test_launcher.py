@@ -5,8 +5,9 @@ rank 0 prints the progress and the table and writes the report, rank 1 writes
 ``DIR/rank1.log``; a check that needs an allocator setting at process start skips on every
 rank (or runs, when the launch has it); a failure on rank 1 only is every rank's failure and
 every rank's exit code. Two completed launches serve those tests (the one with the allocator
-setting also runs a test-only check that fails on rank 1, ``tests/injected_checks.py``); two
-more are interrupted (SIGTERM to torchrun, Ctrl-C in a launched pytest session).
+setting also runs two test-only checks from ``tests/injected_checks.py``: what each launched
+rank's launcher says it cannot provide, and one that fails on rank 1); two more are
+interrupted (SIGTERM to torchrun, Ctrl-C in a launched pytest session).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def _start_without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
 def _start_with_malloc_and_a_failure_on_rank1(tmp_path_factory: pytest.TempPathFactory
                                               ) -> Running:
     """The same two checks launched with the setting, and (selected by the same
-    ``--checks init.peak_memory``) ``init.peak_memory.injected_failure``, which raises on
-    rank 1 only."""
+    ``--checks init.peak_memory``) the test-only ``init.peak_memory.launch_environment`` and
+    ``init.peak_memory.injected_failure`` (raises on rank 1 only)."""
     directory = tmp_path_factory.mktemp("with")
     return start_launch(directory, "init.peak_memory", {MALLOC: "65536"},
                         injected_checks.site_path(directory))
@@ -166,9 +167,10 @@ def without_malloc(
 def with_malloc_and_a_failure_on_rank1(
     launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
 ) -> Launch:
-    """``MALLOC_MMAP_THRESHOLD_=65536 torchrun ... run --checks init.peak_memory`` with the
-    test-only check failing on rank 1: read by the runs-in-process test (the two real checks)
-    and the failure-on-rank-1 test (the injected one, the exit codes)."""
+    """``MALLOC_MMAP_THRESHOLD_=65536 torchrun ... run --checks init.peak_memory`` with the two
+    test-only checks: read by the runs-in-process test (the two real checks), the
+    launch-provides-an-environment test (``launch_environment``) and the failure-on-rank-1
+    test (``injected_failure``, the exit codes)."""
     return _wait_for("with_malloc_and_a_failure_on_rank1", launches, tmp_path_factory)
 
 
