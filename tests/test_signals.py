@@ -273,7 +273,12 @@ def test_sleeps_on_the_ranks(ranks):
 """
 
 
-def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(tmp_path: Path) -> None:
+def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # A short folder name, not the test's: the rank sockets live under TMPDIR, and a unix
+    # socket's path has at most 107 bytes (under pytest-xdist tmp_path's overflowed it).
+    tmp_path = tmp_path_factory.mktemp("session")
     (tmp_path / "test_slow.py").write_text(SLOW_TEST)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
