@@ -4,7 +4,10 @@ Real ``torchrun --nproc-per-node 2`` launches, each narrowed with ``--checks`` t
 rank 0 prints the progress and the table and writes the report, rank 1 writes
 ``DIR/rank1.log``; a check that needs an allocator setting at process start skips on every
 rank (or runs, when the launch has it); a failure on rank 1 only is every rank's failure and
-every rank's exit code.
+every rank's exit code. Two completed launches serve those tests (the one with the allocator
+setting also runs two test-only checks from ``tests/injected_checks.py``: what each launched
+rank's launcher says it cannot provide, and one that fails on rank 1); two more are
+interrupted (SIGTERM to torchrun, Ctrl-C in a launched pytest session).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import injected_checks
 import pytest
 
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate import suite
-from fsdp_conformance.harness import LauncherRunner, RankContext, RankPool
+from fsdp_conformance.harness import LauncherRunner, RankContext
 from fsdp_conformance.settings import Settings, SettingsError
 
 pytestmark = pytest.mark.cpu
@@ -31,30 +35,6 @@ pytestmark = pytest.mark.cpu
 LAUNCH_LIMIT_S = 300
 TABLE_HEADER = ["check", "outcome", "key", "figures"]
 MALLOC = "MALLOC_MMAP_THRESHOLD_"
-
-#: Makes every ``wrap.units.exact`` check raise on the rank named by FSDPC_TEST_FAIL_ON_RANK,
-#: after the check's own collectives (so its peers finish and report: a failure, not a hang).
-FAIL_ON_RANK = '''
-import os
-
-if os.environ.get("FSDPC_TEST_FAIL_ON_RANK") == os.environ.get("RANK"):
-    import dataclasses
-
-    from fsdp_conformance.claims import wrap as wrapping
-
-    def _failing(fn):
-        def rank_fn(ctx, *args, **kwargs):
-            fn(ctx, *args, **kwargs)
-            raise RuntimeError(f"failure injected on rank {ctx.rank}")
-        return rank_fn
-
-    wrapping.CHECKS = tuple(
-        dataclasses.replace(c, rank_fn=_failing(c.rank_fn)) if c.name == "wrap.units.exact"
-        else c
-        for c in wrapping.CHECKS
-    )
-'''
-
 
 class Launch:
     def __init__(self, directory: Path, proc: subprocess.CompletedProcess[str]) -> None:
@@ -98,9 +78,10 @@ class Running:
 
 
 def start_launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
-                 pythonpath: Sequence[str] = ()) -> Running:
+                 pythonpath: Sequence[str] = (), stderr: IO[str] | int = subprocess.PIPE
+                 ) -> Running:
     """Start ``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in
-    ``directory``."""
+    ``directory`` (its stderr to ``stderr``)."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -110,7 +91,7 @@ def start_launch(directory: Path, checks: str, env: Mapping[str, str] | None = N
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fsdp_conformance.cli", "run", "--checks", checks, "--out", "out"]
     proc = subprocess.Popen(cmd, cwd=directory, env=environ, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=stderr, text=True)
     return Running(directory, cmd, proc)
 
 
@@ -119,23 +100,20 @@ def _start_without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
     return start_launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
 
 
-def _start_with_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
-    return start_launch(tmp_path_factory.mktemp("with"), "init.peak_memory", {MALLOC: "65536"})
-
-
-def _start_failing_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Running:
-    directory = tmp_path_factory.mktemp("failing")
-    (directory / "site").mkdir()
-    (directory / "site" / "sitecustomize.py").write_text(FAIL_ON_RANK)
-    return start_launch(directory, "wrap.units.exact", {"FSDPC_TEST_FAIL_ON_RANK": "1"},
-                        [str(directory / "site")])
+def _start_with_malloc_and_a_failure_on_rank1(tmp_path_factory: pytest.TempPathFactory
+                                              ) -> Running:
+    """The same two checks launched with the setting, and (selected by the same
+    ``--checks init.peak_memory``) the test-only ``init.peak_memory.launch_environment`` and
+    ``init.peak_memory.injected_failure`` (raises on rank 1 only)."""
+    directory = tmp_path_factory.mktemp("with")
+    return start_launch(directory, "init.peak_memory", {MALLOC: "65536"},
+                        injected_checks.site_path(directory))
 
 
 #: The launches below, by the name of the fixture that gives each.
 LAUNCHES = {
     "without_malloc": _start_without_malloc,
-    "with_malloc": _start_with_malloc,
-    "failing_on_rank1": _start_failing_on_rank1,
+    "with_malloc_and_a_failure_on_rank1": _start_with_malloc_and_a_failure_on_rank1,
 }
 
 
@@ -180,25 +158,24 @@ def _wait_for(
 def without_malloc(
     launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
 ) -> Launch:
+    """``torchrun ... run --checks init.peak_memory``, without MALLOC_MMAP_THRESHOLD_: read by
+    the rank-0-speaks test and the skip test."""
     return _wait_for("without_malloc", launches, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def with_malloc(
+def with_malloc_and_a_failure_on_rank1(
     launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
 ) -> Launch:
-    return _wait_for("with_malloc", launches, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def failing_on_rank1(
-    launches: dict[str, Running], tmp_path_factory: pytest.TempPathFactory
-) -> Launch:
-    return _wait_for("failing_on_rank1", launches, tmp_path_factory)
+    """``MALLOC_MMAP_THRESHOLD_=65536 torchrun ... run --checks init.peak_memory`` with the two
+    test-only checks: read by the runs-in-process test (the two real checks), the
+    launch-provides-an-environment test (``launch_environment``) and the failure-on-rank-1
+    test (``injected_failure``, the exit codes)."""
+    return _wait_for("with_malloc_and_a_failure_on_rank1", launches, tmp_path_factory)
 
 
 # --------------------------------------------------------------------------------------------
-# In process: world sizes under a launcher, and what a launch cannot provide
+# In process: world sizes under a launcher
 # --------------------------------------------------------------------------------------------
 
 
@@ -214,34 +191,6 @@ def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -
         "WORLD_SIZE=3; launch 2 ranks (torchrun --nproc-per-node 2) or drop the world-size "
         "setting"
     )
-
-
-def _what_the_launch_cannot_provide(ctx: RankContext) -> dict[str, Any]:
-    # This rank stands in for a launched process: its group is up, the launcher finds it.
-    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
-                      LOCAL_RANK=str(ctx.local_rank))
-    launcher = LauncherRunner("gloo")
-    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
-    return {
-        "started_with": launcher.cannot_provide({"FSDPC_STARTED_WITH": "1"}, False),
-        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
-        "other_value": launcher.cannot_provide({"FSDPC_STARTED_WITH": "2"}, False),
-        "fresh": launcher.cannot_provide(None, True),
-    }
-
-
-def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it() -> None:
-    with RankPool(1, env={"FSDPC_STARTED_WITH": "1"}) as pool:
-        (outcome,) = pool.run_outcomes(_what_the_launch_cannot_provide)
-    assert outcome.status == "ok", outcome.detail
-    found = outcome.value
-    assert found["started_with"] is None
-    assert found["set_late"] == (
-        "needs FSDPC_SET_LATE=1 set before the ranks start (rank 0 started without it); "
-        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
-    )
-    assert found["other_value"].startswith("needs FSDPC_STARTED_WITH=2 set before the ranks")
-    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,29 +241,57 @@ def test_a_check_needing_an_allocator_setting_skips_on_every_rank_with_the_fix(
 
 
 def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
-    with_malloc: Launch,
+    with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
-    run = with_malloc
-    assert run.proc.returncode == 0, run.explain()
+    run = with_malloc_and_a_failure_on_rank1
     report = run.report
-    assert report["summary"] == {"passed": 2, "failed": 0, "skipped": 0, "error": 0}
-    for entry in report["checks"]:
+    entries = [e for e in report["checks"] if e["check"] == "init.peak_memory"]
+    assert [(e["variant"], e["outcome"]) for e in entries] == [
+        ("fsdp1,massive", "passed"), ("fsdp2,massive", "passed")], run.explain()
+    # the launch's other checks are test-only: the launch's environment (next test) and the
+    # injected failure (the one after): nothing else failed
+    assert report["summary"] == {"passed": 3, "failed": 0, "skipped": 0, "error": 1}
+    for entry in entries:
         ranks = entry["data"]["ranks"]
         # measured on both ranks, in the launched processes, with the setting in place
         assert [r["rank"] for r in ranks] == [0, 1]
         assert all(r["mmap_threshold"] == "65536" and r["meter"] == "VmHWM" for r in ranks)
 
 
-def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
-    failing_on_rank1: Launch,
+def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
+    with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
-    run = failing_on_rank1
+    run = with_malloc_and_a_failure_on_rank1
+    (entry,) = [e for e in run.report["checks"]
+                if e["check"] == injected_checks.LAUNCH_ENVIRONMENT]
+    assert entry["outcome"] == "passed", entry["message"]
+    by_rank = entry["data"]["ranks"]
+    assert by_rank[0] == by_rank[1]  # every rank gets the same answer (it is all-gathered)
+    found = by_rank[0]
+    assert found["started_with"] is None  # MALLOC_MMAP_THRESHOLD_, which torchrun passed on
+    assert found["set_late"] == (
+        "needs FSDPC_SET_LATE=1 set before the ranks start (ranks 0, 1 started without it); "
+        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
+    )
+    assert found["rank1_only"] == (
+        "needs LOCAL_RANK=1 set before the ranks start (rank 0 started without it); "
+        "launch with `LOCAL_RANK=1 torchrun ...` to run it"
+    )
+    assert found["other_value"].startswith(
+        "needs MALLOC_MMAP_THRESHOLD_=1 set before the ranks")
+    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+
+
+def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
+    with_malloc_and_a_failure_on_rank1: Launch,
+) -> None:
+    run = with_malloc_and_a_failure_on_rank1
     assert run.proc.returncode == 1, run.explain()
-    report = run.report  # written by rank 0, whose own part of each check passed
-    assert report["summary"] == {"passed": 0, "failed": 0, "skipped": 0, "error": 4}
-    for entry in report["checks"]:
-        assert "failed on 2 ranks: rank 0 passed, rank 1 raised" in entry["message"]
-        assert "RuntimeError: failure injected on rank 1" in entry["message"]
+    report = run.report  # written by rank 0, whose own part of the check passed
+    (entry,) = [e for e in report["checks"] if e["outcome"] == "error"]
+    assert entry["check"] == injected_checks.FAILING_ON_RANK1
+    assert "failed on 2 ranks: rank 0 passed, rank 1 raised" in entry["message"]
+    assert "RuntimeError: failure injected on rank 1" in entry["message"]
     assert run.rank1_log[-1] == "exit 1 (the worst of every rank's: rank 0 1, rank 1 1)"
     assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
 
@@ -399,33 +376,27 @@ def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path)
     # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
     # period. A check runs in the rank's own process here, behind execute_check's catch-all:
     # the interrupt must still end the rank, not become the check's error and the next check.
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))}
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    # The check blocks until then (tests/injected_checks.py), so the signal finds every rank
+    # in it, never between checks or after the run.
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train", "--out", "out"],
-            cwd=tmp_path, env=environ, stdout=subprocess.DEVNULL, stderr=err_file)
+        running = start_launch(tmp_path, injected_checks.BLOCKING,
+                               pythonpath=injected_checks.site_path(tmp_path),
+                               stderr=err_file)
+        proc = running.proc
         try:
-            # Each rank in its first check: rank 0 prints its progress, rank 1 logs its own
-            # (rank 0 may start the check while rank 1 is still joining the launch's group; a
-            # SIGTERM then finds rank 1 outside the check).
-            rank1_log = tmp_path / "out" / "rank1.log"
+            # Each rank in the check: it wrote its marker (rank 0 may start the check while
+            # rank 1 is still joining the launch's group; a SIGTERM then finds rank 1 outside
+            # the check).
             deadline = time.monotonic() + LAUNCH_LIMIT_S
-            while "[1/4] " not in err_path.read_text() or not (
-                rank1_log.exists() and "[1/4] " in rank1_log.read_text()
-            ):
+            while not all(injected_checks.marker(tmp_path, rank).exists() for rank in (0, 1)):
                 assert proc.poll() is None, err_path.read_text()
                 assert time.monotonic() < deadline, err_path.read_text()
                 time.sleep(0.1)
             proc.send_signal(signal.SIGTERM)
             proc.wait(LAUNCH_LIMIT_S)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            running.stop()
     err = err_path.read_text()
     for rank in (0, 1):
         assert (f"fsdp-conformance run: interrupted by SIGTERM; rank {rank} of the launch "
