@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from fsdp_conformance.harness import interrupts, launched_externally
+from fsdp_conformance.harness import forkserver, interrupts, launched_externally
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
@@ -515,6 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (timeout, Kubernetes, CI cancellation) ends the run like Ctrl-C: ranks killed,
     # folders removed, exit 128+N; a second signal during that cleanup is ignored.
     installed = interrupts.install()
+    forkserver.begin_session()  # the run's fork servers end with it (not an outer session's)
     try:
         code = handlers[args.command](args)
     except _usage_errors() as exc:
@@ -523,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         code = _interrupted(args.command, exc)
     finally:
+        forkserver.end_session()
         if _launched_run:
             # The outcome is decided: torchrun's SIGTERM to the ranks still running (once one
             # rank exited non-zero) must not turn this rank's exit code into -15.

@@ -20,6 +20,7 @@ from fsdp_conformance.harness import (
     PoolManager,
     Ranks,
     close_all_pools,
+    forkserver,
     interrupts,
     lane_unavailable,
     launched_externally,
@@ -68,6 +69,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The process's fork servers outlive this session only when it runs inside another one
+    # (an in-process inner session): pytest_unconfigure's end_session closes them otherwise.
+    forkserver.begin_session()
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     # SIGTERM (timeout, CI cancellation) as an interrupt, so the session tears down and the
@@ -123,6 +127,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     manager = config.stash.get(MANAGER_KEY, None)
     if manager is not None:
         manager.close(force=interrupted)
+    forkserver.end_session()
     if interrupted:
         close_all_pools()  # a fresh pool the interrupt caught before its owner held it
         interrupts.ignore_from_now_on((signal.SIGTERM,))

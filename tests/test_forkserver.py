@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_conformance.harness import PoolManager, RankContext, RankPool
+from fsdp_conformance.harness import PoolManager, RankContext, RankPool, forkserver
 from fsdp_conformance.harness.forkserver import (
     BASE_PRELOAD,
     WORKER_MODULE,
     ForkServers,
     fork_available,
     preload_modules,
+    shared_servers,
 )
 
 pytestmark = pytest.mark.cpu
@@ -68,14 +69,18 @@ def _wait_gone(pids: list[int], limit_s: float = 20.0) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+#: What a check of these tests runs with, but for the world size.
+RUN = dict(args=(), kwargs={}, backend="gloo", device_type="cpu", timeout=60.0)
+
+
 @needs_fork
 def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # ranks take the parent's folder at their start, not the server's
-    manager = PoolManager()
+    manager = PoolManager()  # forks from this session's servers (the process's registry)
     try:
-        run = dict(args=(), kwargs={}, backend="gloo", device_type="cpu", timeout=60.0)
+        run = RUN
         two = _values(manager.run_outcomes(_how_started, world_size=2, **run))
         # A variable that changes from test to test (as PYTEST_CURRENT_TEST does) reaches the
         # ranks without a server of its own.
@@ -96,14 +101,43 @@ def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
             assert value["pythonpath"].split(os.pathsep) == [p for p in sys.path if p]
             assert value["cmdline"] == [b"-m", WORKER_MODULE.encode()]
         servers = {server, malloc[0]["ppid"]}
-        ranks = [v["pid"] for v in two + one]
+        ranks = [v["pid"] for v in two + one + malloc]
     finally:
         manager.close()
-    assert _wait_gone([*servers, *ranks]) == [], "closing the manager left processes running"
+    # Closing the manager ends its ranks; the servers are the process's, not the manager's,
+    # and so is an inner session's end (an in-process CLI run or pytest session). The end of
+    # the outermost session closes them: test_harness.py's fault session finds no server and
+    # no rank of its own left at its unconfigure, nor after it exited.
+    assert _wait_gone(ranks) == [], "closing the manager left rank processes running"
+    forkserver.begin_session()
+    assert forkserver.end_session() == 0
+    assert servers <= set(shared_servers().pids())
+    assert all(_alive(pid) for pid in servers)
+
+
+@needs_fork
+def test_managers_of_one_process_share_one_server_per_environment() -> None:
+    first, second = PoolManager(), PoolManager()
+    try:
+        one = _values(first.run_outcomes(_how_started, world_size=2, **RUN))
+        other = _values(second.run_outcomes(_how_started, world_size=2, **RUN))
+        server = one[0]["ppid"]
+        assert server in shared_servers().pids()
+        assert {v["ppid"] for v in one + other} == {server}  # one server, two managers' pools
+        assert {v["pid"] for v in one}.isdisjoint(v["pid"] for v in other)
+        first.close()
+        assert _wait_gone([v["pid"] for v in one]) == [], "closing a manager left its ranks"
+        # The other manager's warm pool (forked from the same server) is untouched.
+        assert _alive(server)
+        assert _values(second.run_outcomes(_how_started, world_size=2, **RUN)) == other
+    finally:
+        first.close()
+        second.close()
 
 
 @needs_fork
 def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> None:
+    # The session's shared server: the other managers' pools forked from it are rebuilt too.
     manager = PoolManager()
     try:
         run = dict(args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu",

@@ -639,21 +639,28 @@ FAULT_TESTS = (  # in the order of the file
 def start_faults(
     tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
 ) -> Callable[[], Session]:
+    """The plain (no xdist) session: every fault, after the all-reduce tests that this session
+    runs side by side with the xdist one (``start_side_by_side``)."""
     directory = tmp_path_factory.mktemp("faults")
     (directory / "conftest.py").write_text(FAULTS_CONFTEST)
     (directory / "test_faults.py").write_text(FAULTS)
-    proc = start_session(directory, ["test_faults.py", "-m", "cpu"])
+    (directory / "test_side.py").write_text(SIDE_BY_SIDE)
+    proc = start_session(directory, ["test_side.py", "test_faults.py", "-m", "cpu"])
     procs.append(proc)
     return lambda: finish_session(proc, directory)
 
 
 @pytest.fixture(scope="module")
 def faults(started: Background) -> Session:
+    """One inner pytest session (a subprocess, in a folder of its own) that runs SIDE_BY_SIDE's
+    four all-reduce tests (read by the side-by-side tests, as the plain session) and then every
+    fault of FAULTS; read by the fault tests below and by the side-by-side tests."""
     return started.result("faults")
 
 
 def test_fault_session_outcomes(faults: Session) -> None:
-    faults.result.assert_outcomes(failed=len(FAULT_TESTS), passed=1, skipped=1)
+    # The four passes beyond the fault file's one are test_side.py's (SIDE_BY_SIDE).
+    faults.result.assert_outcomes(failed=len(FAULT_TESTS), passed=1 + 4, skipped=1)
     faults.result.stdout.fnmatch_lines(
         [f"FAILED test_faults.py::{name}*" for name in FAULT_TESTS], consecutive=False
     )
@@ -862,27 +869,30 @@ def test_all_reduce(ranks, offset):
 @background("side_by_side")
 def start_side_by_side(
     tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
-) -> Callable[[], dict[str, Session]]:
-    """Two sessions at once in two folders: a plain one and one with two xdist workers."""
-    sessions = {}
-    for name, extra in (("plain", []), ("xdist", ["-n", "2"])):
-        directory = tmp_path_factory.mktemp(name)
-        (directory / "test_side.py").write_text(SIDE_BY_SIDE)
-        proc = start_session(directory, ["test_side.py", "-m", "cpu", *extra])
-        procs.append(proc)
-        sessions[name] = (proc, directory)
-    return lambda: {name: finish_session(proc, directory)
-                    for name, (proc, directory) in sessions.items()}
+) -> Callable[[], Session]:
+    """The xdist session (two workers), started at once with the plain one, which is the fault
+    session (``start_faults``: its first tests are these same all-reduce tests)."""
+    directory = tmp_path_factory.mktemp("xdist")
+    (directory / "test_side.py").write_text(SIDE_BY_SIDE)
+    proc = start_session(directory, ["test_side.py", "-m", "cpu", "-n", "2"])
+    procs.append(proc)
+    return lambda: finish_session(proc, directory)
 
 
 @pytest.fixture(scope="module")
-def side_by_side(started: Background) -> dict[str, Session]:
-    return started.result("side_by_side")
+def side_by_side(started: Background, faults: Session) -> dict[str, Session]:
+    """Two sessions run at once in two folders: ``plain`` (the fault session, whose
+    test_side.py runs first) and ``xdist`` (test_side.py on two xdist workers); read by the
+    side-by-side tests below."""
+    return {"plain": faults, "xdist": started.result("side_by_side")}
 
 
 def test_two_sessions_side_by_side_both_pass(side_by_side: dict[str, Session]) -> None:
-    for session in side_by_side.values():
-        session.result.assert_outcomes(passed=4)
+    side_by_side["plain"].result.stdout.fnmatch_lines(
+        [f"PASSED test_side.py::test_all_reduce[[]*-{offset}[]]" for offset in range(4)],
+        consecutive=False,
+    )
+    side_by_side["xdist"].result.assert_outcomes(passed=4)
 
 
 def test_xdist_workers_each_get_their_own_pools(side_by_side: dict[str, Session]) -> None:
@@ -1087,9 +1097,15 @@ def test_check_timeout_is_cut_to_end_before_the_outer_deadline_and_says_so() -> 
     assert fit_timeout(120.0, now - 1.0, note)[0] == 0.1
 
 
-def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_saying_so() -> None:
+def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fsdp_conformance.harness.pool as pool_module
     from fsdp_conformance.harness import PoolManager
 
+    # Ranks started with exec: forked from this session's warm fork server, a pool can start
+    # within the 0.1 s left (and an exec-started rank killed at once costs no torch import).
+    monkeypatch.setattr(pool_module, "fork_available", lambda: False)
     manager = PoolManager()
     try:
         with pytest.raises(HarnessError) as info:
@@ -1099,8 +1115,8 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
     finally:
         manager.close()
     message = str(info.value)
-    # Which start phase runs out first depends on the machine's speed: the fork server importing
-    # torch (the session's first pool), the ranks connecting, or the process group's init.
+    # Which start phase runs out first depends on the machine's speed: the ranks connecting,
+    # or the process group's init (with fork servers, also a server importing torch).
     first_line = message.splitlines()[0]
     assert first_line.startswith("could not start 2 gloo ranks: "), first_line
     assert any(phase in first_line for phase in (

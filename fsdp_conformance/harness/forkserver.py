@@ -20,11 +20,19 @@ server's connection outside a start, so a signal handler that closes pools mid-w
 pytest-timeout) never finds that stream half-read.
 
 Environment variables that must exist before a process starts (``MALLOC_*``) get a server of
-their own: :class:`ForkServers` keys servers by the ranks' environment.
+their own: :class:`ForkServers` keys servers by the ranks' environment. The servers belong to
+the process, not to a pool manager: every :class:`~fsdp_conformance.harness.pool.PoolManager`
+of a process forks from the one registry :func:`shared_servers` returns (one server per
+environment), so a pytest session's own managers, the in-process CLI runs and inner pytest
+sessions it holds, and its fresh ``MALLOC_*`` pools import torch once per environment. A
+manager's ``close`` ends its ranks and leaves the servers; they are closed when the outermost
+session of the process ends (:func:`begin_session` / :func:`end_session`, which the pytest
+plugin and the CLI call) and at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import select
@@ -34,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -167,11 +176,16 @@ class ForkServer:
             theirs.close()
         self._conn = Connection(ours.detach())
         self._ready = False
+        _register_exit_handler()
         _LIVE_SERVERS.add(self)
 
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def _await_ready(self, deadline: float) -> None:
         if self._ready:
@@ -238,11 +252,23 @@ _LIVE_SERVERS: set[ForkServer] = set()
 
 
 def close_all_servers() -> int:
-    """Stop every fork server this process started (interrupts); returns how many."""
+    """Stop every fork server this process started (interrupts, exit); returns how many."""
     servers = list(_LIVE_SERVERS)
     for server in servers:
         server.close()
     return len(servers)
+
+
+_exit_handler_registered = False
+
+
+def _register_exit_handler() -> None:
+    """Close the servers at interpreter exit, in the process that started them only (a server
+    imports this module too, and its forks leave with ``os._exit``)."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        _exit_handler_registered = True
+        atexit.register(close_all_servers)
 
 
 #: Variables a child takes from its start request rather than from its server's start: they
@@ -259,26 +285,67 @@ def _set_after_fork(name: str) -> bool:
 
 
 class ForkServers:
-    """The servers of one :class:`~fsdp_conformance.harness.pool.PoolManager`, by environment."""
+    """Fork servers by environment, at most :data:`MAX_SERVERS` (the least recently used is
+    closed first, with its ranks). :func:`shared_servers` is the one every pool manager of the
+    process uses; a registry of its own is for a pool or a benchmark that must not share."""
 
     def __init__(self) -> None:
         self._servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
+        self._lock = threading.Lock()  # pools may be started from any thread
 
     def server(self, env: Mapping[str, str]) -> ForkServer:
         key = tuple(sorted((k, v) for k, v in env.items() if not _set_after_fork(k)))
-        found = self._servers.pop(key, None)  # put back last: the oldest is the least used
-        if found is not None and not found.alive:
-            found.close()
-            found = None
-        if found is None:
-            while len(self._servers) >= MAX_SERVERS:
-                oldest = next(iter(self._servers))
-                self._servers.pop(oldest).close()
-            found = ForkServer(env, preload_modules())
-        self._servers[key] = found
-        return found
+        with self._lock:
+            found = self._servers.pop(key, None)  # put back last: the oldest is the least used
+            if found is not None and not found.alive:
+                found.close()  # killed, or closed by an interrupt: the next ranks get a new one
+                found = None
+            if found is None:
+                while len(self._servers) >= MAX_SERVERS:
+                    oldest = next(iter(self._servers))
+                    self._servers.pop(oldest).close()
+                found = ForkServer(env, preload_modules())
+            self._servers[key] = found
+            return found
+
+    def pids(self) -> list[int]:
+        """The pids of the live servers (for tests and diagnostics)."""
+        with self._lock:
+            return [s.pid for s in self._servers.values() if s.alive]
 
     def close(self) -> None:
-        servers, self._servers = self._servers, {}
+        with self._lock:
+            servers, self._servers = self._servers, {}
         for server in servers.values():
             server.close()
+
+
+#: The process's fork servers, shared by every pool manager (:func:`shared_servers`).
+_SHARED = ForkServers()
+#: Sessions (pytest sessions, CLI runs) of this process still running: the servers outlive
+#: every session but the outermost, whose end closes them (:func:`end_session`).
+_sessions = 0
+
+
+def shared_servers() -> ForkServers:
+    """The fork servers of this process: one per rank environment, for every pool manager."""
+    return _SHARED
+
+
+def begin_session() -> None:
+    """A pytest session or a CLI run starts in this process (the plugin and the CLI call it)."""
+    global _sessions
+    _sessions += 1
+
+
+def end_session() -> int:
+    """A session that :func:`begin_session` counted ends. When it was the outermost (an
+    in-process CLI run or inner pytest session inside a test is not), the shared servers are
+    closed, with any rank still forked from them. Returns how many servers were closed."""
+    global _sessions
+    _sessions = max(0, _sessions - 1)
+    if _sessions:
+        return 0
+    closed = len(_SHARED.pids())
+    _SHARED.close()
+    return closed

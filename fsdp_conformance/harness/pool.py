@@ -29,6 +29,7 @@ from fsdp_conformance.harness.forkserver import (
     ForkServers,
     close_all_servers,
     fork_available,
+    shared_servers,
 )
 from fsdp_conformance.harness.outcomes import STATUS_TITLE, HarnessError, describe_exit
 from fsdp_conformance.harness.protocol import RankOutcome, function_name
@@ -496,12 +497,14 @@ def _tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 class PoolManager:
     """One warm pool per (world size, backend, device type), rebuilt after any failure."""
 
-    def __init__(self, *, pg_timeout: float = 300.0) -> None:
+    def __init__(self, *, pg_timeout: float = 300.0,
+                 fork_servers: ForkServers | None = None) -> None:
         self._pools: dict[tuple[int, str, str], RankPool] = {}
         self._pg_timeout = pg_timeout
         self.pools_started = 0
-        #: Where this manager's CPU ranks are forked from (:mod:`.forkserver`).
-        self.fork_servers = ForkServers()
+        #: Where this manager's CPU ranks are forked from (:mod:`.forkserver`): the process's
+        #: servers, shared with every other manager, unless given a registry of its own.
+        self.fork_servers = shared_servers() if fork_servers is None else fork_servers
 
     def pool(
         self, world_size: int, backend: str, device_type: str, *,
@@ -576,8 +579,10 @@ class PoolManager:
             ) from None
 
     def close(self, force: bool = False) -> None:
-        """Close every pool; ``force`` kills the ranks at once (on an interrupt)."""
+        """Close every pool; ``force`` kills the ranks at once (on an interrupt).
+
+        The fork servers stay: they are the process's (:func:`.forkserver.end_session` and
+        interpreter exit close them), and other managers may be forking from them."""
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             pool.close(force=force or pool.broken)
-        self.fork_servers.close()
