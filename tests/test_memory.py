@@ -132,8 +132,9 @@ def _step(ranks: Ranks, version: str, wrapping: str) -> tuple[list, dict]:
 
 @pytest.fixture(scope="module")
 def shared_runs() -> dict[tuple[Any, ...], list]:
-    """Rank values of runs that several tests here read, by (what ran, device type, world size, version);
-    the first test to need one runs it (see :func:`_sawtooth_check_run`, :func:`_depth_run`)."""
+    """Rank values of runs that several tests here read, by (what ran, device type, world
+    size, version); the first test to need one runs it (see :func:`_sawtooth_check_run`,
+    :func:`_depth_run`)."""
     return {}
 
 
