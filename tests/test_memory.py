@@ -130,11 +130,34 @@ def _step(ranks: Ranks, version: str, wrapping: str) -> tuple[list, dict]:
     return ranks.run(memory.rank_peak_within_bound, **params), params
 
 
+@pytest.fixture(scope="module")
+def shared_runs() -> dict[tuple[Any, ...], list]:
+    """Rank values of runs that several tests here read, by (what ran, device type, world
+    size, version); the first test to need one runs it (see :func:`_sawtooth_check_run`,
+    :func:`_depth_run`)."""
+    return {}
+
+
+def _sawtooth_check_run(ranks: Ranks, shared: dict, version: str) -> tuple[list, dict]:
+    """The ``memory.sawtooth`` check of ``version`` as ``fsdp-conformance run`` runs it: a
+    per-layer step plus the monolithic one for the picture (``compare_with``). Read by
+    test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth[fsdp2] (its per-layer
+    step) and test_sawtooth_check_records_the_monolithic_timeline_for_the_picture."""
+    check = next(c for c in memory.SAWTOOTH_CHECKS if c.params["version"] == version)
+    key = ("sawtooth", ranks.device_type, ranks.world_size, version)
+    if key not in shared:
+        shared[key] = ranks.run(check.rank_fn, **check.params)
+    return shared[key], dict(check.params)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth(
-    ranks: Ranks, version: str
+    ranks: Ranks, version: str, shared_runs: dict
 ) -> None:
-    values, params = _step(ranks, version, "per_layer")
+    # FSDP2's per-layer step is the sawtooth check's own (its monolithic "compare" step is the
+    # picture's, read by test_sawtooth_check_records_the_monolithic_timeline_for_the_picture).
+    values, params = (_sawtooth_check_run(ranks, shared_runs, version) if version == "fsdp2"
+                      else _step(ranks, version, "per_layer"))
     peak = memory.verdict_peak_within_bound(values, params)
     assert peak.passed, peak.message
     assert all(v["meters"][0]["peak"] <= peak.figures["limit_bytes"] for v in values)
@@ -175,9 +198,12 @@ def test_sawtooth_check_catches_units_that_keep_their_parameters_after_forward(
     assert "unit layers.0 kept its parameters after forward" in saw.message
 
 
-def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(ranks: Ranks) -> None:
+def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(
+    ranks: Ranks, shared_runs: dict
+) -> None:
     check = memory.SAWTOOTH_CHECKS[1]
-    verdict = run_check(ranks, check)
+    values, params = _sawtooth_check_run(ranks, shared_runs, check.params["version"])
+    verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
     compare = verdict.data["compare"]
     assert compare["wrapping"] == "monolithic"
@@ -191,12 +217,36 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(ranks: R
 # ------------------------------------------------------------------------------------------
 
 
+def _depth_run(ranks: Ranks, shared: dict, version: str) -> tuple[list, dict]:
+    """The ``memory.depth_invariance`` check of ``version``: per-layer and monolithic steps at
+    2, 4 and 8 layers. Read by
+    test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows and
+    test_depth_check_fails_on_monolithic_wrapping (its monolithic steps)."""
+    check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
+    key = ("depth", ranks.device_type, ranks.world_size, version)
+    if key not in shared:
+        shared[key] = ranks.run(check.rank_fn, **check.params)
+    return shared[key], dict(check.params)
+
+
+def _as_measured_with(values: list, wrapping: str) -> list:
+    """What ``rank_depth_invariance(wrapping=W)`` returns when W is its reference wrapping: the
+    same rows with only that wrapping's peaks (it measures each wrapping once per depth)."""
+    out = []
+    for v in values:
+        assert v["reference"] == wrapping  # otherwise the steps were never measured
+        rows = [{k: x for k, x in row.items() if k != v["wrapping"]} for row in v["rows"]]
+        out.append({**v, "wrapping": wrapping, "rows": rows})
+    return out
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows(
-    ranks: Ranks, version: str
+    ranks: Ranks, version: str, shared_runs: dict
 ) -> None:
     check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    verdict = run_check(ranks, check)
+    values, params = _depth_run(ranks, shared_runs, version)
+    verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
     assert verdict.figures["depths"] == [2, 4, 8]
     # A pass also means the monolithic reference grew by the added layers on every rank (the
@@ -262,9 +312,15 @@ def test_peak_does_not_depend_on_when_gloo_workers_let_go_of_collective_tensors(
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_depth_check_fails_on_monolithic_wrapping(ranks: Ranks, version: str) -> None:
+def test_depth_check_fails_on_monolithic_wrapping(
+    ranks: Ranks, version: str, shared_runs: dict
+) -> None:
+    # The depth check judging monolithic wrapping (against itself as the reference): its
+    # monolithic steps at 2, 4 and 8 layers are the reference steps of the check's own run.
     check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    verdict = run_check(ranks, check, wrapping="monolithic")
+    values, params = _depth_run(ranks, shared_runs, version)
+    verdict = check.verdict(_as_measured_with(values, "monolithic"),
+                            {**params, "wrapping": "monolithic"})
     assert not verdict.passed
     assert "the monolithic working set grows with depth" in verdict.message
 

@@ -20,6 +20,11 @@ from fsdp_conformance.plan.estimate import plan_model
 from fsdp_conformance.plan.model import POLICIES, ModelChoice, PlanError, PlanSettings
 from fsdp_conformance.policies import plan_policy, wrapping_label
 from fsdp_conformance.sizes import format_bytes
+from fsdp_conformance.step import measure_step
+
+# step is imported at module top, as in claims/memory.py: a parent that loaded this module has
+# its ranks' fork server preload step (and torch's memory trackers with it), instead of every
+# rank importing them at its first case.
 
 #: Trust: the estimate is an upper bound, checked with the memory checks' tolerance above it
 #: (a measured peak may exceed it by at most 10%)...
@@ -53,8 +58,6 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                                cases: Sequence[Mapping[str, Any]] | None = None,
                                batch_size: int = 2) -> dict[str, Any]:
     """The measured peak of one training step per case on this rank (step.measure_step)."""
-    from fsdp_conformance.step import measure_step
-
     # The planner's policies that step.measure_step can measure, as its wrapping labels.
     measured = {p: label for p in POLICIES if (label := wrapping_label(plan_policy(p)))}
     peaks = []

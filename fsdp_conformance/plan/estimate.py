@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from fsdp_conformance.plan.model import (
     meta_batch,
 )
 from fsdp_conformance.policies import plan_policy, policy_for
-from fsdp_conformance.profile import profile_activations
+from fsdp_conformance.profile import _unit_of, profile_activations
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
@@ -98,10 +99,43 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     units = plan_units(model, policy)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
-    activations = profile_step_activations(model, choice, units, settings)
+    activations = _activations_by_unit(model, choice, units, settings)
     return ModelPlan(choice=choice, settings=settings, model_class=type(model).__name__,
                      units=units, activations=activations, buffer_bytes=buffer_bytes,
                      param_shapes=shapes, seconds=time.perf_counter() - start)
+
+
+#: Per-module activation profiles of a meta model (every module its own unit), by the choice's
+#: label, the settings less the policy and the model's modules and parameter shapes (a model
+#: changed in place, e.g. sharded, is profiled again): the forward does not depend on the
+#: policy, so several policies planned on one model (:func:`compare_policies`) cost one forward.
+_MODULE_PROFILES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ActivationProfile]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
+                         settings: PlanSettings) -> ActivationProfile:
+    """:func:`profile_step_activations` for ``units``, regrouped from the model's per-module
+    profile. Exact: a tensor is counted for the innermost module running when it is made or
+    saved, and a unit's share is that of the modules it owns (profile.profile_activations)."""
+    modules = list(model.named_modules())
+    shape = (tuple((name, type(m)) for name, m in modules),
+             tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
+    key = (choice.label, dataclasses.replace(settings, policy=POLICIES[0]), shape)
+    profiles = _MODULE_PROFILES.setdefault(model, {})
+    names = {id(m): name for name, m in modules}
+    if key not in profiles:
+        every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0) for name, m in modules]
+        profiles[key] = profile_step_activations(model, choice, every, settings)
+    fine = profiles[key]
+    owner = _unit_of(model, units)
+    saved = {u.fqn: 0 for u in units}
+    produced = {u.fqn: 0 for u in units}
+    for module_id, unit in owner.items():
+        saved[unit] += fine.saved_bytes[names[module_id]]
+        produced[unit] += fine.produced_bytes[names[module_id]]
+    return ActivationProfile(input_bytes=fine.input_bytes, saved_bytes=saved,
+                             produced_bytes=produced)
 
 
 def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
@@ -282,9 +316,10 @@ def _never_fits_reason(plan: ModelPlan, top: Bound, device: int, max_w: int) -> 
 
 def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: Sequence[int],
                      device_bytes: Sequence[int], policies: Sequence[str] = POLICIES,
-                     max_world_size: int = MAX_WORLD_SIZE) -> dict[str, Any]:
-    """The estimate per policy and world size, and the devices each policy needs."""
-    model = build_meta_model(choice)
+                     max_world_size: int = MAX_WORLD_SIZE, model: Any = None) -> dict[str, Any]:
+    """The estimate per policy and world size, and the devices each policy needs. ``model``
+    (a meta model of ``choice``) is reused when given, as by :func:`plan_model`."""
+    model = build_meta_model(choice) if model is None else model
     rows, needed, plans = [], {}, {}
     for policy in policies:
         plan = plan_model(choice, dataclasses.replace(settings, policy=policy), model)
