@@ -276,8 +276,12 @@ def _register_exit_handler() -> None:
 #: in-process runs set ``HOME``, ``USERPROFILE`` and ``PY_COLORS``) and nothing a rank needs
 #: reads them while a process starts (``sys.path`` is set from the parent's, so the user
 #: site folder ``HOME`` names at start does not matter), so servers need not differ by them.
+#: ``TORCHINDUCTOR_CACHE_DIR`` is set in ``os.environ`` by the parent's first import of
+#: inductor (its default cache folder) and read by inductor only when it compiles: without it
+#: here, every pool started after that import would get a second server (about 4 CPU-s).
 AFTER_FORK_PREFIXES = ("PYTEST_", "FSDP_CONFORMANCE_")
-AFTER_FORK_NAMES = ("PYTHONPATH", "HOME", "USERPROFILE", "PY_COLORS", "COLUMNS", "LINES")
+AFTER_FORK_NAMES = ("PYTHONPATH", "HOME", "USERPROFILE", "PY_COLORS", "COLUMNS", "LINES",
+                    "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _set_after_fork(name: str) -> bool:
