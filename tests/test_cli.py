@@ -1,18 +1,26 @@
 """``fsdp-conformance run|compare`` and the user's own model, end to end.
 
-The real suite runs a few times only, narrowed with ``--checks``: once as a subprocess (the
-report, the table, progress, exit 0), once in process with an injected failing check (exit 1),
-once on a user model whose forward breaks (exit 1). Every bad input is checked through
-``main(argv)`` in process (``run --list`` validates the model without running a check), and
-the pytest front end (``--fsdp-model``) through ``pytester`` sessions in process.
+The real suite runs a few times only, narrowed with ``--checks``, all through ``main(argv)`` in
+process (the same exit code, table, progress and files as the console script): once on the
+reference models (the report, the table, progress, exit 0; several tests read that one run),
+once with an injected failing check (exit 1), once on a user model whose forward breaks (exit
+1). Every bad input is checked through ``main(argv)`` in process (``run --list`` validates the
+model without running a check), and the pytest front end (``--fsdp-model``) through ``pytester``
+sessions in process.
 
-The in-process runs borrow the session's warm rank pools (:func:`warm_pools`) instead of each
-starting and closing its own (two ranks importing torch: seconds each); the subprocess run
-starts and closes its own, as a user's run does.
+The runs borrow the session's warm rank pools (:func:`warm_pools`, or :func:`lend_pools` for the
+module's shared run and the inner pytest sessions) instead of each starting and closing its own
+(a fork server importing torch, then the ranks: seconds each). A user model the ranks build is
+defined in this module (the ranks import it by name, as they import this test module's checks):
+warm ranks cannot see a folder put on ``sys.path`` after they started. One test runs the console
+script itself, as a process: its exit code and its stderr on bad input (no traceback); the
+console script's exit 0 after a real run that starts and closes its own pools is
+``tests/test_user_model_hf.py``'s run from a model folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -21,12 +29,13 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch import nn
 
-from fsdp_conformance import cli, user_model
+from fsdp_conformance import cli, plugin, user_model
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
@@ -98,6 +107,47 @@ NOT_CALLABLE = 3
 '''
 
 
+# The user's model that ranks build is defined here, in real code: warm ranks import it by this
+# module's name (``--model test_cli:broken``), as they import any test module's checks.
+RANK_MODELS = __name__
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class BrokenNet(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("forward is broken on purpose")
+
+
+def build() -> nn.Module:
+    return Net()
+
+
+def broken() -> nn.Module:
+    return BrokenNet()
+
+
 @pytest.fixture(autouse=True)
 def _no_outer_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Runs here see only the settings a test gives them (no env, no repo pyproject table)."""
@@ -146,41 +196,73 @@ def assert_one_line_error(code: int, out: str, err: str, command: str, *parts: s
 
 
 # --------------------------------------------------------------------------------------------
-# run: a real, narrowed run (subprocess)
+# run: a real, narrowed run (in process, read by several tests)
 # --------------------------------------------------------------------------------------------
 
 
+class _LentPools:
+    """The session's pool manager, lent to a run of this module: its close leaves the pools
+    warm (the session closes them); everything else is the session manager's own."""
+
+    def __init__(self, manager: PoolManager) -> None:
+        self._manager = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def close(self, force: bool = False) -> None:
+        pass
+
+
+class Run(NamedTuple):
+    """What ``fsdp-conformance run`` gave: its exit code, stdout and stderr."""
+
+    code: int
+    out: str
+    err: str
+
+
 @pytest.fixture(scope="module")
-def real_run(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """`fsdp-conformance run --checks wrap.units.exact` on the reference models."""
+def reference_run(
+    rank_pools: PoolManager, tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Run, Path]:
+    """`fsdp-conformance run --checks wrap.units.exact --out out` on the reference models, once
+    for the module, through ``main`` in process on the session's warm pools, from a folder of
+    its own, with no outer settings and no CI job summary. Read by the tests
+    ``test_run_exits_0_and_writes_report_and_summary``,
+    ``test_run_report_has_the_schema_environment_settings_and_unit_trees``,
+    ``test_run_prints_the_table_and_progress_on_stderr`` and
+    ``test_compare_a_real_report_with_itself_and_with_a_changed_unit``.
+
+    (The job summary is appended to in ``test_run_no_plot_writes_no_picture_...``: a pool
+    started while a variable such as ``GITHUB_STEP_SUMMARY`` is set comes from a fork server
+    of its own, keyed by the ranks' environment.)"""
     directory = tmp_path_factory.mktemp("run")
-    step_summary = directory / "step_summary.md"
-    step_summary.write_text("earlier step\n")
-    result = run_cli(["run", "--checks", "wrap.units.exact", "--out", "out"], directory,
-                     {"GITHUB_STEP_SUMMARY": str(step_summary)})
-    return result, directory
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(suite, "PoolManager", lambda: _LentPools(rank_pools))
+        mp.chdir(directory)
+        for option in OPTIONS:
+            mp.delenv(option.env, raising=False)
+        mp.delenv("GITHUB_STEP_SUMMARY", raising=False)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["run", "--checks", "wrap.units.exact", "--out", "out"])
+    return Run(code, out.getvalue(), err.getvalue()), directory
 
 
-def test_run_exits_0_and_writes_report_and_summary(
-    real_run: tuple[subprocess.CompletedProcess[str], Path]
-) -> None:
-    result, directory = real_run
-    assert result.returncode == cli.EXIT_OK, result.stderr
+def test_run_exits_0_and_writes_report_and_summary(reference_run: tuple[Run, Path]) -> None:
+    result, directory = reference_run
+    assert result.code == cli.EXIT_OK, result.err
     out = directory / "out"
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "summary.md"]  # no temp files
     assert (out / "summary.md").read_text().startswith("## FSDP conformance: PASS")
-    # appended to the CI job summary, after what was there
-    assert (directory / "step_summary.md").read_text().startswith(
-        "earlier step\n## FSDP conformance: PASS")
-    assert result.stdout.splitlines()[-2:] == ["report: out/report.json", "summary: out/summary.md"]
+    assert result.out.splitlines()[-2:] == ["report: out/report.json", "summary: out/summary.md"]
 
 
 def test_run_report_has_the_schema_environment_settings_and_unit_trees(
-    real_run: tuple[subprocess.CompletedProcess[str], Path]
+    reference_run: tuple[Run, Path]
 ) -> None:
-    _, directory = real_run
+    _, directory = reference_run
     report = gate_report.load_report(str(directory / "out" / "report.json"))
     assert report["schema"] == "fsdp-conformance-report" and report["schema_version"] == 1
     assert report["environment"]["torch"] == torch.__version__
@@ -198,16 +280,14 @@ def test_run_report_has_the_schema_environment_settings_and_unit_trees(
         assert e["figures"]["units"] == len(units)
 
 
-def test_run_prints_the_table_and_progress_on_stderr(
-    real_run: tuple[subprocess.CompletedProcess[str], Path]
-) -> None:
-    result, _ = real_run
-    table = result.stdout
+def test_run_prints_the_table_and_progress_on_stderr(reference_run: tuple[Run, Path]) -> None:
+    result, _ = reference_run
+    table = result.out
     assert table.splitlines()[0].split() == ["check", "outcome", "key", "figures"]
     assert any(line.startswith("wrap.units.exact[cpu,ws2,fsdp1,massive]") and " PASSED " in line
                and "units 6" in line for line in table.splitlines())
     assert "4 passed, 0 failed, 0 skipped, 0 errors in " in table
-    err = result.stderr.splitlines()
+    err = result.err.splitlines()
     assert err[0].startswith(f"fsdp-conformance: torch {torch.__version__}")
     progress = [line for line in err if line.startswith("[")]
     assert [line.split(" ... ")[0] for line in progress] == [
@@ -220,11 +300,11 @@ def test_run_prints_the_table_and_progress_on_stderr(
 
 
 def test_compare_a_real_report_with_itself_and_with_a_changed_unit(
-    real_run: tuple[subprocess.CompletedProcess[str], Path],
+    reference_run: tuple[Run, Path],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    old = str(real_run[1] / "out" / "report.json")
+    old = str(reference_run[1] / "out" / "report.json")
     code, out, _ = main(["compare", old, old], capsys)
     assert code == cli.EXIT_OK and out.splitlines()[-1] == "no differences"
     changed = json.loads(Path(old).read_text())
@@ -294,15 +374,15 @@ def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
 
 
 def test_run_exits_1_when_the_user_models_forward_breaks(
-    user_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = main(["run", "--model", f"{USER_MODULE}:broken", "--block-cls", "Block",
+    code, out, _ = main(["run", "--model", f"{RANK_MODELS}:broken", "--block-cls", "Block",
                          "--checks", "wrap.train.fp32", "--out", str(tmp_path)], capsys)
     assert code == cli.EXIT_FAILED
     report = gate_report.load_report(str(tmp_path / "report.json"))
-    assert report["settings"]["model"] == f"{USER_MODULE}:broken"
+    assert report["settings"]["model"] == f"{RANK_MODELS}:broken"
     assert [(e["id"], e["outcome"]) for e in report["checks"]] == [
-        (f"wrap.train.fp32[cpu,ws2,{v},{USER_MODULE}:broken]", "error") for v in ("fsdp1", "fsdp2")
+        (f"wrap.train.fp32[cpu,ws2,{v},{RANK_MODELS}:broken]", "error") for v in ("fsdp1", "fsdp2")
     ]
     assert all("forward is broken on purpose" in e["message"] for e in report["checks"])
     assert "RuntimeError: forward is broken on purpose" in out  # the table's reason column
@@ -356,9 +436,12 @@ def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [TIMELINE])
     step_summary = tmp_path / "step.md"
+    step_summary.write_text("earlier step\n")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
     code, out, err = main(["run", "--out", str(tmp_path / "a")], capsys)
     assert code == cli.EXIT_OK, err
+    # appended to the CI job summary, after what was there
+    assert step_summary.read_text().startswith("earlier step\n## FSDP conformance: PASS")
     png = tmp_path / "a" / "memory_timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the control: this report has one
     assert PLOT_LINK in (tmp_path / "a" / "summary.md").read_text()
@@ -808,10 +891,11 @@ def test_compare_negative_thresholds_are_one_line_and_exit_2(
 
 @pytest.fixture
 def user_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """A project folder with the user's model module (importable by the inner session's ranks).
+    """A project folder with the user's model module, importable by the inner sessions.
 
     The inner sessions run in this process (``runpytest_inprocess``: a fresh config, the plugin
-    loaded by its entry point): the folder goes on ``sys.path``, which the rank pools pass on.
+    loaded by its entry point): the folder goes on ``sys.path``. (A session that runs checks on
+    a user model takes one the warm ranks can import: :data:`RANK_MODELS`.)
     """
     pytester.makepyfile(**{USER_MODULE: USER_MODEL})
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
@@ -843,19 +927,30 @@ def test_pytest_fsdp_model_bad_input_is_a_usage_error(
     assert "Traceback" not in result.stderr.str()
 
 
+class LendPools:
+    """A plugin for an inner pytest session: its ``rank_pools`` are the outer session's warm
+    pools, lent (the inner session's close leaves them warm)."""
+
+    def __init__(self, manager: PoolManager) -> None:
+        self.manager = _LentPools(manager)
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        config.stash[plugin.MANAGER_KEY] = self.manager  # type: ignore[assignment]
+
+
 def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
-    user_project: pytest.Pytester,
+    pytester: pytest.Pytester, rank_pools: PoolManager,
 ) -> None:
     # model from [tool.fsdp_conformance], block class from the command line: both sources at once
-    user_project.makepyprojecttoml(
-        f'[tool.fsdp_conformance]\nmodel = "{USER_MODULE}:build"\nworld_sizes = [2]\n')
-    result = user_project.runpytest_inprocess(
+    pytester.makepyprojecttoml(
+        f'[tool.fsdp_conformance]\nmodel = "{RANK_MODELS}:build"\nworld_sizes = [2]\n')
+    result = pytester.runpytest_inprocess(
         "-m", "cpu", "-k", "wrap.units", "-v", "-p", "no:cacheprovider",
-        "--fsdp-block-cls", "Block")
+        "--fsdp-block-cls", "Block", plugins=[LendPools(rank_pools)])
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines([
-        f"fsdp-conformance: torch {torch.__version__}*model {USER_MODULE}:build*",
-        f"*test_conformance?wrap.units.exact?fsdp1,{USER_MODULE}:build?-ws2-cpu? PASSED*",
+        f"fsdp-conformance: torch {torch.__version__}*model {RANK_MODELS}:build*",
+        f"*test_conformance?wrap.units.exact?fsdp1,{RANK_MODELS}:build?-ws2-cpu? PASSED*",
     ], consecutive=False)
 
 

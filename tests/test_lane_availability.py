@@ -3,7 +3,8 @@ said with the flag of the front end in use (``--fsdp-world-sizes`` under pytest,
 ``--world-sizes`` under ``fsdp-conformance run``).
 
 The machine's CUDA devices are faked (torch.cuda patched: one device) so that the gpu lane's
-"too few devices" reason is reached on the CPU build machines too.
+"too few devices" reason is reached on the CPU build machines too. The pytest front end is an
+inner session in this process (``runpytest_inprocess``), which sees the same patched torch.
 """
 
 from __future__ import annotations
@@ -20,19 +21,11 @@ from fsdp_conformance.settings import OPTIONS
 
 pytestmark = pytest.mark.cpu
 
-#: What the fake machine reports: one CUDA device, so world size 2 is one too many.
-FAKE_CUDA = """
-import torch
-
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
-torch.cuda.get_device_name = lambda *args, **kwargs: "Fake GPU"
-"""
-
 
 @pytest.fixture
 def one_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """torch.cuda reports one device; yields the list of torch's device-count queries."""
+    """torch.cuda reports one device (so world size 2 is one too many); yields the list of
+    torch's device-count queries."""
     import torch
 
     queries: list[int] = []
@@ -92,8 +85,7 @@ def test_fsdp_conformance_run_names_its_own_flag(
             "(tests without a world_size marker follow --world-sizes, e.g. 1)"), entry["message"]
 
 
-def test_pytest_names_its_own_flag(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(FAKE_CUDA)
+def test_pytest_names_its_own_flag(one_fake_gpu: list[int], pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_gpu="""
         import pytest
 
@@ -112,7 +104,7 @@ def test_pytest_names_its_own_flag(pytester: pytest.Pytester) -> None:
         def test_without_ranks(world_size):
             pass
         """)
-    result = pytester.runpytest_subprocess("-m", "gpu", "-rs", "--fsdp-world-sizes", "2")
+    result = pytester.runpytest_inprocess("-m", "gpu", "-rs", "--fsdp-world-sizes", "2")
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines([
         "SKIPPED [[]2[]] *gpu lane: world size 2 needs 2 CUDA devices, found 1 (one rank per "

@@ -279,9 +279,11 @@ def _register_exit_handler() -> None:
 #: ``TORCHINDUCTOR_CACHE_DIR`` is set in ``os.environ`` by the parent's first import of
 #: inductor (its default cache folder) and read by inductor only when it compiles: without it
 #: here, every pool started after that import would get a second server (about 4 CPU-s).
+#: ``GITHUB_STEP_SUMMARY`` (set by GitHub Actions for every step, set or removed by the CLI's
+#: tests) is read only by the CLI's parent process, when it writes the job summary.
 AFTER_FORK_PREFIXES = ("PYTEST_", "FSDP_CONFORMANCE_")
 AFTER_FORK_NAMES = ("PYTHONPATH", "HOME", "USERPROFILE", "PY_COLORS", "COLUMNS", "LINES",
-                    "TORCHINDUCTOR_CACHE_DIR")
+                    "TORCHINDUCTOR_CACHE_DIR", "GITHUB_STEP_SUMMARY")
 
 
 def _set_after_fork(name: str) -> bool:
