@@ -1,12 +1,9 @@
 """SIGTERM and SIGINT: a message, no rank process and no rank folder left, exit 128 + N.
 
 Fault injection on real subprocesses: ``fsdp-conformance run`` (and a pytest session) is
-started with a private ``TMPDIR``, signalled once every rank is inside a check that blocks
-until then (``test.blocks_until_signalled`` from ``tests/injected_checks.py``, and the pytest
-session's own), and then the exit code, the message, the rank processes (by pid) and the rank
-folders (``fsdp-conformance-ranks-*`` in that ``TMPDIR``) are checked. The checks do no work:
-what is tested is the signal, not a check, and waiting for the ranks' own word that they are
-in the check (a file each writes) makes the signal land mid-check however loaded the machine.
+started with a private ``TMPDIR``, signalled once its rank processes exist (a check is
+running), and then the exit code, the message, the rank processes (by pid) and the rank
+folders (``fsdp-conformance-ranks-*`` in that ``TMPDIR``) are checked.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import injected_checks
 import pytest
 
 from fsdp_conformance.harness import interrupts
@@ -68,36 +64,22 @@ def still_alive(pids: Sequence[int]) -> list[int]:
     return alive
 
 
-def in_check(proc: subprocess.Popen[str], directory: Path) -> list[int] | None:
-    """The run's rank processes once both ranks wrote their marker (see ``injected_checks``),
-    else None; fails the test if ``proc`` ended first."""
-    if proc.poll() is not None:
-        out, err = proc.communicate()
-        pytest.fail(f"the run ended (exit {proc.returncode}) before its ranks were in the "
-                    f"check:\n{out}\n{err}")
-    if not all(injected_checks.marker(directory, rank).exists() for rank in (0, 1)):
-        return None
-    # The server that forked them and both ranks (each rank's spec names the run's pid).
-    pids = rank_pids(proc.pid)
-    assert len(pids) >= 2, pids
-    return pids
-
-
-def signal_when_ranks_run(proc: subprocess.Popen[str], directory: Path, signums: Sequence[int],
+def signal_when_ranks_run(proc: subprocess.Popen[str], signums: Sequence[int],
                           gap_s: float = 0.02) -> list[int]:
-    """Wait until both ranks of ``proc`` are in the blocking check (their markers are in
-    ``directory``), send ``signums``; return the rank processes' pids."""
+    """Wait until ``proc`` has its rank processes, send ``signums``; return the ranks' pids."""
     deadline = time.monotonic() + START_LIMIT_S
-    while (pids := in_check(proc, directory)) is None:
-        if time.monotonic() > deadline:
+    pids: list[int] = []
+    while len(pids) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             out, err = proc.communicate()
-            pytest.fail(f"the ranks were not in the check after {START_LIMIT_S}s:\n{out}\n{err}")
+            pytest.fail(f"no rank processes appeared (exit {proc.returncode}):\n{out}\n{err}")
         time.sleep(0.05)
-    for i, signum in enumerate(signums):
-        if i:
-            time.sleep(gap_s)
+        pids = rank_pids(proc.pid)
+    time.sleep(0.5)  # the ranks joined their group and hold a check (or are about to)
+    for signum in signums:
         os.kill(proc.pid, signum)
+        time.sleep(gap_s)
     return pids
 
 
@@ -113,14 +95,11 @@ def finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
 def start_run(tmp_path: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], Path]:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = clean_env(tmpdir)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [*injected_checks.site_path(tmp_path), *(p for p in sys.path if p)])
-    # A check that blocks until the signal: the run is signalled mid-check, never after it.
+    # Checks that train: each takes long enough on a busy machine to be signalled mid-way.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_conformance.cli", "run", "--checks",
-         injected_checks.BLOCKING, "--out", str(tmp_path / "out"), *extra],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train",
+         "--out", str(tmp_path / "out"), *extra],
+        cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
     return proc, tmpdir
@@ -153,35 +132,36 @@ class Interrupted:
 
 
 def signal_each_when_its_ranks_run(
-    procs: Mapping[str, tuple[subprocess.Popen[str], Path]],
-    signals: Mapping[str, Sequence[int]], gap_s: float = 0.02,
+    procs: Mapping[str, subprocess.Popen[str]], signals: Mapping[str, Sequence[int]],
+    gap_s: float = 0.02,
 ) -> dict[str, list[int]]:
-    """:func:`signal_when_ranks_run` for several runs (process, folder) at once, each signalled
-    as soon as its own ranks are in the check."""
+    """:func:`signal_when_ranks_run` for several runs at once, each on its own clock."""
     deadline = time.monotonic() + START_LIMIT_S
+    found: dict[str, tuple[float, list[int]]] = {}
     signalled: dict[str, list[int]] = {}
-    try:
-        while len(signalled) < len(procs):
-            for name, (proc, directory) in procs.items():
-                if name in signalled:
-                    continue
-                pids = in_check(proc, directory)
-                if pids is not None:
-                    for i, signum in enumerate(signals[name]):
-                        if i:
-                            time.sleep(gap_s)
-                        os.kill(proc.pid, signum)
-                    signalled[name] = pids
-            if len(signalled) < len(procs):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"ranks not in the check after {START_LIMIT_S}s: "
-                                f"{sorted(set(procs) - set(signalled))}")
-                time.sleep(0.05)
-    except BaseException:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        raise
+    while len(signalled) < len(procs):
+        for name, proc in procs.items():
+            if name in signalled:
+                continue
+            if name not in found:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    for other in procs.values():
+                        other.kill()
+                    out, err = proc.communicate()
+                    pytest.fail(f"{name}: no rank processes appeared (exit {proc.returncode}):"
+                                f"\n{out}\n{err}")
+                pids = rank_pids(proc.pid)
+                if len(pids) >= 2:
+                    found[name] = (time.monotonic(), pids)
+            # As signal_when_ranks_run: the ranks joined their group and hold a check (or are
+            # about to) 0.5 s after they appeared.
+            elif time.monotonic() >= found[name][0] + 0.5:
+                for i, signum in enumerate(signals[name]):
+                    if i:
+                        time.sleep(gap_s)
+                    os.kill(proc.pid, signum)
+                signalled[name] = found[name][1]
+        time.sleep(0.05)
     return signalled
 
 
@@ -189,14 +169,11 @@ def signal_each_when_its_ranks_run(
 def interrupted_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Interrupted]]:
-    """The selected runs of RUNS (``fsdp-conformance run --checks test.blocks_until_signalled``),
-    started together and each signalled once both its ranks are in that check; read by
-    ``test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder[*]``, one run each.
+    """The selected runs of RUNS, started together and each signalled once its ranks exist.
 
-    Each run is mostly two processes importing torch (the run, its fork server), on one core:
-    started together on a 2-core machine they take about the CPU time they need, one after
-    another the sum of their wall times. Each is signalled on its own clock, as one started
-    alone would be.
+    Each run is mostly one process importing torch, on one core: started together on a 2-core
+    machine they take about the CPU time they need, one after another the sum of their wall
+    times. Each is signalled on its own clock, as one started alone would be.
     """
     # A pytest-xdist worker runs only some of the tests it collected: there each test runs
     # its own, so no worker starts another's.
@@ -211,8 +188,7 @@ def interrupted_runs(
     procs = {name: proc for name, (proc, _) in started.items()}
     try:
         pids = signal_each_when_its_ranks_run(
-            {name: (proc, tmpdir.parent) for name, (proc, tmpdir) in started.items()},
-            {name: [RUNS[name][0]] * RUNS[name][1] for name in needed})
+            procs, {name: [RUNS[name][0]] * RUNS[name][1] for name in needed})
         runs = {}
         for name, (proc, tmpdir) in started.items():
             runs[name] = finished(proc, tmpdir, pids[name])
@@ -239,8 +215,7 @@ def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
         # Named after the run, not the test: the rank sockets live under TMPDIR, and a unix
         # socket's path has at most 107 bytes.
         proc, tmpdir = start_run(tmp_path_factory.mktemp(run))
-        got = finished(proc, tmpdir,
-                       signal_when_ranks_run(proc, tmpdir.parent, [signum] * count))
+        got = finished(proc, tmpdir, signal_when_ranks_run(proc, [signum] * count))
     err = got.err
     assert got.returncode == code, err
     name = signal.Signals(signum).name
@@ -252,11 +227,8 @@ def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
     assert_cleaned_up(got.pids, got.tmpdir)
 
 
-#: A session whose one check blocks until the signal; each rank first writes its marker
-#: (``injected_checks.marker``) in the session's folder, which is the ranks' working directory.
 SLOW_TEST = """
 import time
-from pathlib import Path
 
 import pytest
 
@@ -264,7 +236,6 @@ pytestmark = pytest.mark.cpu
 
 
 def _sleep(ctx):
-    Path(f"rank{ctx.rank}.in_check").write_text("in")
     time.sleep(120)
 
 
@@ -273,12 +244,7 @@ def test_sleeps_on_the_ranks(ranks):
 """
 
 
-def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    # A short folder name, not the test's: the rank sockets live under TMPDIR, and a unix
-    # socket's path has at most 107 bytes (under pytest-xdist tmp_path's overflowed it).
-    tmp_path = tmp_path_factory.mktemp("session")
+def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(tmp_path: Path) -> None:
     (tmp_path / "test_slow.py").write_text(SLOW_TEST)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -288,7 +254,7 @@ def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(
         cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
-    pids = signal_when_ranks_run(proc, tmp_path, [signal.SIGTERM])
+    pids = signal_when_ranks_run(proc, [signal.SIGTERM])
     out, err = finish(proc)
     assert proc.returncode == 143, out + err
     assert "Interrupted: SIGTERM" in out, out
