@@ -8,6 +8,7 @@ folders (``fsdp-conformance-ranks-*`` in that ``TMPDIR``) are checked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -92,6 +93,24 @@ def finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
         pytest.fail(f"still running {EXIT_LIMIT_S}s after the signal:\n{out}\n{err}")
 
 
+def as_from_a_terminal() -> None:
+    """``preexec_fn`` of the runs and sessions signalled here: SIGINT at its default, as in a
+    process a terminal starts. A process started while SIGINT is ignored keeps it ignored (the
+    suite honours that: ``interrupts.install``), and in the whole lane this test's children
+    were once started so (the runs ignored SIGINT, not SIGTERM, although this process's Python
+    handler was never changed: see the session note); what is tested here is the run's answer
+    to a signal it can receive. Also printed: this process's ignored-signal mask at the start."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def ignored_here() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("SigIgn:"):
+                return line
+    return "SigIgn: unknown"
+
+
 def start_run(tmp_path: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], Path]:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -100,8 +119,9 @@ def start_run(tmp_path: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Pop
         [sys.executable, "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train",
          "--out", str(tmp_path / "out"), *extra],
         cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        text=True, preexec_fn=as_from_a_terminal,
     )
+    print(f"run {tmp_path.name} started; this process's {ignored_here()}")
     return proc, tmpdir
 
 
@@ -252,7 +272,7 @@ def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(tmp_path:
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_slow.py",
          "--basetemp", str(tmp_path / "basetemp")],
         cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        text=True, preexec_fn=as_from_a_terminal,
     )
     pids = signal_when_ranks_run(proc, [signal.SIGTERM])
     out, err = finish(proc)
