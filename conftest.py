@@ -3,8 +3,8 @@
 The suite's own plugin (fixtures, markers, options) is registered through the package's
 ``pytest11`` entry point, and ``pytester`` through ``-p pytester`` in pyproject's addopts, so
 this file declares no plugins: it is also loaded when ``--fsdp-model`` collects the checks from
-an editable install of this repository. It holds one fixture the tests share, ``warm_pools``,
-and imports torch only when that fixture is used.
+an editable install of this repository. It holds the fixtures the tests share, ``lent_pools`` and
+``warm_pools``, and imports torch only when they are used.
 """
 
 from __future__ import annotations
@@ -31,10 +31,18 @@ class _BorrowedPools:
         pass
 
 
+@pytest.fixture(scope="session")
+def lent_pools(rank_pools: PoolManager) -> PoolManager:
+    """The session's warm pools, lent to in-process runs of any fixture scope: closing the
+    lent manager leaves them warm (the session closes them)."""
+    return _BorrowedPools(rank_pools)  # type: ignore[return-value]
+
+
 @pytest.fixture
-def warm_pools(rank_pools: PoolManager, monkeypatch: pytest.MonkeyPatch) -> PoolManager:
+def warm_pools(rank_pools: PoolManager, lent_pools: PoolManager,
+               monkeypatch: pytest.MonkeyPatch) -> PoolManager:
     """In-process runs (``run_suite``, ``main(["run", ...])``) run on the session's warm pools."""
     from fsdp_conformance.gate import suite
 
-    monkeypatch.setattr(suite, "PoolManager", lambda: _BorrowedPools(rank_pools))
+    monkeypatch.setattr(suite, "PoolManager", lambda: lent_pools)
     return rank_pools

@@ -8,7 +8,7 @@ once with an injected failing check (exit 1), once on a user model whose forward
 model without running a check), and the pytest front end (``--fsdp-model``) through ``pytester``
 sessions in process.
 
-The runs borrow the session's warm rank pools (:func:`warm_pools`, or :func:`lend_pools` for the
+The runs borrow the session's warm rank pools (:func:`warm_pools`, or :func:`lent_pools` for the
 module's shared run and the inner pytest sessions) instead of each starting and closing its own
 (a fork server importing torch, then the ranks: seconds each). A user model the ranks build is
 defined in this module (the ranks import it by name, as they import this test module's checks):
@@ -200,20 +200,6 @@ def assert_one_line_error(code: int, out: str, err: str, command: str, *parts: s
 # --------------------------------------------------------------------------------------------
 
 
-class _LentPools:
-    """The session's pool manager, lent to a run of this module: its close leaves the pools
-    warm (the session closes them); everything else is the session manager's own."""
-
-    def __init__(self, manager: PoolManager) -> None:
-        self._manager = manager
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._manager, name)
-
-    def close(self, force: bool = False) -> None:
-        pass
-
-
 class Run(NamedTuple):
     """What ``fsdp-conformance run`` gave: its exit code, stdout and stderr."""
 
@@ -224,7 +210,7 @@ class Run(NamedTuple):
 
 @pytest.fixture(scope="module")
 def reference_run(
-    rank_pools: PoolManager, tmp_path_factory: pytest.TempPathFactory,
+    lent_pools: PoolManager, tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Run, Path]:
     """`fsdp-conformance run --checks wrap.units.exact --out out` on the reference models, once
     for the module, through ``main`` in process on the session's warm pools, from a folder of
@@ -234,13 +220,11 @@ def reference_run(
     ``test_run_prints_the_table_and_progress_on_stderr`` and
     ``test_compare_a_real_report_with_itself_and_with_a_changed_unit``.
 
-    (The job summary is appended to in ``test_run_no_plot_writes_no_picture_...``: a pool
-    started while a variable such as ``GITHUB_STEP_SUMMARY`` is set comes from a fork server
-    of its own, keyed by the ranks' environment.)"""
+    (The job summary is appended to in ``test_run_no_plot_writes_no_picture_...``.)"""
     directory = tmp_path_factory.mktemp("run")
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(suite, "PoolManager", lambda: _LentPools(rank_pools))
+        mp.setattr(suite, "PoolManager", lambda: lent_pools)
         mp.chdir(directory)
         for option in OPTIONS:
             mp.delenv(option.env, raising=False)
@@ -931,22 +915,22 @@ class LendPools:
     """A plugin for an inner pytest session: its ``rank_pools`` are the outer session's warm
     pools, lent (the inner session's close leaves them warm)."""
 
-    def __init__(self, manager: PoolManager) -> None:
-        self.manager = _LentPools(manager)
+    def __init__(self, lent: PoolManager) -> None:
+        self.manager = lent
 
     def pytest_configure(self, config: pytest.Config) -> None:
         config.stash[plugin.MANAGER_KEY] = self.manager  # type: ignore[assignment]
 
 
 def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
-    pytester: pytest.Pytester, rank_pools: PoolManager,
+    pytester: pytest.Pytester, lent_pools: PoolManager,
 ) -> None:
     # model from [tool.fsdp_conformance], block class from the command line: both sources at once
     pytester.makepyprojecttoml(
         f'[tool.fsdp_conformance]\nmodel = "{RANK_MODELS}:build"\nworld_sizes = [2]\n')
     result = pytester.runpytest_inprocess(
         "-m", "cpu", "-k", "wrap.units", "-v", "-p", "no:cacheprovider",
-        "--fsdp-block-cls", "Block", plugins=[LendPools(rank_pools)])
+        "--fsdp-block-cls", "Block", plugins=[LendPools(lent_pools)])
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines([
         f"fsdp-conformance: torch {torch.__version__}*model {RANK_MODELS}:build*",
