@@ -29,7 +29,7 @@ from fsdp_conformance.policies import policy_for
 from fsdp_conformance.units import ROOT, UnitInfo
 
 
-def _unit_of(model: torch.nn.Module, units: Sequence[UnitInfo]) -> dict[int, str]:
+def unit_of(model: torch.nn.Module, units: Sequence[UnitInfo]) -> dict[int, str]:
     """id(module) -> fqn of the unit that owns it (the closest enclosing unit module)."""
     fqns = {u.fqn for u in units}
     owner: dict[int, str] = {}
@@ -84,7 +84,7 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
     """
     TorchDispatchMode = torch_dispatch_mode_cls()
 
-    owner = _unit_of(model, units)
+    owner = unit_of(model, units)
     param_storages = {storage_key(p.untyped_storage()) for p in model.parameters()}
     stack: list[str] = [ROOT]
     saved: dict[str, int] = {u.fqn: 0 for u in units}

@@ -25,7 +25,7 @@ from fsdp_conformance.plan.model import (
     meta_batch,
 )
 from fsdp_conformance.policies import plan_policy, policy_for
-from fsdp_conformance.profile import _unit_of, profile_activations
+from fsdp_conformance.profile import profile_activations, unit_of
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
@@ -128,7 +128,7 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
         every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0) for name, m in modules]
         profiles[key] = profile_step_activations(model, choice, every, settings)
     fine = profiles[key]
-    owner = _unit_of(model, units)
+    owner = unit_of(model, units)
     saved = {u.fqn: 0 for u in units}
     produced = {u.fqn: 0 for u in units}
     for module_id, unit in owner.items():
