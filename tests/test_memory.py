@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pathlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from fsdp_conformance.bound import (
     per_layer_bound,
 )
 from fsdp_conformance.claims import memory
-from fsdp_conformance.claims.check import run_check
+from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
 from fsdp_conformance.models import LLAMA_PRESETS, ModelConfig, ModelSpec
@@ -133,18 +134,22 @@ def _step(ranks: Ranks, version: str, wrapping: str) -> tuple[list, dict]:
 @pytest.fixture(scope="module")
 def shared_runs() -> dict[tuple[Any, ...], list]:
     """Rank values of runs that several tests here read, by (what ran, device type, world
-    size, version); the first test to need one runs it (see :func:`_sawtooth_check_run`,
-    :func:`_depth_run`)."""
+    size, version); the first test to need one runs it (see :func:`_shared_check_run`)."""
     return {}
 
 
-def _sawtooth_check_run(ranks: Ranks, shared: dict, version: str) -> tuple[list, dict]:
-    """The ``memory.sawtooth`` check of ``version`` as ``fsdp-conformance run`` runs it: a
-    per-layer step plus the monolithic one for the picture (``compare_with``). Read by
-    test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth[fsdp2] (its per-layer
-    step) and test_sawtooth_check_records_the_monolithic_timeline_for_the_picture."""
-    check = next(c for c in memory.SAWTOOTH_CHECKS if c.params["version"] == version)
-    key = ("sawtooth", ranks.device_type, ranks.world_size, version)
+def _shared_check_run(ranks: Ranks, shared: dict, checks: Sequence[Check],
+                      version: str) -> tuple[list, dict]:
+    """The check of ``checks`` for ``version`` as ``fsdp-conformance run`` runs it, once per
+    module (rank values and params). Read, for ``memory.SAWTOOTH_CHECKS`` (a per-layer step
+    plus the monolithic one for the picture), by
+    test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth[fsdp2] and
+    test_sawtooth_check_records_the_monolithic_timeline_for_the_picture; for
+    ``memory.DEPTH_CHECKS`` (per-layer and monolithic steps at 2, 4 and 8 layers), by
+    test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows and
+    test_depth_check_fails_on_monolithic_wrapping (its monolithic steps)."""
+    check = next(c for c in checks if c.params["version"] == version)
+    key = (check.name, ranks.device_type, ranks.world_size, version)
     if key not in shared:
         shared[key] = ranks.run(check.rank_fn, **check.params)
     return shared[key], dict(check.params)
@@ -156,8 +161,9 @@ def test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth(
 ) -> None:
     # FSDP2's per-layer step is the sawtooth check's own (its monolithic "compare" step is the
     # picture's, read by test_sawtooth_check_records_the_monolithic_timeline_for_the_picture).
-    values, params = (_sawtooth_check_run(ranks, shared_runs, version) if version == "fsdp2"
-                      else _step(ranks, version, "per_layer"))
+    values, params = (
+        _shared_check_run(ranks, shared_runs, memory.SAWTOOTH_CHECKS, version)
+        if version == "fsdp2" else _step(ranks, version, "per_layer"))
     peak = memory.verdict_peak_within_bound(values, params)
     assert peak.passed, peak.message
     assert all(v["meters"][0]["peak"] <= peak.figures["limit_bytes"] for v in values)
@@ -202,7 +208,8 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(
     ranks: Ranks, shared_runs: dict
 ) -> None:
     check = memory.SAWTOOTH_CHECKS[1]
-    values, params = _sawtooth_check_run(ranks, shared_runs, check.params["version"])
+    values, params = _shared_check_run(ranks, shared_runs, memory.SAWTOOTH_CHECKS,
+                                       check.params["version"])
     verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
     compare = verdict.data["compare"]
@@ -215,18 +222,6 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(
 # ------------------------------------------------------------------------------------------
 # Depth invariance
 # ------------------------------------------------------------------------------------------
-
-
-def _depth_run(ranks: Ranks, shared: dict, version: str) -> tuple[list, dict]:
-    """The ``memory.depth_invariance`` check of ``version``: per-layer and monolithic steps at
-    2, 4 and 8 layers. Read by
-    test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows and
-    test_depth_check_fails_on_monolithic_wrapping (its monolithic steps)."""
-    check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    key = ("depth", ranks.device_type, ranks.world_size, version)
-    if key not in shared:
-        shared[key] = ranks.run(check.rank_fn, **check.params)
-    return shared[key], dict(check.params)
 
 
 def _as_measured_with(values: list, wrapping: str) -> list:
@@ -245,7 +240,7 @@ def test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows(
     ranks: Ranks, version: str, shared_runs: dict
 ) -> None:
     check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    values, params = _depth_run(ranks, shared_runs, version)
+    values, params = _shared_check_run(ranks, shared_runs, memory.DEPTH_CHECKS, version)
     verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
     assert verdict.figures["depths"] == [2, 4, 8]
@@ -318,7 +313,7 @@ def test_depth_check_fails_on_monolithic_wrapping(
     # The depth check judging monolithic wrapping (against itself as the reference): its
     # monolithic steps at 2, 4 and 8 layers are the reference steps of the check's own run.
     check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    values, params = _depth_run(ranks, shared_runs, version)
+    values, params = _shared_check_run(ranks, shared_runs, memory.DEPTH_CHECKS, version)
     verdict = check.verdict(_as_measured_with(values, "monolithic"),
                             {**params, "wrapping": "monolithic"})
     assert not verdict.passed
