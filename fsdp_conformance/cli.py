@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from fsdp_conformance.harness import forkserver, interrupts, launched_externally
+from fsdp_conformance.harness.pool import prestart_fork_server
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
@@ -233,13 +234,18 @@ def lanes_for(choice: str) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    settings = resolve_cli_settings(args)
+    if args.lane != "gpu" and not args.list and not launched_externally():
+        # Before anything imports torch (the lanes' CUDA count included) or the model: the CPU
+        # ranks' fork server imports the same on the other core meanwhile, not after them.
+        prestart_fork_server()
+    lanes = lanes_for(args.lane)
+
     from fsdp_conformance import user_model
     from fsdp_conformance.claims import all_checks
     from fsdp_conformance.gate import suite
     from fsdp_conformance.gate.report import environment_summary
 
-    settings = resolve_cli_settings(args)
-    lanes = lanes_for(args.lane)
     spec = user_model.user_spec(settings)
     if spec is not None:
         user_model.validate_user_model(spec, lanes, settings.world_sizes)

@@ -357,6 +357,38 @@ def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
     assert (tmp_path / "summary.md").read_text().startswith("## FSDP conformance: FAIL")
 
 
+def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The server imports torch on the other core while the run imports the model and the
+    checks: started first, and the one the run's pool forks its ranks from."""
+    from fsdp_conformance.harness import forkserver
+    from fsdp_conformance.harness.pool import prestart_fork_server
+
+    shared, served = forkserver.shared_servers(), []
+
+    class Recording:  # the session's servers (warm), each one handed out recorded
+        def server(self, env: Mapping[str, str]) -> forkserver.ForkServer:
+            served.append(shared.server(env))
+            return served[-1]
+
+        def pids(self) -> list[int]:
+            return shared.pids()
+
+    order: list[str] = []
+    monkeypatch.setattr(forkserver, "_SHARED", Recording())
+    monkeypatch.setattr(cli, "prestart_fork_server",
+                        lambda: order.append("fork server") or prestart_fork_server())
+    real_spec = user_model.user_spec
+    monkeypatch.setattr(user_model, "user_spec",
+                        lambda settings: order.append("model") or real_spec(settings))
+    monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
+    code, _, err = main(["run", "--out", str(tmp_path), "--no-plot"], capsys)
+    assert code == cli.EXIT_OK, err
+    assert order == ["fork server", "model"]
+    assert len(served) == 2 and served[0] is served[1], served  # the pool's is the early one
+
+
 def test_run_exits_1_when_the_user_models_forward_breaks(
     warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ the fork must preserve and what it must clean up, and what decides between fork 
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from fsdp_conformance.harness.forkserver import (
     preload_modules,
     shared_servers,
 )
+from fsdp_conformance.harness.pool import prestart_fork_server
 
 pytestmark = pytest.mark.cpu
 
@@ -137,8 +139,10 @@ def test_managers_of_one_process_share_one_server_per_environment() -> None:
 
 @needs_fork
 def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> None:
-    # The session's shared server: the other managers' pools forked from it are rebuilt too.
-    manager = PoolManager()
+    # A registry of its own: killing the process's shared server would take the session's warm
+    # pools with it, which every later test would have to start again.
+    servers = ForkServers()
+    manager = PoolManager(fork_servers=servers)
     try:
         run = dict(args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu",
                    timeout=60.0)
@@ -150,8 +154,37 @@ def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> N
         after = _values(manager.run_outcomes(_how_started, **run))
         assert {v["pid"] for v in after}.isdisjoint(pids)
         assert after[0]["ppid"] != before[0]["ppid"]  # a new server
+        assert servers.pids() == [after[0]["ppid"]]
     finally:
         manager.close()
+        servers.close()
+
+
+def _loaded_at_start(ctx: RankContext, name: str) -> bool:
+    return name in sys.modules
+
+
+@needs_fork
+def test_a_server_started_early_imports_before_each_fork_what_the_parent_loaded_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not in the base list, imported by no rank itself (only the report's plot needs it).
+    name = "fsdp_conformance.gate.plots"
+    monkeypatch.delitem(sys.modules, name, raising=False)  # restored after the test
+    servers = ForkServers()
+    manager = PoolManager(fork_servers=servers)
+    try:
+        assert prestart_fork_server(servers)  # as the CLI does, before its own imports
+        (server,) = servers.pids()
+        run = dict(args=(name,), kwargs={}, world_size=1, **{k: RUN[k] for k in (
+            "backend", "device_type", "timeout")})
+        assert _values(manager.run_outcomes(_loaded_at_start, **run)) == [False]
+        importlib.import_module(name)  # the parent imports it after the server started
+        assert _values(manager.run_outcomes(_loaded_at_start, fresh=True, **run)) == [True]
+        assert servers.pids() == [server]  # the same server, which imported it before forking
+    finally:
+        manager.close()
+        servers.close()
 
 
 def test_a_pool_without_fork_servers_starts_its_ranks_with_exec() -> None:

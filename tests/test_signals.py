@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_conformance import harness
 from fsdp_conformance.harness import interrupts
 
 pytestmark = pytest.mark.cpu
@@ -314,12 +315,16 @@ def test_a_launched_rank_interrupted_while_joining_the_group_names_itself(
                        "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(cli, "_launched_run", False)
+    # What the interrupt would stop: recorded, not done (this process's pools are the session's
+    # warm pools, shared by the tests after this one).
+    closed: list[bool] = []
+    monkeypatch.setattr(harness, "close_all_pools", lambda: closed.append(True))
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = cli._interrupted("run", interrupts.Interrupted(signal.SIGTERM))
     finally:
         for signum, handler in saved.items():  # _interrupted ignores both from then on
             signal.signal(signum, handler)
-    assert code == 143
+    assert code == 143 and closed == [True]
     assert "interrupted by SIGTERM; rank 1 of the launch stopped; no report written (exit 143)" \
         in capsys.readouterr().err

@@ -17,6 +17,7 @@ from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks
+from fsdp_conformance.harness.pool import prestart_fork_server
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
 from fsdp_conformance.user_model import user_spec
@@ -113,6 +114,13 @@ def run_suite(
     progress = Progress(len(plan), stream)
     entries: list[dict[str, Any]] = []
     manager = PoolManager() if launcher is None else None
+    if manager is not None:
+        # Checks whose ranks start fresh with variables of their own (allocator settings) fork
+        # from a server of that environment: started now, it imports torch during the checks
+        # before them instead of while the run waits.
+        for env in {tuple(sorted(c.env.items())) for lane, _, c, _ in plan
+                    if lane == "cpu" and c.env}:
+            prestart_fork_server(manager.fork_servers, dict(env))
     start = time.perf_counter()
     try:
         for lane, ws, check, params in plan:

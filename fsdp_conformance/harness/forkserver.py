@@ -223,6 +223,9 @@ class ForkServer:
             "exit_path": exit_path,
             "cwd": os.getcwd(),
             "env": dict(env),
+            # What the parent has imported by now: a server started before the parent imported
+            # the user's model imports it before this fork (once, for every later rank too).
+            "preload": preload_modules(),
         }
         try:
             self._conn.send(request)

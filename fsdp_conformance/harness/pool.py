@@ -95,6 +95,36 @@ def fit_timeout(
 RankProcess = subprocess.Popen[bytes] | ForkedProcess
 
 
+def rank_environment(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a pool's ranks start with: this process's, plus ``extra_env``."""
+    env = dict(os.environ)
+    env.update(extra_env or {})
+    # Checks are pickled by reference: the ranks must import what the parent imports.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("RANK", None)  # never let a stray launcher variable confuse the ranks
+    env.pop("WORLD_SIZE", None)
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def prestart_fork_server(fork_servers: ForkServers | None = None,
+                         env: Mapping[str, str] | None = None) -> bool:
+    """Start the fork server of this process's CPU pools (started with ``env`` added, as a
+    check's fresh ranks are) now, without waiting for it.
+
+    Its imports (torch and FSDP: seconds of CPU) then run on another core while this process
+    does other work; the first CPU pool forks from it once it is ready (the server is keyed by
+    :func:`rank_environment`, as the pool's will be, unless the environment changes before).
+    Returns False where ranks are not forked (no fork server on this platform).
+    """
+    if not fork_available():
+        return False
+    servers = shared_servers() if fork_servers is None else fork_servers
+    servers.server(rank_environment(env))
+    return True
+
+
 @dataclasses.dataclass
 class _Rank:
     rank: int
@@ -157,14 +187,7 @@ class RankPool:
         authkey = secrets.token_bytes(16)
         address = os.path.join(self._dir, "ctl.sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        env = dict(os.environ)
-        env.update(extra_env)
-        # Checks are pickled by reference: the ranks must import what the parent imports.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.pop("RANK", None)  # never let a stray launcher variable confuse the ranks
-        env.pop("WORLD_SIZE", None)
-        env.pop("LOCAL_RANK", None)
+        env = rank_environment(extra_env)
         procs: list[tuple[int, RankProcess, str, str]] = []
         deadline = time.monotonic() + start_timeout
         try:

@@ -209,6 +209,10 @@ def _shutdown() -> None:
 def serve_forks(spec: Mapping[str, Any]) -> None:
     """Import torch and the preload list once, then fork one rank per request until EOF.
 
+    A request names the parent's preload list as it is then (:func:`~fsdp_conformance.harness.
+    forkserver.preload_modules`): what the parent imported after this server started (the
+    user's model, transformers) is imported here before the fork, once for every later rank.
+
     The parent's side is :class:`fsdp_conformance.harness.forkserver.ForkServer` (the protocol:
     it sends a request dict, this answers the child's pid; this writes each child's exit status
     to the request's ``exit_path`` once it has reaped the child).
@@ -223,11 +227,19 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
     # ranks' own parent-death signal then takes them with this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
     conn = Connection(spec["fd"])
-    for name in spec["preload"]:
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:  # noqa: BLE001 - a rank that needs it reports the error
-            print(f"preload {name} failed: {exc!r}", file=sys.stderr)
+    tried: set[str] = set()
+
+    def preload(names: Sequence[str]) -> None:
+        for name in names:
+            if name in tried:
+                continue
+            tried.add(name)
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:  # noqa: BLE001 - a rank that needs it reports the error
+                print(f"preload {name} failed: {exc!r}", file=sys.stderr)
+
+    preload(spec["preload"])
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -249,6 +261,9 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
                 request = conn.recv()
             except (EOFError, OSError):
                 break  # the parent closed us: its pools are closed or it is gone
+            # What the parent has loaded since this server started (a server started early,
+            # before the parent imported the user's model): imported once, here, not per rank.
+            preload(request.get("preload", ()))
             pid = os.fork()
             if pid == 0:
                 _become_rank(request, conn, (wake_r, wake_w))
