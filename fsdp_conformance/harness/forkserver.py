@@ -242,7 +242,10 @@ class ForkServer:
             self._conn.close()
         if self._proc.poll() is None:
             try:
-                self._proc.wait(2.0)  # it exits once its connection closes
+                # It exits once its connection closes, but reads it only once it is ready: one
+                # still importing (started early, by a run that then stopped at a usage error)
+                # has forked nothing and is killed at once rather than waited for.
+                self._proc.wait(2.0 if self._ready else 0.0)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
