@@ -91,7 +91,7 @@ NEVER: dict[str, dict[str, str]] = {
 FOLDERS: dict[str, set[str]] = {
     "harness": {"protocol", "outcomes", "pool", "forkserver", "launcher", "ranks", "worker",
                 "clean_state", "interrupts"},
-    "claims": {"check", "wrap", "init", "memory", "plan_trust", "defaults"},
+    "claims": {"check", "wrap", "init", "memory", "plan_trust", "defaults", "state"},
     "plan": {"model", "estimate", "verify", "report"},
     "gate": {"suite", "report", "compare", "plots"},
 }

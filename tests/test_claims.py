@@ -17,7 +17,8 @@ def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
                                     "fsdp_conformance.claims.init",
                                     "fsdp_conformance.claims.memory",
                                     "fsdp_conformance.claims.plan_trust",
-                                    "fsdp_conformance.claims.defaults")
+                                    "fsdp_conformance.claims.defaults",
+                                    "fsdp_conformance.claims.state")
     expected: list[Check] = []
     for name in claims.CLAIM_MODULES:
         module_checks = importlib.import_module(name).CHECKS
@@ -25,4 +26,4 @@ def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
         expected.extend(module_checks)
     assert claims.all_checks() == expected
     prefixes = [c.name.split(".")[0] for c in claims.all_checks()]
-    assert prefixes == sorted(prefixes, key=["wrap", "init", "memory", "defaults"].index)
+    assert prefixes == sorted(prefixes, key=["wrap", "init", "memory", "defaults", "state"].index)

@@ -19,6 +19,7 @@ CLAIM_MODULES = (
     # The planner's estimate against measured peaks: named memory.*, reported after memory.
     "fsdp_conformance.claims.plan_trust",
     "fsdp_conformance.claims.defaults",
+    "fsdp_conformance.claims.state",
 )
 
 

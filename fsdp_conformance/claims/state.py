@@ -1,0 +1,271 @@
+"""The state claim: what a sharded model's state dicts hold, and that loading one gives the
+model back, bitwise equal to the single-process reference.
+
+One check, ``state.round_trip``, per FSDP version (issue 14, items 1 and 2; the optimizer's state
+dicts, ``summon_full_params`` and distributed checkpoints on disk are not built yet). Its rank
+function builds the model twice under different seeds and shards both the way a user does
+(``sharding.shard`` with the recommended policy). For each state-dict kind torch offers it takes
+the first model's state dict, loads it into the second, and reports a digest of every tensor of
+the second model's full state dict afterwards; for the full kinds, also of the dict it got. The
+parent builds the reference (the same seed, one process, ``state_dict()``) and compares every
+tensor bitwise: a kind whose load leaves any value other than the reference's fails, naming the
+tensor. Observed, not configured: what each getter returned (how many entries, which tensor
+types, on which device) is recorded per rank, and a rank-0-only getter that hands a non-zero
+rank a state dict fails.
+
+Kinds (``KINDS``): FSDP1 ``FULL_STATE_DICT`` (``offload_to_cpu`` on GPU, ``rank0_only`` off),
+``FULL_STATE_DICT`` with ``rank0_only`` (getter only: FSDP1 loads a full state dict on every
+rank), ``SHARDED_STATE_DICT``, ``LOCAL_STATE_DICT``; FSDP2 ``get_model_state_dict`` /
+``set_model_state_dict`` with ``StateDictOptions`` full (``cpu_offload`` on, so rank 0 alone
+holds it, loaded with ``broadcast_from_rank0``), full on every rank, and sharded (DTensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_conformance.claims.check import Check, Verdict, variants
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.policies import policy_for
+from fsdp_conformance.sharding import check_fsdp_version, shard
+
+#: The state-dict kinds of each FSDP version, in the order they run.
+KINDS: dict[str, tuple[str, ...]] = {
+    "fsdp1": ("full", "full_rank0_only", "sharded", "local"),
+    "fsdp2": ("full_rank0", "full", "sharded"),
+}
+#: Kinds whose getter hands rank 0 alone a state dict (the others get an empty one).
+RANK0_ONLY = frozenset({"full_rank0_only", "full_rank0"})
+#: Kinds only read, not loaded (FSDP1 loads a full state dict on every rank, not rank 0's).
+GET_ONLY = frozenset({"full_rank0_only"})
+#: Kinds whose dict holds full tensors: compared with the reference as got, before any load.
+FULL = frozenset({"full", "full_rank0_only", "full_rank0"})
+#: The model of the check: the memory checks' shape, small.
+DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=64))
+#: Added to one value of the dict before it is loaded (the negative control's wrong shard).
+PERTURBATION = 1e-3
+
+
+# ============================================================================================
+# Rank side
+# ============================================================================================
+
+
+def build_sharded(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> nn.Module:
+    """The model built under ``seed`` on the compute device and sharded as a user shards it."""
+    torch.manual_seed(seed)
+    model = spec.build(ctx.device)
+    return shard(model, ctx, version, policy_for("recommended", model, spec))
+
+
+@contextlib.contextmanager
+def _fsdp1_type(model: nn.Module, kind: str) -> Iterator[None]:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if kind in ("full", "full_rank0_only"):
+        # Offloaded to the CPU where the parameters are on a GPU, as users save. On the CPU the
+        # parameters are there already, and torch 2.13's FSDP1 cannot unshard CPU parameters
+        # with offload_to_cpu=True ("setStorage: ... out of bounds for storage of size 0").
+        offload = next(model.parameters()).device.type != "cpu"
+        config = FullStateDictConfig(offload_to_cpu=offload,
+                                     rank0_only=kind == "full_rank0_only")
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            yield
+    else:
+        which = {"sharded": StateDictType.SHARDED_STATE_DICT,
+                 "local": StateDictType.LOCAL_STATE_DICT}[kind]
+        with FSDP.state_dict_type(model, which):
+            yield
+
+
+def _fsdp2_options(kind: str, *, loading: bool = False) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if kind == "full_rank0":
+        return StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                broadcast_from_rank0=loading)
+    if kind == "full":
+        return StateDictOptions(full_state_dict=True)
+    return StateDictOptions()
+
+
+def get_state(model: nn.Module, version: str, kind: str) -> dict[str, Any]:
+    """The model's state dict of ``kind``, as torch hands it to a user."""
+    if version == "fsdp1":
+        with _fsdp1_type(model, kind):
+            return dict(model.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return dict(get_model_state_dict(model, options=_fsdp2_options(kind)))
+
+
+def set_state(model: nn.Module, version: str, kind: str, state: dict[str, Any]) -> None:
+    """Load ``state`` (of ``kind``) into ``model``, strictly (every key must match)."""
+    if version == "fsdp1":
+        with _fsdp1_type(model, kind):
+            model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_fsdp2_options(kind, loading=True))
+
+
+def _local(value: Any) -> torch.Tensor | None:
+    """The tensor of this rank's own data: a DTensor's or ShardedTensor's local shard."""
+    found: Any = value
+    if hasattr(value, "to_local"):  # DTensor
+        found = value.to_local()
+    elif hasattr(value, "local_shards"):  # FSDP1's ShardedTensor
+        shards = value.local_shards()
+        found = shards[0].tensor if shards else None
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def perturb_first_value(state: dict[str, Any]) -> str | None:
+    """Add :data:`PERTURBATION` to the first floating value this rank holds (by key order);
+    returns its key, or None where this rank holds none."""
+    for key in sorted(state):
+        t = _local(state[key])
+        if t is not None and t.is_floating_point() and t.numel():
+            with torch.no_grad():
+                t.view(-1)[0] += PERTURBATION
+            return key
+    return None
+
+
+def describe(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a getter returned: entries, tensor types and devices (observed, for the report)."""
+    types = sorted({type(v).__name__ for v in state.values()})
+    devices = sorted({str(t.device) for v in state.values() if (t := _local(v)) is not None})
+    return {"entries": len(state), "types": types, "devices": devices}
+
+
+def digests(state: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """Per tensor of a full state dict: dtype, shape, SHA-256 of its bytes, and its sum."""
+    out = {}
+    for key, value in state.items():
+        t = value.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8)
+        out[key] = [str(t.dtype), list(t.shape),
+                    hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
+                    float(t.double().sum()) if t.is_floating_point() else int(t.sum())]
+    return out
+
+
+def rank_state_round_trip(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                          version: str = "fsdp2", seed: int = 0,
+                          perturb: bool = False) -> dict[str, Any]:
+    """Every state-dict kind of ``version``: got from one sharded model, loaded into another.
+
+    ``perturb``: one value of each dict is changed before it is loaded (the negative control):
+    in a full dict on every rank that holds one, in a sharded or local dict in rank 0's shard.
+    """
+    check_fsdp_version(version)
+    source = build_sharded(ctx, spec, version, seed)
+    kinds: dict[str, Any] = {}
+    for kind in KINDS[version]:
+        state = get_state(source, version, kind)
+        entry: dict[str, Any] = {"got": describe(state)}
+        if kind in FULL and state:
+            entry["got_digests"] = digests(state)
+        if kind not in GET_ONLY:
+            # A full dict is the checkpoint itself: wrong on every rank that holds one. A sharded
+            # or local dict: rank 0's shard alone is wrong.
+            if perturb and (kind in FULL or ctx.rank == 0):
+                entry["perturbed"] = perturb_first_value(state)
+            target = build_sharded(ctx, spec, version, seed + 1)
+            set_state(target, version, kind, state)
+            entry["loaded_digests"] = digests(get_state(target, version, "full"))
+        kinds[kind] = entry
+    return {"rank": ctx.rank, "version": version, "kinds": kinds}
+
+
+# ============================================================================================
+# Verdict (parent side)
+# ============================================================================================
+
+
+def reference_digests(spec: ModelSpec, seed: int) -> dict[str, list[Any]]:
+    """The single-process reference: the same build under the same seed, ``state_dict()``."""
+    torch.manual_seed(seed)
+    return digests(spec.build("cpu").state_dict())
+
+
+def _differences(expected: Mapping[str, list[Any]], actual: Mapping[str, list[Any]]) -> list[str]:
+    lines = []
+    for key in sorted(set(expected) | set(actual)):
+        if key not in actual:
+            lines.append(f"{key}: missing (expected {expected[key][0]} {expected[key][1]})")
+        elif key not in expected:
+            lines.append(f"{key}: not in the reference's state dict")
+        elif actual[key][:3] != expected[key][:3]:
+            e, a = expected[key], actual[key]
+            lines.append(f"{key}: expected {e[0]} {e[1]} sum {e[3]:.9g}, "
+                         f"got {a[0]} {a[1]} sum {a[3]:.9g}")
+    return lines
+
+
+def _judge_rank(value: Mapping[str, Any],
+                expected: Mapping[str, list[Any]]) -> dict[str, list[str]]:
+    """Per kind, what differs from the reference on this rank (empty: the kind is right)."""
+    rank = value["rank"]
+    problems: dict[str, list[str]] = {}
+    for kind, entry in value["kinds"].items():
+        lines = []
+        if kind in RANK0_ONLY and rank != 0 and entry["got"]["entries"]:
+            lines.append(f"rank {rank} got {entry['got']['entries']} entries from a rank-0-only "
+                         "getter (expected none)")
+        if "got_digests" in entry:
+            lines += [f"as got: {d}" for d in _differences(expected, entry["got_digests"])]
+        elif kind in FULL and (kind not in RANK0_ONLY or rank == 0):
+            lines.append(f"rank {rank} got an empty full state dict")
+        if "loaded_digests" in entry:
+            lines += [f"after loading: {d}"
+                      for d in _differences(expected, entry["loaded_digests"])]
+        problems[kind] = lines
+    return problems
+
+
+def verdict_state_round_trip(values: Sequence[Mapping[str, Any]],
+                             params: Mapping[str, Any]) -> Verdict:
+    """Every kind, on every rank: the dict got and the model loaded from it equal the reference,
+    tensor by tensor, bitwise."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    version = params.get("version", "fsdp2")
+    expected = reference_digests(spec, params.get("seed", 0))
+    per_rank = {v["rank"]: _judge_rank(v, expected) for v in values}
+    kinds = list(values[0]["kinds"])
+    tree, bad = [], []
+    for kind in kinds:
+        wrong = {r: p[kind] for r, p in per_rank.items() if p.get(kind)}
+        loaded = "loaded" if kind not in GET_ONLY else "got only"
+        tree.append(f"  {kind} ({loaded}): " + ("ok" if not wrong else
+                    f"WRONG on rank(s) {', '.join(map(str, sorted(wrong)))}"))
+        for rank, lines in sorted(wrong.items()):
+            bad.append(kind)
+            tree += [f"      rank {rank}: {line}" for line in lines[:8]]
+            if len(lines) > 8:
+                tree.append(f"      rank {rank}: ... {len(lines) - 8} more")
+    got = {kind: values[0]["kinds"][kind]["got"] for kind in kinds}
+    figures = {"kinds": kinds, "tensors": len(expected), "failed_kinds": sorted(set(bad))}
+    head = (f"{version} {spec.name}: {len(kinds)} state-dict kind(s), {len(expected)} tensors, "
+            f"against the single-process reference, bitwise, on all {len(values)} ranks")
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"got_rank0": got})
+
+
+CHECKS: tuple[Check, ...] = variants(
+    "state.round_trip",
+    {"fsdp1": "FULL (rank 0 only and not), SHARDED and LOCAL state dicts: got and loaded into "
+              "another sharded model, equal to the reference bitwise",
+     "fsdp2": "get/set_model_state_dict full (rank 0 with broadcast, every rank) and sharded: "
+              "got and loaded into another sharded model, equal to the reference bitwise"},
+    rank_state_round_trip, verdict_state_round_trip, specs=(DEFAULT_SPEC,),
+)

@@ -1,0 +1,109 @@
+"""The state claim (issue 14, items 1 and 2 in part): state dicts got from a sharded model and
+loaded into another, against the single-process reference, bitwise.
+
+Each positive run has a negative control on the same model: a value changed before the load (in
+every full dict, in rank 0's shard of a sharded or local one) fails every loaded kind; a
+reference of another seed fails every kind, as got and as loaded; a rank-0-only getter that hands
+rank 1 a state dict fails.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from fsdp_conformance import hf_models
+from fsdp_conformance.claims import state
+from fsdp_conformance.claims.check import run_check
+from fsdp_conformance.harness import Ranks
+from fsdp_conformance.models import ModelSpec
+
+pytestmark = pytest.mark.cpu
+
+CHECK = {c.params["version"]: c for c in state.CHECKS}
+
+
+def gpt2_one_layer() -> Any:
+    """GPT-2-style, tied embeddings: the head and the embedding are one tensor under two keys."""
+    return hf_models.gpt2(num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def shared_runs() -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """Every rank's values of one clean run per (device type, world size, version): the positive
+    test and the parent-side negative controls judge the same values."""
+    return {}
+
+
+def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], list[dict[str, Any]]],
+                 version: str) -> list[dict[str, Any]]:
+    key = (ranks.device_type, ranks.world_size, version)
+    if key not in shared:
+        shared[key] = ranks.run(CHECK[version].rank_fn, **CHECK[version].params)
+    return shared[key]
+
+
+@pytest.mark.parametrize("version", sorted(CHECK))
+def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
+    ranks: Ranks, shared_runs: dict, version: str,
+) -> None:
+    values = clean_values(ranks, shared_runs, version)
+    verdict = CHECK[version].verdict(values, CHECK[version].params)
+    assert verdict.passed, verdict.message
+    assert verdict.figures["kinds"] == list(state.KINDS[version])
+    assert verdict.figures["failed_kinds"] == []
+    for value in values:
+        got = value["kinds"]
+        # Observed: what each getter handed this rank.
+        for kind in state.RANK0_ONLY & set(got):
+            assert (got[kind]["got"]["entries"] > 0) == (value["rank"] == 0), (kind, got[kind])
+        sharded_type = "DTensor" if version == "fsdp2" else "ShardedTensor"
+        assert sharded_type in got["sharded"]["got"]["types"], got["sharded"]
+
+
+@pytest.mark.parametrize("version", sorted(CHECK))
+def test_a_value_changed_before_loading_fails_every_loaded_kind(ranks: Ranks, version: str) -> None:
+    check = CHECK[version]
+    verdict = run_check(ranks, check, **{**check.params, "perturb": True})
+    loaded = [k for k in state.KINDS[version] if k not in state.GET_ONLY]
+    assert not verdict.passed
+    assert verdict.figures["failed_kinds"] == sorted(loaded), verdict.message
+    assert "after loading:" in verdict.message and "expected torch.float32" in verdict.message
+
+
+@pytest.mark.parametrize("version", sorted(CHECK))
+def test_a_reference_of_another_seed_fails_every_kind_as_got_and_as_loaded(
+    ranks: Ranks, shared_runs: dict, version: str,
+) -> None:
+    check = CHECK[version]
+    verdict = check.verdict(clean_values(ranks, shared_runs, version), {**check.params, "seed": 1})
+    assert not verdict.passed
+    assert verdict.figures["failed_kinds"] == sorted(state.KINDS[version])
+    assert "as got:" in verdict.message and "after loading:" in verdict.message
+
+
+def test_a_rank0_only_getter_that_hands_rank_1_a_dict_fails(
+    ranks: Ranks, shared_runs: dict,
+) -> None:
+    if ranks.world_size < 2:
+        pytest.skip("needs a rank 1: world size 2 or more")
+    values = copy.deepcopy(clean_values(ranks, shared_runs, "fsdp2"))
+    rank1 = next(v for v in values if v["rank"] == 1)
+    rank1["kinds"]["full_rank0"]["got"]["entries"] = 16
+    verdict = CHECK["fsdp2"].verdict(values, CHECK["fsdp2"].params)
+    assert not verdict.passed and verdict.figures["failed_kinds"] == ["full_rank0"]
+    assert "rank 1 got 16 entries from a rank-0-only getter (expected none)" in verdict.message
+
+
+@pytest.mark.parametrize("version", sorted(CHECK))
+def test_a_tied_transformers_model_round_trips_and_its_negative_control_fails(
+    ranks: Ranks, version: str,
+) -> None:
+    spec = ModelSpec(reference=None, factory=f"{__name__}:gpt2_one_layer")
+    check = CHECK[version]
+    clean = run_check(ranks, check, **{**check.params, "spec": spec})
+    assert clean.passed, clean.message
+    broken = run_check(ranks, check, **{**check.params, "spec": spec, "perturb": True})
+    assert not broken.passed and broken.figures["failed_kinds"], broken.message
