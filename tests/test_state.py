@@ -1,10 +1,11 @@
 """The state claim (issue 14, items 1 and 2 in part): state dicts got from a sharded model and
-loaded into another, against the single-process reference, bitwise.
+loaded into another, against the single-process reference, bitwise; a run resumed from model
+and optimizer state dicts against the unbroken run, bitwise.
 
 Each positive run has a negative control on the same model: a value changed before the load (in
 every full dict, in rank 0's shard of a sharded or local one) fails every loaded kind; a
 reference of another seed fails every kind, as got and as loaded; a rank-0-only getter that hands
-rank 1 a state dict fails.
+rank 1 a state dict fails; a run resumed without the optimizer's state fails.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 from typing import Any
 
 import pytest
+import torch
 
 from fsdp_conformance import hf_models
 from fsdp_conformance.claims import state
@@ -22,7 +24,7 @@ from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
 
-CHECK = {c.params["version"]: c for c in state.CHECKS}
+CHECK = {c.params["version"]: c for c in state.CHECKS if c.name == "state.round_trip"}
 
 
 def gpt2_one_layer() -> Any:
@@ -107,3 +109,36 @@ def test_a_tied_transformers_model_round_trips_and_its_negative_control_fails(
     assert clean.passed, clean.message
     broken = run_check(ranks, check, **{**check.params, "spec": spec, "perturb": True})
     assert not broken.passed and broken.figures["failed_kinds"], broken.message
+
+
+RESUME = {c.params["version"]: c for c in state.CHECKS if c.name == "state.resume"}
+
+
+@pytest.mark.parametrize("version", sorted(RESUME))
+def test_a_run_resumed_from_model_and_optimizer_state_equals_the_unbroken_run(
+    ranks: Ranks, version: str,
+) -> None:
+    check = RESUME[version]
+    verdict = run_check(ranks, check, **check.params)
+    assert verdict.passed, verdict.message
+    assert verdict.figures["kinds"] == list(state.RESUME_KINDS[version])
+    assert "resumed run equals the unbroken one" in verdict.message
+
+
+@pytest.mark.parametrize("version", sorted(RESUME))
+def test_a_resumed_run_without_the_optimizer_state_fails_every_kind(
+    ranks: Ranks, version: str,
+) -> None:
+    check = RESUME[version]
+    verdict = run_check(ranks, check, **{**check.params, "drop_optimizer": True})
+    assert not verdict.passed
+    assert verdict.figures["failed_kinds"] == sorted(state.RESUME_KINDS[version])
+    assert "after the resumed step:" in verdict.message
+
+
+def test_a_snapshot_is_a_copy_a_later_step_does_not_reach() -> None:
+    live = {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}
+    saved = state.snapshot(live)
+    live["step"] += 1
+    live["exp_avg"].mul_(0)
+    assert float(saved["step"]) == 2.0 and saved["exp_avg"].tolist() == [1.0, 1.0, 1.0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -261,6 +262,164 @@ def verdict_state_round_trip(values: Sequence[Mapping[str, Any]],
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"got_rank0": got})
 
 
+# ============================================================================================
+# Resuming: model and optimizer state saved mid-training, loaded into a fresh model
+# ============================================================================================
+
+#: The kinds of model and optimizer state dict a resumed run is loaded from, per version.
+RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "sharded"),
+                                            "fsdp2": ("full", "sharded")}
+#: Steps trained before the state is taken; the resumed step is one more.
+STEPS_BEFORE = 2
+#: The RNG seed both runs draw from in the resumed step (dropout masks alike).
+STEP_SEED = 1234
+
+
+@contextlib.contextmanager
+def _fsdp1_optim_type(model: nn.Module, kind: str) -> Iterator[None]:
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if kind == "full":
+        offload = next(model.parameters()).device.type != "cpu"  # as in _fsdp1_type
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=offload),
+                                  FullOptimStateDictConfig(offload_to_cpu=offload)):
+            yield
+    else:
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            yield
+
+
+def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str,
+                    kind: str) -> dict[str, Any]:
+    """The optimizer's state dict of ``kind``, as torch hands it to a user."""
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with _fsdp1_optim_type(model, kind):
+            return dict(FSDP.optim_state_dict(model, optim))
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return dict(get_optimizer_state_dict(model, optim, options=_fsdp2_options(kind)))
+
+
+def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str,
+                    state: dict[str, Any]) -> None:
+    """Load an optimizer state dict of ``kind`` into ``optim``."""
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with _fsdp1_optim_type(model, kind):
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state))
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optim, state, options=_fsdp2_options(kind, loading=True))
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` written to bytes and read back, as a checkpoint on disk would be.
+
+    torch's state dicts share storage with the live model and optimizer (a sharded dict holds
+    the parameters themselves; AdamW's ``step`` is handed over as the same tensor even in a full
+    dict): a later step would change a dict that was only referenced, not saved.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=False)
+    return loaded
+
+
+def _resumed_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any) -> dict[str, Any]:
+    """One more training step under :data:`STEP_SEED`; its loss and the full state after it."""
+    from fsdp_conformance.models import call_model, default_loss
+
+    torch.manual_seed(STEP_SEED)
+    loss = default_loss(call_model(model, batch))
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "loss_hex": float(loss.detach()).hex()}
+
+
+def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                      version: str = "fsdp2", seed: int = 0,
+                      drop_optimizer: bool = False) -> dict[str, Any]:
+    """Train :data:`STEPS_BEFORE` AdamW steps, take the model's and the optimizer's state dicts
+    of each kind, load them into a model and optimizer built under another seed, and take one
+    more step on both: the resumed run must equal the unbroken one (loss and every tensor,
+    bitwise). ``drop_optimizer``: the optimizer's state is not loaded (the negative control).
+    """
+    from fsdp_conformance.models import call_model, default_loss
+
+    check_fsdp_version(version)
+    source = build_sharded(ctx, spec, version, seed)
+    optim = torch.optim.AdamW(source.parameters(), lr=1e-2)
+    batch = spec.batch(source, 2, ctx.device)
+    for step in range(STEPS_BEFORE):
+        torch.manual_seed(STEP_SEED + 1 + step)
+        default_loss(call_model(source, batch)).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    saved = {kind: (snapshot(get_state(source, version, kind)),
+                    snapshot(get_optim_state(source, optim, version, kind)))
+             for kind in RESUME_KINDS[version]}
+    unbroken = _resumed_step(source, optim, batch)
+    unbroken["digests"] = digests(get_state(source, version, "full"))
+    kinds = {}
+    for kind, (model_state, optim_state) in saved.items():
+        target = build_sharded(ctx, spec, version, seed + 1)
+        target_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
+        set_state(target, version, kind, model_state)
+        if not drop_optimizer:
+            set_optim_state(target, target_optim, version, kind, optim_state)
+        resumed = _resumed_step(target, target_optim, batch)
+        resumed["digests"] = digests(get_state(target, version, "full"))
+        kinds[kind] = resumed
+    return {"rank": ctx.rank, "version": version, "unbroken": unbroken, "kinds": kinds}
+
+
+def verdict_state_resume(values: Sequence[Mapping[str, Any]],
+                         params: Mapping[str, Any]) -> Verdict:
+    """Per kind, on every rank: the resumed step's loss and the model after it equal the
+    unbroken run's, bitwise."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    version = params.get("version", "fsdp2")
+    kinds = list(values[0]["kinds"])
+    tree, bad = [], []
+    for kind in kinds:
+        wrong: dict[int, list[str]] = {}
+        for value in values:
+            unbroken, resumed = value["unbroken"], value["kinds"][kind]
+            lines = []
+            if resumed["loss_hex"] != unbroken["loss_hex"]:
+                lines.append(f"loss of the resumed step: expected {unbroken['loss']:.9g} "
+                             f"(unbroken run), got {resumed['loss']:.9g}")
+            lines += [f"after the resumed step: {d}"
+                      for d in _differences(unbroken["digests"], resumed["digests"])]
+            if lines:
+                wrong[value["rank"]] = lines
+        tree.append(f"  {kind}: " + ("resumed run equals the unbroken one" if not wrong else
+                                     f"WRONG on rank(s) {', '.join(map(str, sorted(wrong)))}"))
+        for rank, lines in sorted(wrong.items()):
+            bad.append(kind)
+            tree += [f"      rank {rank}: {line}" for line in lines[:8]]
+            if len(lines) > 8:
+                tree.append(f"      rank {rank}: ... {len(lines) - 8} more")
+    losses = {str(v["rank"]): v["unbroken"]["loss"] for v in values}
+    figures = {"kinds": kinds, "steps_before": STEPS_BEFORE, "failed_kinds": sorted(set(bad))}
+    head = (f"{version} {spec.name}: AdamW, {STEPS_BEFORE} steps, model and optimizer state "
+            f"saved ({', '.join(kinds)}), loaded into a fresh model, one more step against the "
+            f"unbroken run, bitwise, on all {len(values)} ranks")
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"unbroken_loss": losses})
+
+
 CHECKS: tuple[Check, ...] = variants(
     "state.round_trip",
     {"fsdp1": "FULL (rank 0 only and not), SHARDED and LOCAL state dicts: got and loaded into "
@@ -268,4 +427,11 @@ CHECKS: tuple[Check, ...] = variants(
      "fsdp2": "get/set_model_state_dict full (rank 0 with broadcast, every rank) and sharded: "
               "got and loaded into another sharded model, equal to the reference bitwise"},
     rank_state_round_trip, verdict_state_round_trip, specs=(DEFAULT_SPEC,),
+) + variants(
+    "state.resume",
+    {"fsdp1": "FSDP.optim_state_dict / optim_state_dict_to_load with FULL and SHARDED model "
+              "state after two AdamW steps: the resumed step equals the unbroken run bitwise",
+     "fsdp2": "get/set_optimizer_state_dict and get/set_model_state_dict, full and sharded, "
+              "after two AdamW steps: the resumed step equals the unbroken run bitwise"},
+    rank_state_resume, verdict_state_resume, specs=(DEFAULT_SPEC,),
 )
