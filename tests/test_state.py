@@ -1,11 +1,13 @@
 """The state claim (issue 14, items 1 and 2 in part): state dicts got from a sharded model and
 loaded into another, against the single-process reference, bitwise; a run resumed from model
-and optimizer state dicts against the unbroken run, bitwise.
+and optimizer state dicts against the unbroken run, bitwise; a distributed checkpoint (real
+files) loaded into both FSDP versions and into one unsharded process, against the reference.
 
 Each positive run has a negative control on the same model: a value changed before the load (in
 every full dict, in rank 0's shard of a sharded or local one) fails every loaded kind; a
 reference of another seed fails every kind, as got and as loaded; a rank-0-only getter that hands
-rank 1 a state dict fails; a run resumed without the optimizer's state fails.
+rank 1 a state dict fails; a run resumed without the optimizer's state fails; a checkpoint
+written with a wrong shard fails every target.
 """
 
 from __future__ import annotations
@@ -142,3 +144,38 @@ def test_a_snapshot_is_a_copy_a_later_step_does_not_reach() -> None:
     live["step"] += 1
     live["exp_avg"].mul_(0)
     assert float(saved["step"]) == 2.0 and saved["exp_avg"].tolist() == [1.0, 1.0, 1.0]
+
+
+DCP = {c.params["version"]: c for c in state.CHECKS if c.name == "state.dcp"}
+
+
+@pytest.mark.parametrize("version", sorted(DCP))
+def test_a_distributed_checkpoint_loads_into_both_versions_and_one_process_bitwise(
+    ranks: Ranks, version: str,
+) -> None:
+    check = DCP[version]
+    verdict = run_check(ranks, check, **check.params)
+    assert verdict.passed, verdict.message
+    assert verdict.figures["targets"] == ["fsdp1", "fsdp2", "unsharded"]
+    assert verdict.figures["files"] >= ranks.world_size  # a file per rank, and the metadata
+    assert f"at world size {ranks.world_size}" in verdict.message
+
+
+@pytest.mark.parametrize("version", sorted(DCP))
+def test_a_checkpoint_with_a_wrong_shard_fails_every_target(ranks: Ranks, version: str) -> None:
+    check = DCP[version]
+    verdict = run_check(ranks, check, **{**check.params, "perturb": True})
+    assert not verdict.passed
+    assert verdict.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], verdict.message
+
+
+@pytest.mark.parametrize("version", sorted(DCP))
+def test_a_tied_transformers_checkpoint_loads_everywhere_and_a_wrong_shard_fails(
+    ranks: Ranks, version: str,
+) -> None:
+    spec = ModelSpec(reference=None, factory=f"{__name__}:gpt2_one_layer")
+    check = DCP[version]
+    clean = run_check(ranks, check, **{**check.params, "spec": spec})
+    assert clean.passed, clean.message
+    broken = run_check(ranks, check, **{**check.params, "spec": spec, "perturb": True})
+    assert broken.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], broken.message

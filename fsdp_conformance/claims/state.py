@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -140,6 +141,21 @@ def perturb_first_value(state: dict[str, Any]) -> str | None:
                 t.view(-1)[0] += PERTURBATION
             return key
     return None
+
+
+def perturb_every_tensor(state: dict[str, Any]) -> list[str]:
+    """Add :data:`PERTURBATION` to the first value of every floating tensor this rank holds;
+    returns their keys. For a checkpoint: tied entries (GPT-2's head and embedding) are
+    separate copies once written, and a loader takes either, so a wrong shard in one of them
+    alone would go unnoticed by the loaders that read the other."""
+    changed = []
+    for key in sorted(state):
+        t = _local(state[key])
+        if t is not None and t.is_floating_point() and t.numel():
+            with torch.no_grad():
+                t.view(-1)[0] += PERTURBATION
+            changed.append(key)
+    return changed
 
 
 def describe(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -420,6 +436,111 @@ def verdict_state_resume(values: Sequence[Mapping[str, Any]],
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"unbroken_loss": losses})
 
 
+# ============================================================================================
+# Distributed checkpoints: real files, loaded into the other FSDP version and into one process
+# ============================================================================================
+
+#: Where a checkpoint saved by ``version`` is loaded: each FSDP version at the same world size,
+#: and an unsharded model in one process (``no_dist``: resharded to world size 1).
+DCP_TARGETS = ("fsdp1", "fsdp2", "unsharded")
+
+
+def _sharded_model_state(model: nn.Module, version: str) -> dict[str, Any]:
+    return get_state(model, version, "sharded")
+
+
+def save_checkpoint(model: nn.Module, version: str, path: str, *, perturb: bool,
+                    rank: int) -> None:
+    """The model's sharded state dict written with ``torch.distributed.checkpoint`` to ``path``
+    (``FileSystemWriter``: real files). ``perturb``: rank 0's shards are written with one value
+    of each changed (the negative control: a checkpoint with wrong shards)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    state = _sharded_model_state(model, version)
+    if perturb and rank == 0:
+        state = snapshot(state)  # not the live parameters
+        perturb_every_tensor(state)
+    save(state, storage_writer=FileSystemWriter(path))
+
+
+def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
+                    seed: int) -> dict[str, list[Any]]:
+    """A model built under another seed, loaded from the checkpoint at ``path``: sharded with
+    ``target`` ("fsdp1", "fsdp2"), or unsharded in this process alone; its full state's
+    digests."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader = FileSystemReader(path)
+    if target == "unsharded":
+        torch.manual_seed(seed)
+        plain = spec.build("cpu")
+        state = plain.state_dict()
+        load(state, storage_reader=reader, no_dist=True)
+        plain.load_state_dict(state)
+        return digests(plain.state_dict())
+    model = build_sharded(ctx, spec, target, seed)
+    state = _sharded_model_state(model, target)
+    load(state, storage_reader=reader)
+    set_state(model, target, "sharded", state)
+    return digests(get_state(model, target, "full"))
+
+
+def rank_state_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                   seed: int = 0, perturb: bool = False) -> dict[str, Any]:
+    """Save the sharded model with ``torch.distributed.checkpoint`` into a folder every rank
+    writes to, then load it into each of :data:`DCP_TARGETS`; every target's digests."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    check_fsdp_version(version)
+    holder = [tempfile.mkdtemp(prefix="fsdp-conformance-dcp-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = str(holder[0])
+    try:
+        source = build_sharded(ctx, spec, version, seed)
+        save_checkpoint(source, version, path, perturb=perturb, rank=ctx.rank)
+        files = sorted(os.listdir(path))
+        loaded = {target: load_checkpoint(ctx, spec, target, path, seed + 1)
+                  for target in DCP_TARGETS}
+    finally:
+        dist.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return {"rank": ctx.rank, "version": version, "files": files, "loaded": loaded}
+
+
+def verdict_state_dcp(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
+    """Every target, on every rank: the model loaded from the checkpoint equals the reference,
+    tensor by tensor, bitwise."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    version = params.get("version", "fsdp2")
+    expected = reference_digests(spec, params.get("seed", 0))
+    tree, bad = [], []
+    for target in DCP_TARGETS:
+        wrong = {v["rank"]: d for v in values
+                 if (d := _differences(expected, v["loaded"][target]))}
+        where = ("one process, no_dist: world size 1" if target == "unsharded"
+                 else f"{target} at world size {len(values)}")
+        tree.append(f"  loaded into {target} ({where}): " + (
+            "ok" if not wrong else f"WRONG on rank(s) {', '.join(map(str, sorted(wrong)))}"))
+        for rank, lines in sorted(wrong.items()):
+            bad.append(target)
+            tree += [f"      rank {rank}: {line}" for line in lines[:8]]
+            if len(lines) > 8:
+                tree.append(f"      rank {rank}: ... {len(lines) - 8} more")
+    files = values[0]["files"]
+    figures = {"targets": list(DCP_TARGETS), "files": len(files), "tensors": len(expected),
+               "failed_targets": sorted(set(bad))}
+    head = (f"{version} {spec.name}: sharded state saved with torch.distributed.checkpoint at "
+            f"world size {len(values)} ({len(files)} files), loaded into each target, against "
+            "the single-process reference, bitwise")
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"files": files})
+
+
 CHECKS: tuple[Check, ...] = variants(
     "state.round_trip",
     {"fsdp1": "FULL (rank 0 only and not), SHARDED and LOCAL state dicts: got and loaded into "
@@ -434,4 +555,12 @@ CHECKS: tuple[Check, ...] = variants(
      "fsdp2": "get/set_optimizer_state_dict and get/set_model_state_dict, full and sharded, "
               "after two AdamW steps: the resumed step equals the unbroken run bitwise"},
     rank_state_resume, verdict_state_resume, specs=(DEFAULT_SPEC,),
+) + variants(
+    "state.dcp",
+    {"fsdp1": "SHARDED_STATE_DICT saved with torch.distributed.checkpoint (real files), loaded "
+              "into FSDP1, FSDP2 and one unsharded process: equal to the reference bitwise",
+     "fsdp2": "get_model_state_dict saved with torch.distributed.checkpoint (real files), "
+              "loaded into FSDP2, FSDP1 and one unsharded process: equal to the reference "
+              "bitwise"},
+    rank_state_dcp, verdict_state_dcp, specs=(DEFAULT_SPEC,),
 )
