@@ -328,6 +328,36 @@ FAILING = Check("test.wrong", "every rank reports the expected value", _report_v
                 _verdict_expected, params={"value": 1, "expected": 2}, lanes=("cpu",))
 
 
+def _crash_rank1_inside_torch(ctx: Any, value: int, expected: int) -> dict[str, int]:
+    """Rank 1 dies of SIGSEGV inside a torch API (a callback torch's tree_map calls)."""
+    if ctx.rank == 1:
+        import ctypes
+
+        from torch.utils import _pytree
+
+        _pytree.tree_map(lambda _: ctypes.string_at(0), [0])
+    return {"rank": ctx.rank, "value": value}
+
+
+CRASHING = Check("test.crash", "rank 1 crashes inside torch", _crash_rank1_inside_torch,
+                 _verdict_expected, params={"value": 2, "expected": 2}, lanes=("cpu",))
+
+
+def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_signal(
+    warm_pools: PoolManager,
+) -> None:
+    """Issue 14, item 6: the crashed check names the rank, the signal and the torch function;
+    the pool is rebuilt and the run goes on."""
+    stream = io.StringIO()
+    report = suite.run_suite(Settings(), ["cpu"], checks=[CRASHING, PASSING], stream=stream)
+    crashed, after = report["checks"]
+    assert crashed["outcome"] == "error" and after["outcome"] == "passed", report["checks"]
+    assert "rank 1 died" in crashed["message"]
+    assert ("--- rank 1: died ---\nkilled by SIGSEGV (exit status -11) inside torch: "
+            "torch.utils._pytree.tree_map (crashed in torch.utils._pytree.") in crashed["message"]
+    assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "error": 1}
+
+
 def test_run_suite_reports_a_failing_check_as_failed_with_progress(
     warm_pools: PoolManager,
 ) -> None:

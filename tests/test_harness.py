@@ -734,7 +734,9 @@ def test_segfaulting_rank_shows_sigsegv_and_its_python_stack(faults: Session) ->
         [
             "*failed on 2 ranks: *rank 1 died*",
             "*--- rank 1: died ---",
-            "*killed by SIGSEGV (exit status -11) before reporting; its log ends:",
+            # Where it crashed, from faulthandler's stack: no torch frame, so the innermost.
+            "*killed by SIGSEGV (exit status -11) in string_at (*ctypes*) before reporting; "
+            "its log ends:",
             "*Fatal Python error: Segmentation fault*",
             "*in _segfault_rank1",
         ]
@@ -1123,3 +1125,28 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
         "timed out importing torch", "timed out connecting", "process group init timed out")
     ), first_line
     assert message.endswith("(the ranks had 0.1s to start, the rest of NOTE)")
+
+
+def test_crash_site_names_the_torch_function_called_or_the_innermost_frame() -> None:
+    from fsdp_conformance.harness.outcomes import crash_site
+
+    log = "\n".join([
+        "Fatal Python error: Segmentation fault",
+        "",
+        "Thread 0x00007f0 (most recent call first):",  # another thread: not the crashed one
+        '  File "/x/threading.py", line 331 in wait',
+        "",
+        "Current thread 0x00007f1 (most recent call first):",
+        '  File "/usr/lib/python3.11/ctypes/__init__.py", line 519 in string_at',
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2942 in all_reduce',
+        '  File "/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper',
+        '  File "/work/model.py", line 7 in step',
+        "",
+        "Extension modules: numpy",
+    ])
+    assert crash_site(log) == ("inside torch: torch.distributed.c10d_logger.wrapper (crashed in "
+                               "torch.distributed.distributed_c10d.all_reduce, line 2942)")
+    no_torch = log.replace("/site-packages/torch/", "/site-packages/other/")
+    assert crash_site(no_torch) == ("in string_at (/usr/lib/python3.11/ctypes/__init__.py, "
+                                    "line 519)")
+    assert crash_site("exited normally\n") is None

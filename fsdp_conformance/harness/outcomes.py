@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,53 @@ def _signal_name(code: int) -> str:
         return signal.Signals(code).name
     except ValueError:
         return f"signal {code}"
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def crash_site(log_text: str) -> str | None:
+    """Where a rank's crash happened, from the stack faulthandler wrote to its log.
+
+    The torch function the caller called and, where that differs, the innermost torch frame
+    (``torch.utils._pytree.tree_map (crashed in torch.utils._pytree.unflatten, line 1313)``);
+    without a torch frame, the innermost frame. None
+    where the log holds no crashed thread's stack (faulthandler prints it most recent first,
+    after "Current thread" or "Thread").
+    """
+    lines = log_text.splitlines()
+    starts = [i for i, ln in enumerate(lines)
+              if ln.startswith(("Current thread", "Thread 0x")) and "most recent call first" in ln]
+    if not starts:
+        return None
+    current = [i for i in starts if lines[i].startswith("Current thread")]
+    frames = []
+    for ln in lines[(current or starts)[0] + 1:]:
+        m = _FRAME.match(ln)
+        if not m:
+            break
+        frames.append(m)
+    if not frames:
+        return None
+    def torch_name(m: re.Match[str]) -> str | None:
+        path = m["path"].replace("\\", "/")
+        if "/torch/" not in path:
+            return None
+        module = "torch/" + path.rsplit("/torch/", 1)[1]
+        return f"{module.removesuffix('.py').replace('/', '.')}.{m['func']}"
+
+    names = [torch_name(m) for m in frames]
+    inner = next((i for i, name in enumerate(names) if name), None)
+    if inner is None:
+        m = frames[0]
+        return f"in {m['func']} ({m['path']}, line {m['line']})"
+    entry = inner  # the torch function the caller called: outward while frames stay in torch
+    while entry + 1 < len(names) and names[entry + 1]:
+        entry += 1
+    crashed = f"{names[inner]}, line {frames[inner]['line']}"
+    if entry == inner:
+        return f"inside torch: {crashed}"
+    return f"inside torch: {names[entry]} (crashed in {crashed})"
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -31,7 +31,12 @@ from fsdp_conformance.harness.forkserver import (
     fork_available,
     shared_servers,
 )
-from fsdp_conformance.harness.outcomes import STATUS_TITLE, HarnessError, describe_exit
+from fsdp_conformance.harness.outcomes import (
+    STATUS_TITLE,
+    HarnessError,
+    crash_site,
+    describe_exit,
+)
 from fsdp_conformance.harness.protocol import RankOutcome, function_name
 
 #: The harness's one logger; named explicitly, because users configure it by this name.
@@ -52,6 +57,9 @@ STACK_DUMP_WAIT_S = 0.5
 START_TIMEOUT_S = 60.0
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
+#: Lines of a dead rank's log searched for the stack of its crash (faulthandler's dump of every
+#: thread, the crashed one first, can be longer than the tail shown).
+CRASH_LOG_LINES = 2000
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,11 +432,13 @@ class RankPool:
                 r.proc.wait(2.0)
             except subprocess.TimeoutExpired:
                 pass
+            tail = _tail(r.log_path)
+            site = crash_site(_tail(r.log_path, CRASH_LOG_LINES))
             return RankOutcome(
                 r.rank,
                 "died",
-                detail=f"{describe_exit(r.proc.poll())} before reporting; its log ends:\n"
-                + _tail(r.log_path),
+                detail=f"{describe_exit(r.proc.poll())}{' ' + site if site else ''} before "
+                f"reporting; its log ends:\n{tail}",
             )
         except Exception as exc:  # noqa: BLE001 - the bytes arrived whole; only loading failed
             return RankOutcome(
