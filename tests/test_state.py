@@ -20,13 +20,18 @@ import torch
 
 from fsdp_conformance import hf_models
 from fsdp_conformance.claims import state
-from fsdp_conformance.claims.check import run_check
+from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
 
-CHECK = {c.params["version"]: c for c in state.CHECKS if c.name == "state.round_trip"}
+def by_version(name: str) -> dict[str, Check]:
+    """The claim's check ``name``, one per FSDP version."""
+    return {c.params["version"]: c for c in state.CHECKS if c.name == name}
+
+
+CHECK = by_version("state.round_trip")
 
 
 def gpt2_one_layer() -> Any:
@@ -113,7 +118,7 @@ def test_a_tied_transformers_model_round_trips_and_its_negative_control_fails(
     assert not broken.passed and broken.figures["failed_kinds"], broken.message
 
 
-RESUME = {c.params["version"]: c for c in state.CHECKS if c.name == "state.resume"}
+RESUME = by_version("state.resume")
 
 
 @pytest.mark.parametrize("version", sorted(RESUME))
@@ -146,7 +151,7 @@ def test_a_snapshot_is_a_copy_a_later_step_does_not_reach() -> None:
     assert float(saved["step"]) == 2.0 and saved["exp_avg"].tolist() == [1.0, 1.0, 1.0]
 
 
-DCP = {c.params["version"]: c for c in state.CHECKS if c.name == "state.dcp"}
+DCP = by_version("state.dcp")
 
 
 @pytest.mark.parametrize("version", sorted(DCP))

@@ -230,6 +230,18 @@ def _differences(expected: Mapping[str, list[Any]], actual: Mapping[str, list[An
     return lines
 
 
+def _section(label: str, ok: str, wrong: Mapping[int, Sequence[str]],
+             limit: int = 8) -> list[str]:
+    """One line per kind (``ok`` or the ranks it is wrong on), then each wrong rank's lines."""
+    ranks = ", ".join(map(str, sorted(wrong)))
+    lines = [f"  {label}: " + (ok if not wrong else f"WRONG on rank(s) {ranks}")]
+    for rank, problems in sorted(wrong.items()):
+        lines += [f"      rank {rank}: {p}" for p in problems[:limit]]
+        if len(problems) > limit:
+            lines.append(f"      rank {rank}: ... {len(problems) - limit} more")
+    return lines
+
+
 def _judge_rank(value: Mapping[str, Any],
                 expected: Mapping[str, list[Any]]) -> dict[str, list[str]]:
     """Per kind, what differs from the reference on this rank (empty: the kind is right)."""
@@ -264,13 +276,8 @@ def verdict_state_round_trip(values: Sequence[Mapping[str, Any]],
     for kind in kinds:
         wrong = {r: p[kind] for r, p in per_rank.items() if p.get(kind)}
         loaded = "loaded" if kind not in GET_ONLY else "got only"
-        tree.append(f"  {kind} ({loaded}): " + ("ok" if not wrong else
-                    f"WRONG on rank(s) {', '.join(map(str, sorted(wrong)))}"))
-        for rank, lines in sorted(wrong.items()):
-            bad.append(kind)
-            tree += [f"      rank {rank}: {line}" for line in lines[:8]]
-            if len(lines) > 8:
-                tree.append(f"      rank {rank}: ... {len(lines) - 8} more")
+        tree += _section(f"{kind} ({loaded})", "ok", wrong)
+        bad += [kind] if wrong else []
     got = {kind: values[0]["kinds"][kind]["got"] for kind in kinds}
     figures = {"kinds": kinds, "tensors": len(expected), "failed_kinds": sorted(set(bad))}
     head = (f"{version} {spec.name}: {len(kinds)} state-dict kind(s), {len(expected)} tensors, "
@@ -421,13 +428,8 @@ def verdict_state_resume(values: Sequence[Mapping[str, Any]],
                       for d in _differences(unbroken["digests"], resumed["digests"])]
             if lines:
                 wrong[value["rank"]] = lines
-        tree.append(f"  {kind}: " + ("resumed run equals the unbroken one" if not wrong else
-                                     f"WRONG on rank(s) {', '.join(map(str, sorted(wrong)))}"))
-        for rank, lines in sorted(wrong.items()):
-            bad.append(kind)
-            tree += [f"      rank {rank}: {line}" for line in lines[:8]]
-            if len(lines) > 8:
-                tree.append(f"      rank {rank}: ... {len(lines) - 8} more")
+        tree += _section(kind, "resumed run equals the unbroken one", wrong)
+        bad += [kind] if wrong else []
     losses = {str(v["rank"]): v["unbroken"]["loss"] for v in values}
     figures = {"kinds": kinds, "steps_before": STEPS_BEFORE, "failed_kinds": sorted(set(bad))}
     head = (f"{version} {spec.name}: AdamW, {STEPS_BEFORE} steps, model and optimizer state "
@@ -525,13 +527,8 @@ def verdict_state_dcp(values: Sequence[Mapping[str, Any]], params: Mapping[str, 
                  if (d := _differences(expected, v["loaded"][target]))}
         where = ("one process, no_dist: world size 1" if target == "unsharded"
                  else f"{target} at world size {len(values)}")
-        tree.append(f"  loaded into {target} ({where}): " + (
-            "ok" if not wrong else f"WRONG on rank(s) {', '.join(map(str, sorted(wrong)))}"))
-        for rank, lines in sorted(wrong.items()):
-            bad.append(target)
-            tree += [f"      rank {rank}: {line}" for line in lines[:8]]
-            if len(lines) > 8:
-                tree.append(f"      rank {rank}: ... {len(lines) - 8} more")
+        tree += _section(f"loaded into {target} ({where})", "ok", wrong)
+        bad += [target] if wrong else []
     files = values[0]["files"]
     figures = {"targets": list(DCP_TARGETS), "files": len(files), "tensors": len(expected),
                "failed_targets": sorted(set(bad))}
