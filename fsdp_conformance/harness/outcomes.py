@@ -79,7 +79,8 @@ def crash_site(log_text: str) -> str | None:
     """Where a rank's crash happened, from the stack faulthandler wrote to its log.
 
     The torch function the caller called and, where that differs, the innermost torch frame
-    (``torch.utils._pytree.tree_map (crashed in torch.utils._pytree.unflatten, line 1313)``);
+    (``torch.distributed.c10d_logger.wrapper (crashed in torch.distributed.distributed_c10d.
+    all_reduce, line 2942)``);
     without a torch frame, the innermost frame. None
     where the log holds no crashed thread's stack (faulthandler prints it most recent first,
     after "Current thread" or "Thread").
