@@ -184,3 +184,20 @@ def test_a_tied_transformers_checkpoint_loads_everywhere_and_a_wrong_shard_fails
     assert clean.passed, clean.message
     broken = run_check(ranks, check, **{**check.params, "spec": spec, "perturb": True})
     assert broken.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], broken.message
+
+
+(SUMMON,) = by_version("state.summon").values()
+
+
+def test_summon_full_params_shows_the_reference_and_keeps_a_change_only_with_writeback(
+    ranks: Ranks,
+) -> None:
+    verdict = run_check(ranks, SUMMON, **SUMMON.params)
+    assert verdict.passed, verdict.message
+    assert verdict.figures["cases"] == ["writeback", "no_writeback", "rank0_only"]
+
+
+def test_a_writeback_that_does_not_write_back_fails_that_case_only(ranks: Ranks) -> None:
+    verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "broken_writeback": True})
+    assert not verdict.passed and verdict.figures["failed_cases"] == ["writeback"]
+    assert "after the context:" in verdict.message

@@ -169,7 +169,10 @@ def digests(state: Mapping[str, Any]) -> dict[str, list[Any]]:
     """Per tensor of a full state dict: dtype, shape, SHA-256 of its bytes, and its sum."""
     out = {}
     for key, value in state.items():
-        t = value.detach().to("cpu").contiguous()
+        # A copy: a numpy view of the model's own storage would pin it (FSDP1 then cannot free
+        # its unsharded parameters when summon_full_params ends: "Trying to resize storage
+        # that is not resizable").
+        t = value.detach().to("cpu", copy=True).contiguous()
         raw = t.reshape(-1).view(torch.uint8)
         out[key] = [str(t.dtype), list(t.shape),
                     hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
@@ -538,6 +541,96 @@ def verdict_state_dcp(values: Sequence[Mapping[str, Any]], params: Mapping[str, 
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"files": files})
 
 
+# ============================================================================================
+# FSDP1's summon_full_params: what a rank sees inside, and what writeback keeps
+# ============================================================================================
+
+#: Added inside ``summon_full_params`` to every value of the first parameter (by name).
+WRITE_DELTA = 1.0
+#: The options of each case: (label, writeback, rank0_only).
+SUMMON_CASES = (("writeback", True, False), ("no_writeback", False, False),
+                ("rank0_only", False, True))
+
+
+def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp1",
+                      seed: int = 0, broken_writeback: bool = False) -> dict[str, Any]:
+    """Per case of :data:`SUMMON_CASES`: the full parameters a rank sees inside
+    ``FSDP.summon_full_params`` (their digests, where it holds them whole), then, but for
+    ``rank0_only``, one parameter changed inside, and the model's full state after the context.
+    ``offload_to_cpu`` where the parameters are on a GPU, as users call it.
+
+    ``rank0_only`` writes nothing: the other ranks hold their shards inside, and a write there
+    changes the model whatever ``writeback`` says (measured: docs/state.md).
+    ``broken_writeback``: the writeback case runs with ``writeback=False`` (the negative
+    control)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    check_fsdp_version(version)
+    if version != "fsdp1":
+        raise ValueError("summon_full_params is FSDP1's; FSDP2 has no such context")
+    cases: dict[str, Any] = {}
+    for label, writeback, rank0_only in SUMMON_CASES:
+        model = build_sharded(ctx, spec, version, seed)
+        offload = next(model.parameters()).device.type != "cpu"
+        with FSDP.summon_full_params(model, writeback=writeback and not broken_writeback,
+                                     rank0_only=rank0_only, offload_to_cpu=offload):
+            named = dict(model.named_parameters())
+            inside = {n: p for n, p in named.items()}
+            seen = digests({n: p.detach() for n, p in inside.items()})
+            changed = None if rank0_only else sorted(inside)[0]
+            if changed is not None:
+                with torch.no_grad():
+                    inside[changed].add_(WRITE_DELTA)
+        after = digests(get_state(model, version, "full"))
+        cases[label] = {"inside": seen, "after": after, "changed": changed}
+    return {"rank": ctx.rank, "cases": cases}
+
+
+def _clean(key: str) -> str:
+    return key.replace("_fsdp_wrapped_module.", "")
+
+
+def verdict_state_summon(values: Sequence[Mapping[str, Any]],
+                         params: Mapping[str, Any]) -> Verdict:
+    """Inside: every parameter whole and equal to the reference (on rank 0 alone with
+    ``rank0_only``). After: with writeback the change is in the model, without it the model is
+    the reference again; bitwise."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    seed = params.get("seed", 0)
+    torch.manual_seed(seed)
+    reference = spec.build("cpu")
+    expected = digests(reference.state_dict())
+    tree, bad = [], []
+    for label, writeback, rank0_only in SUMMON_CASES:
+        wrong: dict[int, list[str]] = {}
+        for value in values:
+            case = value["cases"][label]
+            lines = []
+            inside = {_clean(k): d for k, d in case["inside"].items()}
+            if not rank0_only or value["rank"] == 0:
+                params_only = {k: d for k, d in expected.items() if k in inside}
+                lines += [f"inside: {d}" for d in _differences(params_only, inside)]
+                if not params_only:
+                    lines.append("inside: no parameter of the reference seen")
+            want = dict(expected)
+            name = case["changed"]
+            if writeback and name is not None:
+                with torch.no_grad():
+                    changed = dict(reference.named_parameters())[_clean(name)].detach() \
+                        + WRITE_DELTA
+                want[_clean(name)] = digests({"x": changed})["x"]
+            lines += [f"after the context: {d}" for d in _differences(want, case["after"])]
+            if lines:
+                wrong[value["rank"]] = lines
+        ok = ("the change kept" if writeback else "the model unchanged") + " after the context"
+        tree += _section(label, ok, wrong)
+        bad += [label] if wrong else []
+    figures = {"cases": [c[0] for c in SUMMON_CASES], "failed_cases": bad}
+    head = (f"fsdp1 {spec.name}: summon_full_params, {len(SUMMON_CASES)} cases, against the "
+            f"single-process reference, bitwise, on all {len(values)} ranks")
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures)
+
+
 CHECKS: tuple[Check, ...] = variants(
     "state.round_trip",
     {"fsdp1": "FULL (rank 0 only and not), SHARDED and LOCAL state dicts: got and loaded into "
@@ -560,4 +653,9 @@ CHECKS: tuple[Check, ...] = variants(
               "loaded into FSDP2, FSDP1 and one unsharded process: equal to the reference "
               "bitwise"},
     rank_state_dcp, verdict_state_dcp, specs=(DEFAULT_SPEC,),
+) + variants(
+    "state.summon",
+    "FSDP1 summon_full_params (writeback on and off, rank0_only): whole parameters equal to the "
+    "reference inside, a change inside kept only with writeback",
+    rank_state_summon, verdict_state_summon, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
 )
