@@ -1,17 +1,20 @@
 """The state claim: what a sharded model's state dicts hold, and that loading one gives the
-model back, bitwise equal to the single-process reference.
+model back, bitwise equal to the single-process reference (docs/state.md).
 
-One check, ``state.round_trip``, per FSDP version (issue 14, items 1 and 2; the optimizer's state
-dicts, ``summon_full_params`` and distributed checkpoints on disk are not built yet). Its rank
-function builds the model twice under different seeds and shards both the way a user does
-(``sharding.shard`` with the recommended policy). For each state-dict kind torch offers it takes
-the first model's state dict, loads it into the second, and reports a digest of every tensor of
-the second model's full state dict afterwards; for the full kinds, also of the dict it got. The
-parent builds the reference (the same seed, one process, ``state_dict()``) and compares every
-tensor bitwise: a kind whose load leaves any value other than the reference's fails, naming the
-tensor. Observed, not configured: what each getter returned (how many entries, which tensor
-types, on which device) is recorded per rank, and a rank-0-only getter that hands a non-zero
-rank a state dict fails.
+Four checks: ``state.round_trip``, ``state.resume`` (model and optimizer state, a resumed step
+against the unbroken run), ``state.dcp`` (``torch.distributed.checkpoint`` files loaded into
+both FSDP versions and one process) and, FSDP1 only, ``state.summon``
+(``summon_full_params``).
+
+``state.round_trip``'s rank function builds the model twice under different seeds and shards
+both the way a user does (``sharding.shard`` with the recommended policy). For each state-dict
+kind torch offers it takes the first model's state dict, loads it into the second, and reports a
+digest of every tensor of the second model's full state dict afterwards; for the full kinds,
+also of the dict it got. The parent builds the reference (the same seed, one process,
+``state_dict()``) and compares every tensor bitwise: a kind whose load leaves any value other
+than the reference's fails, naming the tensor. Observed, not configured: what each getter
+returned (how many entries, which tensor types, on which device) is recorded per rank, and a
+rank-0-only getter that hands a non-zero rank a state dict fails.
 
 Kinds (``KINDS``): FSDP1 ``FULL_STATE_DICT`` (``offload_to_cpu`` on GPU, ``rank0_only`` off),
 ``FULL_STATE_DICT`` with ``rank0_only`` (getter only: FSDP1 loads a full state dict on every
@@ -37,6 +40,7 @@ from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import ModelConfig, ModelSpec
 from fsdp_conformance.policies import policy_for
 from fsdp_conformance.sharding import check_fsdp_version, shard
+from fsdp_conformance.units import clean_fqn
 
 #: The state-dict kinds of each FSDP version, in the order they run.
 KINDS: dict[str, tuple[str, ...]] = {
@@ -60,11 +64,23 @@ PERTURBATION = 1e-3
 # ============================================================================================
 
 
+def build(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The model built under ``seed``: the reference (on the CPU) or a rank's, before sharding."""
+    torch.manual_seed(seed)
+    return spec.build(device)
+
+
 def build_sharded(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> nn.Module:
     """The model built under ``seed`` on the compute device and sharded as a user shards it."""
-    torch.manual_seed(seed)
-    model = spec.build(ctx.device)
+    model = build(spec, seed, ctx.device)
     return shard(model, ctx, version, policy_for("recommended", model, spec))
+
+
+def _offload_to_cpu(model: nn.Module) -> bool:
+    """FSDP1's ``offload_to_cpu``: on where the parameters are on a GPU, as users save. On the
+    CPU they are there already, and torch 2.13's FSDP1 cannot unshard CPU parameters with it
+    ("setStorage: ... out of bounds for storage of size 0")."""
+    return next(model.parameters()).device.type != "cpu"
 
 
 @contextlib.contextmanager
@@ -73,11 +89,7 @@ def _fsdp1_type(model: nn.Module, kind: str) -> Iterator[None]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if kind in ("full", "full_rank0_only"):
-        # Offloaded to the CPU where the parameters are on a GPU, as users save. On the CPU the
-        # parameters are there already, and torch 2.13's FSDP1 cannot unshard CPU parameters
-        # with offload_to_cpu=True ("setStorage: ... out of bounds for storage of size 0").
-        offload = next(model.parameters()).device.type != "cpu"
-        config = FullStateDictConfig(offload_to_cpu=offload,
+        config = FullStateDictConfig(offload_to_cpu=_offload_to_cpu(model),
                                      rank0_only=kind == "full_rank0_only")
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             yield
@@ -131,23 +143,13 @@ def _local(value: Any) -> torch.Tensor | None:
     return found if isinstance(found, torch.Tensor) else None
 
 
-def perturb_first_value(state: dict[str, Any]) -> str | None:
-    """Add :data:`PERTURBATION` to the first floating value this rank holds (by key order);
-    returns its key, or None where this rank holds none."""
-    for key in sorted(state):
-        t = _local(state[key])
-        if t is not None and t.is_floating_point() and t.numel():
-            with torch.no_grad():
-                t.view(-1)[0] += PERTURBATION
-            return key
-    return None
+def perturb_values(state: dict[str, Any], *, every: bool = False) -> list[str]:
+    """Add :data:`PERTURBATION` to the first value of the first floating tensor this rank holds
+    (by key order), or with ``every`` of each; returns their keys (none where it holds none).
 
-
-def perturb_every_tensor(state: dict[str, Any]) -> list[str]:
-    """Add :data:`PERTURBATION` to the first value of every floating tensor this rank holds;
-    returns their keys. For a checkpoint: tied entries (GPT-2's head and embedding) are
-    separate copies once written, and a loader takes either, so a wrong shard in one of them
-    alone would go unnoticed by the loaders that read the other."""
+    ``every`` is for a checkpoint: tied entries (GPT-2's head and embedding) are separate
+    copies once written, and a loader takes either, so a wrong shard in one of them alone would
+    go unnoticed by the loaders that read the other."""
     changed = []
     for key in sorted(state):
         t = _local(state[key])
@@ -155,6 +157,8 @@ def perturb_every_tensor(state: dict[str, Any]) -> list[str]:
             with torch.no_grad():
                 t.view(-1)[0] += PERTURBATION
             changed.append(key)
+            if not every:
+                break
     return changed
 
 
@@ -200,7 +204,7 @@ def rank_state_round_trip(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
             # A full dict is the checkpoint itself: wrong on every rank that holds one. A sharded
             # or local dict: rank 0's shard alone is wrong.
             if perturb and (kind in FULL or ctx.rank == 0):
-                entry["perturbed"] = perturb_first_value(state)
+                entry["perturbed"] = perturb_values(state)
             target = build_sharded(ctx, spec, version, seed + 1)
             set_state(target, version, kind, state)
             entry["loaded_digests"] = digests(get_state(target, version, "full"))
@@ -215,8 +219,7 @@ def rank_state_round_trip(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
 
 def reference_digests(spec: ModelSpec, seed: int) -> dict[str, list[Any]]:
     """The single-process reference: the same build under the same seed, ``state_dict()``."""
-    torch.manual_seed(seed)
-    return digests(spec.build("cpu").state_dict())
+    return digests(build(spec, seed).state_dict())
 
 
 def _differences(expected: Mapping[str, list[Any]], actual: Mapping[str, list[Any]]) -> list[str]:
@@ -311,7 +314,7 @@ def _fsdp1_optim_type(model: nn.Module, kind: str) -> Iterator[None]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if kind == "full":
-        offload = next(model.parameters()).device.type != "cpu"  # as in _fsdp1_type
+        offload = _offload_to_cpu(model)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=offload),
                                   FullOptimStateDictConfig(offload_to_cpu=offload)):
@@ -362,16 +365,26 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     return loaded
 
 
-def _resumed_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any) -> dict[str, Any]:
-    """One more training step under :data:`STEP_SEED`; its loss and the full state after it."""
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
+                seed: int) -> float:
+    """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
     from fsdp_conformance.models import call_model, default_loss
 
-    torch.manual_seed(STEP_SEED)
+    torch.manual_seed(seed)
     loss = default_loss(call_model(model, batch))
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "loss_hex": float(loss.detach()).hex()}
+    return float(loss.detach())
+
+
+def _resumed_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
+                  version: str) -> dict[str, Any]:
+    """The step after the save, under :data:`STEP_SEED`: its loss (and its exact bits) and the
+    digests of the model's full state after it."""
+    loss = _train_step(model, optim, batch, STEP_SEED)
+    return {"loss": loss, "loss_hex": loss.hex(),
+            "digests": digests(get_state(model, version, "full"))}
 
 
 def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
@@ -382,22 +395,16 @@ def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     more step on both: the resumed run must equal the unbroken one (loss and every tensor,
     bitwise). ``drop_optimizer``: the optimizer's state is not loaded (the negative control).
     """
-    from fsdp_conformance.models import call_model, default_loss
-
     check_fsdp_version(version)
     source = build_sharded(ctx, spec, version, seed)
     optim = torch.optim.AdamW(source.parameters(), lr=1e-2)
     batch = spec.batch(source, 2, ctx.device)
     for step in range(STEPS_BEFORE):
-        torch.manual_seed(STEP_SEED + 1 + step)
-        default_loss(call_model(source, batch)).backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        _train_step(source, optim, batch, STEP_SEED + 1 + step)
     saved = {kind: (snapshot(get_state(source, version, kind)),
                     snapshot(get_optim_state(source, optim, version, kind)))
              for kind in RESUME_KINDS[version]}
-    unbroken = _resumed_step(source, optim, batch)
-    unbroken["digests"] = digests(get_state(source, version, "full"))
+    unbroken = _resumed_step(source, optim, batch, version)
     kinds = {}
     for kind, (model_state, optim_state) in saved.items():
         target = build_sharded(ctx, spec, version, seed + 1)
@@ -405,9 +412,7 @@ def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
         set_state(target, version, kind, model_state)
         if not drop_optimizer:
             set_optim_state(target, target_optim, version, kind, optim_state)
-        resumed = _resumed_step(target, target_optim, batch)
-        resumed["digests"] = digests(get_state(target, version, "full"))
-        kinds[kind] = resumed
+        kinds[kind] = _resumed_step(target, target_optim, batch, version)
     return {"rank": ctx.rank, "version": version, "unbroken": unbroken, "kinds": kinds}
 
 
@@ -450,10 +455,6 @@ def verdict_state_resume(values: Sequence[Mapping[str, Any]],
 DCP_TARGETS = ("fsdp1", "fsdp2", "unsharded")
 
 
-def _sharded_model_state(model: nn.Module, version: str) -> dict[str, Any]:
-    return get_state(model, version, "sharded")
-
-
 def save_checkpoint(model: nn.Module, version: str, path: str, *, perturb: bool,
                     rank: int) -> None:
     """The model's sharded state dict written with ``torch.distributed.checkpoint`` to ``path``
@@ -462,10 +463,10 @@ def save_checkpoint(model: nn.Module, version: str, path: str, *, perturb: bool,
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    state = _sharded_model_state(model, version)
+    state = get_state(model, version, "sharded")
     if perturb and rank == 0:
         state = snapshot(state)  # not the live parameters
-        perturb_every_tensor(state)
+        perturb_values(state, every=True)
     save(state, storage_writer=FileSystemWriter(path))
 
 
@@ -479,14 +480,13 @@ def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
 
     reader = FileSystemReader(path)
     if target == "unsharded":
-        torch.manual_seed(seed)
-        plain = spec.build("cpu")
+        plain = build(spec, seed)
         state = plain.state_dict()
         load(state, storage_reader=reader, no_dist=True)
         plain.load_state_dict(state)
         return digests(plain.state_dict())
     model = build_sharded(ctx, spec, target, seed)
-    state = _sharded_model_state(model, target)
+    state = get_state(model, target, "sharded")
     load(state, storage_reader=reader)
     set_state(model, target, "sharded", state)
     return digests(get_state(model, target, "full"))
@@ -571,12 +571,10 @@ def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version:
     cases: dict[str, Any] = {}
     for label, writeback, rank0_only in SUMMON_CASES:
         model = build_sharded(ctx, spec, version, seed)
-        offload = next(model.parameters()).device.type != "cpu"
         with FSDP.summon_full_params(model, writeback=writeback and not broken_writeback,
-                                     rank0_only=rank0_only, offload_to_cpu=offload):
-            named = dict(model.named_parameters())
-            inside = {n: p for n, p in named.items()}
-            seen = digests({n: p.detach() for n, p in inside.items()})
+                                     rank0_only=rank0_only, offload_to_cpu=_offload_to_cpu(model)):
+            inside = dict(model.named_parameters())
+            seen = digests(inside)
             changed = None if rank0_only else sorted(inside)[0]
             if changed is not None:
                 with torch.no_grad():
@@ -586,19 +584,13 @@ def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version:
     return {"rank": ctx.rank, "cases": cases}
 
 
-def _clean(key: str) -> str:
-    return key.replace("_fsdp_wrapped_module.", "")
-
-
 def verdict_state_summon(values: Sequence[Mapping[str, Any]],
                          params: Mapping[str, Any]) -> Verdict:
     """Inside: every parameter whole and equal to the reference (on rank 0 alone with
     ``rank0_only``). After: with writeback the change is in the model, without it the model is
     the reference again; bitwise."""
     spec = params.get("spec", DEFAULT_SPEC)
-    seed = params.get("seed", 0)
-    torch.manual_seed(seed)
-    reference = spec.build("cpu")
+    reference = build(spec, params.get("seed", 0))
     expected = digests(reference.state_dict())
     tree, bad = [], []
     for label, writeback, rank0_only in SUMMON_CASES:
@@ -606,7 +598,7 @@ def verdict_state_summon(values: Sequence[Mapping[str, Any]],
         for value in values:
             case = value["cases"][label]
             lines = []
-            inside = {_clean(k): d for k, d in case["inside"].items()}
+            inside = {clean_fqn(k): d for k, d in case["inside"].items()}
             if not rank0_only or value["rank"] == 0:
                 params_only = {k: d for k, d in expected.items() if k in inside}
                 lines += [f"inside: {d}" for d in _differences(params_only, inside)]
@@ -616,9 +608,9 @@ def verdict_state_summon(values: Sequence[Mapping[str, Any]],
             name = case["changed"]
             if writeback and name is not None:
                 with torch.no_grad():
-                    changed = dict(reference.named_parameters())[_clean(name)].detach() \
+                    changed = dict(reference.named_parameters())[clean_fqn(name)].detach() \
                         + WRITE_DELTA
-                want[_clean(name)] = digests({"x": changed})["x"]
+                want[clean_fqn(name)] = digests({"x": changed})["x"]
             lines += [f"after the context: {d}" for d in _differences(want, case["after"])]
             if lines:
                 wrong[value["rank"]] = lines

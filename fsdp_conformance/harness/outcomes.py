@@ -79,11 +79,10 @@ def crash_site(log_text: str) -> str | None:
     """Where a rank's crash happened, from the stack faulthandler wrote to its log.
 
     The torch function the caller called and, where that differs, the innermost torch frame
-    (``torch.distributed.c10d_logger.wrapper (crashed in torch.distributed.distributed_c10d.
-    all_reduce, line 2942)``);
-    without a torch frame, the innermost frame. None
-    where the log holds no crashed thread's stack (faulthandler prints it most recent first,
-    after "Current thread" or "Thread").
+    (``inside torch: torch.distributed.c10d_logger.wrapper (crashed in
+    torch.distributed.distributed_c10d.all_reduce, line 2942)``); without a torch frame, the
+    innermost frame. None where the log holds no crashed thread's stack (faulthandler prints it
+    most recent first, after "Current thread" or "Thread").
     """
     lines = log_text.splitlines()
     starts = [i for i, ln in enumerate(lines)
@@ -99,6 +98,7 @@ def crash_site(log_text: str) -> str | None:
         frames.append(m)
     if not frames:
         return None
+
     def torch_name(m: re.Match[str]) -> str | None:
         path = m["path"].replace("\\", "/")
         if "/torch/" not in path:

@@ -432,8 +432,9 @@ class RankPool:
                 r.proc.wait(2.0)
             except subprocess.TimeoutExpired:
                 pass
-            tail = _tail(r.log_path)
-            site = crash_site(_tail(r.log_path, CRASH_LOG_LINES))
+            searched = _tail(r.log_path, CRASH_LOG_LINES)  # read once: the tail shown is its end
+            site = crash_site(searched)
+            tail = "\n".join(searched.splitlines()[-LOG_TAIL_LINES:])
             return RankOutcome(
                 r.rank,
                 "died",
