@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_conformance.harness.outcomes import HarnessError
+from fsdp_conformance.harness.outcomes import HarnessError, describe_exit
 
 #: The worker module: the server runs its ``--fork-server`` mode (named, never imported here).
 WORKER_MODULE = "fsdp_conformance.harness.worker"
@@ -106,6 +106,9 @@ class ForkedProcess:
         self._server = server
         self.args = list(args)
         self.returncode: int | None = None
+        #: Set when the exit status could not be read (``returncode`` is then SIGKILL's, a
+        #: guess): why, for the failure message (:func:`~.pool.describe_rank_exit`).
+        self.exit_unknown = ""
         self._exit_path = exit_path
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
@@ -125,8 +128,14 @@ class ForkedProcess:
                 with open(self._exit_path, encoding="ascii") as f:
                     return int(f.read())
             except (OSError, ValueError):
-                if self._server.poll() is not None or time.monotonic() > deadline:
+                if self._server.poll() is not None:
                     # The server is gone: its ranks die with it (their parent-death signal).
+                    self.exit_unknown = (f"its fork server (pid {self._server.pid}) ended "
+                                         f"first, {describe_exit(self._server.returncode)}")
+                    return -signal.SIGKILL
+                if time.monotonic() > deadline:
+                    self.exit_unknown = (f"its fork server (pid {self._server.pid}) did not "
+                                         f"report it within {EXIT_STATUS_WAIT_S:g} s")
                     return -signal.SIGKILL
                 time.sleep(0.01)
 

@@ -300,7 +300,7 @@ class RankPool:
     def _start_failure(self, procs: list[Any], what: str) -> str:
         lines = [f"could not start {self.world_size} {self.backend} ranks: {what}"]
         for rank, proc, log_path, _ in procs:
-            lines.append(f"--- rank {rank}: {describe_exit(proc.poll())} ---")
+            lines.append(f"--- rank {rank}: {describe_rank_exit(proc)} ---")
             lines.append(_tail(log_path))
         return "\n".join(lines)
 
@@ -438,7 +438,7 @@ class RankPool:
             return RankOutcome(
                 r.rank,
                 "died",
-                detail=f"{describe_exit(r.proc.poll())}{' ' + site if site else ''} before "
+                detail=f"{describe_rank_exit(r.proc)}{' ' + site if site else ''} before "
                 f"reporting; its log ends:\n{tail}",
             )
         except Exception as exc:  # noqa: BLE001 - the bytes arrived whole; only loading failed
@@ -470,7 +470,7 @@ class RankPool:
                     text = f.read().strip()
             except OSError:
                 text = ""
-            dumps[r.rank] = text or f"(no stack dump: {describe_exit(r.proc.poll())})"
+            dumps[r.rank] = text or f"(no stack dump: {describe_rank_exit(r.proc)})"
         return dumps
 
 
@@ -498,6 +498,14 @@ def _main_path() -> str | None:
     if path and path.endswith(".py") and getattr(main, "__spec__", None) is None:
         return os.path.abspath(path)
     return None
+
+
+def describe_rank_exit(proc: RankProcess) -> str:
+    """How a rank process ended (:func:`describe_exit`), or that its status is unknown and why
+    (a forked rank whose server could not report it)."""
+    text = describe_exit(proc.poll())
+    unknown = getattr(proc, "exit_unknown", "")
+    return f"ended, exit status unknown: {unknown}" if unknown else text
 
 
 def _kill(proc: RankProcess) -> None:
