@@ -174,6 +174,32 @@ def test_a_checkpoint_with_a_wrong_shard_fails_every_target(ranks: Ranks, versio
     assert verdict.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], verdict.message
 
 
+RESHARD = by_version("state.reshard")
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("version", sorted(RESHARD))
+def test_a_checkpoint_saved_at_world_size_2_loads_at_4_into_both_versions_bitwise(
+    ranks: Ranks, version: str,
+) -> None:
+    check = RESHARD[version]
+    verdict = run_check(ranks, check, **check.params)
+    assert verdict.passed, verdict.message
+    assert (verdict.figures["saved_world_size"], verdict.figures["loaded_world_size"]) == (2, 4)
+    assert verdict.figures["targets"] == ["fsdp1", "fsdp2"]
+
+
+@pytest.mark.parametrize("version", sorted(RESHARD))
+def test_a_resharded_checkpoint_with_a_wrong_shard_fails_both_versions(
+    ranks: Ranks, version: str,
+) -> None:
+    check = RESHARD[version]
+    verdict = run_check(ranks, check, **{**check.params, "perturb": True})
+    assert not verdict.passed
+    assert verdict.figures["saved_world_size"] == max(1, ranks.world_size // 2)
+    assert verdict.figures["failed_targets"] == ["fsdp1", "fsdp2"], verdict.message
+
+
 @pytest.mark.parametrize("version", sorted(DCP))
 def test_a_tied_transformers_checkpoint_loads_everywhere_and_a_wrong_shard_fails(
     ranks: Ranks, version: str,

@@ -542,6 +542,95 @@ def verdict_state_dcp(values: Sequence[Mapping[str, Any]], params: Mapping[str, 
 
 
 # ============================================================================================
+# Resharding: a checkpoint saved by fewer ranks, loaded by the whole world
+# ============================================================================================
+
+#: Where a checkpoint saved at the smaller world size is loaded: both FSDP versions, at the
+#: whole world size.
+RESHARD_TARGETS = ("fsdp1", "fsdp2")
+
+
+def saving_ranks(world_size: int) -> int:
+    """How many ranks save the checkpoint that the whole world loads: half of them (at least
+    one), so that the load reshards (world size 2 saves at 1, world size 4 at 2)."""
+    return max(1, world_size // 2)
+
+
+def rank_state_reshard(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                       seed: int = 0, perturb: bool = False) -> dict[str, Any]:
+    """The first :func:`saving_ranks` ranks shard the model on a process group of their own and
+    save it with ``torch.distributed.checkpoint`` (that group's world size); then every rank
+    loads it into each of :data:`RESHARD_TARGETS` at the whole world size; every target's
+    digests. ``perturb``: rank 0 writes its shards with every tensor changed."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    check_fsdp_version(version)
+    savers = saving_ranks(ctx.world_size)
+    group = dist.new_group(ranks=list(range(savers)))  # every rank calls it, as c10d requires
+    holder = [tempfile.mkdtemp(prefix="fsdp-conformance-reshard-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = str(holder[0])
+    try:
+        if ctx.rank < savers:
+            model = build(spec, seed, ctx.device)
+            if version == "fsdp1":
+                on_group: dict[str, Any] = {"process_group": group}
+            else:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                on_group = {"mesh": DeviceMesh.from_group(group, ctx.device_type)}
+            source = shard(model, ctx, version, policy_for("recommended", model, spec),
+                           **on_group)
+            saved = get_state(source, version, "sharded")
+            if perturb and ctx.rank == 0:
+                # In place: the source is not used again. Not a snapshot: a ShardedTensor read
+                # back belongs to the default group, no longer to the savers' (DCP then waits
+                # for ranks that do not save).
+                perturb_values(saved, every=True)
+            save(saved, storage_writer=FileSystemWriter(path), process_group=group)
+        dist.barrier()
+        files = sorted(os.listdir(path))
+        loaded = {target: load_checkpoint(ctx, spec, target, path, seed + 1)
+                  for target in RESHARD_TARGETS}
+    finally:
+        dist.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.destroy_process_group(group)
+    return {"rank": ctx.rank, "version": version, "saved_by": savers, "files": files,
+            "loaded": loaded}
+
+
+def verdict_state_reshard(values: Sequence[Mapping[str, Any]],
+                          params: Mapping[str, Any]) -> Verdict:
+    """Every target, on every rank: the model loaded at the whole world size from the checkpoint
+    the smaller world saved equals the reference, tensor by tensor, bitwise."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    version = params.get("version", "fsdp2")
+    expected = reference_digests(spec, params.get("seed", 0))
+    saved_by = values[0]["saved_by"]
+    tree, bad = [], []
+    for target in RESHARD_TARGETS:
+        wrong = {v["rank"]: d for v in values
+                 if (d := _differences(expected, v["loaded"][target]))}
+        tree += _section(f"loaded into {target} at world size {len(values)}", "ok", wrong)
+        bad += [target] if wrong else []
+    files = values[0]["files"]
+    figures = {"saved_world_size": saved_by, "loaded_world_size": len(values),
+               "targets": list(RESHARD_TARGETS), "failed_targets": sorted(set(bad))}
+    head = (f"{version} {spec.name}: sharded state saved with torch.distributed.checkpoint by "
+            f"{saved_by} rank(s) on a group of their own ({len(files)} files), loaded at world "
+            f"size {len(values)} into each FSDP version, against the single-process reference, "
+            "bitwise")
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"files": files})
+
+
+# ============================================================================================
 # FSDP1's summon_full_params: what a rank sees inside, and what writeback keeps
 # ============================================================================================
 
@@ -645,6 +734,15 @@ CHECKS: tuple[Check, ...] = variants(
               "loaded into FSDP2, FSDP1 and one unsharded process: equal to the reference "
               "bitwise"},
     rank_state_dcp, verdict_state_dcp, specs=(DEFAULT_SPEC,),
+) + variants(
+    "state.reshard",
+    {"fsdp1": "SHARDED_STATE_DICT saved with torch.distributed.checkpoint by half the ranks (a "
+              "process group of their own), loaded by every rank into FSDP1 and FSDP2: equal "
+              "to the reference bitwise",
+     "fsdp2": "get_model_state_dict saved with torch.distributed.checkpoint by half the ranks "
+              "(a mesh of their own), loaded by every rank into FSDP2 and FSDP1: equal to the "
+              "reference bitwise"},
+    rank_state_reshard, verdict_state_reshard, specs=(DEFAULT_SPEC,),
 ) + variants(
     "state.summon",
     "FSDP1 summon_full_params (writeback on and off, rank0_only): whole parameters equal to the "
