@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write memory_timeline.png next to summary.md, which links it: the "
                      "memory timelines of the run (the default when the run has one); "
                      "--no-plot: do not")
+    run.add_argument("--save-checkpoint", metavar="DIR", default=None,
+                     help="also run state.checkpoint: save each variant's model with "
+                     "torch.distributed.checkpoint into DIR (a folder per variant, with the "
+                     "values saved and this torch's version), for --load-checkpoint on another "
+                     "torch (ci/upgrade-gate.sh)")
+    run.add_argument("--load-checkpoint", metavar="DIR", default=None,
+                     help="also run state.checkpoint: load the checkpoints a run with "
+                     "--save-checkpoint DIR wrote (on another torch) into FSDP1, FSDP2 and one "
+                     "process, and compare every value with the saved ones, bitwise")
     run.add_argument("--list", action="store_true", help="list the checks and exit")
 
     compare = sub.add_parser("compare", help="compare two reports: the torch-upgrade gate")
@@ -249,7 +258,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = user_model.user_spec(settings)
     if spec is not None:
         user_model.validate_user_model(spec, lanes, settings.world_sizes)
-    selected = suite.select_checks(all_checks(), spec, args.checks)
+    options = checkpoint_options(args)
+    selected = suite.select_checks(all_checks(), spec, args.checks, options)
     if not selected:
         # Before running anything: an empty report would pass any gate downstream.
         raise UsageError(f"no check matched --checks {args.checks!r}; see `fsdp-conformance run "
@@ -270,8 +280,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     if launched_externally():
         return _run_launched(args, settings, lanes, json_path, md_path)
     print(f"fsdp-conformance: {environment_summary(settings)}", file=sys.stderr)
-    report = suite.run_suite(settings, lanes, pattern=args.checks)
+    report = suite.run_suite(settings, lanes, pattern=args.checks, options=options)
     return _write_outputs(args, report, json_path, md_path)
+
+
+def checkpoint_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """``state.checkpoint``'s opt-in parameters from ``--save-checkpoint`` and
+    ``--load-checkpoint``, as absolute paths (ranks may run in another folder); a folder that
+    cannot be written or read is a usage error now, not a failed check later."""
+    save_to = load_from = None
+    if args.save_checkpoint is not None:
+        save_to = os.path.abspath(args.save_checkpoint)
+        try:
+            os.makedirs(save_to, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--save-checkpoint {args.save_checkpoint}: cannot make the folder "
+                             f"({exc.strerror}); give a folder you can write") from None
+        if not os.access(save_to, os.W_OK):
+            raise UsageError(f"--save-checkpoint {args.save_checkpoint}: not writable; give a "
+                             "folder you can write")
+    if args.load_checkpoint is not None:
+        load_from = os.path.abspath(args.load_checkpoint)
+        if not os.path.isdir(load_from):
+            raise UsageError(f"--load-checkpoint {args.load_checkpoint}: no such folder; give "
+                             "the folder a run with --save-checkpoint wrote")
+        if save_to is not None and os.path.samefile(save_to, load_from):
+            raise UsageError("--save-checkpoint and --load-checkpoint name the same folder: "
+                             "the save would replace what the load reads; give two folders")
+    return {"save_to": save_to, "load_from": load_from}
 
 
 def _write_outputs(args: argparse.Namespace, report: dict[str, Any], json_path: str,
@@ -343,7 +379,7 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
             log.write(header + "\n")
             log.flush()
         report = suite.run_suite(settings, lanes, pattern=args.checks, stream=log,
-                                 launcher=launcher)
+                                 launcher=launcher, options=checkpoint_options(args))
         if log is None:
             code = _write_outputs(args, report, json_path, md_path, rank_logs)
         else:

@@ -555,6 +555,27 @@ def test_checks_matching_nothing_is_exit_2_before_anything_runs(
     assert not (tmp_path / "o").exists()  # no empty report that a gate could take for a pass
 
 
+def test_checkpoint_folders_that_cannot_work_are_exit_2_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "never-saved"
+    code, out, err = main(["run", "--load-checkpoint", str(missing), "--out",
+                           str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, out, err, "run", f"--load-checkpoint {missing}: no such folder",
+                          "--save-checkpoint")
+    both = tmp_path / "both"
+    both.mkdir()
+    code, out, err = main(["run", "--save-checkpoint", str(both), "--load-checkpoint",
+                           str(both), "--out", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, out, err, "run", "name the same folder", "give two folders")
+    assert not (tmp_path / "o").exists()
+    code, out, _ = main(["run", "--list", "--save-checkpoint", str(tmp_path / "ck"),
+                         "--checks", "state.checkpoint"], capsys)
+    assert code == cli.EXIT_OK
+    assert [line.split()[0] for line in out.splitlines()] == [
+        "state.checkpoint[fsdp1,massive]", "state.checkpoint[fsdp2,massive]"]
+
+
 # --------------------------------------------------------------------------------------------
 # The user's model: bad input, one line each (in process; --list validates without running)
 # --------------------------------------------------------------------------------------------

@@ -227,3 +227,69 @@ def test_a_writeback_that_does_not_write_back_fails_that_case_only(ranks: Ranks)
     verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "broken_writeback": True})
     assert not verdict.passed and verdict.figures["failed_cases"] == ["writeback"]
     assert "after the context:" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# state.checkpoint: saved by one run, loaded by another (run --save-/--load-checkpoint)
+# --------------------------------------------------------------------------------------------
+
+CHECKPOINT = by_version("state.checkpoint")
+
+
+def test_the_checkpoint_check_runs_only_in_a_run_that_gives_a_folder(tmp_path: Any) -> None:
+    from fsdp_conformance.gate import suite
+
+    names = {c.name for c, _ in suite.select_checks(state.CHECKS, None)}
+    assert "state.checkpoint" not in names and "state.dcp" in names
+    chosen = suite.select_checks(state.CHECKS, None, "state.checkpoint",
+                                 {"save_to": str(tmp_path), "load_from": None})
+    assert [(c.name, p["save_to"], p["load_from"]) for c, p in chosen] == [
+        ("state.checkpoint", str(tmp_path), None)] * 2
+
+
+@pytest.mark.parametrize("version", sorted(CHECKPOINT))
+def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
+    ranks: Ranks, version: str, tmp_path: Any,
+) -> None:
+    check = CHECKPOINT[version]
+    saved = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path)})
+    assert saved.passed, saved.message
+    folder = tmp_path / f"{version}-{check.params['spec'].name}"
+    manifest = __import__("json").loads((folder / state.MANIFEST).read_text())
+    assert (manifest["torch"], manifest["world_size"]) == (torch.__version__, ranks.world_size)
+    loaded = run_check(ranks, check, **{**check.params, "load_from": str(tmp_path)})
+    assert loaded.passed, loaded.message
+    assert loaded.figures["saved_with_torch"] == torch.__version__
+    assert loaded.figures["failed"] == []
+    # Negative controls: a loader that reads one wrong value fails every target; a save that
+    # writes rank 0's shards changed fails its read-back.
+    wrong = run_check(ranks, check, **{**check.params, "load_from": str(tmp_path),
+                                       "perturb": True})
+    assert wrong.figures["failed"] == ["load:fsdp1", "load:fsdp2", "load:unsharded"], \
+        wrong.message
+    bad_save = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path / "again"),
+                                          "perturb": True})
+    assert bad_save.figures["failed"] == ["save"], bad_save.message
+
+
+def test_loading_from_a_folder_without_the_variant_skips_naming_the_save_flag(
+    ranks: Ranks, tmp_path: Any,
+) -> None:
+    check = CHECKPOINT["fsdp2"]
+    # Every rank skips, so the plugin's skip (pytest.skip) is what run_check raises.
+    with pytest.raises(pytest.skip.Exception, match="run --save-checkpoint"):
+        run_check(ranks, check, **{**check.params, "load_from": str(tmp_path)})
+
+
+def test_saving_into_a_folder_of_other_files_is_refused_and_leaves_them(
+    ranks: Ranks, tmp_path: Any,
+) -> None:
+    from fsdp_conformance.harness import RankFailure
+
+    check = CHECKPOINT["fsdp1"]
+    folder = tmp_path / f"fsdp1-{check.params['spec'].name}"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(RankFailure, match="not a checkpoint of this suite"):
+        run_check(ranks, check, **{**check.params, "save_to": str(tmp_path)})
+    assert (folder / "notes.txt").read_text() == "mine"

@@ -69,6 +69,9 @@ class Check:
     env: Mapping[str, str] | None = None
     #: Lanes it applies to.
     lanes: tuple[str, ...] = ("cpu", "gpu")
+    #: Parameters a run must give for this check to run at all (``run --save-checkpoint DIR``
+    #: gives ``save_to``): a check with any is left out of a run that gives none of them.
+    opt_in: tuple[str, ...] = ()
 
     @property
     def claim(self) -> str:
@@ -90,6 +93,7 @@ def variants(
     specs: Sequence[ModelSpec] = (),
     env: Mapping[str, str] | None = None,
     lanes: tuple[str, ...] = ("cpu", "gpu"),
+    opt_in: tuple[str, ...] = (),
     **params: Any,
 ) -> tuple[Check, ...]:
     """One :class:`Check` named ``name`` per (version, spec), version-major.
@@ -107,7 +111,7 @@ def variants(
             if version is not None:
                 variant["version"] = version
             out.append(Check(name, text, rank_fn, verdict, {**variant, **params}, env=env,
-                             lanes=lanes))
+                             lanes=lanes, opt_in=opt_in))
     return tuple(out)
 
 

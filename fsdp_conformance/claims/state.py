@@ -471,10 +471,11 @@ def save_checkpoint(model: nn.Module, version: str, path: str, *, perturb: bool,
 
 
 def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
-                    seed: int) -> dict[str, list[Any]]:
+                    seed: int, *, perturb: bool = False) -> dict[str, list[Any]]:
     """A model built under another seed, loaded from the checkpoint at ``path``: sharded with
     ``target`` ("fsdp1", "fsdp2"), or unsharded in this process alone; its full state's
-    digests."""
+    digests. ``perturb``: one value read is changed before it reaches the model (the negative
+    control: a loader that reads a wrong value)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -483,11 +484,15 @@ def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
         plain = build(spec, seed)
         state = plain.state_dict()
         load(state, storage_reader=reader, no_dist=True)
+        if perturb:
+            perturb_values(state)
         plain.load_state_dict(state)
         return digests(plain.state_dict())
     model = build_sharded(ctx, spec, target, seed)
     state = get_state(model, target, "sharded")
     load(state, storage_reader=reader)
+    if perturb:
+        perturb_values(state)
     set_state(model, target, "sharded", state)
     return digests(get_state(model, target, "full"))
 
@@ -631,6 +636,137 @@ def verdict_state_reshard(values: Sequence[Mapping[str, Any]],
 
 
 # ============================================================================================
+# Across runs (and torch versions): run --save-checkpoint DIR, then --load-checkpoint DIR
+# ============================================================================================
+
+#: Written beside each saved checkpoint: who saved it (torch, FSDP version, model, world size)
+#: and the digests of every value saved, which a later run's load must give back.
+MANIFEST = "fsdp-conformance-checkpoint.json"
+
+
+def checkpoint_folder(root: str, version: str, spec: ModelSpec) -> str:
+    """The folder of one variant's checkpoint under ``root``."""
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)
+    return os.path.join(root, f"{version}-{name}")
+
+
+def _prepare_folder(path: str) -> str:
+    """Rank 0 empties ``path`` for a new save: "" when ready, else why not (a folder of
+    someone else's files is never removed)."""
+    import shutil
+
+    if os.path.isdir(path) and os.listdir(path):
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            return (f"{path} holds files that are not a checkpoint of this suite; give "
+                    "--save-checkpoint an empty folder or one an earlier save wrote")
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    return ""
+
+
+def _read_manifest(path: str, root: str, version: str, spec: ModelSpec) -> dict[str, Any]:
+    import json
+
+    from fsdp_conformance.harness import CheckSkipped
+
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        raise CheckSkipped(
+            f"no checkpoint of {version} {spec.name} in {root} ({path} has no {MANIFEST}): "
+            f"run `fsdp-conformance run --save-checkpoint {root}` with the same model on the "
+            "torch to load from first") from None
+    return manifest
+
+
+def rank_state_checkpoint(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+                          version: str = "fsdp2", seed: int = 0, save_to: str | None = None,
+                          load_from: str | None = None, perturb: bool = False) -> dict[str, Any]:
+    """``load_from``: the checkpoint an earlier run (another torch, maybe another world size)
+    saved for this variant, loaded into each of :data:`DCP_TARGETS`; the digests of each and
+    the saver's manifest. ``save_to``: the sharded model saved with
+    ``torch.distributed.checkpoint`` into this variant's folder with a manifest (rank 0), then
+    read back into a fresh model of ``version``. The load runs first, so one run can load an
+    older torch's checkpoint and save its own. ``perturb``: rank 0's loader reads one wrong
+    value (load) or writes its shards changed (save): the negative controls."""
+    import json
+
+    import torch.distributed as dist
+
+    check_fsdp_version(version)
+    out: dict[str, Any] = {"rank": ctx.rank, "version": version}
+    if load_from is not None:
+        path = checkpoint_folder(load_from, version, spec)
+        manifest = _read_manifest(path, load_from, version, spec)
+        out["load"] = {
+            "manifest": manifest,
+            "loaded": {t: load_checkpoint(ctx, spec, t, path, seed + 1,
+                                          perturb=perturb and ctx.rank == 0)
+                       for t in DCP_TARGETS},
+        }
+    if save_to is not None:
+        path = checkpoint_folder(save_to, version, spec)
+        problem = [_prepare_folder(path) if ctx.rank == 0 else None]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise RuntimeError(problem[0])
+        source = build_sharded(ctx, spec, version, seed)
+        saved = digests(get_state(source, version, "full"))
+        save_checkpoint(source, version, path, perturb=perturb, rank=ctx.rank)
+        if ctx.rank == 0:
+            manifest = {"torch": torch.__version__, "version": version, "model": spec.name,
+                        "world_size": ctx.world_size, "seed": seed, "digests": saved}
+            with open(os.path.join(path, MANIFEST), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1)
+        dist.barrier()
+        out["save"] = {"path": path, "files": sorted(os.listdir(path)),
+                       "read_back": load_checkpoint(ctx, spec, version, path, seed + 1)}
+    return out
+
+
+def verdict_state_checkpoint(values: Sequence[Mapping[str, Any]],
+                             params: Mapping[str, Any]) -> Verdict:
+    """Load: every target, on every rank, equals the values the saving run recorded, bitwise.
+    Save: the checkpoint read back on every rank equals the single-process reference."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    version = params.get("version", "fsdp2")
+    tree: list[str] = []
+    bad: list[str] = []
+    heads: list[str] = []
+    figures: dict[str, Any] = {}
+    if "load" in values[0]:
+        manifest = values[0]["load"]["manifest"]
+        expected = {k: list(d) for k, d in manifest["digests"].items()}
+        for target in DCP_TARGETS:
+            wrong = {v["rank"]: d for v in values
+                     if (d := _differences(expected, v["load"]["loaded"][target]))}
+            where = ("one process, no_dist" if target == "unsharded"
+                     else f"{target} at world size {len(values)}")
+            tree += _section(f"loaded into {target} ({where})", "ok", wrong)
+            bad += [f"load:{target}"] if wrong else []
+        heads.append(f"loaded the checkpoint torch {manifest['torch']} saved at world size "
+                     f"{manifest['world_size']} under {manifest['version']}, on torch "
+                     f"{torch.__version__}, against the values it saved, bitwise")
+        figures.update(saved_with_torch=manifest["torch"],
+                       saved_world_size=manifest["world_size"])
+    if "save" in values[0]:
+        expected = reference_digests(spec, params.get("seed", 0))
+        wrong = {v["rank"]: d for v in values
+                 if (d := _differences(expected, v["save"]["read_back"]))}
+        tree += _section(f"saved, read back into {version} at world size {len(values)}", "ok",
+                         wrong)
+        bad += ["save"] if wrong else []
+        files = values[0]["save"]["files"]
+        heads.append(f"saved to {values[0]['save']['path']} ({len(files)} files) on torch "
+                     f"{torch.__version__}, read back against the reference, bitwise")
+        figures["files"] = len(files)
+    figures["failed"] = sorted(set(bad))
+    head = f"{version} {spec.name}: " + "; ".join(heads)
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures)
+
+
+# ============================================================================================
 # FSDP1's summon_full_params: what a rank sees inside, and what writeback keeps
 # ============================================================================================
 
@@ -743,6 +879,13 @@ CHECKS: tuple[Check, ...] = variants(
               "(a mesh of their own), loaded by every rank into FSDP2 and FSDP1: equal to the "
               "reference bitwise"},
     rank_state_reshard, verdict_state_reshard, specs=(DEFAULT_SPEC,),
+) + variants(
+    "state.checkpoint",
+    "a checkpoint saved by one run (run --save-checkpoint DIR) loaded by another, on another "
+    "torch (--load-checkpoint DIR) into FSDP1, FSDP2 and one process: the saved values, bitwise "
+    "(only in runs given one of the two flags)",
+    rank_state_checkpoint, verdict_state_checkpoint, specs=(DEFAULT_SPEC,),
+    opt_in=("save_to", "load_from"), save_to=None, load_from=None,
 ) + variants(
     "state.summon",
     "FSDP1 summon_full_params (writeback on and off, rank0_only): whole parameters equal to the "

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from fsdp_conformance.claims import all_checks
@@ -35,22 +35,29 @@ def variant_of(params: dict[str, Any]) -> str:
 
 
 def select_checks(
-    checks: Sequence[Check], spec: ModelSpec | None, pattern: str | None = None
+    checks: Sequence[Check], spec: ModelSpec | None, pattern: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> list[tuple[Check, dict[str, Any]]]:
     """(check, params) pairs to run: reference params, or every model check on the user's spec.
 
     On the user's model only checks that take a ``spec`` run (each with the user's spec in
     place of the reference one); a check's own negative-control variants stay in the tests.
     ``pattern`` is a substring of the check's name or of the name its variant had before a
-    rename (``init.weights.fsdp2`` still selects ``init.weights`` on FSDP2).
+    rename (``init.weights.fsdp2`` still selects ``init.weights`` on FSDP2). ``options``: the
+    run's values of opt-in parameters (``save_to``, ``load_from``); a check with
+    :attr:`~fsdp_conformance.claims.check.Check.opt_in` parameters runs only when one is given,
+    with them.
     """
+    given = {k: v for k, v in (options or {}).items() if v is not None}
     chosen: list[tuple[Check, dict[str, Any]]] = []
     seen: set[tuple[str, str]] = set()
     for check in checks:
         if pattern and pattern not in check.name and pattern not in (
                 legacy_name(check.name, check.params.get("version")) or ""):
             continue
-        params = dict(check.params)
+        if check.opt_in and not given.keys() & set(check.opt_in):
+            continue
+        params = {**check.params, **{k: given[k] for k in check.opt_in if k in given}}
         if spec is not None:
             if "spec" not in params:
                 continue
@@ -101,6 +108,7 @@ def run_suite(
     on_run: Callable[[dict[str, Any]], None] | None = None,
     launcher: LauncherRunner | None = None,
     flag_style: FlagStyle = "cli",
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the selected checks on every lane and world size; return the report (plain data).
 
@@ -108,9 +116,10 @@ def run_suite(
     process group and every rank's outcome is all-gathered, so every rank builds the same
     report; otherwise on warm rank pools started here. A lane this machine cannot run is
     reported skipped, with the reason (:meth:`Ranks.run_outcomes` decides it), its flags
-    spelled as ``flag_style``'s front end does.
+    spelled as ``flag_style``'s front end does. ``options``: opt-in parameters
+    (:func:`select_checks`).
     """
-    plan = planned_checks(settings, lanes, pattern, checks)
+    plan = planned_checks(settings, lanes, pattern, checks, options)
     progress = Progress(len(plan), stream)
     entries: list[dict[str, Any]] = []
     manager = PoolManager() if launcher is None else None
@@ -158,12 +167,13 @@ def run_suite(
 
 def planned_checks(
     settings: Settings, lanes: Iterable[str], pattern: str | None = None,
-    checks: Sequence[Check] | None = None,
+    checks: Sequence[Check] | None = None, options: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, int, Check, dict[str, Any]]]:
     """(lane, world size, check, params) in run order: each selected check at every world size
     of ``settings`` on every lane it runs on."""
     spec = user_spec(settings)
-    selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern)
+    selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern,
+                             options)
     return [
         (lane, ws, check, params)
         for lane in lanes
