@@ -308,6 +308,7 @@ def ranks(
         timeout=fsdp_settings.timeout,
         launcher=launcher,
         skip=_skip,
+        xfail=pytest.xfail,
         deadline=deadline,
         deadline_note=deadline_note,
     )

@@ -28,6 +28,7 @@ LAYERS: dict[str, str] = {
     "_files": "base",
     "sizes": "base",
     "settings": "base",
+    "expectations": "base",
     "harness": "harness",
     "units": "blocks",
     "policies": "blocks",

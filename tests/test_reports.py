@@ -123,7 +123,7 @@ def test_build_report_has_schema_environment_settings_and_counts() -> None:
     assert "gloo" in r["environment"]["backends"]
     assert r["settings"]["world_sizes"] == [2, 4] and r["settings"]["model"] == "pkg.mod:build"
     assert "sources" not in r["settings"]  # where a value came from is not part of the result
-    assert r["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 0}
+    assert r["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 0, "xfailed": 0}
     assert [e["check"] for e in r["checks"]] == ["wrap.units.exact", "a.b", "c.d"]
     json.dumps(r)
 
@@ -216,7 +216,8 @@ def test_load_report_refuses_another_schema_version_and_says_to_rerun(tmp_path: 
         (lambda r: r.update(checks={}), r"checks: expected a list, found an object \({}\)"),
         (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\].outcome: expected one of"),
         (lambda r: r["checks"][0].update(outcome="ok"),
-         r"checks\[0\].outcome: expected one of passed, failed, skipped, error, found a string "
+         r"checks\[0\].outcome: expected one of passed, failed, skipped, error, xfailed, found a "
+         r"string "
          r"\(\"ok\"\)"),
         (lambda r: r["checks"].append(dict(r["checks"][0])),
          r"checks\[1\].id: expected an id unique in the report, .* appears twice \(also "
@@ -340,6 +341,62 @@ def test_outcome_moves_are_regressions_only_when_worse(
 ) -> None:
     diffs = compare_one(entry(outcome=old), entry(outcome=new))
     assert kinds(diffs) == [("outcome", regression)]
+
+
+EXPECTED = {"check": "state.summon.rank0_discard", "torch": ">=2.13, <2.16",
+            "reason": "a known torch defect", "link": "https://example.org/defect"}
+
+
+def xfailed(check: str = "wrap.units.exact") -> dict[str, Any]:
+    e = entry(check, "xfailed", message="expected failure: a known torch defect\nthe tree")
+    e["expected"] = dict(EXPECTED)
+    return e
+
+
+def test_an_expected_failure_is_counted_shown_and_does_not_fail_the_summary(
+    tmp_path: Path,
+) -> None:
+    r = report(entry(), xfailed("a.b"))
+    assert r["summary"]["xfailed"] == 1 and r["summary"]["failed"] == 0
+    path = str(tmp_path / "r.json")
+    gate_report.write_json_report(path, r)
+    assert gate_report.load_report(path)["checks"][1]["expected"] == EXPECTED
+    table = gate_report.format_table(r)
+    assert "XFAILED  known torch defect: https://example.org/defect" in table
+    assert "1 expected failure in" in table and "expected failure a.b[" in table
+    markdown = gate_report.format_markdown(r)
+    assert markdown.startswith("## FSDP conformance: PASS")
+    assert "a.b[cpu,ws2,fsdp1,massive]: expected failure (known torch defect)" in markdown
+
+
+def test_a_report_from_before_expected_failures_still_loads(tmp_path: Path) -> None:
+    r = report(entry())
+    del r["summary"]["xfailed"]
+    path = _write(tmp_path / "old.json", r)
+    assert gate_report.load_report(path)["summary"] == {"passed": 1, "failed": 0, "skipped": 0,
+                                                        "error": 0}
+    r = report(xfailed())
+    del r["summary"]["xfailed"]  # but a count it needs is still required
+    with pytest.raises(ReportError, match="summary.xfailed"):
+        gate_report.load_report(_write(tmp_path / "damaged.json", r))
+
+
+@pytest.mark.parametrize(("old", "new", "kind", "regression", "says"), [
+    ("xfailed", "passed", "expectation", False, "fixed upstream? its expectation can go"),
+    ("passed", "xfailed", "expectation", False, "a known torch defect on the candidate"),
+    ("skipped", "xfailed", "expectation", False, "a known torch defect on the candidate"),
+    ("xfailed", "failed", "outcome", True, "xfailed -> failed"),
+    ("xfailed", "error", "outcome", True, "xfailed -> error"),
+    ("failed", "xfailed", "outcome", False, "failed -> xfailed"),
+])
+def test_compare_says_when_an_expected_failure_passes_and_when_no_expectation_covers_one(
+    old: str, new: str, kind: str, regression: bool, says: str,
+) -> None:
+    before = xfailed() if old == "xfailed" else entry(outcome=old)
+    after = xfailed() if new == "xfailed" else entry(outcome=new, message="boom")
+    (diff,) = compare_one(before, after)
+    assert (diff.kind, diff.regression) == (kind, regression)
+    assert says in diff.text
 
 
 def test_a_missing_check_is_a_regression_and_an_added_one_a_change() -> None:

@@ -229,6 +229,27 @@ def test_a_writeback_that_does_not_write_back_fails_that_case_only(ranks: Ranks)
     assert "after the context:" in verdict.message
 
 
+(RANK0_DISCARD,) = by_version("state.summon.rank0_discard").values()
+
+
+def test_rank0_only_without_writeback_fails_exactly_where_an_expectation_names_the_defect(
+    ranks: Ranks,
+) -> None:
+    """The packaged expectation, for real: on the torch versions it names, the case fails (and
+    the report says xfailed); on any other torch it must pass, or the defect is new there."""
+    from fsdp_conformance.claims.check import expectation_for
+
+    verdict = run_check(ranks.configured(xfail=None), RANK0_DISCARD)
+    expected = expectation_for(ranks, RANK0_DISCARD, RANK0_DISCARD.params)
+    if expected is None:
+        assert verdict.passed, ("fails on a torch no expectation names: record it in "
+                                "fsdp_conformance/expectations.toml\n" + verdict.message)
+    else:
+        assert not verdict.passed and verdict.figures["failed_cases"] == ["rank0_only_write"]
+        # Only the ranks that held a shard kept the change: a tensor half changed.
+        assert "after the context: embed.weight" in verdict.message
+
+
 # --------------------------------------------------------------------------------------------
 # state.checkpoint: saved by one run, loaded by another (run --save-/--load-checkpoint)
 # --------------------------------------------------------------------------------------------

@@ -22,14 +22,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fsdp_conformance import expectations
+from fsdp_conformance.expectations import Expectation
 from fsdp_conformance.harness import CheckSkipped, RankFailure, Ranks, resolve_outcomes
 from fsdp_conformance.harness.protocol import function_name
 
 if TYPE_CHECKING:
     from fsdp_conformance.models import ModelSpec
 
-#: Outcomes a check can have in a report.
-PASSED, FAILED, SKIPPED, ERROR = "passed", "failed", "skipped", "error"
+#: Outcomes a check can have in a report; ``xfailed``: failed as an expectation of this torch
+#: says it does (a known torch defect, :mod:`fsdp_conformance.expectations`).
+PASSED, FAILED, SKIPPED, ERROR, XFAILED = "passed", "failed", "skipped", "error", "xfailed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,8 @@ class CheckRun:
     detail: str
     seconds: float
     warnings: tuple[str, ...] = ()
+    #: The expectation that covers this check on this torch (its fields), failed or not.
+    expected: Mapping[str, str] | None = None
 
 
 def _judge(
@@ -143,36 +148,75 @@ def _judge(
     return check.verdict(values, params), caught
 
 
+def expectation_for(ranks: Ranks, check: Check, params: Mapping[str, Any]) -> Expectation | None:
+    """The expectation covering ``check`` on this torch and lane, when it runs as the suite runs
+    it: its own parameters, on any model. A negative control (a parameter changed) gets none."""
+    import torch
+
+    free = {"spec", *check.opt_in}  # the user's model, a run's folder: still the suite's run
+    own = {k: v for k, v in check.params.items() if k not in free}
+    if {k: v for k, v in params.items() if k not in free} != own:
+        return None
+    return expectations.find(check.name, params.get("version"), ranks.lane, torch.__version__)
+
+
 def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
     """Run a check on ``ranks`` and return its verdict (raises on rank failures and skips).
 
-    A skip on every rank goes to ``ranks.skip`` (``pytest.skip`` under the plugin) when set.
+    A skip on every rank goes to ``ranks.skip`` (``pytest.skip`` under the plugin) when set; a
+    failure an expectation covers (:func:`expectation_for`) goes to ``ranks.xfail``
+    (``pytest.xfail``) when set.
     """
     __tracebackhide__ = True
+    params = {**check.params, **overrides}
     try:
-        return _judge(ranks, check, {**check.params, **overrides})[0]
+        verdict = _judge(ranks, check, params)[0]
     except CheckSkipped as exc:
         if ranks.skip is None:
             raise
         ranks.skip(str(exc))
         raise  # a skip callable that returns: still a skip
+    except RankFailure as exc:
+        _xfail_if_expected(ranks, check, params, str(exc))
+        raise
+    if not verdict.passed:
+        _xfail_if_expected(ranks, check, params, verdict.message)
+    return verdict
+
+
+def _xfail_if_expected(ranks: Ranks, check: Check, params: Mapping[str, Any],
+                       message: str) -> None:
+    expected = expectation_for(ranks, check, params) if ranks.xfail is not None else None
+    if expected is not None and ranks.xfail is not None:
+        ranks.xfail(f"expected failure: {expected.describe()}\n{message}")
 
 
 def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
-    """Run a check and never raise: every outcome (skip, rank failure) becomes a CheckRun."""
+    """Run a check and never raise: every outcome (skip, rank failure) becomes a CheckRun. A
+    failure or error an expectation covers is ``xfailed``; a pass it covers says the defect
+    may be fixed."""
     start = time.perf_counter()
+    params = {**check.params, **overrides}
     try:
-        verdict, caught = _judge(ranks, check, {**check.params, **overrides})
+        verdict: Verdict | None
+        verdict, caught = _judge(ranks, check, params)
+        outcome, detail = (PASSED if verdict.passed else FAILED), verdict.message
     except CheckSkipped as exc:
         return CheckRun(check.name, SKIPPED, None, str(exc), time.perf_counter() - start)
     except RankFailure as exc:
-        return CheckRun(check.name, ERROR, None, str(exc), time.perf_counter() - start)
+        verdict, caught, outcome, detail = None, (), ERROR, str(exc)
     except Exception as exc:  # noqa: BLE001 - a verdict or harness error is an error outcome
-        return CheckRun(check.name, ERROR, None, f"{type(exc).__name__}: {exc}",
-                        time.perf_counter() - start)
-    outcome = PASSED if verdict.passed else FAILED
-    return CheckRun(check.name, outcome, verdict, verdict.message, time.perf_counter() - start,
-                    caught)
+        verdict, caught, outcome, detail = None, (), ERROR, f"{type(exc).__name__}: {exc}"
+    expected = expectation_for(ranks, check, params)
+    if expected is not None:
+        if outcome == PASSED:
+            detail += (f"\n(an expectation says this fails on torch {expected.torch}, and it "
+                       "passed: the defect may be fixed; remove its entry from "
+                       "expectations.toml)")
+        else:
+            outcome, detail = XFAILED, f"expected failure: {expected.describe()}\n{detail}"
+    return CheckRun(check.name, outcome, verdict, detail, time.perf_counter() - start, caught,
+                    expected.as_data() if expected is not None else None)
 
 
 def all_equal(values: Sequence[Any]) -> bool:

@@ -36,7 +36,7 @@ DEFAULT_MEMORY_FLOOR_BYTES = MiB
 #: Unit fields compare looks at; a change in any of them is a changed unit structure.
 UNIT_FIELDS = ("cls", "numel", "parent", "local_numel", "params")
 #: Outcome order: a move to a lower rank is a regression (failed and error rank alike).
-_OUTCOME_RANK = {"passed": 2, "skipped": 1, "failed": 0, "error": 0}
+_OUTCOME_RANK = {"passed": 2, "skipped": 1, "xfailed": 1, "failed": 0, "error": 0}
 #: Source locations and object addresses inside warning texts change with every torch build;
 #: without stripping them the same warning would show up as "new" after any upgrade.
 _WARNING_NOISE = (
@@ -50,8 +50,8 @@ class Difference(PlainData):
     """One difference between two reports."""
 
     check_id: str
-    #: outcome | missing | added | units | memory | dtype | collectives | order | warning |
-    #: deprecation | figure | settings
+    #: outcome | expectation | missing | added | units | memory | dtype | collectives | order |
+    #: warning | deprecation | figure | settings
     kind: str
     regression: bool
     text: str
@@ -135,7 +135,9 @@ def _compare_entry(
 ) -> list[Difference]:
     diffs = []
     o, n = old["outcome"], new["outcome"]
-    if o != n:
+    if o != n and "xfailed" in (o, n) and "failed" not in (o, n) and "error" not in (o, n):
+        diffs.append(_expectation_change(cid, old, new))
+    elif o != n:
         regression = _OUTCOME_RANK[n] < _OUTCOME_RANK[o]
         why = first_line(new.get("message", "")) if n != "passed" else ""
         text = f"{o} -> {n}" + (f": {why}" if why else "")
@@ -162,6 +164,22 @@ def _compare_entry(
         else:
             diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
     return diffs + _collective_changes(cid, old, new) + _new_warnings(cid, old, new)
+
+
+def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference:
+    """A move into or out of an expected failure (a known torch defect), not a regression: the
+    defect is fixed on the candidate (xfailed -> passed), or a known one on it (-> xfailed).
+    A failure no expectation covers stays a regression (the outcome rule)."""
+    o, n = old["outcome"], new["outcome"]
+    if o == "xfailed":
+        why = (old.get("expected") or {}).get("link", "")
+        return Difference(cid, "expectation", False,
+                          f"xfailed -> {n}: the expected failure ({why}) no longer fails on the "
+                          "candidate: fixed upstream? its expectation can go")
+    reason = (new.get("expected") or {}).get("reason", "")
+    link = (new.get("expected") or {}).get("link", "")
+    return Difference(cid, "expectation", False,
+                      f"{o} -> xfailed: a known torch defect on the candidate: {reason} ({link})")
 
 
 #: Changed items listed in one difference line before "(+N more)".

@@ -7,12 +7,16 @@ Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.m
       "tool_version": "0.1.0", "created": "2026-11-29T12:00:00+00:00", "duration_s": 12.3,
       "environment": {"torch": "2.13.0+cpu", "torch_cuda": null, "python": "3.11.7", ...},
       "settings": {"world_sizes": [2], "backend": "auto", "model": null, ...},
-      "summary": {"passed": 20, "failed": 0, "skipped": 2, "error": 0},
+      "summary": {"passed": 20, "failed": 0, "skipped": 2, "error": 0, "xfailed": 1},
       "checks": [
         {"id": "wrap.units.exact[cpu,ws2,fsdp1,massive]", "check": "wrap.units.exact",
          "claim": "wrap", "lane": "cpu", "world_size": 2, "variant": "fsdp1,massive",
          "outcome": "passed", "message": "...", "figures": {...}, "data": {...},
-         "seconds": 0.12, "warnings": ["UserWarning: ..."], "deprecations": ["FutureWarning: ..."]}
+         "seconds": 0.12, "warnings": ["UserWarning: ..."], "deprecations": ["FutureWarning: ..."],
+         "expected": {"check": "...", "torch": ">=2.13, <2.16", "reason": "...", "link": "..."}}
+
+``xfailed``: a failure a known torch defect explains (``fsdp_conformance/expectations.toml``);
+``expected`` is on every entry an expectation covers, xfailed or passed.
       ]
     }
 
@@ -36,7 +40,9 @@ from fsdp_conformance.sizes import format_bytes
 
 SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
-OUTCOMES = ("passed", "failed", "skipped", "error")
+OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed")
+#: Outcomes a report of an earlier version may have no summary count of (0 then).
+_LATER_OUTCOMES = ("xfailed",)
 DEPRECATION_CATEGORIES = ("DeprecationWarning", "FutureWarning", "PendingDeprecationWarning")
 
 
@@ -113,9 +119,10 @@ def check_entry(
     data: Mapping[str, Any],
     seconds: float,
     warnings: Iterable[str],
+    expected: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     warnings = sorted(set(warnings))
-    return {
+    entry = {
         "id": f"{check}[{lane},ws{world_size}{',' + variant if variant else ''}]",
         "check": check,
         "claim": claim,
@@ -130,12 +137,15 @@ def check_entry(
         "warnings": warnings,
         "deprecations": [w for w in warnings if w.split(":", 1)[0] in DEPRECATION_CATEGORIES],
     }
+    if expected is not None:
+        entry["expected"] = dict(expected)
+    return entry
 
 
 def build_report(
     entries: Sequence[Mapping[str, Any]], settings: Settings, duration_s: float
 ) -> dict[str, Any]:
-    summary = {k: 0 for k in ("passed", "failed", "skipped", "error")}
+    summary = dict.fromkeys(OUTCOMES, 0)
     for e in entries:
         summary[e["outcome"]] = summary.get(e["outcome"], 0) + 1
     settings_data = {
@@ -348,6 +358,8 @@ def validate_report(report: Mapping[str, Any]) -> None:
         counts[entry["outcome"]] += 1
     summary = report["summary"]
     for outcome in OUTCOMES:
+        if outcome in _LATER_OUTCOMES and outcome not in summary and not counts[outcome]:
+            continue  # a report written before this outcome existed
         value = _field(summary, outcome, f"summary.{outcome}", "count")
         if value != counts[outcome]:
             raise _Damage(f"summary.{outcome}",
@@ -432,6 +444,8 @@ def format_table(report: Mapping[str, Any]) -> str:
         figures = _key_figures(e["figures"])
         if e["outcome"] in ("failed", "error", "skipped"):
             figures = first_line(e["message"]) + (f" | {figures}" if figures else "")
+        elif e["outcome"] == "xfailed":
+            figures = f"known torch defect: {e.get('expected', {}).get('link', '')}"
         rows.append((e["id"], e["outcome"].upper(), figures))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
@@ -440,10 +454,18 @@ def format_table(report: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, "
-        f"{s['error']} errors in {report['duration_s']:.1f}s "
+        f"{s['error']} errors{_xfailed_count(s)} in {report['duration_s']:.1f}s "
         f"(torch {report['environment']['torch']})"
     )
+    for e in report["checks"]:
+        if e["outcome"] == "xfailed":
+            lines.append(f"expected failure {e['id']}: {e.get('expected', {}).get('reason', '')}")
     return "\n".join(lines)
+
+
+def _xfailed_count(summary: Mapping[str, Any]) -> str:
+    n = summary.get("xfailed", 0)
+    return f", {n} expected failure{'s' if n != 1 else ''}" if n else ""
 
 
 def format_markdown(
@@ -461,13 +483,13 @@ def format_markdown(
         "",
         (f"torch `{env['torch']}` ({build}), "
          f"{env['cuda_devices']} CUDA device(s), python {env['python']}; "
-         f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors "
-         f"in {report['duration_s']:.1f}s."),
+         f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors"
+         f"{_xfailed_count(s)} in {report['duration_s']:.1f}s."),
         "",
         "| check | outcome | key figures |",
         "|---|---|---|",
     ]
-    icons = {"passed": "✅", "failed": "❌", "skipped": "⏭️", "error": "💥"}
+    icons = {"passed": "✅", "failed": "❌", "skipped": "⏭️", "error": "💥", "xfailed": "⚠️"}
     for e in report["checks"]:
         lines.append(
             f"| `{e['id']}` | {icons.get(e['outcome'], '')} {e['outcome']} | "
@@ -482,9 +504,11 @@ def format_markdown(
     elif plot_file:
         lines += ["", f"Memory timeline plot: `{plot_file}` (written on the machine that ran "
                   "the checks)."]
-    failures = [e for e in report["checks"] if e["outcome"] in ("failed", "error")]
+    failures = [e for e in report["checks"] if e["outcome"] in ("failed", "error", "xfailed")]
     for e in failures:
-        lines += ["", f"<details><summary>{e['id']}: {e['outcome']}</summary>", "", "```",
+        title = ("expected failure (known torch defect)" if e["outcome"] == "xfailed"
+                 else e["outcome"])
+        lines += ["", f"<details><summary>{e['id']}: {title}</summary>", "", "```",
                   e["message"].strip(), "```", "</details>"]
     deprecations = sorted({d for e in report["checks"] for d in e.get("deprecations", [])})
     if deprecations:

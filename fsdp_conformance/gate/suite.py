@@ -152,6 +152,7 @@ def run_suite(
                 data=verdict.data if verdict else {},
                 seconds=run.seconds,
                 warnings=run.warnings,
+                expected=run.expected,
             )
             entries.append(entry)
             if on_run is not None:
