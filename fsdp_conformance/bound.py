@@ -177,12 +177,22 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
             "optimizer state", (states * shard_numel + scalars * num_tensors) * pb,
             f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
             f"x {num_tensors} tensors, x {pb} B", scales_with_depth=True))
-    gathered = root_numel + sum(u.numel for u in top2)
-    names = ", ".join(u.fqn for u in top2) or "none"
+    if config.version == "fsdp1":
+        gathered = root_numel + sum(u.numel for u in top2)
+        names = ", ".join(u.fqn for u in top2) or "none"
+        what = f"current and prefetched unit (two largest: {names})"
+    else:
+        # FSDP2 holds the prefetched unit as its all-gather output until its own copy-out
+        # (backward), and the current unit's output until the next copy-out (forward): the
+        # second gathered unit is the all-gather buffers' output, not a second unsharded one.
+        gathered = root_numel + sum(u.numel for u in top2[:1])
+        names = top2[0].fqn if top2 else "none"
+        what = (f"current unit (largest: {names}; the prefetched one is held as its all-gather "
+                "output, counted there)")
     terms.append(BoundTerm(
         "unsharded params", gathered * cb,
-        f"root ({root_numel:,}, kept gathered from forward into backward) + current and "
-        f"prefetched unit (two largest: {names}) = {gathered:,} x {cb} B"))
+        f"root ({root_numel:,}, kept gathered from forward into backward) + {what} = "
+        f"{gathered:,} x {cb} B"))
     # FSDP1 casts the unsharded gradient to the reduce dtype in place of the flat gradient
     # (``flat_param.grad.data = grad.to(reduce_dtype)``): both are alive at the cast. FSDP2
     # copies into its reduce-scatter input instead, counted with the reduce-scatter buffers.

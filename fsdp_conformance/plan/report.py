@@ -176,9 +176,10 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
 
 
 def _nested_note(plan: ModelPlan) -> list[str]:
-    # memory.per_layer_bound counts the root plus the two largest other units as gathered; in
-    # a nested plan (the seeds' policy) the enclosing unit stays gathered while its children
-    # run, which the bound does not count. Say how much that is instead of hiding it.
+    # memory.per_layer_bound counts the root plus the two largest other units as gathered
+    # (under FSDP2 the second as its all-gather output); in a nested plan (the seeds' policy)
+    # the enclosing unit stays gathered while its children run, which the bound does not
+    # count. Say how much that is instead of hiding it.
     nested = [u for u in plan.units if u.parent not in (None, ROOT)]
     if not nested:
         return []
