@@ -280,7 +280,9 @@ def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
     assert (manifest["torch"], manifest["world_size"]) == (torch.__version__, ranks.world_size)
     loaded = run_check(ranks, check, **{**check.params, "load_from": str(tmp_path)})
     assert loaded.passed, loaded.message
-    assert loaded.figures["saved_with_torch"] == torch.__version__
+    assert loaded.figures["checkpoint_torch"] == torch.__version__
+    # The same figures on both sides: compare shows only what differs.
+    assert loaded.figures == saved.figures
     assert loaded.figures["failed"] == []
     # Negative controls: a loader that reads one wrong value fails every target; a save that
     # writes rank 0's shards changed fails its read-back.
@@ -290,7 +292,8 @@ def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
         wrong.message
     bad_save = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path / "again"),
                                           "perturb": True})
-    assert bad_save.figures["failed"] == ["save"], bad_save.message
+    assert bad_save.figures["failed"] == ["save:fsdp1", "save:fsdp2", "save:unsharded"], \
+        bad_save.message
 
 
 def test_loading_from_a_folder_without_the_variant_skips_naming_the_save_flag(

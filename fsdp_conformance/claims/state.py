@@ -720,15 +720,20 @@ def rank_state_checkpoint(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
             with open(os.path.join(path, MANIFEST), "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=1)
         dist.barrier()
+        # Read back into every target a later load uses: the same work (and warnings) on both
+        # sides of an upgrade gate, so compare shows only what differs.
         out["save"] = {"path": path, "files": sorted(os.listdir(path)),
-                       "read_back": load_checkpoint(ctx, spec, version, path, seed + 1)}
+                       "read_back": {t: load_checkpoint(ctx, spec, t, path, seed + 1)
+                                     for t in DCP_TARGETS}}
     return out
 
 
 def verdict_state_checkpoint(values: Sequence[Mapping[str, Any]],
                              params: Mapping[str, Any]) -> Verdict:
     """Load: every target, on every rank, equals the values the saving run recorded, bitwise.
-    Save: the checkpoint read back on every rank equals the single-process reference."""
+    Save: the checkpoint read back into every target on every rank equals the single-process
+    reference. The figures are the checkpoint's torch and world size, the same on both sides of
+    an upgrade gate (the save's own; the load's from the manifest)."""
     spec = params.get("spec", DEFAULT_SPEC)
     version = params.get("version", "fsdp2")
     tree: list[str] = []
@@ -748,19 +753,21 @@ def verdict_state_checkpoint(values: Sequence[Mapping[str, Any]],
         heads.append(f"loaded the checkpoint torch {manifest['torch']} saved at world size "
                      f"{manifest['world_size']} under {manifest['version']}, on torch "
                      f"{torch.__version__}, against the values it saved, bitwise")
-        figures.update(saved_with_torch=manifest["torch"],
-                       saved_world_size=manifest["world_size"])
+        figures.update(checkpoint_torch=manifest["torch"],
+                       checkpoint_world_size=manifest["world_size"])
     if "save" in values[0]:
         expected = reference_digests(spec, params.get("seed", 0))
-        wrong = {v["rank"]: d for v in values
-                 if (d := _differences(expected, v["save"]["read_back"]))}
-        tree += _section(f"saved, read back into {version} at world size {len(values)}", "ok",
-                         wrong)
-        bad += ["save"] if wrong else []
+        for target in DCP_TARGETS:
+            wrong = {v["rank"]: d for v in values
+                     if (d := _differences(expected, v["save"]["read_back"][target]))}
+            tree += _section(f"saved, read back into {target}", "ok", wrong)
+            bad += [f"save:{target}"] if wrong else []
         files = values[0]["save"]["files"]
-        heads.append(f"saved to {values[0]['save']['path']} ({len(files)} files) on torch "
-                     f"{torch.__version__}, read back against the reference, bitwise")
-        figures["files"] = len(files)
+        heads.append(f"saved to {values[0]['save']['path']} ({len(files)} files) at world size "
+                     f"{len(values)} on torch {torch.__version__}, read back against the "
+                     "reference, bitwise")
+        figures.setdefault("checkpoint_torch", torch.__version__)
+        figures.setdefault("checkpoint_world_size", len(values))
     figures["failed"] = sorted(set(bad))
     head = f"{version} {spec.name}: " + "; ".join(heads)
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures)
