@@ -296,8 +296,8 @@ def verdict_state_round_trip(values: Sequence[Mapping[str, Any]],
 # ============================================================================================
 
 #: The kinds of model and optimizer state dict a resumed run is loaded from, per version.
-RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "sharded"),
-                                            "fsdp2": ("full", "sharded")}
+RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "sharded", "dcp"),
+                                            "fsdp2": ("full", "sharded", "dcp")}
 #: Steps trained before the state is taken; the resumed step is one more.
 STEPS_BEFORE = 2
 #: The RNG seed both runs draw from in the resumed step (dropout masks alike).
@@ -351,6 +351,25 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str
     set_optimizer_state_dict(model, optim, state, options=_fsdp2_options(kind, loading=True))
 
 
+@contextlib.contextmanager
+def shared_folder(ctx: RankContext, prefix: str) -> Iterator[str]:
+    """A temporary folder every rank writes to: rank 0 makes it, every rank gets its path, and
+    rank 0 removes it once every rank is done (a barrier)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    holder = [tempfile.mkdtemp(prefix=prefix) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    try:
+        yield str(holder[0])
+    finally:
+        dist.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(str(holder[0]), ignore_errors=True)
+
+
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` written to bytes and read back, as a checkpoint on disk would be.
 
@@ -363,6 +382,39 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     buffer.seek(0)
     loaded: dict[str, Any] = torch.load(buffer, weights_only=False)
     return loaded
+
+
+def save_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """Model and optimizer state saved with ``torch.distributed.checkpoint`` into ``path``, as
+    torch's recipe does it for either FSDP version (``get_state_dict``, ``dcp.save``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model_state, optim_state = get_state_dict(model, optim)
+    save({"model": model_state, "optim": optim_state}, storage_writer=FileSystemWriter(path))
+
+
+def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str, *,
+                     optimizer: bool = True) -> None:
+    """The state :func:`save_train_state` wrote, loaded into ``model`` (and ``optim``, unless
+    ``optimizer`` is False: the negative control) with ``dcp.load`` and ``set_state_dict``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_state, optim_state = get_state_dict(model, optim)
+    state = {"model": model_state, "optim": optim_state} if optimizer else {"model": model_state}
+    load(state, storage_reader=FileSystemReader(path))
+    if optimizer:
+        set_state_dict(model, optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
 
 
 def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
@@ -403,16 +455,22 @@ def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
         _train_step(source, optim, batch, STEP_SEED + 1 + step)
     saved = {kind: (snapshot(get_state(source, version, kind)),
                     snapshot(get_optim_state(source, optim, version, kind)))
-             for kind in RESUME_KINDS[version]}
-    unbroken = _resumed_step(source, optim, batch, version)
+             for kind in RESUME_KINDS[version] if kind != "dcp"}
     kinds = {}
-    for kind, (model_state, optim_state) in saved.items():
-        target = build_sharded(ctx, spec, version, seed + 1)
-        target_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
-        set_state(target, version, kind, model_state)
-        if not drop_optimizer:
-            set_optim_state(target, target_optim, version, kind, optim_state)
-        kinds[kind] = _resumed_step(target, target_optim, batch, version)
+    with shared_folder(ctx, "fsdp-conformance-resume-") as path:
+        save_train_state(source, optim, path)  # files: the dcp kind's snapshot
+        unbroken = _resumed_step(source, optim, batch, version)
+        for kind in RESUME_KINDS[version]:
+            target = build_sharded(ctx, spec, version, seed + 1)
+            target_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
+            if kind == "dcp":
+                load_train_state(target, target_optim, path, optimizer=not drop_optimizer)
+            else:
+                model_state, optim_state = saved[kind]
+                set_state(target, version, kind, model_state)
+                if not drop_optimizer:
+                    set_optim_state(target, target_optim, version, kind, optim_state)
+            kinds[kind] = _resumed_step(target, target_optim, batch, version)
     return {"rank": ctx.rank, "version": version, "unbroken": unbroken, "kinds": kinds}
 
 
@@ -501,25 +559,13 @@ def rank_state_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: st
                    seed: int = 0, perturb: bool = False) -> dict[str, Any]:
     """Save the sharded model with ``torch.distributed.checkpoint`` into a folder every rank
     writes to, then load it into each of :data:`DCP_TARGETS`; every target's digests."""
-    import shutil
-    import tempfile
-
-    import torch.distributed as dist
-
     check_fsdp_version(version)
-    holder = [tempfile.mkdtemp(prefix="fsdp-conformance-dcp-") if ctx.rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    path = str(holder[0])
-    try:
+    with shared_folder(ctx, "fsdp-conformance-dcp-") as path:
         source = build_sharded(ctx, spec, version, seed)
         save_checkpoint(source, version, path, perturb=perturb, rank=ctx.rank)
         files = sorted(os.listdir(path))
         loaded = {target: load_checkpoint(ctx, spec, target, path, seed + 1)
                   for target in DCP_TARGETS}
-    finally:
-        dist.barrier()
-        if ctx.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
     return {"rank": ctx.rank, "version": version, "files": files, "loaded": loaded}
 
 
@@ -567,48 +613,49 @@ def rank_state_reshard(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version
     save it with ``torch.distributed.checkpoint`` (that group's world size); then every rank
     loads it into each of :data:`RESHARD_TARGETS` at the whole world size; every target's
     digests. ``perturb``: rank 0 writes its shards with every tensor changed."""
-    import shutil
-    import tempfile
-
     import torch.distributed as dist
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
 
     check_fsdp_version(version)
     savers = saving_ranks(ctx.world_size)
     group = dist.new_group(ranks=list(range(savers)))  # every rank calls it, as c10d requires
-    holder = [tempfile.mkdtemp(prefix="fsdp-conformance-reshard-") if ctx.rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    path = str(holder[0])
     try:
-        if ctx.rank < savers:
-            model = build(spec, seed, ctx.device)
-            if version == "fsdp1":
-                on_group: dict[str, Any] = {"process_group": group}
-            else:
-                from torch.distributed.device_mesh import DeviceMesh
-
-                on_group = {"mesh": DeviceMesh.from_group(group, ctx.device_type)}
-            source = shard(model, ctx, version, policy_for("recommended", model, spec),
-                           **on_group)
-            saved = get_state(source, version, "sharded")
-            if perturb and ctx.rank == 0:
-                # In place: the source is not used again. Not a snapshot: a ShardedTensor read
-                # back belongs to the default group, no longer to the savers' (DCP then waits
-                # for ranks that do not save).
-                perturb_values(saved, every=True)
-            save(saved, storage_writer=FileSystemWriter(path), process_group=group)
-        dist.barrier()
-        files = sorted(os.listdir(path))
-        loaded = {target: load_checkpoint(ctx, spec, target, path, seed + 1)
-                  for target in RESHARD_TARGETS}
+        with shared_folder(ctx, "fsdp-conformance-reshard-") as path:
+            files, loaded = _save_on_group_and_load(ctx, spec, version, seed, perturb, group,
+                                                    savers, path)
     finally:
-        dist.barrier()
-        if ctx.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
         dist.destroy_process_group(group)
     return {"rank": ctx.rank, "version": version, "saved_by": savers, "files": files,
             "loaded": loaded}
+
+
+def _save_on_group_and_load(ctx: RankContext, spec: ModelSpec, version: str, seed: int,
+                            perturb: bool, group: Any, savers: int,
+                            path: str) -> tuple[list[str], dict[str, Any]]:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    if ctx.rank < savers:
+        model = build(spec, seed, ctx.device)
+        if version == "fsdp1":
+            on_group: dict[str, Any] = {"process_group": group}
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            on_group = {"mesh": DeviceMesh.from_group(group, ctx.device_type)}
+        source = shard(model, ctx, version, policy_for("recommended", model, spec),
+                       **on_group)
+        saved = get_state(source, version, "sharded")
+        if perturb and ctx.rank == 0:
+            # In place: the source is not used again. Not a snapshot: a ShardedTensor read
+            # back belongs to the default group, no longer to the savers' (DCP then waits
+            # for ranks that do not save).
+            perturb_values(saved, every=True)
+        save(saved, storage_writer=FileSystemWriter(path), process_group=group)
+    dist.barrier()
+    files = sorted(os.listdir(path))
+    return files, {target: load_checkpoint(ctx, spec, target, path, seed + 1)
+                   for target in RESHARD_TARGETS}
 
 
 def verdict_state_reshard(values: Sequence[Mapping[str, Any]],
