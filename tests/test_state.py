@@ -143,6 +143,19 @@ def test_a_resumed_run_without_the_optimizer_state_fails_every_kind(
     assert "after the resumed step:" in verdict.message
 
 
+def test_a_rank0_only_optimizer_getter_that_reaches_rank_1_fails_that_kind() -> None:
+    # Judged in the parent: the clean run's values, with rank 1 handed optimizer state.
+    check = RESUME["fsdp2"]
+    values = [{"rank": r, "unbroken": {"loss": 1.0, "loss_hex": "x", "digests": {}},
+               "kinds": {"full_rank0": {"loss": 1.0, "loss_hex": "x", "digests": {},
+                                        "optim_entries": 16}}} for r in (0, 1)]
+    verdict = check.verdict(values, check.params)
+    assert verdict.figures["failed_kinds"] == ["full_rank0"]
+    assert "handed this rank state for 16 parameter(s) (expected none)" in verdict.message
+    values[1]["kinds"]["full_rank0"]["optim_entries"] = 0
+    assert check.verdict(values, check.params).passed
+
+
 def test_a_snapshot_is_a_copy_a_later_step_does_not_reach() -> None:
     live = {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}
     saved = state.snapshot(live)

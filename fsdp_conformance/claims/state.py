@@ -296,8 +296,12 @@ def verdict_state_round_trip(values: Sequence[Mapping[str, Any]],
 # ============================================================================================
 
 #: The kinds of model and optimizer state dict a resumed run is loaded from, per version.
-RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "sharded", "dcp"),
-                                            "fsdp2": ("full", "sharded", "dcp")}
+RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "full_rank0_only", "sharded", "dcp"),
+                                            "fsdp2": ("full_rank0", "full", "sharded", "dcp")}
+#: The model state dict a resume kind pairs with its optimizer state dict, where they differ:
+#: FSDP1 loads a full model dict on every rank only, so its rank-0-only optimizer dict (which
+#: ``optim_state_dict_to_load`` broadcasts from rank 0) goes with the every-rank model dict.
+RESUME_MODEL_KIND = {"full_rank0_only": "full"}
 #: Steps trained before the state is taken; the resumed step is one more.
 STEPS_BEFORE = 2
 #: The RNG seed both runs draw from in the resumed step (dropout masks alike).
@@ -313,11 +317,13 @@ def _fsdp1_optim_type(model: nn.Module, kind: str) -> Iterator[None]:
     )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if kind == "full":
+    if kind in ("full", "full_rank0_only"):
         offload = _offload_to_cpu(model)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=offload),
-                                  FullOptimStateDictConfig(offload_to_cpu=offload)):
+                                  FullOptimStateDictConfig(
+                                      offload_to_cpu=offload,
+                                      rank0_only=kind == "full_rank0_only")):
             yield
     else:
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
@@ -453,7 +459,7 @@ def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     batch = spec.batch(source, 2, ctx.device)
     for step in range(STEPS_BEFORE):
         _train_step(source, optim, batch, STEP_SEED + 1 + step)
-    saved = {kind: (snapshot(get_state(source, version, kind)),
+    saved = {kind: (snapshot(get_state(source, version, RESUME_MODEL_KIND.get(kind, kind))),
                     snapshot(get_optim_state(source, optim, version, kind)))
              for kind in RESUME_KINDS[version] if kind != "dcp"}
     kinds = {}
@@ -467,17 +473,19 @@ def rank_state_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                 load_train_state(target, target_optim, path, optimizer=not drop_optimizer)
             else:
                 model_state, optim_state = saved[kind]
-                set_state(target, version, kind, model_state)
+                set_state(target, version, RESUME_MODEL_KIND.get(kind, kind), model_state)
                 if not drop_optimizer:
                     set_optim_state(target, target_optim, version, kind, optim_state)
             kinds[kind] = _resumed_step(target, target_optim, batch, version)
+            if kind in saved:  # observed: how much optimizer state the getter handed this rank
+                kinds[kind]["optim_entries"] = len(saved[kind][1].get("state", {}))
     return {"rank": ctx.rank, "version": version, "unbroken": unbroken, "kinds": kinds}
 
 
 def verdict_state_resume(values: Sequence[Mapping[str, Any]],
                          params: Mapping[str, Any]) -> Verdict:
     """Per kind, on every rank: the resumed step's loss and the model after it equal the
-    unbroken run's, bitwise."""
+    unbroken run's, bitwise; a rank-0-only optimizer getter handed rank 0 alone its state."""
     spec = params.get("spec", DEFAULT_SPEC)
     version = params.get("version", "fsdp2")
     kinds = list(values[0]["kinds"])
@@ -492,6 +500,12 @@ def verdict_state_resume(values: Sequence[Mapping[str, Any]],
                              f"(unbroken run), got {resumed['loss']:.9g}")
             lines += [f"after the resumed step: {d}"
                       for d in _differences(unbroken["digests"], resumed["digests"])]
+            entries = resumed.get("optim_entries")
+            if kind in RANK0_ONLY and entries is not None and (
+                    (entries > 0) != (value["rank"] == 0)):
+                lines.append(f"the rank-0-only optimizer getter handed this rank state for "
+                             f"{entries} parameter(s)" + (" (expected some)" if value["rank"] == 0
+                                                         else " (expected none)"))
             if lines:
                 wrong[value["rank"]] = lines
         tree += _section(kind, "resumed run equals the unbroken one", wrong)
