@@ -414,13 +414,15 @@ def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str, 
     from torch.distributed.checkpoint.state_dict_loader import load
 
     model_state, optim_state = get_state_dict(model, optim)
-    state = {"model": model_state, "optim": optim_state} if optimizer else {"model": model_state}
+    # dcp.load fills the dicts in place: the same objects go back to set_*_state_dict.
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer:
+        state["optim"] = optim_state
     load(state, storage_reader=FileSystemReader(path))
     if optimizer:
-        set_state_dict(model, optim, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, model_state)
 
 
 def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
