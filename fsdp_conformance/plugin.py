@@ -267,10 +267,16 @@ def fsdp_settings(pytestconfig: pytest.Config) -> Settings:
 
 @pytest.fixture(scope="session")
 def rank_pools(pytestconfig: pytest.Config) -> Iterator[PoolManager]:
-    """The session's warm rank pools, one per (world size, backend)."""
+    """The session's warm rank pools, one per (world size, backend).
+
+    Their process groups' timeout is derived from the session's check timeout
+    (``--fsdp-timeout``), so a stuck check is stopped by the harness, with every rank's
+    stacks, before a process-group watchdog ends the ranks (:class:`PoolManager`).
+    """
     manager = pytestconfig.stash.get(MANAGER_KEY, None)
     if manager is None:
-        manager = pytestconfig.stash[MANAGER_KEY] = PoolManager()
+        settings = pytestconfig.stash[SETTINGS_KEY]
+        manager = pytestconfig.stash[MANAGER_KEY] = PoolManager(check_timeout=settings.timeout)
     yield manager
 
 

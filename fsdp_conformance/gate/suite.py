@@ -122,6 +122,10 @@ def run_suite(
     plan = planned_checks(settings, lanes, pattern, checks, options)
     progress = Progress(len(plan), stream)
     entries: list[dict[str, Any]] = []
+    # The pools' timeouts follow the settings through each check: every Ranks below carries
+    # settings.timeout, and the manager starts each pool with a process-group timeout past it
+    # and a start timeout for its world size and lane (PoolManager.run_outcomes), so the
+    # manager is built without arguments (tests lend the session's warm pools in its place).
     manager = PoolManager() if launcher is None else None
     if manager is not None:
         # Checks whose ranks start fresh with variables of their own (allocator settings) fork

@@ -53,8 +53,29 @@ GRACE_AFTER_SKIP_S = 5.0
 OUTER_TIMEOUT_RESERVE_S = 5.0
 #: Seconds to let faulthandler write its stack dumps before the ranks are killed.
 STACK_DUMP_WAIT_S = 0.5
-#: Seconds ranks get to start and join their process group, unless an outer deadline is nearer.
+#: Seconds ranks get to start and join their process group, before the per-rank allowance
+#: below (:func:`start_timeout_for`), unless an outer deadline is nearer.
 START_TIMEOUT_S = 60.0
+#: Seconds each CPU rank adds to the start timeout: an ``exec``-started rank spends about
+#: 2.4 CPU-seconds importing torch (docs/harness.md, "Rank starts"), and on a 2-core machine
+#: 16 of them take their turns.
+START_PER_CPU_RANK_S = 2.5
+#: Seconds each CUDA rank adds to the start timeout: a GPU rank is always ``exec``-started
+#: (no fork after CUDA), imports torch cold, creates its CUDA context and joins NCCL eagerly
+#: (``device_id``), and the ranks of one machine do that at once, contending for the driver
+#: and the CPUs; eight such ranks can need more than the fixed 60 s.
+START_PER_CUDA_RANK_S = 15.0
+#: The process group's timeout never goes below this (what it was before it was derived).
+PG_TIMEOUT_MIN_S = 300.0
+#: How much longer the process group's timeout is than the check's: the parent must have
+#: declared a stuck check "did not finish", dumped every rank's stacks and killed the ranks
+#: before the process group gives up on the same collective (gloo raises, NCCL's watchdog
+#: aborts it, or under torch's default error handling tears the rank down: "died", without
+#: stacks). The collective starts after the check was sent, so this margin is for the
+#: parent's stack dump and a loaded machine's scheduling delays.
+PG_TIMEOUT_MARGIN_S = 60.0
+#: A check's timeout where nothing else is said (``Settings.timeout``'s default).
+DEFAULT_CHECK_TIMEOUT_S = 120.0
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
 #: Lines of a dead rank's log searched for the stack of its crash (faulthandler's dump of every
@@ -85,6 +106,30 @@ def outer_deadline(started: float, pytest_timeout: float, source: str) -> tuple[
     return started + pytest_timeout - reserve, note
 
 
+def pg_timeout_for(check_timeout: float) -> float:
+    """The process-group timeout for ranks that run checks of ``check_timeout`` seconds.
+
+    The harness's own check timeout must fire first (every rank's stacks, then the pool is
+    killed): ``max(PG_TIMEOUT_MIN_S, check_timeout + PG_TIMEOUT_MARGIN_S)``. A check timeout of
+    400 s gets a process group of 460 s, where a fixed 300 s let the watchdog end the ranks
+    first.
+    """
+    return max(PG_TIMEOUT_MIN_S, check_timeout + PG_TIMEOUT_MARGIN_S)
+
+
+def start_timeout_for(world_size: int, device_type: str) -> float:
+    """Seconds ``world_size`` ranks on ``device_type`` get to start and join their group.
+
+    ``START_TIMEOUT_S`` plus an allowance per rank (``START_PER_CUDA_RANK_S`` for CUDA ranks,
+    ``START_PER_CPU_RANK_S`` for CPU ones): a world of 8 GPU ranks gets 180 s, one of 2 CPU
+    ranks 65 s. An outer deadline still cuts it (:func:`fit_timeout`, in
+    :meth:`PoolManager.run_outcomes`). A start that fails (a rank exits) is reported at once;
+    only a start that hangs waits this long.
+    """
+    per_rank = START_PER_CUDA_RANK_S if device_type == "cuda" else START_PER_CPU_RANK_S
+    return START_TIMEOUT_S + per_rank * world_size
+
+
 def fit_timeout(
     timeout: float, deadline: float | None, deadline_note: str = ""
 ) -> tuple[float, str]:
@@ -103,10 +148,27 @@ def fit_timeout(
 RankProcess = subprocess.Popen[bytes] | ForkedProcess
 
 
-def rank_environment(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a pool's ranks start with: this process's, plus ``extra_env``."""
+#: The variables torch reads for NCCL's asynchronous error handling (the first is current).
+NCCL_ERROR_HANDLING_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+#: NCCL pools' error handling, unless the user set one: 2 (``CleanUpOnly``) aborts the
+#: communicators of a failed or timed-out collective and leaves the process alive, so the
+#: rank's waiting collective raises and the rank reports that as the check's error, with its
+#: traceback. torch's default (3, ``SkipCleanUp``) and 1 (``TearDown``) take the process down
+#: instead (the rank "died", without a Python traceback); 0 leaves it hanging.
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def rank_environment(extra_env: Mapping[str, str] | None = None,
+                     backend: str = "gloo") -> dict[str, str]:
+    """The environment a pool's ranks start with: this process's, plus ``extra_env``.
+
+    ``backend="nccl"`` adds ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (:data:`NCCL_ASYNC_ERROR_HANDLING`)
+    where neither this process nor ``extra_env`` sets it (or its older name).
+    """
     env = dict(os.environ)
     env.update(extra_env or {})
+    if backend == "nccl" and not any(name in env for name in NCCL_ERROR_HANDLING_VARIABLES):
+        env[NCCL_ERROR_HANDLING_VARIABLES[0]] = NCCL_ASYNC_ERROR_HANDLING
     # Checks are pickled by reference: the ranks must import what the parent imports.
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -156,12 +218,16 @@ class RankPool:
         device_type: str = "cpu",
         *,
         env: Mapping[str, str] | None = None,
-        start_timeout: float = START_TIMEOUT_S,
-        pg_timeout: float = 300.0,
+        start_timeout: float | None = None,
+        pg_timeout: float = PG_TIMEOUT_MIN_S,
         fork_servers: ForkServers | None = None,
     ) -> None:
         """``fork_servers``: fork the ranks from these servers' pre-imported torch (CPU only,
-        where the platform allows; :mod:`.forkserver`) instead of starting each with ``exec``."""
+        where the platform allows; :mod:`.forkserver`) instead of starting each with ``exec``.
+
+        ``start_timeout``: seconds to start (None: :func:`start_timeout_for` this world);
+        ``pg_timeout``: the process group's timeout (:func:`pg_timeout_for` a check timeout).
+        """
         if protocol.loading_parent_main:
             # As multiprocessing's spawn: the script is re-imported on every rank, so an
             # unguarded pool at its top level would start ranks from within each rank.
@@ -176,6 +242,11 @@ class RankPool:
         self.world_size = world_size
         self.backend = backend
         self.device_type = device_type
+        #: The process group's timeout: checks longer than ``pg_timeout - PG_TIMEOUT_MARGIN_S``
+        #: need another pool (:meth:`PoolManager.pool` starts one).
+        self.pg_timeout = pg_timeout
+        if start_timeout is None:
+            start_timeout = start_timeout_for(world_size, device_type)
         self.broken = False
         self.checks_run = 0
         self._next_task = 0
@@ -195,7 +266,7 @@ class RankPool:
         authkey = secrets.token_bytes(16)
         address = os.path.join(self._dir, "ctl.sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        env = rank_environment(extra_env)
+        env = rank_environment(extra_env, self.backend)
         procs: list[tuple[int, RankProcess, str, str]] = []
         deadline = time.monotonic() + start_timeout
         try:
@@ -537,28 +608,46 @@ def _tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class PoolManager:
-    """One warm pool per (world size, backend, device type), rebuilt after any failure."""
+    """One warm pool per (world size, backend, device type), rebuilt after any failure.
 
-    def __init__(self, *, pg_timeout: float = 300.0,
+    ``check_timeout``: the session's check timeout (``Settings.timeout``, which the plugin
+    passes). The process groups of this manager's pools time out :data:`PG_TIMEOUT_MARGIN_S`
+    after it (:func:`pg_timeout_for`), so the harness, not a watchdog, stops a stuck check.
+    Each check's own timeout counts too (``run_suite``'s checks carry the run's, a test's
+    ``ranks.configured(timeout=...)`` its own): a check longer than a warm pool's process
+    group gets a new pool whose group outlasts it. A pool gets :func:`start_timeout_for` its
+    world size and device to start, cut to an outer deadline.
+    """
+
+    def __init__(self, *, check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
                  fork_servers: ForkServers | None = None) -> None:
         self._pools: dict[tuple[int, str, str], RankPool] = {}
-        self._pg_timeout = pg_timeout
+        self.check_timeout = check_timeout
+        #: The process-group timeout of this manager's pools (longer for a longer check).
+        self.pg_timeout = pg_timeout_for(check_timeout)
         self.pools_started = 0
         #: Where this manager's CPU ranks are forked from (:mod:`.forkserver`): the process's
         #: servers, shared with every other manager, unless given a registry of its own.
         self.fork_servers = shared_servers() if fork_servers is None else fork_servers
 
+    def pg_timeout_for(self, timeout: float) -> float:
+        """The process-group timeout for a check of ``timeout`` seconds on this manager."""
+        return max(self.pg_timeout, pg_timeout_for(timeout))
+
     def pool(
         self, world_size: int, backend: str, device_type: str, *,
-        start_timeout: float = START_TIMEOUT_S,
+        start_timeout: float | None = None, pg_timeout: float | None = None,
     ) -> RankPool:
+        """The warm pool of this key, started (or restarted) when it is missing, broken, dead
+        or its process group's timeout is shorter than ``pg_timeout``."""
         key = (world_size, backend, device_type)
+        needed = self.pg_timeout if pg_timeout is None else pg_timeout
         pool = self._pools.get(key)
-        if pool is not None and (pool.broken or not pool.alive):
+        if pool is not None and (pool.broken or not pool.alive or pool.pg_timeout < needed):
             pool.close(force=True)
             pool = None
         if pool is None:
-            pool = RankPool(world_size, backend, device_type, pg_timeout=self._pg_timeout,
+            pool = RankPool(world_size, backend, device_type, pg_timeout=needed,
                             start_timeout=start_timeout, fork_servers=self.fork_servers)
             self.pools_started += 1
             self._pools[key] = pool
@@ -581,15 +670,16 @@ class PoolManager:
     ) -> list[RankOutcome]:
         # Starting ranks counts against an outer deadline too: a pool that cannot start in
         # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
-        start_timeout, _ = fit_timeout(START_TIMEOUT_S, deadline)
+        start_timeout, cut = fit_timeout(start_timeout_for(world_size, device_type), deadline)
+        pg_timeout = self.pg_timeout_for(timeout)
         if fresh or env:
             # Fresh processes: for settings that must exist before the process starts
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
             pool = self._start_in_time(
                 lambda: RankPool(world_size, backend, device_type, env=env,
-                                 pg_timeout=self._pg_timeout, start_timeout=start_timeout,
+                                 pg_timeout=pg_timeout, start_timeout=start_timeout,
                                  fork_servers=self.fork_servers),
-                start_timeout, deadline_note)
+                start_timeout, bool(cut), deadline_note)
             self.pools_started += 1
             try:
                 return pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
@@ -597,8 +687,9 @@ class PoolManager:
             finally:
                 pool.close(force=pool.broken)
         pool = self._start_in_time(
-            lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout),
-            start_timeout, deadline_note)
+            lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout,
+                              pg_timeout=pg_timeout),
+            start_timeout, bool(cut), deadline_note)
         outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
                                      deadline_note=deadline_note)
         if pool.broken:
@@ -608,12 +699,12 @@ class PoolManager:
 
     @staticmethod
     def _start_in_time(
-        start: Callable[[], RankPool], start_timeout: float, deadline_note: str
+        start: Callable[[], RankPool], start_timeout: float, cut: bool, deadline_note: str
     ) -> RankPool:
         try:
             return start()
         except HarnessError as exc:
-            if start_timeout >= START_TIMEOUT_S or "timed out" not in str(exc):
+            if not cut or "timed out" not in str(exc):
                 raise
             raise HarnessError(
                 f"{exc}\n(the ranks had {_seconds(start_timeout)} to start, the rest of "

@@ -59,6 +59,9 @@ def execute_check(
     ``SystemExit`` stays the rank's error in both modes: pytest itself reports a test's
     ``sys.exit()`` as that test's failure, and a launched rank that left without joining the
     outcome all-gather would leave the other ranks waiting in it until the timeout.
+
+    On a CUDA rank a check that returned is not done until its queued device work is
+    (:func:`synchronize_device`): an asynchronous CUDA or NCCL error is its error.
     """
     caught: list[str] = []
     with clean_global_state() as unrestorable:
@@ -66,6 +69,7 @@ def execute_check(
             warnings.simplefilter("always")
             try:
                 value = fn(ctx, *args, **kwargs)
+                synchronize_device(ctx)  # an asynchronous CUDA/NCCL error is this check's
                 status, detail = "ok", ""
             except CheckSkipped as exc:
                 value, status, detail = None, "skip", str(exc)
@@ -87,6 +91,22 @@ def execute_check(
         else:
             value, status, detail = None, "leaked", f"{_UNRESTORABLE_HEADER}\n{what}"
     return status, value, detail, caught
+
+
+def synchronize_device(ctx: RankContext) -> None:
+    """Wait for the work the check queued on this rank's CUDA device (kernels, NCCL
+    collectives) before its outcome is reported.
+
+    CUDA and NCCL report errors asynchronously, at the next call that waits: without this,
+    an error the check caused is raised in the next check (or its setup) and blamed on it.
+    Called inside the check's error handling, so an error raised here is the check's. Nothing
+    happens on a CPU rank.
+    """
+    if ctx.device_type != "cuda":
+        return
+    import torch
+
+    torch.cuda.synchronize(ctx.device)
 
 
 def _set_parent_death_signal() -> None:
