@@ -251,7 +251,7 @@ def test_run_report_has_the_schema_environment_settings_and_unit_trees(
     assert report["schema"] == "fsdp-conformance-report" and report["schema_version"] == 1
     assert report["environment"]["torch"] == torch.__version__
     assert report["settings"]["world_sizes"] == [2] and report["settings"]["model"] is None
-    assert report["summary"] == {"passed": 4, "failed": 0, "skipped": 0, "error": 0}
+    assert report["summary"] == {"passed": 4, "failed": 0, "skipped": 0, "error": 0, "xfailed": 0}
     ids = [e["id"] for e in report["checks"]]
     assert ids == [f"wrap.units.exact[cpu,ws2,{v},{m}]"
                    for v in ("fsdp1", "fsdp2") for m in ("massive", "tied")]
@@ -355,7 +355,7 @@ def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_s
     assert "rank 1 died" in crashed["message"]
     assert ("--- rank 1: died ---\nkilled by SIGSEGV (exit status -11) inside torch: "
             "torch.utils._pytree.tree_map (crashed in torch.utils._pytree.") in crashed["message"]
-    assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "error": 1}
+    assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "error": 1, "xfailed": 0}
 
 
 def test_run_suite_reports_a_failing_check_as_failed_with_progress(
@@ -363,7 +363,7 @@ def test_run_suite_reports_a_failing_check_as_failed_with_progress(
 ) -> None:
     stream = io.StringIO()
     report = suite.run_suite(Settings(), ["cpu"], checks=[PASSING, FAILING], stream=stream)
-    assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 0, "error": 0}
+    assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 0, "error": 0, "xfailed": 0}
     failed = report["checks"][1]
     assert failed["id"] == "test.wrong[cpu,ws2]" and failed["outcome"] == "failed"
     assert failed["message"] == "expected 2 on every rank: rank 0 reported 1, rank 1 reported 1"
