@@ -149,8 +149,27 @@ def reset_peak_rss() -> int:
     return status_bytes("VmRSS")
 
 
+def cuda_bytes(device: torch.device, which: str = "current") -> int:
+    """Bytes the tensors on ``device`` asked the CUDA caching allocator for (``which``:
+    ``current`` or ``peak`` since the last ``reset_peak_memory_stats``).
+
+    ``requested_bytes``, not ``allocated_bytes``: the allocator rounds every request up (to
+    512 B, and large ones to 2 MiB blocks it may not split), so its allocated figure runs ahead
+    of the tensor bytes the trackers count, by an amount that depends on the sizes asked for;
+    the requested figure is the comparable one. A torch without it falls back to
+    ``memory_allocated`` / ``max_memory_allocated``.
+    """
+    value = torch.cuda.memory_stats(device).get(f"requested_bytes.all.{which}")
+    if value is not None:
+        return int(value)
+    if which == "peak":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(torch.cuda.memory_allocated(device))
+
+
 class CudaMeter(Meter):
-    """The CUDA caching allocator's own figures for this rank's device.
+    """The CUDA caching allocator's own figures for this rank's device: the bytes tensors
+    requested (:func:`cuda_bytes`), current and peak.
 
     ``baseline`` (from :func:`cuda_baseline`, read before the model is built) is subtracted from
     every figure: the allocator also holds memory that is not the step's (cuBLAS/cuBLASLt
@@ -168,7 +187,7 @@ class CudaMeter(Meter):
         self.baseline = baseline
 
     def current(self) -> int:
-        return int(torch.cuda.memory_allocated(self.device)) - self.baseline
+        return cuda_bytes(self.device) - self.baseline
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Meter]:
@@ -177,7 +196,7 @@ class CudaMeter(Meter):
         self.start = self.current()
         yield self
         torch.cuda.synchronize(self.device)
-        self.peak = int(torch.cuda.max_memory_allocated(self.device)) - self.baseline
+        self.peak = cuda_bytes(self.device, "peak") - self.baseline
 
 
 def cuda_baseline(device: torch.device) -> int:
@@ -198,7 +217,7 @@ def cuda_baseline(device: torch.device) -> int:
         layer(x).sum().backward()
     del layer, x
     torch.cuda.synchronize(device)
-    return int(torch.cuda.memory_allocated(device))
+    return cuda_bytes(device)
 
 
 def tracker_meter(
@@ -376,8 +395,7 @@ def host_or_cuda_peak(ctx: RankContext) -> Iterator[dict[str, Any]]:
     """
     meter: Meter
     if ctx.device_type == "cuda":
-
-        meter = CudaMeter(ctx.device, baseline=int(torch.cuda.memory_allocated(ctx.device)))
+        meter = CudaMeter(ctx.device, baseline=cuda_bytes(ctx.device))
         label = "cuda allocator"
     else:
         meter = OSMeter(lambda: 0)

@@ -179,3 +179,56 @@ def test_fsdp_mem_tracker_updating_only_the_global_peak_reads_torchs_figures(ran
         assert value["torch"]["source"] == "FSDPMemTracker", value
         assert value["torch"]["peak"] > 0, value
         assert value["lean"] == value["torch"], value
+
+
+# --------------------------------------------------------------------------------------------
+# The CUDA meter's figure (issue 15 item 4): requested bytes, proven with a stand-in allocator
+# --------------------------------------------------------------------------------------------
+
+
+class _Allocator:
+    """torch.cuda's counters as a caching allocator keeps them: requests rounded up to blocks."""
+
+    def __init__(self, requested: bool = True) -> None:
+        self.requested = self.requested_peak = 0
+        self.allocated = self.allocated_peak = 0
+        self.has_requested = requested
+
+    def alloc(self, nbytes: int) -> None:
+        self.requested += nbytes
+        self.allocated += -(-nbytes // (2 << 20)) * (2 << 20)  # whole 2 MiB blocks
+        self.requested_peak = max(self.requested_peak, self.requested)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+
+    def stats(self, device: object = None) -> dict[str, int]:
+        if not self.has_requested:
+            return {"allocated_bytes.all.current": self.allocated}
+        return {"requested_bytes.all.current": self.requested,
+                "requested_bytes.all.peak": self.requested_peak,
+                "allocated_bytes.all.current": self.allocated}
+
+    def reset(self, device: object = None) -> None:
+        self.requested_peak, self.allocated_peak = self.requested, self.allocated
+
+
+@pytest.mark.parametrize("requested", [True, False])
+def test_cuda_meter_reads_the_bytes_tensors_requested_not_the_allocators_blocks(
+    monkeypatch: pytest.MonkeyPatch, requested: bool,
+) -> None:
+    from fsdp_conformance import meters
+
+    alloc = _Allocator(requested)
+    monkeypatch.setattr(torch.cuda, "memory_stats", alloc.stats)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: alloc.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: alloc.allocated_peak)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", alloc.reset)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    alloc.alloc(1000)  # before the step: the baseline
+    meter = meters.CudaMeter(torch.device("cuda", 0), baseline=meters.cuda_bytes(
+        torch.device("cuda", 0)))
+    with meter.measure():
+        alloc.alloc(3 * 1024 * 1024 + 5)
+    if requested:
+        assert (meter.baseline, meter.peak) == (1000, 3 * 1024 * 1024 + 5)
+    else:  # a torch without requested_bytes: the allocator's own figures, whole blocks
+        assert (meter.baseline, meter.peak) == (2 << 20, 2 * (2 << 20))
