@@ -362,10 +362,14 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
     from fsdp_conformance.gate import suite
     from fsdp_conformance.gate.report import environment_summary, format_table
     from fsdp_conformance.harness import LauncherRunner, all_gather_objects
+    from fsdp_conformance.harness.pool import pg_timeout_for
 
     world_size = int(os.environ["WORLD_SIZE"])
     settings = suite.launch_settings(settings, world_size)
-    launcher = LauncherRunner(None if settings.backend == "auto" else settings.backend)
+    # The launch's group outlasts a check as a pool's does (the check timeout + 60 s, at least
+    # 300 s), so a stuck check is the harness's to report, not the process group's watchdog's.
+    launcher = LauncherRunner(None if settings.backend == "auto" else settings.backend,
+                              pg_timeout=pg_timeout_for(settings.timeout))
     _launched_run = True
     header = f"fsdp-conformance: {environment_summary(settings)}"
     rank_logs = [suite.rank_log_path(args.out, r) for r in range(1, world_size)]

@@ -26,6 +26,8 @@ from fsdp_conformance.harness import (
     launched_externally,
     outer_deadline,
 )
+from fsdp_conformance.harness.pool import pg_timeout_for
+from fsdp_conformance.harness.ranks import GpuShare, xdist_share
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
@@ -115,10 +117,29 @@ def _validate_user_model(settings: Settings) -> None:
         raise pytest.UsageError(f"--fsdp-model: {exc}") from None
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     installed = session.config.stash.get(SIGTERM_KEY, None)
-    if installed is not None and installed[0].first is not None:
-        session.exitstatus = installed[0].first.exit_code  # 143: what SIGTERM conventionally is
+    first = installed[0].first if installed is not None else None
+    if first is not None:
+        session.exitstatus = first.exit_code  # 143: what SIGTERM conventionally is
+    launcher = session.config.stash.get(LAUNCHER_KEY, None)
+    if launcher is not None and first is None and exitstatus != pytest.ExitCode.INTERRUPTED:
+        # Every rank ends its session here, after the same tests: the launch's group (NCCL's
+        # communicators) is ended, not left to interpreter exit. After an interrupt a rank may
+        # be stopped mid-collective; the launcher ends the processes then.
+        launcher.close()
+
+
+def gpu_share(config: pytest.Config) -> GpuShare:
+    """The CUDA devices this session's pools may use: a pytest-xdist worker's own slice
+    (``config.workerinput``'s ``workerid`` of ``workercount``, else
+    ``PYTEST_XDIST_WORKER_COUNT``), so that ``pytest -n N`` workers never share a GPU; every
+    device outside xdist (an in-process inner session too: it has no ``workerinput``)."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput or "workerid" not in workerinput:
+        return GpuShare()
+    count = workerinput.get("workercount") or os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1
+    return xdist_share(workerinput["workerid"], count)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -253,7 +274,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if lane is None:
         marked = {name for name in LANES if item.get_closest_marker(name)}
         lane = "gpu" if marked == {"gpu"} else "cpu"
-    unavailable = lane_unavailable(lane, params.get("world_size", 1))
+    unavailable = lane_unavailable(lane, params.get("world_size", 1), share=gpu_share(item.config))
     if unavailable:
         pytest.skip(unavailable)
     item.stash[STARTED_KEY] = time.monotonic()
@@ -299,7 +320,10 @@ def ranks(
         launcher = request.config.stash.get(LAUNCHER_KEY, None)
         if launcher is None:
             backend = None if fsdp_settings.backend == "auto" else fsdp_settings.backend
-            launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(backend)
+            # The launch's group outlasts a check as a pool's does (--fsdp-timeout + 60 s, at
+            # least 300 s); pytest_sessionfinish ends it.
+            launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(
+                backend, pg_timeout=pg_timeout_for(fsdp_settings.timeout))
     deadline, deadline_note = None, ""
     outer = _pytest_timeout(request.node)
     if outer is not None:
@@ -317,6 +341,7 @@ def ranks(
         xfail=pytest.xfail,
         deadline=deadline,
         deadline_note=deadline_note,
+        gpu_share=gpu_share(request.config),
     )
 
 

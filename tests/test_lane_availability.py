@@ -2,9 +2,11 @@
 said with the flag of the front end in use (``--fsdp-world-sizes`` under pytest,
 ``--world-sizes`` under ``fsdp-conformance run``).
 
-The machine's CUDA devices are faked (torch.cuda patched: one device) so that the gpu lane's
-"too few devices" reason is reached on the CPU build machines too. The pytest front end is an
-inner session in this process (``runpytest_inprocess``), which sees the same patched torch.
+The machine's CUDA devices are faked (torch.cuda patched: one device, or two) so that the gpu
+lane's "too few devices" reason is reached on the CPU build machines too. The pytest front end
+is an inner session in this process (``runpytest_inprocess``), which sees the same patched
+torch. Under an external launcher (its variables set here) the ranks of this node are what the
+devices must hold, not the launch's (issue 15, item 1).
 """
 
 from __future__ import annotations
@@ -22,18 +24,23 @@ from fsdp_conformance.settings import OPTIONS
 pytestmark = pytest.mark.cpu
 
 
-@pytest.fixture
-def one_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """torch.cuda reports one device (so world size 2 is one too many); yields the list of
-    torch's device-count queries."""
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> Iterator[list[int]]:
+    """torch.cuda reports ``count`` devices, and this process is no launched rank (until a
+    test says so); yields the list of torch's device-count queries."""
     import torch
 
     queries: list[int] = []
 
     def device_count() -> int:
         queries.append(1)
-        return 1
+        return count
 
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     cuda_device_count.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", device_count)
@@ -42,6 +49,25 @@ def one_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         yield queries
     finally:
         cuda_device_count.cache_clear()  # the next test sees the real machine
+
+
+@pytest.fixture
+def one_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """torch.cuda reports one device (so world size 2 is one too many)."""
+    yield from _fake_gpus(monkeypatch, 1)
+
+
+@pytest.fixture
+def two_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """torch.cuda reports two devices (one node of two GPUs)."""
+    yield from _fake_gpus(monkeypatch, 2)
+
+
+def _launched(monkeypatch: pytest.MonkeyPatch, **variables: str) -> None:
+    """This process is rank RANK of a launch (torchrun, srun) with these variables."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "node0",
+                        **variables}.items():
+        monkeypatch.setenv(name, value)
 
 
 def test_torch_is_asked_for_the_devices_once_per_process(one_fake_gpu: list[int]) -> None:
@@ -110,3 +136,45 @@ def test_pytest_names_its_own_flag(one_fake_gpu: list[int], pytester: pytest.Pyt
         "SKIPPED [[]2[]] *gpu lane: world size 2 needs 2 CUDA devices, found 1 (one rank per "
         "device); run it on a machine with 2 GPUs (tests without a world_size marker follow "
         "--fsdp-world-sizes, e.g. 1)"])
+
+
+def test_a_two_node_launch_of_two_ranks_per_node_runs_on_two_gpus_per_node(
+    two_fake_gpus: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 3 of 4: the second node's second rank. Its node holds 2 ranks on 2 devices.
+    _launched(monkeypatch, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    assert lane_unavailable("gpu", 4) is None
+    assert lane_unavailable("gpu", 4, "cli") is None  # fsdp-conformance run decides alike
+
+
+def test_more_ranks_on_a_node_than_its_gpus_skip_naming_the_node_and_the_fix(
+    two_fake_gpus: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _launched(monkeypatch, WORLD_SIZE="8", LOCAL_WORLD_SIZE="4")
+    assert lane_unavailable("gpu", 8) == (
+        "gpu lane: this node runs 4 ranks of the launch (LOCAL_WORLD_SIZE=4) and this process "
+        "sees 2 CUDA devices (one rank per device); launch at most 2 ranks per node (torchrun "
+        "--nproc-per-node 2), or give each rank its own GPU (srun --gpus-per-task=1)")
+
+
+def test_without_local_world_size_the_launch_is_taken_as_one_node(
+    two_fake_gpus: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _launched(monkeypatch, WORLD_SIZE="2")
+    assert lane_unavailable("gpu", 2) is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    reason = lane_unavailable("gpu", 4)
+    assert reason is not None and reason.startswith(
+        "gpu lane: this node runs 4 ranks of the launch (WORLD_SIZE=4, LOCAL_WORLD_SIZE unset) "
+        "and this process sees 2 CUDA devices")
+
+
+def test_an_srun_task_given_its_own_gpu_runs_though_it_sees_one(
+    one_fake_gpu: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # srun --ntasks-per-node=4 --gpus-per-task=1: each task sees its one GPU as cuda:0.
+    _launched(monkeypatch, RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4")
+    assert lane_unavailable("gpu", 8) is not None  # a torchrun of 4 ranks on one GPU: no
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert lane_unavailable("gpu", 8) is None

@@ -11,6 +11,7 @@ import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance.harness.outcomes import HarnessError
 from fsdp_conformance.harness.protocol import (
     UNPICKLABLE_VALUE,
     RankContext,
@@ -25,14 +26,84 @@ def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
     return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+def ranks_on_this_node(environ: Mapping[str, str]) -> tuple[int, str]:
+    """How many ranks of the launch run on this node, and where that number came from:
+    ``LOCAL_WORLD_SIZE`` (torchrun sets it), else ``WORLD_SIZE`` (one node)."""
+    local = environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local), f"LOCAL_WORLD_SIZE={local}"
+    world = environ["WORLD_SIZE"]
+    return int(world), f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE unset"
+
+
+def devices_bound_per_task(environ: Mapping[str, str]) -> bool:
+    """Whether the launcher gave each task its own devices: an ``srun`` task
+    (``SLURM_LOCALID``) with ``CUDA_VISIBLE_DEVICES`` set, as ``--gpus-per-task`` or
+    ``--gpu-bind`` do. Then a rank that sees fewer devices than its node has ranks still has
+    one of its own; if the tasks in fact share one, NCCL refuses at the group's start
+    ("Duplicate GPU detected")."""
+    return "SLURM_LOCALID" in environ and bool(environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def launch_gpu_unavailable(environ: Mapping[str, str], visible: int) -> str | None:
+    """Why a launched rank cannot run the gpu lane with ``visible`` CUDA devices, or None.
+
+    Every rank needs a device of its own, so the ranks of this node (not of the launch: a
+    2-node launch of 2 ranks per node needs 2 GPUs per node) are compared with the devices
+    this process sees, unless each task sees its own (:func:`devices_bound_per_task`).
+    """
+    here, source = ranks_on_this_node(environ)
+    if here <= visible or devices_bound_per_task(environ):
+        return None
+    return (
+        f"gpu lane: this node runs {here} ranks of the launch ({source}) and this process sees "
+        f"{visible} CUDA device{'' if visible == 1 else 's'} (one rank per device); launch at "
+        f"most {visible} rank{'' if visible == 1 else 's'} per node (torchrun "
+        f"--nproc-per-node {visible}), or give each rank its own GPU (srun --gpus-per-task=1)"
+    )
+
+
+def launch_device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a launched rank: ``LOCAL_RANK`` modulo the devices it sees.
+
+    torchrun's ranks of a node all see every device (rank ``i`` takes ``cuda:i``); an srun
+    task given one GPU (``--gpus-per-task=1``) sees only that one, as ``cuda:0``, whatever its
+    ``LOCAL_RANK``.
+    """
+    if visible < 1:
+        raise HarnessError(f"LOCAL_RANK {local_rank} needs a CUDA device; this process sees none")
+    return local_rank % visible
+
+
+def process_group_options(device_type: str, device_index: int | None,
+                          pg_timeout: float | None) -> dict[str, Any]:
+    """``init_process_group``'s keyword arguments for the launch's group: its ``timeout``
+    (``pg_timeout`` seconds; None: torch's default) and, on CUDA, ``device_id`` (this rank's
+    device: NCCL binds the group to it and connects at once)."""
+    from datetime import timedelta
+
+    options: dict[str, Any] = {}
+    if pg_timeout is not None:
+        options["timeout"] = timedelta(seconds=pg_timeout)
+    if device_type == "cuda" and device_index is not None:
+        import torch
+
+        options["device_id"] = torch.device("cuda", device_index)
+    return options
+
+
 class LauncherRunner:
     """Run checks in-process on the launcher's ``env://`` process group.
 
     Every rank runs the same pytest session; each check's outcome on every rank is all-gathered
-    so that every rank reaches the same verdict. A hang here is caught by pytest-timeout.
+    so that every rank reaches the same verdict. There is no per-check timeout here: a rank
+    stuck in a collective waits for the process group's timeout (``pg_timeout``).
     """
 
-    def __init__(self, backend: str | None = None) -> None:
+    def __init__(self, backend: str | None = None, *, pg_timeout: float | None = None) -> None:
+        """``pg_timeout``: the timeout of the launch's process group, in seconds (the plugin
+        passes ``pool.pg_timeout_for`` its check timeout); None keeps torch's default. Both it
+        and the rank's device (``device_id``) apply only where this runner starts the group."""
         import torch
         import torch.distributed as dist
 
@@ -44,12 +115,21 @@ class LauncherRunner:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.backend = backend
         self.device_type = "cuda" if backend == "nccl" else "cpu"
+        #: This rank's CUDA device (None on CPU): LOCAL_RANK modulo the devices it sees.
+        self.device_index: int | None = None
         if self.device_type == "cuda":
-            torch.cuda.set_device(self.local_rank)
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method="env://")
+            self.device_index = launch_device_index(self.local_rank, torch.cuda.device_count())
+            torch.cuda.set_device(self.device_index)
+        #: Whether this runner started the launch's group, and so ends it in :meth:`close`
+        #: (a runner made where the group is up already joins it and leaves it alone).
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
+            dist.init_process_group(
+                backend, init_method="env://",
+                **process_group_options(self.device_type, self.device_index, pg_timeout))
         self.ctx = RankContext(
-            self.rank, self.world_size, self.local_rank, backend, self.device_type
+            self.rank, self.world_size, self.local_rank, backend, self.device_type,
+            self.device_index,
         )
 
     def cannot_provide(self, env: Mapping[str, str] | None, fresh: bool) -> str | None:
@@ -79,10 +159,12 @@ class LauncherRunner:
                 f"without it); launch with `{wanted} torchrun ...` to run it")
 
     def close(self) -> None:
-        """Leave the launcher's process group (the launcher itself ends the processes)."""
+        """End the launch's process group if this runner started it (the launcher itself ends
+        the processes): at the end of ``fsdp-conformance run`` and of a launched pytest
+        session."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if getattr(self, "owns_group", True) and dist.is_initialized():
             dist.destroy_process_group()
 
     def run_outcomes(

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, Listener, wait
-from typing import Any
+from typing import Any, TypedDict
 
 from fsdp_conformance.harness import protocol
 from fsdp_conformance.harness.forkserver import (
@@ -221,12 +221,16 @@ class RankPool:
         start_timeout: float | None = None,
         pg_timeout: float = PG_TIMEOUT_MIN_S,
         fork_servers: ForkServers | None = None,
+        devices: Sequence[int] | None = None,
     ) -> None:
         """``fork_servers``: fork the ranks from these servers' pre-imported torch (CPU only,
         where the platform allows; :mod:`.forkserver`) instead of starting each with ``exec``.
 
         ``start_timeout``: seconds to start (None: :func:`start_timeout_for` this world);
-        ``pg_timeout``: the process group's timeout (:func:`pg_timeout_for` a check timeout).
+        ``pg_timeout``: the process group's timeout (:func:`pg_timeout_for` a check timeout);
+        ``devices``: the CUDA devices of the ranks, rank ``r`` on ``devices[r]`` (a
+        pytest-xdist worker's slice of the machine's, :func:`.ranks.device_slice`); None: rank
+        ``r`` on ``cuda:r``. CPU pools take none.
         """
         if protocol.loading_parent_main:
             # As multiprocessing's spawn: the script is re-imported on every rank, so an
@@ -239,6 +243,8 @@ class RankPool:
             raise HarnessError(f"world_size must be >= 1, got {world_size}")
         if backend not in ("gloo", "nccl"):
             raise HarnessError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        #: The ranks' CUDA devices, by rank (None: rank ``r`` on ``cuda:r``).
+        self.devices = checked_devices(world_size, device_type, devices)
         self.world_size = world_size
         self.backend = backend
         self.device_type = device_type
@@ -295,19 +301,7 @@ class RankPool:
         for rank in range(self.world_size):
             log_path = os.path.join(self._dir, f"rank{rank}.log")
             stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
-            spec = {
-                "address": address,
-                "authkey": authkey.hex(),
-                "rank": rank,
-                "world_size": self.world_size,
-                "backend": self.backend,
-                "device_type": self.device_type,
-                "store": os.path.join(self._dir, "store"),
-                "stacks_path": stacks_path,
-                "pg_timeout": pg_timeout,
-                "parent_pid": os.getpid(),
-                "main_path": _main_path(),
-            }
+            spec = self._rank_spec(rank, address, authkey, pg_timeout, stacks_path)
             if server is not None:
                 timeout = deadline - time.monotonic()
                 procs.append((rank, server.spawn(spec, log_path, env, timeout=timeout),
@@ -323,6 +317,26 @@ class RankPool:
                     cwd=os.getcwd(),
                 )
             procs.append((rank, proc, log_path, stacks_path))
+
+    def _rank_spec(self, rank: int, address: str, authkey: bytes, pg_timeout: float,
+                   stacks_path: str) -> dict[str, Any]:
+        """What rank ``rank`` is started with (``worker.main``'s argument)."""
+        spec: dict[str, Any] = {
+            "address": address,
+            "authkey": authkey.hex(),
+            "rank": rank,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "device_type": self.device_type,
+            "store": os.path.join(self._dir, "store"),
+            "stacks_path": stacks_path,
+            "pg_timeout": pg_timeout,
+            "parent_pid": os.getpid(),
+            "main_path": _main_path(),
+        }
+        if self.devices is not None:
+            spec["devices"] = list(self.devices)  # the worker takes devices[rank]
+        return spec
 
     def _accept(self, listener: Listener, procs: list[Any],
                 deadline: float) -> dict[int, Connection]:
@@ -545,6 +559,19 @@ class RankPool:
         return dumps
 
 
+def checked_devices(world_size: int, device_type: str,
+                    devices: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A pool's CUDA devices by rank (:class:`RankPool`'s ``devices``), or a
+    :class:`HarnessError` where they cannot hold ``world_size`` ranks; None on CPU."""
+    if devices is None or device_type != "cuda":
+        return None
+    if len(devices) < world_size:
+        raise HarnessError(
+            f"{world_size} CUDA ranks need {world_size} devices, given {len(devices)} "
+            f"({list(devices)})")
+    return tuple(devices[:world_size])
+
+
 #: Every pool not closed yet, whoever holds it: what an interrupt must clean up.
 _LIVE_POOLS: set[RankPool] = set()
 
@@ -621,7 +648,7 @@ class PoolManager:
 
     def __init__(self, *, check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
                  fork_servers: ForkServers | None = None) -> None:
-        self._pools: dict[tuple[int, str, str], RankPool] = {}
+        self._pools: dict[tuple[int, str, str, tuple[int, ...] | None], RankPool] = {}
         self.check_timeout = check_timeout
         #: The process-group timeout of this manager's pools (longer for a longer check).
         self.pg_timeout = pg_timeout_for(check_timeout)
@@ -637,10 +664,12 @@ class PoolManager:
     def pool(
         self, world_size: int, backend: str, device_type: str, *,
         start_timeout: float | None = None, pg_timeout: float | None = None,
+        devices: Sequence[int] | None = None,
     ) -> RankPool:
         """The warm pool of this key, started (or restarted) when it is missing, broken, dead
-        or its process group's timeout is shorter than ``pg_timeout``."""
-        key = (world_size, backend, device_type)
+        or its process group's timeout is shorter than ``pg_timeout``. ``devices``: its CUDA
+        ranks' devices (:class:`RankPool`); pools on other devices are other pools."""
+        key = _pool_key(world_size, backend, device_type, devices)
         needed = self.pg_timeout if pg_timeout is None else pg_timeout
         pool = self._pools.get(key)
         if pool is not None and (pool.broken or not pool.alive or pool.pg_timeout < needed):
@@ -648,7 +677,8 @@ class PoolManager:
             pool = None
         if pool is None:
             pool = RankPool(world_size, backend, device_type, pg_timeout=needed,
-                            start_timeout=start_timeout, fork_servers=self.fork_servers)
+                            start_timeout=start_timeout, fork_servers=self.fork_servers,
+                            **_devices_option(devices))
             self.pools_started += 1
             self._pools[key] = pool
         return pool
@@ -667,7 +697,10 @@ class PoolManager:
         env: Mapping[str, str] | None = None,
         deadline: float | None = None,
         deadline_note: str = "",
+        devices: Sequence[int] | None = None,
     ) -> list[RankOutcome]:
+        """``devices``: the CUDA ranks' devices, rank ``r`` on ``devices[r]`` (the caller's
+        slice of the machine: :func:`.ranks.pool_devices`); None: rank ``r`` on ``cuda:r``."""
         # Starting ranks counts against an outer deadline too: a pool that cannot start in
         # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
         start_timeout, cut = fit_timeout(start_timeout_for(world_size, device_type), deadline)
@@ -678,7 +711,7 @@ class PoolManager:
             pool = self._start_in_time(
                 lambda: RankPool(world_size, backend, device_type, env=env,
                                  pg_timeout=pg_timeout, start_timeout=start_timeout,
-                                 fork_servers=self.fork_servers),
+                                 fork_servers=self.fork_servers, **_devices_option(devices)),
                 start_timeout, bool(cut), deadline_note)
             self.pools_started += 1
             try:
@@ -688,13 +721,13 @@ class PoolManager:
                 pool.close(force=pool.broken)
         pool = self._start_in_time(
             lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout,
-                              pg_timeout=pg_timeout),
+                              pg_timeout=pg_timeout, devices=devices),
             start_timeout, bool(cut), deadline_note)
         outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
                                      deadline_note=deadline_note)
         if pool.broken:
             pool.close(force=True)
-            self._pools.pop((world_size, backend, device_type), None)
+            self._pools.pop(_pool_key(world_size, backend, device_type, devices), None)
         return outcomes
 
     @staticmethod
@@ -719,3 +752,19 @@ class PoolManager:
         pools, self._pools = self._pools, {}
         for pool in pools.values():
             pool.close(force=force or pool.broken)
+
+
+def _pool_key(world_size: int, backend: str, device_type: str,
+              devices: Sequence[int] | None) -> tuple[int, str, str, tuple[int, ...] | None]:
+    return (world_size, backend, device_type,
+            None if devices is None or device_type != "cuda" else tuple(devices))
+
+
+class _DevicesOption(TypedDict, total=False):
+    devices: tuple[int, ...]
+
+
+def _devices_option(devices: Sequence[int] | None) -> _DevicesOption:
+    """``RankPool``'s ``devices`` argument, given only where there are devices to give (a
+    pool on every device is started as before)."""
+    return {} if devices is None else {"devices": tuple(devices)}

@@ -34,15 +34,20 @@ class RankContext:
     world_size: int
     local_rank: int
     backend: str
-    #: The compute device of this rank: ``cpu`` on gloo, ``cuda:<local_rank>`` on NCCL.
+    #: The compute device of this rank: ``cpu`` on gloo, ``cuda:<device_index>`` on NCCL.
     device_type: str
+    #: This rank's CUDA device, where it is not ``cuda:<local_rank>``: the rank-th device of a
+    #: pool's slice (a pytest-xdist worker's), ``LOCAL_RANK`` modulo the devices a launched
+    #: rank sees (one GPU per task). ``None``: ``local_rank``.
+    device_index: int | None = None
 
     @property
     def device(self) -> Any:
         import torch
 
         if self.device_type == "cuda":
-            return torch.device("cuda", self.local_rank)
+            index = self.local_rank if self.device_index is None else self.device_index
+            return torch.device("cuda", index)
         return torch.device(self.device_type)
 
 

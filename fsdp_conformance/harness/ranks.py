@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from fsdp_conformance.harness.launcher import LauncherRunner
+from fsdp_conformance.harness.launcher import (
+    LauncherRunner,
+    launch_gpu_unavailable,
+    launched_externally,
+)
 from fsdp_conformance.harness.outcomes import HarnessError, resolve_outcomes
 from fsdp_conformance.harness.pool import PoolManager
 from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome, function_name
@@ -30,27 +35,98 @@ def cuda_device_count() -> int:
         return 0
 
 
-def lane_unavailable(lane: str, world_size: int, flag_style: FlagStyle = "pytest") -> str | None:
+class GpuShare(NamedTuple):
+    """The part of this machine's CUDA devices a process's pools use: part ``worker`` of
+    ``workers`` contiguous parts (:func:`device_slice`). The plugin gives each pytest-xdist
+    worker its own (:func:`xdist_share`), so that no two workers' ranks share a GPU;
+    ``GpuShare()``, the default, is every device (rank ``r`` on ``cuda:r``)."""
+
+    worker: int = 0
+    workers: int = 1
+
+
+def xdist_share(worker_id: str, worker_count: int | str) -> GpuShare:
+    """The share of pytest-xdist worker ``worker_id`` (``gw3``) of ``worker_count`` workers
+    (``config.workerinput``'s ``workerid`` and ``workercount``). An id not of that form, or
+    one worker, gets every device."""
+    digits = worker_id.removeprefix("gw")
+    count = int(worker_count)
+    if not digits.isdigit() or not 0 <= int(digits) < count:
+        return GpuShare()
+    return GpuShare(int(digits), count)
+
+
+def device_slice(visible: int, share: GpuShare) -> tuple[int, ...]:
+    """The device indices of ``share`` among ``visible`` devices: contiguous, disjoint, sizes
+    differing by at most one, the first workers getting the extra ones (8 devices, 2 workers:
+    0-3 and 4-7; 2 devices, 3 workers: 0, 1 and none)."""
+    per, extra = divmod(visible, share.workers)
+    start = share.worker * per + min(share.worker, extra)
+    return tuple(range(start, start + per + (1 if share.worker < extra else 0)))
+
+
+def _devices_named(devices: tuple[int, ...]) -> str:
+    if not devices:
+        return "none"
+    if len(devices) == 1:
+        return f"1 (cuda:{devices[0]})"
+    return f"{len(devices)} (cuda:{devices[0]} to cuda:{devices[-1]})"
+
+
+def share_shortfall(world_size: int, visible: int, share: GpuShare, flag: str) -> str | None:
+    """Why this pytest-xdist worker's devices cannot hold ``world_size`` ranks, or None.
+
+    Only the worker's own slice counts (:func:`device_slice`): ``visible`` is at least
+    ``world_size`` here (the machine has enough; its workers split it too thin).
+    """
+    devices = device_slice(visible, share)
+    if world_size <= len(devices):
+        return None
+    workers = visible // world_size
+    return (
+        f"gpu lane: world size {world_size} needs {world_size} CUDA "
+        f"device{'' if world_size == 1 else 's'}, and pytest-xdist "
+        f"worker gw{share.worker} has {_devices_named(devices)} of this machine's {visible} "
+        f"(each of the {share.workers} workers gets its own slice, so that no two share a "
+        f"GPU); run fewer xdist workers (-n {workers} or fewer gives each {world_size}) or "
+        f"fewer ranks (world_size markers, {flag})"
+    )
+
+
+def lane_unavailable(lane: str, world_size: int, flag_style: FlagStyle = "pytest",
+                     share: GpuShare = GpuShare()) -> str | None:
     """Why this lane cannot run at this world size here, or None when it can.
 
     The one decision: the plugin's ``pytest_runtest_setup`` asks it for every test (before any
     fixture), :meth:`Ranks.run_outcomes` for every check run outside pytest's parametrization
     (``fsdp-conformance run``, a ``Ranks`` built by hand or reconfigured); the others use their
-    answer. ``flag_style`` spells the world-size flag as the front end in use does.
+    answer. ``flag_style`` spells the world-size flag as the front end in use does. ``share``:
+    the devices this process's pools may use (a pytest-xdist worker's slice). Under an external
+    launcher the ranks of this node are counted instead (:func:`.launcher.launch_gpu_unavailable`).
     """
     if lane != "gpu":
         return None
     found = cuda_device_count()
     if found == 0:
         return "gpu lane: no CUDA device (torch.cuda.is_available() is False)"
+    if launched_externally():
+        return launch_gpu_unavailable(os.environ, found)
+    flag = OPTIONS_BY_NAME["world_sizes"].flag_in(flag_style)
     if world_size > found:
         return (
             f"gpu lane: world size {world_size} needs {world_size} CUDA devices, found {found} "
             f"(one rank per device); run it on a machine with {world_size} GPUs (tests without "
-            f"a world_size marker follow {OPTIONS_BY_NAME['world_sizes'].flag_in(flag_style)}, "
-            f"e.g. {found})"
+            f"a world_size marker follow {flag}, e.g. {found})"
         )
-    return None
+    return share_shortfall(world_size, found, share, flag)
+
+
+def pool_devices(device_type: str, share: GpuShare) -> tuple[int, ...] | None:
+    """The CUDA devices a pool's ranks take, rank ``r`` the ``r``-th: the share's slice of this
+    machine's devices; None (rank ``r`` on ``cuda:r``) on CPU or with every device."""
+    if device_type != "cuda" or share.workers == 1:
+        return None
+    return device_slice(cuda_device_count(), share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +159,8 @@ class Ranks:
     deadline_note: str = ""
     #: The front end in use, whose flags a message names (``cli``: ``fsdp-conformance run``).
     flag_style: FlagStyle = "pytest"
+    #: The CUDA devices this process's pools may use (the plugin: this pytest-xdist worker's).
+    gpu_share: GpuShare = GpuShare()
 
     @property
     def device_type(self) -> str:
@@ -92,7 +170,8 @@ class Ranks:
         return dataclasses.replace(self, **changes)
 
     def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
-        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style)
+        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style,
+                                       self.gpu_share)
         if unavailable:
             raise CheckSkipped(unavailable)
         if self.launcher is not None:
@@ -128,6 +207,7 @@ class Ranks:
             env=self.env,
             deadline=self.deadline,
             deadline_note=self.deadline_note,
+            devices=pool_devices(self.device_type, self.gpu_share),
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

@@ -121,6 +121,14 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def rank_device_index(spec: Mapping[str, Any]) -> int:
+    """This pool rank's CUDA device: the ``rank``-th of the pool's devices (``spec['devices']``,
+    a pytest-xdist worker's slice of the machine's), or ``cuda:<rank>`` when the pool was given
+    none (it has every device)."""
+    devices = spec.get("devices")
+    return int(devices[spec["rank"]]) if devices else int(spec["rank"])
+
+
 def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
     from datetime import timedelta
 
@@ -131,9 +139,11 @@ def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
     rank, world_size = spec["rank"], spec["world_size"]
     local_rank = rank  # one machine: one device per rank
     kwargs: dict[str, Any] = {}
+    device_index = None
     if spec["device_type"] == "cuda":
-        torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
+        device_index = rank_device_index(spec)
+        torch.cuda.set_device(device_index)
+        kwargs["device_id"] = torch.device("cuda", device_index)
     dist.init_process_group(
         backend,
         init_method=f"file://{spec['store']}",
@@ -142,7 +152,7 @@ def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
         timeout=timedelta(seconds=spec["pg_timeout"]),
         **kwargs,
     )
-    return RankContext(rank, world_size, local_rank, backend, spec["device_type"])
+    return RankContext(rank, world_size, local_rank, backend, spec["device_type"], device_index)
 
 
 def main(argv: Sequence[str]) -> None:
