@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_conformance import _compat, policies
+from fsdp_conformance import policies
 from fsdp_conformance._compat import storage_key, tree_leaves
 from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
@@ -33,13 +33,10 @@ from fsdp_conformance.meters import (
 from fsdp_conformance.models import ModelSpec, call_model, default_loss
 from fsdp_conformance.timeline import Timeline, record_timeline
 
-# torch's memory trackers, imported with this module rather than at a rank's first measured
-# step: their module pulls in torch._dynamo (about 0.7 CPU-s on the 2-core CI machine). A fork
-# server that preloads this module (it does when the parent has loaded it:
-# harness/forkserver.py) then imports them once for all its ranks, instead of once per rank
-# and per pool. The accessors return None where an upgrade moved them; choose_meter says so.
-_compat.mem_tracker_cls()
-_compat.fsdp_mem_tracker_cls()
+# torch's memory trackers are imported by the rank fork server before it forks
+# (harness/worker.py, ``warm_rank_imports``), not with this module: their package pulls in
+# torch's compiler stack (about 1.2 s), which the parent of a run (it imports this
+# module through the claims) never uses and which delayed its first check.
 
 # ============================================================================================
 # Collectives that let go of their tensors in program order (gloo)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -185,6 +186,32 @@ def test_a_server_started_early_imports_before_each_fork_what_the_parent_loaded_
     finally:
         manager.close()
         servers.close()
+
+
+#: torch's memory trackers: what every measured step needs, and what the parent of a run never
+#: does (their package imports torch's compiler stack, about 1.2 s).
+TRACKERS = "torch.distributed._tools.mem_tracker"
+
+
+@needs_fork
+def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never_does(
+    tmp_path: Path,
+) -> None:
+    servers = ForkServers()
+    manager = PoolManager(fork_servers=servers)
+    try:
+        run = dict(args=(TRACKERS,), kwargs={}, world_size=1, **{k: RUN[k] for k in (
+            "backend", "device_type", "timeout")})
+        assert _values(manager.run_outcomes(_loaded_at_start, **run)) == [True]
+    finally:
+        manager.close()
+        servers.close()
+    # A run's parent imports every claim (and through them the step and the meters), not them.
+    probe = ("import sys; from fsdp_conformance.claims import all_checks; all_checks(); "
+             f"print({TRACKERS!r} in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=tmp_path, timeout=120).stdout
+    assert out.strip() == "False"
 
 
 def test_a_pool_without_fork_servers_starts_its_ranks_with_exec() -> None:

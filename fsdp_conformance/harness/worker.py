@@ -270,6 +270,7 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
                 print(f"preload {name} failed: {exc!r}", file=sys.stderr)
 
     preload(spec["preload"])
+    warm_rank_imports()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -303,6 +304,18 @@ def serve_forks(spec: Mapping[str, Any]) -> None:
             except OSError:
                 break
     os._exit(0)
+
+
+def warm_rank_imports() -> None:
+    """Import, in the fork server, what ranks import lazily on their first measured step:
+    torch's memory trackers (their package pulls in torch's compiler stack, about
+    1.2 s), once for every rank it forks instead of once per rank and pool. The parent never
+    needs them. A torch that moved them: the accessors say None, the meters say why."""
+    with contextlib.suppress(Exception):
+        from fsdp_conformance import _compat
+
+        _compat.mem_tracker_cls()
+        _compat.fsdp_mem_tracker_cls()
 
 
 def _reap(exit_paths: dict[int, str]) -> None:
