@@ -291,14 +291,8 @@ def checkpoint_options(args: argparse.Namespace) -> dict[str, str | None]:
     save_to = load_from = None
     if args.save_checkpoint is not None:
         save_to = os.path.abspath(args.save_checkpoint)
-        try:
-            os.makedirs(save_to, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--save-checkpoint {args.save_checkpoint}: cannot make the folder "
-                             f"({exc.strerror}); give a folder you can write") from None
-        if not os.access(save_to, os.W_OK):
-            raise UsageError(f"--save-checkpoint {args.save_checkpoint}: not writable; give a "
-                             "folder you can write")
+        _writable_folder(save_to, f"--save-checkpoint {args.save_checkpoint}: cannot write to it",
+                         "give a folder you can write")
     if args.load_checkpoint is not None:
         load_from = os.path.abspath(args.load_checkpoint)
         if not os.path.isdir(load_from):
@@ -403,15 +397,20 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
 
 
 def _ensure_writable_folder(path: str, flag: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
+    _writable_folder(os.path.dirname(os.path.abspath(path)),
+                     f"cannot write the report to {os.path.dirname(path) or '.'}",
+                     f"give {flag} a folder you can write")
+
+
+def _writable_folder(folder: str, problem: str, fix: str) -> None:
+    """Make ``folder`` if missing; a usage error (``problem (why); fix``) when it cannot be made
+    or written."""
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot write the report to {os.path.dirname(path) or '.'} "
-                         f"({exc.strerror}); give {flag} a folder you can write") from None
+        raise UsageError(f"{problem} ({exc.strerror}); {fix}") from None
     if not os.access(folder, os.W_OK):
-        raise UsageError(f"cannot write the report to {os.path.dirname(path) or '.'} (not "
-                         f"writable); give {flag} a folder you can write")
+        raise UsageError(f"{problem} (not writable); {fix}")
 
 
 def write_plot(report: dict[str, Any], out_dir: str, *, explicit: bool = False) -> str | None:

@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import io
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -246,6 +246,22 @@ def _section(label: str, ok: str, wrong: Mapping[int, Sequence[str]],
         if len(problems) > limit:
             lines.append(f"      rank {rank}: ... {len(problems) - limit} more")
     return lines
+
+
+def _judge_targets(expected: Mapping[str, list[Any]],
+                   loaded: Sequence[tuple[int, Mapping[str, Any]]], targets: Sequence[str],
+                   label: Callable[[str], str]) -> tuple[list[str], list[str]]:
+    """Per target, every rank's digests of the model loaded into it (``loaded``: (rank, digests
+    by target)) against ``expected``: the tree's section per target and the targets wrong on
+    any rank."""
+    tree: list[str] = []
+    bad: list[str] = []
+    for target in targets:
+        wrong = {rank: d for rank, by_target in loaded
+                 if (d := _differences(expected, by_target[target]))}
+        tree += _section(label(target), "ok", wrong)
+        bad += [target] if wrong else []
+    return tree, bad
 
 
 def _judge_rank(value: Mapping[str, Any],
@@ -585,20 +601,21 @@ def rank_state_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: st
     return {"rank": ctx.rank, "version": version, "files": files, "loaded": loaded}
 
 
+def _where(target: str, world_size: int, one_process: str) -> str:
+    """Where a checkpoint was loaded into ``target``, for a verdict's line."""
+    return one_process if target == "unsharded" else f"{target} at world size {world_size}"
+
+
 def verdict_state_dcp(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Every target, on every rank: the model loaded from the checkpoint equals the reference,
     tensor by tensor, bitwise."""
     spec = params.get("spec", DEFAULT_SPEC)
     version = params.get("version", "fsdp2")
     expected = reference_digests(spec, params.get("seed", 0))
-    tree, bad = [], []
-    for target in DCP_TARGETS:
-        wrong = {v["rank"]: d for v in values
-                 if (d := _differences(expected, v["loaded"][target]))}
-        where = ("one process, no_dist: world size 1" if target == "unsharded"
-                 else f"{target} at world size {len(values)}")
-        tree += _section(f"loaded into {target} ({where})", "ok", wrong)
-        bad += [target] if wrong else []
+    one_process = "one process, no_dist: world size 1"
+    tree, bad = _judge_targets(
+        expected, [(v["rank"], v["loaded"]) for v in values], DCP_TARGETS,
+        lambda t: f"loaded into {t} ({_where(t, len(values), one_process)})")
     files = values[0]["files"]
     figures = {"targets": list(DCP_TARGETS), "files": len(files), "tensors": len(expected),
                "failed_targets": sorted(set(bad))}
@@ -682,12 +699,9 @@ def verdict_state_reshard(values: Sequence[Mapping[str, Any]],
     version = params.get("version", "fsdp2")
     expected = reference_digests(spec, params.get("seed", 0))
     saved_by = values[0]["saved_by"]
-    tree, bad = [], []
-    for target in RESHARD_TARGETS:
-        wrong = {v["rank"]: d for v in values
-                 if (d := _differences(expected, v["loaded"][target]))}
-        tree += _section(f"loaded into {target} at world size {len(values)}", "ok", wrong)
-        bad += [target] if wrong else []
+    tree, bad = _judge_targets(expected, [(v["rank"], v["loaded"]) for v in values],
+                               RESHARD_TARGETS,
+                               lambda t: f"loaded into {t} at world size {len(values)}")
     files = values[0]["files"]
     figures = {"saved_world_size": saved_by, "loaded_world_size": len(values),
                "targets": list(RESHARD_TARGETS), "failed_targets": sorted(set(bad))}
@@ -806,25 +820,23 @@ def verdict_state_checkpoint(values: Sequence[Mapping[str, Any]],
     if "load" in values[0]:
         manifest = values[0]["load"]["manifest"]
         expected = {k: list(d) for k, d in manifest["digests"].items()}
-        for target in DCP_TARGETS:
-            wrong = {v["rank"]: d for v in values
-                     if (d := _differences(expected, v["load"]["loaded"][target]))}
-            where = ("one process, no_dist" if target == "unsharded"
-                     else f"{target} at world size {len(values)}")
-            tree += _section(f"loaded into {target} ({where})", "ok", wrong)
-            bad += [f"load:{target}"] if wrong else []
+        lines, failed = _judge_targets(
+            expected, [(v["rank"], v["load"]["loaded"]) for v in values], DCP_TARGETS,
+            lambda t: f"loaded into {t} ({_where(t, len(values), 'one process, no_dist')})")
+        tree += lines
+        bad += [f"load:{t}" for t in failed]
         heads.append(f"loaded the checkpoint torch {manifest['torch']} saved at world size "
                      f"{manifest['world_size']} under {manifest['version']}, on torch "
                      f"{torch.__version__}, against the values it saved, bitwise")
         figures.update(checkpoint_torch=manifest["torch"],
                        checkpoint_world_size=manifest["world_size"])
     if "save" in values[0]:
-        expected = reference_digests(spec, params.get("seed", 0))
-        for target in DCP_TARGETS:
-            wrong = {v["rank"]: d for v in values
-                     if (d := _differences(expected, v["save"]["read_back"][target]))}
-            tree += _section(f"saved, read back into {target}", "ok", wrong)
-            bad += [f"save:{target}"] if wrong else []
+        lines, failed = _judge_targets(
+            reference_digests(spec, params.get("seed", 0)),
+            [(v["rank"], v["save"]["read_back"]) for v in values], DCP_TARGETS,
+            lambda t: f"saved, read back into {t}")
+        tree += lines
+        bad += [f"save:{t}" for t in failed]
         files = values[0]["save"]["files"]
         heads.append(f"saved to {values[0]['save']['path']} ({len(files)} files) at world size "
                      f"{len(values)} on torch {torch.__version__}, read back against the "
