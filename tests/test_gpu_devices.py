@@ -160,7 +160,7 @@ def specs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
 
     def start(self: RankPool, extra_env: Any, start_timeout: float, pg_timeout: float) -> None:
         for rank in range(self.world_size):
-            recorded.append(self._rank_spec(rank, "ctl.sock", b"key", pg_timeout, "stacks"))
+            recorded.append(self._rank_spec(rank, "ctl.sock", b"key", pg_timeout, "stacks", {}))
 
     monkeypatch.setattr(RankPool, "_start", start)
     yield recorded

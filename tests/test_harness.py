@@ -154,6 +154,12 @@ def _pid_and_env(ctx: RankContext, name: str) -> tuple[int, str | None]:
     return os.getpid(), os.environ.get(name)
 
 
+def _threads(ctx: RankContext) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _global_state(ctx: RankContext) -> dict[str, Any]:
     import torch
 
@@ -273,6 +279,30 @@ def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
     # The warm pool neither saw the variable nor was replaced.
     assert ranks.run(_env, "MALLOC_MMAP_THRESHOLD_") == [None, None]
     assert ranks.run(_pid) == warm
+
+
+@pytest.mark.world_size(2)
+def test_ranks_share_the_cores_and_keep_a_thread_count_the_user_set(ranks) -> None:
+    # torch gives each process a thread per core: two ranks on this machine would run twice
+    # as many compute threads as cores. Each rank gets its share, at least one.
+    from fsdp_conformance.settings import usable_cores
+
+    assert ranks.run(_threads) == [max(1, usable_cores() // 2)] * 2
+    # A count the user set is theirs, on forked ranks too (torch was imported before the fork
+    # and never reads the variable there).
+    assert ranks.configured(env={"OMP_NUM_THREADS": "3"}).run(_threads) == [3, 3]
+
+
+def test_the_thread_share_divides_the_cores_among_the_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fsdp_conformance import settings
+    from fsdp_conformance.harness.pool import rank_threads
+
+    monkeypatch.setattr(settings, "usable_cores", lambda: 16)
+    assert [rank_threads(n, {}) for n in (1, 2, 4, 16, 32)] == [16, 8, 4, 1, 1]
+    assert rank_threads(4, {"OMP_NUM_THREADS": "2"}) == 2
+    assert rank_threads(4, {"OMP_NUM_THREADS": "garbage"}) == 4  # not a count: the share
 
 
 @pytest.mark.world_size(2)

@@ -178,6 +178,27 @@ def rank_environment(extra_env: Mapping[str, str] | None = None,
     return env
 
 
+def rank_threads(world_size: int, env: Mapping[str, str]) -> int:
+    """Intra-op threads for each of a pool's ranks started with ``env``: its
+    ``OMP_NUM_THREADS`` where set (the user's choice), else this machine's usable cores shared
+    out among the ``world_size`` ranks, at least one each.
+
+    Why: torch starts every process with a thread per core, so N ranks on one machine run N
+    times as many compute threads as there are cores, spinning against each other; torchrun
+    sets ``OMP_NUM_THREADS=1`` for several processes per node for the same reason. The rank
+    sets the count itself (``torch.set_num_threads``), because a rank forked from a fork server
+    has torch imported already and never reads the variable. Measured on 2 cores,
+    ``fsdp-conformance run`` at world size 2: 97.6 CPU-seconds in 57.5 s wall with a thread
+    per core in each rank, 77.3 in 45.6 s with the share (docs/harness.md, "Rank threads").
+    """
+    chosen = env.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    from fsdp_conformance.settings import usable_cores
+
+    return max(1, usable_cores() // max(1, world_size))
+
+
 def prestart_fork_server(fork_servers: ForkServers | None = None,
                          env: Mapping[str, str] | None = None) -> bool:
     """Start the fork server of this process's CPU pools (started with ``env`` added, as a
@@ -301,7 +322,7 @@ class RankPool:
         for rank in range(self.world_size):
             log_path = os.path.join(self._dir, f"rank{rank}.log")
             stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
-            spec = self._rank_spec(rank, address, authkey, pg_timeout, stacks_path)
+            spec = self._rank_spec(rank, address, authkey, pg_timeout, stacks_path, env)
             if server is not None:
                 timeout = deadline - time.monotonic()
                 procs.append((rank, server.spawn(spec, log_path, env, timeout=timeout),
@@ -319,7 +340,7 @@ class RankPool:
             procs.append((rank, proc, log_path, stacks_path))
 
     def _rank_spec(self, rank: int, address: str, authkey: bytes, pg_timeout: float,
-                   stacks_path: str) -> dict[str, Any]:
+                   stacks_path: str, env: Mapping[str, str]) -> dict[str, Any]:
         """What rank ``rank`` is started with (``worker.main``'s argument)."""
         spec: dict[str, Any] = {
             "address": address,
@@ -333,6 +354,7 @@ class RankPool:
             "pg_timeout": pg_timeout,
             "parent_pid": os.getpid(),
             "main_path": _main_path(),
+            "threads": rank_threads(self.world_size, env),
         }
         if self.devices is not None:
             spec["devices"] = list(self.devices)  # the worker takes devices[rank]

@@ -135,6 +135,9 @@ def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
     import torch
     import torch.distributed as dist
 
+    if spec.get("threads"):
+        # Before the first check: the clean-state baseline is taken with this count.
+        torch.set_num_threads(int(spec["threads"]))
     backend = spec["backend"]
     rank, world_size = spec["rank"], spec["world_size"]
     local_rank = rank  # one machine: one device per rank
