@@ -6,11 +6,13 @@ The work lives in the library: settings in :mod:`fsdp_conformance.settings`, ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import pytest
 
@@ -47,6 +49,15 @@ STARTED_KEY = pytest.StashKey[float]()
 OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
 SIGTERM_KEY = pytest.StashKey[tuple[interrupts.InterruptHandler, dict[int, Any]]]()
+
+@contextlib.contextmanager
+def _uncaptured_stderr(config: pytest.Config) -> Iterator[TextIO]:
+    """The terminal's stderr with pytest's capture suspended: a launched rank's stuck check
+    writes its stacks there just before the rank ends (captured output would be lost)."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+        yield sys.stderr
+
 
 LANES = ("cpu", "gpu")
 MARKERS = (
@@ -323,7 +334,8 @@ def ranks(
             # The launch's group outlasts a check as a pool's does (--fsdp-timeout + 60 s, at
             # least 300 s); pytest_sessionfinish ends it.
             launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(
-                backend, pg_timeout=pg_timeout_for(fsdp_settings.timeout))
+                backend, pg_timeout=pg_timeout_for(fsdp_settings.timeout),
+                hang_stream=lambda: _uncaptured_stderr(request.config))
     deadline, deadline_note = None, ""
     outer = _pytest_timeout(request.node)
     if outer is not None:

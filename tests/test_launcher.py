@@ -12,10 +12,12 @@ interrupted (SIGTERM to torchrun, Ctrl-C in a launched pytest session).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -327,6 +329,94 @@ def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_b
     status, _, detail, _ = execute_check(_interrupted_check, _bare_launcher().ctx, (), {})
     assert status == "error" and "KeyboardInterrupt" in detail
     assert torch.get_default_dtype() == before
+
+
+def _stuck_here(release: threading.Event) -> None:
+    release.wait(60)
+
+
+def test_a_check_past_its_timeout_writes_every_threads_stack_then_ends_the_rank(
+    tmp_path: Path,
+) -> None:
+    from fsdp_conformance.harness.launcher import HANG_EXIT_STATUS, CheckWatchdog
+
+    ended: list[int] = []
+    release = threading.Event()
+
+    def end(status: int) -> None:
+        ended.append(status)
+        release.set()  # in a rank: os._exit; here the stuck main thread may go on
+
+    with open(tmp_path / "stacks", "w+") as out:
+        @contextlib.contextmanager
+        def stream() -> Iterator[IO[str]]:
+            yield out
+
+        with CheckWatchdog("mod.check", 1, 0.2, " (cut from 5 s)", stream, end, grace=0.0):
+            _stuck_here(release)
+        out.seek(0)
+        written = out.read()
+    assert ended == [HANG_EXIT_STATUS]
+    assert (f"fsdp-conformance: check mod.check did not finish within 0.2 s (cut from 5 s) on "
+            f"rank 1 of the launch; every thread's stack follows, then this rank ends with exit "
+            f"status {HANG_EXIT_STATUS}") in written, written
+    assert " in _stuck_here" in written, written  # the main thread's stack, where it waits
+
+
+def test_a_check_that_finishes_in_time_leaves_no_trace_and_the_rank_runs_on(
+    tmp_path: Path,
+) -> None:
+    from fsdp_conformance.harness.launcher import CheckWatchdog
+
+    ended: list[int] = []
+    with open(tmp_path / "stacks", "w+") as out:
+        with CheckWatchdog("mod.check", 0, 30.0, "", lambda: contextlib.nullcontext(out),
+                           ended.append):
+            pass
+        assert out.tell() == 0
+    assert ended == []
+
+
+HANG_SESSION = """
+import time
+
+
+def _stuck_on_rank1(ctx):
+    if ctx.rank == 1:
+        time.sleep(600)  # never returns: rank 0 waits for it in the outcome exchange
+    return ctx.rank
+
+
+def test_stuck(ranks):
+    ranks.run(_stuck_on_rank1)
+"""
+
+
+def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
+    tmp_path: Path,
+) -> None:
+    # A launched rank has no parent to watch it; rank 0 waits inside gloo's all-gather (C++),
+    # where pytest-timeout's signal handler never runs. Each rank's watchdog writes its stacks
+    # past the check's timeout, through pytest's capture, and ends the rank: the launch ends
+    # at the check's timeout, not at the process group's (300 s).
+    (tmp_path / "test_hang.py").write_text(HANG_SESSION)
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pytest", "-p", "no:cacheprovider", "-q", "--fsdp-timeout", "3",
+           "test_hang.py"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=LAUNCH_LIMIT_S, check=False)
+    told = done.stdout + done.stderr
+    assert done.returncode != 0, told
+    for rank in (0, 1):
+        assert (f"did not finish within 3 s on rank {rank} of the launch; every thread's stack "
+                "follows, then this rank ends with exit status 124") in told, told
+    # faulthandler's frames ("File ..., line N in NAME"; the two ranks' dumps may interleave):
+    # rank 1 where it is stuck, rank 0 where it waits for rank 1's outcome.
+    assert " in _stuck_on_rank1" in told and " in all_gather_objects" in told, told
 
 
 CTRL_C_SESSION = """

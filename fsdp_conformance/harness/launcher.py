@@ -6,10 +6,15 @@ all-gathered, so every rank's pytest sees the same verdict.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import pickle
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TextIO
 
 from fsdp_conformance.harness.outcomes import HarnessError
 from fsdp_conformance.harness.protocol import (
@@ -17,6 +22,7 @@ from fsdp_conformance.harness.protocol import (
     RankContext,
     RankOutcome,
     all_gather_objects,
+    function_name,
 )
 
 
@@ -92,18 +98,88 @@ def process_group_options(device_type: str, device_index: int | None,
     return options
 
 
+#: Exit status of a launched rank whose check did not finish within its timeout (the
+#: ``timeout`` command's): the harness's watchdog wrote every thread's stack before it.
+HANG_EXIT_STATUS = 124
+#: Seconds a rank's watchdog waits after writing its stacks before it ends the rank: the
+#: launcher ends the whole launch at the first rank's exit, and the other ranks' watchdogs,
+#: armed within moments of this one (the ranks leave the previous check's outcome exchange,
+#: or the group's start, together), must have written theirs by then.
+EXIT_GRACE_S = 2.0
+
+
+@contextlib.contextmanager
+def _stderr() -> Iterator[TextIO]:
+    yield sys.stderr
+
+
+class CheckWatchdog:
+    """Ends a launched rank whose check does not finish within ``timeout`` seconds, stacks first.
+
+    A launched rank has no parent watching it, and a rank stuck in a collective or a CUDA wait
+    is inside torch's C++ code, where pytest-timeout's signal handler never runs. A watchdog
+    thread does: torch releases the GIL in those waits. On expiry it writes one line naming
+    the check, the rank and the timeout, then every thread's stack (``faulthandler``), to
+    ``stream()`` (a context manager giving the stream: the plugin's suspends pytest's
+    capture, which would otherwise swallow it), and ends the process with
+    :data:`HANG_EXIT_STATUS` through ``end``. Every rank runs its own watchdog with the same
+    timeout, so every rank's stack is written: the stuck one's where it is stuck, the others'
+    where they wait for it (the outcome exchange). The launcher then ends the launch. A hang
+    that holds the GIL (not torch's waits) is not caught; the process group's timeout applies.
+    """
+
+    def __init__(self, what: str, rank: int, timeout: float, note: str = "",
+                 stream: Callable[[], contextlib.AbstractContextManager[TextIO]] = _stderr,
+                 end: Callable[[int], Any] = os._exit, grace: float = EXIT_GRACE_S) -> None:
+        self.what, self.rank, self.timeout, self.note = what, rank, timeout, note
+        self.grace = grace
+        self._stream, self._end = stream, end
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="fsdp-conformance-watchdog")
+
+    def __enter__(self) -> CheckWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.timeout):
+            return
+        with self._stream() as out:
+            out.write(
+                f"\nfsdp-conformance: check {self.what} did not finish within "
+                f"{self.timeout:g} s{self.note} on rank {self.rank} of the launch; every "
+                f"thread's stack follows, then this rank ends with exit status "
+                f"{HANG_EXIT_STATUS} (each rank writes its own; raise --fsdp-timeout / "
+                "--timeout if the check needs longer)\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+            out.flush()
+        time.sleep(self.grace)
+        self._end(HANG_EXIT_STATUS)
+
+
 class LauncherRunner:
     """Run checks in-process on the launcher's ``env://`` process group.
 
     Every rank runs the same pytest session; each check's outcome on every rank is all-gathered
-    so that every rank reaches the same verdict. There is no per-check timeout here: a rank
-    stuck in a collective waits for the process group's timeout (``pg_timeout``).
+    so that every rank reaches the same verdict. A check (with its outcome exchange) that does
+    not finish within its timeout ends the rank with every thread's stack
+    (:class:`CheckWatchdog`).
     """
 
-    def __init__(self, backend: str | None = None, *, pg_timeout: float | None = None) -> None:
+    def __init__(self, backend: str | None = None, *, pg_timeout: float | None = None,
+                 hang_stream: Callable[[], contextlib.AbstractContextManager[TextIO]] = _stderr
+                 ) -> None:
         """``pg_timeout``: the timeout of the launch's process group, in seconds (the plugin
         passes ``pool.pg_timeout_for`` its check timeout); None keeps torch's default. Both it
-        and the rank's device (``device_id``) apply only where this runner starts the group."""
+        and the rank's device (``device_id``) apply only where this runner starts the group.
+        ``hang_stream``: where a stuck check's stacks go (:class:`CheckWatchdog`)."""
+        self.hang_stream = hang_stream
         import torch
         import torch.distributed as dist
 
@@ -127,6 +203,9 @@ class LauncherRunner:
             dist.init_process_group(
                 backend, init_method="env://",
                 **process_group_options(self.device_type, self.device_index, pg_timeout))
+            # Every rank leaves here together, so the first check's watchdogs are armed
+            # together too (EXIT_GRACE_S); later checks start from the last one's exchange.
+            dist.barrier()
         self.ctx = RankContext(
             self.rank, self.world_size, self.local_rank, backend, self.device_type,
             self.device_index,
@@ -168,6 +247,17 @@ class LauncherRunner:
             dist.destroy_process_group()
 
     def run_outcomes(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+        timeout: float | None = None, note: str = "",
+    ) -> list[RankOutcome]:
+        """Every rank's outcome of ``fn``; past ``timeout`` seconds (None: no limit) the rank
+        ends with its stacks (:class:`CheckWatchdog`; ``note`` says why the timeout was cut)."""
+        if timeout is None:
+            return self._run_outcomes(fn, args, kwargs)
+        with CheckWatchdog(function_name(fn), self.rank, timeout, note, self.hang_stream):
+            return self._run_outcomes(fn, args, kwargs)
+
+    def _run_outcomes(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> list[RankOutcome]:
         from fsdp_conformance.harness import interrupts

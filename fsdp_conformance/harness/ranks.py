@@ -14,7 +14,7 @@ from fsdp_conformance.harness.launcher import (
     launched_externally,
 )
 from fsdp_conformance.harness.outcomes import HarnessError, resolve_outcomes
-from fsdp_conformance.harness.pool import PoolManager
+from fsdp_conformance.harness.pool import PoolManager, fit_timeout
 from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome, function_name
 from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle
 
@@ -192,7 +192,8 @@ class Ranks:
             unavailable = self.launcher.cannot_provide(self.env, self.fresh)
             if unavailable:
                 raise CheckSkipped(unavailable)
-            return self.launcher.run_outcomes(fn, args, kwargs)
+            timeout, note = fit_timeout(self.timeout, self.deadline, self.deadline_note)
+            return self.launcher.run_outcomes(fn, args, kwargs, timeout, note)
         if self.manager is None:  # an invariant of how Ranks is built
             raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")
         return self.manager.run_outcomes(
