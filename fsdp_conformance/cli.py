@@ -168,9 +168,11 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     from fsdp_conformance.plan.estimate import (
         CLAIM_WORLD_SIZES,
         DEFAULT_DEVICE_MEMORY,
+        DEFAULT_RESERVE,
         MAX_WORLD_SIZE,
     )
     from fsdp_conformance.plan.model import ATTENTION, DTYPE_BYTES, OPTIMIZERS, POLICIES, PRESETS
+    from fsdp_conformance.sizes import format_bytes
 
     model = p.add_argument_group("model (exactly one)")
     model.add_argument("--preset", metavar="NAME",
@@ -211,6 +213,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--device-memory", default=DEFAULT_DEVICE_MEMORY, metavar="SIZES",
                        help=f"device sizes for 'devices needed' (GB = 10^9 B, GiB = 2^30 B) "
                        f"[{DEFAULT_DEVICE_MEMORY}]")
+    scale.add_argument("--device-reserve", default=None, metavar="SIZE",
+                       help="device memory kept free per rank outside the estimate (CUDA "
+                       "context, NCCL, cuBLAS workspaces; docs/planning.md) [stated "
+                       f"allowance, {format_bytes(DEFAULT_RESERVE.total, 'decimal')}]")
     scale.add_argument("--max-world-size", type=int, default=MAX_WORLD_SIZE,
                        help=f"largest world size searched [{MAX_WORLD_SIZE}]")
     scale.add_argument("--no-verify", dest="verify", action="store_false",
@@ -500,6 +506,7 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp_conformance.plan import plan_command
+    from fsdp_conformance.plan.estimate import DEFAULT_RESERVE, DeviceReserve
     from fsdp_conformance.plan.model import (
         PlanError,
         choose_model,
@@ -523,10 +530,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         world_sizes = parse_world_sizes(args.world_sizes) if args.compare_policies else ()
         if not args.compare_policies and args.world_size < 1:
             raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
+        reserve = (DEFAULT_RESERVE if args.device_reserve is None
+                   else DeviceReserve.of_total(
+                       parse_bytes(args.device_reserve, "--device-reserve", allow_zero=True)))
         text, data = plan_command(choice, settings, args.world_size, devices,
                                   verify=args.verify, compare=args.compare_policies,
                                   world_sizes=world_sizes, max_world_size=args.max_world_size,
-                                  full_tree=args.full_tree)
+                                  full_tree=args.full_tree, reserve=reserve)
     except PlanError as exc:  # the planner's bad input: the same one line as the CLI's own
         raise UsageError(str(exc)) from None
     print(json.dumps(data, indent=2, default=str) if args.json else text)

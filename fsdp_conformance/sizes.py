@@ -45,17 +45,17 @@ def format_bytes(n: float, style: ByteStyle = "binary") -> str:
     raise ValueError(f"unknown byte style {style!r}; use one of binary, decimal, MB")
 
 
-def parse_bytes(text: str, what: str = "--device-memory") -> int:
+def parse_bytes(text: str, what: str = "--device-memory", allow_zero: bool = False) -> int:
     """``80GB``, ``141 GB``, ``80GiB``, ``8e10``: bytes (GB = 10^9 B, GiB = 2^30 B).
 
-    ``what`` names the input in the message (the flag it came from).
+    ``what`` names the input in the message (the flag it came from); ``allow_zero`` accepts 0.
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).upper() if m else ""
     if m is None or unit not in UNITS_OF_BYTES:
         raise ValueError(f"{what} {text!r} is not a size; write e.g. 80GB, 141GB or 80GiB")
     value = float(m.group(1)) * UNITS_OF_BYTES[unit]
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{what} {text!r} must be positive")
     return int(value)
 

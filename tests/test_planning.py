@@ -38,8 +38,10 @@ from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,
+    DEFAULT_RESERVE,
     SHARDED_TERMS,
     UNIT_TERMS,
+    DeviceReserve,
     ModelPlan,
     breakdown,
     compare_policies,
@@ -49,6 +51,7 @@ from fsdp_conformance.plan.estimate import (
 from fsdp_conformance.plan.model import (
     POLICIES,
     ModelChoice,
+    PlanError,
     PlanSettings,
     build_meta_model,
     choose_model,
@@ -143,11 +146,37 @@ def test_devices_needed_is_the_smallest_world_size_that_fits(
     plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
     need = devices_needed(plan, 80 * GB)
     w = need.world_size
+    usable = 80 * GB - DEFAULT_RESERVE.total  # the device less what a GPU rank holds outside
     assert w is not None and w > 1
-    assert plan.estimate(w).total <= 80 * GB < plan.estimate(w - 1).total
+    assert plan.estimate(w).total <= usable < plan.estimate(w - 1).total
     assert need.estimate_bytes == plan.estimate(w).total
+    assert need.reserve_bytes == DEFAULT_RESERVE.total
+    assert "(80.00 GB less the 2.13 GB device reserve)" in need.reason
     bigger = devices_needed(plan, 141 * GB)
     assert bigger.world_size is not None and bigger.world_size < w
+
+
+def test_devices_needed_keeps_the_device_reserve_free(
+    llama70b: ModelChoice, meta70: Any,
+) -> None:
+    # The estimate counts what torch's allocator holds; the CUDA context, NCCL's buffers and
+    # the cuBLAS workspaces come on top. A device that fits the estimate exactly at W ranks
+    # does not fit once they are kept free: W no longer suffices.
+    plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
+    w = devices_needed(plan, 80 * GB).world_size
+    assert w is not None
+    exact = plan.estimate(w).total
+    assert devices_needed(plan, exact, reserve=DeviceReserve.of_total(0)).world_size == w
+    kept = devices_needed(plan, exact)
+    assert kept.world_size is not None and kept.world_size > w
+    assert plan.estimate(kept.world_size).total <= exact - DEFAULT_RESERVE.total
+    assert DEFAULT_RESERVE.total == (DEFAULT_RESERVE.cuda_context + DEFAULT_RESERVE.nccl
+                                     + DEFAULT_RESERVE.cublas_workspaces)
+    # A reserve as large as the device: nothing fits, and the reason says why.
+    none = devices_needed(plan, 2 * GB)
+    assert none.world_size is None and "(2.00 GB less the 2.13 GB device reserve)" in none.reason
+    with pytest.raises(PlanError, match="--device-reserve must be >= 0 bytes, got -1"):
+        DeviceReserve.of_total(-1)
 
 
 def test_long_sequences_never_fit_because_of_activations_and_the_reason_says_so(
@@ -232,6 +261,7 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
      "cannot import module 'no_such_pkg.mod'"),
     (["--model", "fsdp_conformance.models:MassiveModel"], "no block class given"),
     (["--preset", "7b", "--layers", "2"], "a preset has its own shape"),
+    (["--preset", "7b", "--device-reserve", "lots"], "--device-reserve 'lots' is not a size"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(argv: list[str], needle: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -313,6 +343,20 @@ def test_cli_plan_no_verify_prints_the_tree_without_the_cross_check(
     out, err = capsys.readouterr()
     assert "layers.{0..31}  LlamaBlock x32" in out, err
     assert "fsdp2 cross-check" not in out
+
+
+def test_cli_plan_states_the_device_reserve_and_takes_the_users_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--preset", "7b", "--seq-len", "512", "--no-verify", "--json"]
+    assert cli.main(argv) == 0
+    stated = json.loads(capsys.readouterr().out)
+    assert stated["reserve"] == DEFAULT_RESERVE.to_dict()
+    assert [d["reserve_bytes"] for d in stated["devices_needed"]] == [DEFAULT_RESERVE.total] * 2
+    assert cli.main([*argv, "--device-reserve", "0"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert [d["reserve_bytes"] for d in own["devices_needed"]] == [0, 0]
+    assert "(80.00 GB less the 0 B device reserve)" in own["devices_needed"][0]["reason"]
 
 
 # ------------------------------------------------------------------------------------------

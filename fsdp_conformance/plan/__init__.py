@@ -32,7 +32,9 @@ from typing import Any
 
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,
+    DEFAULT_RESERVE,
     MAX_WORLD_SIZE,
+    DeviceReserve,
     compare_policies,
     plan_model,
 )
@@ -45,7 +47,8 @@ def plan_command(choice: ModelChoice, settings: PlanSettings, world_size: int,
                  devices: Sequence[int], *, verify: bool = True, compare: bool = False,
                  world_sizes: Sequence[int] = CLAIM_WORLD_SIZES,
                  max_world_size: int = MAX_WORLD_SIZE,
-                 full_tree: bool = False) -> tuple[str, dict[str, Any]]:
+                 full_tree: bool = False,
+                 reserve: DeviceReserve = DEFAULT_RESERVE) -> tuple[str, dict[str, Any]]:
     """What ``fsdp-conformance plan`` prints: (text for people, data for tools: the ``--json``).
 
     ``compare``: the policies side by side at ``world_sizes``; otherwise the plan at
@@ -53,12 +56,12 @@ def plan_command(choice: ModelChoice, settings: PlanSettings, world_size: int,
     """
     if compare:
         data = compare_policies(choice, settings, world_sizes, devices,
-                                max_world_size=max_world_size)
+                                max_world_size=max_world_size, reserve=reserve)
         return format_comparison(data), data
     model = build_meta_model(choice)
     plan = plan_model(choice, settings, model)
     verification = None
     if verify and settings.version == "fsdp2":
         verification = verify_fsdp2_shards(plan, world_size, model)
-    report = plan_report(plan, world_size, devices, verification, max_world_size)
+    report = plan_report(plan, world_size, devices, verification, max_world_size, reserve)
     return format_plan(plan, report, collapse=not full_tree), report

@@ -30,6 +30,50 @@ from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
 DEFAULT_DEVICE_MEMORY = "80GB,141GB"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceReserve(PlainData):
+    """Device memory a GPU rank holds outside the estimate's terms, kept free on each device
+    by "devices needed" (docs/planning.md, "Device reserve").
+
+    Stated allowances, not measurements (this project's machines have no GPU): set
+    ``--device-reserve`` to what your runs show (``torch.cuda.mem_get_info()`` against
+    ``torch.cuda.memory_allocated()`` after a step). Every term but the cuBLAS workspaces is
+    outside torch's caching allocator, so no tracker or allocator figure the suite measures
+    sees it.
+    """
+
+    #: The CUDA context and the kernels it loads (outside the caching allocator).
+    cuda_context: int = 1_000_000_000
+    #: NCCL's communicator buffers (outside the allocator): ``NCCL_BUFFSIZE`` (4 MiB) per
+    #: channel, protocol and peer, tens of channels on NVLink; NVLS buffers on NVSwitch systems.
+    nccl: int = 1_000_000_000
+    #: cuBLAS / cuBLASLt workspaces: 32 MiB per handle and stream on Hopper and newer (NVIDIA's
+    #: recommendation, torch's default; 4 MiB before), allocated through the caching allocator
+    #: at the first matmul of each (handle, stream): four of them.
+    cublas_workspaces: int = 4 * 32 * 2**20
+
+    @property
+    def total(self) -> int:
+        return self.cuda_context + self.nccl + self.cublas_workspaces
+
+    def describe(self) -> str:
+        return (f"{format_bytes(self.total, 'decimal')} kept free per device (CUDA context "
+                f"{format_bytes(self.cuda_context, 'decimal')}, NCCL "
+                f"{format_bytes(self.nccl, 'decimal')}, cuBLAS workspaces "
+                f"{format_bytes(self.cublas_workspaces, 'decimal')})")
+
+    @classmethod
+    def of_total(cls, total: int) -> DeviceReserve:
+        """A user's own figure (``--device-reserve``), as one term."""
+        if total < 0:
+            raise PlanError(f"--device-reserve must be >= 0 bytes, got {total}")
+        return cls(cuda_context=total, nccl=0, cublas_workspaces=0)
+
+
+#: The reserve "devices needed" keeps unless told otherwise.
+DEFAULT_RESERVE = DeviceReserve()
 #: World sizes of the seeds' claim table (and the default of --world-sizes).
 CLAIM_WORLD_SIZES = (8, 64, 512, 1024)
 #: The largest world size searched for "devices needed"; past it a plan "never fits".
@@ -246,6 +290,8 @@ class DevicesNeeded(PlainData):
     """The smallest world size at which the estimate fits a device, or why none does."""
 
     device_bytes: int
+    #: Of ``device_bytes``, what the estimate must leave free (:class:`DeviceReserve`).
+    reserve_bytes: int
     #: None: does not fit at any world size up to ``max_world_size``.
     world_size: int | None
     #: The estimate at ``world_size`` (or at ``max_world_size`` when it never fits).
@@ -257,8 +303,9 @@ class DevicesNeeded(PlainData):
 
 
 def devices_needed(plan: ModelPlan, device_bytes: int,
-                   max_world_size: int = MAX_WORLD_SIZE) -> DevicesNeeded:
-    """Smallest W in 1..max_world_size with ``estimate(W).total <= device_bytes``.
+                   max_world_size: int = MAX_WORLD_SIZE,
+                   reserve: DeviceReserve = DEFAULT_RESERVE) -> DevicesNeeded:
+    """Smallest W in 1..max_world_size with ``estimate(W).total <= device_bytes - reserve``.
 
     Bisection: the estimate falls with W (sharded state ~ 1/W); the only terms that can rise
     are FSDP's padding to a multiple of W (under W elements per unit), negligible next to a
@@ -268,28 +315,37 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
     def total(w: int) -> int:
         return plan.estimate(w).total
 
+    usable = device_bytes - reserve.total
     top = plan.estimate(max_world_size)
     floor = top.total - term_sum(top, SHARDED_TERMS)
-    if top.total > device_bytes:
-        return DevicesNeeded(device_bytes, None, top.total, floor, max_world_size,
-                             _never_fits_reason(plan, top, device_bytes, max_world_size))
-    if total(1) <= device_bytes:
+    if top.total > usable:
+        return DevicesNeeded(device_bytes, reserve.total, None, top.total, floor, max_world_size,
+                             _never_fits_reason(plan, top, device_bytes, reserve,
+                                                max_world_size))
+    if total(1) <= usable:
         w = 1
     else:
         lo, hi = 1, max_world_size
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if total(mid) <= device_bytes else (mid, hi)
+            lo, hi = (lo, mid) if total(mid) <= usable else (mid, hi)
         w = hi
     at = plan.estimate(w)
     reason = (f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, 'decimal')} per rank "
-              f"<= {format_bytes(device_bytes, 'decimal')}"
+              f"<= {format_bytes(usable, 'decimal')} ({_less_reserve(device_bytes, reserve)})"
               + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})"
                  if w > 1 else ""))
-    return DevicesNeeded(device_bytes, w, at.total, floor, max_world_size, reason)
+    return DevicesNeeded(device_bytes, reserve.total, w, at.total, floor, max_world_size, reason)
 
 
-def _never_fits_reason(plan: ModelPlan, top: Bound, device: int, max_w: int) -> str:
+def _less_reserve(device_bytes: int, reserve: DeviceReserve) -> str:
+    return (f"{format_bytes(device_bytes, 'decimal')} less the "
+            f"{format_bytes(reserve.total, 'decimal')} device reserve")
+
+
+def _never_fits_reason(plan: ModelPlan, top: Bound, device_bytes: int,
+                       reserve: DeviceReserve, max_w: int) -> str:
+    device = device_bytes - reserve.total
     unit = term_sum(top, UNIT_TERMS)
     acts = term_sum(top, ACTIVATION_TERMS)
     floor = top.total - term_sum(top, SHARDED_TERMS)
@@ -305,8 +361,8 @@ def _never_fits_reason(plan: ModelPlan, top: Bound, device: int, max_w: int) -> 
                 "more ranks")
         fix = ("a smaller per-rank batch or sequence, or activation checkpointing (not modelled)"
                if acts > unit else "a policy with smaller units")
-    return (f"{head} ({parts}) > {format_bytes(device, 'decimal')} even at {max_w:,} ranks; "
-            f"fix: {fix}")
+    return (f"{head} ({parts}) > {format_bytes(max(device, 0), 'decimal')} "
+            f"({_less_reserve(device_bytes, reserve)}) even at {max_w:,} ranks; fix: {fix}")
 
 
 # ============================================================================================
@@ -316,7 +372,8 @@ def _never_fits_reason(plan: ModelPlan, top: Bound, device: int, max_w: int) -> 
 
 def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: Sequence[int],
                      device_bytes: Sequence[int], policies: Sequence[str] = POLICIES,
-                     max_world_size: int = MAX_WORLD_SIZE, model: Any = None) -> dict[str, Any]:
+                     max_world_size: int = MAX_WORLD_SIZE, model: Any = None,
+                     reserve: DeviceReserve = DEFAULT_RESERVE) -> dict[str, Any]:
     """The estimate per policy and world size, and the devices each policy needs. ``model``
     (a meta model of ``choice``) is reused when given, as by :func:`plan_model`."""
     model = build_meta_model(choice) if model is None else model
@@ -330,12 +387,14 @@ def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: S
             rows.append({"policy": policy, "world_size": w, "units": len(plan.units),
                          "largest_unit": largest.fqn, "largest_unit_params": largest.numel,
                          **breakdown(b),
-                         "fits": {str(d): b.total <= d for d in device_bytes}})
-        needed[policy] = [devices_needed(plan, d, max_world_size).to_dict()
+                         "fits": {str(d): b.total <= d - reserve.total
+                                  for d in device_bytes}})
+        needed[policy] = [devices_needed(plan, d, max_world_size, reserve).to_dict()
                           for d in device_bytes]
     total = next(iter(plans.values())).total_numel
     return {"model": {"label": choice.label, "params": total},
             "claim": {"text": SEEDS_CLAIM if choice.spec.config == LLAMA_PRESETS["70b"] else None,
                       "fp16_weight_bytes": total * DTYPE_BYTES["fp16"]},
             "settings": settings.to_dict(), "world_sizes": list(world_sizes),
-            "device_bytes": list(device_bytes), "rows": rows, "devices_needed": needed}
+            "device_bytes": list(device_bytes), "reserve": reserve.to_dict(),
+            "reserve_text": reserve.describe(), "rows": rows, "devices_needed": needed}

@@ -195,10 +195,10 @@ def meta_batch(model: Any, choice: ModelChoice, settings: PlanSettings) -> Any:
 # ============================================================================================
 
 
-def parse_bytes(text: str, what: str = "--device-memory") -> int:
+def parse_bytes(text: str, what: str = "--device-memory", allow_zero: bool = False) -> int:
     """``80GB``, ``141 GB``, ``80GiB``, ``8e10``: bytes (GB = 10^9 B, GiB = 2^30 B)."""
     try:
-        return sizes.parse_bytes(text, what)
+        return sizes.parse_bytes(text, what, allow_zero)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
 

@@ -8,7 +8,9 @@ from typing import Any
 
 from fsdp_conformance.bound import Bound
 from fsdp_conformance.plan.estimate import (
+    DEFAULT_RESERVE,
     MAX_WORLD_SIZE,
+    DeviceReserve,
     ModelPlan,
     breakdown,
     devices_needed,
@@ -128,7 +130,8 @@ def format_bound(bound: Bound) -> str:
 
 def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
                 verification: Mapping[str, Any] | None = None,
-                max_world_size: int = MAX_WORLD_SIZE) -> dict[str, Any]:
+                max_world_size: int = MAX_WORLD_SIZE,
+                reserve: DeviceReserve = DEFAULT_RESERVE) -> dict[str, Any]:
     """Everything ``plan`` prints, as plain data (the ``--json`` document)."""
     bound = plan.estimate(world_size)
     cb = DTYPE_BYTES[plan.settings.compute_dtype]
@@ -144,7 +147,10 @@ def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
         "sharded_param_bytes_per_rank": term_sum(bound, ("sharded params",)),
         "estimate": {**bound.to_dict(), "breakdown": breakdown(bound)},
         "activations": plan.activations.to_dict(),
-        "devices_needed": [devices_needed(plan, d, max_world_size).to_dict() for d in device_bytes],
+        "reserve": reserve.to_dict(),
+        "reserve_text": reserve.describe(),
+        "devices_needed": [devices_needed(plan, d, max_world_size, reserve).to_dict()
+                           for d in device_bytes],
         "verification": dict(verification) if verification is not None else None,
         "plan_seconds": plan.seconds,
     }
@@ -164,7 +170,8 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
              f"({s.param_dtype})", "",
              "estimated peak per rank of a training step (memory.per_layer_bound, "
              "docs/memory.md):", format_bound(bound), ""]
-    lines.append("devices needed (smallest world size whose estimate fits the device):")
+    lines.append("devices needed (smallest world size whose estimate fits the device, with "
+                 f"{report['reserve_text']}; docs/planning.md, 'Device reserve'):")
     for d in report["devices_needed"]:
         lines.append(f"  {format_bytes(d['device_bytes'], 'decimal')}: {d['reason']}")
     lines += _nested_note(plan)
@@ -229,7 +236,7 @@ def format_comparison(data: Mapping[str, Any]) -> str:
                      f"{format_bytes(r['unit_working_set'], 'decimal'):>17} "
                      f"{format_bytes(r['activations'], 'decimal'):>12} "
                      f"{format_bytes(r['total'], 'decimal'):>11}  {fits}")
-    lines += ["", "devices needed:"]
+    lines += ["", f"devices needed ({data['reserve_text']}):"]
     for policy, items in data["devices_needed"].items():
         for d in items:
             lines.append(f"  {policy:<12} {format_bytes(d['device_bytes'], 'decimal')}: "
