@@ -17,7 +17,7 @@ import torch.nn as nn
 from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
-from fsdp_conformance.harness import Ranks
+from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
 
 VERSIONS = ("fsdp1", "fsdp2")
@@ -258,6 +258,29 @@ def test_rank0_broadcast_reaches_every_rank(ranks: Ranks) -> None:
             assert [v["dict_mutated"] for v in values] == [True, False]
         off = run_check(ranks, broadcast, broadcast=False)
         assert not off.passed and "rank 1: local shards differ" in off.message, version
+
+
+@pytest.mark.world_size(1)
+def test_rank0_broadcast_at_one_rank_skips_rather_than_passing_on_nothing(ranks: Ranks) -> None:
+    # At one rank "rank 0's weights reached every rank" holds with or without a broadcast: the
+    # negative control (broadcast=False) would pass too. The check says so instead.
+    for version in VERSIONS:
+        broadcast = check("init.broadcast_rank0", version)
+        for on in (True, False):
+            with pytest.raises(CheckSkipped, match="no other rank to receive rank 0's weights"):
+                ranks.configured(skip=None).run(broadcast.rank_fn,
+                                                **{**broadcast.params, "broadcast": on})
+
+
+def test_sync_module_states_on_one_gpu_skips_rather_than_passing_on_nothing() -> None:
+    # A one-GPU runner runs the GPU lane at world size 1, where sync_module_states would pass
+    # on nothing; the skip comes before any device is touched, so a CPU machine proves it.
+    from fsdp_conformance.harness import RankContext
+
+    one_gpu = RankContext(0, 1, 0, "nccl", "cuda", 0)
+    with pytest.raises(CheckSkipped, match="sync_module_states cannot be told from its absence"):
+        init.rank_sync_module_states(one_gpu)
+    init.require_a_receiver(RankContext(0, 2, 0, "nccl", "cuda", 0), "x")  # two ranks: runs
 
 
 # ------------------------------------------------------------------------------------------

@@ -1210,6 +1210,19 @@ def verdict_weights(values: Sequence[Mapping[str, Any]], params: Mapping[str, An
     )
 
 
+def require_a_receiver(ctx: RankContext, what: str) -> None:
+    """Skip (on every rank alike) where rank 0 has no one to send its weights to.
+
+    At world size 1 rank 0's weights are every rank's weights with or without ``what``: the
+    check would pass without proving anything (a one-GPU machine runs the GPU lane at world
+    size 1). On CPU FSDP1's refusal of ``sync_module_states`` is still a fact at any size.
+    """
+    if ctx.world_size == 1:
+        skip_rank(f"at world size 1 there is no other rank to receive rank 0's weights: "
+                  f"{what} cannot be told from its absence; run at world size >= 2 (two "
+                  "devices on the GPU lane)")
+
+
 def rank_sync_module_states(
     ctx: RankContext,
     spec: ModelSpec = DEFAULT_SPEC,
@@ -1221,6 +1234,8 @@ def rank_sync_module_states(
 
     On CPU torch refuses the option; the refusal is returned as data.
     """
+    if ctx.device_type != "cpu":
+        require_a_receiver(ctx, "sync_module_states")
     failed = _preflight(ctx, spec)
     if failed:
         return failed
@@ -1293,6 +1308,7 @@ def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, versi
     shards it. Ranks first initialize with different seeds, so only a working broadcast gives
     every rank the reference (built from ``seed``, rank 0's).
     """
+    require_a_receiver(ctx, "the broadcast from rank 0")
     failed = _preflight(ctx, spec)
     if failed:
         return failed
