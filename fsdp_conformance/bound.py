@@ -41,10 +41,18 @@ class ActivationProfile:
     saved_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: Every tensor a unit's forward produces, saved or not (its transient working set).
     produced_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: The tensors a unit's forward receives (parameters excluded): what activation
+    #: checkpointing keeps of a checkpointed unit in place of what it would have saved.
+    entry_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Floating-point operations of a unit's forward, nested modules included (torch's
+    #: ``FlopCounterMode``): what recomputing a checkpointed unit costs. Empty where unknown.
+    forward_flops: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"input_bytes": self.input_bytes, "saved_bytes": dict(self.saved_bytes),
-                "produced_bytes": dict(self.produced_bytes)}
+                "produced_bytes": dict(self.produced_bytes),
+                "entry_bytes": dict(self.entry_bytes),
+                "forward_flops": dict(self.forward_flops)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +78,9 @@ class StepConfig:
     activations: ActivationProfile | None = None
     #: Relative tolerance the bound is checked with.
     tolerance: float = BOUND_TOLERANCE
+    #: Units whose forward runs under activation checkpointing (recomputed in backward):
+    #: they keep only what enters them until backward, then their saved set while recomputed.
+    checkpointed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -220,20 +231,46 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
                                "model buffers, replicated on every rank"))
     acts = config.activations
     if acts is not None:
-        saved = sum(acts.saved_bytes.values())
         working_unit = max(acts.produced_bytes, key=lambda k: acts.produced_bytes[k], default=None)
         working = acts.produced_bytes.get(working_unit, 0) if working_unit is not None else 0
         terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
-        terms.append(BoundTerm(
-            "saved activations", saved,
-            f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
-            "alive at the end of forward (measured on meta)", scales_with_depth=True))
+        terms += _saved_terms(acts, config.checkpointed)
         terms.append(BoundTerm(
             "activation working set", working,
             f"everything one unit's forward produces, saved or not (largest: "
             f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
             "backward"))
     return Bound(tuple(terms), config.tolerance)
+
+
+def _saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[BoundTerm]:
+    """Saved activations, and with activation checkpointing the unit being recomputed.
+
+    A checkpointed unit saves nothing for backward in forward; it keeps what entered it (its
+    inputs, for the recompute). In backward its forward runs again and its saved set exists
+    until its own backward has used it, one checkpointed unit at a time: the largest such set
+    is one more term. Everything else is saved as without checkpointing.
+    """
+    ckpt = [u for u in checkpointed if u in acts.saved_bytes]
+    if not ckpt:
+        saved = sum(acts.saved_bytes.values())
+        return [BoundTerm(
+            "saved activations", saved,
+            f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
+            "alive at the end of forward (measured on meta)", scales_with_depth=True)]
+    kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
+    entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
+    again = max(ckpt, key=lambda u: acts.saved_bytes[u])
+    return [
+        BoundTerm("saved activations", kept + entries,
+                  f"saved for backward by the {len(acts.saved_bytes) - len(ckpt)} units not "
+                  f"checkpointed and the loss ({kept:,} B), + the inputs the {len(ckpt)} "
+                  f"checkpointed units keep for their recompute ({entries:,} B), all alive at "
+                  "the end of forward (measured on meta)", scales_with_depth=True),
+        BoundTerm("recomputed unit", acts.saved_bytes[again],
+                  f"the saved set of one checkpointed unit while backward recomputes it "
+                  f"(largest: {again})"),
+    ]
 
 
 def _all_gather_buffer_numel(numel: int, world_size: int, version: str) -> int:

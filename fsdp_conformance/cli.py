@@ -205,6 +205,11 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     step.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="[adamw]")
     step.add_argument("--batch-size", type=int, default=1, help="per-rank micro-batch [1]")
     step.add_argument("--seq-len", type=int, default=4096, help="tokens per sample [4096]")
+    step.add_argument("--activation-checkpointing", dest="checkpointing", default="none",
+                      metavar="none|full|every-K",
+                      help="checkpoint every block (full) or blocks 0, K, 2K, ... (every-K), as "
+                      "torch's checkpoint_wrapper does; the plan also shows each choice side by "
+                      "side [none]")
     step.add_argument("--attention", choices=ATTENTION, default="flash",
                       help="flash: fused kernel's saved set; math: also seq x seq weights "
                       "[flash]")
@@ -501,7 +506,7 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
     return PlanSettings(policy=args.policy, version=args.version, param_dtype=param,
                         compute_dtype=compute, optimizer=args.optimizer,
                         batch_size=args.batch_size, seq_len=args.seq_len,
-                        attention=args.attention)
+                        attention=args.attention, checkpointing=args.checkpointing)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fsdp_conformance._compat import (
+    flash_attention_cpu_op,
     grouped_mm_op,
     is_view,
     storage_key,
@@ -89,7 +90,9 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
     stack: list[str] = [ROOT]
     saved: dict[str, int] = {u.fqn: 0 for u in units}
     produced: dict[str, int] = {u.fqn: 0 for u in units}
+    entry: dict[str, int] = {u.fqn: 0 for u in units}
     seen: set[int] = set()
+    unit_modules = {id(m): name for name, m in model.named_modules() if name in entry}
 
     def pack(t: Any) -> Any:
         st = t.untyped_storage()
@@ -109,26 +112,90 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
                     produced[stack[-1]] += t.untyped_storage().nbytes()
             return out
 
-    def pre(module: Any, _args: Any) -> None:
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
         stack.append(owner[id(module)])
+        name = unit_modules.get(id(module))
+        if name is not None:  # what enters a unit: what checkpointing it would keep
+            entry[name] = max(entry[name], _storage_bytes((args, kwargs), param_storages))
 
     def post(module: Any, _args: Any, _out: Any) -> None:
         stack.pop()
 
     handles = []
     for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post))
+    flops = _flop_counter(model)
     try:
         with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-              _grouped_mm_on_meta(), Produced()):
+              _grouped_mm_on_meta(), Produced(), flops.mode):
             loss_fn(call_model(model, batch))
     finally:
         for h in handles:
             h.remove()
     leaves = tree_leaves(batch)
     input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
-    return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced)
+    return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced,
+                             entry_bytes=entry, forward_flops=flops.by_unit(entry))
+
+
+def _storage_bytes(tree: Any, exclude: set[int]) -> int:
+    """Bytes of the distinct storages of the tensors in ``tree``, those in ``exclude`` left out."""
+    storages: dict[int, int] = {}
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            storages.setdefault(storage_key(st), st.nbytes())
+    return sum(v for k, v in storages.items() if k not in exclude)
+
+
+class _Flops:
+    """torch's ``FlopCounterMode`` around one forward, read back per module FQN."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+        self.root = type(model).__name__
+        # The planner runs attention as the CPU flash op on meta (plan.estimate._attention),
+        # which torch's registry does not count: count it as the GPU flash op it stands for.
+        mapping: dict[Any, Any] = {}
+        cpu, gpu = flash_attention_cpu_op(), getattr(
+            torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+        if cpu is not None and gpu in flop_registry:
+            formula = flop_registry[gpu]
+
+            def as_flash(*args: Any, **kwargs: Any) -> Any:
+                return formula(*args, **kwargs)
+
+            as_flash._get_raw = True  # type: ignore[attr-defined]  # formula shape-wraps itself
+            mapping[getattr(cpu, "overloadpacket", cpu)] = as_flash
+        self.mode = FlopCounterMode(display=False, custom_mapping=mapping)
+
+    def by_unit(self, units: Sequence[str] | dict[str, int]) -> dict[str, int]:
+        counts = self.mode.get_flop_counts()
+        out = {}
+        for fqn in units:
+            ops = counts.get(f"{self.root}.{fqn}" if fqn else self.root)
+            if ops is not None:
+                out[fqn] = int(sum(ops.values()))
+        return out
+
+
+def _flop_counter(model: torch.nn.Module) -> Any:
+    """A :class:`_Flops` or, where this torch has no usable ``FlopCounterMode``, one that counts
+    nothing (recompute costs are then reported as unknown)."""
+    try:
+        return _Flops(model)
+    except (ImportError, TypeError):  # pragma: no cover - depends on the torch version
+        import contextlib
+
+        class _NoFlops:
+            mode = contextlib.nullcontext()
+
+            def by_unit(self, units: Any) -> dict[str, int]:
+                return {}
+
+        return _NoFlops()
 
 
 def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str | None = None,

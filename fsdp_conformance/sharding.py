@@ -120,3 +120,33 @@ def shard(
     if check_fsdp_version(version) == "fsdp1":
         return shard_fsdp1(model, ctx, policy, **kwargs)
     return shard_fsdp2(model, ctx, policy, **kwargs)
+
+
+def checkpoint_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]],
+                      every: int) -> list[str]:
+    """Activation checkpointing on blocks 0, ``every``, 2 x ``every``, ... of a sharded model
+    (``every`` 1: every block); returns their FQNs.
+
+    Each chosen block's forward runs under ``torch.utils.checkpoint.checkpoint`` with
+    ``use_reentrant=False``: what torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``)
+    does, through the public API, and "checkpoint around blocks" as FSDP2 users write it. FSDP's
+    hooks stay outside the checkpointed region (FSDP1's unit wraps the block; FSDP2's hooks are
+    on the block's ``__call__``, the checkpoint on its ``forward``), so the recompute in backward
+    runs on the parameters FSDP gathered for the block's backward.
+    """
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    kinds = tuple(block_classes)
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+    chosen = blocks[::every] if every > 0 else []
+    for _, module in chosen:
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+    return [name for name, _ in chosen]

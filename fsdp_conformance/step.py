@@ -193,7 +193,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
                  also: str | None = None, timeline: bool = True,
                  track_construction: bool = True,
                  param_dtype: str | None = None, reduce_dtype: str | None = None,
-                 record: bool = False) -> dict[str, Any]:
+                 record: bool = False, checkpoint_every: int = 0) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
@@ -205,11 +205,14 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     ``reduce_dtype`` names the reduction dtype too. ``record``: the measured step's collectives,
     as torch issued them (:func:`~fsdp_conformance.collectives.record_collectives`), under
     ``"collective_records"`` (and each unit's collective numels under
-    ``"collective_unit_sizes"``).
+    ``"collective_unit_sizes"``). ``checkpoint_every``: activation checkpointing on every
+    K-th block after sharding (1: every block; 0: none;
+    :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``.
     """
 
     from fsdp_conformance.sharding import (
         check_fsdp_version,
+        checkpoint_blocks,
         param_dtype_kwargs,
         reshard_kwargs,
         shard,
@@ -235,10 +238,13 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
     with scope:
         model = spec.build(ctx.device)
+        # Resolved before sharding: FSDP2 changes the model's classes in place.
+        blocks = spec.block_classes(model) if checkpoint_every else ()
         policy = policies.policy_for(wrap.policy, model, spec)
         sharded = shard(model, ctx, version, policy,
                         **reshard_kwargs(version, wrap.reshard_after_forward),
                         **param_dtype_kwargs(version, param_dtype, reduce_dtype))
+        checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every)
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device)
         # FSDPMemTracker wraps the sharded model, so it cannot be entered for construction;
@@ -285,7 +291,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         # What every meter must at least see at every instant of the step: this rank's shards.
         "param_bytes": sharded_param_bytes(sharded),
         "timeline": tl.to_data(), "units": [u.to_dict() for u in actual_units(sharded)],
-        "collectives": dict(synced),
+        "collectives": dict(synced), "checkpointed": checkpointed,
     }
     if record:
         out["collective_records"] = recorder.records

@@ -189,6 +189,40 @@ def test_long_sequences_never_fit_because_of_activations_and_the_reason_says_so(
     assert "activation checkpointing" in need.reason
 
 
+def test_activation_checkpointing_makes_70b_at_seq_4096_fit_80gb_and_costs_a_recompute(
+    plan70: ModelPlan,
+) -> None:
+    # Checkpointing a block keeps only what enters it (batch x seq x dim) until backward, then
+    # its saved set once more while it is recomputed; its forward FLOPs run twice.
+    full = plan70.with_checkpointing("full")
+    assert len(full.checkpointed) == 80 and full.checkpointed[:2] == ("layers.0", "layers.1")
+    assert plan70.with_checkpointing("every-2").checkpointed[:2] == ("layers.0", "layers.2")
+    assert plan70.checkpointed == () and plan70.recompute_flops == 0
+    acts = full.activations
+    assert acts.entry_bytes["layers.0"] == 1 * 4096 * 8192 * 2  # batch x seq x dim, bf16
+    none_b, full_b = plan70.estimate(1024), full.estimate(1024)
+    assert full_b.term("recomputed unit").bytes == acts.saved_bytes["layers.0"]
+    assert full_b.term("saved activations").bytes == (
+        sum(v for k, v in acts.saved_bytes.items() if k not in full.checkpointed)
+        + sum(acts.entry_bytes[u] for u in full.checkpointed))
+    assert full_b.total < none_b.total / 5
+    assert full.recompute_flops == sum(acts.forward_flops[u] for u in full.checkpointed)
+    # A Llama block's forward is at least 2 x its parameters x tokens (its matmuls).
+    block = next(u for u in plan70.units if u.fqn == "layers.0")
+    assert acts.forward_flops["layers.0"] >= 2 * block.numel * 4096
+    # The answer for each device: without checkpointing nothing fits (the negative control),
+    # the cheapest choice that fits is named with its ranks and the room left.
+    report = plan_report(plan70, 1024, [80 * GB, 141 * GB], max_world_size=65536)
+    by_choice = {o["checkpointing"]: o for o in report["checkpointing_options"]}
+    assert by_choice["none"]["devices_needed"][0]["world_size"] is None
+    answer = report["answer"][0]
+    assert answer["checkpointing"] == "full" and answer["world_size"] is not None
+    assert answer["room_bytes"] >= 0
+    assert answer["estimate_bytes"] == full.estimate(answer["world_size"]).total
+    with pytest.raises(PlanError, match="every-K"):
+        PlanSettings(checkpointing="every-1")
+
+
 def test_the_seeds_claim_as_numbers_and_the_policies_side_by_side(
     llama70b: ModelChoice, meta70: Any,
 ) -> None:
@@ -371,9 +405,9 @@ def _spec(reference: str, layers: int, dim: int) -> ModelSpec:
 
 
 def _case(reference: str, layers: int, dim: int, version: str, policy: str,
-          optimizer: str = "none", batch_size: int = 2) -> dict:
+          optimizer: str = "none", batch_size: int = 2, checkpointing: str = "none") -> dict:
     return {"spec": _spec(reference, layers, dim), "version": version, "policy": policy,
-            "optimizer": optimizer, "batch_size": batch_size}
+            "optimizer": optimizer, "batch_size": batch_size, "checkpointing": checkpointing}
 
 
 #: Several models, depths, both versions and both measurable policies; parameter-heavy
@@ -388,12 +422,17 @@ TRUST_CASES = [
     _case("encoder_decoder", 2, 64, "fsdp1", "monolithic"),
     _case("massive", 4, 64, "fsdp2", "monolithic"),
     _case("llama", 2, 64, "fsdp1", "recommended", batch_size=32),
+    # Activation checkpointing (applied after sharding, as with FSDP1's
+    # apply_activation_checkpointing), on every block and on every second one.
+    _case("massive", 8, 32, "fsdp1", "recommended", batch_size=128, checkpointing="full"),
+    _case("massive", 8, 32, "fsdp2", "recommended", batch_size=128, checkpointing="every-2"),
 ]
 #: Negative controls: the term that dominates each regime, deliberately left out of the bound.
 #: Optimizer state in a parameter-heavy step; saved activations in the activation-heavy ones
-#: (they are 90% of the 70B estimate at batch 1 x 4096).
+#: (they are 90% of the 70B estimate at batch 1 x 4096); with checkpointing on every block, the
+#: recomputed block's saved set.
 DROPPED_TERMS = {0: "optimizer state", 2: "saved activations", 4: "saved activations",
-                 5: "saved activations"}
+                 5: "saved activations", 9: "recomputed unit", 10: "saved activations"}
 
 
 def _without(bound: Bound, name: str) -> Bound:
@@ -427,6 +466,50 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
     assert not broken.passed
     assert f"{len(DROPPED_TERMS) * world_size} outside" in broken.message
     assert f"rank {world_size - 1}: measured" in broken.message  # every rank judged
+
+
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+def test_a_step_measured_without_the_checkpointing_the_estimate_assumes_is_caught(
+    ranks: Ranks,
+) -> None:
+    # The same model and batch measured with activation checkpointing on every block, and
+    # without it: the checkpointed step keeps less (the measurement sees the checkpointing),
+    # and judged against the checkpointed estimate the step without it is above on every rank.
+    on = _case("massive", 8, 32, "fsdp2", "recommended", batch_size=128, checkpointing="full")
+    off = {**on, "checkpointing": "none"}
+    values = ranks.run(rank_plan_estimate_matches, cases=[on, off])
+    assert all(v["peaks"][1]["peak"] > v["peaks"][0]["peak"] for v in values)
+    verdict = verdict_plan_estimate_matches(values, {"cases": [on, off]})
+    assert verdict.passed, verdict.message
+    assert " ac=full fp32: estimate" in verdict.message
+    wrong = {0: estimate_for_case(on, 2), 1: estimate_for_case(on, 2)}  # off judged as on
+    broken = verdict_plan_estimate_matches(values, {"cases": [on, off], "estimates": wrong})
+    assert not broken.passed and "2 outside" in broken.message
+    assert "opt=none b128 fp32: rank 1: measured" in broken.message
+    assert "ABOVE 1.10 x the estimate" in broken.message
+
+
+def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() -> None:
+    import torch
+
+    from fsdp_conformance.models import DecoderLayer, build_reference
+    from fsdp_conformance.sharding import checkpoint_blocks
+
+    model = build_reference("massive", ModelConfig(num_layers=5, dim=16))
+    assert checkpoint_blocks(model, (DecoderLayer,), 2) == ["layers.0", "layers.2", "layers.4"]
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        model(x).sum().backward()
+    plain = build_reference("massive", ModelConfig(num_layers=5, dim=16))
+    plain.load_state_dict(model.state_dict())
+    plain_packed = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: plain_packed.append(t) or t, lambda t: t):
+        plain(x).sum().backward()
+    assert len(packed) < len(plain_packed)  # checkpointed blocks saved nothing in forward
+    assert checkpoint_blocks(model, (DecoderLayer,), 0) == []
 
 
 @pytest.mark.cpu

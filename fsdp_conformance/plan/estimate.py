@@ -22,6 +22,7 @@ from fsdp_conformance.plan.model import (
     PlanSettings,
     _require_meta,
     build_meta_model,
+    checkpoint_every,
     meta_batch,
 )
 from fsdp_conformance.policies import plan_policy, policy_for
@@ -112,13 +113,39 @@ class ModelPlan:
     def total_numel(self) -> int:
         return sum(u.numel for u in self.units)
 
+    #: Class names of the model's blocks (the units activation checkpointing applies to).
+    block_names: tuple[str, ...] = ()
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        """The block units run under activation checkpointing: every K-th block, in order."""
+        k = checkpoint_every(self.settings.checkpointing)
+        if k == 0:
+            return ()
+        blocks = [u.fqn for u in self.units if u.cls in self.block_names]
+        return tuple(blocks[::k])
+
+    @property
+    def recompute_flops(self) -> int | None:
+        """Forward FLOPs run again in backward per step and rank; None where not counted."""
+        flops = self.activations.forward_flops
+        ckpt = self.checkpointed
+        if any(u not in flops for u in ckpt):
+            return None
+        return sum(flops[u] for u in ckpt)
+
     def step_config(self, world_size: int) -> StepConfig:
         s = self.settings
         return StepConfig(world_size=world_size, version=s.version,
                           param_bytes=DTYPE_BYTES[s.param_dtype],
                           compute_bytes=DTYPE_BYTES[s.compute_dtype],
                           optimizer=s.optimizer_name, buffer_bytes=self.buffer_bytes,
-                          activations=self.activations)
+                          activations=self.activations, checkpointed=self.checkpointed)
+
+    def with_checkpointing(self, checkpointing: str) -> ModelPlan:
+        """The same plan with other activation checkpointing (nothing profiled again)."""
+        settings = dataclasses.replace(self.settings, checkpointing=checkpointing)
+        return dataclasses.replace(self, settings=settings)
 
     def estimate(self, world_size: int) -> Bound:
         """The per-rank peak of one training step at ``world_size``: memory's per-layer bound."""
@@ -144,9 +171,11 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
     activations = _activations_by_unit(model, choice, units, settings)
+    blocks = tuple(c.__name__ for c in choice.spec.block_classes(model))
     return ModelPlan(choice=choice, settings=settings, model_class=type(model).__name__,
                      units=units, activations=activations, buffer_bytes=buffer_bytes,
-                     param_shapes=shapes, seconds=time.perf_counter() - start)
+                     param_shapes=shapes, seconds=time.perf_counter() - start,
+                     block_names=blocks)
 
 
 #: Per-module activation profiles of a meta model (every module its own unit), by the choice's
@@ -165,7 +194,8 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
     modules = list(model.named_modules())
     shape = (tuple((name, type(m)) for name, m in modules),
              tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
-    key = (choice.label, dataclasses.replace(settings, policy=POLICIES[0]), shape)
+    key = (choice.label,
+           dataclasses.replace(settings, policy=POLICIES[0], checkpointing="none"), shape)
     profiles = _MODULE_PROFILES.setdefault(model, {})
     names = {id(m): name for name, m in modules}
     if key not in profiles:
@@ -178,8 +208,11 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
     for module_id, unit in owner.items():
         saved[unit] += fine.saved_bytes[names[module_id]]
         produced[unit] += fine.produced_bytes[names[module_id]]
-    return ActivationProfile(input_bytes=fine.input_bytes, saved_bytes=saved,
-                             produced_bytes=produced)
+    return ActivationProfile(
+        input_bytes=fine.input_bytes, saved_bytes=saved, produced_bytes=produced,
+        entry_bytes={u.fqn: fine.entry_bytes.get(u.fqn, 0) for u in units},
+        forward_flops={u.fqn: fine.forward_flops[u.fqn] for u in units
+                       if u.fqn in fine.forward_flops})
 
 
 def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
@@ -359,10 +392,56 @@ def _never_fits_reason(plan: ModelPlan, top: Bound, device_bytes: int,
     else:
         head = (f"never fits: {format_bytes(floor, 'decimal')} per rank does not shrink with "
                 "more ranks")
-        fix = ("a smaller per-rank batch or sequence, or activation checkpointing (not modelled)"
+        fix = (("a smaller per-rank batch or sequence, or activation checkpointing "
+                "(--activation-checkpointing full or every-K)"
+                if plan.settings.checkpointing != "full"
+                else "a smaller per-rank batch or sequence")
                if acts > unit else "a policy with smaller units")
     return (f"{head} ({parts}) > {format_bytes(max(device, 0), 'decimal')} "
             f"({_less_reserve(device_bytes, reserve)}) even at {max_w:,} ranks; fix: {fix}")
+
+
+#: Activation checkpointing choices, cheapest (least recompute) first.
+CHECKPOINTING_OPTIONS = ("none", "every-4", "every-3", "every-2", "full")
+
+
+def checkpointing_options(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
+                          max_world_size: int = MAX_WORLD_SIZE,
+                          reserve: DeviceReserve = DEFAULT_RESERVE) -> list[dict[str, Any]]:
+    """Each choice of :data:`CHECKPOINTING_OPTIONS` (and the plan's own): the estimate at
+    ``world_size``, the recompute per step and the devices each device size needs."""
+    names = dict.fromkeys((*CHECKPOINTING_OPTIONS, plan.settings.checkpointing))
+    rows = []
+    for name in names:
+        option = plan.with_checkpointing(name)
+        rows.append({"checkpointing": name, "checkpointed_units": len(option.checkpointed),
+                     "estimate_bytes": option.estimate(world_size).total,
+                     "recompute_flops": option.recompute_flops,
+                     "devices_needed": [devices_needed(option, d, max_world_size, reserve)
+                                        .to_dict() for d in device_bytes]})
+    return rows
+
+
+def cheapest_fit(options: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per device size: the first option (least recompute) that fits at some world size, its
+    smallest world size and the room left; or None when no option fits."""
+    answers = []
+    for i, device in enumerate(options[0]["devices_needed"]):
+        fitting = [o for o in options if o["devices_needed"][i]["world_size"] is not None]
+        best = min(fitting, key=lambda o: (o["recompute_flops"] or 0,
+                                           o["devices_needed"][i]["world_size"]), default=None)
+        if best is None:
+            answers.append({"device_bytes": device["device_bytes"], "checkpointing": None})
+            continue
+        need = best["devices_needed"][i]
+        answers.append({"device_bytes": device["device_bytes"],
+                        "checkpointing": best["checkpointing"],
+                        "world_size": need["world_size"],
+                        "estimate_bytes": need["estimate_bytes"],
+                        "room_bytes": need["device_bytes"] - need["reserve_bytes"]
+                        - need["estimate_bytes"],
+                        "recompute_flops": best["recompute_flops"]})
+    return answers
 
 
 # ============================================================================================

@@ -42,6 +42,24 @@ class PlanError(ValueError):
 # ============================================================================================
 
 
+def checkpoint_every(checkpointing: str) -> int:
+    """Every how many blocks one is checkpointed: 0 for "none", 1 for "full", K for "every-K"."""
+    if checkpointing == "none":
+        return 0
+    if checkpointing == "full":
+        return 1
+    head, _, k = checkpointing.partition("-")
+    if head == "every" and k.isdigit() and int(k) >= 2:
+        return int(k)
+    raise PlanError(f"activation checkpointing {checkpointing!r} is not one of none, full, "
+                    "every-K (K >= 2: blocks 0, K, 2K, ... checkpointed); e.g. every-2")
+
+
+def describe_checkpointing(checkpointing: str) -> str:
+    k = checkpoint_every(checkpointing)
+    return {0: "off", 1: "on every block"}.get(k, f"on every {k}th block")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     """What one training step does, in the user's words (resolved to a StepConfig per W)."""
@@ -63,8 +81,12 @@ class PlanSettings:
     seq_len: int = 4096
     #: One of :data:`ATTENTION`.
     attention: str = "flash"
+    #: Activation checkpointing of the blocks: "none", "full" (every block) or "every-K"
+    #: (blocks 0, K, 2K, ...: selective), as torch's ``checkpoint_wrapper`` applies it.
+    checkpointing: str = "none"
 
     def __post_init__(self) -> None:
+        checkpoint_every(self.checkpointing)  # raises PlanError naming the accepted forms
         for name, allowed in (("policy", POLICIES), ("version", ("fsdp1", "fsdp2")),
                               ("param_dtype", tuple(DTYPE_BYTES)),
                               ("compute_dtype", tuple(DTYPE_BYTES)),
@@ -86,7 +108,9 @@ class PlanSettings:
         return (f"{self.version}; sharded params, grads and {opt} in {self.param_dtype}; "
                 f"gathered params, unsharded grads, collectives and activations in "
                 f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
-                f"{self.attention} attention")
+                f"{self.attention} attention"
+                + ("" if self.checkpointing == "none"
+                   else f", activation checkpointing {describe_checkpointing(self.checkpointing)}"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

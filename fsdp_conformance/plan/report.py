@@ -13,6 +13,8 @@ from fsdp_conformance.plan.estimate import (
     DeviceReserve,
     ModelPlan,
     breakdown,
+    cheapest_fit,
+    checkpointing_options,
     devices_needed,
     term_sum,
 )
@@ -134,6 +136,7 @@ def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
                 reserve: DeviceReserve = DEFAULT_RESERVE) -> dict[str, Any]:
     """Everything ``plan`` prints, as plain data (the ``--json`` document)."""
     bound = plan.estimate(world_size)
+    options = checkpointing_options(plan, world_size, device_bytes, max_world_size, reserve)
     cb = DTYPE_BYTES[plan.settings.compute_dtype]
     pb = DTYPE_BYTES[plan.settings.param_dtype]
     return {
@@ -147,6 +150,11 @@ def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
         "sharded_param_bytes_per_rank": term_sum(bound, ("sharded params",)),
         "estimate": {**bound.to_dict(), "breakdown": breakdown(bound)},
         "activations": plan.activations.to_dict(),
+        "checkpointing": {"setting": plan.settings.checkpointing,
+                          "checkpointed_units": list(plan.checkpointed),
+                          "recompute_flops": plan.recompute_flops},
+        "checkpointing_options": options,
+        "answer": cheapest_fit(options),
         "reserve": reserve.to_dict(),
         "reserve_text": reserve.describe(),
         "devices_needed": [devices_needed(plan, d, max_world_size, reserve).to_dict()
@@ -175,11 +183,45 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
     for d in report["devices_needed"]:
         lines.append(f"  {format_bytes(d['device_bytes'], 'decimal')}: {d['reason']}")
     lines += _nested_note(plan)
+    lines += ["", *format_checkpointing(report)]
     v = report.get("verification")
     if v:
         lines.append("")
         lines.append(_format_verification(v, s.param_dtype))
     return "\n".join(lines)
+
+
+def _flops(flops: int | None) -> str:
+    return "not counted" if flops is None else f"{flops / 1e12:,.1f} TFLOP"
+
+
+def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
+    """The estimate with each activation-checkpointing choice, and the cheapest that fits."""
+    w = report["world_size"]
+    devices = [d["device_bytes"] for d in report["devices_needed"]]
+    lines = [f"activation checkpointing of the blocks (torch's checkpoint_wrapper; recompute = "
+             f"forward FLOPs run again in backward, per rank and step) at {w:,} ranks:",
+             f"  {'checkpointing':<14} {'blocks':>6} {'estimate':>11} {'recompute':>14}  "
+             + "  ".join(f"{'ranks for ' + format_bytes(d, 'decimal'):>19}" for d in devices)]
+    for o in report["checkpointing_options"]:
+        needs = "  ".join(f"{n['world_size'] or 'never':>19}" if n["world_size"] is None
+                          else f"{n['world_size']:>19,}" for n in o["devices_needed"])
+        lines.append(f"  {o['checkpointing']:<14} {o['checkpointed_units']:>6} "
+                     f"{format_bytes(o['estimate_bytes'], 'decimal'):>11} "
+                     f"{_flops(o['recompute_flops']):>14}  {needs}")
+    lines.append("cheapest that fits (least recompute, then fewest ranks):")
+    for a in report["answer"]:
+        device = format_bytes(a["device_bytes"], "decimal")
+        if a["checkpointing"] is None:
+            lines.append(f"  {device}: nothing fits at any world size, even with activation "
+                         "checkpointing on every block; fix: a smaller per-rank batch or "
+                         "sequence, or smaller units")
+            continue
+        lines.append(f"  {device}: activation checkpointing {a['checkpointing']}, "
+                     f"{a['world_size']:,} ranks: {format_bytes(a['estimate_bytes'], 'decimal')} "
+                     f"per rank, {format_bytes(a['room_bytes'], 'decimal')} to spare after the "
+                     f"device reserve; recompute {_flops(a['recompute_flops'])} per step")
+    return lines
 
 
 def _nested_note(plan: ModelPlan) -> list[str]:
