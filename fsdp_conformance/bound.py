@@ -81,6 +81,9 @@ class StepConfig:
     #: Units whose forward runs under activation checkpointing (recomputed in backward):
     #: they keep only what enters them until backward, then their saved set while recomputed.
     checkpointed: tuple[str, ...] = ()
+    #: HSDP: the ranks each unit is sharded over (a 2-D mesh of world / shard_group replicas x
+    #: shard_group, or FSDP1's HYBRID_SHARD); None shards over the whole world.
+    shard_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -94,6 +97,16 @@ class StepConfig:
             )
         if self.tolerance < 0:
             raise ValueError(f"StepConfig.tolerance must be >= 0, got {self.tolerance}")
+        if self.shard_group is not None and not (
+                1 <= self.shard_group <= self.world_size
+                and self.world_size % self.shard_group == 0):
+            raise ValueError(f"StepConfig.shard_group must divide the world size "
+                             f"{self.world_size}, got {self.shard_group}")
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks a unit is sharded over: the shard group under HSDP, else the world."""
+        return self.shard_group or self.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +178,9 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     """
     if not units:
         raise ValueError("per_layer_bound needs at least one unit (the root)")
-    w, pb, cb = config.world_size, config.param_bytes, config.compute_bytes
+    # Every per-rank figure follows the ranks a unit is sharded over; under HSDP the replicas'
+    # all-reduce of the gradient shards runs in place on the reduce-scatter's output.
+    w, pb, cb = config.shard_ranks, config.param_bytes, config.compute_bytes
     rb = cb if config.reduce_bytes is None else config.reduce_bytes
     shard_numel = sum(_shard(u.numel, w) for u in units)
     num_tensors = sum(len(u.params) for u in units)
@@ -174,10 +189,12 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     others = sorted((u for u in units if u.fqn != ROOT), key=lambda u: u.numel, reverse=True)
     top2 = others[:2]
     largest = max(units, key=lambda u: u.numel)
+    over = ("" if config.shard_group is None else
+            f" (HSDP: shard groups of {w} ranks, {config.world_size // w} replicas)")
     terms = [
         BoundTerm("sharded params", shard_numel * pb,
-                  f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x {pb} B",
-                  scales_with_depth=True),
+                  f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x {pb} B"
+                  + over, scales_with_depth=True),
         BoundTerm("sharded grads", shard_numel * pb,
                   f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
                   scales_with_depth=True),

@@ -210,6 +210,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                       help="checkpoint every block (full) or blocks 0, K, 2K, ... (every-K), as "
                       "torch's checkpoint_wrapper does; the plan also shows each choice side by "
                       "side [none]")
+    step.add_argument("--shard-group-size", type=int, default=None, metavar="N",
+                      help="HSDP: shard each unit over groups of N ranks, replicated across "
+                      "groups (FSDP2 2-D mesh, FSDP1 HYBRID_SHARD); --world-size must be a "
+                      "multiple of N [full sharding]")
     step.add_argument("--attention", choices=ATTENTION, default="flash",
                       help="flash: fused kernel's saved set; math: also seq x seq weights "
                       "[flash]")
@@ -506,7 +510,8 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
     return PlanSettings(policy=args.policy, version=args.version, param_dtype=param,
                         compute_dtype=compute, optimizer=args.optimizer,
                         batch_size=args.batch_size, seq_len=args.seq_len,
-                        attention=args.attention, checkpointing=args.checkpointing)
+                        attention=args.attention, checkpointing=args.checkpointing,
+                        shard_group_size=args.shard_group_size)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -150,3 +150,23 @@ def checkpoint_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]]
 
         module.forward = forward
     return [name for name, _ in chosen]
+
+
+def hsdp_kwargs(ctx: RankContext, version: str, shard_group: int | None) -> dict[str, Any]:
+    """The keyword arguments of HSDP with shard groups of ``shard_group`` ranks, as users write
+    it: FSDP2 ``fully_shard(mesh=...)`` on a 2-D mesh (replicate x shard), FSDP1
+    ``ShardingStrategy.HYBRID_SHARD`` with that mesh; ``{}`` for full sharding (None)."""
+    if shard_group is None:
+        return {}
+    if shard_group < 1 or ctx.world_size % shard_group:
+        raise ValueError(f"HSDP shard group of {shard_group} ranks does not divide world size "
+                         f"{ctx.world_size}; choose a divisor of it")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ctx.device_type, (ctx.world_size // shard_group, shard_group),
+                            mesh_dim_names=("replicate", "shard"))
+    if check_fsdp_version(version) == "fsdp2":
+        return {"mesh": mesh}
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return {"sharding_strategy": ShardingStrategy.HYBRID_SHARD, "device_mesh": mesh}

@@ -193,7 +193,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
                  also: str | None = None, timeline: bool = True,
                  track_construction: bool = True,
                  param_dtype: str | None = None, reduce_dtype: str | None = None,
-                 record: bool = False, checkpoint_every: int = 0) -> dict[str, Any]:
+                 record: bool = False, checkpoint_every: int = 0,
+                 shard_group: int | None = None) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
@@ -208,11 +209,14 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     ``"collective_unit_sizes"``). ``checkpoint_every``: activation checkpointing on every
     K-th block after sharding (1: every block; 0: none;
     :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``.
+    ``shard_group``: HSDP with shard groups of that many ranks
+    (:func:`~fsdp_conformance.sharding.hsdp_kwargs`).
     """
 
     from fsdp_conformance.sharding import (
         check_fsdp_version,
         checkpoint_blocks,
+        hsdp_kwargs,
         param_dtype_kwargs,
         reshard_kwargs,
         shard,
@@ -243,7 +247,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         policy = policies.policy_for(wrap.policy, model, spec)
         sharded = shard(model, ctx, version, policy,
                         **reshard_kwargs(version, wrap.reshard_after_forward),
-                        **param_dtype_kwargs(version, param_dtype, reduce_dtype))
+                        **param_dtype_kwargs(version, param_dtype, reduce_dtype),
+                        **hsdp_kwargs(ctx, version, shard_group))
         checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every)
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device)

@@ -490,6 +490,47 @@ def test_a_step_measured_without_the_checkpointing_the_estimate_assumes_is_caugh
     assert "ABOVE 1.10 x the estimate" in broken.message
 
 
+@pytest.mark.cpu
+@pytest.mark.world_size(4)
+def test_hsdp_peaks_follow_the_shard_group_and_a_full_sharding_estimate_is_caught(
+    ranks: Ranks,
+) -> None:
+    # World size 4 as 2 replicas x shard groups of 2: FSDP2 fully_shard on a 2-D mesh, FSDP1
+    # HYBRID_SHARD. Each rank holds half of every unit, as at world size 2.
+    base = _case("massive", 4, 128, "fsdp1", "recommended", "adamw")
+    cases = [{**base, "version": v, "shard_group": 2} for v in ("fsdp1", "fsdp2")]
+    values = ranks.run(rank_plan_estimate_matches, cases=cases)
+    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
+    assert verdict.passed, verdict.message
+    assert "hsdp=2 fp32: estimate" in verdict.message
+    # Negative control: judged as full sharding over the 4 ranks (what a planner that ignores
+    # the shard group would say), the same peaks are above the estimate on every rank.
+    full = {i: estimate_for_case({**c, "shard_group": None}, 4) for i, c in enumerate(cases)}
+    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": full})
+    assert not broken.passed and "8 outside" in broken.message, broken.message
+    assert "ABOVE 1.10 x the estimate" in broken.message
+
+
+def test_hsdp_estimate_is_full_sharding_over_the_shard_group(
+    llama70b: ModelChoice, meta70: Any,
+) -> None:
+    plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
+    hsdp = plan_model(llama70b, PlanSettings(seq_len=512, shard_group_size=64), meta70)
+    assert hsdp.estimate(1024).total == plan.estimate(64).total
+    assert hsdp.estimate(1024).total > plan.estimate(1024).total  # more state per rank
+    first = hsdp.estimate(1024).terms[0]
+    assert "(HSDP: shard groups of 64 ranks, 16 replicas)" in first.derivation
+    with pytest.raises(PlanError, match="world size 1,000 is not a multiple of the shard group"):
+        hsdp.estimate(1000)
+    need = devices_needed(hsdp, 80 * GB)
+    full = devices_needed(plan, 80 * GB)
+    assert need.world_size == 64 and full.world_size is not None
+    assert f"the smallest shard group that fits is {full.world_size:,} ranks" in need.reason
+    small = plan_model(llama70b, PlanSettings(seq_len=512, shard_group_size=8), meta70)
+    never = devices_needed(small, 80 * GB)
+    assert never.world_size is None and "fix: a larger shard group" in never.reason
+
+
 def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() -> None:
     import torch
 

@@ -85,7 +85,8 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                          optimizer=None if opt == "none" else opt,
                          batch_size=case.get("batch_size", batch_size), timeline=False,
                          param_dtype=_mixed_param_dtype(case),
-                         checkpoint_every=checkpoint_every(case.get("checkpointing", "none")))
+                         checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
+                         shard_group=case.get("shard_group"))
         peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})
     return {"rank": ctx.rank, "peaks": peaks}
 
@@ -104,7 +105,8 @@ def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings
                         compute_dtype=case.get("compute_dtype", "fp32"),
                         optimizer=case.get("optimizer", "none"),
                         batch_size=case.get("batch_size", batch_size), seq_len=MEASURED_SEQ_LEN,
-                        attention="flash", checkpointing=case.get("checkpointing", "none"))
+                        attention="flash", checkpointing=case.get("checkpointing", "none"),
+                        shard_group_size=case.get("shard_group"))
 
 
 def estimate_for_case(case: Mapping[str, Any], world_size: int, batch_size: int = 2) -> Bound:
@@ -148,6 +150,7 @@ def _case_label(case: Mapping[str, Any]) -> str:
             f"opt={case.get('optimizer', 'none')}"
             + (f" b{case['batch_size']}" if "batch_size" in case else "")
             + ("" if ac == "none" else f" ac={ac}")
+            + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
             + f" {case.get('compute_dtype', 'fp32')}: ")
 
 

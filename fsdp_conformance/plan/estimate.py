@@ -140,7 +140,16 @@ class ModelPlan:
                           param_bytes=DTYPE_BYTES[s.param_dtype],
                           compute_bytes=DTYPE_BYTES[s.compute_dtype],
                           optimizer=s.optimizer_name, buffer_bytes=self.buffer_bytes,
-                          activations=self.activations, checkpointed=self.checkpointed)
+                          activations=self.activations, checkpointed=self.checkpointed,
+                          shard_group=self._shard_group(world_size))
+
+    def _shard_group(self, world_size: int) -> int | None:
+        group = self.settings.shard_group_size
+        if group is not None and (group > world_size or world_size % group):
+            raise PlanError(f"world size {world_size:,} is not a multiple of the shard group "
+                            f"size {group:,} (HSDP: replicas x shard group); choose a world "
+                            f"size such as {group * max(1, world_size // group):,}")
+        return group
 
     def with_checkpointing(self, checkpointing: str) -> ModelPlan:
         """The same plan with other activation checkpointing (nothing profiled again)."""
@@ -349,6 +358,9 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
         return plan.estimate(w).total
 
     usable = device_bytes - reserve.total
+    group = plan.settings.shard_group_size
+    if group is not None:
+        return _hsdp_needed(plan, device_bytes, max_world_size, reserve)
     top = plan.estimate(max_world_size)
     floor = top.total - term_sum(top, SHARDED_TERMS)
     if top.total > usable:
@@ -369,6 +381,33 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
               + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})"
                  if w > 1 else ""))
     return DevicesNeeded(device_bytes, reserve.total, w, at.total, floor, max_world_size, reason)
+
+
+def _hsdp_needed(plan: ModelPlan, device_bytes: int, max_world_size: int,
+                 reserve: DeviceReserve) -> DevicesNeeded:
+    """Under HSDP the per-rank estimate follows the shard group, whatever the replicas: it fits
+    at one shard group (and at every multiple of it) or at none; the smallest shard group that
+    fits is full sharding's answer."""
+    group = plan.settings.shard_group_size or 1
+    at = plan.estimate(group)
+    floor = at.total - term_sum(at, SHARDED_TERMS)
+    usable = device_bytes - reserve.total
+    full = devices_needed(dataclasses.replace(
+        plan, settings=dataclasses.replace(plan.settings, shard_group_size=None)),
+        device_bytes, max_world_size, reserve)
+    smallest = (f"the smallest shard group that fits is {full.world_size:,} ranks"
+                if full.world_size is not None else "no shard group fits (" + full.reason + ")")
+    if at.total <= usable:
+        reason = (f"shard groups of {group:,} ranks (HSDP): {format_bytes(at.total, 'decimal')} "
+                  f"per rank <= {format_bytes(usable, 'decimal')} "
+                  f"({_less_reserve(device_bytes, reserve)}) at any multiple of {group:,} ranks; "
+                  f"{smallest}")
+        return DevicesNeeded(device_bytes, reserve.total, group, at.total, floor, group, reason)
+    reason = (f"never fits with shard groups of {group:,} ranks (HSDP): "
+              f"{format_bytes(at.total, 'decimal')} per rank > {format_bytes(usable, 'decimal')} "
+              f"({_less_reserve(device_bytes, reserve)}), and more replicas do not shrink it; "
+              f"fix: a larger shard group ({smallest})")
+    return DevicesNeeded(device_bytes, reserve.total, None, at.total, floor, group, reason)
 
 
 def _less_reserve(device_bytes: int, reserve: DeviceReserve) -> str:

@@ -84,9 +84,14 @@ class PlanSettings:
     #: Activation checkpointing of the blocks: "none", "full" (every block) or "every-K"
     #: (blocks 0, K, 2K, ...: selective), as torch's ``checkpoint_wrapper`` applies it.
     checkpointing: str = "none"
+    #: HSDP: the ranks each unit is sharded over (FSDP2's 2-D mesh, replicate x shard; FSDP1's
+    #: HYBRID_SHARD); None: full sharding over the world.
+    shard_group_size: int | None = None
 
     def __post_init__(self) -> None:
         checkpoint_every(self.checkpointing)  # raises PlanError naming the accepted forms
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            raise PlanError(f"--shard-group-size must be >= 1, got {self.shard_group_size}")
         for name, allowed in (("policy", POLICIES), ("version", ("fsdp1", "fsdp2")),
                               ("param_dtype", tuple(DTYPE_BYTES)),
                               ("compute_dtype", tuple(DTYPE_BYTES)),
@@ -110,7 +115,9 @@ class PlanSettings:
                 f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
                 f"{self.attention} attention"
                 + ("" if self.checkpointing == "none"
-                   else f", activation checkpointing {describe_checkpointing(self.checkpointing)}"))
+                   else f", activation checkpointing {describe_checkpointing(self.checkpointing)}")
+                + ("" if self.shard_group_size is None
+                   else f", HSDP with shard groups of {self.shard_group_size} ranks"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
