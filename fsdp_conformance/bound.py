@@ -84,6 +84,10 @@ class StepConfig:
     #: HSDP: the ranks each unit is sharded over (a 2-D mesh of world / shard_group replicas x
     #: shard_group, or FSDP1's HYBRID_SHARD); None shards over the whole world.
     shard_group: int | None = None
+    #: CPU offload (FSDP1 ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy``): the
+    #: sharded parameters, gradients and optimizer state live in host memory
+    #: (:func:`host_bytes`); the bound is then the device's.
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -188,19 +192,28 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     root_numel = root.numel if root is not None else 0
     others = sorted((u for u in units if u.fqn != ROOT), key=lambda u: u.numel, reverse=True)
     top2 = others[:2]
-    largest = max(units, key=lambda u: u.numel)
     over = ("" if config.shard_group is None else
             f" (HSDP: shard groups of {w} ranks, {config.world_size // w} replicas)")
-    terms = [
-        BoundTerm("sharded params", shard_numel * pb,
-                  f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x {pb} B"
-                  + over, scales_with_depth=True),
-        BoundTerm("sharded grads", shard_numel * pb,
-                  f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
-                  scales_with_depth=True),
-    ]
+    largest = max(units, key=lambda u: u.numel)
+    if config.offload:
+        copies = 2 * _shard(largest.numel, w)
+        terms = [BoundTerm(
+            "offloaded shard copies", copies * pb,
+            f"cpu offload: sharded params, grads and optimizer state in host memory "
+            f"({host_bytes(units, config):,} B per rank); on the device the largest unit's "
+            f"parameter shard (copied in for its all-gather) and gradient shard (before its "
+            f"copy out): 2 x ceil({largest.numel:,}/{w}) = {copies:,} x {pb} B" + over)]
+    else:
+        terms = [
+            BoundTerm("sharded params", shard_numel * pb,
+                      f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x "
+                      f"{pb} B" + over, scales_with_depth=True),
+            BoundTerm("sharded grads", shard_numel * pb,
+                      f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
+                      scales_with_depth=True),
+        ]
     states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
-    if config.optimizer is not None:
+    if config.optimizer is not None and not config.offload:
         terms.append(BoundTerm(
             "optimizer state", (states * shard_numel + scalars * num_tensors) * pb,
             f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
@@ -258,6 +271,17 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
             f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
             "backward"))
     return Bound(tuple(terms), config.tolerance)
+
+
+def host_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
+    """Host memory per rank under CPU offload: the sharded parameters, gradients and optimizer
+    state the device no longer holds (0 without offload)."""
+    if not config.offload:
+        return 0
+    shard_numel = sum(_shard(u.numel, config.shard_ranks) for u in units)
+    tensors = sum(len(u.params) for u in units)
+    states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
+    return (2 * shard_numel + states * shard_numel + scalars * tensors) * config.param_bytes
 
 
 def _saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[BoundTerm]:

@@ -214,6 +214,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                       help="HSDP: shard each unit over groups of N ranks, replicated across "
                       "groups (FSDP2 2-D mesh, FSDP1 HYBRID_SHARD); --world-size must be a "
                       "multiple of N [full sharding]")
+    step.add_argument("--cpu-offload", action="store_true",
+                      help="sharded params, grads and optimizer state in host memory (FSDP1 "
+                      "CPUOffload(offload_params=True), FSDP2 CPUOffloadPolicy): the estimate is "
+                      "the device's, the host's per rank is printed beside it")
     step.add_argument("--attention", choices=ATTENTION, default="flash",
                       help="flash: fused kernel's saved set; math: also seq x seq weights "
                       "[flash]")
@@ -511,7 +515,8 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
                         compute_dtype=compute, optimizer=args.optimizer,
                         batch_size=args.batch_size, seq_len=args.seq_len,
                         attention=args.attention, checkpointing=args.checkpointing,
-                        shard_group_size=args.shard_group_size)
+                        shard_group_size=args.shard_group_size,
+                        cpu_offload=args.cpu_offload)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -342,9 +342,15 @@ class _FakeDist:
         self.up = up
         self.started: list[dict[str, Any]] = []
         self.destroyed = 0
+        self.barriers = 0
         monkeypatch.setattr(dist, "is_initialized", lambda: self.up)
         monkeypatch.setattr(dist, "init_process_group", self.init_process_group)
         monkeypatch.setattr(dist, "destroy_process_group", self.destroy_process_group)
+        monkeypatch.setattr(dist, "barrier", self.barrier)
+
+    def barrier(self) -> None:
+        assert self.up, "a barrier before the group is up"
+        self.barriers += 1
 
     def init_process_group(self, backend: str, **kwargs: Any) -> None:
         self.started.append({"backend": backend, **kwargs})
@@ -380,6 +386,7 @@ def test_the_launchs_group_gets_the_ranks_device_and_the_derived_timeout(
     assert dist.started == [{"backend": "nccl", "init_method": "env://",
                              "device_id": torch.device("cuda", 0),
                              "timeout": timedelta(seconds=460)}]
+    assert dist.barriers == 1  # the ranks leave the start together (CheckWatchdog's arming)
     assert (runner.device_type, runner.local_rank, runner.device_index) == ("cuda", 1, 0)
     assert runner.ctx.device == torch.device("cuda", 0)
     assert (runner.ctx.rank, runner.ctx.local_rank) == (3, 1)
@@ -392,7 +399,7 @@ def test_a_runner_joining_a_group_already_up_leaves_it_alone(
 ) -> None:
     dist = _FakeDist(monkeypatch, up=True)  # e.g. a check of a launched run makes its own
     runner = LauncherRunner("nccl", pg_timeout=460.0)
-    assert one_gpu_per_task == [0] and dist.started == []
+    assert one_gpu_per_task == [0] and dist.started == [] and dist.barriers == 0
     runner.close()
     assert dist.destroyed == 0 and dist.up
 

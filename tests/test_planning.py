@@ -47,6 +47,7 @@ from fsdp_conformance.plan.estimate import (
     compare_policies,
     devices_needed,
     plan_model,
+    term_sum,
 )
 from fsdp_conformance.plan.model import (
     POLICIES,
@@ -62,6 +63,7 @@ from fsdp_conformance.plan.report import (
     format_plan_tree,
     plan_report,
 )
+from fsdp_conformance.sizes import format_bytes
 
 GB = 10**9
 
@@ -509,6 +511,26 @@ def test_hsdp_peaks_follow_the_shard_group_and_a_full_sharding_estimate_is_caugh
     broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": full})
     assert not broken.passed and "8 outside" in broken.message, broken.message
     assert "ABOVE 1.10 x the estimate" in broken.message
+
+
+def test_cpu_offload_moves_the_sharded_state_to_the_host(
+    llama70b: ModelChoice, meta70: Any,
+) -> None:
+    # Derived, not measured (a CPU machine cannot tell host from device): the device keeps
+    # one unit's shards in transit, the host the sharded params, grads and optimizer state.
+    plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
+    off = plan_model(llama70b, PlanSettings(seq_len=512, cpu_offload=True), meta70)
+    on_device, offloaded = plan.estimate(64), off.estimate(64)
+    moved = term_sum(on_device, SHARDED_TERMS)
+    assert off.host_bytes(64) == moved and plan.host_bytes(64) == 0
+    assert not {t.name for t in offloaded.terms} & set(SHARDED_TERMS)
+    copies = offloaded.term("offloaded shard copies").bytes
+    assert offloaded.total == on_device.total - moved + copies
+    need, full = devices_needed(off, 80 * GB), devices_needed(plan, 80 * GB)
+    assert need.world_size is not None and full.world_size is not None
+    assert need.world_size < full.world_size
+    host = format_bytes(off.host_bytes(need.world_size), "decimal")
+    assert f"host memory {host} per rank" in need.reason
 
 
 def test_hsdp_estimate_is_full_sharding_over_the_shard_group(

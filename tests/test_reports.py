@@ -559,6 +559,23 @@ def test_new_warning_and_new_deprecation_are_reported_as_changes() -> None:
     ]
 
 
+def test_a_new_warning_raised_by_several_checks_is_one_difference_naming_them() -> None:
+    view = ("UserWarning: FSDP2-wrapped module (FSDPLinear) returned a view tensor. An in-place "
+            "op on this view")
+    checks = ("wrap.units.exact", "wrap.units.plan", "wrap.units.accounting")
+    old = report(*(entry(c) for c in checks))
+    new = report(entry(checks[0], warnings=[view]), entry(checks[1], warnings=[view]),
+                 entry(checks[2], warnings=["UserWarning: only here"]))
+    ids = [e["id"] for e in new["checks"]]
+    diffs = compare_reports(old, new)
+    # Checks are compared in id order (accounting, exact, plan); a group sits where it was
+    # first seen.
+    assert [(d.check_id, d.kind, d.text) for d in diffs] == [
+        (ids[2], "warning", "new warning: UserWarning: only here"),
+        ("2 checks", "warning", f"new warning: {view} (raised by {ids[0]}, {ids[1]})"),
+    ], diffs
+
+
 def test_a_warning_whose_source_line_moved_is_not_new() -> None:
     # torch's C++ warnings carry their source location, which moves in every release.
     text = ("UserWarning: Converting a tensor with requires_grad=True to a scalar may lead to "

@@ -240,6 +240,30 @@ def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) 
             assert not verdict.passed, f"{version} {fault}: {verdict.message}"
             assert "'s update differs from the reference's by" in verdict.message
             assert verdict.figures["update_rel_diff"] > 0.5  # 3 steps: 0.72 to 1.0 (ws 2)
+            # The message names the cause from the measured scale, only where it fits.
+            summed = "= the world size (2): gradients summed across ranks, not averaged"
+            assert (summed in verdict.message) == (fault == "summed_grads"), verdict.message
+
+
+@pytest.mark.parametrize(("factor", "ranks_n", "words"), [
+    (2.0, 2, "2.00x the reference's (least squares over all weights) = the world size (2): "
+              "gradients summed across ranks, not averaged"),
+    (3.97, 4, "= the world size (4): gradients summed"),
+    (0.25, 4, "= 1 / the world size (4): gradients averaged twice"),
+    (0.001, 2, "no update reached the weights"),
+    (1.0, 2, "the same scale: the difference is in the direction"),
+    (1.37, 2, "the sharded update is 1.37x the reference's (least squares over all weights)"),
+    (None, 2, "the reference made no update to compare with"),
+])
+def test_the_update_scale_names_its_cause_only_where_it_fits(
+    factor: float | None, ranks_n: int, words: str,
+) -> None:
+    from fsdp_conformance.claims.wrap import update_diagnosis
+
+    said = update_diagnosis(factor, ranks_n)
+    assert words in said, said
+    if factor == 1.37:
+        assert said.endswith("(least squares over all weights)")  # a factor, not a guess
 
 
 @pytest.mark.world_size(2)

@@ -962,12 +962,16 @@ def rank_train(
     # Absolute difference, and difference relative to the reference's own update: a weight
     # that missed its gradient reduction is off by a fraction of its (maybe tiny) update.
     worst, worst_name, worst_rel, worst_rel_name = 0.0, "", 0.0, ""
+    along, ref_norm = 0.0, 0.0  # the sharded update projected on the reference's, and its norm
     for name, value in full.items():
         if not value.numel():
             continue
         target = ref_params[name].detach().float()
         diff = float((value - target).abs().max())
-        update = float((target - initial[name]).abs().max())
+        ref_update = target - initial[name]
+        along += float(((value - initial[name]) * ref_update).sum())
+        ref_norm += float((ref_update * ref_update).sum())
+        update = float(ref_update.abs().max())
         rel = diff / update if update > 0 else 0.0
         if diff > worst:
             worst, worst_name = diff, name
@@ -977,6 +981,9 @@ def rank_train(
         "rank": ctx.rank, "version": version, "precision": precision, "losses": losses,
         "ref_losses": ref_losses, "max_param_diff": worst, "worst_param": worst_name,
         "max_update_rel_diff": worst_rel, "worst_update_param": worst_rel_name,
+        # The scale that best maps the reference's update onto the sharded one (least squares
+        # over every parameter): 1 when they agree, the world size when gradients were summed.
+        "update_factor": along / ref_norm if ref_norm > 0 else None,
         "stored_dtypes": stored, "compute_dtypes": seen, "dropout_disabled": dropout,
         "backend": ctx.backend,
     }
@@ -1012,6 +1019,33 @@ def _permute_largest_shard(sharded: nn.Module, ctx: RankContext) -> None:
         local.copy_(local.flatten().roll(1).view_as(local))
 
 
+#: How close (relative) the update factor must be to a named cause for the message to name it.
+FACTOR_MATCH_RTOL = 0.02
+
+
+def update_diagnosis(factor: float | None, world_size: int) -> str:
+    """What the scale between the sharded and the reference update says, in words.
+
+    Summed instead of averaged gradients scale every update by the world size; averaged twice,
+    by its inverse; a gradient never applied, by 0. Any other factor is named as measured.
+    """
+    if factor is None:
+        return "the reference made no update to compare with"
+    causes = [(float(world_size), f"= the world size ({world_size}): gradients summed across "
+               "ranks, not averaged"),
+              (1.0 / world_size, f"= 1 / the world size ({world_size}): gradients averaged "
+               "twice"),
+              (1.0, "the same scale: the difference is in the direction (a permuted shard, a "
+               "gradient reduced over the wrong ranks or elements)")]
+    head = f"the sharded update is {factor:.2f}x the reference's (least squares over all weights)"
+    if abs(factor) < FACTOR_MATCH_RTOL:
+        return f"{head}: no update reached the weights (gradients lost or never applied)"
+    for value, cause in causes:
+        if abs(factor - value) <= FACTOR_MATCH_RTOL * value:
+            return f"{head} {cause}" if cause.startswith("=") else f"{head}: {cause}"
+    return head
+
+
 def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Verdict:
     """Losses (mean over ranks) and final full weights match the reference within tolerance;
     under bf16, every Linear computed in bf16 and every stored parameter stayed fp32."""
@@ -1037,7 +1071,7 @@ def verdict_train(values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
             problems.append(
                 f"rank {v['rank']}: {v['worst_update_param']}'s update differs from the "
                 f"reference's by {v['max_update_rel_diff']:.2e} of the update > "
-                f"{update_rtol:.1e} (a gradient not reduced across ranks, or not averaged?)")
+                f"{update_rtol:.1e}; {update_diagnosis(v.get('update_factor'), len(values))}")
         if v["max_param_diff"] > param_atol:
             problems.append(f"rank {v['rank']}: after {steps} steps {v['worst_param']} differs "
                             f"from the reference by {v['max_param_diff']:.2e} > {param_atol:.0e}")

@@ -90,7 +90,33 @@ def compare_reports(
     for cid in sorted(old_checks.keys() & new_checks.keys()):
         diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance,
                                 memory_floor_bytes)
-    return diffs
+    return _group_warnings(diffs)
+
+
+def _group_warnings(diffs: Sequence[Difference]) -> list[Difference]:
+    """One difference per distinct new warning (or deprecation), naming every check that
+    raised it, where it was first seen: an upgrade's new warning is usually raised by many
+    checks, and one line each buried the differences that matter."""
+    out: list[Difference] = []
+    groups: dict[tuple[str, str], list[str]] = {}
+    for d in diffs:
+        if d.kind not in ("warning", "deprecation"):
+            out.append(d)
+            continue
+        key = (d.kind, d.text)
+        if key not in groups:
+            groups[key] = []
+            out.append(d)  # the placeholder keeps the first occurrence's position
+        groups[key].append(d.check_id)
+    grouped = []
+    for d in out:
+        cids = groups.get((d.kind, d.text)) if d.kind in ("warning", "deprecation") else None
+        if cids is None or len(cids) == 1:
+            grouped.append(d)
+        else:
+            grouped.append(Difference(f"{len(cids)} checks", d.kind, False,
+                                      f"{d.text} (raised by {', '.join(cids)})"))
+    return grouped
 
 
 #: Settings that define the model under test: reports that differ in one of them measured

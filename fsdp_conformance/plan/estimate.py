@@ -12,7 +12,13 @@ from typing import Any
 
 from fsdp_conformance._compat import tree_map
 from fsdp_conformance._files import PlainData
-from fsdp_conformance.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
+from fsdp_conformance.bound import (
+    ActivationProfile,
+    Bound,
+    StepConfig,
+    host_bytes,
+    per_layer_bound,
+)
 from fsdp_conformance.models import LLAMA_PRESETS
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
@@ -141,7 +147,12 @@ class ModelPlan:
                           compute_bytes=DTYPE_BYTES[s.compute_dtype],
                           optimizer=s.optimizer_name, buffer_bytes=self.buffer_bytes,
                           activations=self.activations, checkpointed=self.checkpointed,
-                          shard_group=self._shard_group(world_size))
+                          shard_group=self._shard_group(world_size),
+                          offload=s.cpu_offload)
+
+    def host_bytes(self, world_size: int) -> int:
+        """Host memory per rank under CPU offload (0 without)."""
+        return host_bytes(self.units, self.step_config(world_size))
 
     def _shard_group(self, world_size: int) -> int | None:
         group = self.settings.shard_group_size
@@ -379,7 +390,9 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
     reason = (f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, 'decimal')} per rank "
               f"<= {format_bytes(usable, 'decimal')} ({_less_reserve(device_bytes, reserve)})"
               + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})"
-                 if w > 1 else ""))
+                 if w > 1 else "")
+              + (f"; host memory {format_bytes(plan.host_bytes(w), 'decimal')} per rank (cpu "
+                 "offload)" if plan.settings.cpu_offload else ""))
     return DevicesNeeded(device_bytes, reserve.total, w, at.total, floor, max_world_size, reason)
 
 

@@ -87,6 +87,9 @@ class PlanSettings:
     #: HSDP: the ranks each unit is sharded over (FSDP2's 2-D mesh, replicate x shard; FSDP1's
     #: HYBRID_SHARD); None: full sharding over the world.
     shard_group_size: int | None = None
+    #: CPU offload of the sharded state (FSDP1 ``CPUOffload(offload_params=True)``, FSDP2
+    #: ``CPUOffloadPolicy``): the estimate is the device's, the host's is reported beside it.
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         checkpoint_every(self.checkpointing)  # raises PlanError naming the accepted forms
@@ -117,7 +120,8 @@ class PlanSettings:
                 + ("" if self.checkpointing == "none"
                    else f", activation checkpointing {describe_checkpointing(self.checkpointing)}")
                 + ("" if self.shard_group_size is None
-                   else f", HSDP with shard groups of {self.shard_group_size} ranks"))
+                   else f", HSDP with shard groups of {self.shard_group_size} ranks")
+                + (", sharded state offloaded to the host" if self.cpu_offload else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

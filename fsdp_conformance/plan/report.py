@@ -148,6 +148,7 @@ def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
                    "shard_numel": -(-u.numel // world_size),
                    "shard_bytes": -(-u.numel // world_size) * pb} for u in plan.units],
         "sharded_param_bytes_per_rank": term_sum(bound, ("sharded params",)),
+        "host_bytes_per_rank": plan.host_bytes(world_size),
         "estimate": {**bound.to_dict(), "breakdown": breakdown(bound)},
         "activations": plan.activations.to_dict(),
         "checkpointing": {"setting": plan.settings.checkpointing,
@@ -178,6 +179,11 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
              f"({s.param_dtype})", "",
              "estimated peak per rank of a training step (memory.per_layer_bound, "
              "docs/memory.md):", format_bound(bound), ""]
+    if s.cpu_offload:
+        lines[-1:-1] = [f"  host memory per rank (cpu offload): "
+                        f"{format_bytes(report['host_bytes_per_rank'], 'decimal')} (sharded "
+                        "params, grads and optimizer state; derived, not measured: "
+                        "docs/planning.md)"]
     lines.append("devices needed (smallest world size whose estimate fits the device, with "
                  f"{report['reserve_text']}; docs/planning.md, 'Device reserve'):")
     for d in report["devices_needed"]:
