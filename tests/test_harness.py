@@ -271,11 +271,14 @@ def test_rank_dying_after_reporting_passes_and_the_next_check_gets_a_fresh_pool(
 @pytest.mark.world_size(2)
 def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
     warm = ranks.run(_pid)
-    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "3"})
     seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
     assert [value for _, value in seen] == ["65536", "65536"]
     assert {pid for pid, _ in seen}.isdisjoint(warm)
     assert all(_process_gone(pid) for pid, _ in seen)  # fresh ranks end with their check
+    # A thread count the user set is theirs, on forked ranks too (torch was imported before
+    # the fork and never reads the variable there): the share does not replace it.
+    assert fresh.run(_threads) == [3, 3]
     # The warm pool neither saw the variable nor was replaced.
     assert ranks.run(_env, "MALLOC_MMAP_THRESHOLD_") == [None, None]
     assert ranks.run(_pid) == warm
@@ -288,9 +291,6 @@ def test_ranks_share_the_cores_and_keep_a_thread_count_the_user_set(ranks) -> No
     from fsdp_conformance.settings import usable_cores
 
     assert ranks.run(_threads) == [max(1, usable_cores() // 2)] * 2
-    # A count the user set is theirs, on forked ranks too (torch was imported before the fork
-    # and never reads the variable there).
-    assert ranks.configured(env={"OMP_NUM_THREADS": "3"}).run(_threads) == [3, 3]
 
 
 def test_the_thread_share_divides_the_cores_among_the_ranks(
