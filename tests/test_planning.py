@@ -221,6 +221,12 @@ def test_activation_checkpointing_makes_70b_at_seq_4096_fit_80gb_and_costs_a_rec
     assert answer["checkpointing"] == "full" and answer["world_size"] is not None
     assert answer["room_bytes"] >= 0
     assert answer["estimate_bytes"] == full.estimate(answer["world_size"]).total
+    # The same per-rank figure under HSDP from a shard group of that size; fewer ranks with the
+    # sharded state on the host (which then holds more per rank).
+    assert answer["shard_group"] == answer["world_size"]
+    off = answer["offload"]
+    assert off is not None and off["world_size"] < answer["world_size"]
+    assert off["host_bytes"] > term_sum(full.estimate(answer["world_size"]), SHARDED_TERMS)
     with pytest.raises(PlanError, match="every-K"):
         PlanSettings(checkpointing="every-1")
 

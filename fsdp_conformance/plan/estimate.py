@@ -474,9 +474,14 @@ def checkpointing_options(plan: ModelPlan, world_size: int, device_bytes: Sequen
     return rows
 
 
-def cheapest_fit(options: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def cheapest_fit(options: Sequence[dict[str, Any]], plan: ModelPlan | None = None,
+                 max_world_size: int = MAX_WORLD_SIZE,
+                 reserve: DeviceReserve = DEFAULT_RESERVE) -> list[dict[str, Any]]:
     """Per device size: the first option (least recompute) that fits at some world size, its
-    smallest world size and the room left; or None when no option fits."""
+    smallest world size and the room left, and the smallest HSDP shard group with the same
+    per-rank estimate (that world size); where no option fits, ``checkpointing`` None and, given
+    ``plan``, whether offloading the sharded state to the host (with every block checkpointed)
+    would fit (``offload``: its world size and host bytes per rank; derived, not measured)."""
     answers = []
     for i, device in enumerate(options[0]["devices_needed"]):
         fitting = [o for o in options if o["devices_needed"][i]["world_size"] is not None]
@@ -492,8 +497,29 @@ def cheapest_fit(options: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                         "estimate_bytes": need["estimate_bytes"],
                         "room_bytes": need["device_bytes"] - need["reserve_bytes"]
                         - need["estimate_bytes"],
-                        "recompute_flops": best["recompute_flops"]})
+                        "recompute_flops": best["recompute_flops"],
+                        "shard_group": (need["world_size"] if plan is not None
+                                        and plan.settings.shard_group_size is None else None),
+                        "offload": _offload_fit(plan, best["checkpointing"],
+                                                device["device_bytes"], need["world_size"],
+                                                reserve)})
     return answers
+
+
+def _offload_fit(plan: ModelPlan | None, checkpointing: str, device_bytes: int,
+                 world_size: int, reserve: DeviceReserve) -> dict[str, int] | None:
+    """With the same checkpointing and the sharded state offloaded to the host: the fewest
+    ranks that fit, where that is fewer than ``world_size``, and the host bytes per rank then.
+    Offload removes only what shrinks with more ranks, so it lowers the ranks needed, never the
+    floor: it is an answer to "fewer devices", not to "nothing fits"."""
+    if plan is None or plan.settings.cpu_offload or plan.settings.shard_group_size is not None:
+        return None
+    settings = dataclasses.replace(plan.settings, cpu_offload=True, checkpointing=checkpointing)
+    offloaded = dataclasses.replace(plan, settings=settings)
+    need = devices_needed(offloaded, device_bytes, world_size, reserve)
+    if need.world_size is None or need.world_size >= world_size:
+        return None
+    return {"world_size": need.world_size, "host_bytes": offloaded.host_bytes(need.world_size)}
 
 
 # ============================================================================================

@@ -155,7 +155,7 @@ def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
                           "checkpointed_units": list(plan.checkpointed),
                           "recompute_flops": plan.recompute_flops},
         "checkpointing_options": options,
-        "answer": cheapest_fit(options),
+        "answer": cheapest_fit(options, plan, max_world_size, reserve),
         "reserve": reserve.to_dict(),
         "reserve_text": reserve.describe(),
         "devices_needed": [devices_needed(plan, d, max_world_size, reserve).to_dict()
@@ -220,13 +220,24 @@ def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
         device = format_bytes(a["device_bytes"], "decimal")
         if a["checkpointing"] is None:
             lines.append(f"  {device}: nothing fits at any world size, even with activation "
-                         "checkpointing on every block; fix: a smaller per-rank batch or "
-                         "sequence, or smaller units")
+                         "checkpointing on every block (offloading the sharded state would not "
+                         "help: it removes only what more ranks shrink); fix: a smaller "
+                         "per-rank batch or sequence, or smaller units")
             continue
         lines.append(f"  {device}: activation checkpointing {a['checkpointing']}, "
                      f"{a['world_size']:,} ranks: {format_bytes(a['estimate_bytes'], 'decimal')} "
                      f"per rank, {format_bytes(a['room_bytes'], 'decimal')} to spare after the "
                      f"device reserve; recompute {_flops(a['recompute_flops'])} per step")
+        off = a.get("offload")
+        if off:
+            lines.append(f"    or fewer ranks with the sharded state offloaded to the host "
+                         f"(--cpu-offload; derived, not measured): from {off['world_size']:,} "
+                         f"rank{'s' if off['world_size'] > 1 else ''}, "
+                         f"{format_bytes(off['host_bytes'], 'decimal')} of host memory per rank")
+        if a.get("shard_group") is not None:
+            lines.append(f"    or HSDP with shard groups of at least {a['shard_group']:,} ranks "
+                         "(--shard-group-size), replicated across as many groups as you like: "
+                         "the same per-rank estimate")
     return lines
 
 
