@@ -331,6 +331,22 @@ def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_b
     assert torch.get_default_dtype() == before
 
 
+def launched_pytest_session(directory: Path, name: str, source: str,
+                            *args: str) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 2 -m pytest ARGS NAME`` on a test file written
+    from ``source`` in ``directory``, with this session's import path and none of its launch
+    or plugin settings."""
+    (directory / name).write_text(source)
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, name]
+    return subprocess.run(cmd, cwd=directory, env=environ, capture_output=True, text=True,
+                          timeout=LAUNCH_LIMIT_S, check=False)
+
+
 def _stuck_here(release: threading.Event) -> None:
     release.wait(60)
 
@@ -399,16 +415,7 @@ def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
     # where pytest-timeout's signal handler never runs. Each rank's watchdog writes its stacks
     # past the check's timeout, through pytest's capture, and ends the rank: the launch ends
     # at the check's timeout, not at the process group's (300 s).
-    (tmp_path / "test_hang.py").write_text(HANG_SESSION)
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
-               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pytest", "-p", "no:cacheprovider", "-q", "--fsdp-timeout", "3",
-           "test_hang.py"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True,
-                          timeout=LAUNCH_LIMIT_S, check=False)
+    done = launched_pytest_session(tmp_path, "test_hang.py", HANG_SESSION, "--fsdp-timeout", "3")
     told = done.stdout + done.stderr
     assert done.returncode != 0, told
     for rank in (0, 1):
@@ -444,15 +451,7 @@ def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) ->
     # The checks run in each rank's own pytest behind execute_check's catch-all: Ctrl-C must
     # end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test and
     # go on to the next.
-    (tmp_path / "test_ctrl_c.py").write_text(CTRL_C_SESSION)
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
-               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_ctrl_c.py"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=environ, capture_output=True, text=True,
-                          timeout=LAUNCH_LIMIT_S, check=False)
+    done = launched_pytest_session(tmp_path, "test_ctrl_c.py", CTRL_C_SESSION)
     told = done.stdout + done.stderr
     assert not sorted(p.name for p in tmp_path.glob("after_rank*")), told
     # pytest's banner for an interrupted session (torchrun may SIGTERM the other rank while it
