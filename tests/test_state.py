@@ -233,7 +233,18 @@ def test_summon_full_params_shows_the_reference_and_keeps_a_change_only_with_wri
 ) -> None:
     verdict = run_check(ranks, SUMMON, **SUMMON.params)
     assert verdict.passed, verdict.message
-    assert verdict.figures["cases"] == ["writeback", "no_writeback", "rank0_only"]
+    assert verdict.figures["cases"] == ["writeback", "no_writeback", "rank0_only", "with_grads"]
+    assert "with_grads: every gradient whole inside and equal to a single-process" in (
+        verdict.message)
+
+
+def test_gradients_summoned_without_with_grads_fail_that_case_only(ranks: Ranks) -> None:
+    # with_grads=True is what makes summon_full_params gather the gradients too; without it no
+    # parameter has a whole gradient inside the context.
+    verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "broken_grads": True})
+    assert not verdict.passed and verdict.figures["failed_cases"] == ["with_grads"]
+    assert "no whole gradient inside the context" in verdict.message
+    assert "summoned without with_grads=True" in verdict.message
 
 
 def test_a_writeback_that_does_not_write_back_fails_that_case_only(ranks: Ranks) -> None:

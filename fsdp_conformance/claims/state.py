@@ -862,14 +862,22 @@ SUMMON_CASES: dict[str, tuple[bool, bool, bool]] = {
     "rank0_only": (False, True, False),
     "rank0_only_write": (False, True, True),
 }
+#: ``summon_full_params(with_grads=True)`` after a backward: each parameter's gradient inside,
+#: whole, against a single-process backward of the same batch (a case of ``state.summon``).
+SUMMON_GRADS = "with_grads"
 #: ``state.summon``'s cases; ``rank0_only_write`` is ``state.summon.rank0_discard``'s alone: a
 #: known torch defect (``expectations.toml``) must not hide a failure of the others.
-SUMMON_DEFAULT_CASES = ("writeback", "no_writeback", "rank0_only")
+SUMMON_DEFAULT_CASES = ("writeback", "no_writeback", "rank0_only", SUMMON_GRADS)
+#: How far (relative to the largest reference gradient) a summoned gradient may be from the
+#: reference's: the reduce-scatter averages every rank's gradient of the same batch, which is
+#: exact at world size 2 (each half summed) and may round in the last bit beyond it.
+SUMMON_GRAD_RTOL = 1e-6
 
 
 def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp1",
                       seed: int = 0, broken_writeback: bool = False,
-                      cases: Sequence[str] = SUMMON_DEFAULT_CASES) -> dict[str, Any]:
+                      cases: Sequence[str] = SUMMON_DEFAULT_CASES,
+                      broken_grads: bool = False) -> dict[str, Any]:
     """Per case of :data:`SUMMON_CASES` in ``cases``: the full parameters a rank sees inside
     ``FSDP.summon_full_params`` (their digests, where it holds them whole), then, where the
     case writes, one parameter changed inside on every rank, and the model's full state after
@@ -879,7 +887,8 @@ def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version:
     the first parameter every rank holds (whole on rank 0, a shard elsewhere), and
     ``writeback=False`` says the change is discarded (measured otherwise: docs/state.md).
     ``broken_writeback``: the writeback case runs with ``writeback=False`` (the negative
-    control)."""
+    control). :data:`SUMMON_GRADS`: the gradients inside after a backward
+    (:func:`_summoned_grads`); ``broken_grads`` summons them without ``with_grads=True``."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     check_fsdp_version(version)
@@ -887,6 +896,9 @@ def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version:
         raise ValueError("summon_full_params is FSDP1's; FSDP2 has no such context")
     out: dict[str, Any] = {}
     for label in cases:
+        if label == SUMMON_GRADS:
+            out[label] = _summoned_grads(ctx, spec, seed, with_grads=not broken_grads)
+            continue
         writeback, rank0_only, write = SUMMON_CASES[label]
         model = build_sharded(ctx, spec, version, seed)
         with FSDP.summon_full_params(model, writeback=writeback and not broken_writeback,
@@ -902,6 +914,61 @@ def rank_state_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version:
     return {"rank": ctx.rank, "cases": out}
 
 
+def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int,
+                    with_grads: bool = True) -> dict[str, Any]:
+    """One backward of the same batch on every rank under FSDP1 (``use_orig_params=True``, which
+    ``with_grads`` needs) and on this rank's single-process copy of the model; inside
+    ``summon_full_params(with_grads=...)`` each parameter's gradient against the copy's: the
+    largest absolute difference, the reference's largest gradient, and the names with none."""
+    import copy
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_conformance.models import call_model, default_loss
+
+    model = build(spec, seed, ctx.device)
+    reference = copy.deepcopy(model)
+    sharded = shard(model, ctx, "fsdp1", policy_for("recommended", model, spec),
+                    use_orig_params=True)
+    batch = spec.batch(reference, 2, ctx.device)
+    default_loss(call_model(sharded, batch)).backward()
+    default_loss(call_model(reference, batch)).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    diffs, missing = {}, []
+    with FSDP.summon_full_params(sharded, with_grads=with_grads, writeback=False):
+        for name, p in sharded.named_parameters():
+            key, grad = clean_fqn(name), p.grad
+            if grad is None or key not in want or grad.shape != want[key].shape:
+                missing.append(key)
+                continue
+            diffs[key] = float((grad.detach().float() - want[key].float()).abs().max())
+    scale = max((float(g.abs().max()) for g in want.values()), default=0.0)
+    return {"grad_diffs": diffs, "missing": sorted(missing), "scale": scale,
+            "with_grads": with_grads}
+
+
+def _judge_summoned_grads(values: Sequence[Mapping[str, Any]]) -> list[str]:
+    tree: list[str] = []
+    wrong: dict[int, list[str]] = {}
+    for value in values:
+        case = value["cases"][SUMMON_GRADS]
+        limit = SUMMON_GRAD_RTOL * case["scale"]
+        lines = [f"{name}: no whole gradient inside the context" for name in case["missing"]]
+        lines += [f"{name}: gradient differs from the reference's by {d:.3g} > {limit:.3g}"
+                  for name, d in sorted(case["grad_diffs"].items()) if d > limit]
+        if not case["with_grads"]:
+            lines.insert(0, "summoned without with_grads=True (the negative control)")
+        if lines:
+            wrong[value["rank"]] = lines
+    worst = max((max(v["cases"][SUMMON_GRADS]["grad_diffs"].values(), default=0.0)
+                 for v in values), default=0.0)
+    ok = (f"every gradient whole inside and equal to a single-process backward of the same "
+          f"batch (largest difference {worst:.3g}, allowed {SUMMON_GRAD_RTOL:g} of the largest "
+          "gradient)")
+    tree += _section(SUMMON_GRADS, ok, wrong)
+    return tree
+
+
 def verdict_state_summon(values: Sequence[Mapping[str, Any]],
                          params: Mapping[str, Any]) -> Verdict:
     """Inside: every parameter whole and equal to the reference (on rank 0 alone with
@@ -913,6 +980,11 @@ def verdict_state_summon(values: Sequence[Mapping[str, Any]],
     tree, bad = [], []
     cases = list(values[0]["cases"])
     for label in cases:
+        if label == SUMMON_GRADS:
+            lines = _judge_summoned_grads(values)
+            tree += lines
+            bad += [label] if "WRONG" in lines[0] else []
+            continue
         writeback, rank0_only, _ = SUMMON_CASES[label]
         wrong: dict[int, list[str]] = {}
         for value in values:
@@ -983,8 +1055,9 @@ CHECKS: tuple[Check, ...] = variants(
     opt_in=("save_to", "load_from"), save_to=None, load_from=None,
 ) + variants(
     "state.summon",
-    "FSDP1 summon_full_params (writeback on and off, rank0_only): whole parameters equal to the "
-    "reference inside, a change inside kept only with writeback",
+    "FSDP1 summon_full_params (writeback on and off, rank0_only, with_grads): whole parameters "
+    "equal to the reference inside, a change inside kept only with writeback, whole gradients "
+    "equal to a single-process backward",
     rank_state_summon, verdict_state_summon, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
 ) + variants(
     "state.summon.rank0_discard",
