@@ -925,8 +925,10 @@ def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int,
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from fsdp_conformance.models import call_model, default_loss
+    from fsdp_conformance.step import disable_dropout
 
     model = build(spec, seed, ctx.device)
+    disable_dropout(model)  # the two backwards must compute the same function (docs/state.md)
     reference = copy.deepcopy(model)
     sharded = shard(model, ctx, "fsdp1", policy_for("recommended", model, spec),
                     use_orig_params=True)
