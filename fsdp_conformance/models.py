@@ -724,12 +724,12 @@ class ModelSpec:
         return scaled_min_params(infer_width(model))
 
     def batch(self, model: nn.Module, batch_size: int = 2,
-              device: str | torch.device = "cpu") -> Any:
-        """An input batch: the user's builder, else :func:`make_batch`."""
+              device: str | torch.device = "cpu", seq_len: int = 8) -> Any:
+        """An input batch: the user's builder (its own length), else :func:`make_batch`."""
         if self.input_builder:
             builder = load_object(self.input_builder, "input builder")
             return builder(model, batch_size, device)
-        return make_batch(model, batch_size=batch_size, device=device)
+        return make_batch(model, batch_size=batch_size, seq_len=seq_len, device=device)
 
 
 #: Keywords a factory may take for its depth (the reference factories' ``num_layers``, common

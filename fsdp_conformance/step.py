@@ -194,7 +194,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
                  track_construction: bool = True,
                  param_dtype: str | None = None, reduce_dtype: str | None = None,
                  record: bool = False, checkpoint_every: int = 0,
-                 shard_group: int | None = None) -> dict[str, Any]:
+                 shard_group: int | None = None, seq_len: int = 8) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
@@ -210,7 +210,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     K-th block after sharding (1: every block; 0: none;
     :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``.
     ``shard_group``: HSDP with shard groups of that many ranks
-    (:func:`~fsdp_conformance.sharding.hsdp_kwargs`).
+    (:func:`~fsdp_conformance.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
     """
 
     from fsdp_conformance.sharding import (
@@ -251,7 +251,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
                         **hsdp_kwargs(ctx, version, shard_group))
         checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every)
         opt = make_optimizer(sharded, optimizer)
-        batch = spec.batch(sharded, batch_size, ctx.device)
+        batch = spec.batch(sharded, batch_size, ctx.device, seq_len)
         # FSDPMemTracker wraps the sharded model, so it cannot be entered for construction;
         # the warm-up runs inside it instead. Its first use in a process costs about 2.5 MB
         # of resident memory that is no tensor (measured: the OS saw 20.5 MB against the

@@ -413,9 +413,11 @@ def _spec(reference: str, layers: int, dim: int) -> ModelSpec:
 
 
 def _case(reference: str, layers: int, dim: int, version: str, policy: str,
-          optimizer: str = "none", batch_size: int = 2, checkpointing: str = "none") -> dict:
+          optimizer: str = "none", batch_size: int = 2, checkpointing: str = "none",
+          **more: Any) -> dict:
     return {"spec": _spec(reference, layers, dim), "version": version, "policy": policy,
-            "optimizer": optimizer, "batch_size": batch_size, "checkpointing": checkpointing}
+            "optimizer": optimizer, "batch_size": batch_size, "checkpointing": checkpointing,
+            **more}
 
 
 #: Several models, depths, both versions and both measurable policies; parameter-heavy
@@ -434,6 +436,8 @@ TRUST_CASES = [
     # apply_activation_checkpointing), on every block and on every second one.
     _case("massive", 8, 32, "fsdp1", "recommended", batch_size=128, checkpointing="full"),
     _case("massive", 8, 32, "fsdp2", "recommended", batch_size=128, checkpointing="every-2"),
+    # A long sequence in bf16: attention as the planner assumes it (flash), 512 tokens.
+    _case("llama", 2, 64, "fsdp2", "recommended", seq_len=512, compute_dtype="bf16"),
 ]
 #: Negative controls: the term that dominates each regime, deliberately left out of the bound.
 #: Optimizer state in a parameter-heavy step; saved activations in the activation-heavy ones

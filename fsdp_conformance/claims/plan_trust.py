@@ -39,7 +39,7 @@ TRUST_MAX_RATIO = 1 + BOUND_TOLERANCE
 #: per-layer plans measured 0.49 to 1.08 of the estimate; monolithic 0.32 to 0.78 (its one
 #: unit's forward products and both collective buffers are counted at full model size).
 TRUST_MIN_RATIO = {"recommended": 0.45, "monolithic": 0.25}
-#: measure_step builds its batch with models.make_batch, whose sequence length is 8.
+#: The sequence length of measure_step's batch (models.make_batch) unless a case names one.
 MEASURED_SEQ_LEN = 8
 #: The reference model of the trust check (the memory checks' shape, smaller).
 DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=4, dim=128))
@@ -86,7 +86,8 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                          batch_size=case.get("batch_size", batch_size), timeline=False,
                          param_dtype=_mixed_param_dtype(case),
                          checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
-                         shard_group=case.get("shard_group"))
+                         shard_group=case.get("shard_group"),
+                         seq_len=case.get("seq_len", MEASURED_SEQ_LEN))
         peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})
     return {"rank": ctx.rank, "peaks": peaks}
 
@@ -104,7 +105,8 @@ def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings
     return PlanSettings(policy=case["policy"], version=case["version"], param_dtype="fp32",
                         compute_dtype=case.get("compute_dtype", "fp32"),
                         optimizer=case.get("optimizer", "none"),
-                        batch_size=case.get("batch_size", batch_size), seq_len=MEASURED_SEQ_LEN,
+                        batch_size=case.get("batch_size", batch_size),
+                        seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
                         attention="flash", checkpointing=case.get("checkpointing", "none"),
                         shard_group_size=case.get("shard_group"))
 
@@ -149,6 +151,7 @@ def _case_label(case: Mapping[str, Any]) -> str:
     return (f"{spec.name}{shape} {case['version']} {case['policy']} "
             f"opt={case.get('optimizer', 'none')}"
             + (f" b{case['batch_size']}" if "batch_size" in case else "")
+            + (f" s{case['seq_len']}" if "seq_len" in case else "")
             + ("" if ac == "none" else f" ac={ac}")
             + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
             + f" {case.get('compute_dtype', 'fp32')}: ")
