@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import _compat
+from fsdp_conformance import _compat, capabilities
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.units import planned_unit_modules
 
@@ -38,7 +38,11 @@ def shard_fsdp1(model: nn.Module, ctx: RankContext, policy: Any, **fsdp_kwargs: 
 
 
 def device_mesh(ctx: RankContext) -> Any:
+    """The 1-D mesh of FSDP2 over the world; a check about to use FSDP2 on a torch that cannot
+    run it on this device skips here (:data:`~fsdp_conformance.capabilities.FSDP2_ON_CPU`)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
 
     return init_device_mesh(ctx.device_type, (ctx.world_size,))
 
@@ -53,6 +57,7 @@ def shard_fsdp2_modules(
     **shard_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` each unit module bottom-up (deepest first), then the root."""
+    capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
     fully_shard = _compat.fully_shard()
     mesh = mesh if mesh is not None else device_mesh(ctx)
     depth = {id(m): n.count(".") + 1 for n, m in model.named_modules() if n}

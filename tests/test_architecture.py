@@ -43,6 +43,7 @@ LAYERS: dict[str, str] = {
     "user_model": "blocks",
     "hf": "blocks",
     "hf_models": "blocks",
+    "capabilities": "blocks",
     "plan": "plan",
     "claims": "claims",
     "gate": "gate",

@@ -39,7 +39,7 @@ import torch.nn as nn
 from fsdp_conformance import _compat, hf
 from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Check, Verdict, variants
-from fsdp_conformance.harness import RankContext, all_gather_objects, skip_rank
+from fsdp_conformance.harness import CheckSkipped, RankContext, all_gather_objects, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
 from fsdp_conformance.models import (
     LlamaConfig,
@@ -1054,6 +1054,8 @@ def rank_materialize(
             with torch.no_grad():
                 call_model(model, spec.batch(unwrapped(model), batch_size=1,
                                              device=ctx.device))
+    except CheckSkipped:
+        raise  # a capability this torch lacks (every rank alike): a skip, not the finding
     except Exception as exc:  # noqa: BLE001 - torch's refusal (or InitError) is the finding
         error = describe_init_error(exc)
     errors = _agree_on_failure(ctx, error)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance import capabilities
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import ModelConfig, ModelSpec
@@ -587,11 +588,20 @@ def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
     return digests(get_state(model, target, "full"))
 
 
+def require_dcp_targets(ctx: RankContext, version: str) -> None:
+    """Skip (every rank alike, before any collective) where this torch cannot load into every
+    target of :data:`DCP_TARGETS`: the unsharded one needs ``dcp.load(no_dist=True)``, the
+    FSDP2 one (and an FSDP2 source) FSDP2 on this device."""
+    capabilities.require(capabilities.DCP_NO_DIST)
+    capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
+
+
 def rank_state_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
                    seed: int = 0, perturb: bool = False) -> dict[str, Any]:
     """Save the sharded model with ``torch.distributed.checkpoint`` into a folder every rank
     writes to, then load it into each of :data:`DCP_TARGETS`; every target's digests."""
     check_fsdp_version(version)
+    require_dcp_targets(ctx, version)
     with shared_folder(ctx, "fsdp-conformance-dcp-") as path:
         source = build_sharded(ctx, spec, version, seed)
         save_checkpoint(source, version, path, perturb=perturb, rank=ctx.rank)
@@ -649,6 +659,7 @@ def rank_state_reshard(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version
     import torch.distributed as dist
 
     check_fsdp_version(version)
+    capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)  # loads into FSDP2
     savers = saving_ranks(ctx.world_size)
     group = dist.new_group(ranks=list(range(savers)))  # every rank calls it, as c10d requires
     try:
@@ -772,6 +783,7 @@ def rank_state_checkpoint(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     import torch.distributed as dist
 
     check_fsdp_version(version)
+    require_dcp_targets(ctx, version)
     out: dict[str, Any] = {"rank": ctx.rank, "version": version}
     if load_from is not None:
         path = checkpoint_folder(load_from, version, spec)

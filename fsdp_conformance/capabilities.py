@@ -1,0 +1,80 @@
+"""What this torch can do, detected once, so a check it cannot run skips instead of erroring.
+
+A capability is a feature some supported torch versions lack (FSDP2 on CPU, an argument a
+newer API takes), with a probe that reads torch itself (no version table) and the versions it
+was measured on. :func:`require` skips the check on this rank, naming the capability, what is
+missing and the first version measured to have it; every rank runs the same torch, so every
+rank skips alike, before any collective of the capability's own. Anything else that goes wrong
+stays an error: a probe answers only "is the feature there", never "did it work".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from fsdp_conformance.harness import skip_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """A feature some supported torch versions lack."""
+
+    name: str
+    #: What the probe looks for, in words.
+    needs: str
+    #: Where it was measured: the first version seen with it, and those seen without.
+    measured: str
+    #: True when this torch has it; read once per process.
+    probe: Callable[[], bool] = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def present(self) -> bool:
+        return _probe(self)
+
+
+@functools.cache
+def _probe(capability: Capability) -> bool:
+    try:
+        return bool(capability.probe())
+    except Exception:  # noqa: BLE001 - a probe that cannot look finds nothing there
+        return False
+
+
+def _cpu_stream_records_events() -> bool:
+    stream_module = getattr(torch, "cpu", None)
+    current = getattr(stream_module, "current_stream", None)
+    return current is not None and hasattr(current(), "record_event")
+
+
+def _dcp_loads_without_a_group() -> bool:
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    return "no_dist" in inspect.signature(load).parameters
+
+
+#: FSDP2 (``fully_shard``) on CPU tensors: it records events on the device's current stream,
+#: which torch 2.6's CPU stream cannot ("'Stream' object has no attribute 'record_event'").
+FSDP2_ON_CPU = Capability(
+    "FSDP2 on CPU", "torch.cpu.Stream.record_event, which fully_shard uses on CPU",
+    "first seen in 2.8.0; missing in 2.6.0 (2.7 not measured)", _cpu_stream_records_events)
+#: Loading a distributed checkpoint in one process without a process group (``no_dist``).
+DCP_NO_DIST = Capability(
+    "torch.distributed.checkpoint.load(no_dist=True)", "the no_dist argument of dcp.load",
+    "present in 2.13.0; missing in 2.6.0 (versions between not measured)",
+    _dcp_loads_without_a_group)
+
+
+def require(capability: Capability, device_type: str | None = None) -> None:
+    """Skip the check on this rank when this torch lacks ``capability`` (``FSDP2_ON_CPU``
+    applies to CPU tensors only: pass the rank's device type)."""
+    if capability is FSDP2_ON_CPU and device_type not in (None, "cpu"):
+        return
+    if not capability.present:
+        skip_rank(f"capability {capability.name!r} is not in torch {torch.__version__} "
+                  f"(needs {capability.needs}; {capability.measured}): skipped by capability, "
+                  "not a failure; run it on a torch that has it")
