@@ -56,8 +56,10 @@ def shard_fsdp2_modules(
     per_unit_kwargs: Mapping[int, Mapping[str, Any]] | None = None,
     **shard_kwargs: Any,
 ) -> nn.Module:
-    """``fully_shard`` each unit module bottom-up (deepest first), then the root."""
-    capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
+    """``fully_shard`` each unit module bottom-up (deepest first), then the root. ``ctx`` None:
+    the planner's cross-check on a fake process group (meta tensors: nothing runs)."""
+    if ctx is not None:
+        capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
     fully_shard = _compat.fully_shard()
     mesh = mesh if mesh is not None else device_mesh(ctx)
     depth = {id(m): n.count(".") + 1 for n, m in model.named_modules() if n}
