@@ -331,18 +331,18 @@ def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_b
     assert torch.get_default_dtype() == before
 
 
-def launched_pytest_session(directory: Path, name: str, source: str,
-                            *args: str) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node 2 -m pytest ARGS NAME`` on a test file written
-    from ``source`` in ``directory``, with this session's import path and none of its launch
-    or plugin settings."""
+def launched_pytest_session(directory: Path, name: str, source: str, *args: str,
+                            launch: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 2 LAUNCH -m pytest ARGS NAME`` on a test file
+    written from ``source`` in ``directory``, with this session's import path and none of its
+    launch or plugin settings."""
     (directory / name).write_text(source)
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, name]
+           *launch, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, name]
     return subprocess.run(cmd, cwd=directory, env=environ, capture_output=True, text=True,
                           timeout=LAUNCH_LIMIT_S, check=False)
 
@@ -415,15 +415,21 @@ def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
     # where pytest-timeout's signal handler never runs. Each rank's watchdog writes its stacks
     # past the check's timeout, through pytest's capture, and ends the rank: the launch ends
     # at the check's timeout, not at the process group's (300 s).
-    done = launched_pytest_session(tmp_path, "test_hang.py", HANG_SESSION, "--fsdp-timeout", "3")
-    told = done.stdout + done.stderr
+    logs = tmp_path / "logs"
+    done = launched_pytest_session(tmp_path, "test_hang.py", HANG_SESSION, "--fsdp-timeout", "3",
+                                   launch=("--redirects", "2", "--log-dir", str(logs)))
+    # Each rank's stderr in its own file (torchrun --redirects 2): LOG_DIR/.../RANK/stderr.log.
+    stderr = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
+    told = done.stdout + done.stderr + "".join(stderr.values())
     assert done.returncode != 0, told
+    assert sorted(stderr) == [0, 1], told
     for rank in (0, 1):
         assert (f"did not finish within 3 s on rank {rank} of the launch; every thread's stack "
-                "follows, then this rank ends with exit status 124") in told, told
-    # faulthandler's frames ("File ..., line N in NAME"; the two ranks' dumps may interleave):
-    # rank 1 where it is stuck, rank 0 where it waits for rank 1's outcome.
-    assert " in _stuck_on_rank1" in told and " in all_gather_objects" in told, told
+                "follows, then this rank ends with exit status 124") in stderr[rank], told
+    # faulthandler's frames ("File ..., line N in NAME"): rank 1 where it is stuck, rank 0
+    # where it waits for rank 1's outcome.
+    assert " in _stuck_on_rank1" in stderr[1], stderr[1]
+    assert " in all_gather_objects" in stderr[0], stderr[0]
 
 
 CTRL_C_SESSION = """

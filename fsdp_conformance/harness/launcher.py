@@ -11,6 +11,7 @@ import faulthandler
 import os
 import pickle
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -149,15 +150,19 @@ class CheckWatchdog:
     def _watch(self) -> None:
         if self._done.wait(self.timeout):
             return
+        # Dumped to a file first and written out at once: every rank dumps at the same moment
+        # into what is often one stream (torchrun's), and faulthandler writes piecemeal.
+        with tempfile.TemporaryFile("w+") as dump:
+            faulthandler.dump_traceback(file=dump, all_threads=True)
+            dump.seek(0)
+            stacks = dump.read()
         with self._stream() as out:
             out.write(
                 f"\nfsdp-conformance: check {self.what} did not finish within "
                 f"{self.timeout:g} s{self.note} on rank {self.rank} of the launch; every "
                 f"thread's stack follows, then this rank ends with exit status "
                 f"{HANG_EXIT_STATUS} (each rank writes its own; raise --fsdp-timeout / "
-                "--timeout if the check needs longer)\n")
-            out.flush()
-            faulthandler.dump_traceback(file=out, all_threads=True)
+                f"--timeout if the check needs longer)\n{stacks}")
             out.flush()
         time.sleep(self.grace)
         self._end(HANG_EXIT_STATUS)
