@@ -186,8 +186,6 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     # all-reduce of the gradient shards runs in place on the reduce-scatter's output.
     w, pb, cb = config.shard_ranks, config.param_bytes, config.compute_bytes
     rb = cb if config.reduce_bytes is None else config.reduce_bytes
-    shard_numel = sum(_shard(u.numel, w) for u in units)
-    num_tensors = sum(len(u.params) for u in units)
     root = next((u for u in units if u.fqn == ROOT), None)
     root_numel = root.numel if root is not None else 0
     others = sorted((u for u in units if u.fqn != ROOT), key=lambda u: u.numel, reverse=True)
@@ -204,20 +202,7 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
             f"parameter shard (copied in for its all-gather) and gradient shard (before its "
             f"copy out): 2 x ceil({largest.numel:,}/{w}) = {copies:,} x {pb} B" + over)]
     else:
-        terms = [
-            BoundTerm("sharded params", shard_numel * pb,
-                      f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x "
-                      f"{pb} B" + over, scales_with_depth=True),
-            BoundTerm("sharded grads", shard_numel * pb,
-                      f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
-                      scales_with_depth=True),
-        ]
-    states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
-    if config.optimizer is not None and not config.offload:
-        terms.append(BoundTerm(
-            "optimizer state", (states * shard_numel + scalars * num_tensors) * pb,
-            f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
-            f"x {num_tensors} tensors, x {pb} B", scales_with_depth=True))
+        terms = _sharded_state_terms(units, config, over)
     if config.version == "fsdp1":
         gathered = root_numel + sum(u.numel for u in top2)
         names = ", ".join(u.fqn for u in top2) or "none"
@@ -273,15 +258,36 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     return Bound(tuple(terms), config.tolerance)
 
 
+def _sharded_state_terms(units: Sequence[UnitInfo], config: StepConfig,
+                         over: str = "") -> list[BoundTerm]:
+    """Sharded params, sharded grads and (with an optimizer) its state, per rank: on the
+    device, or on the host under CPU offload (:func:`host_bytes`)."""
+    w, pb = config.shard_ranks, config.param_bytes
+    shard_numel = sum(_shard(u.numel, w) for u in units)
+    num_tensors = sum(len(u.params) for u in units)
+    terms = [
+        BoundTerm("sharded params", shard_numel * pb,
+                  f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x "
+                  f"{pb} B" + over, scales_with_depth=True),
+        BoundTerm("sharded grads", shard_numel * pb,
+                  f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
+                  scales_with_depth=True),
+    ]
+    states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
+    if config.optimizer is not None:
+        terms.append(BoundTerm(
+            "optimizer state", (states * shard_numel + scalars * num_tensors) * pb,
+            f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
+            f"x {num_tensors} tensors, x {pb} B", scales_with_depth=True))
+    return terms
+
+
 def host_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
     """Host memory per rank under CPU offload: the sharded parameters, gradients and optimizer
     state the device no longer holds (0 without offload)."""
     if not config.offload:
         return 0
-    shard_numel = sum(_shard(u.numel, config.shard_ranks) for u in units)
-    tensors = sum(len(u.params) for u in units)
-    states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
-    return (2 * shard_numel + states * shard_numel + scalars * tensors) * config.param_bytes
+    return sum(t.bytes for t in _sharded_state_terms(units, config))
 
 
 def _saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[BoundTerm]:

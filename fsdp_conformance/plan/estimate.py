@@ -162,10 +162,14 @@ class ModelPlan:
                             f"size such as {group * max(1, world_size // group):,}")
         return group
 
+    def with_settings(self, **changes: Any) -> ModelPlan:
+        """The same plan with settings that do not change its units or profile (activation
+        checkpointing, shard group, offload): nothing is profiled again."""
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, **changes))
+
     def with_checkpointing(self, checkpointing: str) -> ModelPlan:
         """The same plan with other activation checkpointing (nothing profiled again)."""
-        settings = dataclasses.replace(self.settings, checkpointing=checkpointing)
-        return dataclasses.replace(self, settings=settings)
+        return self.with_settings(checkpointing=checkpointing)
 
     def estimate(self, world_size: int) -> Bound:
         """The per-rank peak of one training step at ``world_size``: memory's per-layer bound."""
@@ -368,10 +372,9 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
     def total(w: int) -> int:
         return plan.estimate(w).total
 
-    usable = device_bytes - reserve.total
-    group = plan.settings.shard_group_size
-    if group is not None:
+    if plan.settings.shard_group_size is not None:
         return _hsdp_needed(plan, device_bytes, max_world_size, reserve)
+    usable = device_bytes - reserve.total
     top = plan.estimate(max_world_size)
     floor = top.total - term_sum(top, SHARDED_TERMS)
     if top.total > usable:
@@ -405,9 +408,8 @@ def _hsdp_needed(plan: ModelPlan, device_bytes: int, max_world_size: int,
     at = plan.estimate(group)
     floor = at.total - term_sum(at, SHARDED_TERMS)
     usable = device_bytes - reserve.total
-    full = devices_needed(dataclasses.replace(
-        plan, settings=dataclasses.replace(plan.settings, shard_group_size=None)),
-        device_bytes, max_world_size, reserve)
+    full = devices_needed(plan.with_settings(shard_group_size=None), device_bytes,
+                          max_world_size, reserve)
     smallest = (f"the smallest shard group that fits is {full.world_size:,} ranks"
                 if full.world_size is not None else "no shard group fits (" + full.reason + ")")
     if at.total <= usable:
@@ -475,13 +477,12 @@ def checkpointing_options(plan: ModelPlan, world_size: int, device_bytes: Sequen
 
 
 def cheapest_fit(options: Sequence[dict[str, Any]], plan: ModelPlan | None = None,
-                 max_world_size: int = MAX_WORLD_SIZE,
                  reserve: DeviceReserve = DEFAULT_RESERVE) -> list[dict[str, Any]]:
     """Per device size: the first option (least recompute) that fits at some world size, its
-    smallest world size and the room left, and the smallest HSDP shard group with the same
-    per-rank estimate (that world size); where no option fits, ``checkpointing`` None and, given
-    ``plan``, whether offloading the sharded state to the host (with every block checkpointed)
-    would fit (``offload``: its world size and host bytes per rank; derived, not measured)."""
+    smallest world size and the room left; given ``plan``, also the smallest HSDP shard group
+    with the same per-rank estimate (that world size) and fewer ranks with the sharded state
+    offloaded (``offload``: its world size and host bytes per rank; derived, not measured).
+    Where no option fits, ``checkpointing`` is None."""
     answers = []
     for i, device in enumerate(options[0]["devices_needed"]):
         fitting = [o for o in options if o["devices_needed"][i]["world_size"] is not None]
@@ -514,8 +515,7 @@ def _offload_fit(plan: ModelPlan | None, checkpointing: str, device_bytes: int,
     floor: it is an answer to "fewer devices", not to "nothing fits"."""
     if plan is None or plan.settings.cpu_offload or plan.settings.shard_group_size is not None:
         return None
-    settings = dataclasses.replace(plan.settings, cpu_offload=True, checkpointing=checkpointing)
-    offloaded = dataclasses.replace(plan, settings=settings)
+    offloaded = plan.with_settings(cpu_offload=True, checkpointing=checkpointing)
     need = devices_needed(offloaded, device_bytes, world_size, reserve)
     if need.world_size is None or need.world_size >= world_size:
         return None

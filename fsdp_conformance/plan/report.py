@@ -155,7 +155,7 @@ def plan_report(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
                           "checkpointed_units": list(plan.checkpointed),
                           "recompute_flops": plan.recompute_flops},
         "checkpointing_options": options,
-        "answer": cheapest_fit(options, plan, max_world_size, reserve),
+        "answer": cheapest_fit(options, plan, reserve),
         "reserve": reserve.to_dict(),
         "reserve_text": reserve.describe(),
         "devices_needed": [devices_needed(plan, d, max_world_size, reserve).to_dict()
