@@ -16,6 +16,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1180,3 +1181,30 @@ def test_crash_site_names_the_torch_function_called_or_the_innermost_frame() -> 
     assert crash_site(no_torch) == ("in string_at (/usr/lib/python3.11/ctypes/__init__.py, "
                                     "line 519)")
     assert crash_site("exited normally\n") is None
+
+
+def test_a_pool_under_a_folder_too_deep_for_a_socket_path_still_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A unix socket's path has at most 107 bytes; a deep TMPDIR (a pytest-xdist worker's
+    temporary folder) went past it, and the pool's start failed with ``OSError: AF_UNIX path
+    too long`` from inside multiprocessing. The control socket moves to the abstract namespace."""
+    from fsdp_conformance.harness import PoolManager
+    from fsdp_conformance.harness.pool import UNIX_PATH_MAX, control_address
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    assert len(os.fsencode(os.path.join(deep, "fsdp-conformance-ranks-xxxxxxxx", "ctl.sock"))) \
+        > UNIX_PATH_MAX
+    assert control_address(str(deep)).startswith("\0fsdp-conformance-")
+    assert control_address(str(tmp_path)) == os.path.join(tmp_path, "ctl.sock")
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    manager = PoolManager()
+    try:
+        outcomes = manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
+                                        device_type="cpu", timeout=60.0)
+    finally:
+        manager.close()
+    assert [o.value for o in outcomes] == [0, 1]
+    # The pool's folder is gone with the pool (the session's fork server keeps its own).
+    assert list(deep.glob("fsdp-conformance-ranks-*")) == []

@@ -78,6 +78,8 @@ PG_TIMEOUT_MARGIN_S = 60.0
 DEFAULT_CHECK_TIMEOUT_S = 120.0
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
+#: The longest path a unix socket may have (``sun_path`` holds 108 bytes with the final NUL).
+UNIX_PATH_MAX = 107
 #: Lines of a dead rank's log searched for the stack of its crash (faulthandler's dump of every
 #: thread, the crashed one first, can be longer than the tail shown).
 CRASH_LOG_LINES = 2000
@@ -176,6 +178,25 @@ def rank_environment(extra_env: Mapping[str, str] | None = None,
     env.pop("WORLD_SIZE", None)
     env.pop("LOCAL_RANK", None)
     return env
+
+
+def control_address(folder: str) -> str:
+    """The unix socket the ranks connect to: ``ctl.sock`` in the pool's private ``folder``.
+
+    A socket's path has at most :data:`UNIX_PATH_MAX` bytes, and a deep ``TMPDIR`` (a test's
+    temporary folder under pytest-xdist, a CI workspace) goes past it. There, on Linux, the
+    socket gets a random name in the abstract namespace instead (no file; the authkey still
+    guards it, as it guards the path); elsewhere the error names the variable to shorten.
+    """
+    path = os.path.join(folder, "ctl.sock")
+    size = len(os.fsencode(path))
+    if size <= UNIX_PATH_MAX:
+        return path
+    if sys.platform.startswith("linux"):
+        return f"\0fsdp-conformance-{os.getpid()}-{secrets.token_hex(8)}"
+    raise HarnessError(
+        f"the ranks' control socket {path!r} is {size} bytes long, over the {UNIX_PATH_MAX} a "
+        f"unix socket allows: set TMPDIR to a shorter folder (the pool's folder is made there)")
 
 
 def rank_threads(world_size: int, env: Mapping[str, str]) -> int:
@@ -291,7 +312,7 @@ class RankPool:
 
     def _start(self, extra_env: dict[str, str], start_timeout: float, pg_timeout: float) -> None:
         authkey = secrets.token_bytes(16)
-        address = os.path.join(self._dir, "ctl.sock")
+        address = control_address(self._dir)
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
         env = rank_environment(extra_env, self.backend)
         procs: list[tuple[int, RankProcess, str, str]] = []
