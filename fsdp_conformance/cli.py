@@ -155,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "threshold, input) or with no check in common anyway; without it such "
                          "reports are 'not comparable' (exit 2)")
 
+    matrix = sub.add_parser(
+        "matrix", help="checks x torch versions from one report per version (ci/torch-matrix.sh)")
+    matrix.add_argument("reports", nargs="+", metavar="REPORT",
+                        help="reports of `fsdp-conformance run`, one per torch version, in the "
+                        "order of the columns")
+    matrix.add_argument("--out", default=None, metavar="DIR",
+                        help="write DIR/matrix.md and DIR/matrix.svg (the Markdown is printed "
+                        "either way)")
+
     sub.add_parser("plan", add_arguments=_add_plan_flags, defer_errors=True,
                    help="wrap plan and memory estimate at full scale, no devices "
                    "(`fsdp-conformance plan --help`)",
@@ -505,6 +514,30 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from fsdp_conformance.gate import compare, matrix
+    from fsdp_conformance.gate.report import load_report
+
+    reports = [(path, load_report(path)) for path in args.reports]
+    for path, report in reports[1:]:
+        differs = compare.comparability(reports[0][1], report)
+        if differs:  # a row per check of each model: shown, but not one model across versions
+            print(f"fsdp-conformance matrix: warning: {path!r} is not comparable with "
+                  f"{reports[0][0]!r} ({differs}); its checks get rows of their own",
+                  file=sys.stderr)
+    table = matrix.build_matrix(reports)
+    text = matrix.to_markdown(table)
+    print(text, end="")
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)
+        for name, content in (("matrix.md", text), ("matrix.svg", matrix.to_svg(table))):
+            with open(os.path.join(args.out, name), "w", encoding="utf-8") as f:
+                f.write(content)
+        print(f"matrix: {os.path.join(args.out, 'matrix.md')}, "
+              f"{os.path.join(args.out, 'matrix.svg')}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _plan_settings(args: argparse.Namespace) -> PlanSettings:
     from fsdp_conformance.plan.model import PlanSettings
 
@@ -581,7 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan}
+    handlers = {"run": cmd_run, "compare": cmd_compare, "matrix": cmd_matrix,
+                "plan": cmd_plan}
     # SIGTERM (timeout, Kubernetes, CI cancellation) ends the run like Ctrl-C: ranks killed,
     # folders removed, exit 128+N; a second signal during that cleanup is ignored.
     installed = interrupts.install()
