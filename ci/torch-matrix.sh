@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The supported torch range, measured: one environment per torch version, `fsdp-conformance
-# run` in each, then one matrix of checks x versions (matrix.md, matrix.svg). Not part of
-# .ci/run: it installs a torch build per version (a CUDA wheel for all but the pinned CPU one).
+# run` in each, then one matrix of checks x versions (matrix.md, matrix.svg; and
+# matrix-differing.md, only the checks that do not pass on every version, as the README shows
+# it). Not part of .ci/run: it installs a torch build per version (a CUDA wheel for all but the
+# pinned CPU one).
 # Usage: ci/torch-matrix.sh [VERSION...]
 #   default versions: 2.6.0 2.8.0 2.10.0 2.12.1 2.13.0 2.14.1 2.15.0 (one per supported minor
 #   that was measured; any version pip can install works)
@@ -49,6 +51,7 @@ for v in "${versions[@]}"; do
   fi
 done
 [ ${#reports[@]} -gt 0 ] || { echo "torch-matrix: no report to render" >&2; exit 1; }
-"$renderer" matrix "${reports[@]}" --out "$out" > /dev/null
-echo "torch-matrix: $out/matrix.md, $out/matrix.svg (${#reports[@]} versions)" >&2
+"$renderer" matrix "${reports[@]}" --out "$out" --differing > "$out/matrix-differing.md"
+echo "torch-matrix: $out/matrix.md, $out/matrix.svg, $out/matrix-differing.md" \
+  "(${#reports[@]} versions)" >&2
 [ ${#missing[@]} -eq 0 ] || { echo "torch-matrix: missing: ${missing[*]}" >&2; exit 1; }

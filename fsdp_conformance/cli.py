@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--out", default=None, metavar="DIR",
                         help="write DIR/matrix.md and DIR/matrix.svg (the Markdown is printed "
                         "either way)")
+    matrix.add_argument("--differing", action="store_true",
+                        help="print only the checks that do not pass on every version, and how "
+                        "many do (the files keep every check)")
 
     sub.add_parser("plan", add_arguments=_add_plan_flags, defer_errors=True,
                    help="wrap plan and memory estimate at full scale, no devices "
@@ -527,7 +530,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
                   file=sys.stderr)
     table = matrix.build_matrix(reports)
     text = matrix.to_markdown(table)
-    print(text, end="")
+    print(matrix.to_markdown(table, differing=True) if args.differing else text, end="")
     if args.out is not None:
         os.makedirs(args.out, exist_ok=True)
         for name, content in (("matrix.md", text), ("matrix.svg", matrix.to_svg(table))):

@@ -4,6 +4,9 @@ whose cells carry their reason. The reports here are built with the report modul
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import xml.dom.minidom
 from pathlib import Path
 from typing import Any
@@ -135,3 +138,75 @@ def test_cli_matrix_prints_the_table_writes_both_files_and_names_a_bad_report(
     assert cli.main(["matrix", paths[0], str(tmp_path / "nope.json")]) == cli.EXIT_USAGE
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "nope.json' does not exist" in err
+
+
+def test_differing_shows_only_checks_that_do_not_pass_everywhere_and_counts_the_rest() -> None:
+    versions = three_versions()
+    everywhere = entry("wrap.units.exact", "passed")
+    for _, built in versions:
+        built["checks"].append(everywhere)
+    table = matrix.build_matrix(versions)
+    assert "wrap.units.exact[cpu,ws2,fsdp2,massive]" not in matrix.differing_rows(table)
+    lines = matrix.to_markdown(table, differing=True).splitlines()
+    assert lines[2] == "| *1 other checks* | pass | pass | pass |"
+    assert not any("wrap.units.exact" in line for line in lines)
+    assert lines[7].startswith("| **total** | 2 pass, 1 capability")  # every check counted
+    assert matrix.to_markdown(table).count("wrap.units.exact") == 1
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: A kept venv of ci/torch-matrix.sh, faked: its python answers the script's version probe, its
+#: fsdp-conformance writes a prepared report on `run` and renders with the real CLI on `matrix`.
+FAKE_PYTHON = """#!/usr/bin/env bash
+PYTHONPATH="$SITE" exec "$REAL_PYTHON" "$@"
+"""
+FAKE_CLI = """#!/usr/bin/env bash
+if [ "$1" = run ]; then
+  while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
+  [ -f "$PREPARED" ] || exit 3  # a version whose run crashed: no report
+  mkdir -p "$out" && cp "$PREPARED" "$out/report.json" && exit 1  # failures: exit 1
+fi
+exec "$REAL_PYTHON" -m fsdp_conformance.cli "$@"
+"""
+
+
+def fake_venv(venvs: Path, version: str, prepared: Path) -> None:
+    """A venv the script keeps: a torch module of that version only, and the two commands."""
+    root = venvs / f"torch-{version}"
+    (root / "site" / "torch").mkdir(parents=True)
+    (root / "site" / "torch" / "__init__.py").write_text(f"__version__ = '{version}+cpu'\n")
+    (root / "bin").mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("fsdp-conformance", FAKE_CLI)):
+        path = root / "bin" / name
+        path.write_text(text.replace("$SITE", str(root / "site"))
+                        .replace("$PREPARED", str(prepared)))
+        path.chmod(0o755)
+
+
+def test_torch_matrix_script_runs_each_kept_venv_and_renders_the_matrix(tmp_path: Path) -> None:
+    """ci/torch-matrix.sh with its venvs already there (nothing installed): each version's run
+    exits 1 (a failed check) and still counts, a version that wrote no report is named and the
+    exit status is 1, and the matrix has a column for each version that gave a report."""
+    prepared = []
+    for (_, built), version in zip(three_versions(), ("2.6.0", "2.8.0", "2.13.0")):
+        path = tmp_path / f"prepared-{version}.json"
+        write_json_report(str(path), built)
+        prepared.append((version, path))
+    venvs = tmp_path / "venvs"
+    for version, path in prepared:
+        fake_venv(venvs, version, path)
+    fake_venv(venvs, "2.7.0", tmp_path / "no-report.json")
+    env = {**os.environ, "MATRIX_OUT": str(tmp_path / "out"), "MATRIX_VENVS": str(venvs),
+           "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(["bash", str(ROOT / "ci" / "torch-matrix.sh"), "2.6.0", "2.7.0",
+                             "2.8.0", "2.13.0"], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "torch-matrix: torch 2.7.0 wrote no report; its column is missing" in result.stderr
+    assert "torch-matrix: missing: 2.7.0" in result.stderr
+    text = (tmp_path / "out" / "matrix.md").read_text()
+    assert text.splitlines()[0] == "| check | 2.6.0 | 2.8.0 | 2.13.0+cpu |"
+    differing = (tmp_path / "out" / "matrix-differing.md").read_text()
+    assert differing.splitlines()[2] == "| *0 other checks* | pass | pass | pass |"
+    assert (tmp_path / "out" / "matrix.svg").is_file()

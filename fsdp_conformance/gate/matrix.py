@@ -119,12 +119,25 @@ def _md_escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def to_markdown(matrix: Matrix) -> str:
-    """Checks x versions as one Markdown table; each distinct reason once, as a footnote."""
-    notes = _footnotes(matrix)
+def differing_rows(matrix: Matrix) -> list[str]:
+    """The checks that do not pass on every version (skipped, failed, absent somewhere)."""
+    return [row for row in matrix.rows
+            if any(matrix.cell(row, c).kind != "pass" for c in matrix.columns)]
+
+
+def to_markdown(matrix: Matrix, differing: bool = False) -> str:
+    """Checks x versions as one Markdown table; each distinct reason once, as a footnote.
+
+    ``differing``: only the rows of :func:`differing_rows`, and a line saying how many checks
+    pass on every version (the totals row still counts every check)."""
+    shown = differing_rows(matrix) if differing else matrix.rows
+    notes = _footnotes(dataclasses.replace(matrix, rows=shown))
     lines = ["| check | " + " | ".join(matrix.columns) + " |",
              "|---|" + "---|" * len(matrix.columns)]
-    for row in matrix.rows:
+    if differing:
+        lines.append(f"| *{len(matrix.rows) - len(shown)} other checks* | "
+                     + " | ".join(["pass"] * len(matrix.columns)) + " |")
+    for row in shown:
         cells = []
         for column in matrix.columns:
             cell = matrix.cell(row, column)
