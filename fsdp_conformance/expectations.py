@@ -24,7 +24,10 @@ from typing import Any
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expectations.toml")
 #: The fields an expectation must have, and the ones it may have.
 REQUIRED = ("check", "torch", "reason", "link")
-OPTIONAL = ("version", "lane")
+OPTIONAL = ("version", "lane", "kind")
+#: What an expectation records: a torch ``defect`` (the default), or a documented behaviour
+#: ``change`` that a check flags on purpose against the pinned torch (``defaults.fingerprint``).
+KINDS = ("defect", "change")
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*$")
 
 
@@ -85,6 +88,8 @@ class Expectation:
     version: str = ""
     #: The lane it applies to (``cpu``/``gpu``); empty: both.
     lane: str = ""
+    #: :data:`KINDS`: a defect, or a documented change of behaviour.
+    kind: str = "defect"
 
     def applies(self, check: str, version: str | None, lane: str, torch_version: str) -> bool:
         return (check == self.check
@@ -94,6 +99,11 @@ class Expectation:
 
     def describe(self) -> str:
         return f"{self.reason} (torch {self.torch}; {self.link})"
+
+    @property
+    def label(self) -> str:
+        """``known torch defect`` or ``known torch change`` (reports, compare, the matrix)."""
+        return known_label(self.kind)
 
     def as_data(self) -> dict[str, str]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v}
@@ -116,6 +126,9 @@ def parse(entries: Sequence[Mapping[str, Any]], source: str) -> tuple[Expectatio
             raise ExpectationsError(f"{where} ({entry['check']}): unknown field(s) "
                                     f"{', '.join(unknown)}; the fields are "
                                     f"{', '.join(REQUIRED + OPTIONAL)}")
+        if entry.get("kind", "defect") not in KINDS:
+            raise ExpectationsError(f"{where} ({entry['check']}): kind {entry['kind']!r} is not "
+                                    f"one of {', '.join(KINDS)}; leave it out for a defect")
         try:
             in_range("0", entry["torch"])  # a malformed range fails here, not when it matches
         except ExpectationsError as exc:
@@ -138,6 +151,11 @@ def load(path: str = DEFAULT_PATH) -> tuple[Expectation, ...]:
         except tomllib.TOMLDecodeError as exc:
             raise ExpectationsError(f"{path}: not valid TOML ({exc})") from None
     return parse(data.get("expected", []), path)
+
+
+def known_label(kind: str | None) -> str:
+    """What a report entry's ``expected`` (its ``kind``, absent in reports before it) records."""
+    return "known torch change" if kind == "change" else "known torch defect"
 
 
 def find(check: str, version: str | None, lane: str, torch_version: str,

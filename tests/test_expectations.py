@@ -65,6 +65,8 @@ def test_every_packaged_expectation_names_a_check_of_the_suite_and_a_link() -> N
     ({"check": "a.b", "torch": ">=2.13", "reason": "r", "link": "l", "versoin": "fsdp1"},
      "unknown field(s) versoin"),
     ({"check": "a.b", "torch": "2.13+", "reason": "r", "link": "l"}, "'2.13+' is not a clause"),
+    ({"check": "a.b", "torch": ">=2.13", "reason": "r", "link": "l", "kind": "bug"},
+     "kind 'bug' is not one of defect, change; leave it out for a defect"),
     ("check = a.b", "is not a table; write it as [[expected]]"),
 ])
 def test_a_malformed_entry_names_itself_and_the_fix(entry: Any, message: str) -> None:
@@ -180,3 +182,15 @@ def test_the_gloo_gradient_sum_of_torch_2_8_is_expected_only_where_it_was_measur
     assert (found is not None) == expected, found
     if found is not None:
         assert "summed" in found.reason and found.link.endswith("/issues/162338")
+
+
+def test_the_fsdp2_reduce_dtype_change_of_2_15_is_a_change_not_a_defect() -> None:
+    """2.15 reduces in the gradient's dtype when reduce_dtype is unset (its docstring says so):
+    the fingerprint flags it by design, and the expectation says it is a change, with the fix."""
+    found = expectations.find("defaults.fingerprint", "fsdp2", "cpu", "2.15.0+cu132")
+    assert found is not None and found.kind == "change" and found.label == "known torch change"
+    assert "reduce_dtype=torch.bfloat16" in found.reason and found.as_data()["kind"] == "change"
+    assert expectations.find("defaults.fingerprint", "fsdp2", "cpu", "2.14.1") is None
+    assert expectations.find("defaults.fingerprint", "fsdp1", "cpu", "2.15.0") is None
+    defect = expectations.find("state.summon.rank0_discard", "fsdp1", "cpu", "2.13.0")
+    assert defect is not None and defect.label == "known torch defect"

@@ -76,7 +76,10 @@ def test_each_outcome_becomes_its_cell_with_the_reason_a_reader_needs() -> None:
     assert matrix.cell_of(entry("a", "skipped", "too small; use a larger config")) == \
         matrix.Cell("skip", "too small; use a larger config")
     xfail = matrix.cell_of(entry("a", "xfailed", "2.00x", expected=DEFECT))
-    assert xfail == matrix.Cell("xfail", "FSDP2 on gloo sums gradients (https://x/1)")
+    assert xfail == matrix.Cell("xfail", "known torch defect: FSDP2 on gloo sums gradients "
+                                         "(https://x/1)")
+    change = matrix.cell_of(entry("a", "xfailed", "differs", expected={**DEFECT, "kind": "change"}))
+    assert change.reason.startswith("known torch change: FSDP2 on gloo")
     assert matrix.cell_of(entry("a", "failed", "\nfirst\nsecond")) == matrix.Cell("fail", "first")
     assert matrix.cell_of(entry("a", "error", "x" * 500)).reason.endswith("...")
 
@@ -115,8 +118,8 @@ def test_svg_is_one_cell_per_check_and_version_with_its_reason_on_hover() -> Non
     doc = xml.dom.minidom.parseString(matrix.to_svg(table))
     titles = [t.firstChild.data for t in doc.getElementsByTagName("title")]
     assert len(titles) == len(table.rows) * len(table.columns)
-    assert ("wrap.train.fp32[cpu,ws2,fsdp2,massive] on torch 2.8.0: xfail: FSDP2 on gloo sums "
-            "gradients (https://x/1)") in titles
+    assert ("wrap.train.fp32[cpu,ws2,fsdp2,massive] on torch 2.8.0: xfail: known torch defect: "
+            "FSDP2 on gloo sums gradients (https://x/1)") in titles
     assert "state.dcp[cpu,ws2,fsdp2,massive] on torch 2.6.0: absent" in titles
 
 

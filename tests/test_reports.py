@@ -399,6 +399,21 @@ def test_compare_says_when_an_expected_failure_passes_and_when_no_expectation_co
     assert says in diff.text
 
 
+def test_a_documented_change_as_an_expected_failure_is_named_a_change_and_its_figures_still_count(
+) -> None:
+    """defaults.fingerprint on 2.15 (kind "change"): the outcome move is not a regression and
+    says what it is; the dtype it moved is still a regression, so the gate still fails."""
+    before = entry("defaults.fingerprint", figures={"reduce_scatter_dtype": "torch.bfloat16"})
+    after = entry("defaults.fingerprint", "xfailed", figures={"reduce_scatter_dtype":
+                                                              "torch.float32"})
+    after["expected"] = {**EXPECTED, "kind": "change"}
+    diffs = compare_one(before, after)
+    assert kinds(diffs) == [("expectation", False), ("dtype", True)]
+    assert "passed -> xfailed: a known torch change on the candidate" in diffs[0].text
+    table = gate_report.format_table(report(after))
+    assert "XFAILED  known torch change: " in table
+
+
 def test_a_missing_check_is_a_regression_and_an_added_one_a_change() -> None:
     old = report(entry("wrap.units.exact"), entry("init.weights", variant="fsdp1,llama"))
     new = report(entry("wrap.units.exact"), entry("memory.sawtooth"))

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance._files import PlainData
+from fsdp_conformance.expectations import known_label
 from fsdp_conformance.gate.migrate import migrate_report
 from fsdp_conformance.gate.report import (
     DEPRECATION_CATEGORIES,
@@ -202,10 +203,10 @@ def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
         return Difference(cid, "expectation", False,
                           f"xfailed -> {n}: the expected failure ({why}) no longer fails on the "
                           "candidate: fixed upstream? its expectation can go")
-    reason = (new.get("expected") or {}).get("reason", "")
-    link = (new.get("expected") or {}).get("link", "")
+    expected = new.get("expected") or {}
     return Difference(cid, "expectation", False,
-                      f"{o} -> xfailed: a known torch defect on the candidate: {reason} ({link})")
+                      f"{o} -> xfailed: a {known_label(expected.get('kind'))} on the candidate: "
+                      f"{expected.get('reason', '')} ({expected.get('link', '')})")
 
 
 #: Changed items listed in one difference line before "(+N more)".

@@ -9,7 +9,8 @@ what the report says the check did on that torch, nothing inferred:
 pass       passed
 FAIL       failed (the footnote: the first line of the failure)
 ERROR      error (the footnote: the first line of the error)
-xfail      expected failure: a known torch defect (the footnote: the expectation's reason)
+xfail      expected failure: a known torch defect, or a documented change a check flags on purpose
+           (the footnote: the expectation's kind, reason and link)
 capability skipped because this torch lacks a capability (:mod:`fsdp_conformance.capabilities`)
 skip       skipped for another reason (the footnote: the reason)
 absent     the check is not in that report (a check added since, or a renamed one)
@@ -22,6 +23,8 @@ import dataclasses
 import html
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from fsdp_conformance.expectations import known_label
 
 #: Cell kinds in the order the legend lists them, with their Markdown text and SVG colour.
 KINDS: dict[str, tuple[str, str]] = {
@@ -80,7 +83,8 @@ def cell_of(entry: Mapping[str, Any]) -> Cell:
         expected = entry.get("expected") or {}
         reason = str(expected.get("reason", "")) or message
         link = expected.get("link")
-        return Cell("xfail", _first_line(reason) + (f" ({link})" if link else ""))
+        kind = known_label(expected.get("kind"))
+        return Cell("xfail", f"{kind}: " + _first_line(reason) + (f" ({link})" if link else ""))
     if outcome == "skipped":
         return Cell("capability" if CAPABILITY_MARK in message else "skip", _first_line(message))
     return Cell(_OUTCOME_KIND.get(outcome, "error"), _first_line(message))

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance._files import write_atomic
+from fsdp_conformance.expectations import known_label
 from fsdp_conformance.settings import Settings, world_sizes_left_out
 from fsdp_conformance.sizes import format_bytes
 
@@ -445,7 +446,8 @@ def format_table(report: Mapping[str, Any]) -> str:
         if e["outcome"] in ("failed", "error", "skipped"):
             figures = first_line(e["message"]) + (f" | {figures}" if figures else "")
         elif e["outcome"] == "xfailed":
-            figures = f"known torch defect: {e.get('expected', {}).get('link', '')}"
+            expected = e.get("expected", {})
+            figures = f"{known_label(expected.get('kind'))}: {expected.get('link', '')}"
         rows.append((e["id"], e["outcome"].upper(), figures))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
@@ -506,8 +508,8 @@ def format_markdown(
                   "the checks)."]
     failures = [e for e in report["checks"] if e["outcome"] in ("failed", "error", "xfailed")]
     for e in failures:
-        title = ("expected failure (known torch defect)" if e["outcome"] == "xfailed"
-                 else e["outcome"])
+        title = (f"expected failure ({known_label(e.get('expected', {}).get('kind'))})"
+                 if e["outcome"] == "xfailed" else e["outcome"])
         lines += ["", f"<details><summary>{e['id']}: {title}</summary>", "", "```",
                   e["message"].strip(), "```", "</details>"]
     deprecations = sorted({d for e in report["checks"] for d in e.get("deprecations", [])})
