@@ -678,3 +678,31 @@ def test_fsdp2_estimate_is_not_too_loose_on_a_two_layer_hf_llama(ranks: Ranks) -
     verdict = verdict_plan_estimate_matches(values, params)
     assert verdict.passed, verdict.message
     assert verdict.figures["min_ratio"] >= TRUST_MIN_RATIO["recommended"]
+
+
+def test_plans_that_differ_only_in_what_the_forward_does_not_read_share_one_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The meta forward reads the compute dtype, batch, sequence and attention: a shard group,
+    CPU offload, the FSDP version, the optimizer, the storage dtype, the policy or the
+    checkpointing reuse one profile (each 70B profile is seconds); any of the four profiles anew.
+    """
+    from fsdp_conformance.plan import estimate
+
+    calls = []
+    real = estimate.profile_step_activations
+    monkeypatch.setattr(estimate, "profile_step_activations",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    choice = choose_model(reference="llama", layers=2, dim=32)
+    meta = build_meta_model(choice)
+    base = PlanSettings(seq_len=16)
+    plans = [plan_model(choice, dataclasses.replace(base, **change), meta) for change in (
+        {}, {"shard_group_size": 2}, {"cpu_offload": True}, {"version": "fsdp1"},
+        {"optimizer": "none"}, {"param_dtype": "bf16"}, {"policy": "monolithic"},
+        {"checkpointing": "full"})]
+    assert len(calls) == 1
+    assert all(p.activations.input_bytes == plans[0].activations.input_bytes for p in plans)
+    for change in ({"compute_dtype": "fp32"}, {"batch_size": 2}, {"seq_len": 32},
+                   {"attention": "math"}):
+        plan_model(choice, dataclasses.replace(base, **change), meta)
+    assert len(calls) == 5

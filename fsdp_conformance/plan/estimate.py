@@ -203,11 +203,20 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
 
 
 #: Per-module activation profiles of a meta model (every module its own unit), by the choice's
-#: label, the settings less the policy and the model's modules and parameter shapes (a model
-#: changed in place, e.g. sharded, is profiled again): the forward does not depend on the
-#: policy, so several policies planned on one model (:func:`compare_policies`) cost one forward.
+#: label, the settings less those the forward on meta does not read (:data:`_NOT_IN_FORWARD`)
+#: and the model's modules and parameter shapes (a model changed in place, e.g. sharded, is
+#: profiled again): several policies, shard groups or offload choices planned on one model
+#: (:func:`compare_policies`, the HSDP and offload alternatives) cost one forward.
 _MODULE_PROFILES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ActivationProfile]] = (
     weakref.WeakKeyDictionary())
+
+
+#: Settings the profile's forward does not read (it reads the compute dtype, the batch, the
+#: sequence and the attention kernel: :func:`profile_step_activations`), each set to one value
+#: in the cache key; a setting not named here keeps its own profile.
+_NOT_IN_FORWARD: dict[str, Any] = {
+    "policy": POLICIES[0], "checkpointing": "none", "version": "fsdp2", "param_dtype": "fp32",
+    "optimizer": "none", "shard_group_size": None, "cpu_offload": False}
 
 
 def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
@@ -218,8 +227,7 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
     modules = list(model.named_modules())
     shape = (tuple((name, type(m)) for name, m in modules),
              tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
-    key = (choice.label,
-           dataclasses.replace(settings, policy=POLICIES[0], checkpointing="none"), shape)
+    key = (choice.label, dataclasses.replace(settings, **_NOT_IN_FORWARD), shape)
     profiles = _MODULE_PROFILES.setdefault(model, {})
     names = {id(m): name for name, m in modules}
     if key not in profiles:
