@@ -82,5 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("plan_fused_norm", sys.modules[__name__])
     sys.exit(main())

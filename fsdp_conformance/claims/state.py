@@ -588,7 +588,7 @@ def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
     return digests(get_state(model, target, "full"))
 
 
-def require_dcp_targets(ctx: RankContext, version: str) -> None:
+def require_dcp_targets(ctx: RankContext) -> None:
     """Skip (every rank alike, before any collective) where this torch cannot load into every
     target of :data:`DCP_TARGETS`: the unsharded one needs ``dcp.load(no_dist=True)``, the
     FSDP2 one (and an FSDP2 source) FSDP2 on this device."""
@@ -601,7 +601,7 @@ def rank_state_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: st
     """Save the sharded model with ``torch.distributed.checkpoint`` into a folder every rank
     writes to, then load it into each of :data:`DCP_TARGETS`; every target's digests."""
     check_fsdp_version(version)
-    require_dcp_targets(ctx, version)
+    require_dcp_targets(ctx)
     with shared_folder(ctx, "fsdp-conformance-dcp-") as path:
         source = build_sharded(ctx, spec, version, seed)
         save_checkpoint(source, version, path, perturb=perturb, rank=ctx.rank)
@@ -783,7 +783,7 @@ def rank_state_checkpoint(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     import torch.distributed as dist
 
     check_fsdp_version(version)
-    require_dcp_targets(ctx, version)
+    require_dcp_targets(ctx)
     out: dict[str, Any] = {"rank": ctx.rank, "version": version}
     if load_from is not None:
         path = checkpoint_folder(load_from, version, spec)
@@ -961,8 +961,10 @@ def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int,
             "with_grads": with_grads}
 
 
-def _judge_summoned_grads(values: Sequence[Mapping[str, Any]]) -> list[str]:
-    tree: list[str] = []
+def _judge_summoned_grads(
+    values: Sequence[Mapping[str, Any]],
+) -> tuple[dict[int, list[str]], str]:
+    """The :data:`SUMMON_GRADS` case: each rank's problems, and the line for none."""
     wrong: dict[int, list[str]] = {}
     for value in values:
         case = value["cases"][SUMMON_GRADS]
@@ -979,8 +981,34 @@ def _judge_summoned_grads(values: Sequence[Mapping[str, Any]]) -> list[str]:
     ok = (f"every gradient whole inside and equal to a single-process backward of the same "
           f"batch (largest difference {worst:.3g}, allowed {SUMMON_GRAD_RTOL:g} of the largest "
           "gradient)")
-    tree += _section(SUMMON_GRADS, ok, wrong)
-    return tree
+    return wrong, ok
+
+
+def _judge_summon_case(label: str, values: Sequence[Mapping[str, Any]], reference: nn.Module,
+                       expected: Mapping[str, Any]) -> tuple[dict[int, list[str]], str]:
+    """A :data:`SUMMON_CASES` case: each rank's problems, and the line for none."""
+    writeback, rank0_only, _ = SUMMON_CASES[label]
+    wrong: dict[int, list[str]] = {}
+    for value in values:
+        case = value["cases"][label]
+        lines = []
+        inside = {clean_fqn(k): d for k, d in case["inside"].items()}
+        if not rank0_only or value["rank"] == 0:
+            params_only = {k: d for k, d in expected.items() if k in inside}
+            lines += [f"inside: {d}" for d in _differences(params_only, inside)]
+            if not params_only:
+                lines.append("inside: no parameter of the reference seen")
+        want = dict(expected)
+        name = case["changed"]
+        if writeback and name is not None:
+            with torch.no_grad():
+                changed = dict(reference.named_parameters())[clean_fqn(name)].detach() \
+                    + WRITE_DELTA
+            want[clean_fqn(name)] = digests({"x": changed})["x"]
+        lines += [f"after the context: {d}" for d in _differences(want, case["after"])]
+        if lines:
+            wrong[value["rank"]] = lines
+    return wrong, ("the change kept" if writeback else "the model unchanged") + " after the context"
 
 
 def verdict_state_summon(values: Sequence[Mapping[str, Any]],
@@ -994,33 +1022,8 @@ def verdict_state_summon(values: Sequence[Mapping[str, Any]],
     tree, bad = [], []
     cases = list(values[0]["cases"])
     for label in cases:
-        if label == SUMMON_GRADS:
-            lines = _judge_summoned_grads(values)
-            tree += lines
-            bad += [label] if "WRONG" in lines[0] else []
-            continue
-        writeback, rank0_only, _ = SUMMON_CASES[label]
-        wrong: dict[int, list[str]] = {}
-        for value in values:
-            case = value["cases"][label]
-            lines = []
-            inside = {clean_fqn(k): d for k, d in case["inside"].items()}
-            if not rank0_only or value["rank"] == 0:
-                params_only = {k: d for k, d in expected.items() if k in inside}
-                lines += [f"inside: {d}" for d in _differences(params_only, inside)]
-                if not params_only:
-                    lines.append("inside: no parameter of the reference seen")
-            want = dict(expected)
-            name = case["changed"]
-            if writeback and name is not None:
-                with torch.no_grad():
-                    changed = dict(reference.named_parameters())[clean_fqn(name)].detach() \
-                        + WRITE_DELTA
-                want[clean_fqn(name)] = digests({"x": changed})["x"]
-            lines += [f"after the context: {d}" for d in _differences(want, case["after"])]
-            if lines:
-                wrong[value["rank"]] = lines
-        ok = ("the change kept" if writeback else "the model unchanged") + " after the context"
+        wrong, ok = (_judge_summoned_grads(values) if label == SUMMON_GRADS
+                     else _judge_summon_case(label, values, reference, expected))
         tree += _section(label, ok, wrong)
         bad += [label] if wrong else []
     figures = {"cases": cases, "failed_cases": bad}
