@@ -141,8 +141,9 @@ def test_managers_of_one_process_share_one_server_per_environment() -> None:
 @needs_fork
 def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> None:
     # A registry of its own: killing the process's shared server would take the session's warm
-    # pools with it, which every later test would have to start again.
-    servers = ForkServers()
+    # pools with it, which every later test would have to start again. Its servers import only
+    # what these ranks need, not the session's transformers and test modules (two starts).
+    servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
         run = dict(args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu",
@@ -197,12 +198,17 @@ TRACKERS = "torch.distributed._tools.mem_tracker"
 def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never_does(
     tmp_path: Path,
 ) -> None:
-    servers = ForkServers()
+    # A server that imports only the base list, not what this process has loaded (the plots
+    # module, imported here): the trackers come from its own warm-up.
+    importlib.import_module("fsdp_conformance.gate.plots")
+    servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
-        run = dict(args=(TRACKERS,), kwargs={}, world_size=1, **{k: RUN[k] for k in (
+        run = dict(kwargs={}, world_size=1, **{k: RUN[k] for k in (
             "backend", "device_type", "timeout")})
-        assert _values(manager.run_outcomes(_loaded_at_start, **run)) == [True]
+        assert _values(manager.run_outcomes(_loaded_at_start, args=(TRACKERS,), **run)) == [True]
+        assert _values(manager.run_outcomes(
+            _loaded_at_start, args=("fsdp_conformance.gate.plots",), **run)) == [False]
     finally:
         manager.close()
         servers.close()

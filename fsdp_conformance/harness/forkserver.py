@@ -167,7 +167,8 @@ class ForkedProcess:
 class ForkServer:
     """One server process that forks ranks with the environment it was started with."""
 
-    def __init__(self, env: Mapping[str, str], preload: Sequence[str]) -> None:
+    def __init__(self, env: Mapping[str, str], preload: Sequence[str], *,
+                 follow_parent: bool = True) -> None:
         self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-forks-")
         self.log_path = os.path.join(self._dir, "server.log")
         ours, theirs = socket.socketpair()
@@ -185,6 +186,8 @@ class ForkServer:
             theirs.close()
         self._conn = Connection(ours.detach())
         self._ready = False
+        #: Whether each fork first imports what the parent has loaded since (the default).
+        self._follow_parent = follow_parent
         _register_exit_handler()
         _LIVE_SERVERS.add(self)
 
@@ -234,7 +237,7 @@ class ForkServer:
             "env": dict(env),
             # What the parent has imported by now: a server started before the parent imported
             # the user's model imports it before this fork (once, for every later rank too).
-            "preload": preload_modules(),
+            "preload": preload_modules() if self._follow_parent else [],
         }
         try:
             self._conn.send(request)
@@ -296,9 +299,11 @@ def _register_exit_handler() -> None:
 #: here, every pool started after that import would get a second server (about 4 CPU-s).
 #: ``GITHUB_STEP_SUMMARY`` (set by GitHub Actions for every step, set or removed by the CLI's
 #: tests) is read only by the CLI's parent process, when it writes the job summary.
+#: ``OMP_NUM_THREADS`` is read by torch only at its import: every rank sets its intra-op thread
+#: count itself from the variable (:func:`~fsdp_conformance.harness.pool.rank_threads`).
 AFTER_FORK_PREFIXES = ("PYTEST_", "FSDP_CONFORMANCE_")
 AFTER_FORK_NAMES = ("PYTHONPATH", "HOME", "USERPROFILE", "PY_COLORS", "COLUMNS", "LINES",
-                    "TORCHINDUCTOR_CACHE_DIR", "GITHUB_STEP_SUMMARY")
+                    "TORCHINDUCTOR_CACHE_DIR", "GITHUB_STEP_SUMMARY", "OMP_NUM_THREADS")
 
 
 def _set_after_fork(name: str) -> bool:
@@ -310,7 +315,11 @@ class ForkServers:
     closed first, with its ranks). :func:`shared_servers` is the one every pool manager of the
     process uses; a registry of its own is for a pool or a benchmark that must not share."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, preload: Sequence[str] | None = None) -> None:
+        """``preload``: exactly what each server imports before it forks (for a registry
+        whose ranks need no more, such as the harness's own tests); by default
+        :func:`preload_modules`, then before each fork what the parent has loaded since."""
+        self._preload = None if preload is None else list(preload)
         self._servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
         self._lock = threading.Lock()  # pools may be started from any thread
 
@@ -325,7 +334,8 @@ class ForkServers:
                 while len(self._servers) >= MAX_SERVERS:
                     oldest = next(iter(self._servers))
                     self._servers.pop(oldest).close()
-                found = ForkServer(env, preload_modules())
+                found = (ForkServer(env, preload_modules()) if self._preload is None
+                         else ForkServer(env, self._preload, follow_parent=False))
             self._servers[key] = found
             return found
 
