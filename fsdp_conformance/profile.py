@@ -198,10 +198,39 @@ def _flop_counter(model: torch.nn.Module) -> Any:
         return _NoFlops()
 
 
+#: The meta plan of each model and batch size this process has profiled: units, activation
+#: profile, buffer bytes. They depend on the model and its input alone, not on the world size,
+#: FSDP version, optimizer or byte widths of the step judged against them, so the memory checks
+#: of one model (each FSDP version, each check; the depth check at three depths) profile it once
+#: per process. A factory's key holds the factory and input builder objects themselves: a
+#: module imported anew (another test's file of the same name) is another model.
+_PLANS: dict[tuple[Any, ...], tuple[list[UnitInfo], ActivationProfile, int]] = {}
+
+
+def _plan_key(spec: ModelSpec, batch_size: int) -> tuple[Any, ...]:
+    from fsdp_conformance.models import load_object
+
+    callables = tuple(load_object(path, what) if path else None for path, what in (
+        (spec.factory, "model factory"), (spec.input_builder, "input builder")))
+    return (spec, batch_size, *callables)
+
+
 def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str | None = None,
               batch_size: int = 2, compute_bytes: int = 4, param_bytes: int = 4,
               tolerance: float = BOUND_TOLERANCE) -> tuple[list[UnitInfo], StepConfig]:
     """The per-layer plan and step configuration of a model, on meta (nothing allocated)."""
+    key = _plan_key(spec, batch_size)
+    if key not in _PLANS:
+        _PLANS[key] = _profile_on_meta(spec, batch_size)
+    units, acts, buffers = _PLANS[key]
+    config = StepConfig(world_size=world_size, version=version, param_bytes=param_bytes,
+                        compute_bytes=compute_bytes, optimizer=optimizer, buffer_bytes=buffers,
+                        activations=acts, tolerance=tolerance)
+    return list(units), config
+
+
+def _profile_on_meta(spec: ModelSpec,
+                     batch_size: int) -> tuple[list[UnitInfo], ActivationProfile, int]:
     from fsdp_conformance.units import plan_units
 
     model = spec.build("meta")
@@ -216,8 +245,5 @@ def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str 
             "with device='meta' (no data-dependent Python control flow on tensor values)"
         ) from exc
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
-    config = StepConfig(world_size=world_size, version=version, param_bytes=param_bytes,
-                        compute_bytes=compute_bytes, optimizer=optimizer, buffer_bytes=buffers,
-                        activations=acts, tolerance=tolerance)
-    return units, config
+    return units, acts, buffers
 

@@ -121,6 +121,39 @@ def test_activation_profile_counts_saved_tensors_per_unit_on_meta() -> None:
     assert acts.input_bytes == tokens * 32 * 4
 
 
+def test_a_model_is_profiled_once_per_batch_size_and_each_step_gets_its_own_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fsdp_conformance import profile
+
+    profiled: list[tuple[str, int]] = []
+    real = profile._profile_on_meta
+
+    def counting(spec: ModelSpec, batch_size: int) -> Any:
+        profiled.append((spec.name, batch_size))
+        return real(spec, batch_size)
+
+    monkeypatch.setattr(profile, "_PLANS", {})
+    monkeypatch.setattr(profile, "_profile_on_meta", counting)
+    spec = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32))
+    units1, fsdp1 = plan_step(spec, 2, "fsdp1")
+    units2, fsdp2 = plan_step(spec, 4, "fsdp2", optimizer="adamw", compute_bytes=2)
+    assert len(profiled) == 1  # the world size, version, optimizer and dtype are the step's
+    assert units1 == units2 and fsdp1.activations is fsdp2.activations
+    assert (fsdp1.world_size, fsdp1.version, fsdp1.optimizer) == (2, "fsdp1", None)
+    assert (fsdp2.world_size, fsdp2.version, fsdp2.optimizer) == (4, "fsdp2", "adamw")
+    plan_step(spec, 2, "fsdp1", batch_size=4)  # another input: profiled anew
+    deeper = ModelSpec(reference="massive", config=ModelConfig(num_layers=3, dim=32))
+    plan_step(deeper, 2, "fsdp1")  # another model
+    assert len(profiled) == 3
+    # A factory's model is keyed by the factory object: a module imported anew is another.
+    from fsdp_conformance import hf_models
+
+    key = profile._plan_key(
+        ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama", depth=1), 2)
+    assert any(part is hf_models.llama for part in key)
+
+
 # ------------------------------------------------------------------------------------------
 # Peak and sawtooth: one measured step per (version, wrapping), both verdicts
 # ------------------------------------------------------------------------------------------
