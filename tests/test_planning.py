@@ -523,6 +523,26 @@ def test_hsdp_peaks_follow_the_shard_group_and_a_full_sharding_estimate_is_caugh
     assert "ABOVE 1.10 x the estimate" in broken.message
 
 
+@pytest.mark.cpu
+@pytest.mark.world_size(4)
+def test_hsdp_with_checkpointing_is_within_the_estimate_and_a_dropped_recompute_is_caught(
+    ranks: Ranks,
+) -> None:
+    # HSDP (2 x 2) and activation checkpointing on every block together, where activations
+    # dominate (the AC trust cases' model and batch): both reductions apply at once.
+    base = _case("massive", 8, 32, "fsdp1", "recommended", batch_size=128, checkpointing="full")
+    cases = [{**base, "version": v, "shard_group": 2} for v in ("fsdp1", "fsdp2")]
+    values = ranks.run(rank_plan_estimate_matches, cases=cases)
+    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
+    assert verdict.passed, verdict.message
+    assert " ac=full hsdp=2 fp32: estimate" in verdict.message
+    # Negative control: the recomputed block's saved set left out of the bound.
+    dropped = {i: _without(estimate_for_case(c, 4), "recomputed unit")
+               for i, c in enumerate(cases)}
+    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": dropped})
+    assert not broken.passed and "8 outside" in broken.message, broken.message
+
+
 def test_cpu_offload_moves_the_sharded_state_to_the_host(
     llama70b: ModelChoice, meta70: Any,
 ) -> None:
