@@ -122,6 +122,10 @@ def mixed_precision_policy_cls() -> type[Any]:
     return _import_first("MixedPrecisionPolicy", *_FSDP2)
 
 
+def cpu_offload_policy_cls() -> type[Any]:
+    return _import_first("CPUOffloadPolicy", *_FSDP2)
+
+
 def dtensor_cls() -> type[Any]:
     return _import_first("DTensor", *_DTENSOR)
 

@@ -120,6 +120,21 @@ def param_dtype_kwargs(version: str, param_dtype: str | None,
     return {"mp_policy": mp(**named)}
 
 
+def offload_kwargs(ctx: RankContext, version: str, offload: bool) -> dict[str, Any]:
+    """CPU offload of the sharded state as users write it: FSDP1
+    ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy()`` (its ``pin_memory``
+    default on a GPU; off on a CPU device, where pinning needs an accelerator); ``{}`` off.
+    FSDP1 refuses it without an accelerator ("FSDP needs a non-CPU accelerator device")."""
+    if not offload:
+        return {}
+    if check_fsdp_version(version) == "fsdp1":
+        from torch.distributed.fsdp import CPUOffload
+
+        return {"cpu_offload": CPUOffload(offload_params=True)}
+    policy = _compat.cpu_offload_policy_cls()
+    return {"offload_policy": policy() if ctx.device_type == "cuda" else policy(pin_memory=False)}
+
+
 def shard(
     model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any
 ) -> nn.Module:

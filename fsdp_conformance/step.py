@@ -194,7 +194,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
                  track_construction: bool = True,
                  param_dtype: str | None = None, reduce_dtype: str | None = None,
                  record: bool = False, checkpoint_every: int = 0,
-                 shard_group: int | None = None, seq_len: int = 8) -> dict[str, Any]:
+                 shard_group: int | None = None, seq_len: int = 8,
+                 offload: bool = False) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
@@ -211,12 +212,15 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``.
     ``shard_group``: HSDP with shard groups of that many ranks
     (:func:`~fsdp_conformance.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
+    ``offload``: CPU offload of the sharded state
+    (:func:`~fsdp_conformance.sharding.offload_kwargs`).
     """
 
     from fsdp_conformance.sharding import (
         check_fsdp_version,
         checkpoint_blocks,
         hsdp_kwargs,
+        offload_kwargs,
         param_dtype_kwargs,
         reshard_kwargs,
         shard,
@@ -248,7 +252,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         sharded = shard(model, ctx, version, policy,
                         **reshard_kwargs(version, wrap.reshard_after_forward),
                         **param_dtype_kwargs(version, param_dtype, reduce_dtype),
-                        **hsdp_kwargs(ctx, version, shard_group))
+                        **hsdp_kwargs(ctx, version, shard_group),
+                        **offload_kwargs(ctx, version, offload))
         checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every)
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device, seq_len)

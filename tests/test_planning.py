@@ -25,6 +25,7 @@ from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.plan_trust import (
     CHECKS,
+    HOST_TERM,
     TRUST_MAX_RATIO,
     TRUST_MIN_RATIO,
     compare_to_measurement,
@@ -541,6 +542,28 @@ def test_hsdp_with_checkpointing_is_within_the_estimate_and_a_dropped_recompute_
                for i, c in enumerate(cases)}
     broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": dropped})
     assert not broken.passed and "8 outside" in broken.message, broken.message
+
+
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+def test_fsdp2_cpu_offload_step_is_within_device_and_host_estimates_and_caught_without_host(
+    ranks: Ranks,
+) -> None:
+    # CPUOffloadPolicy as users write it, parameter-heavy (AdamW). On a CPU device the host's
+    # memory and the device's are one: the peak is judged against the device estimate plus the
+    # host's offloaded state. (FSDP1 refuses CPUOffload without an accelerator.)
+    cases = [_case("massive", 4, 128, "fsdp2", "recommended", "adamw", offload=True)]
+    values = ranks.run(rank_plan_estimate_matches, cases=cases)
+    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
+    assert verdict.passed, verdict.message
+    assert " offload fp32: estimate" in verdict.message
+    estimate = estimate_for_case(cases[0], 2)
+    assert estimate.term(HOST_TERM).bytes > 0 and estimate.term("offloaded shard copies")
+    # Negative control: the host's state left out, every rank's peak is above the estimate.
+    dropped = {0: _without(estimate, HOST_TERM)}
+    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": dropped})
+    assert not broken.passed and "2 outside" in broken.message, broken.message
+    assert "ABOVE 1.10 x the estimate" in broken.message
 
 
 def test_cpu_offload_moves_the_sharded_state_to_the_host(

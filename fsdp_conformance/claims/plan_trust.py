@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.bound import BOUND_TOLERANCE, Bound
+from fsdp_conformance.bound import BOUND_TOLERANCE, Bound, BoundTerm
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
@@ -87,7 +87,8 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                          param_dtype=_mixed_param_dtype(case),
                          checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
                          shard_group=case.get("shard_group"),
-                         seq_len=case.get("seq_len", MEASURED_SEQ_LEN))
+                         seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
+                         offload=bool(case.get("offload")))
         peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})
     return {"rank": ctx.rank, "peaks": peaks}
 
@@ -108,13 +109,30 @@ def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings
                         batch_size=case.get("batch_size", batch_size),
                         seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
                         attention="flash", checkpointing=case.get("checkpointing", "none"),
-                        shard_group_size=case.get("shard_group"))
+                        shard_group_size=case.get("shard_group"),
+                        cpu_offload=bool(case.get("offload")))
+
+
+#: The term a CPU-offload case's estimate gets on a CPU device, where host and device are one
+#: memory: the sharded state the plan moved to the host (``ModelPlan.host_bytes``).
+HOST_TERM = "host: offloaded sharded state"
 
 
 def estimate_for_case(case: Mapping[str, Any], world_size: int, batch_size: int = 2) -> Bound:
+    """The planner's estimate for what the case measures. With CPU offload it is the device's
+    estimate plus the host's figure as one more term: the trust check measures on CPU, where
+    the offloaded state and the device's working set are the same memory (telling them apart
+    needs a GPU: docs/planning.md, "CPU offload")."""
     spec: ModelSpec = case["spec"]
-    choice = ModelChoice(spec, spec.name)
-    return plan_model(choice, trust_settings(case, batch_size)).estimate(world_size)
+    plan = plan_model(ModelChoice(spec, spec.name), trust_settings(case, batch_size))
+    bound = plan.estimate(world_size)
+    if not case.get("offload"):
+        return bound
+    host = plan.host_bytes(world_size)
+    return Bound((*bound.terms, BoundTerm(
+        HOST_TERM, host, f"sharded params, grads and optimizer state per rank, "
+        f"{format_bytes(host, 'decimal')}, in the same memory as the device's on CPU",
+        scales_with_depth=True)), bound.tolerance)
 
 
 def compare_to_measurement(estimate: Bound, peaks_by_rank: Mapping[int, int], *,
@@ -154,6 +172,7 @@ def _case_label(case: Mapping[str, Any]) -> str:
             + (f" s{case['seq_len']}" if "seq_len" in case else "")
             + ("" if ac == "none" else f" ac={ac}")
             + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
+            + (" offload" if case.get("offload") else "")
             + f" {case.get('compute_dtype', 'fp32')}: ")
 
 
