@@ -481,6 +481,25 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
     assert f"rank {world_size - 1}: measured" in broken.message  # every rank judged
 
 
+def _measured_within(ranks: Ranks, cases: list[dict], label: str) -> list[dict]:
+    """Every case measured on every rank and within its estimate; the pass message has
+    ``label`` (the cases' own label: what was measured is what was asked)."""
+    values = ranks.run(rank_plan_estimate_matches, cases=cases)
+    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
+    assert verdict.passed, verdict.message
+    assert label in verdict.message
+    return values
+
+
+def _caught_above(values: list[dict], cases: list[dict], estimates: dict[int, Bound],
+                  outside: int) -> str:
+    """The same peaks judged against ``estimates``: ``outside`` case-rank pairs above them."""
+    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": estimates})
+    assert not broken.passed and f"{outside} outside" in broken.message, broken.message
+    assert "ABOVE 1.10 x the estimate" in broken.message
+    return broken.message
+
+
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_a_step_measured_without_the_checkpointing_the_estimate_assumes_is_caught(
@@ -491,57 +510,46 @@ def test_a_step_measured_without_the_checkpointing_the_estimate_assumes_is_caugh
     # and judged against the checkpointed estimate the step without it is above on every rank.
     on = _case("massive", 8, 32, "fsdp2", "recommended", batch_size=128, checkpointing="full")
     off = {**on, "checkpointing": "none"}
-    values = ranks.run(rank_plan_estimate_matches, cases=[on, off])
+    values = _measured_within(ranks, [on, off], " ac=full fp32: estimate")
     assert all(v["peaks"][1]["peak"] > v["peaks"][0]["peak"] for v in values)
-    verdict = verdict_plan_estimate_matches(values, {"cases": [on, off]})
-    assert verdict.passed, verdict.message
-    assert " ac=full fp32: estimate" in verdict.message
     wrong = {0: estimate_for_case(on, 2), 1: estimate_for_case(on, 2)}  # off judged as on
-    broken = verdict_plan_estimate_matches(values, {"cases": [on, off], "estimates": wrong})
-    assert not broken.passed and "2 outside" in broken.message
-    assert "opt=none b128 fp32: rank 1: measured" in broken.message
-    assert "ABOVE 1.10 x the estimate" in broken.message
+    message = _caught_above(values, [on, off], wrong, 2)
+    assert "opt=none b128 fp32: rank 1: measured" in message
+
+
+def _full_sharding(case: dict) -> Bound:
+    """What a planner that ignores the shard group would say: full sharding over the 4 ranks."""
+    return estimate_for_case({**case, "shard_group": None}, 4)
+
+
+def _no_recompute(case: dict) -> Bound:
+    """The bound without the recomputed block's saved set."""
+    return _without(estimate_for_case(case, 4), "recomputed unit")
+
+
+#: HSDP 2 x 2 in both regimes: parameter-heavy (AdamW), judged as full sharding as the
+#: negative control; activation-heavy with every block checkpointed (the AC trust cases' model
+#: and batch, both reductions at once), with the recompute term dropped.
+HSDP_REGIMES = {
+    "params": (_case("massive", 4, 128, "fsdp1", "recommended", "adamw"),
+               "hsdp=2 fp32: estimate", _full_sharding),
+    "checkpointed": (_case("massive", 8, 32, "fsdp1", "recommended", batch_size=128,
+                           checkpointing="full"), " ac=full hsdp=2 fp32: estimate", _no_recompute),
+}
 
 
 @pytest.mark.cpu
 @pytest.mark.world_size(4)
-def test_hsdp_peaks_follow_the_shard_group_and_a_full_sharding_estimate_is_caught(
-    ranks: Ranks,
+@pytest.mark.parametrize("regime", list(HSDP_REGIMES))
+def test_hsdp_peaks_follow_the_shard_group_and_a_wrong_estimate_is_caught(
+    ranks: Ranks, regime: str,
 ) -> None:
     # World size 4 as 2 replicas x shard groups of 2: FSDP2 fully_shard on a 2-D mesh, FSDP1
     # HYBRID_SHARD. Each rank holds half of every unit, as at world size 2.
-    base = _case("massive", 4, 128, "fsdp1", "recommended", "adamw")
+    base, label, wrong = HSDP_REGIMES[regime]
     cases = [{**base, "version": v, "shard_group": 2} for v in ("fsdp1", "fsdp2")]
-    values = ranks.run(rank_plan_estimate_matches, cases=cases)
-    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
-    assert verdict.passed, verdict.message
-    assert "hsdp=2 fp32: estimate" in verdict.message
-    # Negative control: judged as full sharding over the 4 ranks (what a planner that ignores
-    # the shard group would say), the same peaks are above the estimate on every rank.
-    full = {i: estimate_for_case({**c, "shard_group": None}, 4) for i, c in enumerate(cases)}
-    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": full})
-    assert not broken.passed and "8 outside" in broken.message, broken.message
-    assert "ABOVE 1.10 x the estimate" in broken.message
-
-
-@pytest.mark.cpu
-@pytest.mark.world_size(4)
-def test_hsdp_with_checkpointing_is_within_the_estimate_and_a_dropped_recompute_is_caught(
-    ranks: Ranks,
-) -> None:
-    # HSDP (2 x 2) and activation checkpointing on every block together, where activations
-    # dominate (the AC trust cases' model and batch): both reductions apply at once.
-    base = _case("massive", 8, 32, "fsdp1", "recommended", batch_size=128, checkpointing="full")
-    cases = [{**base, "version": v, "shard_group": 2} for v in ("fsdp1", "fsdp2")]
-    values = ranks.run(rank_plan_estimate_matches, cases=cases)
-    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
-    assert verdict.passed, verdict.message
-    assert " ac=full hsdp=2 fp32: estimate" in verdict.message
-    # Negative control: the recomputed block's saved set left out of the bound.
-    dropped = {i: _without(estimate_for_case(c, 4), "recomputed unit")
-               for i, c in enumerate(cases)}
-    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": dropped})
-    assert not broken.passed and "8 outside" in broken.message, broken.message
+    values = _measured_within(ranks, cases, label)
+    _caught_above(values, cases, {i: wrong(c) for i, c in enumerate(cases)}, 8)
 
 
 @pytest.mark.cpu
@@ -553,17 +561,11 @@ def test_fsdp2_cpu_offload_step_is_within_device_and_host_estimates_and_caught_w
     # memory and the device's are one: the peak is judged against the device estimate plus the
     # host's offloaded state. (FSDP1 refuses CPUOffload without an accelerator.)
     cases = [_case("massive", 4, 128, "fsdp2", "recommended", "adamw", offload=True)]
-    values = ranks.run(rank_plan_estimate_matches, cases=cases)
-    verdict = verdict_plan_estimate_matches(values, {"cases": cases})
-    assert verdict.passed, verdict.message
-    assert " offload fp32: estimate" in verdict.message
+    values = _measured_within(ranks, cases, " offload fp32: estimate")
     estimate = estimate_for_case(cases[0], 2)
     assert estimate.term(HOST_TERM).bytes > 0 and estimate.term("offloaded shard copies")
     # Negative control: the host's state left out, every rank's peak is above the estimate.
-    dropped = {0: _without(estimate, HOST_TERM)}
-    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": dropped})
-    assert not broken.passed and "2 outside" in broken.message, broken.message
-    assert "ABOVE 1.10 x the estimate" in broken.message
+    _caught_above(values, cases, {0: _without(estimate, HOST_TERM)}, 2)
 
 
 def test_cpu_offload_moves_the_sharded_state_to_the_host(
