@@ -32,10 +32,11 @@ from fsdp_conformance.claims.plan_trust import (
     default_cases,
     estimate_for_case,
     rank_plan_estimate_matches,
+    trust_settings,
     verdict_plan_estimate_matches,
 )
 from fsdp_conformance.gate import suite
-from fsdp_conformance.harness import Ranks
+from fsdp_conformance.harness import RankContext, Ranks
 from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,
@@ -566,6 +567,51 @@ def test_fsdp2_cpu_offload_step_is_within_device_and_host_estimates_and_caught_w
     assert estimate.term(HOST_TERM).bytes > 0 and estimate.term("offloaded shard copies")
     # Negative control: the host's state left out, every rank's peak is above the estimate.
     _caught_above(values, cases, {0: _without(estimate, HOST_TERM)}, 2)
+
+
+def _device_peaks_with_offload_between(ctx: RankContext, case: dict) -> dict:
+    """The device's peak (the CUDA allocator) of one step without CPU offload, with it, and
+    without it again (what a check comparing two steps that moved nothing sees)."""
+    from fsdp_conformance.step import measure_step
+
+    peaks = []
+    for offload in (False, True, False):
+        m = measure_step(ctx, case["spec"], case["version"], "per_layer", optimizer="adamw",
+                         timeline=False, offload=offload)
+        peaks.append((m["meters"][0]["source"], m["meters"][0]["peak"]))
+    return {"rank": ctx.rank, "peaks": peaks}
+
+
+def _moved_off_the_device(before: int, after: int, planned: int) -> bool:
+    """The device's peak fell by at least 80% of what the planner moves to the host (the sharded
+    state less the shard copies in transit): one-sided, since the step without offload may also
+    peak on optimizer temporaries that the offloaded step keeps on the host."""
+    return before - after >= 0.8 * planned
+
+
+@pytest.mark.gpu
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("version", ["fsdp1", "fsdp2"])
+def test_cpu_offload_takes_at_least_the_planned_state_off_the_device(
+    ranks: Ranks, version: str,
+) -> None:
+    # The split a CPU machine cannot see (host and device are one memory there): FSDP1
+    # CPUOffload(offload_params=True), FSDP2 CPUOffloadPolicy() as users write them, AdamW.
+    case = _case("massive", 4, 128, version, "recommended", "adamw")
+    values = ranks.run(_device_peaks_with_offload_between, case)
+    choice, ws = ModelChoice(case["spec"], case["spec"].name), ranks.world_size
+    resident = plan_model(choice, trust_settings(case)).estimate(ws).total
+    offloaded = plan_model(choice, trust_settings({**case, "offload": True})).estimate(ws).total
+    planned = resident - offloaded
+    assert planned > 0
+    for v in values:
+        (src0, before), (src1, with_offload), (src2, again) = v["peaks"]
+        assert src0 == src1 == src2 == "cuda", v
+        assert _moved_off_the_device(before, with_offload, planned), (
+            f"rank {v['rank']}: device peak {before} B without offload, {with_offload} B with "
+            f"it: fell by {before - with_offload} B, the planner moves {planned} B to the host")
+        # Negative control: two steps that both keep the state on the device do not pass.
+        assert not _moved_off_the_device(before, again, planned)
 
 
 def test_cpu_offload_moves_the_sharded_state_to_the_host(
