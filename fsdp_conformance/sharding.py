@@ -124,7 +124,7 @@ def offload_kwargs(ctx: RankContext, version: str, offload: bool) -> dict[str, A
     """CPU offload of the sharded state as users write it: FSDP1
     ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy()`` (its ``pin_memory``
     default on a GPU; off on a CPU device, where pinning needs an accelerator); ``{}`` off.
-    FSDP1 refuses it without an accelerator ("FSDP needs a non-CPU accelerator device")."""
+    FSDP1 refuses it without an accelerator (a skip: ``step._refused_offload``)."""
     if not offload:
         return {}
     if check_fsdp_version(version) == "fsdp1":

@@ -569,6 +569,16 @@ def test_fsdp2_cpu_offload_step_is_within_device_and_host_estimates_and_caught_w
     _caught_above(values, cases, {0: _without(estimate, HOST_TERM)}, 2)
 
 
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+def test_fsdp1_cpu_offload_on_a_cpu_device_is_a_skip_naming_torchs_refusal(ranks: Ranks) -> None:
+    from fsdp_conformance.harness import CheckSkipped
+
+    case = _case("massive", 2, 32, "fsdp1", "recommended", offload=True)
+    with pytest.raises(CheckSkipped, match="FSDP1 CPU offload on a CPU device: torch refuses it"):
+        ranks.configured(skip=None).run(rank_plan_estimate_matches, cases=[case])
+
+
 def _device_peaks_with_offload_between(ctx: RankContext, case: dict) -> dict:
     """The device's peak (the CUDA allocator) of one step without CPU offload, with it, and
     without it again (what a check comparing two steps that moved nothing sees)."""
