@@ -196,19 +196,20 @@ TRACKERS = "torch.distributed._tools.mem_tracker"
 
 @needs_fork
 def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never_does(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A server that imports only the base list, not what this process has loaded (the plots
-    # module, imported here): the trackers come from its own warm-up.
-    importlib.import_module("fsdp_conformance.gate.plots")
+    # module, imported here; this process's modules are restored after the test): the trackers
+    # come from its own warm-up.
+    plots = "fsdp_conformance.gate.plots"
+    monkeypatch.setitem(sys.modules, plots, importlib.import_module(plots))
     servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
         run = dict(kwargs={}, world_size=1, **{k: RUN[k] for k in (
             "backend", "device_type", "timeout")})
         assert _values(manager.run_outcomes(_loaded_at_start, args=(TRACKERS,), **run)) == [True]
-        assert _values(manager.run_outcomes(
-            _loaded_at_start, args=("fsdp_conformance.gate.plots",), **run)) == [False]
+        assert _values(manager.run_outcomes(_loaded_at_start, args=(plots,), **run)) == [False]
     finally:
         manager.close()
         servers.close()
