@@ -188,19 +188,30 @@ def _zero_grad(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
 
 
 
+def _can_pin_memory() -> bool:
+    """Whether this process can pin host memory (torch needs an accelerator for it)."""
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _refused_offload(ctx: RankContext, version: str, offload: bool) -> Iterator[None]:
-    """FSDP1 CPU offload that torch refuses on this device, observed: torch 2.13 says so at
-    construction ("FSDP needs a non-CPU accelerator device") or at the first forward, when it
-    pins the shard ("Cannot access accelerator device when none is available"). A skip on every
-    rank naming torch's words; any other error stays an error."""
+    """FSDP1 CPU offload on a machine where torch cannot pin memory, observed: FSDP1 pins the
+    offloaded shard, so torch refuses it (torch 2.13's CPU build at construction, "FSDP needs a
+    non-CPU accelerator device", or at the first forward, "Cannot access accelerator device when
+    none is available"; a CUDA build without a GPU, "Found no NVIDIA driver on your system"). A
+    skip on every rank quoting torch; any other error, or one where pinning works, stays an
+    error."""
     try:
         yield
     except RuntimeError as exc:
-        refused = "accelerator" in str(exc) and ctx.device_type == "cpu"
-        if offload and version == "fsdp1" and refused:
-            skip_rank(f"FSDP1 CPU offload on a CPU device: torch refuses it ({str(exc).strip()}); "
-                      "FSDP2's CPUOffloadPolicy runs here")
+        if offload and version == "fsdp1" and ctx.device_type == "cpu" and not _can_pin_memory():
+            skip_rank(f"FSDP1 CPU offload on a CPU device: torch pins the offloaded shard and "
+                      f"cannot pin memory here ({str(exc).strip()}); FSDP2's "
+                      "CPUOffloadPolicy(pin_memory=False) runs here")
         raise
 
 
