@@ -100,11 +100,6 @@ class Expectation:
     def describe(self) -> str:
         return f"{self.reason} (torch {self.torch}; {self.link})"
 
-    @property
-    def label(self) -> str:
-        """``known torch defect`` or ``known torch change`` (reports, compare, the matrix)."""
-        return known_label(self.kind)
-
     def as_data(self) -> dict[str, str]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v}
 
