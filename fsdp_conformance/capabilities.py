@@ -31,6 +31,8 @@ class Capability:
     measured: str
     #: True when this torch has it; read once per process.
     probe: Callable[[], bool] = dataclasses.field(compare=False, repr=False)
+    #: Where to run a check that needs it.
+    remedy: str = "run it on a torch that has it"
 
     @property
     def present(self) -> bool:
@@ -51,6 +53,11 @@ def _cpu_stream_records_events() -> bool:
     return current is not None and hasattr(current(), "record_event")
 
 
+def _pins_host_memory() -> bool:
+    torch.empty(1).pin_memory()  # raises where torch has no accelerator to pin through
+    return True
+
+
 def _dcp_loads_without_a_group() -> bool:
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -62,6 +69,16 @@ def _dcp_loads_without_a_group() -> bool:
 FSDP2_ON_CPU = Capability(
     "FSDP2 on CPU", "torch.cpu.Stream.record_event, which fully_shard uses on CPU",
     "first seen in 2.8.0; missing in 2.6.0 (2.7 not measured)", _cpu_stream_records_events)
+#: Pinned host memory, which FSDP1's ``CPUOffload(offload_params=True)`` keeps its offloaded
+#: shard in: torch pins through an accelerator, so a machine without one has none (FSDP1 refuses
+#: the offload at construction or at its first forward). A property of the machine as much as
+#: of torch.
+PINNED_HOST_MEMORY = Capability(
+    "pinned host memory", "an accelerator to pin host memory through (Tensor.pin_memory), "
+    "which FSDP1's CPUOffload pins its offloaded shard in",
+    "missing without a GPU: 2.13.0's CPU wheel ('Cannot access accelerator device when none is "
+    "available'), the 2.14.1 and 2.15.0 CUDA wheels ('Found no NVIDIA driver on your system')",
+    _pins_host_memory, remedy="run it on a machine with a GPU")
 #: Loading a distributed checkpoint in one process without a process group (``no_dist``).
 DCP_NO_DIST = Capability(
     "torch.distributed.checkpoint.load(no_dist=True)", "the no_dist argument of dcp.load",
@@ -77,4 +94,4 @@ def require(capability: Capability, device_type: str | None = None) -> None:
     if not capability.present:
         skip_rank(f"capability {capability.name!r} is not in torch {torch.__version__} "
                   f"(needs {capability.needs}; {capability.measured}): skipped by capability, "
-                  "not a failure; run it on a torch that has it")
+                  f"not a failure; {capability.remedy}")

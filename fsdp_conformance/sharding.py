@@ -124,12 +124,13 @@ def offload_kwargs(ctx: RankContext, version: str, offload: bool) -> dict[str, A
     """CPU offload of the sharded state as users write it: FSDP1
     ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy()`` (its ``pin_memory``
     default on a GPU; off on a CPU device, where pinning needs an accelerator); ``{}`` off.
-    FSDP1 refuses it without an accelerator (a skip: ``step._refused_offload``)."""
+    FSDP1's needs pinned host memory: where there is none, a capability skip."""
     if not offload:
         return {}
     if check_fsdp_version(version) == "fsdp1":
         from torch.distributed.fsdp import CPUOffload
 
+        capabilities.require(capabilities.PINNED_HOST_MEMORY)
         return {"cpu_offload": CPUOffload(offload_params=True)}
     policy = _compat.cpu_offload_policy_cls()
     return {"offload_policy": policy() if ctx.device_type == "cuda" else policy(pin_memory=False)}

@@ -188,33 +188,6 @@ def _zero_grad(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
 
 
 
-def _can_pin_memory() -> bool:
-    """Whether this process can pin host memory (torch needs an accelerator for it)."""
-    try:
-        torch.empty(1).pin_memory()
-    except RuntimeError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _refused_offload(ctx: RankContext, version: str, offload: bool) -> Iterator[None]:
-    """FSDP1 CPU offload on a machine where torch cannot pin memory, observed: FSDP1 pins the
-    offloaded shard, so torch refuses it (torch 2.13's CPU build at construction, "FSDP needs a
-    non-CPU accelerator device", or at the first forward, "Cannot access accelerator device when
-    none is available"; a CUDA build without a GPU, "Found no NVIDIA driver on your system"). A
-    skip on every rank quoting torch; any other error, or one where pinning works, stays an
-    error."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if offload and version == "fsdp1" and ctx.device_type == "cpu" and not _can_pin_memory():
-            skip_rank(f"FSDP1 CPU offload on a CPU device: torch pins the offloaded shard and "
-                      f"cannot pin memory here ({str(exc).strip()}); FSDP2's "
-                      "CPUOffloadPolicy(pin_memory=False) runs here")
-        raise
-
-
 def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", *,
                  optimizer: str | None = None, batch_size: int = 2, meter: str = "auto",
                  also: str | None = None, timeline: bool = True,
@@ -271,7 +244,7 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         skip_rank(f"torch {torch_version_string()} has no MemTracker (moved by an upgrade)")
     tracked = construction is not None and track_construction
     scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
-    with _refused_offload(ctx, version, offload), scope:
+    with scope:
         model = spec.build(ctx.device)
         # Resolved before sharding: FSDP2 changes the model's classes in place.
         blocks = spec.block_classes(model) if checkpoint_every else ()

@@ -62,3 +62,13 @@ def test_the_dcp_probe_reads_the_load_signature(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(state_dict_loader, "load", old_load)
     assert not capabilities._dcp_loads_without_a_group()
+
+
+def test_pinned_host_memory_is_there_exactly_where_torch_has_a_gpu_and_its_skip_says_so() -> None:
+    # FSDP1's CPU offload pins its shard: a machine without a GPU cannot (this one, CI's).
+    assert capabilities.PINNED_HOST_MEMORY.present == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        with pytest.raises(CheckSkipped, match=r"capability 'pinned host memory' is not in torch "
+                           r".*skipped by capability, not a failure; run it on a machine with a "
+                           r"GPU$"):
+            require(capabilities.PINNED_HOST_MEMORY)
