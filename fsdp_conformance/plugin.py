@@ -60,10 +60,14 @@ def _uncaptured_stderr(config: pytest.Config) -> Iterator[TextIO]:
 
 
 LANES = ("cpu", "gpu")
+#: The marker of tests that start processes of their own (their own lane, never `-m cpu`).
+PROCESS = "process"
 MARKERS = (
     "cpu: runs on gloo on any machine (the CPU lane; `pytest -m cpu`)",
     "gpu: needs CUDA and NCCL, one device per rank (the GPU lane; `pytest -m gpu`); skipped with "
     "the reason where the machine has too few devices",
+    "process: starts processes of its own (a pytest session, a CLI run, a torchrun launch, a "
+    "script, a fork server): the process lane (`pytest -m process`), not part of `-m cpu`",
     "world_size(*sizes): run this test once per world size (e.g. world_size(2, 4)); without it, "
     "the --fsdp-world-sizes setting applies",
 )
@@ -218,6 +222,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
     if "lane" in metafunc.fixturenames:
         marked = [lane for lane in LANES if metafunc.definition.get_closest_marker(lane)]
+        if not marked and metafunc.definition.get_closest_marker(PROCESS):
+            # The process lane's ranks are gloo ranks; the test stays out of `-m cpu`.
+            metafunc.parametrize("lane", [pytest.param("cpu", id="cpu")])
+            return
         lanes = marked or list(LANES)  # unmarked: both lanes, each carrying its marker
         metafunc.parametrize(
             "lane",
@@ -232,7 +240,7 @@ def pytest_collection_modifyitems(
     settings = config.stash[SETTINGS_KEY]
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
     for item in items:
-        if not any(item.get_closest_marker(lane) for lane in LANES):
+        if not any(item.get_closest_marker(lane) for lane in (*LANES, PROCESS)):
             item.add_marker(pytest.mark.cpu)  # needs no GPU: part of the CPU lane
         uses_ranks = "ranks" in getattr(item, "fixturenames", ())
         if uses_ranks and _pytest_timeout(item) is None and _timeout_plugin_active(config):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cpu
+#: Each test but the tox ones runs a script (bash and the stand-in python): the process lane.
+process = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("ci/gpu-check.sh", "ci/gpu-lane.sh")
@@ -166,11 +167,13 @@ def nothing_ran(stubs: Stubs) -> None:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@process
 def test_script_parses(script: str) -> None:
     result = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
+@process
 def test_gpu_check_refuses_without_a_gpu_and_writes_nothing(stubs: Stubs) -> None:
     result = stubs.run("ci/gpu-check.sh", {"CUDA_VISIBLE_DEVICES": ""})  # the real torch
     assert result.returncode != 0, f"exit 0 without a GPU:\n{result.stdout}{result.stderr}"
@@ -180,6 +183,7 @@ def test_gpu_check_refuses_without_a_gpu_and_writes_nothing(stubs: Stubs) -> Non
     nothing_ran(stubs)
 
 
+@process
 def test_gpu_check_refuses_without_torch(stubs: Stubs) -> None:
     stubs.missing("torch")
     result = stubs.run("ci/gpu-check.sh", {"PYTHONPATH": str(stubs.fake)})
@@ -190,6 +194,7 @@ def test_gpu_check_refuses_without_torch(stubs: Stubs) -> None:
     nothing_ran(stubs)
 
 
+@process
 def test_gpu_check_names_a_missing_pytest_timeout(stubs: Stubs) -> None:
     """Offline: the full install fails, the --no-deps one succeeds, pytest-timeout is absent."""
     stubs.missing("pytest_timeout")
@@ -207,6 +212,7 @@ def test_gpu_check_names_a_missing_pytest_timeout(stubs: Stubs) -> None:
     (3, "1,2", "2", 0, 4),
     (8, "1,2,4,8", "8", 1, 0),
 ])
+@process
 def test_gpu_check_runs_every_world_size_and_keeps_the_artifacts_and_the_worst_status(
         stubs: Stubs, devices: int, sizes: str, launched: str, pytest_rc: int,
         report_rc: int) -> None:
@@ -230,6 +236,7 @@ def test_gpu_check_runs_every_world_size_and_keeps_the_artifacts_and_the_worst_s
     assert f"== pytest-gpu: exit {pytest_rc}" in steps and f"== report: exit {report_rc}" in steps
 
 
+@process
 def test_gpu_lane_refuses_without_a_cuda_torch_and_installs_nothing(stubs: Stubs) -> None:
     result = stubs.run("ci/gpu-lane.sh", {"CUDA_VISIBLE_DEVICES": ""})  # the real torch
     assert result.returncode != 0, f"exit 0 without a GPU:\n{result.stdout}{result.stderr}"
@@ -239,6 +246,7 @@ def test_gpu_lane_refuses_without_a_cuda_torch_and_installs_nothing(stubs: Stubs
     assert "sees no CUDA device" in line and "TORCH_SPEC" in line, line
 
 
+@process
 def test_gpu_lane_uses_the_runners_torch_and_writes_the_report_when_tests_fail(
         stubs: Stubs) -> None:
     result = stubs.run("ci/gpu-lane.sh", {**stubs.fake_torch(2), "STUB_PYTEST_RC": "1"})
@@ -260,6 +268,7 @@ def test_gpu_lane_uses_the_runners_torch_and_writes_the_report_when_tests_fail(
     assert after(reports[0], "--out").startswith(str(stubs.out)), reports
 
 
+@process
 def test_gpu_lane_installs_a_pinned_torch_once_into_a_kept_venv(stubs: Stubs) -> None:
     env = {**stubs.fake_torch(1), "STUB_GPUS": "1", "TORCH_SPEC": "torch==2.13.0"}
     for _ in range(2):
@@ -272,6 +281,7 @@ def test_gpu_lane_installs_a_pinned_torch_once_into_a_kept_venv(stubs: Stubs) ->
     assert len(installs) == 2 and all("torch==2.13.0" in c for c in installs), installs
 
 
+@process
 def test_gpu_lane_with_torch_spec_refuses_before_downloading_without_a_gpu(
         stubs: Stubs) -> None:
     result = stubs.run("ci/gpu-lane.sh", {"STUB_GPUS": "0", "TORCH_SPEC": "torch==2.13.0"})

@@ -42,8 +42,6 @@ from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.harness import PoolManager
 from fsdp_conformance.settings import OPTIONS, Settings
 
-pytestmark = pytest.mark.cpu
-
 #: A guard on each subprocess (not a timing assertion): the narrowed runs take seconds.
 SUBPROCESS_LIMIT_S = 240
 
@@ -634,6 +632,7 @@ def test_model_too_large_for_the_cpu_lane_is_one_line_and_exit_2(
     assert code == cli.EXIT_OK, err
 
 
+@pytest.mark.process
 def test_bad_model_input_from_the_command_line_prints_no_traceback(user_dir: Path) -> None:
     result = run_cli(["run", "--model", f"{USER_MODULE}:build", "--block-cls", "Nope"], user_dir,
                      {"PYTHONPATH": str(user_dir)})

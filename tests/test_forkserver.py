@@ -28,8 +28,6 @@ from fsdp_conformance.harness.forkserver import (
 )
 from fsdp_conformance.harness.pool import prestart_fork_server
 
-pytestmark = pytest.mark.cpu
-
 needs_fork = pytest.mark.skipif(
     not fork_available(), reason="this platform has no os.fork or no pidfds (Linux 5.3+): "
     "every rank is started with exec, which the other harness tests cover")
@@ -76,6 +74,7 @@ def _wait_gone(pids: list[int], limit_s: float = 20.0) -> list[int]:
 RUN = dict(args=(), kwargs={}, backend="gloo", device_type="cpu", timeout=60.0)
 
 
+@pytest.mark.process
 @needs_fork
 def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -109,8 +108,8 @@ def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
         manager.close()
     # Closing the manager ends its ranks; the servers are the process's, not the manager's,
     # and so is an inner session's end (an in-process CLI run or pytest session). The end of
-    # the outermost session closes them: test_harness.py's fault session finds no server and
-    # no rank of its own left at its unconfigure, nor after it exited.
+    # the outermost session closes them: test_harness_sessions.py's fault session finds no
+    # server and no rank of its own left at its unconfigure, nor after it exited.
     assert _wait_gone(ranks) == [], "closing the manager left rank processes running"
     forkserver.begin_session()
     assert forkserver.end_session() == 0
@@ -138,6 +137,7 @@ def test_managers_of_one_process_share_one_server_per_environment() -> None:
         second.close()
 
 
+@pytest.mark.process
 @needs_fork
 def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> None:
     # A registry of its own: killing the process's shared server would take the session's warm
@@ -166,6 +166,7 @@ def _loaded_at_start(ctx: RankContext, name: str) -> bool:
     return name in sys.modules
 
 
+@pytest.mark.process
 @needs_fork
 def test_a_server_started_early_imports_before_each_fork_what_the_parent_loaded_since(
     monkeypatch: pytest.MonkeyPatch,
@@ -194,6 +195,7 @@ def test_a_server_started_early_imports_before_each_fork_what_the_parent_loaded_
 TRACKERS = "torch.distributed._tools.mem_tracker"
 
 
+@pytest.mark.process
 @needs_fork
 def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -221,6 +223,7 @@ def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never
     assert out.strip() == "False"
 
 
+@pytest.mark.process
 def test_a_pool_without_fork_servers_starts_its_ranks_with_exec() -> None:
     # The default of a RankPool built by hand, and the path of every GPU pool.
     with RankPool(1) as pool:
@@ -228,6 +231,7 @@ def test_a_pool_without_fork_servers_starts_its_ranks_with_exec() -> None:
     assert _values([outcome])[0]["ppid"] == os.getpid()
 
 
+@pytest.mark.process
 @needs_fork
 def test_a_pool_with_fork_servers_on_a_platform_without_fork_uses_exec(
     monkeypatch: pytest.MonkeyPatch

@@ -20,8 +20,6 @@ import pytest
 import fsdp_conformance.harness as harness
 from fsdp_conformance.harness import HarnessError, RankContext
 
-pytestmark = pytest.mark.cpu
-
 PACKAGE = "fsdp_conformance"
 HARNESS = f"{PACKAGE}.harness"
 WORKER_MODULE = f"{HARNESS}.worker"
@@ -63,6 +61,7 @@ def _how_this_rank_started(ctx: RankContext) -> dict[str, object]:
     return {"argv": argv, "worker_imported_twice": WORKER_MODULE in sys.modules}
 
 
+@pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_ranks_run_the_worker_module_once(ranks) -> None:
     if ranks.launcher is not None:
@@ -81,6 +80,7 @@ RankPool(1, start_timeout=60.0)  # at the top level: every rank re-imports this 
 """
 
 
+@pytest.mark.process
 def test_a_pool_started_while_a_rank_imports_the_parents_script_is_refused(tmp_path: Path) -> None:
     # The flag the worker sets (protocol.loading_parent_main) is the one the pool reads.
     script = tmp_path / "unguarded.py"

@@ -31,8 +31,6 @@ from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import LauncherRunner, RankContext
 from fsdp_conformance.settings import Settings, SettingsError
 
-pytestmark = pytest.mark.cpu
-
 #: A guard on each launch (not a timing assertion): the narrowed runs take seconds.
 LAUNCH_LIMIT_S = 300
 TABLE_HEADER = ["check", "outcome", "key", "figures"]
@@ -200,6 +198,7 @@ def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
     without_malloc: Launch,
 ) -> None:
@@ -228,6 +227,7 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
     assert log[-1] == "exit 0 (the worst of every rank's: rank 0 0, rank 1 0)"
 
 
+@pytest.mark.process
 def test_a_check_needing_an_allocator_setting_skips_on_every_rank_with_the_fix(
     without_malloc: Launch,
 ) -> None:
@@ -242,6 +242,7 @@ def test_a_check_needing_an_allocator_setting_skips_on_every_rank_with_the_fix(
     assert sum(" ... skipped (" in line for line in without_malloc.rank1_log) == 2
 
 
+@pytest.mark.process
 def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
@@ -260,6 +261,7 @@ def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
         assert all(r["mmap_threshold"] == "65536" and r["meter"] == "VmHWM" for r in ranks)
 
 
+@pytest.mark.process
 def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
@@ -284,6 +286,7 @@ def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
     assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
 
 
+@pytest.mark.process
 def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
@@ -408,6 +411,7 @@ def test_stuck(ranks):
 """
 
 
+@pytest.mark.process
 def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
     tmp_path: Path,
 ) -> None:
@@ -453,6 +457,7 @@ def test_after(ranks):
 """
 
 
+@pytest.mark.process
 def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) -> None:
     # The checks run in each rank's own pytest behind execute_check's catch-all: Ctrl-C must
     # end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test and
@@ -467,6 +472,7 @@ def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) ->
     assert done.returncode != 0, told
 
 
+@pytest.mark.process
 def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
     # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
     # period. A check runs in the rank's own process here, behind execute_check's catch-all:

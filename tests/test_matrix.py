@@ -20,8 +20,6 @@ from fsdp_conformance.gate.report import write_json_report
 from fsdp_conformance.harness import CheckSkipped
 from fsdp_conformance.settings import Settings
 
-pytestmark = pytest.mark.cpu
-
 
 def entry(check: str, outcome: str, message: str = "ok", variant: str = "fsdp2,massive",
           expected: dict[str, str] | None = None) -> dict[str, Any]:
@@ -187,6 +185,7 @@ def fake_venv(venvs: Path, version: str, prepared: Path) -> None:
         path.chmod(0o755)
 
 
+@pytest.mark.process
 def test_torch_matrix_script_runs_each_kept_venv_and_renders_the_matrix(tmp_path: Path) -> None:
     """ci/torch-matrix.sh with its venvs already there (nothing installed): each version's run
     exits 1 (a failed check) and still counts, a version that wrote no report is named and the

@@ -16,8 +16,6 @@ import pytest
 
 from fsdp_conformance.harness import cuda_device_count
 
-pytestmark = pytest.mark.cpu
-
 LANES = """
 import pytest
 
@@ -51,12 +49,14 @@ def _no_outer_settings(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+@pytest.mark.process
 def test_markers_are_registered_and_listed(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--markers")
     result.stdout.fnmatch_lines(
         [
             "@pytest.mark.cpu: runs on gloo on any machine*",
             "@pytest.mark.gpu: needs CUDA and NCCL*",
+            "@pytest.mark.process: starts processes of its own*",
             "@pytest.mark.world_size(*sizes): run this test once per world size*",
         ],
         consecutive=False,
@@ -76,6 +76,46 @@ def test_every_test_carries_a_lane_marker(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_inprocess("-m", "not cpu and not gpu")
     result.assert_outcomes(deselected=3)
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+PROCESS_LANE = """
+import os
+
+import pytest
+
+
+def _pid(ctx):
+    return os.getpid()
+
+
+@pytest.mark.process
+def test_starts_a_process():
+    pass
+
+
+@pytest.mark.process
+def test_process_with_ranks(ranks):
+    assert os.getpid() not in ranks.run(_pid)
+
+
+def test_unmarked():
+    pass
+"""
+
+
+def test_a_process_test_is_in_the_process_lane_only_and_its_ranks_are_gloo_ranks(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_process_lane=PROCESS_LANE)
+    cpu = pytester.runpytest_inprocess("-m", "cpu", "-rA")
+    cpu.assert_outcomes(passed=1, deselected=2)
+    cpu.stdout.fnmatch_lines(["PASSED test_process_lane.py::test_unmarked"])
+    process = pytester.runpytest_inprocess("-m", "process", "-rA", "--fsdp-world-sizes", "2")
+    process.assert_outcomes(passed=2, deselected=1)
+    process.stdout.fnmatch_lines(
+        ["PASSED test_process_lane.py::test_process_with_ranks[[]ws2-cpu[]]"], consecutive=False)
+    lanes = pytester.runpytest_inprocess("-m", "not cpu and not gpu and not process")
+    lanes.assert_outcomes(deselected=3)  # every test is in one lane
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without CUDA")

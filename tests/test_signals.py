@@ -23,8 +23,6 @@ import pytest
 from fsdp_conformance import harness
 from fsdp_conformance.harness import interrupts
 
-pytestmark = pytest.mark.cpu
-
 #: Guards on the subprocesses (not timing assertions).
 START_LIMIT_S = 180
 EXIT_LIMIT_S = 60
@@ -226,6 +224,7 @@ def finished(proc: subprocess.Popen[str], tmpdir: Path, pids: list[int]) -> Inte
     return Interrupted(tmpdir.parent, tmpdir, pids, proc.returncode, out, err)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("run", list(RUNS))
 def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
     interrupted_runs: dict[str, Interrupted], run: str, tmp_path_factory: pytest.TempPathFactory
@@ -265,6 +264,7 @@ def test_sleeps_on_the_ranks(ranks):
 """
 
 
+@pytest.mark.process
 def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(tmp_path: Path) -> None:
     (tmp_path / "test_slow.py").write_text(SLOW_TEST)
     tmpdir = tmp_path / "tmp"

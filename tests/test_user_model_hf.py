@@ -43,8 +43,6 @@ from fsdp_conformance.models import (
 from fsdp_conformance.policies import PolicyError
 from fsdp_conformance.profile import plan_step
 
-pytestmark = pytest.mark.cpu
-
 HF = "fsdp_conformance.hf_models"
 
 
@@ -182,6 +180,7 @@ def test_an_explicit_wrong_block_class_on_a_transformers_model_is_still_an_error
         spec.block_classes(spec.build("meta"))
 
 
+@pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_an_input_builder_returning_a_mapping_trains_under_fsdp(ranks: Ranks) -> None:
     """rank_train slices a mapping batch per rank and calls the model with keywords."""
@@ -236,6 +235,7 @@ def test_depth_of_a_factory_that_cannot_set_it_names_both_ways() -> None:
     assert "a transformers model whose config has num_hidden_layers" in str(info.value)
 
 
+@pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_depth_invariance_skips_a_factory_without_a_settable_depth(ranks: Ranks) -> None:
     spec = _spec(f"{__name__}:keyword_net", block_cls=("Linear",))
@@ -243,6 +243,7 @@ def test_depth_invariance_skips_a_factory_without_a_settable_depth(ranks: Ranks)
         run_check(ranks.configured(skip=None), _depth_check(), spec=spec)
 
 
+@pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_depth_invariance_measures_a_transformers_factory_at_three_depths(ranks: Ranks) -> None:
     verdict = run_check(ranks, _depth_check(), spec=_spec(f"{__name__}:gpt2_fixed"),
@@ -253,6 +254,7 @@ def test_depth_invariance_measures_a_transformers_factory_at_three_depths(ranks:
             in verdict.message)
 
 
+@pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_depth_invariance_fails_a_factory_that_ignores_its_depth_keyword(ranks: Ranks) -> None:
     verdict = run_check(ranks, _depth_check(), spec=_spec(f"{__name__}:llama_ignoring_depth"),
@@ -325,6 +327,7 @@ def test_the_pyproject_model_resolves_from_the_current_folder(
     assert out.split()[0] == "init.meta_build[fsdpc_cwd_models:build]"
 
 
+@pytest.mark.process
 def test_cli_run_from_the_model_folder_needs_no_pythonpath(tmp_path: Path) -> None:
     """The console script's sys.path starts with its own folder, not the current one: run
     the CLI the same way (a launcher script elsewhere), from the folder of the factory."""
