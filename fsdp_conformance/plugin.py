@@ -239,6 +239,7 @@ def pytest_collection_modifyitems(
 ) -> None:
     settings = config.stash[SETTINGS_KEY]
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
+    _refuse_process_tests_in_a_lane(items)
     for item in items:
         if not any(item.get_closest_marker(lane) for lane in (*LANES, PROCESS)):
             item.add_marker(pytest.mark.cpu)  # needs no GPU: part of the CPU lane
@@ -248,6 +249,20 @@ def pytest_collection_modifyitems(
             # outer guard. Either way each check's timeout fits inside it (see `ranks`).
             item.add_marker(pytest.mark.timeout(outer, method="signal"))
             item.stash[OUTER_GUARD_KEY] = True
+
+
+def _refuse_process_tests_in_a_lane(items: list[pytest.Item]) -> None:
+    """A test marked ``process`` that also carries ``cpu`` or ``gpu`` (usually a module's
+    ``pytestmark``) would run in two lanes: a usage error naming them and the fix."""
+    both = [item.nodeid for item in items if item.get_closest_marker(PROCESS)
+            and any(item.get_closest_marker(lane) for lane in LANES)]
+    if both:
+        shown = ", ".join(both[:3]) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
+        raise pytest.UsageError(
+            f"{len(both)} test(s) carry the process marker and a lane marker (cpu or gpu): "
+            f"{shown}. A process test is in the process lane only (`pytest -m process`); "
+            "remove the cpu/gpu marker from it (a module-level pytestmark included: mark that "
+            "module's other tests one by one)")
 
 
 def _timeout_plugin_active(config: pytest.Config) -> bool:

@@ -9,11 +9,8 @@ others' work. Every test here starts processes of its own: ``pytest -m process``
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ from inner_sessions import (
     start_session,
 )
 
-from fsdp_conformance.harness import HarnessError, RankContext
+from fsdp_conformance.harness import HarnessError
 
 pytestmark = pytest.mark.process
 
@@ -770,128 +767,3 @@ def test_under_torchrun_a_check_failing_on_one_rank_fails_on_every_rank(
             ]
         )
     assert returncode != 0
-
-
-@pytest.mark.cpu
-def test_under_a_launcher_a_lane_of_another_device_skips_with_the_fix() -> None:
-    # One launch has one process group: the cpu lane's checks on an NCCL launch would put CPU
-    # tensors into NCCL collectives. The launcher stands in (no GPU here); nothing is run.
-    from types import SimpleNamespace
-
-    from fsdp_conformance.harness import CheckSkipped, Ranks
-
-    nccl_launch = SimpleNamespace(world_size=2, device_type="cuda", backend="nccl")
-    ranks = Ranks(None, 2, lane="cpu", backend="gloo", launcher=nccl_launch)  # type: ignore[arg-type]
-    with pytest.raises(CheckSkipped, match=r"cpu lane: this launch's process group is nccl"):
-        ranks.run(_rank_of)
-    with pytest.raises(CheckSkipped, match=r"-m cpu --fsdp-backend gloo"):
-        ranks.run(_rank_of)
-
-
-def _rank_of(ctx: RankContext) -> int:
-    return ctx.rank
-
-
-# --------------------------------------------------------------------------------------------
-# Check timeouts inside an outer pytest-timeout (pure functions; the fault session proves the
-# reports)
-# --------------------------------------------------------------------------------------------
-
-
-def test_check_timeout_is_cut_to_end_before_the_outer_deadline_and_says_so() -> None:
-    from fsdp_conformance.harness import fit_timeout, outer_deadline
-
-    now = time.monotonic()
-    deadline, note = outer_deadline(now, 60.0, "--timeout")
-    assert note == ("this test's pytest-timeout of 60s (--timeout), less 5s for the stack dump "
-                    "and teardown")
-    assert deadline == pytest.approx(now + 55.0)
-    assert fit_timeout(30.0, deadline, note) == (30.0, "")  # fits: untouched
-    assert fit_timeout(30.0, None) == (30.0, "")  # no pytest-timeout: untouched
-    cut, why = fit_timeout(120.0, deadline, note)
-    assert 50.0 < cut <= 55.0
-    assert why == f" (cut from 120s to end within {note})"
-    # A short pytest-timeout keeps back a quarter of itself, not 5 s of 8.
-    assert outer_deadline(now, 8.0, "its timeout marker")[0] == pytest.approx(now + 6.0)
-    # Past the deadline a check still gets a moment, so its stacks are dumped.
-    assert fit_timeout(120.0, now - 1.0, note)[0] == 0.1
-
-
-def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_saying_so(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import fsdp_conformance.harness.pool as pool_module
-    from fsdp_conformance.harness import PoolManager
-
-    # Ranks started with exec: forked from this session's warm fork server, a pool can start
-    # within the 0.1 s left (and an exec-started rank killed at once costs no torch import).
-    monkeypatch.setattr(pool_module, "fork_available", lambda: False)
-    manager = PoolManager()
-    try:
-        with pytest.raises(HarnessError) as info:
-            manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
-                                 device_type="cpu", timeout=100.0,
-                                 deadline=time.monotonic() - 1.0, deadline_note="NOTE")
-    finally:
-        manager.close()
-    message = str(info.value)
-    # Which start phase runs out first depends on the machine's speed: the ranks connecting,
-    # or the process group's init (with fork servers, also a server importing torch).
-    first_line = message.splitlines()[0]
-    assert first_line.startswith("could not start 2 gloo ranks: "), first_line
-    assert any(phase in first_line for phase in (
-        "timed out importing torch", "timed out connecting", "process group init timed out")
-    ), first_line
-    assert message.endswith("(the ranks had 0.1s to start, the rest of NOTE)")
-
-
-def test_crash_site_names_the_torch_function_called_or_the_innermost_frame() -> None:
-    from fsdp_conformance.harness.outcomes import crash_site
-
-    log = "\n".join([
-        "Fatal Python error: Segmentation fault",
-        "",
-        "Thread 0x00007f0 (most recent call first):",  # another thread: not the crashed one
-        '  File "/x/threading.py", line 331 in wait',
-        "",
-        "Current thread 0x00007f1 (most recent call first):",
-        '  File "/usr/lib/python3.11/ctypes/__init__.py", line 519 in string_at',
-        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2942 in all_reduce',
-        '  File "/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper',
-        '  File "/work/model.py", line 7 in step',
-        "",
-        "Extension modules: numpy",
-    ])
-    assert crash_site(log) == ("inside torch: torch.distributed.c10d_logger.wrapper (crashed in "
-                               "torch.distributed.distributed_c10d.all_reduce, line 2942)")
-    no_torch = log.replace("/site-packages/torch/", "/site-packages/other/")
-    assert crash_site(no_torch) == ("in string_at (/usr/lib/python3.11/ctypes/__init__.py, "
-                                    "line 519)")
-    assert crash_site("exited normally\n") is None
-
-
-def test_a_pool_under_a_folder_too_deep_for_a_socket_path_still_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A unix socket's path has at most 107 bytes; a deep TMPDIR (a pytest-xdist worker's
-    temporary folder) went past it, and the pool's start failed with ``OSError: AF_UNIX path
-    too long`` from inside multiprocessing. The control socket moves to the abstract namespace."""
-    from fsdp_conformance.harness import PoolManager
-    from fsdp_conformance.harness.pool import UNIX_PATH_MAX, control_address
-
-    deep = tmp_path / ("d" * 60) / ("e" * 60)
-    deep.mkdir(parents=True)
-    assert len(os.fsencode(os.path.join(deep, "fsdp-conformance-ranks-xxxxxxxx", "ctl.sock"))) \
-        > UNIX_PATH_MAX
-    assert control_address(str(deep)).startswith("\0fsdp-conformance-")
-    assert control_address(str(tmp_path)) == os.path.join(tmp_path, "ctl.sock")
-    monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    manager = PoolManager()
-    try:
-        outcomes = manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
-                                        device_type="cpu", timeout=60.0)
-    finally:
-        manager.close()
-    assert [o.value for o in outcomes] == [0, 1]
-    # The pool's folder is gone with the pool (the session's fork server keeps its own).
-    assert list(deep.glob("fsdp-conformance-ranks-*")) == []

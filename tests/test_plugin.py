@@ -118,6 +118,27 @@ def test_a_process_test_is_in_the_process_lane_only_and_its_ranks_are_gloo_ranks
     lanes.assert_outcomes(deselected=3)  # every test is in one lane
 
 
+def test_a_process_test_under_a_cpu_module_mark_is_a_usage_error_naming_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_both="""
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.mark.process
+def test_starts_a_process():
+    pass
+""")
+    result = pytester.runpytest_inprocess("-m", "cpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "ERROR: 1 test(s) carry the process marker and a lane marker (cpu or gpu): "
+        "test_both.py::test_starts_a_process. A process test is in the process lane only*"
+    ])
+
+
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without CUDA")
 def test_gpu_lane_on_a_cpu_machine_skips_with_the_reason_and_exits_0(
     pytester: pytest.Pytester,
