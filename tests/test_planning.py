@@ -454,8 +454,10 @@ def _without(bound: Bound, name: str) -> Bound:
     return Bound(tuple(t for t in bound.terms if t.name != name), bound.tolerance)
 
 
+# At the session's world sizes: 2, and 4 where the machine has a core per rank (four ranks
+# time-sharing two cores measure the same peaks at twice the cost; HSDP's 2 x 2 below always
+# runs at 4, and `--fsdp-world-sizes 2,4` runs this at 4 anywhere).
 @pytest.mark.cpu  # the CUDA allocator adds cuBLAS workspaces and block rounding: not modelled
-@pytest.mark.world_size(2, 4)
 def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_caught(
     ranks: Ranks,
 ) -> None:
