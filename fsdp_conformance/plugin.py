@@ -252,17 +252,18 @@ def pytest_collection_modifyitems(
 
 
 def _refuse_process_tests_in_a_lane(items: list[pytest.Item]) -> None:
-    """A test marked ``process`` that also carries ``cpu`` or ``gpu`` (usually a module's
-    ``pytestmark``) would run in two lanes: a usage error naming them and the fix."""
-    both = [item.nodeid for item in items if item.get_closest_marker(PROCESS)
-            and any(item.get_closest_marker(lane) for lane in LANES)]
+    """A test marked ``process`` that also carries ``cpu`` (usually a module's ``pytestmark``)
+    would run in both lanes: a usage error naming them and the fix. (``process`` with ``gpu`` is
+    a GPU test that starts processes: it stays in the GPU lane.)"""
+    both = [item.nodeid for item in items
+            if item.get_closest_marker(PROCESS) and item.get_closest_marker("cpu")]
     if both:
         shown = ", ".join(both[:3]) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
         raise pytest.UsageError(
-            f"{len(both)} test(s) carry the process marker and a lane marker (cpu or gpu): "
-            f"{shown}. A process test is in the process lane only (`pytest -m process`); "
-            "remove the cpu/gpu marker from it (a module-level pytestmark included: mark that "
-            "module's other tests one by one)")
+            f"{len(both)} test(s) carry both the process and the cpu marker: {shown}. A process "
+            "test is not in the CPU lane (`pytest -m process` runs it); remove the cpu marker "
+            "from it (a module-level pytestmark included: mark that module's other tests one "
+            "by one)")
 
 
 def _timeout_plugin_active(config: pytest.Config) -> bool:

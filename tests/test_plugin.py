@@ -98,6 +98,12 @@ def test_process_with_ranks(ranks):
     assert os.getpid() not in ranks.run(_pid)
 
 
+@pytest.mark.gpu
+@pytest.mark.process
+def test_gpu_process():
+    pass
+
+
 def test_unmarked():
     pass
 """
@@ -108,14 +114,17 @@ def test_a_process_test_is_in_the_process_lane_only_and_its_ranks_are_gloo_ranks
 ) -> None:
     pytester.makepyfile(test_process_lane=PROCESS_LANE)
     cpu = pytester.runpytest_inprocess("-m", "cpu", "-rA")
-    cpu.assert_outcomes(passed=1, deselected=2)
+    cpu.assert_outcomes(passed=1, deselected=3)
     cpu.stdout.fnmatch_lines(["PASSED test_process_lane.py::test_unmarked"])
-    process = pytester.runpytest_inprocess("-m", "process", "-rA", "--fsdp-world-sizes", "2")
-    process.assert_outcomes(passed=2, deselected=1)
+    process = pytester.runpytest_inprocess("-m", "process and not gpu", "-rA",
+                                           "--fsdp-world-sizes", "2")
+    process.assert_outcomes(passed=2, deselected=2)
     process.stdout.fnmatch_lines(
         ["PASSED test_process_lane.py::test_process_with_ranks[[]ws2-cpu[]]"], consecutive=False)
+    gpu = pytester.runpytest_inprocess("-m", "gpu", "--co", "-q")  # a GPU test that starts
+    gpu.stdout.fnmatch_lines(["test_process_lane.py::test_gpu_process"])  # processes
     lanes = pytester.runpytest_inprocess("-m", "not cpu and not gpu and not process")
-    lanes.assert_outcomes(deselected=3)  # every test is in one lane
+    lanes.assert_outcomes(deselected=4)  # every test is in a lane
 
 
 def test_a_process_test_under_a_cpu_module_mark_is_a_usage_error_naming_it(
@@ -134,8 +143,8 @@ def test_starts_a_process():
     result = pytester.runpytest_inprocess("-m", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
-        "ERROR: 1 test(s) carry the process marker and a lane marker (cpu or gpu): "
-        "test_both.py::test_starts_a_process. A process test is in the process lane only*"
+        "ERROR: 1 test(s) carry both the process and the cpu marker: "
+        "test_both.py::test_starts_a_process. A process test is not in the CPU lane*"
     ])
 
 
