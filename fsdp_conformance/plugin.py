@@ -239,7 +239,7 @@ def pytest_collection_modifyitems(
 ) -> None:
     settings = config.stash[SETTINGS_KEY]
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
-    _refuse_process_tests_in_a_lane(items)
+    _refuse_process_tests_marked_cpu(items)
     for item in items:
         if not any(item.get_closest_marker(lane) for lane in (*LANES, PROCESS)):
             item.add_marker(pytest.mark.cpu)  # needs no GPU: part of the CPU lane
@@ -251,7 +251,7 @@ def pytest_collection_modifyitems(
             item.stash[OUTER_GUARD_KEY] = True
 
 
-def _refuse_process_tests_in_a_lane(items: list[pytest.Item]) -> None:
+def _refuse_process_tests_marked_cpu(items: list[pytest.Item]) -> None:
     """A test marked ``process`` that also carries ``cpu`` (usually a module's ``pytestmark``)
     would run in both lanes: a usage error naming them and the fix. (``process`` with ``gpu`` is
     a GPU test that starts processes: it stays in the GPU lane.)"""

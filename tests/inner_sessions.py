@@ -67,12 +67,6 @@ def finish_session(proc: subprocess.Popen[str], directory: Path) -> Session:
     return Session(directory, proc.pid, result)
 
 
-def run_session(
-    directory: Path, args: Sequence[str], env: Mapping[str, str] | None = None
-) -> Session:
-    return finish_session(start_session(directory, args, env), directory)
-
-
 def rank_processes_of(session: Session) -> list[str]:
     """Live rank processes of a session: started by its pid, or in its folder (xdist workers)."""
     pattern = re.compile(rf"'parent_pid': {session.pid}\b")

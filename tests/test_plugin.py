@@ -121,8 +121,9 @@ def test_a_process_test_is_in_the_process_lane_only_and_its_ranks_are_gloo_ranks
     process.assert_outcomes(passed=2, deselected=2)
     process.stdout.fnmatch_lines(
         ["PASSED test_process_lane.py::test_process_with_ranks[[]ws2-cpu[]]"], consecutive=False)
-    gpu = pytester.runpytest_inprocess("-m", "gpu", "--co", "-q")  # a GPU test that starts
-    gpu.stdout.fnmatch_lines(["test_process_lane.py::test_gpu_process"])  # processes
+    # A GPU test that starts processes stays in the GPU lane.
+    gpu = pytester.runpytest_inprocess("-m", "gpu", "--co", "-q")
+    gpu.stdout.fnmatch_lines(["test_process_lane.py::test_gpu_process"])
     lanes = pytester.runpytest_inprocess("-m", "not cpu and not gpu and not process")
     lanes.assert_outcomes(deselected=4)  # every test is in a lane
 
