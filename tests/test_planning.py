@@ -262,7 +262,7 @@ def test_plan_tree_collapses_identical_blocks_and_keeps_the_nesting(
     assert "1.71 GB each" in tree  # one block gathered in bf16
     full = format_plan_tree(plan70, 1024, collapse=False)
     assert "layers.79  LlamaBlock" in full and len(full.splitlines()) == 84
-    seeds = plan_model(llama70b, PlanSettings(policy="seeds", seq_len=16), meta70)
+    seeds = plan_model(llama70b, PlanSettings(policy="seeds", seq_len=512), meta70)
     tree = format_plan_tree(seeds, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree and "│   ├── wq  Linear" in tree
     report = plan_report(seeds, 1024, [80 * GB])
@@ -797,6 +797,7 @@ def test_plans_that_differ_only_in_what_the_forward_does_not_read_share_one_prof
     real = estimate.profile_step_activations
     monkeypatch.setattr(estimate, "profile_step_activations",
                         lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(estimate, "_SPEC_PROFILES", {})  # none from this session's other plans
     choice = choose_model(reference="llama", layers=2, dim=32)
     meta = build_meta_model(choice)
     base = PlanSettings(seq_len=16)
@@ -810,3 +811,30 @@ def test_plans_that_differ_only_in_what_the_forward_does_not_read_share_one_prof
                    {"attention": "math"}):
         plan_model(choice, dataclasses.replace(base, **change), meta)
     assert len(calls) == 5
+    # A reference model is named by its spec: another meta build of it reuses the profiles...
+    again = plan_model(choice, base, build_meta_model(choice))
+    assert len(calls) == 5 and again.activations == plans[0].activations
+    # ...another config of it does not.
+    plan_model(choose_model(reference="llama", layers=2, dim=64), base)
+    assert len(calls) == 6
+
+
+def test_a_factorys_profile_is_kept_on_its_model_object_not_by_spec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A factory's spec names a path whose code may change in the process: a new build profiles
+    anew; the same model object planned again does not."""
+    from fsdp_conformance.plan import estimate
+
+    calls = []
+    real = estimate.profile_step_activations
+    monkeypatch.setattr(estimate, "profile_step_activations",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    choice = choose_model(factory="fsdp_conformance.hf_models:llama")
+    meta = build_meta_model(choice)
+    settings = PlanSettings(seq_len=16)
+    plan_model(choice, settings, meta)
+    plan_model(choice, settings, meta)
+    assert len(calls) == 1
+    plan_model(choice, settings, build_meta_model(choice))
+    assert len(calls) == 2

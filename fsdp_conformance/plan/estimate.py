@@ -209,6 +209,18 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
 #: (:func:`compare_policies`, the HSDP and offload alternatives) cost one forward.
 _MODULE_PROFILES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ActivationProfile]] = (
     weakref.WeakKeyDictionary())
+#: The same profiles of reference models and presets, by spec for the whole process: their spec
+#: (a frozen config) names the model, its forward included, so another meta build of it (another
+#: plan or command in one process) costs its build and not another forward. A user's factory
+#: keeps its profiles on the model object: its spec names a path whose code may change.
+_SPEC_PROFILES: dict[tuple[Any, ...], ActivationProfile] = {}
+
+
+def _profiles_of(model: Any, choice: ModelChoice) -> dict[tuple[Any, ...], ActivationProfile]:
+    spec = choice.spec
+    if spec.reference is not None and spec.factory is None and spec.input_builder is None:
+        return _SPEC_PROFILES
+    return _MODULE_PROFILES.setdefault(model, {})
 
 
 #: Settings the profile's forward does not read (it reads the compute dtype, the batch, the
@@ -227,8 +239,8 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
     modules = list(model.named_modules())
     shape = (tuple((name, type(m)) for name, m in modules),
              tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
-    key = (choice.label, dataclasses.replace(settings, **_NOT_IN_FORWARD), shape)
-    profiles = _MODULE_PROFILES.setdefault(model, {})
+    key = (choice.spec, choice.label, dataclasses.replace(settings, **_NOT_IN_FORWARD), shape)
+    profiles = _profiles_of(model, choice)
     names = {id(m): name for name, m in modules}
     if key not in profiles:
         every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0) for name, m in modules]
