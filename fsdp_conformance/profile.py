@@ -76,12 +76,15 @@ def _grouped_mm_on_meta() -> Any:
 
 
 def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[UnitInfo],
-                        loss_fn: Callable[[Any], Any] = default_loss) -> ActivationProfile:
+                        loss_fn: Callable[[Any], Any] = default_loss, *,
+                        count_flops: bool = True) -> ActivationProfile:
     """Activation bytes per unit for one forward + loss, measured on a meta model and batch.
 
     Saved tensors are those autograd keeps for backward (``saved_tensors_hooks``), deduplicated
     by storage; parameters are excluded (they are counted as parameters). Works on any device;
-    on ``meta`` nothing is allocated, so it runs at full scale.
+    on ``meta`` nothing is allocated, so it runs at full scale. ``count_flops``: each unit's
+    forward FLOPs too (``forward_flops``: what recomputing a checkpointed unit costs, which only
+    the planner reports); torch's ``FlopCounterMode`` is about a third of the forward's time.
     """
     TorchDispatchMode = torch_dispatch_mode_cls()
 
@@ -125,7 +128,7 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post))
-    flops = _flop_counter(model)
+    flops = _flop_counter(model) if count_flops else _no_flops()
     try:
         with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
               _grouped_mm_on_meta(), Produced(), flops.mode):
@@ -187,15 +190,20 @@ def _flop_counter(model: torch.nn.Module) -> Any:
     try:
         return _Flops(model)
     except (ImportError, TypeError):  # pragma: no cover - depends on the torch version
-        import contextlib
+        return _no_flops()
 
-        class _NoFlops:
-            mode = contextlib.nullcontext()
 
-            def by_unit(self, units: Any) -> dict[str, int]:
-                return {}
+def _no_flops() -> Any:
+    """A FLOP counter that counts nothing (``forward_flops`` stays empty)."""
+    import contextlib
 
-        return _NoFlops()
+    class _NoFlops:
+        mode = contextlib.nullcontext()
+
+        def by_unit(self, units: Any) -> dict[str, int]:
+            return {}
+
+    return _NoFlops()
 
 
 #: The meta plan of each model and batch size this process has profiled: units, activation
@@ -237,7 +245,8 @@ def _profile_on_meta(spec: ModelSpec,
     units = plan_units(model, policy_for("recommended", model, spec))
     try:
         batch = spec.batch(model, batch_size, "meta")
-        acts = profile_activations(model, batch, units)
+        # The memory checks' bounds read bytes only: no FLOPs (the planner counts them).
+        acts = profile_activations(model, batch, units, count_flops=False)
     except Exception as exc:  # noqa: BLE001 - a user's model or input builder; say which
         raise MeasureError(
             f"cannot profile the activations of {spec.name!r} on the meta device "

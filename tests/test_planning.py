@@ -838,3 +838,20 @@ def test_a_factorys_profile_is_kept_on_its_model_object_not_by_spec(
     assert len(calls) == 1
     plan_model(choice, settings, build_meta_model(choice))
     assert len(calls) == 2
+
+
+def test_the_memory_checks_profile_counts_the_planners_bytes_without_its_flops() -> None:
+    """The memory checks' meta profile (profile.plan_step) leaves out the FLOP counter, which
+    only the planner's recompute cost reads; its bytes are the planner's for the same forward
+    (fp32, unfused attention, batch 2 x 8)."""
+    from fsdp_conformance.profile import plan_step
+
+    choice = choose_model(reference="llama", layers=2, dim=32)
+    memory_profile = plan_step(choice.spec, 2, "fsdp2")[1].activations
+    assert memory_profile is not None and memory_profile.forward_flops == {}
+    planned = plan_model(choice, PlanSettings(seq_len=8, batch_size=2, compute_dtype="fp32",
+                                              attention="math", optimizer="none")).activations
+    assert planned.forward_flops["layers.0"] > 0
+    assert (memory_profile.saved_bytes, memory_profile.produced_bytes,
+            memory_profile.input_bytes) == (planned.saved_bytes, planned.produced_bytes,
+                                            planned.input_bytes)
