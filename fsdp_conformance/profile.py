@@ -6,6 +6,7 @@ of a model; :func:`profile_activations` measures its activations per unit with a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,7 +129,7 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post))
-    flops = _flop_counter(model) if count_flops else _no_flops()
+    flops = _flop_counter(model) if count_flops else _NoFlops()
     try:
         with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
               _grouped_mm_on_meta(), Produced(), flops.mode):
@@ -190,20 +191,17 @@ def _flop_counter(model: torch.nn.Module) -> Any:
     try:
         return _Flops(model)
     except (ImportError, TypeError):  # pragma: no cover - depends on the torch version
-        return _no_flops()
+        return _NoFlops()
 
 
-def _no_flops() -> Any:
+class _NoFlops:
     """A FLOP counter that counts nothing (``forward_flops`` stays empty)."""
-    import contextlib
 
-    class _NoFlops:
-        mode = contextlib.nullcontext()
+    def __init__(self) -> None:
+        self.mode = contextlib.nullcontext()
 
-        def by_unit(self, units: Any) -> dict[str, int]:
-            return {}
-
-    return _NoFlops()
+    def by_unit(self, units: Any) -> dict[str, int]:
+        return {}
 
 
 #: The meta plan of each model and batch size this process has profiled: units, activation
