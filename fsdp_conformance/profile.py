@@ -85,7 +85,8 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
     by storage; parameters are excluded (they are counted as parameters). Works on any device;
     on ``meta`` nothing is allocated, so it runs at full scale. ``count_flops``: each unit's
     forward FLOPs too (``forward_flops``: what recomputing a checkpointed unit costs, which only
-    the planner reports); torch's ``FlopCounterMode`` is a fifth to a third of the forward's time.
+    the planner reports); torch's ``FlopCounterMode`` is about a third of the forward's time
+    (``benchmarks/bench_profile_flops.py``).
     """
     TorchDispatchMode = torch_dispatch_mode_cls()
 
