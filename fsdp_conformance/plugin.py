@@ -60,14 +60,16 @@ def _uncaptured_stderr(config: pytest.Config) -> Iterator[TextIO]:
 
 
 LANES = ("cpu", "gpu")
-#: The marker of tests that start processes of their own (their own lane, never `-m cpu`).
+#: The marker of tests that start processes of their own or run the whole suite (their own lane,
+#: never `-m cpu`).
 PROCESS = "process"
 MARKERS = (
     "cpu: runs on gloo on any machine (the CPU lane; `pytest -m cpu`)",
     "gpu: needs CUDA and NCCL, one device per rank (the GPU lane; `pytest -m gpu`); skipped with "
     "the reason where the machine has too few devices",
     "process: starts processes of its own (a pytest session, a CLI run, a torchrun launch, a "
-    "script, a fork server): the process lane (`pytest -m process`), not part of `-m cpu`",
+    "script, a fork server) or runs the whole suite on a model: the process lane "
+    "(`pytest -m process`), not part of `-m cpu`",
     "world_size(*sizes): run this test once per world size (e.g. world_size(2, 4)); without it, "
     "the --fsdp-world-sizes setting applies",
 )

@@ -117,6 +117,34 @@ def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
     assert all(_alive(pid) for pid in servers)
 
 
+def _pid_and_env(ctx: RankContext, name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
+def _threads(ctx: RankContext) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.process  # the fresh ranks' environment needs a fork server of its own
+@pytest.mark.world_size(2)
+def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
+    warm = ranks.run(_pid)
+    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "3"})
+    seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
+    assert [value for _, value in seen] == ["65536", "65536"]
+    assert {pid for pid, _ in seen}.isdisjoint(warm)
+    assert not any(_alive(pid) for pid, _ in seen)  # fresh ranks end with their check
+    # A thread count the user set is theirs, on forked ranks too (torch was imported before
+    # the fork and never reads the variable there): the share does not replace it.
+    assert fresh.run(_threads) == [3, 3]
+    # The warm pool neither saw the variable nor was replaced.
+    assert [value for _, value in ranks.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")] == [
+        None, None]
+    assert ranks.run(_pid) == warm
+
+
 @needs_fork
 def test_managers_of_one_process_share_one_server_per_environment() -> None:
     first, second = PoolManager(), PoolManager()

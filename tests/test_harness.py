@@ -52,10 +52,6 @@ def _env(ctx: RankContext, name: str) -> str | None:
     return os.environ.get(name)
 
 
-def _pid_and_env(ctx: RankContext, name: str) -> tuple[int, str | None]:
-    return os.getpid(), os.environ.get(name)
-
-
 def _threads(ctx: RankContext) -> int:
     import torch
 
@@ -168,22 +164,6 @@ def test_rank_dying_after_reporting_passes_and_the_next_check_gets_a_fresh_pool(
     wait_until_gone(pids[1])
     after = ranks.run(_pid)
     assert set(after).isdisjoint(pids)
-
-
-@pytest.mark.world_size(2)
-def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
-    warm = ranks.run(_pid)
-    fresh = ranks.configured(env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "3"})
-    seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
-    assert [value for _, value in seen] == ["65536", "65536"]
-    assert {pid for pid, _ in seen}.isdisjoint(warm)
-    assert all(_process_gone(pid) for pid, _ in seen)  # fresh ranks end with their check
-    # A thread count the user set is theirs, on forked ranks too (torch was imported before
-    # the fork and never reads the variable there): the share does not replace it.
-    assert fresh.run(_threads) == [3, 3]
-    # The warm pool neither saw the variable nor was replaced.
-    assert ranks.run(_env, "MALLOC_MMAP_THRESHOLD_") == [None, None]
-    assert ranks.run(_pid) == warm
 
 
 @pytest.mark.world_size(2)

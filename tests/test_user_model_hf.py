@@ -381,6 +381,7 @@ def test_an_empty_plan_from_no_split_modules_says_where_the_blocks_came_from() -
 SKIP_KINDS = ("does not apply", "use ", "define ", "pass ", "set ", "run ")
 
 
+@pytest.mark.process  # a whole run: the process lane, beside the CLI runs in subprocesses
 @pytest.mark.parametrize("name", sorted(hf_models.FACTORIES))
 def test_the_whole_run_passes_on_a_reference_transformers_model_with_only_model(
     name: str, warm_pools: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
