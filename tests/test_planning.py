@@ -66,6 +66,7 @@ from fsdp_conformance.plan.report import (
     plan_report,
 )
 from fsdp_conformance.sizes import format_bytes
+from fsdp_conformance.units import UnitInfo
 
 GB = 10**9
 
@@ -838,6 +839,35 @@ def test_a_factorys_profile_is_kept_on_its_model_object_not_by_spec(
     assert len(calls) == 1
     plan_model(choice, settings, build_meta_model(choice))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("reference", ["llama", "massive", "tied", "lora", "embedding_classifier"])
+def test_a_deep_reference_model_is_profiled_at_three_blocks_with_its_whole_forwards_figures(
+    reference: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reference model or preset deeper than three blocks runs three on meta (the first, a
+    middle one, the last; the 70B preset's 80 cost three): per module, the bytes and FLOPs of
+    its whole forward, fp32 and bf16. A model its spec does not name (a factory) runs whole."""
+    from fsdp_conformance.plan import estimate
+
+    depths: list[int] = []
+    real = estimate.profile_step_activations
+    monkeypatch.setattr(estimate, "profile_step_activations",
+                        lambda model, *a: depths.append(len(model.layers)) or real(model, *a))
+    choice = choose_model(reference=reference, layers=6, dim=32)
+    model = build_meta_model(choice)
+    every = [UnitInfo(fqn=n, cls=type(m).__name__, numel=0) for n, m in model.named_modules()]
+    for settings in (PlanSettings(seq_len=16, compute_dtype="fp32"),
+                     PlanSettings(seq_len=16, attention="math")):
+        repeated = estimate._module_profile(model, choice, settings)
+        assert depths[-1] == estimate.PROFILED_BLOCKS == 3
+        whole = real(model, choice, every, settings)
+        assert repeated == whole
+        assert whole.forward_flops[""] > 0 and set(whole.saved_bytes) == {u.fqn for u in every}
+    factory = ModelChoice(ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama"),
+                          "a factory")
+    estimate._module_profile(model, factory, PlanSettings(seq_len=16))
+    assert depths[-1] == 6
 
 
 def test_the_memory_checks_profile_counts_the_planners_bytes_without_its_flops() -> None:

@@ -216,11 +216,14 @@ _MODULE_PROFILES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Activatio
 _SPEC_PROFILES: dict[tuple[Any, ...], ActivationProfile] = {}
 
 
-def _profiles_of(model: Any, choice: ModelChoice) -> dict[tuple[Any, ...], ActivationProfile]:
+def _named_by_spec(choice: ModelChoice) -> bool:
+    """A reference model or preset: its spec alone names the model and its forward."""
     spec = choice.spec
-    if spec.reference is not None and spec.factory is None and spec.input_builder is None:
-        return _SPEC_PROFILES
-    return _MODULE_PROFILES.setdefault(model, {})
+    return spec.reference is not None and spec.factory is None and spec.input_builder is None
+
+
+def _profiles_of(model: Any, choice: ModelChoice) -> dict[tuple[Any, ...], ActivationProfile]:
+    return _SPEC_PROFILES if _named_by_spec(choice) else _MODULE_PROFILES.setdefault(model, {})
 
 
 #: Settings the profile's forward does not read (it reads the compute dtype, the batch, the
@@ -243,8 +246,7 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
     profiles = _profiles_of(model, choice)
     names = {id(m): name for name, m in modules}
     if key not in profiles:
-        every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0) for name, m in modules]
-        profiles[key] = profile_step_activations(model, choice, every, settings)
+        profiles[key] = _module_profile(model, choice, settings)
     fine = profiles[key]
     owner = unit_of(model, units)
     saved = {u.fqn: 0 for u in units}
@@ -257,6 +259,66 @@ def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitIn
         entry_bytes={u.fqn: fine.entry_bytes.get(u.fqn, 0) for u in units},
         forward_flops={u.fqn: fine.forward_flops[u.fqn] for u in units
                        if u.fqn in fine.forward_flops})
+
+
+#: How many blocks of a deep reference model or preset the forward on meta runs: the first, one
+#: in the middle and the last. The others are copies of the middle one (:func:`_module_profile`).
+PROFILED_BLOCKS = 3
+
+
+def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> ActivationProfile:
+    """The per-module profile of ``model`` (every module its own unit).
+
+    A reference model or preset deeper than :data:`PROFILED_BLOCKS` is profiled at that depth
+    and its other blocks take the middle block's figures: its blocks are one class with one
+    config and see inputs of one shape, so each saves and makes what the middle one does; the
+    first and the last keep their own (what only the first block saves, a tensor shared by every
+    block, is counted there, as in the full forward). The 70B preset's 80 blocks cost three.
+    Exact: ``tests/test_planning.py`` compares both ways per module. Any other model (a user's
+    factory, whose blocks may differ) runs its whole forward.
+    """
+    import torch
+
+    def whole() -> ActivationProfile:
+        every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0)
+                 for name, m in model.named_modules()]
+        return profile_step_activations(model, choice, every, settings)
+
+    spec = choice.spec
+    config = spec.config
+    depth = getattr(config, "num_layers", None)
+    layers = getattr(model, "layers", None)
+    if (not _named_by_spec(choice) or config is None or not isinstance(depth, int)
+            or depth <= PROFILED_BLOCKS or not isinstance(layers, torch.nn.ModuleList)
+            or len(layers) != depth):
+        return whole()
+    short_config = dataclasses.replace(config, num_layers=PROFILED_BLOCKS)
+    short = dataclasses.replace(choice, spec=dataclasses.replace(spec, config=short_config))
+    short_model = build_meta_model(short)
+
+    def source(name: str) -> str:
+        parts = name.split(".")
+        if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+            i = int(parts[1])
+            parts[1] = str(0 if i == 0 else PROFILED_BLOCKS - 1 if i == depth - 1 else 1)
+        return ".".join(parts)
+
+    if ({source(n) for n, _ in model.named_modules()}
+            != {n for n, _ in short_model.named_modules()}):  # more than the blocks changed
+        return whole()
+    fine = _module_profile(short_model, short, settings)
+    # Bytes are counted for the innermost module running; FLOPs for a module and all it holds,
+    # so the two modules holding every block (the model, its block list) count the blocks the
+    # short model lacks.
+    more = (depth - PROFILED_BLOCKS) * fine.forward_flops.get("layers.1", 0)
+    names = [name for name, _ in model.named_modules()]
+    return ActivationProfile(
+        input_bytes=fine.input_bytes,
+        saved_bytes={n: fine.saved_bytes[source(n)] for n in names},
+        produced_bytes={n: fine.produced_bytes[source(n)] for n in names},
+        entry_bytes={n: fine.entry_bytes[source(n)] for n in names},
+        forward_flops={n: fine.forward_flops[source(n)] + (more if n in ("", "layers") else 0)
+                       for n in names if source(n) in fine.forward_flops})
 
 
 def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
