@@ -1,5 +1,6 @@
 """Inner pytest sessions for the harness's tests: start one in a folder, wait for it, and find
-the rank processes it left (shared by ``test_harness.py`` and ``test_harness_sessions.py``)."""
+the rank processes it left (shared by ``test_harness.py`` and ``test_harness_sessions.py``);
+whether a process has exited (``test_harness.py``, ``test_forkserver.py``)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,18 @@ def failure_section(result: pytest.RunResult, test_name: str) -> pytest.LineMatc
     while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
         end += 1
     return pytest.LineMatcher(lines[starts[0] : end])
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited: gone, or a zombie with no thread left.
+
+    A zombie leader whose other threads are still dying (the aborting thread, say) is not yet
+    reported to ``waitpid``: its parent still sees it running.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    state = fields.get("State", "").split()[:1]
+    return state in (["Z"], ["X"]) and fields.get("Threads", "1").strip() == "1"

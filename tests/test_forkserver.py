@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from inner_sessions import process_gone
 
 from fsdp_conformance.harness import PoolManager, RankContext, RankPool, forkserver
 from fsdp_conformance.harness.forkserver import (
@@ -135,7 +136,7 @@ def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
     seen = fresh.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")
     assert [value for _, value in seen] == ["65536", "65536"]
     assert {pid for pid, _ in seen}.isdisjoint(warm)
-    assert not any(_alive(pid) for pid, _ in seen)  # fresh ranks end with their check
+    assert all(process_gone(pid) for pid, _ in seen)  # fresh ranks end with their check
     # A thread count the user set is theirs, on forked ranks too (torch was imported before
     # the fork and never reads the variable there): the share does not replace it.
     assert fresh.run(_threads) == [3, 3]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inner_sessions import Session, rank_processes_of
+from inner_sessions import Session, process_gone, rank_processes_of
 
 from fsdp_conformance.harness import HarnessError, RankContext, RankFailure
 
@@ -107,24 +107,9 @@ def _return_unloadable(ctx: RankContext) -> Any:
     return _LoadsOnlyOnRanks()
 
 
-def _process_gone(pid: int) -> bool:
-    """True once ``pid`` has exited: gone, or a zombie with no thread left.
-
-    A zombie leader whose other threads are still dying (the aborting thread, say) is not yet
-    reported to ``waitpid``: its parent still sees it running.
-    """
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    state = fields.get("State", "").split()[:1]
-    return state in (["Z"], ["X"]) and fields.get("Threads", "1").strip() == "1"
-
-
 def wait_until_gone(pid: int, limit_s: float = 20.0) -> None:
     deadline = time.monotonic() + limit_s
-    while not _process_gone(pid):
+    while not process_gone(pid):
         if time.monotonic() > deadline:
             pytest.fail(f"process {pid} still running after {limit_s}s")
         time.sleep(0.05)
@@ -155,7 +140,7 @@ def test_pool_is_rebuilt_after_a_failure(ranks) -> None:
     after = ranks.run(_pid)
     assert set(after).isdisjoint(before)
     for pid in before:
-        assert _process_gone(pid), f"rank process {pid} of the failed pool still runs"
+        assert process_gone(pid), f"rank process {pid} of the failed pool still runs"
 
 
 @pytest.mark.world_size(2)

@@ -279,9 +279,10 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
     """
     import torch
 
+    modules = list(model.named_modules())
+
     def whole() -> ActivationProfile:
-        every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0)
-                 for name, m in model.named_modules()]
+        every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0) for name, m in modules]
         return profile_step_activations(model, choice, every, settings)
 
     spec = choice.spec
@@ -303,15 +304,15 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
             parts[1] = str(0 if i == 0 else PROFILED_BLOCKS - 1 if i == depth - 1 else 1)
         return ".".join(parts)
 
-    if ({source(n) for n, _ in model.named_modules()}
-            != {n for n, _ in short_model.named_modules()}):  # more than the blocks changed
+    names = [name for name, _ in modules]
+    if {source(n) for n in names} != {n for n, _ in short_model.named_modules()}:
+        # more than the blocks changed with the depth
         return whole()
     fine = _module_profile(short_model, short, settings)
     # Bytes are counted for the innermost module running; FLOPs for a module and all it holds,
     # so the two modules holding every block (the model, its block list) count the blocks the
     # short model lacks.
     more = (depth - PROFILED_BLOCKS) * fine.forward_flops.get("layers.1", 0)
-    names = [name for name, _ in model.named_modules()]
     return ActivationProfile(
         input_bytes=fine.input_bytes,
         saved_bytes={n: fine.saved_bytes[source(n)] for n in names},
