@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_conformance.policies import SEED_MIN_PARAMS
+
+if TYPE_CHECKING:
+    from fsdp_conformance.policies import Policy, PolicyName
 
 SEED_DIM = 4096
 SEED_VOCAB = 32000
@@ -668,6 +672,11 @@ class ModelSpec:
             )
         return model
 
+    def instantiate(self, device: str | torch.device | None = None) -> BuiltModel:
+        """Build the model once and resolve, on demand, what every claim asks of it: its block
+        classes, size threshold, policies and batches (:class:`BuiltModel`)."""
+        return BuiltModel(self, self.build(device))
+
     def _config_at_depth(self, model: Any, depth: int) -> nn.Module:
         from fsdp_conformance import hf
 
@@ -795,3 +804,35 @@ def infer_width(model: nn.Module) -> int:
             "pass --fsdp-min-params"
         )
     return max(counts, key=lambda k: (counts[k], k))
+
+
+class BuiltModel:
+    """A :class:`ModelSpec`'s model, built once, with what the claims ask of it resolved against
+    that model and kept: the one way a check reaches its model's block classes, size threshold,
+    policy and batch."""
+
+    def __init__(self, spec: ModelSpec, model: nn.Module) -> None:
+        self.spec = spec
+        self.model = model
+
+    @functools.cached_property
+    def blocks(self) -> tuple[type[nn.Module], ...]:
+        """The block classes (raises a clear error when the spec names none and the model has no
+        default)."""
+        return self.spec.block_classes(self.model)
+
+    @functools.cached_property
+    def size_threshold(self) -> int:
+        """The size policy's threshold for this model."""
+        return self.spec.size_threshold(self.model)
+
+    def policy(self, name: PolicyName, *, full_scale: bool = False) -> Policy:
+        """The auto-wrap policy ``name`` for this model (``policies.policy_for``)."""
+        from fsdp_conformance.policies import policy_for
+
+        return policy_for(name, self.model, self.spec, full_scale=full_scale)
+
+    def batch(self, batch_size: int = 2, device: str | torch.device = "cpu",
+              seq_len: int = 8) -> Any:
+        """An input batch for this model (``ModelSpec.batch``)."""
+        return self.spec.batch(self.model, batch_size=batch_size, device=device, seq_len=seq_len)

@@ -44,6 +44,8 @@ LAYERS: dict[str, str] = {
     "hf": "blocks",
     "hf_models": "blocks",
     "capabilities": "blocks",
+    "faults": "blocks",
+    "tensors": "blocks",
     "plan": "plan",
     "claims": "claims",
     "gate": "gate",

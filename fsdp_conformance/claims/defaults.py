@@ -16,7 +16,6 @@ difference, expected vs actual. The report keeps every observed value and every 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.collectives import record_collectives, unit_sizes
+from fsdp_conformance.faults import Fault, FaultTable, patched, with_default
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh
 from fsdp_conformance.units import clean_fqn
@@ -101,33 +101,6 @@ def _batch(ctx: RankContext) -> torch.Tensor:
 # Faults: a changed default, injected into torch on the ranks (negative controls)
 # --------------------------------------------------------------------------------------------
 
-#: Each fault changes what torch does when the user omits an option, as an upgrade could.
-FAULTS = {
-    "reduce_dtype_default": "a policy with param_dtype only reduces in fp32 (MixedPrecision / "
-    "MixedPrecisionPolicy default reduce_dtype float32 instead of param_dtype)",
-    "backward_prefetch_default": "FSDP1's backward_prefetch defaults to None (no prefetch)",
-    "reshard_after_forward_default": "FSDP2's reshard_after_forward defaults to False",
-}
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _with_default(fn: Any, key: str, value: Any) -> Any:
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault(key, value)
-        return fn(*args, **kwargs)
-    return call
-
-
 def _reduce_fp32(cls: Any) -> Any:
     # A factory in the class's place: the rank function looks the class up at call time.
     def make(*args: Any, **kwargs: Any) -> Any:
@@ -137,26 +110,43 @@ def _reduce_fp32(cls: Any) -> Any:
 
 
 @contextlib.contextmanager
-def inject(faults: Sequence[str]) -> Iterator[None]:
-    """Change torch's defaults named by ``faults`` for the duration (restored on exit)."""
+def _reduce_dtype_fp32(ctx: RankContext) -> Iterator[None]:
     import torch.distributed.fsdp as fsdp
 
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown:
-        raise ValueError(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}")
-    with contextlib.ExitStack() as stack:
-        if "reduce_dtype_default" in faults:
-            stack.enter_context(_patched(fsdp, "MixedPrecision", _reduce_fp32))
-            stack.enter_context(_patched(fsdp, "MixedPrecisionPolicy", _reduce_fp32))
-        if "backward_prefetch_default" in faults:
-            stack.enter_context(_patched(
-                fsdp.FullyShardedDataParallel, "__init__",
-                lambda init: _with_default(init, "backward_prefetch", None)))
-        if "reshard_after_forward_default" in faults:
-            stack.enter_context(_patched(
-                fsdp, "fully_shard",
-                lambda fn: _with_default(fn, "reshard_after_forward", False)))
+    with patched(fsdp, "MixedPrecision", _reduce_fp32), \
+            patched(fsdp, "MixedPrecisionPolicy", _reduce_fp32):
         yield
+
+
+def _fsdp1_default(key: str, value: Any) -> Callable[[RankContext], Any]:
+    def effect(ctx: RankContext) -> Any:
+        import torch.distributed.fsdp as fsdp
+
+        return patched(fsdp.FullyShardedDataParallel, "__init__",
+                       lambda init: with_default(init, key, value))
+    return effect
+
+
+def _fully_shard_default(key: str, value: Any) -> Callable[[RankContext], Any]:
+    def effect(ctx: RankContext) -> Any:
+        import torch.distributed.fsdp as fsdp
+
+        return patched(fsdp, "fully_shard", lambda fn: with_default(fn, key, value))
+    return effect
+
+
+#: Each fault changes what torch does when the user omits an option, as an upgrade could.
+FAULTS = FaultTable(
+    reduce_dtype_default=Fault(
+        "a policy with param_dtype only reduces in fp32 (MixedPrecision / MixedPrecisionPolicy "
+        "default reduce_dtype float32 instead of param_dtype)", _reduce_dtype_fp32),
+    backward_prefetch_default=Fault(
+        "FSDP1's backward_prefetch defaults to None (no prefetch)",
+        _fsdp1_default("backward_prefetch", None)),
+    reshard_after_forward_default=Fault(
+        "FSDP2's reshard_after_forward defaults to False",
+        _fully_shard_default("reshard_after_forward", False)),
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,7 +353,7 @@ def rank_fingerprint(ctx: RankContext, version: str = "fsdp2",
     if version == "fsdp1" and ctx.world_size == 1:
         skip_rank("FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
                   "NO_SHARD): its sharded defaults cannot be observed; run at world size >= 2")
-    with inject(faults):
+    with FAULTS.inject(faults, ctx):
         cases = _fsdp1_cases(ctx) if version == "fsdp1" else _fsdp2_cases(ctx)
     figures, collectives = cases
     return {"rank": ctx.rank, "figures": figures, "collectives": collectives}
@@ -418,7 +408,6 @@ __all__ = [
     "EXPECTED",
     "FAULTS",
     "TinyModel",
-    "inject",
     "observe_backward_prefetch",
     "observe_forward_prefetch",
     "observe_sharding",
