@@ -20,6 +20,7 @@ import torch
 
 from fsdp_conformance import hf_models
 from fsdp_conformance.claims import state
+from fsdp_conformance.claims.state import checkpoint, resume, state_dicts
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec
@@ -61,12 +62,12 @@ def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
     values = clean_values(ranks, shared_runs, version)
     verdict = CHECK[version].verdict(values, CHECK[version].params)
     assert verdict.passed, verdict.message
-    assert verdict.figures["kinds"] == list(state.KINDS[version])
+    assert verdict.figures["kinds"] == list(state_dicts.KINDS[version])
     assert verdict.figures["failed_kinds"] == []
     for value in values:
         got = value["kinds"]
         # Observed: what each getter handed this rank.
-        for kind in state.RANK0_ONLY & set(got):
+        for kind in state_dicts.RANK0_ONLY & set(got):
             assert (got[kind]["got"]["entries"] > 0) == (value["rank"] == 0), (kind, got[kind])
         sharded_type = "DTensor" if version == "fsdp2" else "ShardedTensor"
         assert sharded_type in got["sharded"]["got"]["types"], got["sharded"]
@@ -75,8 +76,8 @@ def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
 @pytest.mark.parametrize("version", sorted(CHECK))
 def test_a_value_changed_before_loading_fails_every_loaded_kind(ranks: Ranks, version: str) -> None:
     check = CHECK[version]
-    verdict = run_check(ranks, check, **{**check.params, "perturb": True})
-    loaded = [k for k in state.KINDS[version] if k not in state.GET_ONLY]
+    verdict = run_check(ranks, check, **{**check.params, "fault": "value_changed_before_loading"})
+    loaded = [k for k in state_dicts.KINDS[version] if k not in state_dicts.GET_ONLY]
     assert not verdict.passed
     assert verdict.figures["failed_kinds"] == sorted(loaded), verdict.message
     assert "after loading:" in verdict.message and "expected torch.float32" in verdict.message
@@ -89,7 +90,7 @@ def test_a_reference_of_another_seed_fails_every_kind_as_got_and_as_loaded(
     check = CHECK[version]
     verdict = check.verdict(clean_values(ranks, shared_runs, version), {**check.params, "seed": 1})
     assert not verdict.passed
-    assert verdict.figures["failed_kinds"] == sorted(state.KINDS[version])
+    assert verdict.figures["failed_kinds"] == sorted(state_dicts.KINDS[version])
     assert "as got:" in verdict.message and "after loading:" in verdict.message
 
 
@@ -114,7 +115,8 @@ def test_a_tied_transformers_model_round_trips_and_its_negative_control_fails(
     check = CHECK[version]
     clean = run_check(ranks, check, **{**check.params, "spec": spec})
     assert clean.passed, clean.message
-    broken = run_check(ranks, check, **{**check.params, "spec": spec, "perturb": True})
+    broken = run_check(ranks, check, **{**check.params, "spec": spec,
+                                        "fault": "value_changed_before_loading"})
     assert not broken.passed and broken.figures["failed_kinds"], broken.message
 
 
@@ -128,7 +130,7 @@ def test_a_run_resumed_from_model_and_optimizer_state_equals_the_unbroken_run(
     check = RESUME[version]
     verdict = run_check(ranks, check, **check.params)
     assert verdict.passed, verdict.message
-    assert verdict.figures["kinds"] == list(state.RESUME_KINDS[version])
+    assert verdict.figures["kinds"] == list(resume.RESUME_KINDS[version])
     assert "resumed run equals the unbroken one" in verdict.message
 
 
@@ -137,9 +139,9 @@ def test_a_resumed_run_without_the_optimizer_state_fails_every_kind(
     ranks: Ranks, version: str,
 ) -> None:
     check = RESUME[version]
-    verdict = run_check(ranks, check, **{**check.params, "drop_optimizer": True})
+    verdict = run_check(ranks, check, **{**check.params, "fault": "optimizer_not_loaded"})
     assert not verdict.passed
-    assert verdict.figures["failed_kinds"] == sorted(state.RESUME_KINDS[version])
+    assert verdict.figures["failed_kinds"] == sorted(resume.RESUME_KINDS[version])
     assert "after the resumed step:" in verdict.message
 
 
@@ -158,7 +160,7 @@ def test_a_rank0_only_optimizer_getter_that_reaches_rank_1_fails_that_kind() -> 
 
 def test_a_snapshot_is_a_copy_a_later_step_does_not_reach() -> None:
     live = {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}
-    saved = state.snapshot(live)
+    saved = state_dicts.snapshot(live)
     live["step"] += 1
     live["exp_avg"].mul_(0)
     assert float(saved["step"]) == 2.0 and saved["exp_avg"].tolist() == [1.0, 1.0, 1.0]
@@ -182,7 +184,7 @@ def test_a_distributed_checkpoint_loads_into_both_versions_and_one_process_bitwi
 @pytest.mark.parametrize("version", sorted(DCP))
 def test_a_checkpoint_with_a_wrong_shard_fails_every_target(ranks: Ranks, version: str) -> None:
     check = DCP[version]
-    verdict = run_check(ranks, check, **{**check.params, "perturb": True})
+    verdict = run_check(ranks, check, **{**check.params, "fault": "wrong_shards_written"})
     assert not verdict.passed
     assert verdict.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], verdict.message
 
@@ -207,7 +209,7 @@ def test_a_resharded_checkpoint_with_a_wrong_shard_fails_both_versions(
     ranks: Ranks, version: str,
 ) -> None:
     check = RESHARD[version]
-    verdict = run_check(ranks, check, **{**check.params, "perturb": True})
+    verdict = run_check(ranks, check, **{**check.params, "fault": "wrong_shards_written"})
     assert not verdict.passed
     assert verdict.figures["saved_world_size"] == max(1, ranks.world_size // 2)
     assert verdict.figures["failed_targets"] == ["fsdp1", "fsdp2"], verdict.message
@@ -221,7 +223,8 @@ def test_a_tied_transformers_checkpoint_loads_everywhere_and_a_wrong_shard_fails
     check = DCP[version]
     clean = run_check(ranks, check, **{**check.params, "spec": spec})
     assert clean.passed, clean.message
-    broken = run_check(ranks, check, **{**check.params, "spec": spec, "perturb": True})
+    broken = run_check(ranks, check, **{**check.params, "spec": spec,
+                                        "fault": "wrong_shards_written"})
     assert broken.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], broken.message
 
 
@@ -241,14 +244,14 @@ def test_summon_full_params_shows_the_reference_and_keeps_a_change_only_with_wri
 def test_gradients_summoned_without_with_grads_fail_that_case_only(ranks: Ranks) -> None:
     # with_grads=True is what makes summon_full_params gather the gradients too; without it no
     # parameter has a whole gradient inside the context.
-    verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "broken_grads": True})
+    verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "fault": "grads_not_summoned"})
     assert not verdict.passed and verdict.figures["failed_cases"] == ["with_grads"]
     assert "no whole gradient inside the context" in verdict.message
     assert "summoned without with_grads=True" in verdict.message
 
 
 def test_a_writeback_that_does_not_write_back_fails_that_case_only(ranks: Ranks) -> None:
-    verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "broken_writeback": True})
+    verdict = run_check(ranks, SUMMON, **{**SUMMON.params, "fault": "writeback_ignored"})
     assert not verdict.passed and verdict.figures["failed_cases"] == ["writeback"]
     assert "after the context:" in verdict.message
 
@@ -300,7 +303,7 @@ def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
     saved = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path)})
     assert saved.passed, saved.message
     folder = tmp_path / f"{version}-{check.params['spec'].name}"
-    manifest = __import__("json").loads((folder / state.MANIFEST).read_text())
+    manifest = __import__("json").loads((folder / checkpoint.MANIFEST).read_text())
     assert (manifest["torch"], manifest["world_size"]) == (torch.__version__, ranks.world_size)
     loaded = run_check(ranks, check, **{**check.params, "load_from": str(tmp_path)})
     assert loaded.passed, loaded.message
@@ -311,11 +314,11 @@ def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
     # Negative controls: a loader that reads one wrong value fails every target; a save that
     # writes rank 0's shards changed fails its read-back.
     wrong = run_check(ranks, check, **{**check.params, "load_from": str(tmp_path),
-                                       "perturb": True})
+                                       "fault": "wrong_value_read"})
     assert wrong.figures["failed"] == ["load:fsdp1", "load:fsdp2", "load:unsharded"], \
         wrong.message
     bad_save = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path / "again"),
-                                          "perturb": True})
+                                          "fault": "wrong_shards_written"})
     assert bad_save.figures["failed"] == ["save:fsdp1", "save:fsdp2", "save:unsharded"], \
         bad_save.message
 

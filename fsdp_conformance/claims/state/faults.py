@@ -1,0 +1,161 @@
+"""The state claim's negative controls: one :class:`~fsdp_conformance.faults.FaultTable`.
+
+Each fault changes, for the duration of one rank function, what a user's code or torch does
+with a state dict: a value changed before it is loaded, the optimizer's state left out of a
+resume, a checkpoint written with wrong shards or read with a wrong value, ``summon_full_params``
+called without the option a case needs. They patch torch's ``torch.distributed.checkpoint``
+``save`` and ``load`` (looked up at call time) or a module-level step of the family module that
+stands for the user's code (``round_trip.set_state``, ``resume.set_optim_state`` and
+``resume.load_train_state``, ``summon.summon_options``). The family modules import this table,
+so an effect imports its family module when it is entered, not before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_conformance.claims.state.state_dicts import FULL
+from fsdp_conformance.faults import Fault, FaultEffect, FaultTable, patched
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.tensors import local_tensor
+
+#: Added to one value of a dict (the wrong shard or value a fault puts in).
+PERTURBATION = 1e-3
+
+
+def perturb_values(state: dict[str, Any], *, every: bool = False) -> list[str]:
+    """Add :data:`PERTURBATION` to the first value of the first floating tensor this rank holds
+    (by key order), or with ``every`` of each; returns their keys (none where it holds none).
+
+    ``every`` is for a checkpoint: tied entries (GPT-2's head and embedding) are separate
+    copies once written, and a loader takes either, so a wrong shard in one of them alone would
+    go unnoticed by the loaders that read the other."""
+    changed = []
+    for key in sorted(state):
+        t = local_tensor(state[key])
+        if t is not None and t.is_floating_point() and t.numel():
+            with torch.no_grad():
+                t.view(-1)[0] += PERTURBATION
+            changed.append(key)
+            if not every:
+                break
+    return changed
+
+
+def _value_changed_before_loading(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    from fsdp_conformance.claims.state import round_trip
+
+    def make(load: Callable[..., None]) -> Callable[..., None]:
+        def changed(model: nn.Module, version: str, kind: str, state: dict[str, Any]) -> None:
+            # A full dict is the checkpoint itself: wrong on every rank that holds one. A sharded
+            # or local dict: rank 0's shard alone is wrong.
+            if kind in FULL or ctx.rank == 0:
+                perturb_values(state)
+            load(model, version, kind, state)
+        return changed
+
+    return patched(round_trip, "set_state", make)
+
+
+def _not_loaded(*args: Any, **kwargs: Any) -> None:
+    """An optimizer state dict's load that loads nothing."""
+
+
+def _load_model_only(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """``resume.load_train_state`` without the optimizer: the model's state alone read from the
+    files and set (the optimizer's state dict is still got, as the user's code gets both)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_state, _ = get_state_dict(model, optim)
+    load({"model": model_state}, storage_reader=FileSystemReader(path))
+    set_model_state_dict(model, model_state)
+
+
+@contextlib.contextmanager
+def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
+    from fsdp_conformance.claims.state import resume
+
+    with patched(resume, "set_optim_state", lambda _: _not_loaded), \
+            patched(resume, "load_train_state", lambda _: _load_model_only):
+        yield
+
+
+def _wrong_shards_written(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    from torch.distributed.checkpoint import state_dict_saver
+
+    def make(save: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(save)
+        def written(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            if ctx.rank == 0:
+                # In place: the saved model is not used again. Not a snapshot: a ShardedTensor
+                # read back belongs to the default group, no longer to a saving group of its
+                # own (DCP then waits for ranks that do not save).
+                perturb_values(state_dict, every=True)
+            return save(state_dict, *args, **kwargs)
+        return written
+
+    return patched(state_dict_saver, "save", make)
+
+
+def _wrong_value_read(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    from torch.distributed.checkpoint import state_dict_loader
+
+    def make(load: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(load)
+        def read(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            out = load(state_dict, *args, **kwargs)
+            if ctx.rank == 0:
+                perturb_values(state_dict)
+            return out
+        return read
+
+    return patched(state_dict_loader, "load", make)
+
+
+def _summoned_with(option: str) -> FaultEffect:
+    """An effect: ``summon.summon_options`` with ``option`` False in every case that sets it."""
+    def effect(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+        from fsdp_conformance.claims.state import summon
+
+        def make(options: Callable[[str, nn.Module], dict[str, Any]]
+                 ) -> Callable[[str, nn.Module], dict[str, Any]]:
+            def without(case: str, model: nn.Module) -> dict[str, Any]:
+                given = options(case, model)
+                return {**given, option: False} if option in given else given
+            return without
+
+        return patched(summon, "summon_options", make)
+    return effect
+
+
+#: The negative controls of every state check (the ``fault=`` parameter of its rank function).
+FAULTS = FaultTable(
+    value_changed_before_loading=Fault(
+        "one value of each state dict changed before it is loaded: in a full dict on every rank "
+        "that holds one, in a sharded or local dict in rank 0's shard (state.round_trip)",
+        _value_changed_before_loading),
+    optimizer_not_loaded=Fault(
+        "the optimizer's state not loaded into the resumed run, from a state dict or from the "
+        "checkpoint files (state.resume)", _optimizer_not_loaded),
+    wrong_shards_written=Fault(
+        "rank 0 writes its shards of a torch.distributed.checkpoint with one value of each "
+        "tensor changed (state.dcp, state.reshard, state.checkpoint's save)",
+        _wrong_shards_written),
+    wrong_value_read=Fault(
+        "rank 0's torch.distributed.checkpoint load reads one wrong value (state.checkpoint's "
+        "load)", _wrong_value_read),
+    writeback_ignored=Fault(
+        "summon_full_params called with writeback=False in the case that asks for writeback "
+        "(state.summon)", _summoned_with("writeback")),
+    grads_not_summoned=Fault(
+        "summon_full_params called without with_grads=True after the backward (state.summon)",
+        _summoned_with("with_grads")),
+)

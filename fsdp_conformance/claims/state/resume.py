@@ -1,0 +1,243 @@
+"""``state.resume``: model and optimizer state saved mid-training, loaded into a fresh model
+and optimizer, and one more step against the unbroken run, bitwise (docs/state.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypedDict
+
+import torch
+from torch import nn
+
+from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.state.faults import FAULTS
+from fsdp_conformance.claims.state.state_dicts import (
+    DEFAULT_SPEC,
+    RANK0_ONLY,
+    Digests,
+    build_sharded,
+    differences,
+    digests,
+    fsdp2_options,
+    get_state,
+    offload_to_cpu,
+    section,
+    set_state,
+    shared_folder,
+    snapshot,
+)
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.sharding import check_fsdp_version
+
+#: The kinds of model and optimizer state dict a resumed run is loaded from, per version.
+RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "full_rank0_only", "sharded", "dcp"),
+                                            "fsdp2": ("full_rank0", "full", "sharded", "dcp")}
+#: The model state dict a resume kind pairs with its optimizer state dict, where they differ:
+#: FSDP1 loads a full model dict on every rank only, so its rank-0-only optimizer dict (which
+#: ``optim_state_dict_to_load`` broadcasts from rank 0) goes with the every-rank model dict.
+RESUME_MODEL_KIND = {"full_rank0_only": "full"}
+#: Steps trained before the state is taken; the resumed step is one more.
+STEPS_BEFORE = 2
+#: The RNG seed both runs draw from in the resumed step (dropout masks alike).
+STEP_SEED = 1234
+
+
+class _Step(TypedDict):
+    loss: float
+    #: The loss's exact bits (``float.hex``).
+    loss_hex: str
+    #: The model's full state after the step.
+    digests: Digests
+
+
+class StepResult(_Step, total=False):
+    """The step after the save (:func:`_resumed_step`) on one rank: ``loss``, ``loss_hex``,
+    ``digests``."""
+
+    #: How much optimizer state the getter handed this rank (a kind loaded from a state dict).
+    optim_entries: int
+
+
+class ResumeResult(TypedDict):
+    """:func:`rank_resume`'s result on one rank."""
+
+    rank: int
+    version: str
+    unbroken: StepResult
+    kinds: dict[str, StepResult]
+
+
+@contextlib.contextmanager
+def _fsdp1_optim_type(model: nn.Module, kind: str) -> Iterator[None]:
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if kind in ("full", "full_rank0_only"):
+        offload = offload_to_cpu(model)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=offload),
+                                  FullOptimStateDictConfig(
+                                      offload_to_cpu=offload,
+                                      rank0_only=kind == "full_rank0_only")):
+            yield
+    else:
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            yield
+
+
+def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str,
+                    kind: str) -> dict[str, Any]:
+    """The optimizer's state dict of ``kind``, as torch hands it to a user."""
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with _fsdp1_optim_type(model, kind):
+            return dict(FSDP.optim_state_dict(model, optim))
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return dict(get_optimizer_state_dict(model, optim, options=fsdp2_options(kind)))
+
+
+def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str,
+                    state: dict[str, Any]) -> None:
+    """Load an optimizer state dict of ``kind`` into ``optim``."""
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with _fsdp1_optim_type(model, kind):
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state))
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optim, state, options=fsdp2_options(kind, loading=True))
+
+
+def save_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """Model and optimizer state saved with ``torch.distributed.checkpoint`` into ``path``, as
+    torch's recipe does it for either FSDP version (``get_state_dict``, ``dcp.save``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model_state, optim_state = get_state_dict(model, optim)
+    save({"model": model_state, "optim": optim_state}, storage_writer=FileSystemWriter(path))
+
+
+def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """The state :func:`save_train_state` wrote, loaded into ``model`` and ``optim`` with
+    ``dcp.load`` and ``set_state_dict``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_state, optim_state = get_state_dict(model, optim)
+    # dcp.load fills the dicts in place: the same objects go back to set_state_dict.
+    load({"model": model_state, "optim": optim_state}, storage_reader=FileSystemReader(path))
+    set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
+                seed: int) -> float:
+    """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
+    from fsdp_conformance.models import call_model, default_loss
+
+    torch.manual_seed(seed)
+    loss = default_loss(call_model(model, batch))
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _resumed_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
+                  version: str) -> StepResult:
+    """The step after the save, under :data:`STEP_SEED`: its loss (and its exact bits) and the
+    digests of the model's full state after it."""
+    loss = _train_step(model, optim, batch, STEP_SEED)
+    return {"loss": loss, "loss_hex": loss.hex(),
+            "digests": digests(get_state(model, version, "full"))}
+
+
+def rank_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                seed: int = 0, fault: str | Sequence[str] | None = None) -> ResumeResult:
+    """Train :data:`STEPS_BEFORE` AdamW steps, take the model's and the optimizer's state dicts
+    of each kind, load them into a model and optimizer built under another seed, and take one
+    more step on both: the resumed run must equal the unbroken one (loss and every tensor,
+    bitwise). ``fault``: the negative controls of
+    :data:`~fsdp_conformance.claims.state.faults.FAULTS` (``optimizer_not_loaded``).
+    """
+    check_fsdp_version(version)
+    with FAULTS.inject(fault, ctx):
+        return _resume(ctx, spec, version, seed)
+
+
+def _resume(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> ResumeResult:
+    source = build_sharded(ctx, spec, version, seed)
+    optim = torch.optim.AdamW(source.parameters(), lr=1e-2)
+    batch = spec.batch(source, 2, ctx.device)
+    for step in range(STEPS_BEFORE):
+        _train_step(source, optim, batch, STEP_SEED + 1 + step)
+    saved = {kind: (snapshot(get_state(source, version, RESUME_MODEL_KIND.get(kind, kind))),
+                    snapshot(get_optim_state(source, optim, version, kind)))
+             for kind in RESUME_KINDS[version] if kind != "dcp"}
+    kinds: dict[str, StepResult] = {}
+    with shared_folder(ctx, "fsdp-conformance-resume-") as path:
+        save_train_state(source, optim, path)  # files: the dcp kind's snapshot
+        unbroken = _resumed_step(source, optim, batch, version)
+        for kind in RESUME_KINDS[version]:
+            target = build_sharded(ctx, spec, version, seed + 1)
+            target_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
+            # The user's resume: load_train_state and set_optim_state are a fault's steps.
+            if kind == "dcp":
+                load_train_state(target, target_optim, path)
+            else:
+                model_state, optim_state = saved[kind]
+                set_state(target, version, RESUME_MODEL_KIND.get(kind, kind), model_state)
+                set_optim_state(target, target_optim, version, kind, optim_state)
+            kinds[kind] = _resumed_step(target, target_optim, batch, version)
+            if kind in saved:  # observed: how much optimizer state the getter handed this rank
+                kinds[kind]["optim_entries"] = len(saved[kind][1].get("state", {}))
+    return {"rank": ctx.rank, "version": version, "unbroken": unbroken, "kinds": kinds}
+
+
+def verdict_resume(values: Sequence[ResumeResult], params: Mapping[str, Any]) -> Verdict:
+    """Per kind, on every rank: the resumed step's loss and the model after it equal the
+    unbroken run's, bitwise; a rank-0-only optimizer getter handed rank 0 alone its state."""
+    spec = params.get("spec", DEFAULT_SPEC)
+    version = params.get("version", "fsdp2")
+    kinds = list(values[0]["kinds"])
+    tree: list[str] = []
+    bad: list[str] = []
+    for kind in kinds:
+        wrong: dict[int, list[str]] = {}
+        for value in values:
+            unbroken, resumed = value["unbroken"], value["kinds"][kind]
+            lines = []
+            if resumed["loss_hex"] != unbroken["loss_hex"]:
+                lines.append(f"loss of the resumed step: expected {unbroken['loss']:.9g} "
+                             f"(unbroken run), got {resumed['loss']:.9g}")
+            lines += [f"after the resumed step: {d}"
+                      for d in differences(unbroken["digests"], resumed["digests"])]
+            entries = resumed.get("optim_entries")
+            if kind in RANK0_ONLY and entries is not None and (
+                    (entries > 0) != (value["rank"] == 0)):
+                lines.append(f"the rank-0-only optimizer getter handed this rank state for "
+                             f"{entries} parameter(s)" + (" (expected some)" if value["rank"] == 0
+                                                         else " (expected none)"))
+            if lines:
+                wrong[value["rank"]] = lines
+        tree += section(kind, "resumed run equals the unbroken one", wrong)
+        bad += [kind] if wrong else []
+    losses = {str(v["rank"]): v["unbroken"]["loss"] for v in values}
+    figures = {"kinds": kinds, "steps_before": STEPS_BEFORE, "failed_kinds": sorted(set(bad))}
+    head = (f"{version} {spec.name}: AdamW, {STEPS_BEFORE} steps, model and optimizer state "
+            f"saved ({', '.join(kinds)}), loaded into a fresh model, one more step against the "
+            f"unbroken run, bitwise, on all {len(values)} ranks")
+    return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"unbroken_loss": losses})

@@ -1,0 +1,289 @@
+"""What the state claim's families share: the model built and sharded under a seed, the state
+dicts of each kind got and set as torch hands them to a user, what a getter returned and the
+digests of every tensor, the checkpoint files every rank writes and reads, and the verdicts'
+comparison of digests against the reference (docs/state.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypedDict
+
+import torch
+from torch import nn
+
+from fsdp_conformance import capabilities
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.sharding import shard
+from fsdp_conformance.tensors import local_tensor, sha256_of
+
+#: The state-dict kinds of each FSDP version, in the order they run.
+KINDS: dict[str, tuple[str, ...]] = {
+    "fsdp1": ("full", "full_rank0_only", "sharded", "local"),
+    "fsdp2": ("full_rank0", "full", "sharded"),
+}
+#: Kinds whose getter hands rank 0 alone a state dict (the others get an empty one).
+RANK0_ONLY = frozenset({"full_rank0_only", "full_rank0"})
+#: Kinds only read, not loaded (FSDP1 loads a full state dict on every rank, not rank 0's).
+GET_ONLY = frozenset({"full_rank0_only"})
+#: Kinds whose dict holds full tensors: compared with the reference as got, before any load.
+FULL = frozenset({"full", "full_rank0_only", "full_rank0"})
+#: The model of the check: the memory checks' shape, small.
+DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=64))
+#: Where a checkpoint saved by ``version`` is loaded: each FSDP version at the same world size,
+#: and an unsharded model in one process (``no_dist``: resharded to world size 1).
+DCP_TARGETS = ("fsdp1", "fsdp2", "unsharded")
+
+#: One tensor's digest: dtype, shape, SHA-256 of its bytes, and its sum.
+Digest = list[Any]
+#: A state dict's digests, by key.
+Digests = dict[str, Digest]
+
+
+class Description(TypedDict):
+    """What a getter returned (:func:`describe`)."""
+
+    entries: int
+    types: list[str]
+    devices: list[str]
+
+
+# ============================================================================================
+# Building, getting and setting (rank side)
+# ============================================================================================
+
+
+def build(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The model built under ``seed``: the reference (on the CPU) or a rank's, before sharding."""
+    torch.manual_seed(seed)
+    return spec.build(device)
+
+
+def build_sharded(ctx: RankContext, spec: ModelSpec, version: str, seed: int,
+                  **options: Any) -> nn.Module:
+    """The model built under ``seed`` on the compute device and sharded as a user shards it
+    (``options``: :func:`~fsdp_conformance.sharding.shard`'s, a process group or mesh say)."""
+    torch.manual_seed(seed)
+    built = spec.instantiate(ctx.device)
+    return shard(built.model, ctx, version, built.policy("recommended"), **options)
+
+
+def offload_to_cpu(model: nn.Module) -> bool:
+    """FSDP1's ``offload_to_cpu``: on where the parameters are on a GPU, as users save. On the
+    CPU they are there already, and torch 2.13's FSDP1 cannot unshard CPU parameters with it
+    ("setStorage: ... out of bounds for storage of size 0")."""
+    return next(model.parameters()).device.type != "cpu"
+
+
+@contextlib.contextmanager
+def _fsdp1_type(model: nn.Module, kind: str) -> Iterator[None]:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if kind in ("full", "full_rank0_only"):
+        config = FullStateDictConfig(offload_to_cpu=offload_to_cpu(model),
+                                     rank0_only=kind == "full_rank0_only")
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            yield
+    else:
+        which = {"sharded": StateDictType.SHARDED_STATE_DICT,
+                 "local": StateDictType.LOCAL_STATE_DICT}[kind]
+        with FSDP.state_dict_type(model, which):
+            yield
+
+
+def fsdp2_options(kind: str, *, loading: bool = False) -> Any:
+    """FSDP2's ``StateDictOptions`` of ``kind`` (``loading``: rank 0's full dict broadcast)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if kind == "full_rank0":
+        return StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                broadcast_from_rank0=loading)
+    if kind == "full":
+        return StateDictOptions(full_state_dict=True)
+    return StateDictOptions()
+
+
+def get_state(model: nn.Module, version: str, kind: str) -> dict[str, Any]:
+    """The model's state dict of ``kind``, as torch hands it to a user."""
+    if version == "fsdp1":
+        with _fsdp1_type(model, kind):
+            return dict(model.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return dict(get_model_state_dict(model, options=fsdp2_options(kind)))
+
+
+def set_state(model: nn.Module, version: str, kind: str, state: dict[str, Any]) -> None:
+    """Load ``state`` (of ``kind``) into ``model``, strictly (every key must match)."""
+    if version == "fsdp1":
+        with _fsdp1_type(model, kind):
+            model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=fsdp2_options(kind, loading=True))
+
+
+def describe(state: Mapping[str, Any]) -> Description:
+    """What a getter returned: entries, tensor types and devices (observed, for the report)."""
+    types = sorted({type(v).__name__ for v in state.values()})
+    devices = sorted({str(t.device) for v in state.values()
+                      if (t := local_tensor(v)) is not None})
+    return {"entries": len(state), "types": types, "devices": devices}
+
+
+def digests(state: Mapping[str, Any]) -> Digests:
+    """Per tensor of a full state dict: dtype, shape, SHA-256 of its bytes, and its sum."""
+    out = {}
+    for key, value in state.items():
+        t = value.detach().to("cpu", copy=True).contiguous()  # the sum as the reference's
+        out[key] = [str(t.dtype), list(t.shape), sha256_of(t),
+                    float(t.double().sum()) if t.is_floating_point() else int(t.sum())]
+    return out
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` written to bytes and read back, as a checkpoint on disk would be.
+
+    torch's state dicts share storage with the live model and optimizer (a sharded dict holds
+    the parameters themselves; AdamW's ``step`` is handed over as the same tensor even in a full
+    dict): a later step would change a dict that was only referenced, not saved.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=False)
+    return loaded
+
+
+@contextlib.contextmanager
+def shared_folder(ctx: RankContext, prefix: str) -> Iterator[str]:
+    """A temporary folder every rank writes to: rank 0 makes it, every rank gets its path, and
+    rank 0 removes it once every rank is done (a barrier)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    holder = [tempfile.mkdtemp(prefix=prefix) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    try:
+        yield str(holder[0])
+    finally:
+        dist.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(str(holder[0]), ignore_errors=True)
+
+
+# ============================================================================================
+# Checkpoint files: torch.distributed.checkpoint, as a user saves and loads a sharded model
+# ============================================================================================
+
+
+def save_checkpoint(model: nn.Module, version: str, path: str, *,
+                    process_group: Any = None) -> None:
+    """The model's sharded state dict written with ``torch.distributed.checkpoint`` to ``path``
+    (``FileSystemWriter``: real files), by ``process_group``'s ranks (default: every rank)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    save(get_state(model, version, "sharded"), storage_writer=FileSystemWriter(path),
+         process_group=process_group)
+
+
+def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
+                    seed: int) -> Digests:
+    """A model built under another seed, loaded from the checkpoint at ``path``: sharded with
+    ``target`` ("fsdp1", "fsdp2"), or unsharded in this process alone; its full state's
+    digests."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader = FileSystemReader(path)
+    if target == "unsharded":
+        plain = build(spec, seed)
+        state = plain.state_dict()
+        load(state, storage_reader=reader, no_dist=True)
+        plain.load_state_dict(state)
+        return digests(plain.state_dict())
+    model = build_sharded(ctx, spec, target, seed)
+    state = get_state(model, target, "sharded")
+    load(state, storage_reader=reader)
+    set_state(model, target, "sharded", state)
+    return digests(get_state(model, target, "full"))
+
+
+def require_dcp_targets(ctx: RankContext) -> None:
+    """Skip (every rank alike, before any collective) where this torch cannot load into every
+    target of :data:`DCP_TARGETS`: the unsharded one needs ``dcp.load(no_dist=True)``, the
+    FSDP2 one (and an FSDP2 source) FSDP2 on this device."""
+    capabilities.require(capabilities.DCP_NO_DIST)
+    capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
+
+
+def files_in(path: str) -> list[str]:
+    """The files a checkpoint folder holds, sorted (observed, for the report)."""
+    return sorted(os.listdir(path))
+
+
+# ============================================================================================
+# Judging digests (parent side)
+# ============================================================================================
+
+
+def reference_digests(spec: ModelSpec, seed: int) -> Digests:
+    """The single-process reference: the same build under the same seed, ``state_dict()``."""
+    return digests(build(spec, seed).state_dict())
+
+
+def differences(expected: Mapping[str, Digest], actual: Mapping[str, Digest]) -> list[str]:
+    """One line per tensor of ``actual`` that is not ``expected``'s, bitwise."""
+    lines = []
+    for key in sorted(set(expected) | set(actual)):
+        if key not in actual:
+            lines.append(f"{key}: missing (expected {expected[key][0]} {expected[key][1]})")
+        elif key not in expected:
+            lines.append(f"{key}: not in the reference's state dict")
+        elif actual[key][:3] != expected[key][:3]:
+            e, a = expected[key], actual[key]
+            lines.append(f"{key}: expected {e[0]} {e[1]} sum {e[3]:.9g}, "
+                         f"got {a[0]} {a[1]} sum {a[3]:.9g}")
+    return lines
+
+
+def section(label: str, ok: str, wrong: Mapping[int, Sequence[str]],
+            limit: int = 8) -> list[str]:
+    """One line per kind (``ok`` or the ranks it is wrong on), then each wrong rank's lines."""
+    ranks = ", ".join(map(str, sorted(wrong)))
+    lines = [f"  {label}: " + (ok if not wrong else f"WRONG on rank(s) {ranks}")]
+    for rank, problems in sorted(wrong.items()):
+        lines += [f"      rank {rank}: {p}" for p in problems[:limit]]
+        if len(problems) > limit:
+            lines.append(f"      rank {rank}: ... {len(problems) - limit} more")
+    return lines
+
+
+def judge_targets(expected: Mapping[str, Digest],
+                  loaded: Sequence[tuple[int, Mapping[str, Digests]]], targets: Sequence[str],
+                  label: Callable[[str], str]) -> tuple[list[str], list[str]]:
+    """Per target, every rank's digests of the model loaded into it (``loaded``: (rank, digests
+    by target)) against ``expected``: the tree's section per target and the targets wrong on
+    any rank."""
+    tree: list[str] = []
+    bad: list[str] = []
+    for target in targets:
+        wrong = {rank: d for rank, by_target in loaded
+                 if (d := differences(expected, by_target[target]))}
+        tree += section(label(target), "ok", wrong)
+        bad += [target] if wrong else []
+    return tree, bad
+
+
+def where(target: str, world_size: int, one_process: str) -> str:
+    """Where a checkpoint was loaded into ``target``, for a verdict's line."""
+    return one_process if target == "unsharded" else f"{target} at world size {world_size}"
