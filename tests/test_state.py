@@ -20,8 +20,8 @@ import torch
 
 from fsdp_conformance import hf_models
 from fsdp_conformance.claims import state
-from fsdp_conformance.claims.state import checkpoint, resume, state_dicts
 from fsdp_conformance.claims.check import Check, run_check
+from fsdp_conformance.claims.state import checkpoint, resume, state_dicts
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec
 
