@@ -49,7 +49,7 @@ def rank_meta_build(ctx: RankContext, spec: ModelSpec,
     numel = sum(p.numel() for p in model.parameters())
     report: MetaBuildReport = {
         "rank": ctx.rank,
-        "device": str(next(iter(named_state(model)))[1].device),
+        "device": str(next(model.parameters()).device),
         "numel": numel,
         "model_bytes": state_bytes(model),
         "growth_bytes": peak - rss_before,
