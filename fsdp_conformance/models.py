@@ -624,7 +624,7 @@ class ModelSpec:
     #: :meth:`depth_setting` for how a factory's depth is set.
     depth: int | None = None
     #: ``pkg.module:fn`` initializing one module's own state for meta init (None: the model's
-    #: own contract; see ``claims.init.module_init_for``).
+    #: own contract; see ``meta_init.module_init_for``).
     init_fn: str | None = None
 
     def __post_init__(self) -> None:

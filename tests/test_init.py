@@ -14,14 +14,16 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fsdp_conformance import meta_init, meta_materialize
 from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
+from fsdp_conformance.claims.init import broadcast, peak_memory, reports, weights
 from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.models import ModelConfig, ModelSpec
 
 VERSIONS = ("fsdp1", "fsdp2")
-SPEC = init.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer
+SPEC = reports.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer
 MASSIVE = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32))
 
 
@@ -33,7 +35,7 @@ def check(name: str, version: str | None = None) -> Check:
 
 
 def materialize_values(ranks: Ranks, **params: Any) -> list[Mapping[str, Any]]:
-    return ranks.run(init.rank_materialize, **{"spec": SPEC, **params})
+    return ranks.run(weights.rank_materialize, **{"spec": SPEC, **params})
 
 
 # ------------------------------------------------------------------------------------------
@@ -42,12 +44,12 @@ def materialize_values(ranks: Ranks, **params: Any) -> list[Mapping[str, Any]]:
 
 
 def test_reference_is_bitwise_reproducible_and_depends_on_the_seed() -> None:
-    assert init.reference_digest(SPEC, 0) == init.reference_digest(SPEC, 0)
-    assert init.reference_digest(SPEC, 0) != init.reference_digest(SPEC, 1)
+    assert meta_init.reference_digest(SPEC, 0) == meta_init.reference_digest(SPEC, 0)
+    assert meta_init.reference_digest(SPEC, 0) != meta_init.reference_digest(SPEC, 1)
 
 
 def test_reference_initializes_the_non_persistent_rotary_buffer() -> None:
-    model = init.reference_model(SPEC, 0)
+    model = meta_init.reference_model(SPEC, 0)
     rotary = model.layers[0].rotary
     assert "inv_freq" in rotary._non_persistent_buffers_set
     dim = rotary.head_dim
@@ -56,10 +58,10 @@ def test_reference_initializes_the_non_persistent_rotary_buffer() -> None:
 
 
 def test_reference_values_come_from_each_module_own_reset_parameters() -> None:
-    model = init.reference_model(MASSIVE, 7)
+    model = meta_init.reference_model(MASSIVE, 7)
     linear = nn.Linear(32, 32)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(init.module_seed(7, "embed"))
+        torch.manual_seed(meta_init.module_seed(7, "embed"))
         linear.reset_parameters()
     assert torch.equal(model.embed.weight, linear.weight)
     assert torch.equal(model.embed.bias, linear.bias)
@@ -84,30 +86,30 @@ class _HalfReset(nn.Module):
 def test_module_without_reset_parameters_is_named_with_the_fix() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), _RawParam())
-    with pytest.raises(init.InitError, match=r"1 \(_RawParam\).*define reset_parameters"):
-        init.check_initializable(model)
+    with pytest.raises(meta_init.InitError, match=r"1 \(_RawParam\).*define reset_parameters"):
+        meta_init.check_initializable(model)
 
 
 def test_reset_parameters_that_leaves_a_tensor_uninitialized_is_named() -> None:
-    with pytest.raises(init.InitError, match=r"leaves b uninitialized"):
-        init.full_module_state(_HalfReset(), "half", 0)
+    with pytest.raises(meta_init.InitError, match=r"leaves b uninitialized"):
+        meta_init.full_module_state(_HalfReset(), "half", 0)
 
 
 def test_findings_translate_torch_errors_into_one_line() -> None:
     meta = ValueError("Inconsistent compute device and `device_id` on rank 1: meta vs cpu")
-    finding = init.describe_init_error(meta)
+    finding = reports.describe_init_error(meta)
     assert "must call module.to_empty(device=..., recurse=False)" in finding
     assert "\n" not in finding
     refusal = ValueError("The module has CPU parameters ... which requires them to be on GPU.")
-    assert "broadcast from rank 0 explicitly" in init.describe_init_error(refusal)
-    assert init.describe_init_error(KeyError("x")) == "KeyError: 'x'"
+    assert "broadcast from rank 0 explicitly" in reports.describe_init_error(refusal)
+    assert reports.describe_init_error(KeyError("x")) == "KeyError: 'x'"
 
 
 def test_seeds_materialization_fn_is_verbatim() -> None:
     # Kept as written: the suite judges the seeds' code, so it must not be quietly fixed.
     import inspect
 
-    source = inspect.getsource(init.materialization_fn)
+    source = inspect.getsource(meta_materialize.materialization_fn)
     assert "to_empty" not in source
     assert 'if "weight" in name and param.dim() > 1:' in source
     assert "torch.nn.init.kaiming_normal_(param)" in source
@@ -126,7 +128,8 @@ def test_full_scale_model_on_meta_grows_memory_by_almost_nothing(ranks: Ranks) -
     assert verdict.figures["params"] > 1.3e9
     assert verdict.figures["growth_MiB"] < 16
     # Negative control: the same measurement on a real (CPU) build of an 45 MB model.
-    eager = run_check(ranks, check("init.meta_build"), spec=init.MEMORY_SPEC, device="cpu")
+    eager = run_check(ranks, check("init.meta_build"), spec=peak_memory.MEMORY_SPEC,
+                      fault="eager_build")
     assert not eager.passed
     assert "the model allocated storage" in eager.message or "not on meta" in eager.message
 
@@ -138,10 +141,11 @@ def test_full_scale_model_on_meta_grows_memory_by_almost_nothing(ranks: Ranks) -
 
 @pytest.mark.world_size(1, 2, 4)
 def test_same_seed_gives_bitwise_the_same_full_weights_on_any_world_size(ranks: Ranks) -> None:
-    expected = init.reference_digest(SPEC, 0)  # computed here, in one CPU process
+    expected = meta_init.reference_digest(SPEC, 0)  # computed here, in one CPU process
     for version in VERSIONS:
         values = materialize_values(ranks, version=version)
-        for verdict in (init.verdict_no_meta(values, {}), init.verdict_weights(values, {})):
+        for verdict in (weights.verdict_no_meta(values, {}),
+                        weights.verdict_weights(values, {})):
             assert verdict.passed, f"{version}: {verdict.message}"
         assert {v["digest"] for v in values} == {expected}, version
 
@@ -151,12 +155,12 @@ def test_ranks_seeded_differently_are_flagged_though_gathered_weights_agree(
     ranks: Ranks,
 ) -> None:
     for version in VERSIONS:
-        values = materialize_values(ranks, version=version, rank_seed_offset=1)
+        values = materialize_values(ranks, version=version, fault="ranks_seeded_differently")
         # The trap (docs/init.md, "Facts about meta-device init"): every rank gathers the
         # same full weights...
         assert len({v["digest"] for v in values}) == 1
         # ...which are not the reference's, and rank 1's own shards are wrong.
-        verdict = init.verdict_weights(values, {})
+        verdict = weights.verdict_weights(values, {})
         assert not verdict.passed
         assert "rank 1: local shards differ from the reference's slices" in verdict.message
         assert "gathered weights differ from the reference" in verdict.message
@@ -169,7 +173,7 @@ def test_fsdp1_default_reset_parameters_path_matches_its_single_process_order(
     verdict = run_check(ranks, check("init.weights.default_path", "fsdp1"))
     assert verdict.passed, verdict.message
     # Valid, but not the deterministic init's values: they depend on the walk order and RNG.
-    assert verdict.data["digest"] != init.reference_digest(SPEC, 0)
+    assert verdict.data["digest"] != meta_init.reference_digest(SPEC, 0)
 
 
 @pytest.mark.cpu
@@ -186,8 +190,8 @@ def test_naive_reset_parameters_on_a_cpu_mesh_is_flagged(ranks: Ranks) -> None:
 def test_tied_weights_survive_meta_init_on_both_versions(ranks: Ranks) -> None:
     tied = ModelSpec(reference="tied", config=ModelConfig(num_layers=2, dim=32))
     for version in VERSIONS:
-        values = ranks.run(init.rank_materialize, spec=tied, version=version)
-        verdict = init.verdict_weights(values, {})
+        values = ranks.run(weights.rank_materialize, spec=tied, version=version)
+        verdict = weights.verdict_weights(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
 
 
@@ -221,9 +225,9 @@ def test_seeds_materialization_fn_yields_one_line_findings(ranks: Ranks) -> None
 @pytest.mark.world_size(2)
 def test_seeds_fn_with_to_empty_passes_on_a_model_it_covers(ranks: Ranks) -> None:
     # MassiveModel has only Linear weights and biases: the check must not cry wolf.
-    values = ranks.run(init.rank_materialize, spec=MASSIVE, version="fsdp1",
+    values = ranks.run(weights.rank_materialize, spec=MASSIVE, version="fsdp1",
                        method="seeds_to_empty")
-    verdict = init.verdict_no_meta(values, {})
+    verdict = weights.verdict_no_meta(values, {})
     assert verdict.passed, verdict.message
 
 
@@ -237,10 +241,10 @@ def test_sync_module_states(ranks: Ranks, lane: str) -> None:
     verdict = run_check(ranks, check("init.sync_module_states"))
     assert verdict.passed, verdict.message
     if lane == "cpu":
-        assert init.SYNC_REFUSAL_SNIPPET in verdict.data["refusal"]
+        assert reports.SYNC_REFUSAL_SNIPPET in verdict.data["refusal"]
         assert verdict.message.startswith("conformance fact: torch refuses")
     # Negative control: without it, ranks seeded differently keep their own weights.
-    off = run_check(ranks, check("init.sync_module_states"), sync=False)
+    off = run_check(ranks, check("init.sync_module_states"), fault="sync_off")
     assert not off.passed
     assert "rank 1: local shards differ" in off.message
 
@@ -248,28 +252,28 @@ def test_sync_module_states(ranks: Ranks, lane: str) -> None:
 @pytest.mark.world_size(2)
 def test_rank0_broadcast_reaches_every_rank(ranks: Ranks) -> None:
     for version in VERSIONS:
-        broadcast = check("init.broadcast_rank0", version)
-        values = ranks.run(broadcast.rank_fn, **{**broadcast.params})
-        verdict = init.verdict_weights(values, {})
+        rank0 = check("init.broadcast_rank0", version)
+        values = ranks.run(rank0.rank_fn, **{**rank0.params})
+        verdict = broadcast.verdict_broadcast_rank0(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
         if version == "fsdp2":
             # set_model_state_dict(broadcast_from_rank0=True) mutates rank 0's dict (its
             # values are replaced); the other ranks' empty dicts stay empty (torch 2.13).
             assert [v["dict_mutated"] for v in values] == [True, False]
-        off = run_check(ranks, broadcast, broadcast=False)
+        off = run_check(ranks, rank0, fault="no_broadcast")
         assert not off.passed and "rank 1: local shards differ" in off.message, version
 
 
 @pytest.mark.world_size(1)
 def test_rank0_broadcast_at_one_rank_skips_rather_than_passing_on_nothing(ranks: Ranks) -> None:
     # At one rank "rank 0's weights reached every rank" holds with or without a broadcast: the
-    # negative control (broadcast=False) would pass too. The check says so instead.
+    # negative control (fault="no_broadcast") would pass too. The check says so instead.
     for version in VERSIONS:
-        broadcast = check("init.broadcast_rank0", version)
-        for on in (True, False):
+        rank0 = check("init.broadcast_rank0", version)
+        for fault in (None, "no_broadcast"):
             with pytest.raises(CheckSkipped, match="no other rank to receive rank 0's weights"):
-                ranks.configured(skip=None).run(broadcast.rank_fn,
-                                                **{**broadcast.params, "broadcast": on})
+                ranks.configured(skip=None).run(rank0.rank_fn,
+                                                **{**rank0.params, "fault": fault})
 
 
 def test_sync_module_states_on_one_gpu_skips_rather_than_passing_on_nothing() -> None:
@@ -279,8 +283,8 @@ def test_sync_module_states_on_one_gpu_skips_rather_than_passing_on_nothing() ->
 
     one_gpu = RankContext(0, 1, 0, "nccl", "cuda", 0)
     with pytest.raises(CheckSkipped, match="sync_module_states cannot be told from its absence"):
-        init.rank_sync_module_states(one_gpu)
-    init.require_a_receiver(RankContext(0, 2, 0, "nccl", "cuda", 0), "x")  # two ranks: runs
+        broadcast.rank_sync_module_states(one_gpu)
+    broadcast.require_a_receiver(RankContext(0, 2, 0, "nccl", "cuda", 0), "x")  # two ranks: runs
 
 
 # ------------------------------------------------------------------------------------------
@@ -293,7 +297,7 @@ def test_training_step_after_meta_init_matches_the_reference(ranks: Ranks) -> No
     for version in VERSIONS:
         verdict = run_check(ranks, check("init.train_step", version))
         assert verdict.passed, f"{version}: {verdict.message}"
-    bad = run_check(ranks, check("init.train_step", "fsdp2"), rank_seed_offset=1)
+    bad = run_check(ranks, check("init.train_step", "fsdp2"), fault="ranks_seeded_differently")
     assert not bad.passed
     assert "vs reference" in bad.message and "weights differ from the reference" in bad.message
 
@@ -316,7 +320,7 @@ def test_peak_while_materializing_stays_within_shards_plus_one_unit(
 
 @pytest.mark.world_size(2)
 def test_eager_build_exceeds_the_materialization_bound(ranks: Ranks) -> None:
-    verdict = run_check(ranks, check("init.peak_memory", "fsdp2"), eager=True)
+    verdict = run_check(ranks, check("init.peak_memory", "fsdp2"), fault="eager_build")
     assert not verdict.passed
     assert "exceeds the bound on ranks [0, 1]" in verdict.message
     assert verdict.figures["peak_MiB"] > verdict.figures["bound_MiB"]
@@ -330,7 +334,7 @@ def test_peak_bound_counts_one_unit_and_fsdp1s_flat_copy() -> None:
                                                                          5 * mib)
     assert init_peak_bound(10 * mib, 5 * mib, "fsdp2", 0.1, 4 * mib) == (15 * mib * 1.1 + 4 * mib,
                                                                          0)
-    bound, terms = init.peak_memory_bound(
+    bound, terms = peak_memory.peak_memory_bound(
         {"sharded_bytes": 10 * mib, "largest_unit_bytes": 5 * mib, "version": "fsdp1"})
     assert bound == 20 * mib * 1.1 + 4 * mib
     assert terms == "sharded 10.0 + unit 5.0 + flat copy 5.0 MiB, +10% +4 MiB"

@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fsdp_conformance import meta_init, tensors
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, execute, run_check
+from fsdp_conformance.claims.init import weights
 from fsdp_conformance.gate.report import environment_summary
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec, ModelSpecError
@@ -112,11 +114,11 @@ def check(name: str, version: str | None = None) -> Check:
 
 
 def test_a_transformers_model_is_initialized_by_its_own_init_weights() -> None:
-    model = init.reference_model(LLAMA, 0)
+    model = meta_init.reference_model(LLAMA, 0)
     # Each module's values are exactly its _init_weights on the module's seeded generator.
     q_proj = nn.Linear(64, 64, bias=False)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(init.module_seed(0, "model.layers.0.self_attn.q_proj"))
+        torch.manual_seed(meta_init.module_seed(0, "model.layers.0.self_attn.q_proj"))
         model._init_weights(q_proj)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q_proj.weight)
     for name in LLAMA_NORMS:
@@ -131,28 +133,28 @@ def test_a_transformers_model_is_initialized_by_its_own_init_weights() -> None:
 def test_an_ancestors_init_weights_reaches_its_childs_tensors() -> None:
     # GPT-2's attention and MLP rescale their child c_proj (std 0.02 / sqrt(2 * layers)) after
     # c_proj's own init: transformers walks children first, and so does the reference.
-    model = init.reference_model(GPT2, 0).requires_grad_(False)
+    model = meta_init.reference_model(GPT2, 0).requires_grad_(False)
     block = model.transformer.h[0]
     assert float(block.attn.c_proj.weight.std()) < 0.75 * float(block.attn.c_attn.weight.std())
     assert float(block.mlp.c_proj.weight.std()) < 0.75 * float(block.mlp.c_fc.weight.std())
     assert torch.equal(block.ln_1.weight, torch.ones(64))
     assert torch.equal(block.ln_1.bias, torch.zeros(64))
-    experts = init.reference_model(MIXTRAL, 0).model.layers[0].mlp.experts
+    experts = meta_init.reference_model(MIXTRAL, 0).model.layers[0].mlp.experts
     assert 0.015 < float(experts.gate_up_proj.detach().std()) < 0.025  # 3-D expert weights too
 
 
 def test_a_transformers_reference_is_reproducible_and_keeps_its_tie() -> None:
-    assert init.reference_digest(GPT2, 0) == init.reference_digest(GPT2, 0)
-    assert init.reference_digest(GPT2, 0) != init.reference_digest(GPT2, 1)
-    model = init.reference_model(GPT2, 0)
+    assert meta_init.reference_digest(GPT2, 0) == meta_init.reference_digest(GPT2, 0)
+    assert meta_init.reference_digest(GPT2, 0) != meta_init.reference_digest(GPT2, 1)
+    model = meta_init.reference_model(GPT2, 0)
     # to_empty alone unties lm_head from wte: the reference re-binds it (one tensor, as the
     # sharded model keeps it).
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
 def test_an_init_fn_that_skips_the_norms_is_named_for_every_module() -> None:
-    with pytest.raises(init.InitError) as info:
-        init.reference_model(LLAMA_SKIPPING_NORMS, 0)
+    with pytest.raises(meta_init.InitError) as info:
+        meta_init.reference_model(LLAMA_SKIPPING_NORMS, 0)
     message = str(info.value)
     assert message.startswith(f"init function '{__name__}:init_skipping_norms' leaves tensors "
                               "of 5 modules uninitialized")
@@ -162,11 +164,11 @@ def test_an_init_fn_that_skips_the_norms_is_named_for_every_module() -> None:
 
 
 def test_an_init_fn_initializes_a_model_without_reset_parameters() -> None:
-    model = init.reference_model(RAW_WITH_INIT, 3)
+    model = meta_init.reference_model(RAW_WITH_INIT, 3)
     assert torch.equal(model[1].scale, torch.ones(8))
     linear = nn.Linear(8, 8)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(init.module_seed(3, "0"))
+        torch.manual_seed(meta_init.module_seed(3, "0"))
         linear.reset_parameters()
     assert torch.equal(model[0].weight, linear.weight)
 
@@ -174,8 +176,8 @@ def test_an_init_fn_initializes_a_model_without_reset_parameters() -> None:
 def test_the_no_contract_error_names_all_three_ways_out() -> None:
     with torch.device("meta"):
         model = raw_param_model()
-    with pytest.raises(init.InitError) as info:
-        init.check_initializable(model)
+    with pytest.raises(meta_init.InitError) as info:
+        meta_init.check_initializable(model)
     message = str(info.value)
     assert "1 module(s) own parameters or buffers but have no reset_parameters(): 1 (_RawParam)" \
         in message
@@ -228,10 +230,11 @@ def test_transformers_models_meta_init_to_the_reference_on_both_versions(ranks: 
     # GPT-2 also proves the tie: FSDP1 reaches lm_head (a holder) before transformer.wte (the
     # owner) breadth-first, and the owner's values must still be the ones written.
     for spec in (LLAMA, GPT2, MIXTRAL):
-        expected = init.reference_digest(spec, 0)
+        expected = meta_init.reference_digest(spec, 0)
         for version in VERSIONS:
-            values = ranks.run(init.rank_materialize, spec=spec, version=version)
-            for verdict in (init.verdict_no_meta(values, {}), init.verdict_weights(values, {})):
+            values = ranks.run(weights.rank_materialize, spec=spec, version=version)
+            for verdict in (weights.verdict_no_meta(values, {}),
+                            weights.verdict_weights(values, {})):
                 assert verdict.passed, f"{spec.factory} {version}: {verdict.message}"
             assert {v["digest"] for v in values} == {expected}, (spec.factory, version)
 
@@ -251,7 +254,7 @@ def test_an_init_fn_meta_initializes_a_model_without_reset_parameters(ranks: Ran
     for version in VERSIONS:
         verdict = run_check(ranks, check("init.weights", version), spec=RAW_WITH_INIT)
         assert verdict.passed, f"{version}: {verdict.message}"
-        assert verdict.data["digest"] == init.reference_digest(RAW_WITH_INIT, 0)
+        assert verdict.data["digest"] == meta_init.reference_digest(RAW_WITH_INIT, 0)
 
 
 @pytest.mark.world_size(2)
@@ -260,7 +263,8 @@ def test_train_step_on_a_dropout_model_compares_like_with_like(ranks: Ranks) -> 
     assert verdict.passed, verdict.message
     assert "dropout disabled for the comparison" in verdict.message
     # Negative control on the same dropout model: ranks initialized differently.
-    bad = run_check(ranks, check("init.train_step", "fsdp2"), spec=GPT2, rank_seed_offset=1)
+    bad = run_check(ranks, check("init.train_step", "fsdp2"), spec=GPT2,
+                    fault="ranks_seeded_differently")
     assert not bad.passed
     assert "weights differ from the reference" in bad.message
 
@@ -276,5 +280,6 @@ def test_fsdp1_default_path_skips_a_transformers_model_with_the_reason(ranks: Ra
 
 def test_an_eager_transformers_model_reinitializes_to_the_reference_without_a_spec() -> None:
     # No spec: the shadow is a meta copy of the unsharded model (no storage copied).
-    model = init.deterministic_init_(tiny_gpt2(), 0)
-    assert init.state_digest(init.canonical_state(model)) == init.reference_digest(GPT2, 0)
+    model = meta_init.deterministic_init_(tiny_gpt2(), 0)
+    assert (tensors.state_digest(meta_init.canonical_state(model))
+            == meta_init.reference_digest(GPT2, 0))
