@@ -35,7 +35,7 @@ def check(name: str, version: str | None = None) -> Check:
 
 
 def materialize_values(ranks: Ranks, **params: Any) -> list[Mapping[str, Any]]:
-    return ranks.run(weights.rank_materialize, **{"spec": SPEC, **params})
+    return ranks.run(weights.rank_weights, **{"spec": SPEC, **params})
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_naive_reset_parameters_on_a_cpu_mesh_is_flagged(ranks: Ranks) -> None:
 def test_tied_weights_survive_meta_init_on_both_versions(ranks: Ranks) -> None:
     tied = ModelSpec(reference="tied", config=ModelConfig(num_layers=2, dim=32))
     for version in VERSIONS:
-        values = ranks.run(weights.rank_materialize, spec=tied, version=version)
+        values = ranks.run(weights.rank_weights, spec=tied, version=version)
         verdict = weights.verdict_weights(values, {})
         assert verdict.passed, f"{version}: {verdict.message}"
 
@@ -225,7 +225,7 @@ def test_seeds_materialization_fn_yields_one_line_findings(ranks: Ranks) -> None
 @pytest.mark.world_size(2)
 def test_seeds_fn_with_to_empty_passes_on_a_model_it_covers(ranks: Ranks) -> None:
     # MassiveModel has only Linear weights and biases: the check must not cry wolf.
-    values = ranks.run(weights.rank_materialize, spec=MASSIVE, version="fsdp1",
+    values = ranks.run(weights.rank_weights, spec=MASSIVE, version="fsdp1",
                        method="seeds_to_empty")
     verdict = weights.verdict_no_meta(values, {})
     assert verdict.passed, verdict.message

@@ -35,7 +35,7 @@ from fsdp_conformance.claims.init.peak_memory import (
 from fsdp_conformance.claims.init.reports import DEFAULT_SPEC
 from fsdp_conformance.claims.init.seeds import verdict_seeds_fn, verdict_seeds_fn_to_empty
 from fsdp_conformance.claims.init.train_step import rank_train_step, verdict_train_step
-from fsdp_conformance.claims.init.weights import rank_materialize, verdict_no_meta, verdict_weights
+from fsdp_conformance.claims.init.weights import rank_weights, verdict_no_meta, verdict_weights
 from fsdp_conformance.meters import MALLOC_ENV
 
 CHECKS: tuple[Check, ...] = (
@@ -50,19 +50,19 @@ CHECKS: tuple[Check, ...] = (
                   "initialized",
          "fsdp2": "FSDP2 + to_empty + init: every parameter and buffer on the compute device, "
                   "initialized"},
-        rank_materialize, verdict_no_meta, specs=(DEFAULT_SPEC,),
+        rank_weights, verdict_no_meta, specs=(DEFAULT_SPEC,),
     )
     + variants(
         "init.weights",
         {v: f"{v.upper()}: each rank's shards and the gathered weights equal the single-process "
             "reference" for v in ("fsdp1", "fsdp2")},
-        rank_materialize, verdict_weights, specs=(DEFAULT_SPEC,),
+        rank_weights, verdict_weights, specs=(DEFAULT_SPEC,),
     )
     + variants(
         "init.weights.default_path",
         "FSDP1's default meta path (to_empty + reset_parameters per module, no param_init_fn) "
         "equals the same calls made single-process in FSDP1's order",
-        rank_materialize, verdict_weights, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
+        rank_weights, verdict_weights, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
         method="reset_parameters",
     )
     + variants(
@@ -103,12 +103,12 @@ SEEDS_CHECKS: tuple[Check, ...] = (
         {"fsdp1": "the seeds' materialization_fn as FSDP1's param_init_fn (never calls "
                   "to_empty)",
          "fsdp2": "the seeds' materialization_fn after fully_shard, without to_empty"},
-        rank_materialize, verdict_seeds_fn, specs=(DEFAULT_SPEC,), method="seeds",
+        rank_weights, verdict_seeds_fn, specs=(DEFAULT_SPEC,), method="seeds",
     )
     + variants(
         "init.seeds_fn_to_empty",
         "the seeds' function with to_empty added: 1-D weights and buffers stay uninitialized",
-        rank_materialize, verdict_seeds_fn_to_empty, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
+        rank_weights, verdict_seeds_fn_to_empty, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
         method="seeds_to_empty",
     )
 )

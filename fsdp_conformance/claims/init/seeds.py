@@ -3,7 +3,7 @@ written, and with the minimal fix, run through the no-meta judgement.
 
 Expected to fail, each with a one-line finding (docs/init.md): they judge the seeds' code, not
 the user's model, so they are :data:`~fsdp_conformance.claims.init.SEEDS_CHECKS`, not part of
-``CHECKS``. The rank function is :func:`~fsdp_conformance.claims.init.weights.rank_materialize`
+``CHECKS``. The rank function is :func:`~fsdp_conformance.claims.init.weights.rank_weights`
 with ``method="seeds"`` or ``"seeds_to_empty"``.
 """
 

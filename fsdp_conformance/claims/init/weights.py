@@ -1,7 +1,7 @@
 """``init.no_meta``, ``init.weights`` and ``init.weights.default_path``: a sharded meta init puts
 every tensor on the compute device with the single-process reference's values.
 
-One rank function (:func:`rank_materialize`) builds on meta, shards, materializes by method and
+One rank function (:func:`rank_weights`) builds on meta, shards, materializes by method and
 inspects the result against the reference (:func:`~fsdp_conformance.meta_materialize.reference_for`
 built from the same seed); each verdict reads the part of the report it judges. The seeds'
 checks (:mod:`~fsdp_conformance.claims.init.seeds`) run the same rank function.
@@ -38,7 +38,7 @@ from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.tensors import listing
 
 
-def rank_materialize(
+def rank_weights(
     ctx: RankContext,
     spec: ModelSpec = DEFAULT_SPEC,
     version: str = "fsdp2",
