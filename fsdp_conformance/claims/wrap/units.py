@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance import policies
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.wrap.wrapping import (
     CONTAINERS,
@@ -29,7 +30,7 @@ from fsdp_conformance.claims.wrap.wrapping import (
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.policies import Policy, PolicyName, policy, shared_parameter_groups
+from fsdp_conformance.policies import Policy, PolicyName, shared_parameter_groups
 from fsdp_conformance.sharding import check_fsdp_version
 from fsdp_conformance.units import (
     ROOT,
@@ -165,7 +166,9 @@ def judge_plan(
     return Verdict(True, f"{what}: {len(plan)} units as expected", figures, data)
 
 
-def seeds_full_scale_plan(name: PolicyName = "seeds_verbatim") -> tuple[list[UnitInfo], Verdict]:
+def seeds_full_scale_plan(
+    policy: PolicyName = "seeds_verbatim",
+) -> tuple[list[UnitInfo], Verdict]:
     """The plan of a policy on the seeds' full-scale MassiveModel (meta, no allocation)."""
     from fsdp_conformance.models import DecoderLayer, MassiveModel, ModelConfig
     from fsdp_conformance.policies import SEED_MIN_PARAMS
@@ -173,9 +176,9 @@ def seeds_full_scale_plan(name: PolicyName = "seeds_verbatim") -> tuple[list[Uni
     with torch.device("meta"):
         model = MassiveModel(ModelConfig.seeds_full_scale())
     blocks = (DecoderLayer,)
-    policy_obj = policy(name, model, blocks, SEED_MIN_PARAMS)
+    policy_obj = policies.policy(policy, model, blocks, SEED_MIN_PARAMS)
     verdict = judge_plan(model, policy_obj, blocks, SEED_MIN_PARAMS,
-                         f"policy {name!r} at dim 4096, 8 layers, threshold 2e7")
+                         f"policy {policy!r} at dim 4096, 8 layers, threshold 2e7")
     return plan_units(model, policy_obj), verdict
 
 
