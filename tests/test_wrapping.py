@@ -435,3 +435,38 @@ def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
     verdict = verdict_units_accounting([value(0, good), value(1, more)], {})
     assert not verdict.passed
     assert "rank 1: units hold 20 parameters, the model has 16" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# The fault tables
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["units", "builders", "train", "mixed", "prefetch"])
+def test_each_fault_patches_a_step_for_its_duration_only(family: str) -> None:
+    """Every fault changes a step of its family's module (or torch.distributed) while injected
+    and restores it on exit: a warm rank serves the next check unchanged. A name the family
+    does not know is refused, not ignored."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from fsdp_conformance.harness import RankContext
+
+    module = importlib.import_module(f"fsdp_conformance.claims.wrap.{family}")
+    ctx = RankContext(rank=0, world_size=2, local_rank=0, backend="gloo", device_type="cpu")
+
+    def steps() -> dict[str, Any]:
+        return {**{f"{family}.{k}": v for k, v in vars(module).items()},
+                **{f"dist.{k}": getattr(dist, k) for k in dir(dist) if "reduce_scatter" in k}}
+
+    before = steps()
+    assert len(module.FAULTS) >= 1
+    for name in module.FAULTS:
+        with module.FAULTS.inject(name, ctx):
+            during = steps()
+            assert [k for k in before if during[k] is not before[k]], f"{name} patches nothing"
+        after = steps()
+        assert [k for k in before if after[k] is not before[k]] == [], name
+    with pytest.raises(ValueError, match="unknown fault"), module.FAULTS.inject("no_such", ctx):
+        pass
