@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp_conformance.claims.check import run_check
-from fsdp_conformance.claims.wrap import (
-    BUILDERS,
-    CHECKS,
-    rank_builders,
-    verdict_builders,
-)
+from fsdp_conformance.claims.wrap import CHECKS
+from fsdp_conformance.claims.wrap.builders import BUILDERS, rank_builders, verdict_builders
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import (
     DecoderLayer,
@@ -187,12 +183,12 @@ def test_each_torch_builder_gives_its_documented_units(ranks: Ranks) -> None:
 @pytest.mark.world_size(2)
 def test_negative_control_builder_verdict_catches_a_different_result(ranks: Ranks) -> None:
     # Apply ModuleWrapPolicy({Linear}) but claim transformer_auto_wrap_policy's result.
-    values = ranks.run(rank_builders, builder="module_wrap", claimed_builder="transformer")
+    values = ranks.run(rank_builders, builder="transformer", fault="module_wrap_applied")
     verdict = verdict_builders(values, {})
     assert not verdict.passed
     assert "+ unexpected unit layers.0.attn (Linear" in verdict.message
     # Per-unit overrides are checked too: CustomPolicy's NO_SHARD head claimed, none applied.
-    values = ranks.run(rank_builders, builder="or", claimed_builder="custom")
+    values = ranks.run(rank_builders, builder="custom", fault="or_applied")
     verdict = verdict_builders(values, {})
     assert not verdict.passed
     assert "unit head: sharding strategy expected NO_SHARD, got FULL_SHARD" in verdict.message

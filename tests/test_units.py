@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.claims.wrap import (
+from fsdp_conformance.claims.wrap.units import (
     expected_units,
+    judge_plan,
     seeds_full_scale_plan,
-    verdict_plan,
 )
 from fsdp_conformance.models import (
     DecoderLayer,
@@ -83,14 +83,14 @@ def test_recommended_plan_equals_the_claim_on_every_reference_case() -> None:
     ]
     for model, blocks in cases:
         policy = recommended_policy(model, blocks, SMALL.min_params)
-        verdict = verdict_plan(model, policy, blocks, SMALL.min_params)
+        verdict = judge_plan(model, policy, blocks, SMALL.min_params)
         assert verdict.passed, verdict.message
 
 
 def test_negative_control_seeds_plan_nests_mlp_units_inside_blocks() -> None:
     model = MassiveModel(SMALL)
-    verdict = verdict_plan(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params),
-                           (DecoderLayer,), SMALL.min_params)
+    verdict = judge_plan(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params),
+                         (DecoderLayer,), SMALL.min_params)
     assert not verdict.passed
     assert "layers.0.mlp.0 is a unit nested inside the block unit layers.0" in verdict.message
     assert "expected units:" in verdict.message and "actual units:" in verdict.message

@@ -8,19 +8,22 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance.claims.wrap import (
-    BF16_LOSS_RTOL,
-    BF16_UPDATE_RTOL,
-    FP32_ATOL,
-    rank_mixed,
+from fsdp_conformance.claims.wrap.mixed import rank_mixed, verdict_mixed
+from fsdp_conformance.claims.wrap.prefetch import (
     rank_prefetch,
-    rank_train,
-    rank_units,
-    verdict_mixed,
     verdict_prefetch_backward,
     verdict_prefetch_coarse,
     verdict_prefetch_forward,
+)
+from fsdp_conformance.claims.wrap.train import (
+    BF16_LOSS_RTOL,
+    BF16_UPDATE_RTOL,
+    FP32_ATOL,
+    rank_train,
     verdict_train,
+)
+from fsdp_conformance.claims.wrap.units import (
+    rank_units,
     verdict_units_accounting,
     verdict_units_exact,
     verdict_units_plan,
@@ -98,7 +101,7 @@ def test_negative_control_blocks_only_misses_the_oversized_head(ranks: Ranks) ->
 def test_negative_control_plan_that_does_not_describe_the_wrapping(ranks: Ranks) -> None:
     for version in VERSIONS:
         params = {"spec": SMALL, "version": version, "policy": "recommended",
-                  "apply_policy": "seeds"}
+                  "fault": "seeds_applied"}
         verdict = verdict_units_plan(ranks.run(rank_units, **params), params)
         assert not verdict.passed
         assert "+ unexpected unit layers.0.mlp.0 (Linear" in verdict.message
@@ -113,7 +116,7 @@ def test_negative_control_a_parameter_fsdp_leaves_unmanaged_fails_every_unit_che
     replicated on every rank, in no unit, and all three unit checks fail on every rank."""
     for version in VERSIONS:
         params = {"spec": ODD, "version": version, "policy": "recommended",
-                  "unmanaged": "layers.0.attn.weight"}
+                  "fault": "unmanaged_parameter"}
         values = ranks.run(rank_units, **params)
         exact = verdict_units_exact(values, params)
         plan = verdict_units_plan(values, params)
@@ -258,7 +261,7 @@ def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) 
 def test_the_update_scale_names_its_cause_only_where_it_fits(
     factor: float | None, ranks_n: int, words: str,
 ) -> None:
-    from fsdp_conformance.claims.wrap import update_diagnosis
+    from fsdp_conformance.claims.wrap.train import update_diagnosis
 
     said = update_diagnosis(factor, ranks_n)
     assert words in said, said
@@ -370,8 +373,8 @@ def test_one_coarse_unit_has_nothing_to_prefetch(ranks: Ranks) -> None:
 def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
     # FSDP1's defaults: forward_prefetch=False, so the next unit is gathered only when its
     # block starts; backward_prefetch=None likewise gathers late in backward.
-    params = {"spec": SMALL, "version": "fsdp1", "forward_prefetch": False,
-              "backward_prefetch": False}
+    params = {"spec": SMALL, "version": "fsdp1",
+              "fault": ("no_forward_prefetch", "no_backward_prefetch")}
     values = ranks.run(rank_prefetch, **params)
     forward = verdict_prefetch_forward(values, params)
     assert not forward.passed
@@ -383,7 +386,7 @@ def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
         backward.message)
     # FSDP2 without explicit forward prefetch: its implicit prefetch overlaps on CUDA streams
     # only; in the order the CPU issues all-gathers, unit k+1 comes after block k.
-    params = {"spec": SMALL, "version": "fsdp2", "forward_prefetch": False}
+    params = {"spec": SMALL, "version": "fsdp2", "fault": "no_forward_prefetch"}
     forward = verdict_prefetch_forward(ranks.run(rank_prefetch, **params), params)
     assert not forward.passed and "was not gathered before" in forward.message
 
@@ -432,3 +435,38 @@ def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
     verdict = verdict_units_accounting([value(0, good), value(1, more)], {})
     assert not verdict.passed
     assert "rank 1: units hold 20 parameters, the model has 16" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------
+# The fault tables
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["units", "builders", "train", "mixed", "prefetch"])
+def test_each_fault_patches_a_step_for_its_duration_only(family: str) -> None:
+    """Every fault changes a step of its family's module (or torch.distributed) while injected
+    and restores it on exit: a warm rank serves the next check unchanged. A name the family
+    does not know is refused, not ignored."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from fsdp_conformance.harness import RankContext
+
+    module = importlib.import_module(f"fsdp_conformance.claims.wrap.{family}")
+    ctx = RankContext(rank=0, world_size=2, local_rank=0, backend="gloo", device_type="cpu")
+
+    def steps() -> dict[str, Any]:
+        return {**{f"{family}.{k}": v for k, v in vars(module).items()},
+                **{f"dist.{k}": getattr(dist, k) for k in dir(dist) if "reduce_scatter" in k}}
+
+    before = steps()
+    assert len(module.FAULTS) >= 1
+    for name in module.FAULTS:
+        with module.FAULTS.inject(name, ctx):
+            during = steps()
+            assert [k for k in before if during[k] is not before[k]], f"{name} patches nothing"
+        after = steps()
+        assert [k for k in before if after[k] is not before[k]] == [], name
+    with pytest.raises(ValueError, match="unknown fault"), module.FAULTS.inject("no_such", ctx):
+        pass

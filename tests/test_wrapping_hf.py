@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.claims.wrap import rank_mixed, rank_train, verdict_mixed, verdict_train
+from fsdp_conformance.claims.wrap.mixed import rank_mixed, verdict_mixed
+from fsdp_conformance.claims.wrap.train import rank_train, verdict_train
 from fsdp_conformance.harness import CheckSkipped, RankContext, Ranks
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.step import disable_dropout, forward_randomness

@@ -1,0 +1,575 @@
+"""``wrap.train.fp32`` / ``wrap.train.bf16``: a few SGD steps under FSDP equal a single-process
+reference (bf16: compute really in bf16, parameters kept in fp32, the reference computing as
+FSDP's mixed precision does: :class:`MixedPrecisionReference`).
+
+The user's code is the module-level steps :func:`rank_train` calls by name: sharding
+(``shard_with_policy``), the mixed-precision options (:func:`mixed_precision_kwargs`) and the
+optimizer step (:func:`optimizer_step`); the faults of :data:`FAULTS` patch those, or
+``torch.distributed``'s reduce-scatters, for the duration of one rank function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypedDict
+
+import torch
+from torch import nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.wrap.wrapping import build, record_compute_dtypes, shard_with_policy
+from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models import ModelSpec, batch_rows, call_model, default_loss
+from fsdp_conformance.policies import PolicyName, policy_for
+from fsdp_conformance.sharding import check_fsdp_version, device_mesh
+from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
+from fsdp_conformance.tensors import listing, local_shard
+from fsdp_conformance.units import clean_fqn, planned_unit_modules
+
+#: Tolerances of the training-parity checks (measured margins in docs/wrapping.md).
+FP32_ATOL = 1e-5  # max |param - reference| after the steps; fp32 reduction order only
+FP32_LOSS_RTOL = 1e-5
+#: fp32: max |param - reference| / max |reference update| per tensor. Measured 3.2e-4 at dim 32
+#: (3 SGD steps); a weight left out of gradient reduction measured 0.6.
+FP32_UPDATE_RTOL = 1e-2
+#: bf16: the reference computes as FSDP's mixed precision does (:class:`MixedPrecisionReference`),
+#: so what is left is rounding, counted in bf16 ulps (8 significant bits: one ulp is 2^-8 to
+#: 2^-7 of a value). Loss: every output off by at most one rounding moves a mean of squares by
+#: at most 2 x 2^-8. Update: two ulps of the tensor's largest gradient element, 2 x 2^-7 of the
+#: largest update. Measured (dim 32 and 64, 3 steps): loss 0 and update 0 at world size 2,
+#: loss 0 and update <= 1.0e-3 at world size 4; summed gradients 1.0 (ws 2) to 3.0 (ws 4),
+#: a skipped reduction 0.72 to 2.0 (docs/wrapping.md).
+BF16_ULP = 2.0 ** -8
+BF16_LOSS_RTOL = 2 * BF16_ULP
+BF16_UPDATE_RTOL = 2 * 2 * BF16_ULP
+BF16_PARAM_ATOL = 2e-2
+
+# --------------------------------------------------------------------------------------------
+# The user's steps
+# --------------------------------------------------------------------------------------------
+
+
+def mixed_precision_kwargs(version: str, precision: str) -> dict[str, Any]:
+    """The FSDP keyword arguments of ``precision``: bf16 parameters, reduction (and FSDP1
+    buffers); none for fp32."""
+    if precision != "bf16":
+        return {}
+    if version == "fsdp1":
+        from torch.distributed.fsdp import MixedPrecision
+
+        return {"mixed_precision": MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)}
+    mp = _compat.mixed_precision_policy_cls()
+    return {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
+
+
+def sgd_step(model: nn.Module, lr: float) -> None:
+    """Plain SGD, written out: the same arithmetic on sharded (DTensor / flat) and full
+    parameters, without torch.optim's first-use import cost on every rank."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+
+
+def optimizer_step(model: nn.Module, lr: float) -> None:
+    """The user's optimizer on the sharded model (the reference steps with :func:`sgd_step`)."""
+    sgd_step(model, lr)
+
+
+# --------------------------------------------------------------------------------------------
+# Faults (negative controls): a misconfiguration or a broken reduction, one at a time
+# --------------------------------------------------------------------------------------------
+
+
+def _this_module() -> Any:
+    return sys.modules[__name__]
+
+
+def _shard_step(make: Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]) -> Any:
+    """A fault that replaces this module's sharding step with ``make(the step)``."""
+    def effect(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
+        return patched(_this_module(), "shard_with_policy", make)
+    return effect
+
+
+def _unsynced(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Parameters outside the planned units left out of FSDP: FSDP1 ``ignored_modules``,
+    FSDP2 the units sharded and the root (with what only it holds) left as plain tensors."""
+    def shard_units_only(model: nn.Module, ctx: RankContext, version: str, policy_obj: Any,
+                         **kwargs: Any) -> nn.Module:
+        units = planned_unit_modules(model, policy_obj)
+        if version == "fsdp1":
+            covered = {id(m) for u in units for m in u.modules()}
+            outside = [m for m in model.modules() if id(m) not in covered and m is not model
+                       and any(True for _ in m.parameters(recurse=False))]
+            return shard(model, ctx, version, policy_obj, ignored_modules=outside, **kwargs)
+        fully_shard = _compat.fully_shard()
+        mesh = device_mesh(ctx)
+        for u in sorted(units, key=lambda m: -len([*m.modules()])):
+            fully_shard(u, mesh=mesh, **kwargs)
+        return model
+    return shard_units_only
+
+
+def _cast_before(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def shard_bf16(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        return shard(model.to(torch.bfloat16), *args, **kwargs)
+    return shard_bf16
+
+
+def _permuted_after(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """The last rank's local shard of the largest parameter rolled by one after sharding."""
+    def shard_permuted(model: nn.Module, ctx: RankContext, *args: Any,
+                       **kwargs: Any) -> nn.Module:
+        sharded = shard(model, ctx, *args, **kwargs)
+        if ctx.rank == ctx.world_size - 1:
+            with torch.no_grad():
+                largest = max(sharded.parameters(), key=lambda p: local_shard(p).numel())
+                local = local_shard(largest)
+                local.copy_(local.flatten().roll(1).view_as(local))
+        return sharded
+    return shard_permuted
+
+
+def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
+    return patched(_this_module(), "mixed_precision_kwargs",
+                   lambda kwargs: lambda version, precision: {})
+
+
+def _summed_grads(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
+    # Every gradient multiplied by the world size after FSDP averaged it: the sum.
+    return patched(_this_module(), "optimizer_step",
+                   lambda step: lambda model, lr: step(model, lr * ctx.world_size))
+
+
+@contextlib.contextmanager
+def _skipped_reduction(ctx: RankContext) -> Iterator[None]:
+    """``torch.distributed``'s reduce-scatters (looked up at call time by FSDP1 and FSDP2, as in
+    ``step.collectives_release_in_order``) copy this rank's chunk of the input instead of
+    reducing across ranks; an AVG (FSDP2) divides by nothing."""
+    import torch.distributed as dist
+
+    def local(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        output.copy_(input.reshape(ctx.world_size, -1)[ctx.rank].view_as(output))
+
+    with contextlib.ExitStack() as stack:
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            if hasattr(dist, name):
+                stack.enter_context(patched(dist, name, lambda original: local))
+        yield
+
+
+FAULTS = FaultTable(
+    unsynced_root=Fault(
+        "parameters outside the planned units are left out of FSDP (FSDP1 ignored_modules, "
+        "FSDP2 no fully_shard on the root): their gradients are never reduced",
+        _shard_step(_unsynced)),
+    params_bf16=Fault(
+        "the model is cast to bf16 before wrapping: parameters are no longer fp32",
+        _shard_step(_cast_before)),
+    no_mixed_precision=Fault(
+        "bf16 is claimed but no mixed-precision policy is passed", _no_mixed_precision),
+    summed_grads=Fault(
+        "each rank applies the sum of the ranks' gradients instead of their mean (every "
+        "gradient multiplied by the world size after FSDP reduced it)", _summed_grads),
+    permuted_shard=Fault(
+        "the last rank's local shard of the largest parameter is permuted after sharding (its "
+        "elements rolled by one)", _shard_step(_permuted_after)),
+    skipped_reduction=Fault(
+        "every gradient reduce-scatter is skipped: each rank keeps its own chunk of its own "
+        "gradient, divided as FSDP divides the reduced one", _skipped_reduction),
+)
+
+# --------------------------------------------------------------------------------------------
+# The reference
+# --------------------------------------------------------------------------------------------
+
+
+def _full_params(sharded: nn.Module, version: str) -> dict[str, torch.Tensor]:
+    if version == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(sharded, writeback=False):
+            return {clean_fqn(n): p.detach().float().clone() for n, p in sharded.named_parameters()}
+    dtensor = _compat.dtensor_cls()
+    return {
+        n: (p.full_tensor() if isinstance(p, dtensor) else p).detach().float().clone()
+        for n, p in sharded.named_parameters()
+    }
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``value`` (nested tuples, lists, mappings) cast to ``dtype``: what
+    FSDP's ``_cast_forward_inputs`` does to a unit's arguments."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if torch.is_floating_point(value) else value
+    if isinstance(value, Mapping):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
+
+
+def gradient_divide_factors(version: str, world_size: int) -> tuple[float, float]:
+    """(pre, post) division of the gradient around the bf16 reduction, as torch 2.13 does it.
+
+    FSDP1 (``_init_utils``, ``DefaultState._get_gradient_predivide_factor``): the gradient is
+    divided by the smallest power of two ``f`` with ``f >= world_size / f`` before the
+    reduce-scatter (a sum) and by ``world_size / f`` after it. FSDP2
+    (``_fsdp_collectives._get_gradient_divide_factors``): for a bf16 or fp32 reduce dtype and no
+    ``gradient_divide_factor``, one ``ReduceOp.AVG`` reduce-scatter: the sum divided by the
+    world size.
+    """
+    if version == "fsdp2":
+        return 1.0, float(world_size)
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre
+
+
+class MixedPrecisionReference:
+    """The single-process reference computing as FSDP's bf16 mixed precision does.
+
+    FSDP (both versions, torch 2.13; docs/wrapping.md, "bf16 parity") keeps fp32 master
+    weights, casts a bf16 copy for forward and backward, casts floating inputs to bf16 at the
+    root (FSDP1, ``cast_root_forward_inputs``) or at every unit (FSDP2, ``cast_forward_inputs``),
+    FSDP1 also casts floating buffers (``buffer_dtype``), reduces each rank's bf16 gradient in
+    bf16 divided by :func:`gradient_divide_factors`, casts the reduced gradient to fp32 and
+    steps on the fp32 master. The reference repeats each of these steps for every rank's slice
+    of the batch in this one process. The ranks' bf16 gradients are summed in the order gloo's
+    ring reduce-scatter sums them (measured on torch 2.13: the chunk that rank ``k`` receives is
+    ``((g[k-1] + g[k-2]) + ...) + g[k]``, ranks modulo the world size, rounded to bf16 after
+    each addition), element by element according to ``owners`` (:func:`element_owners`).
+    """
+
+    def __init__(self, master: nn.Module, version: str, unit_names: Sequence[str],
+                 owners: Mapping[str, torch.Tensor]) -> None:
+        self.master, self.version, self.owners = master, version, owners
+        self.low = copy.deepcopy(master)
+        for p in self.low.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        if version == "fsdp1":
+            for b in self.low.buffers():
+                if torch.is_floating_point(b):
+                    b.data = b.data.to(torch.bfloat16)
+        modules = dict(self.low.named_modules())
+        casting = [""] if version == "fsdp1" else ["", *unit_names]
+        for name in dict.fromkeys(casting):
+            modules[name].register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+
+    @staticmethod
+    def _cast_inputs(module: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return _cast_floats(args, torch.bfloat16), _cast_floats(kwargs, torch.bfloat16)
+
+    def step(self, slices: Sequence[Any], lr: float) -> float:
+        """One step on the ranks' ``slices``; returns the mean of their losses (what the
+        FSDP side reports)."""
+        with torch.no_grad():
+            for low, master in zip(self.low.parameters(), self.master.parameters()):
+                low.copy_(master)
+        grads: list[list[torch.Tensor | None]] = []
+        losses = []
+        for rows in slices:
+            loss = default_loss(call_model(self.low, rows))
+            loss.backward()
+            losses.append(float(loss))
+            grads.append([p.grad for p in self.low.parameters()])
+            self.low.zero_grad(set_to_none=True)
+        world = len(slices)
+        pre, post = gradient_divide_factors(self.version, world)
+        with torch.no_grad():
+            for i, (name, master) in enumerate(self.master.named_parameters()):
+                if any(g[i] is None for g in grads):
+                    continue
+                owner = self.owners[name]
+                reduced = torch.zeros_like(master, dtype=torch.bfloat16)
+                for k in owner.unique().tolist():
+                    order = [(k - 1 - j) % world for j in range(world)]  # k-1, k-2, ..., k
+                    total = grads[order[0]][i] / pre
+                    for r in order[1:]:
+                        total = total + grads[r][i] / pre
+                    reduced = torch.where(owner == k, total, reduced)
+                master.add_((reduced / post).float(), alpha=-lr)
+        return sum(losses) / len(losses)
+
+
+def _reference_step(reference: nn.Module, mixed: MixedPrecisionReference | None, batch: Any,
+                    per_rank_batch: int, world_size: int, lr: float) -> float:
+    """One step of the reference: fp32 on the whole batch, or as FSDP's mixed precision does on
+    each rank's slice."""
+    if mixed is not None:
+        return mixed.step([batch_rows(batch, r * per_rank_batch, (r + 1) * per_rank_batch)
+                           for r in range(world_size)], lr)
+    loss = default_loss(call_model(reference, batch))
+    loss.backward()
+    sgd_step(reference, lr)
+    return float(loss)
+
+
+def element_owners(sharded: nn.Module, version: str, rank: int) -> dict[str, torch.Tensor]:
+    """The rank holding each element of each parameter (the rank that receives its reduced
+    gradient), observed: every rank fills its local shard with its rank, the gathered full
+    parameters then hold the owners; the shards are restored."""
+    shards = [local_shard(p) for p in sharded.parameters()]
+    with torch.no_grad():
+        saved = [t.clone() for t in shards]
+        for t in shards:
+            t.fill_(rank)
+    owners = {n: v.round().long() for n, v in _full_params(sharded, version).items()}
+    with torch.no_grad():
+        for t, s in zip(shards, saved):
+            t.copy_(s)
+    return owners
+
+
+def _comparable_batch(spec: ModelSpec, reference: nn.Module, batch_size: int, ctx: RankContext,
+                      dropout: Sequence[str]) -> Any:
+    """The global batch, once the reference is known to compute the same thing twice."""
+    batch = spec.batch(reference, batch_size=batch_size, device=ctx.device)
+    randomness = forward_randomness(reference, batch)
+    if randomness > DETERMINISM_RTOL:
+        # The same model and seeds on every rank: every rank observes this alike and skips.
+        skip_rank(
+            f"{type(reference).__name__}'s forward in training mode still draws random numbers "
+            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
+            f"differ by {randomness:.1e} (relative), so a sharded step cannot be compared with "
+            "the single-process reference. Make the randomness switchable: an nn.Dropout "
+            "module, or a float attribute named like '*dropout*' read when self.training")
+    return batch
+
+
+# --------------------------------------------------------------------------------------------
+# The rank function
+# --------------------------------------------------------------------------------------------
+
+
+class TrainResult(TypedDict):
+    """What every rank of ``rank_train`` reports."""
+
+    rank: int
+    version: str
+    precision: str
+    losses: list[float]
+    ref_losses: list[float]
+    max_param_diff: float
+    worst_param: str
+    max_update_rel_diff: float
+    worst_update_param: str
+    #: The scale that best maps the reference's update onto the sharded one (least squares
+    #: over every parameter): 1 when they agree, the world size when gradients were summed.
+    update_factor: float | None
+    stored_dtypes: list[str]
+    compute_dtypes: dict[str, tuple[str, str]]
+    dropout_disabled: list[str]
+    backend: str
+
+
+def _compare(full: Mapping[str, torch.Tensor], reference: nn.Module,
+             initial: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The sharded model's full weights against the reference's: the worst absolute difference,
+    the worst difference relative to the reference's own update (a weight that missed its
+    gradient reduction is off by a fraction of its, maybe tiny, update), and the update
+    factor."""
+    ref_params = dict(reference.named_parameters())
+    worst, worst_name, worst_rel, worst_rel_name = 0.0, "", 0.0, ""
+    along, ref_norm = 0.0, 0.0  # the sharded update projected on the reference's, and its norm
+    for name, value in full.items():
+        if not value.numel():
+            continue
+        target = ref_params[name].detach().float()
+        diff = float((value - target).abs().max())
+        ref_update = target - initial[name]
+        along += float(((value - initial[name]) * ref_update).sum())
+        ref_norm += float((ref_update * ref_update).sum())
+        update = float(ref_update.abs().max())
+        rel = diff / update if update > 0 else 0.0
+        if diff > worst:
+            worst, worst_name = diff, name
+        if rel > worst_rel:
+            worst_rel, worst_rel_name = rel, name
+    return {"max_param_diff": worst, "worst_param": worst_name,
+            "max_update_rel_diff": worst_rel, "worst_update_param": worst_rel_name,
+            "update_factor": along / ref_norm if ref_norm > 0 else None}
+
+
+def rank_train(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str = "fsdp1",
+    policy: PolicyName = "recommended",
+    precision: str = "fp32",
+    steps: int = 3,
+    lr: float = 0.05,
+    per_rank_batch: int = 2,
+    fault: str | Sequence[str] | None = None,
+) -> TrainResult:
+    """Train ``steps`` SGD steps under FSDP and on a single-process reference; report both.
+
+    Each rank trains on its slice of one global batch; the reference trains on the whole
+    batch. FSDP averages gradients over ranks, so with equal slices the two see the same
+    gradient. Every rank builds the same reference from the same seed. ``fault``: names in
+    :data:`FAULTS`.
+    """
+    with FAULTS.inject(fault, ctx):
+        check_fsdp_version(version)
+        built = build(spec, ctx)
+        reference = built.model
+        # Like with like: both sides without dropout (step.disable_dropout says why not eval()).
+        dropout = disable_dropout(reference)
+        model = copy.deepcopy(reference)
+        initial = {n: p.detach().float().clone() for n, p in reference.named_parameters()}
+        batch = _comparable_batch(spec, reference, per_rank_batch * ctx.world_size, ctx, dropout)
+        mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
+        policy_obj = policy_for(policy, model, spec)  # the copy's modules: the one sharded
+        module_names = {id(m): n for n, m in model.named_modules()}
+        unit_names = [module_names[id(u)] for u in planned_unit_modules(model, policy_obj)]
+        sharded = shard_with_policy(model, ctx, version, policy_obj,
+                                    **mixed_precision_kwargs(version, precision))
+        mixed = (MixedPrecisionReference(reference, version, unit_names,
+                                         element_owners(sharded, version, ctx.rank))
+                 if precision == "bf16" else None)
+        seen: dict[str, tuple[str, str]] = {}
+        losses, ref_losses = [], []
+        for _ in range(steps):
+            with record_compute_dtypes(model, seen):
+                loss = default_loss(call_model(sharded, mine))
+            loss.backward()
+            optimizer_step(sharded, lr)
+            losses.append(float(loss))
+            ref_losses.append(_reference_step(reference, mixed, batch, per_rank_batch,
+                                              ctx.world_size, lr))
+        stored = sorted({str(p.dtype) for p in sharded.parameters()})
+        compared = _compare(_full_params(sharded, version), reference, initial)
+        return {
+            "rank": ctx.rank, "version": version, "precision": precision, "losses": losses,
+            "ref_losses": ref_losses, "max_param_diff": compared["max_param_diff"],
+            "worst_param": compared["worst_param"],
+            "max_update_rel_diff": compared["max_update_rel_diff"],
+            "worst_update_param": compared["worst_update_param"],
+            "update_factor": compared["update_factor"],
+            "stored_dtypes": stored, "compute_dtypes": seen, "dropout_disabled": dropout,
+            "backend": ctx.backend,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# The verdict
+# --------------------------------------------------------------------------------------------
+
+#: How close (relative) the update factor must be to a named cause for the message to name it.
+FACTOR_MATCH_RTOL = 0.02
+
+
+def update_diagnosis(factor: float | None, world_size: int) -> str:
+    """What the scale between the sharded and the reference update says, in words.
+
+    Summed instead of averaged gradients scale every update by the world size; averaged twice,
+    by its inverse; a gradient never applied, by 0. Any other factor is named as measured.
+    """
+    if factor is None:
+        return "the reference made no update to compare with"
+    causes = [(float(world_size), f"= the world size ({world_size}): gradients summed across "
+               "ranks, not averaged"),
+              (1.0 / world_size, f"= 1 / the world size ({world_size}): gradients averaged "
+               "twice"),
+              (1.0, "the same scale: the difference is in the direction (a permuted shard, a "
+               "gradient reduced over the wrong ranks or elements)")]
+    head = f"the sharded update is {factor:.2f}x the reference's (least squares over all weights)"
+    if abs(factor) < FACTOR_MATCH_RTOL:
+        return f"{head}: no update reached the weights (gradients lost or never applied)"
+    for value, cause in causes:
+        if abs(factor - value) <= FACTOR_MATCH_RTOL * value:
+            return f"{head} {cause}" if cause.startswith("=") else f"{head}: {cause}"
+    return head
+
+
+def _loss_problems(values: Sequence[TrainResult], loss_rtol: float) -> tuple[list[str], float]:
+    """Each step's loss (mean over ranks) against the reference's; and the worst difference."""
+    problems = []
+    worst_loss = 0.0
+    for step in range(len(values[0]["losses"])):
+        fsdp = sum(v["losses"][step] for v in values) / len(values)
+        ref = values[0]["ref_losses"][step]
+        rel = abs(fsdp - ref) / max(abs(ref), 1e-12)
+        worst_loss = max(worst_loss, rel)
+        if rel > loss_rtol:
+            problems.append(f"step {step}: loss {fsdp:.6g} (mean over ranks) vs reference "
+                            f"{ref:.6g}: relative difference {rel:.2e} > {loss_rtol:.1e}")
+    return problems, worst_loss
+
+
+def _bf16_compute_problems(v: TrainResult) -> list[str]:
+    # Integer inputs (token ids into an embedding) have no compute dtype of their own.
+    bad = sorted(
+        n for n, (inp, weight) in v["compute_dtypes"].items()
+        if weight != "torch.bfloat16"
+        or (inp.startswith(("torch.float", "torch.bfloat")) and inp != "torch.bfloat16")
+    )
+    if not bad:
+        return []
+    return [f"rank {v['rank']}: compute did not run in bf16 in {len(bad)} module(s), e.g. "
+            f"{bad[0]}: input/weight {v['compute_dtypes'][bad[0]]}"]
+
+
+def _rank_problems(v: TrainResult, precision: str, steps: int, world_size: int) -> list[str]:
+    """One rank's weights, update, stored and compute dtypes against the tolerances."""
+    problems = []
+    update_rtol = BF16_UPDATE_RTOL if precision == "bf16" else FP32_UPDATE_RTOL
+    param_atol = BF16_PARAM_ATOL if precision == "bf16" else FP32_ATOL
+    if v["max_update_rel_diff"] > update_rtol:
+        problems.append(
+            f"rank {v['rank']}: {v['worst_update_param']}'s update differs from the "
+            f"reference's by {v['max_update_rel_diff']:.2e} of the update > "
+            f"{update_rtol:.1e}; {update_diagnosis(v.get('update_factor'), world_size)}")
+    if v["max_param_diff"] > param_atol:
+        problems.append(f"rank {v['rank']}: after {steps} steps {v['worst_param']} differs "
+                        f"from the reference by {v['max_param_diff']:.2e} > {param_atol:.0e}")
+    if v["stored_dtypes"] != ["torch.float32"]:
+        problems.append(f"rank {v['rank']}: stored parameters are {v['stored_dtypes']}, "
+                        "expected float32 only")
+    if precision == "bf16":
+        problems += _bf16_compute_problems(v)
+    return problems
+
+
+def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> Verdict:
+    """Losses (mean over ranks) and final full weights match the reference within tolerance;
+    under bf16, every Linear computed in bf16 and every stored parameter stayed fp32."""
+    precision = params.get("precision", "fp32")
+    loss_rtol = BF16_LOSS_RTOL if precision == "bf16" else FP32_LOSS_RTOL
+    param_atol = BF16_PARAM_ATOL if precision == "bf16" else FP32_ATOL
+    update_rtol = BF16_UPDATE_RTOL if precision == "bf16" else FP32_UPDATE_RTOL
+    steps = len(values[0]["losses"])
+    problems, worst_loss = _loss_problems(values, loss_rtol)
+    worst_param = max(v["max_param_diff"] for v in values)
+    worst_update = max(v["max_update_rel_diff"] for v in values)
+    for v in values:
+        problems += _rank_problems(v, precision, steps, len(values))
+    if (precision == "bf16" and worst_update > update_rtol and len(values) > 2
+            and values[0].get("backend", "gloo") != "gloo"):
+        problems.append(f"note: the reference sums the ranks' bf16 gradients in gloo's ring "
+                        f"order; {values[0]['backend']}'s order at world size {len(values)} is "
+                        "not modelled and may alone account for the update difference")
+    dropout = values[0].get("dropout_disabled", [])
+    figures = {"loss_rel_diff": worst_loss, "max_param_diff": worst_param,
+               "update_rel_diff": worst_update, "steps": steps, "dropout_disabled": len(dropout)}
+    # Said in both outcomes: the comparison was of the model without its dropout.
+    note = (f"; dropout disabled for the comparison: {len(dropout)} modules "
+            f"({listing(dropout)})" if dropout else "")
+    if problems:
+        return Verdict(False, f"{precision} training under FSDP differs from the reference"
+                       f"{note}:\n  " + "\n  ".join(dict.fromkeys(problems)), figures,
+                       {"dropout_disabled": dropout})
+    return Verdict(True, f"{steps} {precision} steps match the reference (loss rel {worst_loss:.1e}"
+                   f" <= {loss_rtol:.1e}, params {worst_param:.1e} <= {param_atol:.0e}, update "
+                   f"rel {worst_update:.1e} <= {update_rtol:.1e}){note}",
+                   figures, {"dropout_disabled": dropout})
