@@ -98,7 +98,8 @@ NEVER: dict[str, dict[str, str]] = {
 FOLDERS: dict[str, set[str]] = {
     "harness": {"protocol", "outcomes", "pool", "forkserver", "launcher", "ranks", "worker",
                 "clean_state", "interrupts"},
-    "claims": {"check", "wrap", "memory", "plan_trust", "defaults"},
+    "claims": {"check", "memory", "plan_trust", "defaults"},
+    "claims/wrap": {"units", "builders", "train", "mixed", "prefetch", "wrapping"},
     "claims/init": {"meta_build", "weights", "seeds", "broadcast", "train_step", "peak_memory",
                     "reports"},
     "claims/state": {"round_trip", "resume", "dcp", "reshard", "checkpoint", "summon",
