@@ -17,9 +17,10 @@ import time
 
 
 def main() -> None:
-    from fsdp_conformance.models import LLAMA_PRESETS, ModelSpec
+    from fsdp_conformance.models import ModelSpec
     from fsdp_conformance.policies import policy_for
     from fsdp_conformance.profile import profile_activations
+    from fsdp_conformance.reference_models import LLAMA_PRESETS
     from fsdp_conformance.units import plan_units
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -33,6 +33,7 @@ LAYERS: dict[str, str] = {
     "units": "blocks",
     "policies": "blocks",
     "models": "blocks",
+    "reference_models": "blocks",
     "sharding": "blocks",
     "bound": "blocks",
     "profile": "blocks",

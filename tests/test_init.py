@@ -18,7 +18,8 @@ from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
 SPEC = init.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer

@@ -12,14 +12,6 @@ from fsdp_conformance.claims.wrap import (
     verdict_builders,
 )
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import (
-    DecoderLayer,
-    EncoderDecoder,
-    EncoderLayer,
-    MassiveModel,
-    ModelConfig,
-    TiedLM,
-)
 from fsdp_conformance.policies import (
     PLAN_POLICIES,
     POLICY_NAMES,
@@ -34,6 +26,14 @@ from fsdp_conformance.policies import (
     seeds_hybrid_policy,
     validate_plan,
 )
+from fsdp_conformance.reference_models import (
+    DecoderLayer,
+    EncoderDecoder,
+    EncoderLayer,
+    MassiveModel,
+    ModelConfig,
+    TiedLM,
+)
 from fsdp_conformance.units import plan_units
 
 SMALL = ModelConfig(num_layers=2, dim=32)
@@ -41,8 +41,8 @@ SMALL = ModelConfig(num_layers=2, dim=32)
 
 @pytest.mark.parametrize(
     "given",
-    [DecoderLayer, "DecoderLayer", "fsdp_conformance.models.DecoderLayer",
-     "fsdp_conformance.models:DecoderLayer", ["DecoderLayer"]],
+    [DecoderLayer, "DecoderLayer", "fsdp_conformance.reference_models.DecoderLayer",
+     "fsdp_conformance.reference_models:DecoderLayer", ["DecoderLayer"]],
     ids=["class", "name", "dotted", "colon", "list"],
 )
 def test_block_classes_resolve_from_class_path_or_name(given: object) -> None:
@@ -60,7 +60,7 @@ def test_unknown_block_name_lists_the_models_module_classes() -> None:
         resolve_block_classes(MassiveModel(SMALL), "TransformerBlock")
     message = str(info.value)
     assert "'TransformerBlock' matches no module class in the model MassiveModel" in message
-    assert "fsdp_conformance.models.DecoderLayer" in message
+    assert "fsdp_conformance.reference_models.DecoderLayer" in message
     assert "torch.nn.modules.linear.Linear" in message
 
 
@@ -118,7 +118,8 @@ def test_every_policy_name_resolves_to_a_plan(name: str) -> None:
 
 
 def test_policy_for_takes_blocks_and_threshold_from_the_spec() -> None:
-    from fsdp_conformance.models import SEED_MIN_PARAMS, ModelSpec
+    from fsdp_conformance.models import ModelSpec
+    from fsdp_conformance.policies import SEED_MIN_PARAMS
 
     spec = ModelSpec(reference="massive", config=SMALL)
     model = spec.build("meta")

@@ -26,7 +26,8 @@ from fsdp_conformance.claims.wrap import (
     verdict_units_plan,
 )
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
 #: dim 30: the head (30 x 234 + 234 = 7,254) does not divide by 4, so padding shows at ws 4.

@@ -41,15 +41,9 @@ from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import CheckSkipped, RankContext, all_gather_objects, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
-from fsdp_conformance.models import (
-    LlamaConfig,
-    ModelConfig,
-    ModelSpec,
-    call_model,
-    default_loss,
-    load_object,
-)
+from fsdp_conformance.models import ModelSpec, call_model, default_loss, load_object
 from fsdp_conformance.policies import PolicyName, policy_for
+from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.sizes import MiB
 from fsdp_conformance.step import disable_dropout

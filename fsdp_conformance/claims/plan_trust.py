@@ -15,7 +15,7 @@ from typing import Any
 from fsdp_conformance.bound import BOUND_TOLERANCE, Bound, BoundTerm
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
 from fsdp_conformance.plan.model import (
     POLICIES,
@@ -25,6 +25,7 @@ from fsdp_conformance.plan.model import (
     checkpoint_every,
 )
 from fsdp_conformance.policies import plan_policy, wrapping_label
+from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 

@@ -38,8 +38,9 @@ from torch import nn
 from fsdp_conformance import capabilities
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.policies import policy_for
+from fsdp_conformance.reference_models import ModelConfig
 from fsdp_conformance.sharding import check_fsdp_version, shard
 from fsdp_conformance.units import clean_fqn
 

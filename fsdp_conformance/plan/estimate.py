@@ -19,7 +19,6 @@ from fsdp_conformance.bound import (
     host_bytes,
     per_layer_bound,
 )
-from fsdp_conformance.models import LLAMA_PRESETS
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
     POLICIES,
@@ -33,6 +32,7 @@ from fsdp_conformance.plan.model import (
 )
 from fsdp_conformance.policies import plan_policy, policy_for
 from fsdp_conformance.profile import profile_activations, unit_of
+from fsdp_conformance.reference_models import LLAMA_PRESETS
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
