@@ -4,7 +4,8 @@ batches), the user's objects loaded by import path, and the batch and loss every
 uses on any model.
 
 The reference models themselves (the seeds' ``MassiveModel`` and the cases around them) are in
-:mod:`fsdp_conformance.reference_models`.
+:mod:`fsdp_conformance.reference_models`; block-class resolution is in
+:mod:`fsdp_conformance.block_classes`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from fsdp_conformance import hf
+from fsdp_conformance.block_classes import block_classes_of
 from fsdp_conformance.reference_models import (
     REFERENCE_MODELS,
     LlamaConfig,
@@ -69,8 +72,6 @@ def make_batch(model: nn.Module, batch_size: int = 2, seq_len: int = 8,
     features of its ``in_features``. A model that starts otherwise (convolutions, several
     inputs) needs an input builder (``--fsdp-input``).
     """
-    from fsdp_conformance import hf
-
     g = torch.Generator().manual_seed(seed)
     inner = _inside_fsdp1(model)
     if hf.is_pretrained(inner):
@@ -264,8 +265,6 @@ class ModelSpec:
         return BuiltModel(self, self.build(device))
 
     def _config_at_depth(self, model: Any, depth: int) -> nn.Module:
-        from fsdp_conformance import hf
-
         if not isinstance(model, nn.Module) or hf.config_depth(model) is None:
             raise ModelSpecError(f"cannot build {self.factory!r} at {depth} layers: "
                                  + NO_SETTABLE_DEPTH)
@@ -280,8 +279,6 @@ class ModelSpec:
         of that config). A factory taking only ``**kwargs`` is not guessed at: nothing says
         which name it reads, or that it reads one.
         """
-        from fsdp_conformance import hf
-
         if self.reference is not None:
             return "the reference config's num_layers"
         assert self.factory is not None
@@ -294,20 +291,10 @@ class ModelSpec:
         return None
 
     def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]:
-        """The block classes, resolved against the built model (clear error if absent)."""
-        from fsdp_conformance import hf
-        from fsdp_conformance.policies import PolicyError, resolve_block_classes
-
-        if self.block_cls:
-            return resolve_block_classes(model, list(self.block_cls))
-        if self.reference is not None:
-            return REFERENCE_MODELS[self.reference].block_classes
-        if hf.is_pretrained(model):
-            return _no_split_block_classes(model, self.name)
-        raise PolicyError(
-            f"no block class given for {self.factory!r}: pass --fsdp-block-cls with the class of "
-            "its transformer block (a class name found in the model or a dotted path)"
-        )
+        """The block classes, resolved against the built model (clear error if absent):
+        :func:`fsdp_conformance.block_classes.block_classes_of`."""
+        return block_classes_of(model, given=self.block_cls, reference=self.reference,
+                                name=self.name)
 
     def size_threshold(self, model: nn.Module) -> int:
         """The size-policy threshold: explicit, else scaled from the model's width."""
@@ -350,30 +337,6 @@ def depth_keyword(factory: Callable[..., Any]) -> str | None:
         if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             return name
     return None
-
-
-def _no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module], ...]:
-    """A transformers model's blocks: its ``_no_split_modules`` classes found in the model.
-
-    As accelerate's FSDP plugin does when no layer class is given; a listed name the model does
-    not contain (``_no_split_modules`` is gathered over a model family's submodels) is skipped
-    as long as one is found.
-    """
-    from fsdp_conformance import hf
-    from fsdp_conformance.policies import PolicyError, module_classes
-
-    names = hf.no_split_modules(model)
-    found = dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names)
-    if found:
-        return tuple(found)
-    listed = ", ".join(names) if names else "no class"
-    raise PolicyError(
-        f"no block class given for {name!r}, and its transformers model "
-        f"{type(model).__name__} lists {listed} in _no_split_modules"
-        + (", none of which is in the model" if names else "")
-        + "; pass --fsdp-block-cls with the class of its transformer block (one of: "
-        + ", ".join(module_classes(model)) + ")"
-    )
 
 
 def infer_width(model: nn.Module) -> int:

@@ -5,14 +5,14 @@ Both are built on torch's own builders (``transformer_auto_wrap_policy``,
 
 :func:`policy` is the one registry every claim and the planner resolve a policy name with
 (:data:`PolicyName`); memory's wrapping labels (:data:`WRAPPINGS`) and the planner's
-``--policy`` names (:data:`PLAN_POLICIES`) map onto it.
+``--policy`` names (:data:`PLAN_POLICIES`) map onto it. Block classes are resolved in
+:mod:`fsdp_conformance.block_classes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, get_args
 
@@ -278,80 +278,6 @@ def plan_policy(name: str) -> PolicyName:
     if name not in PLAN_POLICIES:
         raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(PLAN_POLICIES)}")
     return PLAN_POLICIES[name]
-
-
-# --------------------------------------------------------------------------------------------
-# Block classes: given as classes, dotted import paths or class names found in the model
-# --------------------------------------------------------------------------------------------
-
-
-def module_classes(model: nn.Module) -> list[str]:
-    """The model's module classes, qualified, in first-seen order."""
-    seen: dict[str, None] = {}
-    for module in model.modules():
-        seen.setdefault(_qualname(type(module)), None)
-    return list(seen)
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def resolve_block_classes(
-    model: nn.Module, spec: type[nn.Module] | str | Sequence[type[nn.Module] | str]
-) -> tuple[type[nn.Module], ...]:
-    """Resolve block classes given as classes, dotted paths or names; each must be in the model."""
-    items = [spec] if isinstance(spec, (str, type)) else list(spec)
-    if not items:
-        raise PolicyError("no block class given: name the transformer block class of the model")
-    present = {type(m) for m in model.modules()}
-    resolved: list[type[nn.Module]] = []
-    for item in items:
-        cls = _resolve_one(model, item, present)
-        if cls not in present:
-            raise PolicyError(
-                f"block class {_qualname(cls)} is not in the model {type(model).__name__}; "
-                f"its module classes are: {', '.join(module_classes(model))}"
-            )
-        resolved.append(cls)
-    return tuple(dict.fromkeys(resolved))
-
-
-def _resolve_one(model: nn.Module, item: Any, present: set[type]) -> type[nn.Module]:
-    if isinstance(item, type):
-        if not issubclass(item, nn.Module):
-            raise PolicyError(f"block class {item!r} is not an nn.Module subclass")
-        return item
-    if not isinstance(item, str) or not item.strip():
-        raise PolicyError(f"block class must be a class, a dotted path or a name, got {item!r}")
-    name = item.strip()
-    by_name = [c for c in present if c.__name__ == name or _qualname(c) == name]
-    if len(by_name) == 1:
-        return by_name[0]
-    if len(by_name) > 1:
-        raise PolicyError(
-            f"block class name {name!r} is ambiguous in the model: "
-            f"{', '.join(sorted(_qualname(c) for c in by_name))}; give the dotted path"
-        )
-    if "." in name or ":" in name:
-        module_path, _, attr = name.replace(":", ".").rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module_path), attr)
-        except ImportError as exc:
-            raise PolicyError(
-                f"cannot import block class {name!r}: {exc}; check the module path"
-            ) from None
-        except AttributeError:
-            raise PolicyError(
-                f"module {module_path!r} has no attribute {attr!r} (block class {name!r})"
-            ) from None
-        if not isinstance(obj, type) or not issubclass(obj, nn.Module):
-            raise PolicyError(f"{name!r} is not an nn.Module class")
-        return obj
-    raise PolicyError(
-        f"block class {name!r} matches no module class in the model {type(model).__name__}; "
-        f"its module classes are: {', '.join(module_classes(model))}"
-    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ LAYERS: dict[str, str] = {
     "policies": "blocks",
     "models": "blocks",
     "reference_models": "blocks",
+    "block_classes": "blocks",
     "sharding": "blocks",
     "bound": "blocks",
     "profile": "blocks",

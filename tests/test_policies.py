@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_conformance.block_classes import resolve_block_classes
 from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.claims.wrap import (
     BUILDERS,
@@ -22,7 +23,6 @@ from fsdp_conformance.policies import (
     policy,
     policy_for,
     recommended_policy,
-    resolve_block_classes,
     seeds_hybrid_policy,
     validate_plan,
 )
