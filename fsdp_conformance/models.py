@@ -18,13 +18,14 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import hf
+from fsdp_conformance import hf, policies
 from fsdp_conformance.block_classes import block_classes_of
+from fsdp_conformance.policies import SEED_MIN_PARAMS, Policy, PolicyName
 from fsdp_conformance.reference_models import (
     REFERENCE_MODELS,
     LlamaConfig,
@@ -32,9 +33,6 @@ from fsdp_conformance.reference_models import (
     build_reference,
     scaled_min_params,
 )
-
-if TYPE_CHECKING:
-    from fsdp_conformance.policies import Policy, PolicyName
 
 # --------------------------------------------------------------------------------------------
 # Batches and the loss: for any model
@@ -376,10 +374,20 @@ class BuiltModel:
         return self.spec.size_threshold(self.model)
 
     def policy(self, name: PolicyName, *, full_scale: bool = False) -> Policy:
-        """The auto-wrap policy ``name`` for this model (``policies.policy_for``)."""
-        from fsdp_conformance.policies import policy_for
+        """The auto-wrap policy ``name`` (:func:`fsdp_conformance.policies.policy`) for this
+        model, with the spec's block classes and size threshold.
 
-        return policy_for(name, self.model, self.spec, full_scale=full_scale)
+        ``full_scale``: the model is at the seeds' own scale, so ``seeds`` keeps the seeds'
+        literal threshold (2e7) unless the spec sets one; on a scaled-down model the threshold
+        is scaled with dim**2, as the rest of the suite does.
+        """
+        if name in policies.BLOCKLESS:
+            # Neither needs the spec's block classes, which a factory model may not name.
+            return policies.policy(name, self.model, (), 0)
+        blocks = self.blocks
+        if name == "seeds" and full_scale and self.spec.min_params is None:
+            return policies.policy(name, self.model, blocks, SEED_MIN_PARAMS)
+        return policies.policy(name, self.model, blocks, self.size_threshold)
 
     def batch(self, batch_size: int = 2, device: str | torch.device = "cpu",
               seq_len: int = 8) -> Any:

@@ -360,7 +360,7 @@ def test_prefetch_with_one_unit_per_block(ranks: Ranks) -> None:
 @pytest.mark.world_size(2)
 def test_one_coarse_unit_has_nothing_to_prefetch(ranks: Ranks) -> None:
     for version in VERSIONS:
-        params = {"spec": SMALL, "version": version, "policy": "root_only"}
+        params = {"spec": SMALL, "version": version, "policy": "monolithic"}
         values = ranks.run(rank_prefetch, **params)
         assert verdict_prefetch_coarse(values, params).passed
         forward = verdict_prefetch_forward(values, params)

@@ -41,8 +41,8 @@ from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import CheckSkipped, RankContext, all_gather_objects, skip_rank
 from fsdp_conformance.meters import MALLOC_ENV, host_or_cuda_peak, reset_peak_rss, status_bytes
-from fsdp_conformance.models import ModelSpec, call_model, default_loss, load_object
-from fsdp_conformance.policies import PolicyName, policy_for
+from fsdp_conformance.models import BuiltModel, ModelSpec, call_model, default_loss, load_object
+from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.sizes import MiB
@@ -660,7 +660,7 @@ def materialize(
     check_fsdp_version(version)
     check_method(method)
     model = spec.build(ctx.device) if eager else build_on_meta(spec)
-    wrap_policy = policy_for(policy, model, spec)
+    wrap_policy = BuiltModel(spec, model).policy(policy)
     # Before sharding: a transformers model's init reads an unsharded shadow of it.
     init = module_init_for(spec, model) if method == "deterministic" else RESET_PARAMETERS
     if eager:
@@ -722,7 +722,7 @@ def reference_for(
     if method == "deterministic":
         return reference_model(spec, seed)
     model = build_on_meta(spec)
-    wrap_policy = policy_for(policy, model, spec)
+    wrap_policy = BuiltModel(spec, model).policy(policy)
     units = planned_unit_modules(model, wrap_policy) + [model]
 
     def poison_and(init: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
@@ -1240,7 +1240,7 @@ def rank_sync_module_states(
     init = DeterministicParamInit(model, ctx.device, my_seed, init=module_init_for(spec, model))
     error, refusal = None, None
     try:
-        policy = policy_for("recommended", model, spec)
+        policy = BuiltModel(spec, model).policy("recommended")
         model = shard_fsdp1(model, ctx, policy, param_init_fn=init,
                             sync_module_states=sync)
     except ValueError as exc:
@@ -1316,7 +1316,7 @@ def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, versi
             model, ctx.device, my_seed, broadcast_from=0 if broadcast else None,
             init=module_init_for(spec, model),
         )
-        policy = policy_for("recommended", model, spec)
+        policy = BuiltModel(spec, model).policy("recommended")
         model = shard_fsdp1(model, ctx, policy, param_init_fn=init)
     else:
         from torch.distributed.checkpoint.state_dict import (
@@ -1444,7 +1444,7 @@ def rank_peak_memory(
     if failed:
         return failed
     meta = build_on_meta(spec)
-    units = plan_units(meta, policy_for(policy, meta, spec))
+    units = plan_units(meta, BuiltModel(spec, meta).policy(policy))
     element = next(meta.parameters()).element_size()
     total = sum(p.numel() for p in meta.parameters()) * element
     largest_unit = max(u.numel for u in units) * element

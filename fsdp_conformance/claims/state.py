@@ -38,8 +38,7 @@ from torch import nn
 from fsdp_conformance import capabilities
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.policies import policy_for
+from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.reference_models import ModelConfig
 from fsdp_conformance.sharding import check_fsdp_version, shard
 from fsdp_conformance.units import clean_fqn
@@ -75,7 +74,7 @@ def build(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.
 def build_sharded(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> nn.Module:
     """The model built under ``seed`` on the compute device and sharded as a user shards it."""
     model = build(spec, seed, ctx.device)
-    return shard(model, ctx, version, policy_for("recommended", model, spec))
+    return shard(model, ctx, version, BuiltModel(spec, model).policy("recommended"))
 
 
 def _offload_to_cpu(model: nn.Module) -> bool:
@@ -688,7 +687,7 @@ def _save_on_group_and_load(ctx: RankContext, spec: ModelSpec, version: str, see
             from torch.distributed.device_mesh import DeviceMesh
 
             on_group = {"mesh": DeviceMesh.from_group(group, ctx.device_type)}
-        source = shard(model, ctx, version, policy_for("recommended", model, spec),
+        source = shard(model, ctx, version, BuiltModel(spec, model).policy("recommended"),
                        **on_group)
         saved = get_state(source, version, "sharded")
         if perturb and ctx.rank == 0:
@@ -943,7 +942,7 @@ def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int,
     model = build(spec, seed, ctx.device)
     disable_dropout(model)  # the two backwards must compute the same function (docs/state.md)
     reference = copy.deepcopy(model)
-    sharded = shard(model, ctx, "fsdp1", policy_for("recommended", model, spec),
+    sharded = shard(model, ctx, "fsdp1", BuiltModel(spec, model).policy("recommended"),
                     use_orig_params=True)
     batch = spec.batch(reference, 2, ctx.device)
     default_loss(call_model(sharded, batch)).backward()

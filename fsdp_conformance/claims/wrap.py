@@ -1634,7 +1634,7 @@ _VERSION_ROWS: tuple[_Row, ...] = (
     ("wrap.prefetch.backward", rank_prefetch, verdict_prefetch_backward, {"spec": _REF},
      "in backward, unit k-1 is gathered before block k's backward ends"),
     ("wrap.prefetch.coarse", rank_prefetch, verdict_prefetch_coarse,
-     {"spec": _REF, "policy": "root_only"},
+     {"spec": _REF, "policy": "monolithic"},
      "with a single coarse unit there is nothing to prefetch"),
 )
 
