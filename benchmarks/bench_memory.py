@@ -18,8 +18,9 @@ from typing import Any
 from fsdp_conformance.bound import Bound, per_layer_bound
 from fsdp_conformance.harness import PoolManager, RankContext, Ranks, cuda_device_count
 from fsdp_conformance.meters import MALLOC_ENV
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.profile import plan_step
+from fsdp_conformance.reference_models import ModelConfig
 from fsdp_conformance.step import measure_step
 
 

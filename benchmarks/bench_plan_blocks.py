@@ -17,9 +17,9 @@ import time
 
 
 def main() -> None:
-    from fsdp_conformance.models import LLAMA_PRESETS
     from fsdp_conformance.plan import estimate
     from fsdp_conformance.plan.model import PlanSettings, build_meta_model, choose_model
+    from fsdp_conformance.reference_models import LLAMA_PRESETS
     from fsdp_conformance.units import UnitInfo
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

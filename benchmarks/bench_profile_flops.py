@@ -17,9 +17,9 @@ import time
 
 
 def main() -> None:
-    from fsdp_conformance.models import LLAMA_PRESETS, ModelSpec
-    from fsdp_conformance.policies import policy_for
+    from fsdp_conformance.models import BuiltModel, ModelSpec
     from fsdp_conformance.profile import profile_activations
+    from fsdp_conformance.reference_models import LLAMA_PRESETS
     from fsdp_conformance.units import plan_units
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,7 +30,7 @@ def main() -> None:
 
     spec = ModelSpec(reference="llama", config=LLAMA_PRESETS[args.preset])
     model = spec.build("meta")
-    units = plan_units(model, policy_for("recommended", model, spec))
+    units = plan_units(model, BuiltModel(spec, model).policy("recommended"))
     batch = spec.batch(model, args.batch_size, "meta")
     profile_activations(model, batch, units, count_flops=False)  # warm-up: lazy imports
     times: dict[bool, list[float]] = {True: [], False: []}

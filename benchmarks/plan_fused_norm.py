@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fsdp_conformance import cli, models
+from fsdp_conformance import cli, reference_models
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -41,7 +41,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         return grad_x.type_as(x), grad_weight, None
 
 
-class FusedRMSNorm(models.RMSNorm):
+class FusedRMSNorm(reference_models.RMSNorm):
     """The reference norm, run as the fused kernel would."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +51,9 @@ class FusedRMSNorm(models.RMSNorm):
 
 def fused_13b() -> torch.nn.Module:
     """The reference Llama 2 13B with every RMSNorm (both per block, and the final one) fused."""
-    model = models.LlamaModel(models.LLAMA_PRESETS["13b"])
+    model = reference_models.LlamaModel(reference_models.LLAMA_PRESETS["13b"])
     for module in list(model.modules()):
-        if type(module) is models.RMSNorm:
+        if type(module) is reference_models.RMSNorm:
             module.__class__ = FusedRMSNorm
     return model
 

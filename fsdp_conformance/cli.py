@@ -176,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    from fsdp_conformance.models import REFERENCE_MODELS
     from fsdp_conformance.plan.estimate import (
         CLAIM_WORLD_SIZES,
         DEFAULT_DEVICE_MEMORY,
@@ -184,6 +183,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         MAX_WORLD_SIZE,
     )
     from fsdp_conformance.plan.model import ATTENTION, DTYPE_BYTES, OPTIMIZERS, POLICIES, PRESETS
+    from fsdp_conformance.reference_models import REFERENCE_MODELS
     from fsdp_conformance.sizes import format_bytes
 
     model = p.add_argument_group("model (exactly one)")

@@ -33,19 +33,8 @@ def is_pretrained(model: nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Block classes, default inputs and depth, read from the model's config
+# Default inputs and depth, read from the model's config
 # --------------------------------------------------------------------------------------------
-
-
-def no_split_modules(model: nn.Module) -> list[str]:
-    """The class names transformers never splits across devices: the model's blocks.
-
-    ``PreTrainedModel._no_split_modules`` (gathered from the submodels in ``post_init``), the
-    same list accelerate's FSDP plugin wraps when it is not told a layer class. Sorted, so
-    every rank and every run resolves them in the same order; empty when the model names none.
-    """
-    names = getattr(model, "_no_split_modules", None) or ()
-    return sorted({str(n) for n in names})
 
 
 def default_inputs(model: nn.Module, batch_size: int, seq_len: int,

@@ -4,17 +4,17 @@ Both are built on torch's own builders (``transformer_auto_wrap_policy``,
 ``size_based_auto_wrap_policy``, ``_or_policy``), so a change in torch shows up here.
 
 :func:`policy` is the one registry every claim and the planner resolve a policy name with
-(:data:`PolicyName`); memory's wrapping labels (:data:`WRAPPINGS`) and the planner's
-``--policy`` names (:data:`PLAN_POLICIES`) map onto it.
+(:data:`PolicyName`, one vocabulary): the planner's ``--policy`` names (:data:`PLAN_POLICIES`)
+are some of its names, and memory's wrappings (:data:`WRAPPINGS`) are a policy of it plus the
+reshard choice. Block classes are resolved in :mod:`fsdp_conformance.block_classes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import (
@@ -151,13 +151,16 @@ def shared_parameter_groups(model: nn.Module) -> list[list[str]]:
 # The registry: every policy by name
 # --------------------------------------------------------------------------------------------
 
-PolicyName = Literal["recommended", "seeds", "seeds_verbatim", "blocks_only", "root_only",
+PolicyName = Literal["recommended", "seeds", "seeds_verbatim", "blocks_only", "monolithic",
                      "top_level"]
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
+#: The policies that need neither the block classes nor the size threshold (a factory model
+#: may name no block class, and these still apply to it).
+BLOCKLESS: tuple[PolicyName, ...] = ("monolithic", "top_level")
 
 
-def _root_only(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-    return False  # neither descend nor wrap: the root is the only unit (monolithic)
+def _monolithic(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return False  # neither descend nor wrap: the root is the only unit
 
 
 def _top_level(model: nn.Module) -> Policy:
@@ -173,8 +176,10 @@ def policy(
 ) -> Policy:
     """The auto-wrap policy ``name`` (one of :data:`POLICY_NAMES`) for ``model``.
 
-    ``blocks`` and ``min_params`` are used by the names that need them (``root_only`` and
-    ``top_level`` ignore both). An unknown name raises :class:`PolicyError` listing the names.
+    ``blocks`` and ``min_params`` are used by the names that need them (those of
+    :data:`BLOCKLESS` ignore both). An unknown name raises :class:`PolicyError` listing the
+    names. A check reaches it through ``BuiltModel.policy`` (:mod:`fsdp_conformance.models`),
+    which takes the block classes and the threshold from the model's spec.
     """
     blocks = tuple(blocks)
     if name == "recommended":
@@ -187,51 +192,26 @@ def policy(
         return get_hybrid_policy(blocks[0])
     if name == "blocks_only":  # misses oversized modules outside the blocks
         return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
-    if name == "root_only":
-        return _root_only
+    if name == "monolithic":
+        return _monolithic
     if name == "top_level":
         return _top_level(model)
     raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
-class SpecLike(Protocol):
-    """What :func:`policy_for` needs of a model spec (``models.ModelSpec`` has it; policies
-    cannot import models, which imports this module)."""
+#: The planner's ``--policy`` names (user-visible, and keys of its output): registry names.
+PLAN_POLICIES: tuple[PolicyName, ...] = ("recommended", "seeds", "monolithic")
 
-    @property
-    def min_params(self) -> int | None: ...
-
-    def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]: ...
-
-    def size_threshold(self, model: nn.Module) -> int: ...
-
-
-def policy_for(
-    name: PolicyName, model: nn.Module, spec: SpecLike, *, full_scale: bool = False
-) -> Policy:
-    """:func:`policy` with the block classes and the size threshold taken from ``spec``.
-
-    ``full_scale``: the model is at the seeds' own scale, so ``seeds`` keeps the seeds' literal
-    threshold (2e7) unless the spec sets one; on a scaled-down model the threshold is scaled
-    with dim**2, as the rest of the suite does.
-    """
-    if name in ("root_only", "top_level"):
-        # Neither needs the spec's block classes, which a factory model may not name.
-        return policy(name, model, (), 0)
-    blocks = spec.block_classes(model)
-    if name == "seeds" and full_scale and spec.min_params is None:
-        return policy(name, model, blocks, SEED_MIN_PARAMS)
-    return policy(name, model, blocks, spec.size_threshold(model))
-
-
-# Memory's wrapping labels: they appear in report data and plots, so they stay as labels and
-# map onto a policy plus whether FSDP reshards parameters after the forward.
+# Memory's wrappings: a policy of the registry plus whether FSDP reshards parameters after the
+# forward. Keyed by the policy's name where that is all a wrapping is; ``per_layer`` (the
+# recommended policy) keeps the word memory's reports, plots and check messages have always
+# shown, and ``no_reshard`` is the recommended policy without resharding.
 WrappingName = Literal["per_layer", "monolithic", "top_level", "no_reshard"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Wrapping:
-    """A wrapping label resolved: the policy and the reshard-after-forward choice."""
+    """A wrapping resolved: the policy and the reshard-after-forward choice."""
 
     policy: PolicyName
     #: False: FSDP1 ``SHARD_GRAD_OP``, FSDP2 ``reshard_after_forward=False`` (see
@@ -243,7 +223,7 @@ class Wrapping:
 #: naive cases and a broken per-layer variant (negative controls).
 WRAPPINGS: Mapping[WrappingName, Wrapping] = {
     "per_layer": Wrapping("recommended"),
-    "monolithic": Wrapping("root_only"),
+    "monolithic": Wrapping("monolithic"),
     "top_level": Wrapping("top_level"),
     "no_reshard": Wrapping("recommended", reshard_after_forward=False),
 }
@@ -257,101 +237,12 @@ def wrapping(label: str) -> Wrapping:
     return found
 
 
-def wrapping_label(name: str) -> WrappingName | None:
+def wrapping_label(name: PolicyName) -> WrappingName | None:
     """The wrapping label that measures policy ``name`` as planned (resharding), if any."""
     for label, w in WRAPPINGS.items():
         if w.policy == name and w.reshard_after_forward:
             return label
     return None
-
-
-#: The planner's ``--policy`` names (user-visible, and keys of its output) -> registry names.
-PLAN_POLICIES: Mapping[str, PolicyName] = {
-    "recommended": "recommended",
-    "seeds": "seeds",
-    "monolithic": "root_only",
-}
-
-
-def plan_policy(name: str) -> PolicyName:
-    """The registry name of the planner's policy ``name``; unknown: :class:`PolicyError`."""
-    if name not in PLAN_POLICIES:
-        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(PLAN_POLICIES)}")
-    return PLAN_POLICIES[name]
-
-
-# --------------------------------------------------------------------------------------------
-# Block classes: given as classes, dotted import paths or class names found in the model
-# --------------------------------------------------------------------------------------------
-
-
-def module_classes(model: nn.Module) -> list[str]:
-    """The model's module classes, qualified, in first-seen order."""
-    seen: dict[str, None] = {}
-    for module in model.modules():
-        seen.setdefault(_qualname(type(module)), None)
-    return list(seen)
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def resolve_block_classes(
-    model: nn.Module, spec: type[nn.Module] | str | Sequence[type[nn.Module] | str]
-) -> tuple[type[nn.Module], ...]:
-    """Resolve block classes given as classes, dotted paths or names; each must be in the model."""
-    items = [spec] if isinstance(spec, (str, type)) else list(spec)
-    if not items:
-        raise PolicyError("no block class given: name the transformer block class of the model")
-    present = {type(m) for m in model.modules()}
-    resolved: list[type[nn.Module]] = []
-    for item in items:
-        cls = _resolve_one(model, item, present)
-        if cls not in present:
-            raise PolicyError(
-                f"block class {_qualname(cls)} is not in the model {type(model).__name__}; "
-                f"its module classes are: {', '.join(module_classes(model))}"
-            )
-        resolved.append(cls)
-    return tuple(dict.fromkeys(resolved))
-
-
-def _resolve_one(model: nn.Module, item: Any, present: set[type]) -> type[nn.Module]:
-    if isinstance(item, type):
-        if not issubclass(item, nn.Module):
-            raise PolicyError(f"block class {item!r} is not an nn.Module subclass")
-        return item
-    if not isinstance(item, str) or not item.strip():
-        raise PolicyError(f"block class must be a class, a dotted path or a name, got {item!r}")
-    name = item.strip()
-    by_name = [c for c in present if c.__name__ == name or _qualname(c) == name]
-    if len(by_name) == 1:
-        return by_name[0]
-    if len(by_name) > 1:
-        raise PolicyError(
-            f"block class name {name!r} is ambiguous in the model: "
-            f"{', '.join(sorted(_qualname(c) for c in by_name))}; give the dotted path"
-        )
-    if "." in name or ":" in name:
-        module_path, _, attr = name.replace(":", ".").rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module_path), attr)
-        except ImportError as exc:
-            raise PolicyError(
-                f"cannot import block class {name!r}: {exc}; check the module path"
-            ) from None
-        except AttributeError:
-            raise PolicyError(
-                f"module {module_path!r} has no attribute {attr!r} (block class {name!r})"
-            ) from None
-        if not isinstance(obj, type) or not issubclass(obj, nn.Module):
-            raise PolicyError(f"{name!r} is not an nn.Module class")
-        return obj
-    raise PolicyError(
-        f"block class {name!r} matches no module class in the model {type(model).__name__}; "
-        f"its module classes are: {', '.join(module_classes(model))}"
-    )
 
 
 # --------------------------------------------------------------------------------------------

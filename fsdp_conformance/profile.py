@@ -26,8 +26,7 @@ from fsdp_conformance.bound import (
     MeasureError,
     StepConfig,
 )
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
-from fsdp_conformance.policies import policy_for
+from fsdp_conformance.models import BuiltModel, ModelSpec, call_model, default_loss
 from fsdp_conformance.units import ROOT, UnitInfo
 
 
@@ -241,7 +240,7 @@ def _profile_on_meta(spec: ModelSpec,
     from fsdp_conformance.units import plan_units
 
     model = spec.build("meta")
-    units = plan_units(model, policy_for("recommended", model, spec))
+    units = plan_units(model, BuiltModel(spec, model).policy("recommended"))
     try:
         batch = spec.batch(model, batch_size, "meta")
         # The memory checks' bounds read bytes only: no FLOPs (the planner counts them).

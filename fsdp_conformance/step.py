@@ -30,7 +30,7 @@ from fsdp_conformance.meters import (
     torch_version_string,
     tracker_meter,
 )
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
+from fsdp_conformance.models import BuiltModel, ModelSpec, call_model, default_loss
 from fsdp_conformance.timeline import Timeline, record_timeline
 
 # torch's memory trackers are imported by the rank fork server before it forks
@@ -246,9 +246,10 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
     with scope:
         model = spec.build(ctx.device)
+        built = BuiltModel(spec, model)
         # Resolved before sharding: FSDP2 changes the model's classes in place.
-        blocks = spec.block_classes(model) if checkpoint_every else ()
-        policy = policies.policy_for(wrap.policy, model, spec)
+        blocks = built.blocks if checkpoint_every else ()
+        policy = built.policy(wrap.policy)
         sharded = shard(model, ctx, version, policy,
                         **reshard_kwargs(version, wrap.reshard_after_forward),
                         **param_dtype_kwargs(version, param_dtype, reduce_dtype),

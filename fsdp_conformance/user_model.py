@@ -38,18 +38,19 @@ MEMORY_HEADROOM = 0.8
 
 def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequence[int]) -> None:
     """Fail early, in one line each: import path, factory, block class, empty policy, size."""
-    from fsdp_conformance.policies import policy, validate_plan
+    from fsdp_conformance.policies import validate_plan
 
-    model = spec.build("meta")
+    built = spec.instantiate("meta")
+    model = built.model
     if spec.init_fn:  # a bad path is one line here, not a finding from every init check
         load_object(spec.init_fn, "init function")
-    blocks = spec.block_classes(model)
-    threshold = spec.size_threshold(model)
+    blocks = built.blocks
+    threshold = built.size_threshold
     # Without --block-cls only a transformers model gets this far: its _no_split_modules.
     given = "" if spec.block_cls else " (from the model's _no_split_modules)"
     validate_plan(
         model,
-        policy("recommended", model, blocks, threshold),
+        built.policy("recommended"),
         detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}{given}, "
         f"threshold {threshold:,}; check --fsdp-block-cls names the model's block class",
     )

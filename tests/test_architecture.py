@@ -33,6 +33,8 @@ LAYERS: dict[str, str] = {
     "units": "blocks",
     "policies": "blocks",
     "models": "blocks",
+    "reference_models": "blocks",
+    "block_classes": "blocks",
     "sharding": "blocks",
     "bound": "blocks",
     "profile": "blocks",

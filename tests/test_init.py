@@ -20,7 +20,8 @@ from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.init import broadcast, peak_memory, reports, weights
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
 SPEC = reports.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer

@@ -26,8 +26,9 @@ from fsdp_conformance.claims import memory
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
-from fsdp_conformance.models import LLAMA_PRESETS, ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.profile import plan_step
+from fsdp_conformance.reference_models import LLAMA_PRESETS, ModelConfig
 from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import UnitInfo
 
@@ -361,7 +362,7 @@ def test_depth_check_refuses_fewer_than_three_depths(ranks: Ranks) -> None:
 
 def test_depth_needs_a_model_whose_depth_can_be_set() -> None:
     # MassiveModel(config=None) takes no depth keyword and is no transformers model.
-    spec = ModelSpec(reference=None, factory="fsdp_conformance.models:MassiveModel")
+    spec = ModelSpec(reference=None, factory="fsdp_conformance.reference_models:MassiveModel")
     with pytest.raises(memory.MemoryCheckError, match="its depth cannot be set"):
         memory.with_depth(spec, 4)
 

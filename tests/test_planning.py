@@ -37,7 +37,7 @@ from fsdp_conformance.claims.plan_trust import (
 )
 from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import RankContext, Ranks
-from fsdp_conformance.models import LLAMA_PRESETS, LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,
     DEFAULT_RESERVE,
@@ -65,6 +65,7 @@ from fsdp_conformance.plan.report import (
     format_plan_tree,
     plan_report,
 )
+from fsdp_conformance.reference_models import LLAMA_PRESETS, LlamaConfig, ModelConfig
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
@@ -304,7 +305,7 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
      "unrecognized arguments: --bogus; see `fsdp-conformance plan --help`"),
     (["--model", "no_such_pkg.mod:build", "--block-cls", "Block"],
      "cannot import module 'no_such_pkg.mod'"),
-    (["--model", "fsdp_conformance.models:MassiveModel"], "no block class given"),
+    (["--model", "fsdp_conformance.reference_models:MassiveModel"], "no block class given"),
     (["--preset", "7b", "--layers", "2"], "a preset has its own shape"),
     (["--preset", "7b", "--device-reserve", "lots"], "--device-reserve 'lots' is not a size"),
 ])
@@ -671,7 +672,7 @@ def test_hsdp_estimate_is_full_sharding_over_the_shard_group(
 def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() -> None:
     import torch
 
-    from fsdp_conformance.models import DecoderLayer, build_reference
+    from fsdp_conformance.reference_models import DecoderLayer, build_reference
     from fsdp_conformance.sharding import checkpoint_blocks
 
     model = build_reference("massive", ModelConfig(num_layers=5, dim=16))
@@ -751,7 +752,7 @@ def test_trust_check_is_registered_for_both_versions_on_a_model_spec() -> None:
         assert check.name == "memory.plan_estimate_matches" and check.claim == "memory"
         assert isinstance(check.params["spec"], ModelSpec)
         assert check.rank_fn is rank_plan_estimate_matches
-    user = ModelSpec(reference=None, factory="fsdp_conformance.models:MassiveModel")
+    user = ModelSpec(reference=None, factory="fsdp_conformance.reference_models:MassiveModel")
     # On a user's model monolithic is not measured (it may not fit unsharded).
     assert {c["policy"] for c in default_cases(user, "fsdp2")} == {"recommended"}
 

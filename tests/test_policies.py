@@ -4,31 +4,30 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_conformance.block_classes import resolve_block_classes
 from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.claims.wrap import CHECKS
 from fsdp_conformance.claims.wrap.builders import BUILDERS, rank_builders, verdict_builders
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import (
-    DecoderLayer,
-    EncoderDecoder,
-    EncoderLayer,
-    MassiveModel,
-    ModelConfig,
-    TiedLM,
-)
+from fsdp_conformance.models import BuiltModel
 from fsdp_conformance.policies import (
     PLAN_POLICIES,
     POLICY_NAMES,
     WRAPPINGS,
     PolicyError,
     Wrapping,
-    plan_policy,
     policy,
-    policy_for,
     recommended_policy,
-    resolve_block_classes,
     seeds_hybrid_policy,
     validate_plan,
+)
+from fsdp_conformance.reference_models import (
+    DecoderLayer,
+    EncoderDecoder,
+    EncoderLayer,
+    MassiveModel,
+    ModelConfig,
+    TiedLM,
 )
 from fsdp_conformance.units import plan_units
 
@@ -37,8 +36,8 @@ SMALL = ModelConfig(num_layers=2, dim=32)
 
 @pytest.mark.parametrize(
     "given",
-    [DecoderLayer, "DecoderLayer", "fsdp_conformance.models.DecoderLayer",
-     "fsdp_conformance.models:DecoderLayer", ["DecoderLayer"]],
+    [DecoderLayer, "DecoderLayer", "fsdp_conformance.reference_models.DecoderLayer",
+     "fsdp_conformance.reference_models:DecoderLayer", ["DecoderLayer"]],
     ids=["class", "name", "dotted", "colon", "list"],
 )
 def test_block_classes_resolve_from_class_path_or_name(given: object) -> None:
@@ -56,7 +55,7 @@ def test_unknown_block_name_lists_the_models_module_classes() -> None:
         resolve_block_classes(MassiveModel(SMALL), "TransformerBlock")
     message = str(info.value)
     assert "'TransformerBlock' matches no module class in the model MassiveModel" in message
-    assert "fsdp_conformance.models.DecoderLayer" in message
+    assert "fsdp_conformance.reference_models.DecoderLayer" in message
     assert "torch.nn.modules.linear.Linear" in message
 
 
@@ -86,7 +85,7 @@ def test_negative_control_policy_that_wraps_only_the_root_is_an_error() -> None:
     assert "wraps nothing but the root of MassiveModel" in message
     assert "DecoderLayer (x2" in message and "Fix: name the model's block class" in message
     with pytest.raises(PolicyError, match="wraps nothing but the root"):
-        validate_plan(model, policy("root_only", model, (DecoderLayer,), 1))
+        validate_plan(model, policy("monolithic", model, (DecoderLayer,), 1))
 
 
 def test_unknown_policy_name_lists_the_choices() -> None:
@@ -94,7 +93,7 @@ def test_unknown_policy_name_lists_the_choices() -> None:
         policy("best", MassiveModel(SMALL), (DecoderLayer,), 1)  # type: ignore[arg-type]
     assert str(info.value) == (
         "unknown policy 'best'; choose one of recommended, seeds, seeds_verbatim, blocks_only, "
-        "root_only, top_level"
+        "monolithic, top_level"
     )
 
 
@@ -106,32 +105,33 @@ def test_every_policy_name_resolves_to_a_plan(name: str) -> None:
     model = MassiveModel(SMALL)
     units = [u.fqn for u in plan_units(model, policy(name, model, (DecoderLayer,),  # type: ignore[arg-type]
                                                      SMALL.min_params))]
-    expected_blocks = name not in ("root_only", "top_level")
+    expected_blocks = name not in ("monolithic", "top_level")
     assert ("layers.0" in units) == expected_blocks, units
-    assert units[0] == "" and (len(units) == 1) == (name == "root_only"), units
+    assert units[0] == "" and (len(units) == 1) == (name == "monolithic"), units
     if name == "top_level":  # the root's non-container children: embed and head, not layers
         assert sorted(units) == ["", "embed", "head"], units
 
 
-def test_policy_for_takes_blocks_and_threshold_from_the_spec() -> None:
-    from fsdp_conformance.models import SEED_MIN_PARAMS, ModelSpec
+def test_built_model_policy_takes_blocks_and_threshold_from_the_spec() -> None:
+    from fsdp_conformance.models import ModelSpec
+    from fsdp_conformance.policies import SEED_MIN_PARAMS
 
     spec = ModelSpec(reference="massive", config=SMALL)
     model = spec.build("meta")
     direct = plan_units(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params))
-    assert plan_units(model, policy_for("seeds", model, spec)) == direct
+    assert plan_units(model, BuiltModel(spec, model).policy("seeds")) == direct
     # At full scale the seeds keep their literal 2e7, which wraps nothing inside this model.
-    full = plan_units(model, policy_for("seeds", model, spec, full_scale=True))
+    full = plan_units(model, BuiltModel(spec, model).policy("seeds", full_scale=True))
     assert full == plan_units(model, seeds_hybrid_policy((DecoderLayer,), SEED_MIN_PARAMS))
     assert full != direct
 
 
-def test_wrapping_labels_and_planner_names_map_onto_the_registry() -> None:
+def test_wrapping_labels_and_planner_names_are_registry_names() -> None:
     from fsdp_conformance.policies import wrapping, wrapping_label
 
     assert dict(WRAPPINGS) == {
         "per_layer": Wrapping("recommended"),
-        "monolithic": Wrapping("root_only"),
+        "monolithic": Wrapping("monolithic"),
         "top_level": Wrapping("top_level"),
         "no_reshard": Wrapping("recommended", reshard_after_forward=False),
     }
@@ -142,12 +142,14 @@ def test_wrapping_labels_and_planner_names_map_onto_the_registry() -> None:
     assert str(info.value) == (
         "unknown wrapping 'flat'; choose one of per_layer, monolithic, top_level, no_reshard")
     assert wrapping_label("recommended") == "per_layer"
-    assert wrapping_label("root_only") == "monolithic" and wrapping_label("seeds") is None
-    assert {n: plan_policy(n) for n in PLAN_POLICIES} == {
-        "recommended": "recommended", "seeds": "seeds", "monolithic": "root_only"}
-    with pytest.raises(PolicyError, match="unknown policy 'root_only'; choose one of "
-                                          "recommended, seeds, monolithic"):
-        plan_policy("root_only")
+    assert wrapping_label("monolithic") == "monolithic" and wrapping_label("seeds") is None
+    assert PLAN_POLICIES == ("recommended", "seeds", "monolithic")
+    assert set(PLAN_POLICIES) <= set(POLICY_NAMES)
+    from fsdp_conformance.plan.model import PlanError, PlanSettings
+
+    with pytest.raises(PlanError, match="policy 'root_only' is not one of "
+                                        "recommended, seeds, monolithic"):
+        PlanSettings(policy="root_only")  # type: ignore[arg-type]
 
 
 def test_seeds_policy_wraps_each_side_of_a_tied_weight() -> None:

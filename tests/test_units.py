@@ -13,7 +13,8 @@ from fsdp_conformance.claims.wrap.units import (
     judge_plan,
     seeds_full_scale_plan,
 )
-from fsdp_conformance.models import (
+from fsdp_conformance.policies import SEED_MIN_PARAMS, recommended_policy, seeds_hybrid_policy
+from fsdp_conformance.reference_models import (
     DecoderLayer,
     EncoderDecoder,
     EncoderLayer,
@@ -21,7 +22,6 @@ from fsdp_conformance.models import (
     ModelConfig,
     TiedLM,
 )
-from fsdp_conformance.policies import SEED_MIN_PARAMS, recommended_policy, seeds_hybrid_policy
 from fsdp_conformance.units import (
     UnitInfo,
     format_unit_tree,

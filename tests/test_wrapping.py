@@ -29,7 +29,8 @@ from fsdp_conformance.claims.wrap.units import (
     verdict_units_plan,
 )
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
 #: dim 30: the head (30 x 234 + 234 = 7,254) does not divide by 4, so padding shows at ws 4.
@@ -362,7 +363,7 @@ def test_prefetch_with_one_unit_per_block(ranks: Ranks) -> None:
 @pytest.mark.world_size(2)
 def test_one_coarse_unit_has_nothing_to_prefetch(ranks: Ranks) -> None:
     for version in VERSIONS:
-        params = {"spec": SMALL, "version": version, "policy": "root_only"}
+        params = {"spec": SMALL, "version": version, "policy": "monolithic"}
         values = ranks.run(rank_prefetch, **params)
         assert verdict_prefetch_coarse(values, params).passed
         forward = verdict_prefetch_forward(values, params)

@@ -30,8 +30,9 @@ from fsdp_conformance.meters import (
     meter_floor_problems,
     torch_version_string,
 )
-from fsdp_conformance.models import NO_SETTABLE_DEPTH, LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import NO_SETTABLE_DEPTH, ModelSpec
 from fsdp_conformance.profile import plan_step
+from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import ROOT, UnitInfo

@@ -15,7 +15,7 @@ from typing import Any
 from fsdp_conformance.bound import BOUND_TOLERANCE, Bound, BoundTerm
 from fsdp_conformance.claims.check import Check, Verdict, variants
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import LlamaConfig, ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
 from fsdp_conformance.plan.model import (
     POLICIES,
@@ -24,7 +24,8 @@ from fsdp_conformance.plan.model import (
     PlanSettings,
     checkpoint_every,
 )
-from fsdp_conformance.policies import plan_policy, wrapping_label
+from fsdp_conformance.policies import wrapping_label
+from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 
@@ -73,7 +74,7 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
                                batch_size: int = 2) -> dict[str, Any]:
     """The measured peak of one training step per case on this rank (step.measure_step)."""
     # The planner's policies that step.measure_step can measure, as its wrapping labels.
-    measured = {p: label for p in POLICIES if (label := wrapping_label(plan_policy(p)))}
+    measured = {p: label for p in POLICIES if (label := wrapping_label(p))}
     peaks = []
     for case in cases if cases is not None else default_cases(spec, version):
         policy = case["policy"]

@@ -19,7 +19,7 @@ from fsdp_conformance.bound import (
     host_bytes,
     per_layer_bound,
 )
-from fsdp_conformance.models import LLAMA_PRESETS
+from fsdp_conformance.models import BuiltModel
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
     POLICIES,
@@ -31,8 +31,9 @@ from fsdp_conformance.plan.model import (
     checkpoint_every,
     meta_batch,
 )
-from fsdp_conformance.policies import plan_policy, policy_for
+from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.profile import profile_activations, unit_of
+from fsdp_conformance.reference_models import LLAMA_PRESETS
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
@@ -189,8 +190,7 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     start = time.perf_counter()
     model = build_meta_model(choice) if model is None else model
     _require_meta(model, choice)
-    policy = policy_for(plan_policy(settings.policy), model, choice.spec,
-                        full_scale=choice.full_scale)
+    policy = BuiltModel(choice.spec, model).policy(settings.policy, full_scale=choice.full_scale)
     units = plan_units(model, policy)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
@@ -611,7 +611,7 @@ def _offload_fit(plan: ModelPlan | None, checkpointing: str, device_bytes: int,
 
 
 def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: Sequence[int],
-                     device_bytes: Sequence[int], policies: Sequence[str] = POLICIES,
+                     device_bytes: Sequence[int], policies: Sequence[PolicyName] = POLICIES,
                      max_world_size: int = MAX_WORLD_SIZE, model: Any = None,
                      reserve: DeviceReserve = DEFAULT_RESERVE) -> dict[str, Any]:
     """The estimate per policy and world size, and the devices each policy needs. ``model``

@@ -8,24 +8,24 @@ from typing import Any
 
 from fsdp_conformance import sizes
 from fsdp_conformance.bound import OPTIMIZER_STATES
-from fsdp_conformance.models import (
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.policies import PLAN_POLICIES, PolicyName
+from fsdp_conformance.reference_models import (
     LLAMA_PRESETS,
     REFERENCE_MODELS,
     LlamaConfig,
     ModelConfig,
-    ModelSpec,
 )
-from fsdp_conformance.policies import PLAN_POLICIES
 
 #: Bytes per element of the dtypes a plan can use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: ``recommended`` = one unit per block (policies.recommended_policy); ``seeds`` = the seeds'
 #: get_hybrid_policy (block type OR the size rule, which also fires inside the blocks);
-#: ``monolithic`` = the root is the only unit (the registry's ``root_only``; the names and
-#: their map are :data:`fsdp_conformance.policies.PLAN_POLICIES`).
-POLICIES = tuple(PLAN_POLICIES)
-#: ``--preset``: the Llama shapes of models.LLAMA_PRESETS, and the seeds' own MassiveModel at
-#: the seeds' scale (dim 4096, 8 layers, vocab 32000).
+#: ``monolithic`` = the root is the only unit (the names are the registry's own:
+#: :data:`fsdp_conformance.policies.PLAN_POLICIES`).
+POLICIES = PLAN_POLICIES
+#: ``--preset``: the Llama shapes of reference_models.LLAMA_PRESETS, and the seeds' own
+#: MassiveModel at the seeds' scale (dim 4096, 8 layers, vocab 32000).
 PRESETS = (*LLAMA_PRESETS, "seeds")
 OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
 #: flash: what fused attention saves for backward (q, k, v, output, logsumexp), as flash or
@@ -65,7 +65,7 @@ class PlanSettings:
     """What one training step does, in the user's words (resolved to a StepConfig per W)."""
 
     #: One of :data:`POLICIES`.
-    policy: str = "recommended"
+    policy: PolicyName = "recommended"
     #: "fsdp1" or "fsdp2".
     version: str = "fsdp2"
     #: Sharded parameters, sharded gradients and optimizer state (the fp32 master copy).

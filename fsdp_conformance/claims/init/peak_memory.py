@@ -16,8 +16,9 @@ from fsdp_conformance.harness import RankContext
 from fsdp_conformance.meta_init import build_on_meta
 from fsdp_conformance.meta_materialize import materialize
 from fsdp_conformance.meters import host_or_cuda_peak
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.policies import PolicyName
+from fsdp_conformance.reference_models import ModelConfig
 from fsdp_conformance.sizes import MiB
 from fsdp_conformance.units import plan_units
 

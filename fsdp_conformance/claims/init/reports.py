@@ -32,7 +32,8 @@ from fsdp_conformance.meta_init import (
     reference_model,
 )
 from fsdp_conformance.meta_materialize import Ranked, ShardedReport
-from fsdp_conformance.models import LlamaConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import LlamaConfig
 from fsdp_conformance.tensors import listing
 
 #: A small model with every kind of state (norm weights, a non-persistent rotary buffer).

@@ -17,7 +17,8 @@ from torch import nn
 
 from fsdp_conformance import capabilities
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelConfig, ModelSpec
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import ModelConfig
 from fsdp_conformance.sharding import shard
 from fsdp_conformance.tensors import local_tensor, sha256_of
 

@@ -83,7 +83,7 @@ def _version_checks(version: str) -> tuple[Check, ...]:
                    specs=(_REF,))
         + variants("wrap.prefetch.coarse", "with a single coarse unit there is nothing to "
                    "prefetch", rank_prefetch, verdict_prefetch_coarse, versions=one,
-                   specs=(_REF,), policy="root_only")
+                   specs=(_REF,), policy="monolithic")
     )
 
 

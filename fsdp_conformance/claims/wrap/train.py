@@ -24,8 +24,8 @@ from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.wrap.wrapping import build, record_compute_dtypes, shard_with_policy
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec, batch_rows, call_model, default_loss
-from fsdp_conformance.policies import PolicyName, policy_for
+from fsdp_conformance.models import BuiltModel, ModelSpec, batch_rows, call_model, default_loss
+from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh
 from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.tensors import listing, local_shard
@@ -429,7 +429,7 @@ def rank_train(
         initial = {n: p.detach().float().clone() for n, p in reference.named_parameters()}
         batch = _comparable_batch(spec, reference, per_rank_batch * ctx.world_size, ctx, dropout)
         mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
-        policy_obj = policy_for(policy, model, spec)  # the copy's modules: the one sharded
+        policy_obj = BuiltModel(spec, model).policy(policy)  # the copy's modules: the one sharded
         module_names = {id(m): n for n, m in model.named_modules()}
         unit_names = [module_names[id(u)] for u in planned_unit_modules(model, policy_obj)]
         sharded = shard_with_policy(model, ctx, version, policy_obj,

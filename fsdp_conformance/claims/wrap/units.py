@@ -170,8 +170,8 @@ def seeds_full_scale_plan(
     policy: PolicyName = "seeds_verbatim",
 ) -> tuple[list[UnitInfo], Verdict]:
     """The plan of a policy on the seeds' full-scale MassiveModel (meta, no allocation)."""
-    from fsdp_conformance.models import DecoderLayer, MassiveModel, ModelConfig
     from fsdp_conformance.policies import SEED_MIN_PARAMS
+    from fsdp_conformance.reference_models import DecoderLayer, MassiveModel, ModelConfig
 
     with torch.device("meta"):
         model = MassiveModel(ModelConfig.seeds_full_scale())
