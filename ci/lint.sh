@@ -15,10 +15,12 @@ PATHS=(fsdp_conformance tests benchmarks conftest.py)
 failed=()
 
 step() {
-    local name=$1
+    local name=$1 start=$SECONDS status=0
     shift
     echo "== lint: $name: $*"
-    if ! "$PYTHON" -m "$@"; then
+    "$PYTHON" -m "$@" || status=$?
+    echo "== lint: $name: exit $status in $((SECONDS - start)) s"
+    if ((status)); then
         failed+=("$name")
     fi
 }
