@@ -1,9 +1,10 @@
 """The GPU lane's scripts and tox env, and the lint script, proved on a CPU machine.
 
-``ci/gpu-check.sh``, ``ci/gpu-lane.sh`` and ``ci/lint.sh`` run here with a stand-in ``python`` (first on PATH
-and given as ``PYTHON``): it logs every call, runs ``-c`` probes on the real interpreter, where
-a fake ``torch`` on ``PYTHONPATH`` can claim CUDA devices, and only pretends to run pip, venv,
-pytest, the report and torchrun. Nothing is installed or downloaded, and no test lane runs.
+``ci/gpu-check.sh``, ``ci/gpu-lane.sh`` and ``ci/lint.sh`` run here with a stand-in ``python``
+(first on PATH and given as ``PYTHON``): it logs every call, runs ``-c`` probes on the real
+interpreter, where a fake ``torch`` on ``PYTHONPATH`` can claim CUDA devices, and only pretends
+to run pip, venv, pytest, ruff, mypy, pylint, the report and torchrun. Nothing is installed or
+downloaded, and no test lane runs.
 """
 
 from __future__ import annotations
