@@ -3,8 +3,9 @@
 Pure static checks (no torch, no ranks): each module's imports of the package, top-level and
 inside functions, against the layer table and the rules inside a layer (the harness's two
 sides, no claim importing another, the named forbidden edges); absolute imports only; each
-folder a regular package with its modules; private torch access only in ``_compat.py``; no
-reference to a file outside the repository. The one import-rule test that needs a subprocess
+folder a regular package with its modules; the layer table of docs/architecture.md names every
+module, in its layer here; private torch access only in ``_compat.py``; no reference to a file
+outside the repository. The one import-rule test that needs a subprocess
 (``compare`` and the reports load no torch) is in tests/test_gate_layout.py.
 """
 
@@ -153,6 +154,91 @@ def _violations(name: str, imported: set[str]) -> list[str]:
 def test_every_module_belongs_to_a_layer() -> None:
     for name, _ in _modules():
         _layer(name)
+
+
+def _layer_table(text: str) -> dict[str, str]:
+    """The layer table of docs/architecture.md: each name its rows give (a module, or a folder as
+    ``folder/*``), backticked in the modules cell and outside parentheses, -> the row's layer."""
+    table: dict[str, str] = {}
+    lines = iter(text.splitlines())
+    for line in lines:
+        if re.match(r"\|\s*layer\s*\|\s*modules\s*\|", line):
+            break
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or set(cells[0]) <= set("-: "):
+            continue
+        for name in re.findall(r"`([^`]+)`", re.sub(r"\([^()]*\)", "", cells[1])):
+            table[name] = cells[0]
+    return table
+
+
+def _table_names(module: str, folders: set[str]) -> tuple[str, ...]:
+    """The names of the layer table that cover ``module`` (dotted, relative to the package)."""
+    head, *rest = module.split(".")
+    if head in folders:
+        return (f"{head}/*", *(f"{head}/{r}" for r in rest[:1]))
+    return (head,)
+
+
+def _table_mismatches(table: dict[str, str], modules: list[str], folders: set[str],
+                      layers: dict[str, str]) -> list[str]:
+    """Modules no row names, modules in another layer than ``layers`` says, rows naming none."""
+    bad = []
+    for module in modules:
+        names = [n for n in _table_names(module, folders) if n in table]
+        if not names:
+            bad.append(f"{module} is in no row of the layer table")
+        elif table[names[0]] != layers[module.split(".")[0]]:
+            bad.append(f"{module} is in the {table[names[0]]} row; its layer is "
+                       f"{layers[module.split('.')[0]]}")
+    covered = {n for m in modules for n in _table_names(m, folders)}
+    bad += [f"the layer table names {name}, no module of the package" for name in table
+            if name not in covered]
+    return bad
+
+
+def test_the_layer_table_in_the_docs_names_every_module_in_its_layer() -> None:
+    table = _layer_table((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    assert table, "docs/architecture.md has no | layer | modules | table"
+    modules = [name for name, _ in _modules() if name != "__init__"]
+    bad = _table_mismatches(table, modules, set(FOLDERS), LAYERS)
+    assert not bad, "docs/architecture.md's layer table and the package disagree:\n" + (
+        "\n".join(bad))
+
+
+def test_the_layer_table_check_catches_a_module_missing_from_it() -> None:
+    # Negative control: a table with a module left out (and one folder, a stale name) reports
+    # each; a parenthesized file name and the header are not module names.
+    text = (
+        "Before the table, `cli` in prose.\n\n"
+        "| layer | modules | may import from the package |\n"
+        "|---|---|---|\n"
+        "| base | `sizes`, `settings` (options, read from `x.toml`), `gone` | nothing |\n"
+        "| harness | `harness/*` | base |\n"
+        "\nAfter it, `plugin`.\n"
+    )
+    table = _layer_table(text)
+    assert table == {"sizes": "base", "settings": "base", "gone": "base", "harness/*": "harness"}
+    modules = ["sizes", "settings", "harness", "harness.pool", "claims.wrap"]
+    layers = {"sizes": "base", "settings": "base", "harness": "harness", "claims": "claims"}
+    folders = {"harness", "claims"}
+    assert _table_mismatches(table, modules[:-1], folders, layers) == [
+        "the layer table names gone, no module of the package"]
+    assert _table_mismatches(table, modules, folders, layers) == [
+        "claims.wrap is in no row of the layer table",
+        "the layer table names gone, no module of the package",
+    ]
+    without = _layer_table(text.replace("`sizes`, ", ""))
+    assert _table_mismatches(without, modules[:-1], folders, layers) == [
+        "sizes is in no row of the layer table",
+        "the layer table names gone, no module of the package",
+    ]
+    moved = _layer_table(text.replace("| base |", "| blocks |"))
+    assert _table_mismatches(moved, modules[:1], folders, layers)[0] == (
+        "sizes is in the blocks row; its layer is base")
 
 
 def test_each_layer_imports_only_the_layers_below_it() -> None:

@@ -1,9 +1,10 @@
-"""The GPU lane's scripts and tox env, proved on a CPU machine.
+"""The GPU lane's scripts and tox env, and the lint script, proved on a CPU machine.
 
-``ci/gpu-check.sh`` and ``ci/gpu-lane.sh`` run here with a stand-in ``python`` (first on PATH
-and given as ``PYTHON``): it logs every call, runs ``-c`` probes on the real interpreter, where
-a fake ``torch`` on ``PYTHONPATH`` can claim CUDA devices, and only pretends to run pip, venv,
-pytest, the report and torchrun. Nothing is installed or downloaded, and no test lane runs.
+``ci/gpu-check.sh``, ``ci/gpu-lane.sh`` and ``ci/lint.sh`` run here with a stand-in ``python``
+(first on PATH and given as ``PYTHON``): it logs every call, runs ``-c`` probes on the real
+interpreter, where a fake ``torch`` on ``PYTHONPATH`` can claim CUDA devices, and only pretends
+to run pip, venv, pytest, ruff, mypy, pylint, the report and torchrun. Nothing is installed or
+downloaded, and no test lane runs.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import pytest
 process = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("ci/gpu-check.sh", "ci/gpu-lane.sh")
+SCRIPTS = ("ci/gpu-check.sh", "ci/gpu-lane.sh", "ci/lint.sh")
 
 STUB = r"""#!/usr/bin/env bash
 # Stand-in for python, pip and the tools the GPU scripts call: logs the call, then pretends.
 if [ "${1:-}" = -c ]; then echo "$0 -c" >>"$STUB_LOG"; else echo "$0 $*" >>"$STUB_LOG"; fi
+# A call with the word STUB_FAIL in it fails (a lint tool that finds something).
+if [ -n "${STUB_FAIL:-}" ] && [[ " $* " == *" $STUB_FAIL "* ]]; then exit 1; fi
 name=$(basename "$0")
 case "$name" in
   pip | pip3) set -- -m pip "$@" ;;
@@ -319,3 +322,48 @@ def test_tox_gpu_env_takes_its_world_sizes_from_the_devices() -> None:
     assert "ci/gpu-check.sh" in commands, f"tox -e gpu runs {commands!r}"
     setenv = gpu.get("setenv", fallback="")
     assert re.search(r"^\s*PYTHON\s*=\s*\{envpython\}\s*$", setenv, re.MULTILINE), setenv
+
+
+#: ci/lint.sh's steps, in order: what .ci/run (the README's test command) and tox -e lint run.
+LINT_STEPS = [
+    "ruff check fsdp_conformance tests benchmarks conftest.py",
+    "ruff format --check fsdp_conformance tests benchmarks conftest.py",
+    "mypy fsdp_conformance",
+    "pylint fsdp_conformance",
+]
+
+
+def lint_steps(stubs: Stubs) -> list[str]:
+    calls = stubs.calls(" -m ")
+    assert all(c.startswith(f"{stubs.python} -m ") for c in calls), calls
+    return [c.split(" -m ", 1)[1] for c in calls]
+
+
+@process
+def test_lint_runs_its_four_steps_with_the_given_python(stubs: Stubs) -> None:
+    result = stubs.run("ci/lint.sh", {})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert lint_steps(stubs) == LINT_STEPS
+
+
+@process
+def test_lint_runs_every_step_when_one_fails_and_names_the_failed_ones(stubs: Stubs) -> None:
+    result = stubs.run("ci/lint.sh", {"STUB_FAIL": "--check"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert lint_steps(stubs) == LINT_STEPS, "a failed step stopped the ones after it"
+    assert one_line(result.stderr) == "lint failed: ruff-format"
+    stubs.log.write_text("")
+    result = stubs.run("ci/lint.sh", {"STUB_FAIL": "fsdp_conformance"})
+    assert result.returncode == 1 and len(lint_steps(stubs)) == 4, result.stdout
+    assert one_line(result.stderr) == "lint failed: ruff-check ruff-format mypy repetition"
+
+
+def test_tox_lint_env_runs_the_lint_script_with_its_own_python() -> None:
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini", encoding="utf-8")
+    lint = tox["testenv:lint"]
+    assert lint.get("commands", fallback="").split() == ["bash", "{toxinidir}/ci/lint.sh"], (
+        f"tox -e lint runs {lint.get('commands')!r}, not ci/lint.sh (the list .ci/run runs)")
+    setenv = lint.get("setenv", fallback="")
+    assert re.search(r"^\s*PYTHON\s*=\s*\{envpython\}\s*$", setenv, re.MULTILINE), setenv
+    assert "lint" in lint.get("extras", fallback="").split(), "tox -e lint lacks the lint extra"

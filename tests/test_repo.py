@@ -1,4 +1,4 @@
-"""The repository's own promises: the README's test command is what CI runs."""
+"""The repository's own promises: the README's test command is what CI runs, lint first."""
 
 from __future__ import annotations
 
@@ -33,6 +33,38 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     command = readme_test_command()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert command in ci_lines, f"README's test command {command!r} is not a line of .ci/run"
+
+
+def lint_order(command: str) -> list[str]:
+    """What must hold of a test command for CI to enforce the habits (docs/architecture.md)."""
+    steps = [step.strip() for step in command.split("&&")]
+    problems = []
+    installs = [s for s in steps if s.startswith("pip install")]
+    if not installs or not re.search(r"\.\[[^\]]*\blint\b", installs[0]):
+        problems.append("the install lacks the lint extra (.[test,lint])")
+    if "-c ci/constraints-cpu.txt" not in (installs[0] if installs else ""):
+        problems.append("the install does not pin through ci/constraints-cpu.txt")
+    lint = [i for i, s in enumerate(steps) if s.split()[-1:] == ["ci/lint.sh"]]
+    tests = [i for i, s in enumerate(steps) if "-m pytest" in s]
+    if not lint:
+        problems.append("ci/lint.sh is not a step")
+    elif not tests or lint[0] > tests[0]:
+        problems.append("ci/lint.sh does not run before the tests")
+    return problems
+
+
+def test_ci_lints_before_the_tests_with_the_pinned_tools() -> None:
+    assert lint_order(readme_test_command()) == []
+
+
+def test_the_lint_order_rule_catches_a_command_without_lint() -> None:
+    # Negative controls: the command before the lint step, and lint after the tests.
+    assert lint_order(
+        'pip install -c ci/constraints-cpu.txt -e ".[test]" && python -m pytest -m cpu') == [
+        "the install lacks the lint extra (.[test,lint])", "ci/lint.sh is not a step"]
+    assert lint_order('pip install -c ci/constraints-cpu.txt -e ".[test,lint]" && '
+                      "python -m pytest -m cpu && bash ci/lint.sh") == [
+        "ci/lint.sh does not run before the tests"]
 
 
 def test_ci_script_is_strict_and_executable() -> None:
