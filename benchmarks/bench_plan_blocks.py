@@ -2,7 +2,7 @@
 
 The planner profiles a reference model or preset deeper than three blocks at three (the first,
 a middle one, the last) and gives the other blocks the middle one's figures
-(``plan.estimate._module_profile``). This times both on the same meta model and settings,
+(``plan.activations._module_profile``). This times both on the same meta model and settings,
 alternating in one process after a warm-up (the meta machinery's lazy imports), checks that
 every module's bytes and FLOPs are the same, and prints each time and the ratio.
 
@@ -17,7 +17,7 @@ import time
 
 
 def main() -> None:
-    from fsdp_conformance.plan import estimate
+    from fsdp_conformance.plan import activations
     from fsdp_conformance.plan.model import PlanSettings, build_meta_model, choose_model
     from fsdp_conformance.reference_models import LLAMA_PRESETS
     from fsdp_conformance.units import UnitInfo
@@ -32,11 +32,11 @@ def main() -> None:
     model = build_meta_model(choice)
     settings = PlanSettings(seq_len=args.seq_len)
     every = [UnitInfo(fqn=n, cls=type(m).__name__, numel=0) for n, m in model.named_modules()]
-    estimate._module_profile(model, choice, settings)  # warm-up: lazy imports
+    activations._module_profile(model, choice, settings)  # warm-up: lazy imports
     runs = {
-        "whole forward": lambda: estimate.profile_step_activations(model, choice, every,
+        "whole forward": lambda: activations.profile_step_activations(model, choice, every,
                                                                    settings),
-        "three blocks ": lambda: estimate._module_profile(model, choice, settings),
+        "three blocks ": lambda: activations._module_profile(model, choice, settings),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     profiles = {}

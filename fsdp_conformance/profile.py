@@ -160,7 +160,7 @@ class _Flops:
         from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
         self.root = type(model).__name__
-        # The planner runs attention as the CPU flash op on meta (plan.estimate._attention),
+        # The planner runs attention as the CPU flash op on meta (plan.activations._attention),
         # which torch's registry does not count: count it as the GPU flash op it stands for.
         mapping: dict[Any, Any] = {}
         cpu, gpu = flash_attention_cpu_op(), getattr(

@@ -107,7 +107,7 @@ FOLDERS: dict[str, set[str]] = {
                     "reports"},
     "claims/state": {"round_trip", "resume", "dcp", "reshard", "checkpoint", "summon",
                      "state_dicts", "faults"},
-    "plan": {"model", "estimate", "verify", "report"},
+    "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {"suite", "report", "compare", "plots"},
 }
 

@@ -793,13 +793,13 @@ def test_plans_that_differ_only_in_what_the_forward_does_not_read_share_one_prof
     CPU offload, the FSDP version, the optimizer, the storage dtype, the policy or the
     checkpointing reuse one profile (each 70B profile is seconds); any of the four profiles anew.
     """
-    from fsdp_conformance.plan import estimate
+    from fsdp_conformance.plan import activations
 
     calls = []
-    real = estimate.profile_step_activations
-    monkeypatch.setattr(estimate, "profile_step_activations",
+    real = activations.profile_step_activations
+    monkeypatch.setattr(activations, "profile_step_activations",
                         lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    monkeypatch.setattr(estimate, "_SPEC_PROFILES", {})  # none from this session's other plans
+    monkeypatch.setattr(activations, "_SPEC_PROFILES", {})  # none from this session's other plans
     choice = choose_model(reference="llama", layers=2, dim=32)
     meta = build_meta_model(choice)
     base = PlanSettings(seq_len=16)
@@ -826,11 +826,11 @@ def test_a_factorys_profile_is_kept_on_its_model_object_not_by_spec(
 ) -> None:
     """A factory's spec names a path whose code may change in the process: a new build profiles
     anew; the same model object planned again does not."""
-    from fsdp_conformance.plan import estimate
+    from fsdp_conformance.plan import activations
 
     calls = []
-    real = estimate.profile_step_activations
-    monkeypatch.setattr(estimate, "profile_step_activations",
+    real = activations.profile_step_activations
+    monkeypatch.setattr(activations, "profile_step_activations",
                         lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     choice = choose_model(factory="fsdp_conformance.hf_models:llama")
     meta = build_meta_model(choice)
@@ -849,25 +849,25 @@ def test_a_deep_reference_model_is_profiled_at_three_blocks_with_its_whole_forwa
     """A reference model or preset deeper than three blocks runs three on meta (the first, a
     middle one, the last; the 70B preset's 80 cost three): per module, the bytes and FLOPs of
     its whole forward, fp32 and bf16. A model its spec does not name (a factory) runs whole."""
-    from fsdp_conformance.plan import estimate
+    from fsdp_conformance.plan import activations
 
     depths: list[int] = []
-    real = estimate.profile_step_activations
-    monkeypatch.setattr(estimate, "profile_step_activations",
+    real = activations.profile_step_activations
+    monkeypatch.setattr(activations, "profile_step_activations",
                         lambda model, *a: depths.append(len(model.layers)) or real(model, *a))
     choice = choose_model(reference=reference, layers=6, dim=32)
     model = build_meta_model(choice)
     every = [UnitInfo(fqn=n, cls=type(m).__name__, numel=0) for n, m in model.named_modules()]
     for settings in (PlanSettings(seq_len=16, compute_dtype="fp32"),
                      PlanSettings(seq_len=16, attention="math")):
-        repeated = estimate._module_profile(model, choice, settings)
-        assert depths[-1] == estimate.PROFILED_BLOCKS == 3
+        repeated = activations._module_profile(model, choice, settings)
+        assert depths[-1] == activations.PROFILED_BLOCKS == 3
         whole = real(model, choice, every, settings)
         assert repeated == whole
         assert whole.forward_flops[""] > 0 and set(whole.saved_bytes) == {u.fqn for u in every}
     factory = ModelChoice(ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama"),
                           "a factory")
-    estimate._module_profile(model, factory, PlanSettings(seq_len=16))
+    activations._module_profile(model, factory, PlanSettings(seq_len=16))
     assert depths[-1] == 6
 
 

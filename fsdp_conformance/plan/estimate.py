@@ -3,14 +3,11 @@ per world size, the devices needed, and the policies side by side (the seeds' cl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from fsdp_conformance._compat import tree_map
 from fsdp_conformance._files import PlainData
 from fsdp_conformance.bound import (
     ActivationProfile,
@@ -20,6 +17,7 @@ from fsdp_conformance.bound import (
     per_layer_bound,
 )
 from fsdp_conformance.models import BuiltModel
+from fsdp_conformance.plan.activations import activations_by_unit
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
     POLICIES,
@@ -29,10 +27,8 @@ from fsdp_conformance.plan.model import (
     _require_meta,
     build_meta_model,
     checkpoint_every,
-    meta_batch,
 )
 from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.profile import profile_activations, unit_of
 from fsdp_conformance.reference_models import LLAMA_PRESETS
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
@@ -194,217 +190,12 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     units = plan_units(model, policy)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
-    activations = _activations_by_unit(model, choice, units, settings)
+    activations = activations_by_unit(model, choice, units, settings)
     blocks = tuple(c.__name__ for c in choice.spec.block_classes(model))
     return ModelPlan(choice=choice, settings=settings, model_class=type(model).__name__,
                      units=units, activations=activations, buffer_bytes=buffer_bytes,
                      param_shapes=shapes, seconds=time.perf_counter() - start,
                      block_names=blocks)
-
-
-#: Per-module activation profiles of a meta model (every module its own unit), by the choice's
-#: label, the settings less those the forward on meta does not read (:data:`_NOT_IN_FORWARD`)
-#: and the model's modules and parameter shapes (a model changed in place, e.g. sharded, is
-#: profiled again): several policies, shard groups or offload choices planned on one model
-#: (:func:`compare_policies`, the HSDP and offload alternatives) cost one forward.
-_MODULE_PROFILES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ActivationProfile]] = (
-    weakref.WeakKeyDictionary())
-#: The same profiles of reference models and presets, by spec for the whole process: their spec
-#: (a frozen config) names the model, its forward included, so another meta build of it (another
-#: plan or command in one process) costs its build and not another forward. A user's factory
-#: keeps its profiles on the model object: its spec names a path whose code may change.
-_SPEC_PROFILES: dict[tuple[Any, ...], ActivationProfile] = {}
-
-
-def _named_by_spec(choice: ModelChoice) -> bool:
-    """A reference model or preset: its spec alone names the model and its forward."""
-    spec = choice.spec
-    return spec.reference is not None and spec.factory is None and spec.input_builder is None
-
-
-def _profiles_of(model: Any, choice: ModelChoice) -> dict[tuple[Any, ...], ActivationProfile]:
-    return _SPEC_PROFILES if _named_by_spec(choice) else _MODULE_PROFILES.setdefault(model, {})
-
-
-#: Settings the profile's forward does not read (it reads the compute dtype, the batch, the
-#: sequence and the attention kernel: :func:`profile_step_activations`), each set to one value
-#: in the cache key; a setting not named here keeps its own profile.
-_NOT_IN_FORWARD: dict[str, Any] = {
-    "policy": POLICIES[0], "checkpointing": "none", "version": "fsdp2", "param_dtype": "fp32",
-    "optimizer": "none", "shard_group_size": None, "cpu_offload": False}
-
-
-def _activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
-                         settings: PlanSettings) -> ActivationProfile:
-    """:func:`profile_step_activations` for ``units``, regrouped from the model's per-module
-    profile. Exact: a tensor is counted for the innermost module running when it is made or
-    saved, and a unit's share is that of the modules it owns (profile.profile_activations)."""
-    modules = list(model.named_modules())
-    shape = (tuple((name, type(m)) for name, m in modules),
-             tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
-    key = (choice.spec, choice.label, dataclasses.replace(settings, **_NOT_IN_FORWARD), shape)
-    profiles = _profiles_of(model, choice)
-    names = {id(m): name for name, m in modules}
-    if key not in profiles:
-        profiles[key] = _module_profile(model, choice, settings)
-    fine = profiles[key]
-    owner = unit_of(model, units)
-    saved = {u.fqn: 0 for u in units}
-    produced = {u.fqn: 0 for u in units}
-    for module_id, unit in owner.items():
-        saved[unit] += fine.saved_bytes[names[module_id]]
-        produced[unit] += fine.produced_bytes[names[module_id]]
-    return ActivationProfile(
-        input_bytes=fine.input_bytes, saved_bytes=saved, produced_bytes=produced,
-        entry_bytes={u.fqn: fine.entry_bytes.get(u.fqn, 0) for u in units},
-        forward_flops={u.fqn: fine.forward_flops[u.fqn] for u in units
-                       if u.fqn in fine.forward_flops})
-
-
-#: How many blocks of a deep reference model or preset the forward on meta runs: the first, one
-#: in the middle and the last. The others are copies of the middle one (:func:`_module_profile`).
-PROFILED_BLOCKS = 3
-
-
-def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> ActivationProfile:
-    """The per-module profile of ``model`` (every module its own unit).
-
-    A reference model or preset deeper than :data:`PROFILED_BLOCKS` is profiled at that depth
-    and its other blocks take the middle block's figures: its blocks are one class with one
-    config and see inputs of one shape, so each saves and makes what the middle one does; the
-    first and the last keep their own (what only the first block saves, a tensor shared by every
-    block, is counted there, as in the full forward). The 70B preset's 80 blocks cost three.
-    Exact: ``tests/test_planning.py`` compares both ways per module. Any other model (a user's
-    factory, whose blocks may differ) runs its whole forward.
-    """
-    import torch
-
-    modules = list(model.named_modules())
-
-    def whole() -> ActivationProfile:
-        every = [UnitInfo(fqn=name, cls=type(m).__name__, numel=0) for name, m in modules]
-        return profile_step_activations(model, choice, every, settings)
-
-    spec = choice.spec
-    config = spec.config
-    depth = getattr(config, "num_layers", None)
-    layers = getattr(model, "layers", None)
-    if (not _named_by_spec(choice) or config is None or not isinstance(depth, int)
-            or depth <= PROFILED_BLOCKS or not isinstance(layers, torch.nn.ModuleList)
-            or len(layers) != depth):
-        return whole()
-    short_config = dataclasses.replace(config, num_layers=PROFILED_BLOCKS)
-    short = dataclasses.replace(choice, spec=dataclasses.replace(spec, config=short_config))
-    short_model = build_meta_model(short)
-
-    def source(name: str) -> str:
-        parts = name.split(".")
-        if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
-            i = int(parts[1])
-            parts[1] = str(0 if i == 0 else PROFILED_BLOCKS - 1 if i == depth - 1 else 1)
-        return ".".join(parts)
-
-    names = [name for name, _ in modules]
-    if {source(n) for n in names} != {n for n, _ in short_model.named_modules()}:
-        # more than the blocks changed with the depth
-        return whole()
-    fine = _module_profile(short_model, short, settings)
-    # Bytes are counted for the innermost module running; FLOPs for a module and all it holds,
-    # so the two modules holding every block (the model, its block list) count the blocks the
-    # short model lacks.
-    more = (depth - PROFILED_BLOCKS) * fine.forward_flops.get("layers.1", 0)
-    return ActivationProfile(
-        input_bytes=fine.input_bytes,
-        saved_bytes={n: fine.saved_bytes[source(n)] for n in names},
-        produced_bytes={n: fine.produced_bytes[source(n)] for n in names},
-        entry_bytes={n: fine.entry_bytes[source(n)] for n in names},
-        forward_flops={n: fine.forward_flops[source(n)] + (more if n in ("", "layers") else 0)
-                       for n in names if source(n) in fine.forward_flops})
-
-
-def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
-                             settings: PlanSettings) -> ActivationProfile:
-    """profile.profile_activations in the compute dtype, with the chosen attention kernel.
-
-    Parameters (not buffers: FSDP's mixed precision leaves them alone) and float inputs are
-    cast to the compute dtype for the forward, as FSDP's mixed precision casts them.
-    """
-    import torch
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        settings.compute_dtype]
-    batch = meta_batch(model, choice, settings)
-    batch = tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        batch)
-    with _params_in(model, dtype), _attention(settings.attention):
-        try:
-            return profile_activations(model, batch, units)
-        except PlanError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's forward on meta: one clear line
-            raise PlanError(
-                f"the forward of {choice.label} on meta failed ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); planning needs a forward "
-                "that runs on meta tensors (no .item(), no data-dependent shapes); pass "
-                "--input pkg.module:builder if the default batch does not fit the model") from None
-
-
-@contextlib.contextmanager
-def _params_in(model: Any, dtype: Any) -> Iterator[None]:
-    saved = {}
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            saved[p] = p.dtype
-            p.data = p.data.to(dtype)  # meta: no storage, only the dtype changes
-    try:
-        yield
-    finally:
-        for p, original in saved.items():
-            p.data = p.data.to(original)
-
-
-@contextlib.contextmanager
-def _attention(kind: str) -> Iterator[None]:
-    """On meta, run scaled_dot_product_attention as the fused kernel ("flash") or unfused.
-
-    On meta torch falls back to the unfused math path, which saves the seq x seq weights; the
-    fused op (via _compat) saves what flash attention saves on GPU and on CPU.
-    """
-    import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-
-    from fsdp_conformance import _compat
-
-    op = _compat.flash_attention_cpu_op() if kind == "flash" else None
-    if op is None:
-        if kind == "flash":
-            raise PlanError(f"torch {torch.__version__} has no fused attention op with a meta "
-                            "kernel; rerun with --attention math (saves seq x seq weights)")
-        yield
-        return
-
-    fused = op  # narrowed to not-None for the class body below
-
-    class FusedOnMeta(TorchFunctionMode):
-        def __torch_function__(  # type: ignore[no-untyped-def]
-            self, func, types, args=(), kwargs=None
-        ):
-            kwargs = dict(kwargs or {})
-            if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
-                q, k, v, *rest = args
-                names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-                kwargs.update(zip(names, rest))
-                if not kwargs.get("enable_gqa"):
-                    out = fused(q, k, v, dropout_p=kwargs.get("dropout_p", 0.0),
-                             is_causal=kwargs.get("is_causal", False),
-                             attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))
-                    return out[0]
-            return func(*args, **kwargs)
-
-    with FusedOnMeta():
-        yield
 
 
 # ============================================================================================
