@@ -26,7 +26,7 @@ from fsdp_conformance.bound import (
     MeasureError,
     StepConfig,
 )
-from fsdp_conformance.models import BuiltModel, ModelSpec, call_model, default_loss
+from fsdp_conformance.models import ModelSpec, call_model, default_loss
 from fsdp_conformance.units import ROOT, UnitInfo
 
 
@@ -239,10 +239,11 @@ def _profile_on_meta(spec: ModelSpec,
                      batch_size: int) -> tuple[list[UnitInfo], ActivationProfile, int]:
     from fsdp_conformance.units import plan_units
 
-    model = spec.build("meta")
-    units = plan_units(model, BuiltModel(spec, model).policy("recommended"))
+    built = spec.instantiate("meta")
+    model = built.model
+    units = plan_units(model, built.policy("recommended"))
     try:
-        batch = spec.batch(model, batch_size, "meta")
+        batch = built.batch(batch_size, "meta")
         # The memory checks' bounds read bytes only: no FLOPs (the planner counts them).
         acts = profile_activations(model, batch, units, count_flops=False)
     except Exception as exc:  # noqa: BLE001 - a user's model or input builder; say which

@@ -30,7 +30,7 @@ from fsdp_conformance.meters import (
     torch_version_string,
     tracker_meter,
 )
-from fsdp_conformance.models import BuiltModel, ModelSpec, call_model, default_loss
+from fsdp_conformance.models import ModelSpec, call_model, default_loss
 from fsdp_conformance.timeline import Timeline, record_timeline
 
 # torch's memory trackers are imported by the rank fork server before it forks
@@ -245,8 +245,8 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     tracked = construction is not None and track_construction
     scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
     with scope:
-        model = spec.build(ctx.device)
-        built = BuiltModel(spec, model)
+        built = spec.instantiate(ctx.device)
+        model = built.model
         # Resolved before sharding: FSDP2 changes the model's classes in place.
         blocks = built.blocks if checkpoint_every else ()
         policy = built.policy(wrap.policy)

@@ -186,12 +186,12 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     start = time.perf_counter()
     model = build_meta_model(choice) if model is None else model
     _require_meta(model, choice)
-    policy = BuiltModel(choice.spec, model).policy(settings.policy, full_scale=choice.full_scale)
-    units = plan_units(model, policy)
+    built = BuiltModel(choice.spec, model)
+    units = plan_units(model, built.policy(settings.policy, full_scale=choice.full_scale))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
     activations = activations_by_unit(model, choice, units, settings)
-    blocks = tuple(c.__name__ for c in choice.spec.block_classes(model))
+    blocks = tuple(c.__name__ for c in built.blocks)
     return ModelPlan(choice=choice, settings=settings, model_class=type(model).__name__,
                      units=units, activations=activations, buffer_bytes=buffer_bytes,
                      param_shapes=shapes, seconds=time.perf_counter() - start,
