@@ -387,7 +387,7 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
     from fsdp_conformance.gate import suite
     from fsdp_conformance.gate.report import environment_summary, format_table
     from fsdp_conformance.harness import LauncherRunner, all_gather_objects
-    from fsdp_conformance.harness.pool import pg_timeout_for
+    from fsdp_conformance.harness.timeouts import pg_timeout_for
 
     world_size = int(os.environ["WORLD_SIZE"])
     settings = suite.launch_settings(settings, world_size)

@@ -28,8 +28,8 @@ from fsdp_conformance.harness import (
     launched_externally,
     outer_deadline,
 )
-from fsdp_conformance.harness.pool import pg_timeout_for
 from fsdp_conformance.harness.ranks import GpuShare, xdist_share
+from fsdp_conformance.harness.timeouts import pg_timeout_for
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,

@@ -78,7 +78,11 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     "harness.worker": {"harness.protocol", "harness.clean_state"},
     "harness.outcomes": {"harness.protocol"},
     "harness.forkserver": {"harness.outcomes"},
-    "harness.pool": {"harness.protocol", "harness.outcomes", "harness.forkserver"},
+    "harness.timeouts": set(),
+    "harness.pool": {"harness.protocol", "harness.outcomes", "harness.forkserver",
+                     "harness.timeouts"},
+    "harness.manager": {"harness.protocol", "harness.outcomes", "harness.forkserver",
+                        "harness.timeouts", "harness.pool"},
     "harness.launcher": {"harness.protocol", "harness.outcomes", "harness.worker",
                          "harness.interrupts"},
 }
@@ -93,8 +97,8 @@ NEVER: dict[str, dict[str, str]] = {
 
 #: The modules each folder of the package holds (the diagram in docs/architecture.md).
 FOLDERS: dict[str, set[str]] = {
-    "harness": {"protocol", "outcomes", "pool", "forkserver", "launcher", "ranks", "worker",
-                "clean_state", "interrupts"},
+    "harness": {"protocol", "outcomes", "timeouts", "pool", "manager", "forkserver", "launcher",
+                "ranks", "worker", "clean_state", "interrupts"},
     "claims": {"check", "wrap", "init", "memory", "plan_trust", "defaults", "state"},
     "plan": {"model", "estimate", "verify", "report"},
     "gate": {"suite", "report", "compare", "plots"},
