@@ -17,13 +17,11 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from fsdp_conformance.harness import forkserver, interrupts, launched_externally
-from fsdp_conformance.harness.pool import prestart_fork_server
+from fsdp_conformance.harness import HarnessSession, launched_externally
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
@@ -273,12 +271,13 @@ def lanes_for(choice: str) -> list[str]:
     return [choice]
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
     settings = resolve_cli_settings(args)
-    if args.lane != "gpu" and not args.list and not launched_externally():
+    harness.check_timeout = settings.timeout  # the pools' and the launch's process groups
+    if args.lane != "gpu" and not args.list:
         # Before anything imports torch (the lanes' CUDA count included) or the model: the CPU
         # ranks' fork server imports the same on the other core meanwhile, not after them.
-        prestart_fork_server()
+        harness.prestart_fork_server()
     lanes = lanes_for(args.lane)
 
     from fsdp_conformance import user_model
@@ -309,9 +308,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                        (md_path, "--markdown" if args.markdown else "--out")):
         _ensure_writable_folder(path, flag)
     if launched_externally():
-        return _run_launched(args, settings, lanes, json_path, md_path)
+        return _run_launched(args, settings, lanes, json_path, md_path, harness)
     print(f"fsdp-conformance: {environment_summary(settings)}", file=sys.stderr)
-    report = suite.run_suite(settings, lanes, pattern=args.checks, options=options)
+    report = suite.run_suite(settings, lanes, pattern=args.checks, options=options,
+                             pools=harness.pools)
     return _write_outputs(args, report, json_path, md_path)
 
 
@@ -370,12 +370,8 @@ def _exit_code(report: dict[str, Any]) -> int:
     return EXIT_FAILED if s["failed"] or s["error"] else EXIT_OK
 
 
-#: Set once a run joined an external launcher's process group (see ``main``).
-_launched_run = False
-
-
 def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str],
-                  json_path: str, md_path: str) -> int:
+                  json_path: str, md_path: str, harness: HarnessSession) -> int:
     """One rank of ``torchrun ... fsdp-conformance run``: rank 0 speaks, the others log.
 
     Every rank runs every check on the launch's process group and gets every rank's outcome,
@@ -383,19 +379,13 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
     write progress and table to ``DIR/rank{N}.log``. The exit code is the worst of all ranks,
     so torchrun reports the same outcome whichever rank it looks at.
     """
-    global _launched_run
     from fsdp_conformance.gate import suite
     from fsdp_conformance.gate.report import environment_summary, format_table
-    from fsdp_conformance.harness import LauncherRunner, all_gather_objects
-    from fsdp_conformance.harness.pool import pg_timeout_for
 
     world_size = int(os.environ["WORLD_SIZE"])
     settings = suite.launch_settings(settings, world_size)
-    # The launch's group outlasts a check as a pool's does (the check timeout + 60 s, at least
-    # 300 s), so a stuck check is the harness's to report, not the process group's watchdog's.
-    launcher = LauncherRunner(None if settings.backend == "auto" else settings.backend,
-                              pg_timeout=pg_timeout_for(settings.timeout))
-    _launched_run = True
+    launcher = harness.launch(settings.backend)
+    assert launcher is not None  # launched_externally() chose this path
     header = f"fsdp-conformance: {environment_summary(settings)}"
     rank_logs = [suite.rank_log_path(args.out, r) for r in range(1, world_size)]
     with contextlib.ExitStack() as stack:
@@ -415,7 +405,7 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
             log.write(format_table(report) + "\n")
             log.write(f"rank 0 writes the report: {json_path}\n")
             code = _exit_code(report)
-        codes = all_gather_objects(code, launcher.device_type)
+        codes = harness.launch_exit_codes(code)
         worst: int = max(codes)
         ending = (f"exit {worst} (the worst of every rank's: "
                   + ", ".join(f"rank {r} {c}" for r, c in enumerate(codes)) + ")")
@@ -423,7 +413,7 @@ def _run_launched(args: argparse.Namespace, settings: Settings, lanes: list[str]
             log.write(ending + "\n")
         elif any(c != code for c in codes):
             print(ending, file=sys.stderr)
-    launcher.close()
+    harness.finish()
     return worst
 
 
@@ -617,54 +607,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "compare": cmd_compare, "matrix": cmd_matrix,
-                "plan": cmd_plan}
+    handlers = {"compare": cmd_compare, "matrix": cmd_matrix, "plan": cmd_plan}
     # SIGTERM (timeout, Kubernetes, CI cancellation) ends the run like Ctrl-C: ranks killed,
-    # folders removed, exit 128+N; a second signal during that cleanup is ignored.
-    installed = interrupts.install()
-    forkserver.begin_session()  # the run's fork servers end with it (not an outer session's)
-    try:
-        code = handlers[args.command](args)
-    except _usage_errors() as exc:
-        print(f"fsdp-conformance {args.command}: error: {exc}", file=sys.stderr)
-        code = EXIT_USAGE
-    except KeyboardInterrupt as exc:
-        code = _interrupted(args.command, exc)
-    finally:
-        forkserver.end_session()
-        if _launched_run:
-            # The outcome is decided: torchrun's SIGTERM to the ranks still running (once one
-            # rank exited non-zero) must not turn this rank's exit code into -15.
-            interrupts.ignore_from_now_on()
-        elif installed is not None and not installed[0].received:
-            interrupts.restore(installed[1])  # in-process callers (tests) get theirs back
-    if _launched_run:
-        # Skip interpreter teardown, as the pool's ranks do: gloo sometimes aborts a process
-        # at exit (docs/harness.md), which torchrun would report as this rank's failure.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    # folders removed, exit 128+N; a second signal during that cleanup is ignored. The run's
+    # fork servers end with it (not an outer session's); a launched run's process ends in
+    # harness.exit.
+    with HarnessSession(owns_exit=True) as harness:
+        try:
+            if args.command == "run":
+                code = cmd_run(args, harness)
+            else:
+                code = handlers[args.command](args)
+        except _usage_errors() as exc:
+            print(f"fsdp-conformance {args.command}: error: {exc}", file=sys.stderr)
+            code = EXIT_USAGE
+        except KeyboardInterrupt as exc:
+            code = _interrupted(args.command, exc, harness)
+    return harness.exit(code)
 
 
-def _interrupted(command: str, exc: KeyboardInterrupt) -> int:
-    """Clean up after SIGINT/SIGTERM: every rank process killed, every rank folder removed."""
-    from fsdp_conformance.harness import close_all_pools
-
-    signum = exc.signum if isinstance(exc, interrupts.Interrupted) else signal.SIGINT
-    close_all_pools()
-    name = signal.Signals(signum).name
+def _interrupted(command: str, exc: KeyboardInterrupt, harness: HarnessSession) -> int:
+    """Say what SIGINT/SIGTERM stopped (the session kills every rank process and removes
+    every rank folder); the exit code, 128 + N."""
+    stopped = harness.stop(exc)
     # One of a launch's ranks (no pool here), also while it is still joining the launch's
-    # group, before _launched_run is set.
-    if _launched_run or (command == "run" and launched_externally()):
+    # group, before the session has joined it.
+    if harness.launched or (command == "run" and launched_externally()):
         done = f"rank {os.environ.get('RANK', '?')} of the launch stopped"
     else:
         done = "rank processes stopped and their folders removed"
     # A new line: the interrupt may have cut a progress line ("[3/51] check ... ") short.
-    print(f"\nfsdp-conformance {command}: interrupted by {name}; {done}; no report written "
-          f"(exit {128 + signum})", file=sys.stderr)
-    interrupts.ignore_from_now_on()
-    return 128 + signum
+    print(f"\nfsdp-conformance {command}: interrupted by {stopped.name}; {done}; no report "
+          f"written (exit {stopped.exit_code})", file=sys.stderr)
+    return stopped.exit_code
 
 
 if __name__ == "__main__":

@@ -12,24 +12,20 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
 import pytest
 
 from fsdp_conformance.harness import (
     CheckSkipped,
-    LauncherRunner,
+    GpuShare,
+    HarnessSession,
     PoolManager,
     Ranks,
-    close_all_pools,
-    forkserver,
-    interrupts,
     lane_unavailable,
-    launched_externally,
     outer_deadline,
+    xdist_share,
 )
-from fsdp_conformance.harness.pool import pg_timeout_for
-from fsdp_conformance.harness.ranks import GpuShare, xdist_share
 from fsdp_conformance.settings import (
     OPTIONS,
     Settings,
@@ -41,14 +37,13 @@ from fsdp_conformance.settings import (
 )
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-MANAGER_KEY = pytest.StashKey[PoolManager]()
-LAUNCHER_KEY = pytest.StashKey[LauncherRunner]()
+#: The session's harness: signals, fork servers, warm pools, the launch (its lifecycle).
+HARNESS_KEY = pytest.StashKey[HarnessSession]()
 #: ``time.monotonic()`` when a test's setup began (pytest-timeout's clock started just before).
 STARTED_KEY = pytest.StashKey[float]()
 #: Set on a test whose timeout marker is the plugin's outer guard, not the user's.
 OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
-SIGTERM_KEY = pytest.StashKey[tuple[interrupts.InterruptHandler, dict[int, Any]]]()
 
 @contextlib.contextmanager
 def _uncaptured_stderr(config: pytest.Config) -> Iterator[TextIO]:
@@ -88,16 +83,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The process's fork servers outlive this session only when it runs inside another one
-    # (an in-process inner session): pytest_unconfigure's end_session closes them otherwise.
-    forkserver.begin_session()
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    # SIGTERM (timeout, CI cancellation) as an interrupt, so the session tears down and the
-    # rank pools close; left alone if someone already handles SIGTERM.
-    installed = interrupts.install((signal.SIGTERM,), only_default=True)
-    if installed is not None and installed[1]:
-        config.stash[SIGTERM_KEY] = installed
     cli = {o.name: config.getoption(o.dest) for o in OPTIONS}
     try:
         table = pyproject_settings(str(config.rootpath))
@@ -105,6 +92,11 @@ def pytest_configure(config: pytest.Config) -> None:
         settings = config.stash[SETTINGS_KEY] = resolve_settings(cli, os.environ, ini, table)
     except SettingsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    # SIGTERM (timeout, CI cancellation) as an interrupt, so the session tears down and the
+    # rank pools close; left alone if someone already handles SIGTERM. pytest_unconfigure
+    # closes it.
+    config.stash[HARNESS_KEY] = HarnessSession(
+        check_timeout=settings.timeout, signals=(signal.SIGTERM,), only_default=True).open()
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if settings.model:
         _validate_user_model(settings)
@@ -135,16 +127,12 @@ def _validate_user_model(settings: Settings) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    installed = session.config.stash.get(SIGTERM_KEY, None)
-    first = installed[0].first if installed is not None else None
-    if first is not None:
-        session.exitstatus = first.exit_code  # 143: what SIGTERM conventionally is
-    launcher = session.config.stash.get(LAUNCHER_KEY, None)
-    if launcher is not None and first is None and exitstatus != pytest.ExitCode.INTERRUPTED:
-        # Every rank ends its session here, after the same tests: the launch's group (NCCL's
-        # communicators) is ended, not left to interpreter exit. After an interrupt a rank may
-        # be stopped mid-collective; the launcher ends the processes then.
-        launcher.close()
+    harness = session.config.stash.get(HARNESS_KEY, None)
+    if harness is None:
+        return
+    code = harness.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    if code is not None:
+        session.exitstatus = code  # 143: what SIGTERM conventionally is
 
 
 def gpu_share(config: pytest.Config) -> GpuShare:
@@ -160,17 +148,9 @@ def gpu_share(config: pytest.Config) -> GpuShare:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    installed = config.stash.get(SIGTERM_KEY, None)
-    interrupted = installed is not None and bool(installed[0].received)
-    manager = config.stash.get(MANAGER_KEY, None)
-    if manager is not None:
-        manager.close(force=interrupted)
-    forkserver.end_session()
-    if interrupted:
-        close_all_pools()  # a fresh pool the interrupt caught before its owner held it
-        interrupts.ignore_from_now_on((signal.SIGTERM,))
-    elif installed is not None:
-        interrupts.restore(installed[1])
+    harness = config.stash.get(HARNESS_KEY, None)
+    if harness is not None:
+        harness.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -331,11 +311,7 @@ def rank_pools(pytestconfig: pytest.Config) -> Iterator[PoolManager]:
     (``--fsdp-timeout``), so a stuck check is stopped by the harness, with every rank's
     stacks, before a process-group watchdog ends the ranks (:class:`PoolManager`).
     """
-    manager = pytestconfig.stash.get(MANAGER_KEY, None)
-    if manager is None:
-        settings = pytestconfig.stash[SETTINGS_KEY]
-        manager = pytestconfig.stash[MANAGER_KEY] = PoolManager(check_timeout=settings.timeout)
-    yield manager
+    yield pytestconfig.stash[HARNESS_KEY].pools
 
 
 def _skip(reason: str) -> None:
@@ -352,16 +328,10 @@ def ranks(
 ) -> Ranks:
     """Runs checks on ``world_size`` ranks of this test's lane: ``ranks.run(check, ...)``."""
     # Whether the lane can run here was decided for this test by pytest_runtest_setup.
-    launcher = None
-    if launched_externally():
-        launcher = request.config.stash.get(LAUNCHER_KEY, None)
-        if launcher is None:
-            backend = None if fsdp_settings.backend == "auto" else fsdp_settings.backend
-            # The launch's group outlasts a check as a pool's does (--fsdp-timeout + 60 s, at
-            # least 300 s); pytest_sessionfinish ends it.
-            launcher = request.config.stash[LAUNCHER_KEY] = LauncherRunner(
-                backend, pg_timeout=pg_timeout_for(fsdp_settings.timeout),
-                hang_stream=lambda: _uncaptured_stderr(request.config))
+    # Under torchrun/srun: the launch's group, joined by the first test; pytest_sessionfinish
+    # ends it.
+    launcher = request.config.stash[HARNESS_KEY].launch(
+        fsdp_settings.backend, hang_stream=lambda: _uncaptured_stderr(request.config))
     deadline, deadline_note = None, ""
     outer = _pytest_timeout(request.node)
     if outer is not None:

@@ -83,9 +83,16 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     "harness.worker": {"harness.protocol", "harness.clean_state"},
     "harness.outcomes": {"harness.protocol"},
     "harness.forkserver": {"harness.outcomes"},
-    "harness.pool": {"harness.protocol", "harness.outcomes", "harness.forkserver"},
+    "harness.timeouts": set(),
+    "harness.pool": {"harness.protocol", "harness.outcomes", "harness.forkserver",
+                     "harness.timeouts"},
+    "harness.manager": {"harness.protocol", "harness.outcomes", "harness.forkserver",
+                        "harness.timeouts", "harness.pool"},
     "harness.launcher": {"harness.protocol", "harness.outcomes", "harness.worker",
                          "harness.interrupts"},
+    "harness.session": {"harness.protocol", "harness.outcomes", "harness.interrupts",
+                        "harness.forkserver", "harness.timeouts", "harness.pool",
+                        "harness.manager", "harness.launcher"},
 }
 
 #: Imports the layer table allows but a module must not make, each with the reason.
@@ -99,8 +106,8 @@ NEVER: dict[str, dict[str, str]] = {
 #: The modules each folder of the package holds (the diagram in docs/architecture.md); a claim
 #: that is a folder of check families is a folder of its own here (``claims/state``).
 FOLDERS: dict[str, set[str]] = {
-    "harness": {"protocol", "outcomes", "pool", "forkserver", "launcher", "ranks", "worker",
-                "clean_state", "interrupts"},
+    "harness": {"protocol", "outcomes", "timeouts", "pool", "manager", "forkserver", "launcher",
+                "ranks", "session", "worker", "clean_state", "interrupts"},
     "claims": {"check", "memory", "plan_trust", "defaults"},
     "claims/wrap": {"units", "builders", "train", "mixed", "prefetch", "wrapping"},
     "claims/init": {"meta_build", "weights", "seeds", "broadcast", "train_step", "peak_memory",

@@ -391,6 +391,7 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
     """The server imports torch on the other core while the run imports the model and the
     checks: started first, and the one the run's pool forks its ranks from."""
     from fsdp_conformance.harness import forkserver
+    from fsdp_conformance.harness import session as session_module
     from fsdp_conformance.harness.pool import prestart_fork_server
 
     shared, served = forkserver.shared_servers(), []
@@ -405,8 +406,8 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
 
     order: list[str] = []
     monkeypatch.setattr(forkserver, "_SHARED", Recording())
-    monkeypatch.setattr(cli, "prestart_fork_server",
-                        lambda: order.append("fork server") or prestart_fork_server())
+    monkeypatch.setattr(session_module, "prestart_fork_server",
+                        lambda **kw: order.append("fork server") or prestart_fork_server(**kw))
     real_spec = user_model.user_spec
     monkeypatch.setattr(user_model, "user_spec",
                         lambda settings: order.append("model") or real_spec(settings))
@@ -1000,8 +1001,9 @@ class LendPools:
     def __init__(self, lent: PoolManager) -> None:
         self.manager = lent
 
+    @pytest.hookimpl(trylast=True)  # after the plugin's, which opens the harness session
     def pytest_configure(self, config: pytest.Config) -> None:
-        config.stash[plugin.MANAGER_KEY] = self.manager  # type: ignore[assignment]
+        config.stash[plugin.HARNESS_KEY].pools = self.manager
 
 
 def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(

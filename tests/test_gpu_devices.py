@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch  # before pytester's in-process session, which would unload a torch it imported
 
+import fsdp_conformance.harness.manager as manager_module
 import fsdp_conformance.harness.pool as pool_module
 import fsdp_conformance.harness.ranks as ranks_module
 from fsdp_conformance.harness import (
@@ -36,8 +37,8 @@ from fsdp_conformance.harness import (
 )
 from fsdp_conformance.harness import worker as worker_module
 from fsdp_conformance.harness.launcher import launch_device_index
-from fsdp_conformance.harness.pool import pg_timeout_for
 from fsdp_conformance.harness.ranks import GpuShare, device_slice, xdist_share
+from fsdp_conformance.harness.timeouts import pg_timeout_for
 
 pytestmark = pytest.mark.cpu
 
@@ -202,7 +203,7 @@ class _Started:
 
 
 class _RecordingPool:
-    """Takes ``RankPool``'s place in ``harness.pool``: records its devices, runs each check in
+    """Takes ``RankPool``'s place in ``harness.manager``: records its devices, runs each check in
     this process with the context each rank's worker would build."""
 
     started: list[_Started] = []
@@ -238,7 +239,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch,
     """Pools started from now on (stand-ins), on a machine of 8 CUDA devices."""
     started: list[_Started] = []
     monkeypatch.setattr(_RecordingPool, "started", started)
-    monkeypatch.setattr(pool_module, "RankPool", _RecordingPool)
+    monkeypatch.setattr(manager_module, "RankPool", _RecordingPool)
     fake_gpus(8)
     yield started
 

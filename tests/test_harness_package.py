@@ -9,6 +9,7 @@ tests/test_architecture.py with the package's other import rules.
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import subprocess
@@ -34,9 +35,13 @@ PUBLIC_NAMES = {
     "lane_unavailable", "launched_externally", "log", "outer_deadline", "resolve_outcomes",
     "skip_rank", "startup_environ", "traceback_text",
 }
+#: Public names added since: the lifecycle the CLI and the plugin open (issue 32), and the GPU
+#: share of a pytest-xdist worker that the plugin hands to it.
+ADDED_NAMES = {"HarnessSession", "GpuShare", "xdist_share"}
+
 
 def test_public_names_are_the_single_modules() -> None:
-    assert set(harness.__all__) == PUBLIC_NAMES
+    assert set(harness.__all__) == PUBLIC_NAMES | ADDED_NAMES
     missing = [name for name in PUBLIC_NAMES if not hasattr(harness, name)]
     assert not missing, f"fsdp_conformance.harness lost {missing}"
 
@@ -94,3 +99,45 @@ def test_a_pool_started_while_a_rank_imports_the_parents_script_is_refused(tmp_p
     assert f"{HarnessError.__module__}.HarnessError: could not start 1 gloo ranks" in done.stderr
     assert "a RankPool was started while a rank imported the parent's __main__ script" in (
         done.stderr)
+
+
+
+#: The front ends that drive the harness: they reach it only through its public names.
+FRONT_ENDS = ("cli.py", "plugin.py", "gate")
+
+
+def _past_the_public_face(source: str, name: str) -> list[str]:
+    """Each import of the harness in ``source`` that goes past its public face: a submodule,
+    or a name ``fsdp_conformance.harness`` does not export."""
+    bad: list[str] = []
+    for node in sorted((n for n in ast.walk(ast.parse(source))
+                        if isinstance(n, (ast.Import, ast.ImportFrom))), key=lambda n: n.lineno):
+        if isinstance(node, ast.Import):
+            bad += [f"{name}:{node.lineno} import {a.name}" for a in node.names
+                    if a.name.startswith(HARNESS + ".")]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            if node.module.startswith(HARNESS + "."):
+                bad.append(f"{name}:{node.lineno} from {node.module}")
+            elif node.module == HARNESS:
+                bad += [f"{name}:{node.lineno} {HARNESS}.{a.name}" for a in node.names
+                        if a.name not in harness.__all__]
+    return bad
+
+
+def test_the_front_ends_reach_the_harness_only_through_its_public_names() -> None:
+    package = Path(harness.__file__).parent.parent
+    paths = [path for entry in FRONT_ENDS
+             for path in (sorted((package / entry).glob("*.py"))
+                          if (package / entry).is_dir() else [package / entry])]
+    assert len(paths) > 3, paths
+    bad = [line for path in paths
+           for line in _past_the_public_face(path.read_text(encoding="utf-8"), path.name)]
+    assert not bad, "past fsdp_conformance.harness's public names:\n" + "\n".join(bad)
+    # Negative control: what this test exists to catch is caught, a public name is not.
+    sneaky = ("from fsdp_conformance.harness.pool import pg_timeout_for\n"
+              "def f():\n    from fsdp_conformance.harness import forkserver, Ranks\n"
+              "import fsdp_conformance.harness.interrupts\n")
+    assert _past_the_public_face(sneaky, "sneaky.py") == [
+        "sneaky.py:1 from fsdp_conformance.harness.pool",
+        "sneaky.py:3 fsdp_conformance.harness.forkserver",
+        "sneaky.py:4 import fsdp_conformance.harness.interrupts"]

@@ -17,15 +17,14 @@ from typing import Any
 import pytest
 import torch  # before pytester's in-process session, which would unload a torch it imported
 
-import fsdp_conformance.harness.pool as pool_module
+import fsdp_conformance.harness.manager as manager_module
 import fsdp_conformance.harness.ranks as ranks_module
 from fsdp_conformance.harness import PoolManager, RankContext, RankOutcome
-from fsdp_conformance.harness.pool import (
+from fsdp_conformance.harness.pool import RankPool, rank_environment
+from fsdp_conformance.harness.timeouts import (
     PG_TIMEOUT_MARGIN_S,
     START_TIMEOUT_S,
-    RankPool,
     pg_timeout_for,
-    rank_environment,
     start_timeout_for,
 )
 from fsdp_conformance.harness.worker import execute_check
@@ -74,7 +73,7 @@ class _Started:
 
 
 class _RecordingPool:
-    """Takes ``RankPool``'s place in ``harness.pool``: no process is started."""
+    """Takes ``RankPool``'s place in ``harness.manager``: no process is started."""
 
     started: list[_Started] = []
 
@@ -106,7 +105,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[_Started]]:
     """Pools started from now on (stand-ins), and 8 CUDA devices as far as lanes are concerned."""
     started: list[_Started] = []
     monkeypatch.setattr(_RecordingPool, "started", started)
-    monkeypatch.setattr(pool_module, "RankPool", _RecordingPool)
+    monkeypatch.setattr(manager_module, "RankPool", _RecordingPool)
     monkeypatch.setattr(ranks_module, "cuda_device_count", lambda: 8)
     yield started
 

@@ -308,20 +308,23 @@ def test_a_launched_rank_interrupted_while_joining_the_group_names_itself(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # torchrun's SIGTERM can reach a rank before LauncherRunner has joined the launch's group
-    # (before cli._launched_run is set): it is still one of the launch's ranks, with no pool.
+    # (before the harness session has joined it): it is still one of the launch's ranks, with
+    # no pool.
     from fsdp_conformance import cli
+    from fsdp_conformance.harness import session as session_module
 
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                        "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(cli, "_launched_run", False)
+    session = harness.HarnessSession(owns_exit=True)
+    assert not session.launched
     # What the interrupt would stop: recorded, not done (this process's pools are the session's
     # warm pools, shared by the tests after this one).
     closed: list[bool] = []
-    monkeypatch.setattr(harness, "close_all_pools", lambda: closed.append(True))
+    monkeypatch.setattr(session_module, "close_all_pools", lambda: closed.append(True))
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = cli._interrupted("run", interrupts.Interrupted(signal.SIGTERM))
+        code = cli._interrupted("run", interrupts.Interrupted(signal.SIGTERM), session)
     finally:
         for signum, handler in saved.items():  # _interrupted ignores both from then on
             signal.signal(signum, handler)

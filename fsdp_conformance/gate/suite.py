@@ -17,7 +17,6 @@ from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks
-from fsdp_conformance.harness.pool import prestart_fork_server
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
 from fsdp_conformance.user_model import user_spec
@@ -107,6 +106,7 @@ def run_suite(
     checks: Sequence[Check] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
     launcher: LauncherRunner | None = None,
+    pools: PoolManager | None = None,
     flag_style: FlagStyle = "cli",
     options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -114,26 +114,27 @@ def run_suite(
 
     With ``launcher`` (under torchrun/srun) every check runs in this process on the launch's
     process group and every rank's outcome is all-gathered, so every rank builds the same
-    report; otherwise on warm rank pools started here. A lane this machine cannot run is
-    reported skipped, with the reason (:meth:`Ranks.run_outcomes` decides it), its flags
-    spelled as ``flag_style``'s front end does. ``options``: opt-in parameters
-    (:func:`select_checks`).
+    report; otherwise on warm rank pools of ``pools`` (the CLI's harness session's) or of a
+    manager made here, closed at the end of the run (killed at once if it is interrupted). A
+    lane this machine cannot run is reported skipped, with the reason
+    (:meth:`Ranks.run_outcomes` decides it), its flags spelled as ``flag_style``'s front end
+    does. ``options``: opt-in parameters (:func:`select_checks`).
     """
     plan = planned_checks(settings, lanes, pattern, checks, options)
     progress = Progress(len(plan), stream)
     entries: list[dict[str, Any]] = []
     # The pools' timeouts follow the settings through each check: every Ranks below carries
     # settings.timeout, and the manager starts each pool with a process-group timeout past it
-    # and a start timeout for its world size and lane (PoolManager.run_outcomes), so the
-    # manager is built without arguments (tests lend the session's warm pools in its place).
-    manager = PoolManager() if launcher is None else None
+    # and a start timeout for its world size and lane (PoolManager.run_outcomes), so a
+    # manager made here is built without arguments.
+    manager = None if launcher is not None else pools if pools is not None else PoolManager()
     if manager is not None:
         # Checks whose ranks start fresh with variables of their own (allocator settings) fork
         # from a server of that environment: started now, it imports torch during the checks
         # before them instead of while the run waits.
         for env in {tuple(sorted(c.env.items())) for lane, _, c, _ in plan
                     if lane == "cpu" and c.env}:
-            prestart_fork_server(manager.fork_servers, dict(env))
+            manager.prestart_fork_server(dict(env))
     start = time.perf_counter()
     try:
         for lane, ws, check, params in plan:

@@ -16,16 +16,20 @@ reporting is a failure even if the others passed, and gloo's occasional abort at
 a failure.
 
 The folder: :mod:`.protocol` (what both sides share; imports nothing from the package),
-:mod:`.outcomes` (rank outcomes to one result), :mod:`.pool`, :mod:`.launcher`, :mod:`.ranks`
-(the ``ranks`` fixture's object) on the parent's side; :mod:`.worker` and :mod:`.clean_state`
-on the rank's side, importing only :mod:`.protocol`; :mod:`.interrupts` (SIGINT/SIGTERM).
-This module re-exports the public names, so ``from fsdp_conformance.harness import Ranks``
-is the way to use them.
+:mod:`.outcomes` (rank outcomes to one result), :mod:`.timeouts` (start, check and process
+group timeouts), :mod:`.pool` (the warm pool of ranks), :mod:`.manager` (the pools by world
+size), :mod:`.forkserver`, :mod:`.launcher`, :mod:`.ranks` (the ``ranks`` fixture's object) and
+:mod:`.session` (one run's lifecycle: signals, fork servers, pools, the launch) on the
+parent's side; :mod:`.worker` and :mod:`.clean_state` on the rank's side, importing only
+:mod:`.protocol`; :mod:`.interrupts` (SIGINT/SIGTERM). This module re-exports the public
+names, so ``from fsdp_conformance.harness import Ranks`` is the way to use them; the CLI and
+the pytest plugin reach the harness only through them (a :class:`HarnessSession` each).
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally, startup_environ
+from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import (
     HarnessError,
     RankFailure,
@@ -37,14 +41,10 @@ from fsdp_conformance.harness.pool import (
     GRACE_AFTER_FAILURE_S,
     GRACE_AFTER_SKIP_S,
     LOG_TAIL_LINES,
-    OUTER_TIMEOUT_RESERVE_S,
     STACK_DUMP_WAIT_S,
-    PoolManager,
     RankPool,
     close_all_pools,
-    fit_timeout,
     log,
-    outer_deadline,
 )
 from fsdp_conformance.harness.protocol import (
     CheckSkipped,
@@ -54,7 +54,15 @@ from fsdp_conformance.harness.protocol import (
     skip_rank,
     traceback_text,
 )
-from fsdp_conformance.harness.ranks import Ranks, cuda_device_count, lane_unavailable
+from fsdp_conformance.harness.ranks import (
+    GpuShare,
+    Ranks,
+    cuda_device_count,
+    lane_unavailable,
+    xdist_share,
+)
+from fsdp_conformance.harness.session import HarnessSession
+from fsdp_conformance.harness.timeouts import OUTER_TIMEOUT_RESERVE_S, fit_timeout, outer_deadline
 
 __all__ = [
     "GRACE_AFTER_FAILURE_S",
@@ -63,7 +71,9 @@ __all__ = [
     "OUTER_TIMEOUT_RESERVE_S",
     "STACK_DUMP_WAIT_S",
     "CheckSkipped",
+    "GpuShare",
     "HarnessError",
+    "HarnessSession",
     "LauncherRunner",
     "PoolManager",
     "RankContext",
@@ -85,6 +95,7 @@ __all__ = [
     "skip_rank",
     "startup_environ",
     "traceback_text",
+    "xdist_share",
 ]
 
 # Users catch and read these by this name (pytest prints "fsdp_conformance.harness.RankFailure",

@@ -21,13 +21,13 @@ pytest-timeout) never finds that stream half-read.
 
 Environment variables that must exist before a process starts (``MALLOC_*``) get a server of
 their own: :class:`ForkServers` keys servers by the ranks' environment. The servers belong to
-the process, not to a pool manager: every :class:`~fsdp_conformance.harness.pool.PoolManager`
+the process, not to a pool manager: every :class:`~fsdp_conformance.harness.manager.PoolManager`
 of a process forks from the one registry :func:`shared_servers` returns (one server per
 environment), so a pytest session's own managers, the in-process CLI runs and inner pytest
 sessions it holds, and its fresh ``MALLOC_*`` pools import torch once per environment. A
 manager's ``close`` ends its ranks and leaves the servers; they are closed when the outermost
-session of the process ends (:func:`begin_session` / :func:`end_session`, which the pytest
-plugin and the CLI call) and at interpreter exit.
+session of the process ends (:func:`begin_session` / :func:`end_session`, which the harness
+session of the pytest plugin and of the CLI calls) and at interpreter exit.
 """
 
 from __future__ import annotations

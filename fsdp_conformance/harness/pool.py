@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, Listener, wait
-from typing import Any, TypedDict
+from typing import Any
 
 from fsdp_conformance.harness import protocol
 from fsdp_conformance.harness.forkserver import (
@@ -38,6 +38,12 @@ from fsdp_conformance.harness.outcomes import (
     describe_exit,
 )
 from fsdp_conformance.harness.protocol import RankOutcome, function_name
+from fsdp_conformance.harness.timeouts import (
+    PG_TIMEOUT_MIN_S,
+    fit_timeout,
+    seconds,
+    start_timeout_for,
+)
 
 #: The harness's one logger; named explicitly, because users configure it by this name.
 log = logging.getLogger("fsdp_conformance.harness")
@@ -48,34 +54,8 @@ GRACE_AFTER_FAILURE_S = 3.0
 #: skip at about the same point; one still running after this waits on the skipper (a
 #: collective it will never join) or disagrees with it.
 GRACE_AFTER_SKIP_S = 5.0
-#: Time kept back, before an outer pytest-timeout fires, for dumping every rank's stack and
-#: killing the pool (at most this, and at most a quarter of a short pytest-timeout).
-OUTER_TIMEOUT_RESERVE_S = 5.0
 #: Seconds to let faulthandler write its stack dumps before the ranks are killed.
 STACK_DUMP_WAIT_S = 0.5
-#: Seconds ranks get to start and join their process group, before the per-rank allowance
-#: below (:func:`start_timeout_for`), unless an outer deadline is nearer.
-START_TIMEOUT_S = 60.0
-#: Seconds each CPU rank adds to the start timeout: an ``exec``-started rank spends about
-#: 2.4 CPU-seconds importing torch (docs/harness.md, "Rank starts"), and on a 2-core machine
-#: 16 of them take their turns.
-START_PER_CPU_RANK_S = 2.5
-#: Seconds each CUDA rank adds to the start timeout: a GPU rank is always ``exec``-started
-#: (no fork after CUDA), imports torch cold, creates its CUDA context and joins NCCL eagerly
-#: (``device_id``), and the ranks of one machine do that at once, contending for the driver
-#: and the CPUs; eight such ranks can need more than the fixed 60 s.
-START_PER_CUDA_RANK_S = 15.0
-#: The process group's timeout never goes below this (what it was before it was derived).
-PG_TIMEOUT_MIN_S = 300.0
-#: How much longer the process group's timeout is than the check's: the parent must have
-#: declared a stuck check "did not finish", dumped every rank's stacks and killed the ranks
-#: before the process group gives up on the same collective (gloo raises, NCCL's watchdog
-#: aborts it, or under torch's default error handling tears the rank down: "died", without
-#: stacks). The collective starts after the check was sent, so this margin is for the
-#: parent's stack dump and a loaded machine's scheduling delays.
-PG_TIMEOUT_MARGIN_S = 60.0
-#: A check's timeout where nothing else is said (``Settings.timeout``'s default).
-DEFAULT_CHECK_TIMEOUT_S = 120.0
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
 #: The longest path a unix socket may have (``sun_path`` holds 108 bytes with the final NUL).
@@ -83,68 +63,6 @@ UNIX_PATH_MAX = 107
 #: Lines of a dead rank's log searched for the stack of its crash (faulthandler's dump of every
 #: thread, the crashed one first, can be longer than the tail shown).
 CRASH_LOG_LINES = 2000
-
-
-# --------------------------------------------------------------------------------------------
-# The warm pool
-# --------------------------------------------------------------------------------------------
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.0f}s" if value >= 10 or value == int(value) else f"{value:.1f}s"
-
-
-def outer_deadline(started: float, pytest_timeout: float, source: str) -> tuple[float, str]:
-    """When checks of a test must be done so that its pytest-timeout never fires first.
-
-    ``started``: ``time.monotonic()`` when the test began; ``pytest_timeout``: its pytest-timeout
-    in seconds, from ``source``. Returns the monotonic deadline and the words a failure uses.
-    """
-    reserve = min(OUTER_TIMEOUT_RESERVE_S, pytest_timeout / 4)
-    note = (
-        f"this test's pytest-timeout of {_seconds(pytest_timeout)} ({source}), less "
-        f"{_seconds(reserve)} for the stack dump and teardown"
-    )
-    return started + pytest_timeout - reserve, note
-
-
-def pg_timeout_for(check_timeout: float) -> float:
-    """The process-group timeout for ranks that run checks of ``check_timeout`` seconds.
-
-    The harness's own check timeout must fire first (every rank's stacks, then the pool is
-    killed): ``max(PG_TIMEOUT_MIN_S, check_timeout + PG_TIMEOUT_MARGIN_S)``. A check timeout of
-    400 s gets a process group of 460 s, where a fixed 300 s let the watchdog end the ranks
-    first.
-    """
-    return max(PG_TIMEOUT_MIN_S, check_timeout + PG_TIMEOUT_MARGIN_S)
-
-
-def start_timeout_for(world_size: int, device_type: str) -> float:
-    """Seconds ``world_size`` ranks on ``device_type`` get to start and join their group.
-
-    ``START_TIMEOUT_S`` plus an allowance per rank (``START_PER_CUDA_RANK_S`` for CUDA ranks,
-    ``START_PER_CPU_RANK_S`` for CPU ones): a world of 8 GPU ranks gets 180 s, one of 2 CPU
-    ranks 65 s. An outer deadline still cuts it (:func:`fit_timeout`, in
-    :meth:`PoolManager.run_outcomes`). A start that fails (a rank exits) is reported at once;
-    only a start that hangs waits this long.
-    """
-    per_rank = START_PER_CUDA_RANK_S if device_type == "cuda" else START_PER_CPU_RANK_S
-    return START_TIMEOUT_S + per_rank * world_size
-
-
-def fit_timeout(
-    timeout: float, deadline: float | None, deadline_note: str = ""
-) -> tuple[float, str]:
-    """The check's timeout cut to end by ``deadline``, and what the failure says about it."""
-    if deadline is None:
-        return timeout, ""
-    left = deadline - time.monotonic()
-    if left >= timeout:
-        return timeout, ""
-    # Past the deadline still gets a moment: the stack dump is the point of fitting at all.
-    fitted = max(left, 0.1)
-    return fitted, f" (cut from {_seconds(timeout)} to end within {deadline_note})"
-
 
 #: A rank's process: started with ``exec``, or forked by a fork server (the same interface).
 RankProcess = subprocess.Popen[bytes] | ForkedProcess
@@ -250,7 +168,7 @@ class RankPool:
     """N rank processes kept warm and fed checks one at a time.
 
     A pool that saw any failure (exception, death, hang) is marked ``broken`` and must be
-    discarded: :class:`PoolManager` does that, so the next check runs on clean ranks.
+    discarded: :class:`.manager.PoolManager` does that, so the next check runs on clean ranks.
     """
 
     def __init__(
@@ -268,11 +186,11 @@ class RankPool:
         """``fork_servers``: fork the ranks from these servers' pre-imported torch (CPU only,
         where the platform allows; :mod:`.forkserver`) instead of starting each with ``exec``.
 
-        ``start_timeout``: seconds to start (None: :func:`start_timeout_for` this world);
-        ``pg_timeout``: the process group's timeout (:func:`pg_timeout_for` a check timeout);
-        ``devices``: the CUDA devices of the ranks, rank ``r`` on ``devices[r]`` (a
-        pytest-xdist worker's slice of the machine's, :func:`.ranks.device_slice`); None: rank
-        ``r`` on ``cuda:r``. CPU pools take none.
+        ``start_timeout``: seconds to start (None: :func:`.timeouts.start_timeout_for` this
+        world); ``pg_timeout``: the process group's timeout (:func:`.timeouts.pg_timeout_for` a
+        check timeout); ``devices``: the CUDA devices of the ranks, rank ``r`` on
+        ``devices[r]`` (a pytest-xdist worker's slice of the machine's,
+        :func:`.ranks.device_slice`); None: rank ``r`` on ``cuda:r``. CPU pools take none.
         """
         if protocol.loading_parent_main:
             # As multiprocessing's spawn: the script is re-imported on every rank, so an
@@ -291,7 +209,7 @@ class RankPool:
         self.backend = backend
         self.device_type = device_type
         #: The process group's timeout: checks longer than ``pg_timeout - PG_TIMEOUT_MARGIN_S``
-        #: need another pool (:meth:`PoolManager.pool` starts one).
+        #: need another pool (:meth:`.manager.PoolManager.pool` starts one).
         self.pg_timeout = pg_timeout
         if start_timeout is None:
             start_timeout = start_timeout_for(world_size, device_type)
@@ -540,12 +458,12 @@ class RankPool:
                 if released_by is not None:
                     first, grace = released_by
                     why = (
-                        f"still running {_seconds(grace)} after rank {first.rank} "
+                        f"still running {seconds(grace)} after rank {first.rank} "
                         f"{STATUS_TITLE[first.status]} (released then, not after the check's "
-                        f"timeout of {_seconds(timeout)}{note}); its stacks:"
+                        f"timeout of {seconds(timeout)}{note}); its stacks:"
                     )
                 else:
-                    why = (f"no result after the check's timeout of {_seconds(timeout)}{note}; "
+                    why = (f"no result after the check's timeout of {seconds(timeout)}{note}; "
                            "its stacks:")
                 outcomes[r.rank] = RankOutcome(r.rank, "hung", detail=f"{why}\n{dumps[r.rank]}")
         if any(o.status not in ("ok", "skip") for o in outcomes.values()):
@@ -670,144 +588,3 @@ def _tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     if not text:
         return "(empty log)"
     return "\n".join(text[-lines:])
-
-
-# --------------------------------------------------------------------------------------------
-# Choosing pools and running checks
-# --------------------------------------------------------------------------------------------
-
-
-class PoolManager:
-    """One warm pool per (world size, backend, device type), rebuilt after any failure.
-
-    ``check_timeout``: the session's check timeout (``Settings.timeout``, which the plugin
-    passes). The process groups of this manager's pools time out :data:`PG_TIMEOUT_MARGIN_S`
-    after it (:func:`pg_timeout_for`), so the harness, not a watchdog, stops a stuck check.
-    Each check's own timeout counts too (``run_suite``'s checks carry the run's, a test's
-    ``ranks.configured(timeout=...)`` its own): a check longer than a warm pool's process
-    group gets a new pool whose group outlasts it. A pool gets :func:`start_timeout_for` its
-    world size and device to start, cut to an outer deadline.
-    """
-
-    def __init__(self, *, check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
-                 fork_servers: ForkServers | None = None) -> None:
-        self._pools: dict[tuple[int, str, str, tuple[int, ...] | None], RankPool] = {}
-        self.check_timeout = check_timeout
-        #: The process-group timeout of this manager's pools (longer for a longer check).
-        self.pg_timeout = pg_timeout_for(check_timeout)
-        self.pools_started = 0
-        #: Where this manager's CPU ranks are forked from (:mod:`.forkserver`): the process's
-        #: servers, shared with every other manager, unless given a registry of its own.
-        self.fork_servers = shared_servers() if fork_servers is None else fork_servers
-
-    def pg_timeout_for(self, timeout: float) -> float:
-        """The process-group timeout for a check of ``timeout`` seconds on this manager."""
-        return max(self.pg_timeout, pg_timeout_for(timeout))
-
-    def pool(
-        self, world_size: int, backend: str, device_type: str, *,
-        start_timeout: float | None = None, pg_timeout: float | None = None,
-        devices: Sequence[int] | None = None,
-    ) -> RankPool:
-        """The warm pool of this key, started (or restarted) when it is missing, broken, dead
-        or its process group's timeout is shorter than ``pg_timeout``. ``devices``: its CUDA
-        ranks' devices (:class:`RankPool`); pools on other devices are other pools."""
-        key = _pool_key(world_size, backend, device_type, devices)
-        needed = self.pg_timeout if pg_timeout is None else pg_timeout
-        pool = self._pools.get(key)
-        if pool is not None and (pool.broken or not pool.alive or pool.pg_timeout < needed):
-            pool.close(force=True)
-            pool = None
-        if pool is None:
-            pool = RankPool(world_size, backend, device_type, pg_timeout=needed,
-                            start_timeout=start_timeout, fork_servers=self.fork_servers,
-                            **_devices_option(devices))
-            self.pools_started += 1
-            self._pools[key] = pool
-        return pool
-
-    def run_outcomes(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        *,
-        world_size: int,
-        backend: str,
-        device_type: str,
-        timeout: float,
-        fresh: bool = False,
-        env: Mapping[str, str] | None = None,
-        deadline: float | None = None,
-        deadline_note: str = "",
-        devices: Sequence[int] | None = None,
-    ) -> list[RankOutcome]:
-        """``devices``: the CUDA ranks' devices, rank ``r`` on ``devices[r]`` (the caller's
-        slice of the machine: :func:`.ranks.pool_devices`); None: rank ``r`` on ``cuda:r``."""
-        # Starting ranks counts against an outer deadline too: a pool that cannot start in
-        # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
-        start_timeout, cut = fit_timeout(start_timeout_for(world_size, device_type), deadline)
-        pg_timeout = self.pg_timeout_for(timeout)
-        if fresh or env:
-            # Fresh processes: for settings that must exist before the process starts
-            # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
-            pool = self._start_in_time(
-                lambda: RankPool(world_size, backend, device_type, env=env,
-                                 pg_timeout=pg_timeout, start_timeout=start_timeout,
-                                 fork_servers=self.fork_servers, **_devices_option(devices)),
-                start_timeout, bool(cut), deadline_note)
-            self.pools_started += 1
-            try:
-                return pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
-                                         deadline_note=deadline_note)
-            finally:
-                pool.close(force=pool.broken)
-        pool = self._start_in_time(
-            lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout,
-                              pg_timeout=pg_timeout, devices=devices),
-            start_timeout, bool(cut), deadline_note)
-        outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
-                                     deadline_note=deadline_note)
-        if pool.broken:
-            pool.close(force=True)
-            self._pools.pop(_pool_key(world_size, backend, device_type, devices), None)
-        return outcomes
-
-    @staticmethod
-    def _start_in_time(
-        start: Callable[[], RankPool], start_timeout: float, cut: bool, deadline_note: str
-    ) -> RankPool:
-        try:
-            return start()
-        except HarnessError as exc:
-            if not cut or "timed out" not in str(exc):
-                raise
-            raise HarnessError(
-                f"{exc}\n(the ranks had {_seconds(start_timeout)} to start, the rest of "
-                f"{deadline_note})"
-            ) from None
-
-    def close(self, force: bool = False) -> None:
-        """Close every pool; ``force`` kills the ranks at once (on an interrupt).
-
-        The fork servers stay: they are the process's (:func:`.forkserver.end_session` and
-        interpreter exit close them), and other managers may be forking from them."""
-        pools, self._pools = self._pools, {}
-        for pool in pools.values():
-            pool.close(force=force or pool.broken)
-
-
-def _pool_key(world_size: int, backend: str, device_type: str,
-              devices: Sequence[int] | None) -> tuple[int, str, str, tuple[int, ...] | None]:
-    return (world_size, backend, device_type,
-            None if devices is None or device_type != "cuda" else tuple(devices))
-
-
-class _DevicesOption(TypedDict, total=False):
-    devices: tuple[int, ...]
-
-
-def _devices_option(devices: Sequence[int] | None) -> _DevicesOption:
-    """``RankPool``'s ``devices`` argument, given only where there are devices to give (a
-    pool on every device is started as before)."""
-    return {} if devices is None else {"devices": tuple(devices)}

@@ -13,9 +13,10 @@ from fsdp_conformance.harness.launcher import (
     launch_gpu_unavailable,
     launched_externally,
 )
+from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import HarnessError, resolve_outcomes
-from fsdp_conformance.harness.pool import PoolManager, fit_timeout
 from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome, function_name
+from fsdp_conformance.harness.timeouts import fit_timeout
 from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle
 
 
