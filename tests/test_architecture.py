@@ -108,7 +108,9 @@ NEVER: dict[str, dict[str, str]] = {
 FOLDERS: dict[str, set[str]] = {
     "harness": {"protocol", "outcomes", "timeouts", "pool", "manager", "forkserver", "launcher",
                 "ranks", "session", "worker", "clean_state", "interrupts"},
-    "claims": {"check", "memory", "plan_trust", "defaults"},
+    "claims": {"check", "defaults"},
+    "claims/memory": {"measurement", "peak_within_bound", "sawtooth", "depth_invariance",
+                      "meter_agrees", "mixed_precision_peak", "plan_estimate_matches"},
     "claims/wrap": {"units", "builders", "train", "mixed", "prefetch", "wrapping"},
     "claims/init": {"meta_build", "weights", "seeds", "broadcast", "train_step", "peak_memory",
                     "reports"},

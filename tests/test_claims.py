@@ -16,7 +16,6 @@ def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
     assert claims.CLAIM_MODULES == ("fsdp_conformance.claims.wrap",
                                     "fsdp_conformance.claims.init",
                                     "fsdp_conformance.claims.memory",
-                                    "fsdp_conformance.claims.plan_trust",
                                     "fsdp_conformance.claims.defaults",
                                     "fsdp_conformance.claims.state")
     expected: list[Check] = []

@@ -22,8 +22,16 @@ from fsdp_conformance.bound import (
     StepConfig,
     per_layer_bound,
 )
-from fsdp_conformance.claims import memory
 from fsdp_conformance.claims.check import Check, run_check
+from fsdp_conformance.claims.memory import CHECKS
+from fsdp_conformance.claims.memory.depth_invariance import verdict_depth_invariance, with_depth
+from fsdp_conformance.claims.memory.measurement import DEFAULT_SPEC, MemoryCheckError
+from fsdp_conformance.claims.memory.meter_agrees import rank_meter_agrees, verdict_meter_agrees
+from fsdp_conformance.claims.memory.peak_within_bound import (
+    rank_peak_within_bound,
+    verdict_peak_within_bound,
+)
+from fsdp_conformance.claims.memory.sawtooth import verdict_sawtooth
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
 from fsdp_conformance.models import ModelSpec
@@ -33,6 +41,10 @@ from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import UnitInfo
 
 VERSIONS = ("fsdp1", "fsdp2")
+#: Each memory check's variants, one per FSDP version (fsdp1, fsdp2).
+SAWTOOTH_CHECKS, DEPTH_CHECKS, METER_CHECKS = (
+    tuple(c for c in CHECKS if c.name == name)
+    for name in ("memory.sawtooth", "memory.depth_invariance", "memory.meter_agrees"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -160,9 +172,9 @@ def test_a_model_is_profiled_once_per_batch_size_and_each_step_gets_its_own_conf
 # ------------------------------------------------------------------------------------------
 
 
-def _step(ranks: Ranks, version: str, wrapping: str) -> tuple[list, dict]:
-    params = {"spec": memory.DEFAULT_SPEC, "version": version, "wrapping": wrapping}
-    return ranks.run(memory.rank_peak_within_bound, **params), params
+def _step(ranks: Ranks, version: str, fault: str | None = None) -> tuple[list, dict]:
+    params = {"spec": DEFAULT_SPEC, "version": version, "fault": fault}
+    return ranks.run(rank_peak_within_bound, **params), params
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +187,11 @@ def shared_runs() -> dict[tuple[Any, ...], list]:
 def _shared_check_run(ranks: Ranks, shared: dict, checks: Sequence[Check],
                       version: str) -> tuple[list, dict]:
     """The check of ``checks`` for ``version`` as ``fsdp-conformance run`` runs it, once per
-    module (rank values and params). Read, for ``memory.SAWTOOTH_CHECKS`` (a per-layer step
+    module (rank values and params). Read, for ``SAWTOOTH_CHECKS`` (a per-layer step
     plus the monolithic one for the picture), by
     test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth[fsdp2] and
     test_sawtooth_check_records_the_monolithic_timeline_for_the_picture; for
-    ``memory.DEPTH_CHECKS`` (per-layer and monolithic steps at 2, 4 and 8 layers), by
+    ``DEPTH_CHECKS`` (per-layer and monolithic steps at 2, 4 and 8 layers), by
     test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows and
     test_depth_check_fails_on_monolithic_wrapping (its monolithic steps)."""
     check = next(c for c in checks if c.params["version"] == version)
@@ -196,34 +208,34 @@ def test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth(
     # FSDP2's per-layer step is the sawtooth check's own (its monolithic "compare" step is the
     # picture's, read by test_sawtooth_check_records_the_monolithic_timeline_for_the_picture).
     values, params = (
-        _shared_check_run(ranks, shared_runs, memory.SAWTOOTH_CHECKS, version)
-        if version == "fsdp2" else _step(ranks, version, "per_layer"))
-    peak = memory.verdict_peak_within_bound(values, params)
+        _shared_check_run(ranks, shared_runs, SAWTOOTH_CHECKS, version)
+        if version == "fsdp2" else _step(ranks, version))
+    peak = verdict_peak_within_bound(values, params)
     assert peak.passed, peak.message
     assert all(v["meters"][0]["peak"] <= peak.figures["limit_bytes"] for v in values)
-    saw = memory.verdict_sawtooth(values, params)
+    saw = verdict_sawtooth(values, params)
     assert saw.passed, saw.message
     assert saw.figures["teeth"] == 9  # 8 layers and the head; the root stays gathered
     assert saw.data["timeline"] and {"unit", "phase", "bytes"} <= set(saw.data["timeline"][0])
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("wrapping", ["monolithic", "top_level"])
+@pytest.mark.parametrize("fault", ["monolithic", "top_level"])
 def test_seeds_naive_wrappings_exceed_the_per_layer_bound_and_show_no_sawtooth(
-    ranks: Ranks, version: str, wrapping: str
+    ranks: Ranks, version: str, fault: str
 ) -> None:
-    values, params = _step(ranks, version, wrapping)
+    values, params = _step(ranks, version, fault)
     # At one rank (the single-GPU lane) the sharded state is the whole model, so a monolithic
     # peak (measured 63.8 MB) stays under the per-layer limit (69.3 MB) at this size: the
     # bound's negative control needs >= 2 ranks; the sawtooth's holds at one rank too.
     if ranks.world_size >= 2:
-        peak = memory.verdict_peak_within_bound(values, params)
+        peak = verdict_peak_within_bound(values, params)
         assert not peak.passed
         every_rank = ", ".join(str(r) for r in range(ranks.world_size))
         assert f"peak exceeds the per-layer bound on rank(s) {every_rank}" in peak.message
         assert "expected (per-layer bound, term by term)" in peak.message
         assert "sharded params" in peak.message and "actual units:" in peak.message
-    saw = memory.verdict_sawtooth(values, params)
+    saw = verdict_sawtooth(values, params)
     assert not saw.passed
     assert "unit (root) gathered" in saw.message
 
@@ -233,7 +245,7 @@ def test_sawtooth_check_catches_units_that_keep_their_parameters_after_forward(
     ranks: Ranks, version: str
 ) -> None:
     values, params = _step(ranks, version, "no_reshard")
-    saw = memory.verdict_sawtooth(values, params)
+    saw = verdict_sawtooth(values, params)
     assert not saw.passed
     assert "unit layers.0 kept its parameters after forward" in saw.message
 
@@ -241,8 +253,8 @@ def test_sawtooth_check_catches_units_that_keep_their_parameters_after_forward(
 def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(
     ranks: Ranks, shared_runs: dict
 ) -> None:
-    check = memory.SAWTOOTH_CHECKS[1]
-    values, params = _shared_check_run(ranks, shared_runs, memory.SAWTOOTH_CHECKS,
+    check = SAWTOOTH_CHECKS[1]
+    values, params = _shared_check_run(ranks, shared_runs, SAWTOOTH_CHECKS,
                                        check.params["version"])
     verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
@@ -259,8 +271,9 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(
 
 
 def _as_measured_with(values: list, wrapping: str) -> list:
-    """What ``rank_depth_invariance(wrapping=W)`` returns when W is its reference wrapping: the
-    same rows with only that wrapping's peaks (it measures each wrapping once per depth)."""
+    """What ``rank_depth_invariance`` returns when the wrapping under test is its reference
+    wrapping W (``fault=W``): the same rows with only that wrapping's peaks (it measures each
+    wrapping once per depth)."""
     out = []
     for v in values:
         assert v["reference"] == wrapping  # otherwise the steps were never measured
@@ -273,8 +286,8 @@ def _as_measured_with(values: list, wrapping: str) -> list:
 def test_per_layer_working_set_is_constant_over_three_depths_monolithic_grows(
     ranks: Ranks, version: str, shared_runs: dict
 ) -> None:
-    check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    values, params = _shared_check_run(ranks, shared_runs, memory.DEPTH_CHECKS, version)
+    check = next(c for c in DEPTH_CHECKS if c.params["version"] == version)
+    values, params = _shared_check_run(ranks, shared_runs, DEPTH_CHECKS, version)
     verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
     assert verdict.figures["depths"] == [2, 4, 8]
@@ -295,7 +308,7 @@ def _late_release_peaks(ctx: Any, hold_s: float = 0.5) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    spec = memory.with_depth(memory.DEFAULT_SPEC, 2)
+    spec = with_depth(DEFAULT_SPEC, 2)
     names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
     originals = {n: getattr(dist, n) for n in names}
 
@@ -346,8 +359,8 @@ def test_depth_check_fails_on_monolithic_wrapping(
 ) -> None:
     # The depth check judging monolithic wrapping (against itself as the reference): its
     # monolithic steps at 2, 4 and 8 layers are the reference steps of the check's own run.
-    check = next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
-    values, params = _shared_check_run(ranks, shared_runs, memory.DEPTH_CHECKS, version)
+    check = next(c for c in DEPTH_CHECKS if c.params["version"] == version)
+    values, params = _shared_check_run(ranks, shared_runs, DEPTH_CHECKS, version)
     verdict = check.verdict(_as_measured_with(values, "monolithic"),
                             {**params, "wrapping": "monolithic"})
     assert not verdict.passed
@@ -355,7 +368,7 @@ def test_depth_check_fails_on_monolithic_wrapping(
 
 
 def test_depth_check_refuses_fewer_than_three_depths(ranks: Ranks) -> None:
-    check = memory.DEPTH_CHECKS[0]
+    check = DEPTH_CHECKS[0]
     with pytest.raises(Exception, match="at least three depths"):
         run_check(ranks, check, depths=(2, 4))
 
@@ -363,8 +376,8 @@ def test_depth_check_refuses_fewer_than_three_depths(ranks: Ranks) -> None:
 def test_depth_needs_a_model_whose_depth_can_be_set() -> None:
     # MassiveModel(config=None) takes no depth keyword and is no transformers model.
     spec = ModelSpec(reference=None, factory="fsdp_conformance.reference_models:MassiveModel")
-    with pytest.raises(memory.MemoryCheckError, match="its depth cannot be set"):
-        memory.with_depth(spec, 4)
+    with pytest.raises(MemoryCheckError, match="its depth cannot be set"):
+        with_depth(spec, 4)
 
 
 # ------------------------------------------------------------------------------------------
@@ -374,7 +387,7 @@ def test_depth_needs_a_model_whose_depth_can_be_set() -> None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_tracker_agrees_with_ground_truth_within_five_percent(ranks: Ranks, version: str) -> None:
-    check = next(c for c in memory.METER_CHECKS if c.params["version"] == version)
+    check = next(c for c in METER_CHECKS if c.params["version"] == version)
     assert check.env == MALLOC_ENV  # the OS figure is valid only with it
     verdict = run_check(ranks, check)
     assert verdict.passed, verdict.message
@@ -386,7 +399,7 @@ def test_tracker_agrees_with_ground_truth_within_five_percent(ranks: Ranks, vers
 def test_meter_check_catches_a_tracker_blind_to_fsdp1_gather_buffers(ranks: Ranks) -> None:
     # Entered only for the step, MemTracker never saw FSDP1 allocate its flat parameters and
     # gather buffers: its figure is not the step's memory, and the cross-check says so.
-    verdict = run_check(ranks, memory.METER_CHECKS[0], track_construction=False)
+    verdict = run_check(ranks, METER_CHECKS[0], fault="untracked_construction")
     assert not verdict.passed
     assert "the tracker disagrees with the" in verdict.message
 
@@ -397,7 +410,7 @@ def _blind_meter_values(ctx: Any) -> dict[str, Any]:
     peak check run on the faulty meter, all in this one rank call."""
     from fsdp_conformance import meters
 
-    spec = memory.with_depth(memory.DEFAULT_SPEC, 2)
+    spec = with_depth(DEFAULT_SPEC, 2)
     original = meters.TrackerMeter._snapshot
     out: dict[str, Any] = {}
     for version, scale in (("fsdp2", 0.0), ("fsdp1", 0.1)):
@@ -407,8 +420,8 @@ def _blind_meter_values(ctx: Any) -> dict[str, Any]:
         meters.TrackerMeter._snapshot = scaled  # type: ignore[method-assign]
         try:
             out[version] = {
-                "meter": memory.rank_meter_agrees(ctx, spec, version),
-                "peak": memory.rank_peak_within_bound(ctx, spec, version),
+                "meter": rank_meter_agrees(ctx, spec, version),
+                "peak": rank_peak_within_bound(ctx, spec, version),
             }
         finally:
             meters.TrackerMeter._snapshot = original  # type: ignore[method-assign]
@@ -423,9 +436,9 @@ def test_a_meter_reading_less_than_the_sharded_parameters_fails_both_checks(
     # cross-check now also covers FSDPMemTracker, the source of FSDP2's figures.
     values = ranks.configured(env=MALLOC_ENV).run(_blind_meter_values)
     for version, tracker in (("fsdp2", "FSDPMemTracker"), ("fsdp1", "MemTracker")):
-        params = {"spec": memory.with_depth(memory.DEFAULT_SPEC, 2), "version": version}
-        agrees = memory.verdict_meter_agrees([v[version]["meter"] for v in values], params)
-        peak = memory.verdict_peak_within_bound([v[version]["peak"] for v in values], params)
+        params = {"spec": with_depth(DEFAULT_SPEC, 2), "version": version}
+        agrees = verdict_meter_agrees([v[version]["meter"] for v in values], params)
+        peak = verdict_peak_within_bound([v[version]["peak"] for v in values], params)
         for verdict in (agrees, peak):
             assert not verdict.passed, (version, verdict.message)
             for rank in range(ranks.world_size):
@@ -448,7 +461,7 @@ def test_unknown_wrapping_and_meter_are_named() -> None:
     ctx = RankContext(0, 1, 0, "gloo", "cpu")
     # The wrapping is resolved before anything is built, so this needs no process group.
     with pytest.raises(PolicyError, match="unknown wrapping 'flat'"):
-        measure_step(ctx, memory.DEFAULT_SPEC, "fsdp1", "flat")
+        measure_step(ctx, DEFAULT_SPEC, "fsdp1", "flat")
     with pytest.raises(MeasureError, match="unknown meter 'gauge'"):
         choose_meter(ctx, "gauge", "fsdp1")
 
@@ -459,12 +472,12 @@ def test_unknown_wrapping_and_meter_are_named() -> None:
 
 
 def test_checks_cover_every_claim_for_both_versions() -> None:
-    names = {(c.name, c.params["version"]) for c in memory.CHECKS}
+    names = {(c.name, c.params["version"]) for c in CHECKS}
     for name in ("memory.peak_within_bound", "memory.sawtooth", "memory.depth_invariance",
                  "memory.meter_agrees"):
         assert {(name, v) for v in VERSIONS} <= names
     assert all(c.claim == "memory" and isinstance(c.params["spec"], ModelSpec)
-               for c in memory.CHECKS)
+               for c in CHECKS)
 
 
 def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path) -> None:
@@ -507,22 +520,22 @@ def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]
 
 
 def test_depth_verdict_catches_a_shallow_outlier_and_growth() -> None:
-    params = {"spec": memory.DEFAULT_SPEC, "version": "fsdp2"}
+    params = {"spec": DEFAULT_SPEC, "version": "fsdp2"}
     # One rank ~1.2 MB more at the smallest depth only (what a late free on gloo's worker
     # thread once produced, before frees were put in program order): not constant, a failure.
-    outlier = memory.verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
+    outlier = verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
                                                _depth_values([8.2, 7.0, 7.0], rank=1)], params)
     assert not outlier.passed
     assert ("rank 1: the per_layer working set is not constant over depth (larger at fewer "
             "layers)") in outlier.message
     assert "at 2 layers at least 8.20 MB" in outlier.message
-    grows = memory.verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
+    grows = verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
                                              _depth_values([7.0, 7.0, 8.2], rank=1)], params)
     assert not grows.passed
     assert "rank 1: the per_layer working set grows with depth" in grows.message
     assert "at 8 layers" in grows.message and grows.message.count("rank 1:") >= 2
     # Within the tolerance (10 %) either way: constant.
-    within = memory.verdict_depth_invariance([_depth_values([7.0, 7.6, 7.0]),
+    within = verdict_depth_invariance([_depth_values([7.0, 7.6, 7.0]),
                                               _depth_values([7.6, 7.0, 7.0], rank=1)], params)
     assert within.passed, within.message
 
@@ -535,11 +548,11 @@ def test_meter_verdict_cannot_pass_when_the_step_is_below_the_meters_resolution(
                                          {"source": "os", "start": 0, "peak": truth}]}
 
     small = [value(r, 0, int(1.5e6)) for r in range(2)]
-    verdict = memory.verdict_meter_agrees(small, {})
+    verdict = verdict_meter_agrees(small, {})
     assert not verdict.passed
     assert "below the meters' resolution" in verdict.message
     big = [value(r, 50 * 10**6, 51 * 10**6) for r in range(2)]
-    assert memory.verdict_meter_agrees(big, {}).passed
+    assert verdict_meter_agrees(big, {}).passed
 
 
 @pytest.mark.world_size(2)
@@ -549,6 +562,6 @@ def test_meter_check_skips_on_every_rank_when_the_step_is_too_small_to_resolve(
     from fsdp_conformance.harness import CheckSkipped
 
     tiny = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=16))
-    check = memory.METER_CHECKS[1]
+    check = METER_CHECKS[1]
     with pytest.raises(CheckSkipped, match="within the meters' resolution"):
         run_check(ranks.configured(skip=None), check, spec=tiny)

@@ -41,7 +41,10 @@ def test_memory_blocks_import_no_claim(block: str) -> None:
 @pytest.mark.parametrize("claim", ("init", "memory"))
 def test_claims_keep_no_copy_of_the_meters(claim: str) -> None:
     # The peak readings come from meters.py alone: no claim resets or reads a peak itself.
-    source = (PACKAGE / "claims" / f"{claim}.py").read_text(encoding="utf-8")
+    # A claim is a module or a folder of check-family modules.
+    folder = PACKAGE / "claims" / claim
+    paths = sorted(folder.glob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+    source = "".join(p.read_text(encoding="utf-8") for p in paths)
     for reader in ("max_memory_allocated", "reset_peak_memory_stats", "class OSMeter",
                    "class CudaMeter", "def status_bytes", "def reset_peak_rss"):
         assert reader not in source, f"{claim}.py has its own {reader!r}: use meters.py"

@@ -23,14 +23,16 @@ from torch_probe import probe
 from fsdp_conformance import cli
 from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.claims import all_checks
-from fsdp_conformance.claims.plan_trust import (
-    CHECKS,
+from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.memory import CHECKS as MEMORY_CHECKS
+from fsdp_conformance.claims.memory.plan_estimate_matches import (
     HOST_TERM,
     TRUST_MAX_RATIO,
     TRUST_MIN_RATIO,
     compare_to_measurement,
     default_cases,
     estimate_for_case,
+    judge_estimates,
     rank_plan_estimate_matches,
     trust_settings,
     verdict_plan_estimate_matches,
@@ -451,6 +453,14 @@ DROPPED_TERMS = {0: "optimizer state", 2: "saved activations", 4: "saved activat
                  5: "saved activations", 9: "recomputed unit", 10: "saved activations"}
 
 
+def _judged_with(values: list[dict], cases: list[dict], estimates: dict[int, Bound]) -> Verdict:
+    """The trust verdict's judgement with ``estimates`` (case index -> Bound) in place of the
+    planner's for those cases."""
+    world_size = len(values)
+    return judge_estimates(values, cases, [estimates.get(i) or estimate_for_case(c, world_size)
+                                           for i, c in enumerate(cases)])
+
+
 def _without(bound: Bound, name: str) -> Bound:
     bound.term(name)  # KeyError if the term is not there: the control would prove nothing
     return Bound(tuple(t for t in bound.terms if t.name != name), bound.tolerance)
@@ -480,7 +490,7 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
             estimates[i], peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]])
         assert not ok, f"case {i}: a bound without {name!r} still passed: {lines}"
         assert all("ABOVE 1.10 x the estimate: the estimate misses" in ln for ln in lines)
-    broken = verdict_plan_estimate_matches(values, {**params, "estimates": estimates})
+    broken = _judged_with(values, TRUST_CASES, estimates)
     assert not broken.passed
     assert f"{len(DROPPED_TERMS) * world_size} outside" in broken.message
     assert f"rank {world_size - 1}: measured" in broken.message  # every rank judged
@@ -499,7 +509,7 @@ def _measured_within(ranks: Ranks, cases: list[dict], label: str) -> list[dict]:
 def _caught_above(values: list[dict], cases: list[dict], estimates: dict[int, Bound],
                   outside: int) -> str:
     """The same peaks judged against ``estimates``: ``outside`` case-rank pairs above them."""
-    broken = verdict_plan_estimate_matches(values, {"cases": cases, "estimates": estimates})
+    broken = _judged_with(values, cases, estimates)
     assert not broken.passed and f"{outside} outside" in broken.message, broken.message
     assert "ABOVE 1.10 x the estimate" in broken.message
     return broken.message
@@ -747,8 +757,9 @@ def test_comparison_flags_a_reduced_bound_above_and_an_inflated_one_below() -> N
 
 
 def test_trust_check_is_registered_for_both_versions_on_a_model_spec() -> None:
-    assert {c.params["version"] for c in CHECKS} == {"fsdp1", "fsdp2"}
-    for check in CHECKS:
+    trust = [c for c in MEMORY_CHECKS if c.name == "memory.plan_estimate_matches"]
+    assert {c.params["version"] for c in trust} == {"fsdp1", "fsdp2"}
+    for check in trust:
         assert check.name == "memory.plan_estimate_matches" and check.claim == "memory"
         assert isinstance(check.params["spec"], ModelSpec)
         assert check.rank_fn is rank_plan_estimate_matches

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from fsdp_conformance import cli, hf_models
-from fsdp_conformance.claims import memory
 from fsdp_conformance.claims.check import Check, run_check
+from fsdp_conformance.claims.memory import CHECKS as MEMORY_CHECKS
+from fsdp_conformance.claims.memory.depth_invariance import with_depth
+from fsdp_conformance.claims.memory.measurement import MemoryCheckError
 from fsdp_conformance.claims.wrap import CHECKS as WRAP_CHECKS
 from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.meters import resident_tensor_bytes
@@ -198,7 +200,8 @@ def test_an_input_builder_returning_a_mapping_trains_under_fsdp(ranks: Ranks) ->
 
 
 def _depth_check(version: str = "fsdp2") -> Check:
-    return next(c for c in memory.DEPTH_CHECKS if c.params["version"] == version)
+    return next(c for c in MEMORY_CHECKS
+                if c.name == "memory.depth_invariance" and c.params["version"] == version)
 
 
 def test_depth_keywords_and_how_a_depth_is_set() -> None:
@@ -215,9 +218,9 @@ def test_depth_keywords_and_how_a_depth_is_set() -> None:
 
 
 def test_a_factory_spec_builds_at_the_depth_asked() -> None:
-    by_keyword = memory.with_depth(_spec(f"{HF}:mixtral"), 3).build("meta")
+    by_keyword = with_depth(_spec(f"{HF}:mixtral"), 3).build("meta")
     assert by_keyword.config.num_hidden_layers == 3 and len(by_keyword.model.layers) == 3
-    by_config = memory.with_depth(_spec(f"{__name__}:gpt2_fixed"), 3).build("meta")
+    by_config = with_depth(_spec(f"{__name__}:gpt2_fixed"), 3).build("meta")
     assert by_config.config.n_layer == 3 and len(by_config.transformer.h) == 3
 
 
@@ -229,8 +232,8 @@ def test_a_spec_depth_is_for_factories_and_positive() -> None:
 
 
 def test_depth_of_a_factory_that_cannot_set_it_names_both_ways() -> None:
-    with pytest.raises(memory.MemoryCheckError) as info:
-        memory.with_depth(_spec(f"{__name__}:keyword_net"), 4)
+    with pytest.raises(MemoryCheckError) as info:
+        with_depth(_spec(f"{__name__}:keyword_net"), 4)
     assert "give the factory a depth keyword (num_layers=" in str(info.value)
     assert "a transformers model whose config has num_hidden_layers" in str(info.value)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -343,8 +343,18 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     return figures, cases
 
 
+class Fingerprint(TypedDict):
+    """One rank's observed defaults and the collectives behind them."""
+
+    rank: int
+    #: Every observable, ``<case>.<observable>`` (the keys of :data:`EXPECTED`).
+    figures: dict[str, Any]
+    #: Each case's collectives (:mod:`fsdp_conformance.collectives` records), by case.
+    collectives: dict[str, Any]
+
+
 def rank_fingerprint(ctx: RankContext, version: str = "fsdp2",
-                     faults: Sequence[str] = ()) -> dict[str, Any]:
+                     faults: Sequence[str] = ()) -> Fingerprint:
     """Every observable of ``version``'s defaults on this rank, and the collectives behind them.
 
     ``faults``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
@@ -359,8 +369,7 @@ def rank_fingerprint(ctx: RankContext, version: str = "fsdp2",
     return {"rank": ctx.rank, "figures": figures, "collectives": collectives}
 
 
-def verdict_fingerprint(values: Sequence[Mapping[str, Any]],
-                        params: Mapping[str, Any]) -> Verdict:
+def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]) -> Verdict:
     """Every observable equals what the pinned torch does, on every rank.
 
     Figures: the observed values (rank 0's, after the ranks were found to agree). Data: the
@@ -407,6 +416,7 @@ __all__ = [
     "CHECKS",
     "EXPECTED",
     "FAULTS",
+    "Fingerprint",
     "TinyModel",
     "observe_backward_prefetch",
     "observe_forward_prefetch",

@@ -14,8 +14,8 @@ devices of this size does it need?" before anyone books GPUs:
 * **The cross-check**: FSDP2 applied for real to the meta model on a fake process group of the
   requested world size (``fully_shard`` per unit, then the root), reading each unit's actual
   local shard on rank 0 and comparing it with the analytic ``ceil(dim0 / W)`` padding.
-* **Trust** (:data:`fsdp_conformance.claims.plan_trust.CHECKS`): the estimate against measured
-  peaks of real training steps at small scale (the memory checks'
+* **Trust** (:mod:`fsdp_conformance.claims.memory.plan_estimate_matches`): the estimate
+  against measured peaks of real training steps at small scale (the memory checks'
   :func:`~fsdp_conformance.step.measure_step`), on every rank, fp32 and bf16; part of
   ``fsdp-conformance run`` (``memory.plan_estimate_matches``).
 

@@ -1,19 +1,21 @@
-"""Trust in the planner: its estimate against measured peaks of real steps at small scale.
+"""``memory.plan_estimate_matches``: trust in the planner, its estimate against measured peaks of
+real steps at small scale.
 
-``memory.plan_estimate_matches`` (:data:`CHECKS`) runs training steps on the rank pools through
-the memory checks' :func:`~fsdp_conformance.step.measure_step` and judges every rank's peak
-against :func:`fsdp_conformance.plan.estimate.plan_model`'s estimate for the same model, policy,
-world size, optimizer, compute dtype and batch (docs/planning.md, "Trust"). A claim module:
-the check runs in ``fsdp-conformance run`` with its per-case figures in the report.
+The check runs training steps on the rank pools through the memory checks'
+:func:`~fsdp_conformance.step.measure_step` and judges every rank's peak against
+:func:`fsdp_conformance.plan.estimate.plan_model`'s estimate for the same model, policy, world
+size, optimizer, compute dtype and batch (docs/planning.md, "Trust"). Part of the memory claim:
+it runs in ``fsdp-conformance run``, reported after the other memory checks, with its per-case
+figures in the report.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from fsdp_conformance.bound import BOUND_TOLERANCE, Bound, BoundTerm
-from fsdp_conformance.claims.check import Check, Verdict, variants
+from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.plan.estimate import plan_model
@@ -29,9 +31,9 @@ from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 
-# step is imported at module top, as in claims/memory.py: a parent that loaded this module has
-# its ranks' fork server preload step (and torch's memory trackers with it), instead of every
-# rank importing them at its first case.
+# step is imported at module top, as in the memory claim's measurement module: a parent that
+# loaded this module has its ranks' fork server preload step (and torch's memory trackers with
+# it), instead of every rank importing them at its first case.
 
 #: Trust: the estimate is an upper bound, checked with the memory checks' tolerance above it
 #: (a measured peak may exceed it by at most 10%)...
@@ -43,7 +45,7 @@ TRUST_MIN_RATIO = {"recommended": 0.45, "monolithic": 0.25}
 #: The sequence length of measure_step's batch (models.make_batch) unless a case names one.
 MEASURED_SEQ_LEN = 8
 #: The reference model of the trust check (the memory checks' shape, smaller).
-DEFAULT_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=4, dim=128))
+TRUST_SPEC = ModelSpec(reference="massive", config=ModelConfig(num_layers=4, dim=128))
 #: Activation checkpointing is measured where activations dominate: the seeds' model, 8
 #: narrow blocks, batch 128 (its estimate measured 0.985 to 0.995 of the peak with AC on every
 #: block or every second one, FSDP1 and FSDP2, docs/planning.md "Trust").
@@ -68,14 +70,28 @@ def default_cases(spec: ModelSpec, version: str) -> list[dict[str, Any]]:
     return cases
 
 
-def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
+class MeasuredPeak(TypedDict):
+    """One case's measured peak on one rank and the meter that read it."""
+
+    peak: int
+    source: str
+
+
+class TrustResult(TypedDict):
+    """One rank's measured peak per case, in case order."""
+
+    rank: int
+    peaks: list[MeasuredPeak]
+
+
+def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = TRUST_SPEC,
                                version: str = "fsdp2",
                                cases: Sequence[Mapping[str, Any]] | None = None,
-                               batch_size: int = 2) -> dict[str, Any]:
+                               batch_size: int = 2) -> TrustResult:
     """The measured peak of one training step per case on this rank (step.measure_step)."""
     # The planner's policies that step.measure_step can measure, as its wrapping labels.
     measured = {p: label for p in POLICIES if (label := wrapping_label(p))}
-    peaks = []
+    peaks: list[MeasuredPeak] = []
     for case in cases if cases is not None else default_cases(spec, version):
         policy = case["policy"]
         if policy not in measured:
@@ -177,20 +193,25 @@ def _case_label(case: Mapping[str, Any]) -> str:
             + f" {case.get('compute_dtype', 'fp32')}: ")
 
 
-def verdict_plan_estimate_matches(
-    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
-) -> Verdict:
+def verdict_plan_estimate_matches(values: Sequence[TrustResult],
+                                  params: Mapping[str, Any]) -> Verdict:
     """The planning estimate of each case within the tolerance of every rank's measured peak."""
-    spec = params.get("spec", DEFAULT_SPEC)
-    version = params.get("version", "fsdp2")
-    batch_size = params.get("batch_size", 2)
-    cases = params.get("cases") or default_cases(spec, version)
+    cases = params.get("cases") or default_cases(params.get("spec", TRUST_SPEC),
+                                                 params.get("version", "fsdp2"))
+    return judge_estimates(values, cases, [
+        estimate_for_case(case, len(values), params.get("batch_size", 2)) for case in cases])
+
+
+def judge_estimates(values: Sequence[TrustResult], cases: Sequence[Mapping[str, Any]],
+                    estimates: Sequence[Bound]) -> Verdict:
+    """Every rank's measured peak of each case against ``estimates`` (one per case, in order).
+
+    The verdict gives the planner's estimates; a negative control gives others (a term left
+    out) to show a peak above them fails.
+    """
     world_size = len(values)
     all_ok, lines, ratios, rows = True, [], [], []
-    for i, case in enumerate(cases):
-        # "estimates" (index -> Bound) replaces the planner's: the negative controls use it.
-        bound = params.get("estimates", {}).get(i) or estimate_for_case(case, world_size,
-                                                                         batch_size)
+    for i, (case, bound) in enumerate(zip(cases, estimates, strict=True)):
         peaks = {v["rank"]: v["peaks"][i]["peak"] for v in values}
         ok, case_lines = compare_to_measurement(
             bound, peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]], label=_case_label(case))
@@ -226,12 +247,3 @@ def verdict_plan_estimate_matches(
     return Verdict(False, f"{head}: {len(bad)} outside:\n" + "\n".join(bad)
                    + "\nall cases:\n" + "\n".join(lines), figures, {"rows": rows})
 
-
-CHECKS: tuple[Check, ...] = variants(
-    "memory.plan_estimate_matches",
-    "the planning estimate (per-layer bound on meta) against every rank's measured peak of a "
-    "real step: at most 10% above it, and not too loose",
-    rank_plan_estimate_matches, verdict_plan_estimate_matches, specs=(DEFAULT_SPEC,),
-    # The CUDA allocator adds cuBLAS workspaces and block rounding, which the estimate does
-    # not model; at the small sizes this check runs they would dominate.
-    lanes=("cpu",))

@@ -1,0 +1,137 @@
+"""``memory.sawtooth``: the timeline rises by about one unit at each gather and falls back at
+each release.
+
+The step is :func:`~fsdp_conformance.claims.memory.peak_within_bound.rank_peak_within_bound`'s,
+its timeline sampled at every unit's hooks (:mod:`fsdp_conformance.timeline`); the check's own
+run also measures monolithic wrapping, for the picture (``compare_with``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.memory.measurement import (
+    DEFAULT_SPEC,
+    block_bytes,
+    check_label,
+    mb,
+)
+from fsdp_conformance.claims.memory.peak_within_bound import PeakResult, rank_peak_within_bound
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.profile import plan_step
+from fsdp_conformance.units import ROOT
+
+#: A unit's gather (and release) must be within this fraction of its unsharded bytes.
+SAWTOOTH_TOLERANCE = 0.25
+#: Below this unsharded size of the largest unit, a unit's gather cannot be told apart from the
+#: activations and allocator rounding between two hooks: the sawtooth is not measurable.
+SAWTOOTH_MIN_UNIT_BYTES = 256 * 1024
+
+
+class Tooth(TypedDict):
+    """One unit's forward in the timeline: the rise at its gather, the fall at its release."""
+
+    unit: str
+    rise: int
+    fall: int
+
+
+def rank_sawtooth(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
+                  optimizer: str | None = None, batch_size: int = 2,
+                  compare_with: str | None = None,
+                  fault: str | Sequence[str] | None = None) -> PeakResult:
+    """:func:`rank_peak_within_bound` for the sawtooth, skipped (on every rank alike) when units
+    are tiny."""
+    units, config = plan_step(spec, ctx.world_size, version, optimizer=optimizer,
+                              batch_size=batch_size)
+    largest = block_bytes(units, config)
+    if largest < SAWTOOTH_MIN_UNIT_BYTES:
+        skip_rank(f"the largest unit of {spec.name} is {largest / 1024:.0f} KiB unsharded, under "
+                  f"{SAWTOOTH_MIN_UNIT_BYTES // 1024} KiB: a gather that small cannot be told "
+                  "apart from activations in the timeline; use a larger config of the model")
+    return rank_peak_within_bound(ctx, spec, version, optimizer=optimizer,
+                                  batch_size=batch_size, compare_with=compare_with, fault=fault)
+
+
+def sawtooth_teeth(timeline: Sequence[Mapping[str, Any]]) -> list[Tooth]:
+    """Per unit, in forward order: the rise at its gather and the fall at its release."""
+    at: dict[tuple[str, str], int] = {}
+    order: list[str] = []
+    for e in timeline:
+        key = (e["unit"], e["phase"])
+        if key not in at:  # the forward samples: the first of each phase
+            at[key] = e["bytes"]
+            if e["phase"] == "pre_forward":
+                order.append(e["unit"])
+    teeth: list[Tooth] = []
+    for unit in order:
+        try:
+            rise = at[(unit, "forward")] - at[(unit, "pre_forward")]
+            fall = at[(unit, "forward_done")] - at[(unit, "post_forward")]
+        except KeyError:
+            continue
+        teeth.append({"unit": unit, "rise": rise, "fall": fall})
+    return teeth
+
+
+def verdict_sawtooth(values: Sequence[PeakResult], params: Mapping[str, Any]) -> Verdict:
+    """Each unit's gather rises by about one unit and its release falls back, on every rank.
+
+    Rise: at most the current plus the prefetched unit of the per-layer plan (FSDP2 prefetches
+    the next unit in forward), within the tolerance. Fall: the unit's own unsharded bytes,
+    within the tolerance (the root is exempt: FSDP keeps it gathered into backward). A sawtooth
+    needs teeth: at least two non-root units.
+    """
+    t = params.get("tolerance", SAWTOOTH_TOLERANCE)
+    problems: list[str] = []
+    summary = []
+    for v in values:
+        cb = v["compute_bytes"]
+        plan_max = max((u["numel"] for u in v["plan"] if u["fqn"] != ROOT), default=0) * cb
+        own = {u["fqn"]: u["numel"] * cb for u in v["units"]}
+        teeth = sawtooth_teeth(v["timeline"])
+        nonroot = [x for x in teeth if x["unit"] != ROOT]
+        r = v["rank"]
+        if len(nonroot) < 2:
+            whole = next((x["rise"] for x in teeth if x["unit"] == ROOT), 0)
+            problems.append(f"rank {r}: no sawtooth: {len(nonroot)} non-root unit(s) ran in "
+                            f"forward; the root gathered {mb(whole)} at once")
+        for x in teeth:
+            if x["rise"] > (1 + t) * 2 * plan_max:
+                problems.append(
+                    f"rank {r}: unit {x['unit'] or '(root)'} gathered {mb(x['rise'])} at once, "
+                    f"more than the current + prefetched unit of the per-layer plan "
+                    f"(2 x {mb(plan_max)} + {t:.0%})")
+            if x["unit"] != ROOT and x["fall"] < (1 - t) * own.get(x["unit"], 0):
+                problems.append(
+                    f"rank {r}: unit {x['unit']} kept its parameters after forward: released "
+                    f"{mb(x['fall'])}, expected about {mb(own[x['unit']])} (its unsharded size, "
+                    f"-{t:.0%})")
+        summary.append((r, nonroot))
+    first = values[0]
+    label = check_label(params, first["wrapping"])
+    data: dict[str, Any] = {"timeline": first["timeline"],
+                            "teeth": sawtooth_teeth(first["timeline"]),
+                            "wrapping": first["wrapping"], "limit_bytes": first["bound"]["limit"],
+                            "peak_bytes": first["meters"][0]["peak"],
+                            "timelines_by_rank": {v["rank"]: v["timeline"] for v in values}}
+    if first["compare"] is not None:
+        data["compare"] = first["compare"]
+    teeth0 = summary[0][1]
+    figures = {"teeth": len(teeth0),
+               "max_rise_bytes": max((x["rise"] for x in teeth0), default=0),
+               "min_fall_bytes": min((x["fall"] for x in teeth0), default=0)}
+    if problems:
+        lines = [f"{label}: the timeline is not a per-unit sawtooth:", *problems[:12]]
+        if len(problems) > 12:
+            lines.append(f"... and {len(problems) - 12} more")
+        lines.append("forward teeth on rank 0 (unit: rise / fall):")
+        lines += [f"  {x['unit'] or '(root)'}: +{mb(x['rise'])} / -{mb(x['fall'])}"
+                  for x in sawtooth_teeth(first["timeline"])]
+        return Verdict(False, "\n".join(lines), figures, data)
+    return Verdict(True, f"{label}: sawtooth on all {len(values)} ranks: "
+                   f"{len(teeth0)} units each rise by at most {mb(figures['max_rise_bytes'])} and "
+                   f"release their own parameters", figures, data)
