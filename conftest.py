@@ -39,8 +39,9 @@ def lent_pools(rank_pools: PoolManager) -> PoolManager:
 
 
 @pytest.fixture
-def warm_pools(rank_pools: PoolManager, lent_pools: PoolManager,
-               monkeypatch: pytest.MonkeyPatch) -> PoolManager:
+def warm_pools(
+    rank_pools: PoolManager, lent_pools: PoolManager, monkeypatch: pytest.MonkeyPatch
+) -> PoolManager:
     """In-process runs (``run_suite``, ``main(["run", ...])``) run on the session's warm pools."""
     from fsdp_conformance.gate import suite
 

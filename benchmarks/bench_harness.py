@@ -56,8 +56,9 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def fresh_times(world_size: int, repeats: int,
-                servers: ForkServers | None = None) -> tuple[list[float], float]:
+def fresh_times(
+    world_size: int, repeats: int, servers: ForkServers | None = None
+) -> tuple[list[float], float]:
     """Wall seconds of each fresh pool's start, check and close; and CPU-seconds per rank."""
     times = []
     cpu = _children_cpu_s()
@@ -100,13 +101,19 @@ def main() -> None:
     ratio = fresh_ms / warm_ms
     print(f"world size {args.world_size}, trivial check (all_reduce of one int)")
     print(f"warm pool:   median {warm_ms:8.2f} ms per check over {args.warm} checks")
-    print(f"fresh spawn: median {fresh_ms:8.2f} ms per check over {args.fresh} checks "
-          f"({exec_cpu:.2f} CPU-s per rank)")
-    print(f"fresh fork:  median {forked_ms:8.2f} ms per check over {args.fresh} checks "
-          f"({fork_cpu:.2f} CPU-s per rank, the server's start included; "
-          f"the server took {server_s * 1e3:.0f} ms with its first pool)")
-    print(f"ratio fresh/warm: {ratio:.0f}x; spawn/fork: {fresh_ms / forked_ms:.1f}x wall, "
-          f"{exec_cpu / fork_cpu:.1f}x CPU")
+    print(
+        f"fresh spawn: median {fresh_ms:8.2f} ms per check over {args.fresh} checks "
+        f"({exec_cpu:.2f} CPU-s per rank)"
+    )
+    print(
+        f"fresh fork:  median {forked_ms:8.2f} ms per check over {args.fresh} checks "
+        f"({fork_cpu:.2f} CPU-s per rank, the server's start included; "
+        f"the server took {server_s * 1e3:.0f} ms with its first pool)"
+    )
+    print(
+        f"ratio fresh/warm: {ratio:.0f}x; spawn/fork: {fresh_ms / forked_ms:.1f}x wall, "
+        f"{exec_cpu / fork_cpu:.1f}x CPU"
+    )
     warm_ok = warm_ms < WARM_TARGET_MS
     ratio_ok = ratio >= RATIO_TARGET
     print(

@@ -52,8 +52,12 @@ print(json.dumps({
 
 def run_once(preset: str, world_size: int) -> dict[str, Any]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, preset, str(world_size)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, preset, str(world_size)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"bench_plan: the planning process failed:\n{proc.stderr}")
@@ -70,24 +74,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = [run_once(args.preset, args.world_size) for _ in range(args.repeat)]
     first = runs[0]
-    print(f"preset {args.preset}: {first['params']:,} params, {first['units']} units, world size "
-          f"{args.world_size:,}; estimate {first['estimate_bytes'] / 1e9:.2f} GB per rank; "
-          f"fsdp2 cross-check matches: {first['matches']}")
-    print(f"{'run':>3}  {'import s':>8}  {'plan+estimate s':>15}  {'cross-check s':>13}  "
-          f"{'process wall s':>14}  {'cpu s':>6}  {'max RSS MB':>10}")
+    print(
+        f"preset {args.preset}: {first['params']:,} params, {first['units']} units, world size "
+        f"{args.world_size:,}; estimate {first['estimate_bytes'] / 1e9:.2f} GB per rank; "
+        f"fsdp2 cross-check matches: {first['matches']}"
+    )
+    print(
+        f"{'run':>3}  {'import s':>8}  {'plan+estimate s':>15}  {'cross-check s':>13}  "
+        f"{'process wall s':>14}  {'cpu s':>6}  {'max RSS MB':>10}"
+    )
     for i, r in enumerate(runs):
-        print(f"{i:>3}  {r['import_s']:>8.2f}  {r['plan_estimate_s']:>15.2f}  "
-              f"{r['cross_check_s']:>13.2f}  {r['process_wall_s']:>14.2f}  {r['cpu_s']:>6.2f}  "
-              f"{r['max_rss_mb']:>10.0f}")
+        print(
+            f"{i:>3}  {r['import_s']:>8.2f}  {r['plan_estimate_s']:>15.2f}  "
+            f"{r['cross_check_s']:>13.2f}  {r['process_wall_s']:>14.2f}  {r['cpu_s']:>6.2f}  "
+            f"{r['max_rss_mb']:>10.0f}"
+        )
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
     total = med("import_s") + med("plan_estimate_s")
-    print(f"median: plan + estimate {med('plan_estimate_s'):.2f} s (with import {total:.2f} s), "
-          f"cross-check {med('cross_check_s'):.2f} s, whole process {med('process_wall_s'):.2f} s, "
-          f"max RSS {max(r['max_rss_mb'] for r in runs):.0f} MB "
-          f"(target: under 10 s and 2,048 MB)")
+    print(
+        f"median: plan + estimate {med('plan_estimate_s'):.2f} s (with import {total:.2f} s), "
+        f"cross-check {med('cross_check_s'):.2f} s, whole process {med('process_wall_s'):.2f} s, "
+        f"max RSS {max(r['max_rss_mb'] for r in runs):.0f} MB "
+        f"(target: under 10 s and 2,048 MB)"
+    )
     return 0
 
 

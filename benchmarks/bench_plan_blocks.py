@@ -34,8 +34,9 @@ def main() -> None:
     every = [UnitInfo(fqn=n, cls=type(m).__name__, numel=0) for n, m in model.named_modules()]
     activations._module_profile(model, choice, settings)  # warm-up: lazy imports
     runs = {
-        "whole forward": lambda: activations.profile_step_activations(model, choice, every,
-                                                                   settings),
+        "whole forward": lambda: activations.profile_step_activations(
+            model, choice, every, settings
+        ),
         "three blocks ": lambda: activations._module_profile(model, choice, settings),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -49,10 +50,12 @@ def main() -> None:
     if whole != short:
         differ = [n for n in whole.saved_bytes if whole.saved_bytes[n] != short.saved_bytes[n]]
         raise SystemExit(f"the two profiles differ (saved bytes of {differ[:5]}, or FLOPs)")
-    print(f"preset {args.preset}: {len(model.layers)} blocks, {len(every)} modules, "
-          f"{settings.compute_dtype}, batch {settings.batch_size} x {settings.seq_len}; "
-          f"saved bytes {sum(whole.saved_bytes.values()):,} and forward FLOPs "
-          f"{whole.forward_flops['']:,} either way")
+    print(
+        f"preset {args.preset}: {len(model.layers)} blocks, {len(every)} modules, "
+        f"{settings.compute_dtype}, batch {settings.batch_size} x {settings.seq_len}; "
+        f"saved bytes {sum(whole.saved_bytes.values()):,} and forward FLOPs "
+        f"{whole.forward_flops['']:,} either way"
+    )
     for name, values in times.items():
         print(f"{name}: " + ", ".join(f"{t:.2f} s" for t in values))
     ratio = statistics.median(times["three blocks "]) / statistics.median(times["whole forward"])

@@ -43,8 +43,10 @@ def main() -> None:
             saved[count] = sum(profile.saved_bytes.values())
     if saved[True] != saved[False]:
         raise SystemExit(f"the two profiles differ in saved bytes: {saved}")
-    print(f"preset {args.preset}, batch {args.batch_size} x 8, {len(units)} units, "
-          f"saved bytes {saved[True]:,} either way")
+    print(
+        f"preset {args.preset}, batch {args.batch_size} x 8, {len(units)} units, "
+        f"saved bytes {saved[True]:,} either way"
+    )
     for count in (True, False):
         label = "with FlopCounterMode   " if count else "without FlopCounterMode"
         print(f"{label}: " + ", ".join(f"{t:.2f} s" for t in times[count]))

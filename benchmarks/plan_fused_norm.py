@@ -58,8 +58,17 @@ def fused_13b() -> torch.nn.Module:
     return model
 
 
-SETTINGS = ["--world-size", "64", "--batch-size", "2", "--seq-len", "4096",
-            "--device-memory", "80GiB", "--no-verify"]
+SETTINGS = [
+    "--world-size",
+    "64",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "4096",
+    "--device-memory",
+    "80GiB",
+    "--no-verify",
+]
 
 
 def plan_lines(model_args: list[str]) -> list[str]:
@@ -67,14 +76,21 @@ def plan_lines(model_args: list[str]) -> list[str]:
     with contextlib.redirect_stdout(out):
         cli.main(["plan", *model_args, *SETTINGS])
     keep = ("saved activations", "  total", "85.90 GB:")
-    return [line for line in out.getvalue().splitlines() if line.startswith(keep)
-            or line.strip().startswith(keep)]
+    return [
+        line
+        for line in out.getvalue().splitlines()
+        if line.startswith(keep) or line.strip().startswith(keep)
+    ]
 
 
 def main() -> int:
-    for label, args in (("eager RMSNorm (--preset 13b)", ["--preset", "13b"]),
-                        ("fused RMSNorm (torchtitan's 13B)",
-                         ["--model", f"{__name__}:fused_13b", "--block-cls", "LlamaBlock"])):
+    for label, args in (
+        ("eager RMSNorm (--preset 13b)", ["--preset", "13b"]),
+        (
+            "fused RMSNorm (torchtitan's 13B)",
+            ["--model", f"{__name__}:fused_13b", "--block-cls", "LlamaBlock"],
+        ),
+    ):
         print(label)
         for line in plan_lines(args):
             print("  " + line.strip())

@@ -185,12 +185,16 @@ def _global_peak_only(cls: type[Any]) -> type[Any]:
                 peak[dev] = dev_snap[total_key]
                 peak_snap[dev] = copy.deepcopy(dev_snap)
 
-    return type(cls.__name__, (cls,), {
-        "_update_peak_stats": _update_peak_stats,
-        "__doc__": f"torch's {cls.__name__}, updating only its global peak after each operator.",
-        "__module__": __name__,
-        "__qualname__": f"_global_peak_only.<{cls.__name__}>",
-    })
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "_update_peak_stats": _update_peak_stats,
+            "__doc__": f"torch's {cls.__name__}, updating only its global peak after each operator.",
+            "__module__": __name__,
+            "__qualname__": f"_global_peak_only.<{cls.__name__}>",
+        },
+    )
 
 
 def use_counts() -> Callable[[torch.Tensor], tuple[int, int]] | None:
@@ -249,7 +253,8 @@ def fsdp2_state(module: nn.Module) -> Any | None:
         raise CompatError(
             f"torch {torch.__version__}: an FSDPModule has no _get_fsdp_state(); "
             "fsdp-conformance reads FSDP2's managed parameters from it: see "
-            "fsdp_conformance/_compat.py (fsdp2_state)")
+            "fsdp_conformance/_compat.py (fsdp2_state)"
+        )
     return get_state()
 
 
@@ -274,21 +279,25 @@ def fsdp2_managed_params(
         raise CompatError(
             f"torch {torch.__version__}: FSDPState has neither _fsdp_param_groups nor "
             "_fsdp_param_group; fsdp-conformance reads FSDP2's units from them: see "
-            "fsdp_conformance/_compat.py (fsdp2_managed_params)")
+            "fsdp_conformance/_compat.py (fsdp2_managed_params)"
+        )
     out = []
     for group in groups:
         rows = []
         try:
             for fsdp_param in group.fsdp_params:
                 info = fsdp_param._module_info
-                owners = [(info.module, info.param_name), *zip(
-                    info.shared_modules, info.shared_param_names)]
+                owners = [
+                    (info.module, info.param_name),
+                    *zip(info.shared_modules, info.shared_param_names),
+                ]
                 rows.append((fsdp_param.sharded_param, owners))
         except AttributeError as exc:
             raise CompatError(
                 f"torch {torch.__version__}: FSDP2's param group moved ({exc}); "
                 "fsdp-conformance reads fsdp_params, sharded_param and _module_info: see "
-                "fsdp_conformance/_compat.py (fsdp2_managed_params)") from None
+                "fsdp_conformance/_compat.py (fsdp2_managed_params)"
+            ) from None
         out.append(rows)
     return out
 

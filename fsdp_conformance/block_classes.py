@@ -20,8 +20,9 @@ from fsdp_conformance.policies import PolicyError
 from fsdp_conformance.reference_models import REFERENCE_MODELS
 
 
-def block_classes_of(model: nn.Module, *, given: Sequence[str] | None, reference: str | None,
-                     name: str) -> tuple[type[nn.Module], ...]:
+def block_classes_of(
+    model: nn.Module, *, given: Sequence[str] | None, reference: str | None, name: str
+) -> tuple[type[nn.Module], ...]:
     """The block classes of ``model``: ``given`` resolved against it, else the reference
     model's, else a transformers model's ``_no_split_modules``; ``name`` is the model's name
     in the messages."""
@@ -148,5 +149,6 @@ def no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module]
         f"{type(model).__name__} lists {listed} in _no_split_modules"
         + (", none of which is in the model" if names else "")
         + "; pass --fsdp-block-cls with the class of its transformer block (one of: "
-        + ", ".join(module_classes(model)) + ")"
+        + ", ".join(module_classes(model))
+        + ")"
     )

@@ -49,10 +49,13 @@ class ActivationProfile:
     forward_flops: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"input_bytes": self.input_bytes, "saved_bytes": dict(self.saved_bytes),
-                "produced_bytes": dict(self.produced_bytes),
-                "entry_bytes": dict(self.entry_bytes),
-                "forward_flops": dict(self.forward_flops)}
+        return {
+            "input_bytes": self.input_bytes,
+            "saved_bytes": dict(self.saved_bytes),
+            "produced_bytes": dict(self.produced_bytes),
+            "entry_bytes": dict(self.entry_bytes),
+            "forward_flops": dict(self.forward_flops),
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,10 +105,12 @@ class StepConfig:
         if self.tolerance < 0:
             raise ValueError(f"StepConfig.tolerance must be >= 0, got {self.tolerance}")
         if self.shard_group is not None and not (
-                1 <= self.shard_group <= self.world_size
-                and self.world_size % self.shard_group == 0):
-            raise ValueError(f"StepConfig.shard_group must divide the world size "
-                             f"{self.world_size}, got {self.shard_group}")
+            1 <= self.shard_group <= self.world_size and self.world_size % self.shard_group == 0
+        ):
+            raise ValueError(
+                f"StepConfig.shard_group must divide the world size "
+                f"{self.world_size}, got {self.shard_group}"
+            )
 
     @property
     def shard_ranks(self) -> int:
@@ -153,13 +158,19 @@ class Bound:
     def format(self) -> str:
         width = max(len(t.name) for t in self.terms)
         lines = [f"  {t.name:<{width}}  {t.bytes / MB:9.2f} MB  {t.derivation}" for t in self.terms]
-        lines.append(f"  {'total':<{width}}  {self.total / MB:9.2f} MB  "
-                     f"(limit with {self.tolerance:.0%} tolerance: {self.limit / MB:.2f} MB)")
+        lines.append(
+            f"  {'total':<{width}}  {self.total / MB:9.2f} MB  "
+            f"(limit with {self.tolerance:.0%} tolerance: {self.limit / MB:.2f} MB)"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"terms": [dataclasses.asdict(t) for t in self.terms], "tolerance": self.tolerance,
-                "total": self.total, "limit": self.limit}
+        return {
+            "terms": [dataclasses.asdict(t) for t in self.terms],
+            "tolerance": self.tolerance,
+            "total": self.total,
+            "limit": self.limit,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Bound:
@@ -190,17 +201,24 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     root_numel = root.numel if root is not None else 0
     others = sorted((u for u in units if u.fqn != ROOT), key=lambda u: u.numel, reverse=True)
     top2 = others[:2]
-    over = ("" if config.shard_group is None else
-            f" (HSDP: shard groups of {w} ranks, {config.world_size // w} replicas)")
+    over = (
+        ""
+        if config.shard_group is None
+        else f" (HSDP: shard groups of {w} ranks, {config.world_size // w} replicas)"
+    )
     largest = max(units, key=lambda u: u.numel)
     if config.offload:
         copies = 2 * _shard(largest.numel, w)
-        terms = [BoundTerm(
-            "offloaded shard copies", copies * pb,
-            f"cpu offload: sharded params, grads and optimizer state in host memory "
-            f"({host_bytes(units, config):,} B per rank); on the device the largest unit's "
-            f"parameter shard (copied in for its all-gather) and gradient shard (before its "
-            f"copy out): 2 x ceil({largest.numel:,}/{w}) = {copies:,} x {pb} B" + over)]
+        terms = [
+            BoundTerm(
+                "offloaded shard copies",
+                copies * pb,
+                f"cpu offload: sharded params, grads and optimizer state in host memory "
+                f"({host_bytes(units, config):,} B per rank); on the device the largest unit's "
+                f"parameter shard (copied in for its all-gather) and gradient shard (before its "
+                f"copy out): 2 x ceil({largest.numel:,}/{w}) = {copies:,} x {pb} B" + over,
+            )
+        ]
     else:
         terms = _sharded_state_terms(units, config, over)
     if config.version == "fsdp1":
@@ -213,72 +231,110 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         # second gathered unit is the all-gather buffers' output, not a second unsharded one.
         gathered = root_numel + sum(u.numel for u in top2[:1])
         names = top2[0].fqn if top2 else "none"
-        what = (f"current unit (largest: {names}; the prefetched one is held as its all-gather "
-                "output, counted there)")
-    terms.append(BoundTerm(
-        "unsharded params", gathered * cb,
-        f"root ({root_numel:,}, kept gathered from forward into backward) + {what} = "
-        f"{gathered:,} x {cb} B"))
+        what = (
+            f"current unit (largest: {names}; the prefetched one is held as its all-gather "
+            "output, counted there)"
+        )
+    terms.append(
+        BoundTerm(
+            "unsharded params",
+            gathered * cb,
+            f"root ({root_numel:,}, kept gathered from forward into backward) + {what} = "
+            f"{gathered:,} x {cb} B",
+        )
+    )
     # FSDP1 casts the unsharded gradient to the reduce dtype in place of the flat gradient
     # (``flat_param.grad.data = grad.to(reduce_dtype)``): both are alive at the cast. FSDP2
     # copies into its reduce-scatter input instead, counted with the reduce-scatter buffers.
     cast = rb if config.version == "fsdp1" and rb != cb else 0
-    terms.append(BoundTerm(
-        "unsharded grads", largest.numel * (cb + cast),
-        f"the current unit's full gradient before its reduce-scatter (largest unit "
-        f"{largest.fqn or '(root)'}: {largest.numel:,}) x {cb} B; the prefetched one has none yet"
-        + (f"; + its fsdp1 cast to the reduce dtype, x {cast} B" if cast else "")))
+    terms.append(
+        BoundTerm(
+            "unsharded grads",
+            largest.numel * (cb + cast),
+            f"the current unit's full gradient before its reduce-scatter (largest unit "
+            f"{largest.fqn or '(root)'}: {largest.numel:,}) x {cb} B; the prefetched one has none yet"
+            + (f"; + its fsdp1 cast to the reduce dtype, x {cast} B" if cast else ""),
+        )
+    )
     ag_numel = _all_gather_buffer_numel(largest.numel, w, config.version)
-    terms.append(BoundTerm(
-        "all-gather buffers", ag_numel * cb,
-        "fsdp1 gathers into the unsharded flat parameter itself (counted above): 0"
-        if config.version == "fsdp1" else
-        f"fsdp2 copy-in shard + gather output of the largest unit: ceil({largest.numel:,}/{w}) "
-        f"+ {largest.numel:,} = {ag_numel:,} x {cb} B"))
+    terms.append(
+        BoundTerm(
+            "all-gather buffers",
+            ag_numel * cb,
+            "fsdp1 gathers into the unsharded flat parameter itself (counted above): 0"
+            if config.version == "fsdp1"
+            else f"fsdp2 copy-in shard + gather output of the largest unit: ceil({largest.numel:,}/{w}) "
+            f"+ {largest.numel:,} = {ag_numel:,} x {cb} B",
+        )
+    )
     rs_numel = _reduce_scatter_buffer_numel(largest.numel, w, config.version)
-    rs_input = ("padded input copy (only when numel % W != 0)" if config.version == "fsdp1"
-                else "input copy")
-    terms.append(BoundTerm(
-        "reduce-scatter buffers", rs_numel * rb,
-        f"{rs_input} + output shard of the largest unit = {rs_numel:,} x {rb} B"))
+    rs_input = (
+        "padded input copy (only when numel % W != 0)"
+        if config.version == "fsdp1"
+        else "input copy"
+    )
+    terms.append(
+        BoundTerm(
+            "reduce-scatter buffers",
+            rs_numel * rb,
+            f"{rs_input} + output shard of the largest unit = {rs_numel:,} x {rb} B",
+        )
+    )
     if config.buffer_bytes:
-        terms.append(BoundTerm("buffers", config.buffer_bytes,
-                               "model buffers, replicated on every rank"))
+        terms.append(
+            BoundTerm("buffers", config.buffer_bytes, "model buffers, replicated on every rank")
+        )
     acts = config.activations
     if acts is not None:
         working_unit = max(acts.produced_bytes, key=lambda k: acts.produced_bytes[k], default=None)
         working = acts.produced_bytes.get(working_unit, 0) if working_unit is not None else 0
         terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
         terms += _saved_terms(acts, config.checkpointed)
-        terms.append(BoundTerm(
-            "activation working set", working,
-            f"everything one unit's forward produces, saved or not (largest: "
-            f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
-            "backward"))
+        terms.append(
+            BoundTerm(
+                "activation working set",
+                working,
+                f"everything one unit's forward produces, saved or not (largest: "
+                f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
+                "backward",
+            )
+        )
     return Bound(tuple(terms), config.tolerance)
 
 
-def _sharded_state_terms(units: Sequence[UnitInfo], config: StepConfig,
-                         over: str = "") -> list[BoundTerm]:
+def _sharded_state_terms(
+    units: Sequence[UnitInfo], config: StepConfig, over: str = ""
+) -> list[BoundTerm]:
     """Sharded params, sharded grads and (with an optimizer) its state, per rank: on the
     device, or on the host under CPU offload (:func:`host_bytes`)."""
     w, pb = config.shard_ranks, config.param_bytes
     shard_numel = sum(_shard(u.numel, w) for u in units)
     num_tensors = sum(len(u.params) for u in units)
     terms = [
-        BoundTerm("sharded params", shard_numel * pb,
-                  f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x "
-                  f"{pb} B" + over, scales_with_depth=True),
-        BoundTerm("sharded grads", shard_numel * pb,
-                  f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
-                  scales_with_depth=True),
+        BoundTerm(
+            "sharded params",
+            shard_numel * pb,
+            f"sum over {len(units)} units of ceil(numel/{w}) = {shard_numel:,} x {pb} B" + over,
+            scales_with_depth=True,
+        ),
+        BoundTerm(
+            "sharded grads",
+            shard_numel * pb,
+            f"one gradient shard per parameter shard: {shard_numel:,} x {pb} B",
+            scales_with_depth=True,
+        ),
     ]
     states, scalars = OPTIMIZER_STATES[config.optimizer], OPTIMIZER_SCALARS[config.optimizer]
     if config.optimizer is not None:
-        terms.append(BoundTerm(
-            "optimizer state", (states * shard_numel + scalars * num_tensors) * pb,
-            f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
-            f"x {num_tensors} tensors, x {pb} B", scales_with_depth=True))
+        terms.append(
+            BoundTerm(
+                "optimizer state",
+                (states * shard_numel + scalars * num_tensors) * pb,
+                f"{config.optimizer}: {states} state(s) x {shard_numel:,} + {scalars} step scalar(s) "
+                f"x {num_tensors} tensors, x {pb} B",
+                scales_with_depth=True,
+            )
+        )
     return terms
 
 
@@ -301,22 +357,34 @@ def _saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[B
     ckpt = [u for u in checkpointed if u in acts.saved_bytes]
     if not ckpt:
         saved = sum(acts.saved_bytes.values())
-        return [BoundTerm(
-            "saved activations", saved,
-            f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
-            "alive at the end of forward (measured on meta)", scales_with_depth=True)]
+        return [
+            BoundTerm(
+                "saved activations",
+                saved,
+                f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
+                "alive at the end of forward (measured on meta)",
+                scales_with_depth=True,
+            )
+        ]
     kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
     entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
     again = max(ckpt, key=lambda u: acts.saved_bytes[u])
     return [
-        BoundTerm("saved activations", kept + entries,
-                  f"saved for backward by the {len(acts.saved_bytes) - len(ckpt)} units not "
-                  f"checkpointed and the loss ({kept:,} B), + the inputs the {len(ckpt)} "
-                  f"checkpointed units keep for their recompute ({entries:,} B), all alive at "
-                  "the end of forward (measured on meta)", scales_with_depth=True),
-        BoundTerm("recomputed unit", acts.saved_bytes[again],
-                  f"the saved set of one checkpointed unit while backward recomputes it "
-                  f"(largest: {again})"),
+        BoundTerm(
+            "saved activations",
+            kept + entries,
+            f"saved for backward by the {len(acts.saved_bytes) - len(ckpt)} units not "
+            f"checkpointed and the loss ({kept:,} B), + the inputs the {len(ckpt)} "
+            f"checkpointed units keep for their recompute ({entries:,} B), all alive at "
+            "the end of forward (measured on meta)",
+            scales_with_depth=True,
+        ),
+        BoundTerm(
+            "recomputed unit",
+            acts.saved_bytes[again],
+            f"the saved set of one checkpointed unit while backward recomputes it "
+            f"(largest: {again})",
+        ),
     ]
 
 
@@ -333,8 +401,13 @@ def _reduce_scatter_buffer_numel(numel: int, world_size: int, version: str) -> i
     return out + out * world_size
 
 
-def init_peak_bound(sharded_bytes: int, largest_unit_bytes: int, version: str,
-                    tolerance_fraction: float, fixed_bytes: float) -> tuple[float, int]:
+def init_peak_bound(
+    sharded_bytes: int,
+    largest_unit_bytes: int,
+    version: str,
+    tolerance_fraction: float,
+    fixed_bytes: float,
+) -> tuple[float, int]:
     """Peak while materializing a meta-built model: ``(bound bytes, FSDP1 flat copy bytes)``.
 
     The sharded model this rank keeps, plus one unit unsharded (FSDP1 materializes a whole unit

@@ -67,23 +67,31 @@ def _dcp_loads_without_a_group() -> bool:
 #: FSDP2 (``fully_shard``) on CPU tensors: it records events on the device's current stream,
 #: which torch 2.6's CPU stream cannot ("'Stream' object has no attribute 'record_event'").
 FSDP2_ON_CPU = Capability(
-    "FSDP2 on CPU", "torch.cpu.Stream.record_event, which fully_shard uses on CPU",
-    "first seen in 2.8.0; missing in 2.6.0 (2.7 not measured)", _cpu_stream_records_events)
+    "FSDP2 on CPU",
+    "torch.cpu.Stream.record_event, which fully_shard uses on CPU",
+    "first seen in 2.8.0; missing in 2.6.0 (2.7 not measured)",
+    _cpu_stream_records_events,
+)
 #: Pinned host memory, which FSDP1's ``CPUOffload(offload_params=True)`` keeps its offloaded
 #: shard in: torch pins through an accelerator, so a machine without one has none (FSDP1 refuses
 #: the offload at construction or at its first forward). A property of the machine as much as
 #: of torch.
 PINNED_HOST_MEMORY = Capability(
-    "pinned host memory", "an accelerator to pin host memory through (Tensor.pin_memory), "
+    "pinned host memory",
+    "an accelerator to pin host memory through (Tensor.pin_memory), "
     "which FSDP1's CPUOffload pins its offloaded shard in",
     "missing without a GPU: 2.13.0's CPU wheel ('Cannot access accelerator device when none is "
     "available'), the 2.14.1 and 2.15.0 CUDA wheels ('Found no NVIDIA driver on your system')",
-    _pins_host_memory, remedy="run it on a machine with a GPU")
+    _pins_host_memory,
+    remedy="run it on a machine with a GPU",
+)
 #: Loading a distributed checkpoint in one process without a process group (``no_dist``).
 DCP_NO_DIST = Capability(
-    "torch.distributed.checkpoint.load(no_dist=True)", "the no_dist argument of dcp.load",
+    "torch.distributed.checkpoint.load(no_dist=True)",
+    "the no_dist argument of dcp.load",
     "present in 2.13.0; missing in 2.6.0 (versions between not measured)",
-    _dcp_loads_without_a_group)
+    _dcp_loads_without_a_group,
+)
 
 
 def require(capability: Capability, device_type: str | None = None) -> None:
@@ -92,6 +100,8 @@ def require(capability: Capability, device_type: str | None = None) -> None:
     if capability is FSDP2_ON_CPU and device_type not in (None, "cpu"):
         return
     if not capability.present:
-        skip_rank(f"capability {capability.name!r} is not in torch {torch.__version__} "
-                  f"(needs {capability.needs}; {capability.measured}): skipped by capability, "
-                  f"not a failure; {capability.remedy}")
+        skip_rank(
+            f"capability {capability.name!r} is not in torch {torch.__version__} "
+            f"(needs {capability.needs}; {capability.measured}): skipped by capability, "
+            f"not a failure; {capability.remedy}"
+        )

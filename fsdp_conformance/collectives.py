@@ -30,8 +30,12 @@ from fsdp_conformance import _compat
 from fsdp_conformance.units import clean_fqn
 
 #: The collective kinds recorded, by the words in their ``c10d`` op names.
-KINDS = (("reduce_scatter", "reduce_scatter"), ("allgather", "all_gather"),
-         ("allreduce", "all_reduce"), ("broadcast", "broadcast"))
+KINDS = (
+    ("reduce_scatter", "reduce_scatter"),
+    ("allgather", "all_gather"),
+    ("allreduce", "all_reduce"),
+    ("broadcast", "broadcast"),
+)
 #: The fields of one record (plain data; the report stores the list as it is).
 FIELDS = ("op", "unit", "phase", "in_dtype", "out_dtype", "in_bytes", "out_bytes")
 #: The unit of a collective whose size matches no unit.
@@ -54,8 +58,11 @@ def _side(tensors: Sequence[torch.Tensor]) -> tuple[str | None, int, int]:
     if not tensors:
         return None, 0, 0
     dtypes = sorted({str(t.dtype) for t in tensors})
-    return ("|".join(dtypes), sum(t.numel() * t.element_size() for t in tensors),
-            sum(t.numel() for t in tensors))
+    return (
+        "|".join(dtypes),
+        sum(t.numel() * t.element_size() for t in tensors),
+        sum(t.numel() for t in tensors),
+    )
 
 
 class CollectiveRecorder:
@@ -92,11 +99,17 @@ class CollectiveRecorder:
             full = out if kind == "all_gather" else inp
         in_dtype, in_bytes, _ = _side(inp)
         out_dtype, out_bytes, _ = _side(out)
-        self.records.append({
-            "op": kind, "unit": self.unit_of(_side(full)[2]), "phase": self.phase,
-            "in_dtype": in_dtype, "out_dtype": out_dtype,
-            "in_bytes": in_bytes, "out_bytes": out_bytes,
-        })
+        self.records.append(
+            {
+                "op": kind,
+                "unit": self.unit_of(_side(full)[2]),
+                "phase": self.phase,
+                "in_dtype": in_dtype,
+                "out_dtype": out_dtype,
+                "in_bytes": in_bytes,
+                "out_bytes": out_bytes,
+            }
+        )
 
 
 @contextlib.contextmanager
@@ -150,8 +163,12 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp_cls)]
     for name, module in units:
         # A unit's own parameters: its parameters less those of the units nested in it.
-        inner = {id(p) for n2, m2 in units if n2 != name and (not name or n2.startswith(name + "."))
-                 for p in m2.parameters()}
+        inner = {
+            id(p)
+            for n2, m2 in units
+            if n2 != name and (not name or n2.startswith(name + "."))
+            for p in m2.parameters()
+        }
         own = [p for p in module.parameters() if id(p) not in inner]
         if not own:
             continue

@@ -61,12 +61,13 @@ def in_range(version: str, spec: str) -> bool:
     for clause in spec.split(","):
         match = _CLAUSE.match(clause)
         if match is None:
-            raise ExpectationsError(f"torch range {spec!r}: {clause.strip()!r} is not a clause "
-                                    "such as '>=2.13' or '<2.16'")
+            raise ExpectationsError(
+                f"torch range {spec!r}: {clause.strip()!r} is not a clause "
+                "such as '>=2.13' or '<2.16'"
+            )
         op, bound = match.groups()
         a, b = _padded(have, release(bound))
-        ok = {">=": a >= b, "<=": a <= b, "==": a == b, "!=": a != b, ">": a > b,
-              "<": a < b}[op]
+        ok = {">=": a >= b, "<=": a <= b, "==": a == b, "!=": a != b, ">": a > b, "<": a < b}[op]
         if not ok:
             return False
     return True
@@ -92,10 +93,12 @@ class Expectation:
     kind: str = "defect"
 
     def applies(self, check: str, version: str | None, lane: str, torch_version: str) -> bool:
-        return (check == self.check
-                and (not self.version or version == self.version)
-                and (not self.lane or lane == self.lane)
-                and in_range(torch_version, self.torch))
+        return (
+            check == self.check
+            and (not self.version or version == self.version)
+            and (not self.lane or lane == self.lane)
+            and in_range(torch_version, self.torch)
+        )
 
     def describe(self) -> str:
         return f"{self.reason} (torch {self.torch}; {self.link})"
@@ -113,17 +116,23 @@ def parse(entries: Sequence[Mapping[str, Any]], source: str) -> tuple[Expectatio
             raise ExpectationsError(f"{where} is not a table; write it as [[expected]]")
         missing = [k for k in REQUIRED if not isinstance(entry.get(k), str) or not entry[k]]
         if missing:
-            raise ExpectationsError(f"{where} ({entry.get('check', '?')}): needs "
-                                    f"{', '.join(missing)} (strings); every entry names "
-                                    f"{', '.join(REQUIRED)}")
+            raise ExpectationsError(
+                f"{where} ({entry.get('check', '?')}): needs "
+                f"{', '.join(missing)} (strings); every entry names "
+                f"{', '.join(REQUIRED)}"
+            )
         unknown = sorted(set(entry) - set(REQUIRED) - set(OPTIONAL))
         if unknown:
-            raise ExpectationsError(f"{where} ({entry['check']}): unknown field(s) "
-                                    f"{', '.join(unknown)}; the fields are "
-                                    f"{', '.join(REQUIRED + OPTIONAL)}")
+            raise ExpectationsError(
+                f"{where} ({entry['check']}): unknown field(s) "
+                f"{', '.join(unknown)}; the fields are "
+                f"{', '.join(REQUIRED + OPTIONAL)}"
+            )
         if entry.get("kind", "defect") not in KINDS:
-            raise ExpectationsError(f"{where} ({entry['check']}): kind {entry['kind']!r} is not "
-                                    f"one of {', '.join(KINDS)}; leave it out for a defect")
+            raise ExpectationsError(
+                f"{where} ({entry['check']}): kind {entry['kind']!r} is not "
+                f"one of {', '.join(KINDS)}; leave it out for a defect"
+            )
         try:
             in_range("0", entry["torch"])  # a malformed range fails here, not when it matches
         except ExpectationsError as exc:
@@ -153,8 +162,13 @@ def known_label(kind: str | None) -> str:
     return "known torch change" if kind == "change" else "known torch defect"
 
 
-def find(check: str, version: str | None, lane: str, torch_version: str,
-         expectations: Sequence[Expectation] | None = None) -> Expectation | None:
+def find(
+    check: str,
+    version: str | None,
+    lane: str,
+    torch_version: str,
+    expectations: Sequence[Expectation] | None = None,
+) -> Expectation | None:
     """The expectation covering ``check`` (its FSDP ``version``, ``lane``) on ``torch_version``,
     or None."""
     for expectation in load() if expectations is None else expectations:

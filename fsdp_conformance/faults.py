@@ -58,13 +58,16 @@ class FaultTable(Mapping[str, Fault]):
         given = () if faults is None else (faults,) if isinstance(faults, str) else tuple(faults)
         unknown = [f for f in given if f not in self._faults]
         if unknown:
-            raise ValueError(f"unknown fault(s) {', '.join(map(repr, unknown))}; choose from "
-                             f"{', '.join(self._faults)}")
+            raise ValueError(
+                f"unknown fault(s) {', '.join(map(repr, unknown))}; choose from "
+                f"{', '.join(self._faults)}"
+            )
         return given
 
     @contextlib.contextmanager
-    def inject(self, faults: str | Sequence[str] | None,
-               ctx: RankContext | None = None) -> Iterator[tuple[str, ...]]:
+    def inject(
+        self, faults: str | Sequence[str] | None, ctx: RankContext | None = None
+    ) -> Iterator[tuple[str, ...]]:
         """Apply ``faults`` (a name, names or None) for the duration; yields their names.
 
         ``ctx`` is passed to each fault's effect (a fault that acts per rank needs it)."""

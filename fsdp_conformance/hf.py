@@ -37,8 +37,13 @@ def is_pretrained(model: nn.Module) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def default_inputs(model: nn.Module, batch_size: int, seq_len: int,
-                   device: str | torch.device, generator: torch.Generator) -> dict[str, Any]:
+def default_inputs(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    device: str | torch.device,
+    generator: torch.Generator,
+) -> dict[str, Any]:
     """Keyword inputs from the config: ``input_ids`` below ``vocab_size``, shape (batch, seq).
 
     An encoder-decoder (``config.is_encoder_decoder``) also gets ``decoder_input_ids`` (its

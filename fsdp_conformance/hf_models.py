@@ -41,28 +41,46 @@ def _small(**config: Any) -> dict[str, Any]:
 
 def llama(num_layers: int = 2) -> transformers.PreTrainedModel:
     """A Llama-style causal LM with untied embeddings."""
-    config = transformers.LlamaConfig(**_small(
-        hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=num_layers,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, tie_word_embeddings=False,
-    ))
+    config = transformers.LlamaConfig(
+        **_small(
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=num_layers,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS // 2,
+            tie_word_embeddings=False,
+        )
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def gpt2(num_layers: int = 2) -> transformers.PreTrainedModel:
     """A GPT-2-style causal LM: tied embeddings and dropout 0.1 (transformers' defaults)."""
-    config = transformers.GPT2Config(**_small(
-        n_embd=HIDDEN, n_layer=num_layers, n_head=HEADS, n_positions=64,
-    ))
+    config = transformers.GPT2Config(
+        **_small(
+            n_embd=HIDDEN,
+            n_layer=num_layers,
+            n_head=HEADS,
+            n_positions=64,
+        )
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
 def mixtral(num_layers: int = 2) -> transformers.PreTrainedModel:
     """A mixture-of-experts causal LM: 4 experts per block, 2 chosen per token."""
-    config = transformers.MixtralConfig(**_small(
-        hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=num_layers,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, num_local_experts=4,
-        num_experts_per_tok=2, tie_word_embeddings=False,
-    ))
+    config = transformers.MixtralConfig(
+        **_small(
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=num_layers,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS // 2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )
+    )
     return transformers.MixtralForCausalLM(config)
 
 

@@ -227,8 +227,9 @@ def module_init_for(spec: ModelSpec | None, model: nn.Module) -> ModuleInit:
         assert spec is not None and spec.init_fn  # init_contract checked both
         return UserInit(spec.init_fn)
     if contract == "transformers":
-        return TransformersInit(build_on_meta(spec).model if spec is not None
-                                else _meta_copy(model))
+        return TransformersInit(
+            build_on_meta(spec).model if spec is not None else _meta_copy(model)
+        )
     return RESET_PARAMETERS
 
 
@@ -252,20 +253,25 @@ class UninitializedError(InitError):
     def __init__(self, label: str, untouched: Sequence[tuple[str, str, str]]) -> None:
         self.label = label
         self.untouched = list(untouched)
-        fix = ("make it initialize every tensor the module owns (parameters and buffers, "
-               "non-persistent ones included)")
+        fix = (
+            "make it initialize every tensor the module owns (parameters and buffers, "
+            "non-persistent ones included)"
+        )
         if len(self.untouched) == 1:
             ((fqn, cls, names),) = self.untouched
             text = f"{label} of {fqn} ({cls}) leaves {names} uninitialized; {fix}"
         else:
             modules = [f"{fqn} ({cls}: {names})" for fqn, cls, names in self.untouched]
-            text = (f"{label} leaves tensors of {len(modules)} modules uninitialized: "
-                    f"{listing(modules, 6)}; {fix}")
+            text = (
+                f"{label} leaves tensors of {len(modules)} modules uninitialized: "
+                f"{listing(modules, 6)}; {fix}"
+            )
         super().__init__(text)
 
 
-def full_module_state(module: nn.Module, fqn: str, seed: int,
-                      init: ModuleInit = RESET_PARAMETERS) -> dict[str, torch.Tensor]:
+def full_module_state(
+    module: nn.Module, fqn: str, seed: int, init: ModuleInit = RESET_PARAMETERS
+) -> dict[str, torch.Tensor]:
     """The module's own state *in full*, on CPU, as ``init`` makes it (its reset_parameters).
 
     The module's own tensors (those of ``init.target``: the module itself, or its place in a
@@ -281,8 +287,11 @@ def full_module_state(module: nn.Module, fqn: str, seed: int,
     saved_params, saved_buffers = dict(target._parameters), dict(target._buffers)
     scratch: dict[str, torch.Tensor] = {}
     for kind, name, t in own:
-        s = torch.full(_global_shape(t), float("nan"), dtype=t.dtype) if t.is_floating_point() \
+        s = (
+            torch.full(_global_shape(t), float("nan"), dtype=t.dtype)
+            if t.is_floating_point()
             else torch.zeros(_global_shape(t), dtype=t.dtype)
+        )
         scratch[name] = s
         if kind == "param":
             target._parameters[name] = nn.Parameter(s, requires_grad=False)
@@ -365,7 +374,11 @@ def deterministic_init_(model: nn.Module, seed: int, init: ModuleInit | None = N
 
 
 def _init_module_(
-    module: nn.Module, fqn: str, seed: int, owner: Mapping[int, str], dtensor: type,
+    module: nn.Module,
+    fqn: str,
+    seed: int,
+    owner: Mapping[int, str],
+    dtensor: type,
     init: ModuleInit = RESET_PARAMETERS,
 ) -> None:
     """One module's own state; its full values die on return (one module's worth at a time)."""
@@ -400,8 +413,9 @@ def _copy_to_dtensor(t: Any, full: torch.Tensor) -> None:
             break
         chunks = torch.chunk(piece, t.device_mesh.size(mesh_dim), dim=placement.dim)
         coordinate = t.device_mesh.get_local_rank(mesh_dim)
-        piece = chunks[coordinate] if coordinate < len(chunks) else piece.narrow(
-            placement.dim, 0, 0)
+        piece = (
+            chunks[coordinate] if coordinate < len(chunks) else piece.narrow(placement.dim, 0, 0)
+        )
     if not sliced or piece.shape != local_tensor.shape:
         piece = distribute_tensor(
             full.to(t.device), t.device_mesh, t.placements, src_data_rank=None
@@ -529,5 +543,3 @@ class DeterministicParamInit:
                     import torch.distributed as dist
 
                     dist.broadcast(t.data, src=self.broadcast_from)
-
-

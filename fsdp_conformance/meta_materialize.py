@@ -136,8 +136,13 @@ def materialize(
     return _materialize_fsdp2(model, ctx.device, method, seed, init)
 
 
-def _materialize_fsdp2(model: nn.Module, device: torch.device, method: str,
-                       seed: int, init: ModuleInit = RESET_PARAMETERS) -> nn.Module:
+def _materialize_fsdp2(
+    model: nn.Module,
+    device: torch.device,
+    method: str,
+    seed: int,
+    init: ModuleInit = RESET_PARAMETERS,
+) -> nn.Module:
     """Fill an FSDP2 model sharded on meta with ``method`` (FSDP2 has no ``param_init_fn``)."""
     if method == "seeds":
         model.apply(materialization_fn)  # as the seeds would: no to_empty
@@ -161,7 +166,10 @@ def _materialize_fsdp2(model: nn.Module, device: torch.device, method: str,
 
 
 def reference_for(
-    spec: ModelSpec, method: str, seed: int, device: torch.device,
+    spec: ModelSpec,
+    method: str,
+    seed: int,
+    device: torch.device,
     policy: PolicyName = "recommended",
 ) -> nn.Module:
     """The single-process model each method must reproduce, built from the same seed.
@@ -292,15 +300,17 @@ def inspect_sharded(
             full_bad.append(f"{name} (not in the reference)")
         elif not _equal(t, expected):
             (uninit if _uninitialized(expected) else full_bad).append(name)
-    report.update({
-        "local_mismatch": local_bad,
-        "local_checked": checked,
-        "full_mismatch": full_bad,
-        "uninitialized": uninit,
-        "missing": sorted(set(ref) - set(gathered) - _aliases(reference)),
-        "digest": state_digest(gathered),
-        "reference_digest": state_digest({n: ref[n] for n in gathered if n in ref}),
-    })
+    report.update(
+        {
+            "local_mismatch": local_bad,
+            "local_checked": checked,
+            "full_mismatch": full_bad,
+            "uninitialized": uninit,
+            "missing": sorted(set(ref) - set(gathered) - _aliases(reference)),
+            "digest": state_digest(gathered),
+            "reference_digest": state_digest({n: ref[n] for n in gathered if n in ref}),
+        }
+    )
     return report
 
 
@@ -343,8 +353,10 @@ def _fsdp1_local_mismatches(
         if flat is None:
             continue
         prefix = clean_fqn(name)
-        fqns = [f"{prefix}.{clean_fqn(f)}" if prefix else clean_fqn(f)
-                for f in _compat.fsdp1_param_fqns(flat)]
+        fqns = [
+            f"{prefix}.{clean_fqn(f)}" if prefix else clean_fqn(f)
+            for f in _compat.fsdp1_param_fqns(flat)
+        ]
         reference_flat = torch.cat([ref[f].detach().cpu().reshape(-1) for f in fqns])
         local = flat.detach().cpu().reshape(-1)
         start = ctx.rank * local.numel() if local.numel() < reference_flat.numel() else 0
@@ -377,4 +389,3 @@ def unwrapped(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return model.module if isinstance(model, FSDP) else model
-

@@ -117,8 +117,10 @@ class OSMeter(Meter):
         if not os.path.exists("/proc/self/clear_refs"):
             return "the OS figure needs Linux /proc/self/clear_refs"
         if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]:
-            return ("the OS figure needs MALLOC_MMAP_THRESHOLD_=65536 set before the rank "
-                    "processes start (run with ranks.configured(env=memory.MALLOC_ENV))")
+            return (
+                "the OS figure needs MALLOC_MMAP_THRESHOLD_=65536 set before the rank "
+                "processes start (run with ranks.configured(env=memory.MALLOC_ENV))"
+            )
         return None
 
     def current(self) -> int:
@@ -209,7 +211,6 @@ def cuda_baseline(device: torch.device) -> int:
     """
     import gc
 
-
     gc.collect()
     with torch.random.fork_rng(devices=[device]):  # the check's own seeding stays untouched
         layer = torch.nn.Linear(16, 16, device=device)
@@ -291,8 +292,9 @@ def sharded_param_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def meter_floor_problems(rank: int, meters: Sequence[dict[str, Any]],
-                         param_bytes: int | None) -> list[str]:
+def meter_floor_problems(
+    rank: int, meters: Sequence[dict[str, Any]], param_bytes: int | None
+) -> list[str]:
     """One line per meter whose start or peak is below this rank's parameter shards."""
     if param_bytes is None:
         return []
@@ -303,9 +305,11 @@ def meter_floor_problems(rank: int, meters: Sequence[dict[str, Any]],
         low = {k: m[k] for k in ("start", "peak") if m[k] < param_bytes}
         if low:
             readings = ", ".join(f"{k} {v:,} B" for k, v in low.items())
-            out.append(f"rank {rank}: {m['source']} reads {readings}, less than the "
-                       f"{param_bytes:,} B of parameter shards this rank holds throughout the "
-                       "step: the meter does not see this rank's memory")
+            out.append(
+                f"rank {rank}: {m['source']} reads {readings}, less than the "
+                f"{param_bytes:,} B of parameter shards this rank holds throughout the "
+                "step: the meter does not see this rank's memory"
+            )
     return out
 
 
@@ -316,8 +320,13 @@ def meter_data(
     m: Meter, model: torch.nn.Module, opt: torch.optim.Optimizer | None, batch: Any
 ) -> dict[str, Any]:
     end = resident_tensor_bytes(model, opt, [batch]) if m.source in ("os", "none") else m.current()
-    return {"source": m.source, "start": m.start, "peak": m.peak, "end": end,
-            "breakdown": dict(getattr(m, "breakdown", {}))}
+    return {
+        "source": m.source,
+        "start": m.start,
+        "peak": m.peak,
+        "end": end,
+        "breakdown": dict(getattr(m, "breakdown", {})),
+    }
 
 
 class _NoMeter(Meter):
@@ -331,9 +340,15 @@ class _NoMeter(Meter):
         yield self
 
 
-def make_meter(name: str, ctx: RankContext, model: torch.nn.Module,
-               opt: torch.optim.Optimizer | None, batch: Any,
-                construction: TrackerMeter | None, cuda_base: int = 0) -> Meter:
+def make_meter(
+    name: str,
+    ctx: RankContext,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer | None,
+    batch: Any,
+    construction: TrackerMeter | None,
+    cuda_base: int = 0,
+) -> Meter:
     if name == "MemTracker":
         return construction or tracker_meter(ctx.device)  # type: ignore[return-value]
     if name == "FSDPMemTracker":

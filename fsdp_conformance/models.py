@@ -57,8 +57,13 @@ def default_loss(output: Any) -> torch.Tensor:
     return out
 
 
-def make_batch(model: nn.Module, batch_size: int = 2, seq_len: int = 8,
-               device: str | torch.device = "cpu", seed: int = 1234) -> Any:
+def make_batch(
+    model: nn.Module,
+    batch_size: int = 2,
+    seq_len: int = 8,
+    device: str | torch.device = "cpu",
+    seed: int = 1234,
+) -> Any:
     """A deterministic input batch (the same on every rank for a seed).
 
     A transformers ``PreTrainedModel`` (looked through FSDP1's wrapper) gets keyword inputs
@@ -181,8 +186,10 @@ def load_object(path: str, what: str) -> Any:
                 f"check the name after the colon"
             ) from None
     if not callable(obj):
-        raise ModelSpecError(f"{what} {path!r} is not callable ({type(obj).__name__}); "
-                             "name a function or class after the colon")
+        raise ModelSpecError(
+            f"{what} {path!r} is not callable ({type(obj).__name__}); "
+            "name a function or class after the colon"
+        )
     return obj
 
 
@@ -218,7 +225,8 @@ class ModelSpec:
         if self.depth is not None and (self.reference is not None or self.depth < 1):
             raise ModelSpecError(
                 f"ModelSpec.depth is for a factory and must be >= 1, got {self.depth} "
-                f"({self.name}); set a reference model's depth in its config")
+                f"({self.name}); set a reference model's depth in its config"
+            )
         if self.reference is not None and self.reference not in REFERENCE_MODELS:
             raise ModelSpecError(
                 f"unknown reference model {self.reference!r}; choose one of "
@@ -264,8 +272,9 @@ class ModelSpec:
 
     def _config_at_depth(self, model: Any, depth: int) -> nn.Module:
         if not isinstance(model, nn.Module) or hf.config_depth(model) is None:
-            raise ModelSpecError(f"cannot build {self.factory!r} at {depth} layers: "
-                                 + NO_SETTABLE_DEPTH)
+            raise ModelSpecError(
+                f"cannot build {self.factory!r} at {depth} layers: " + NO_SETTABLE_DEPTH
+            )
         return hf.rebuild_with_depth(model, depth)
 
     def depth_setting(self) -> str | None:
@@ -291,8 +300,9 @@ class ModelSpec:
     def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]:
         """The block classes, resolved against the built model (clear error if absent):
         :func:`fsdp_conformance.block_classes.block_classes_of`."""
-        return block_classes_of(model, given=self.block_cls, reference=self.reference,
-                                name=self.name)
+        return block_classes_of(
+            model, given=self.block_cls, reference=self.reference, name=self.name
+        )
 
     def size_threshold(self, model: nn.Module) -> int:
         """The size-policy threshold: explicit, else scaled from the model's width."""
@@ -303,8 +313,13 @@ class ModelSpec:
             return config.min_params
         return scaled_min_params(infer_width(model))
 
-    def batch(self, model: nn.Module, batch_size: int = 2,
-              device: str | torch.device = "cpu", seq_len: int = 8) -> Any:
+    def batch(
+        self,
+        model: nn.Module,
+        batch_size: int = 2,
+        device: str | torch.device = "cpu",
+        seq_len: int = 8,
+    ) -> Any:
         """An input batch: the user's builder (its own length), else :func:`make_batch`."""
         if self.input_builder:
             builder = load_object(self.input_builder, "input builder")
@@ -389,7 +404,8 @@ class BuiltModel:
             return policies.policy(name, self.model, blocks, SEED_MIN_PARAMS)
         return policies.policy(name, self.model, blocks, self.size_threshold)
 
-    def batch(self, batch_size: int = 2, device: str | torch.device = "cpu",
-              seq_len: int = 8) -> Any:
+    def batch(
+        self, batch_size: int = 2, device: str | torch.device = "cpu", seq_len: int = 8
+    ) -> Any:
         """An input batch for this model (``ModelSpec.batch``)."""
         return self.spec.batch(self.model, batch_size=batch_size, device=device, seq_len=seq_len)

@@ -45,6 +45,7 @@ STARTED_KEY = pytest.StashKey[float]()
 OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
 
+
 @contextlib.contextmanager
 def _uncaptured_stderr(config: pytest.Config) -> Iterator[TextIO]:
     """The terminal's stderr with pytest's capture suspended: a launched rank's stuck check
@@ -77,8 +78,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance", "FSDP conformance suite")
     for option in OPTIONS:
         help_text = f"{option.help} [env {option.env}, ini {option.ini}]"
-        group.addoption(option.flag, dest=option.dest, default=None, metavar=option.metavar,
-                        help=help_text)
+        group.addoption(
+            option.flag, dest=option.dest, default=None, metavar=option.metavar, help=help_text
+        )
         parser.addini(option.ini, help=option.help, default=None)
 
 
@@ -96,7 +98,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # rank pools close; left alone if someone already handles SIGTERM. pytest_unconfigure
     # closes it.
     config.stash[HARNESS_KEY] = HarnessSession(
-        check_timeout=settings.timeout, signals=(signal.SIGTERM,), only_default=True).open()
+        check_timeout=settings.timeout, signals=(signal.SIGTERM,), only_default=True
+    ).open()
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if settings.model:
         _validate_user_model(settings)
@@ -173,8 +176,7 @@ def _world_sizes(
         )
     if limit is not None:
         for size in marker.args:
-            message = limit.error(
-                size, f"the world_size marker of {metafunc.definition.nodeid}")
+            message = limit.error(size, f"the world_size marker of {metafunc.definition.nodeid}")
             if message:
                 raise pytest.UsageError(message)
     return tuple(marker.args)
@@ -237,15 +239,19 @@ def _refuse_process_tests_marked_cpu(items: list[pytest.Item]) -> None:
     """A test marked ``process`` that also carries ``cpu`` (usually a module's ``pytestmark``)
     would run in both lanes: a usage error naming them and the fix. (``process`` with ``gpu`` is
     a GPU test that starts processes: it stays in the GPU lane.)"""
-    both = [item.nodeid for item in items
-            if item.get_closest_marker(PROCESS) and item.get_closest_marker("cpu")]
+    both = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker(PROCESS) and item.get_closest_marker("cpu")
+    ]
     if both:
         shown = ", ".join(both[:3]) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
         raise pytest.UsageError(
             f"{len(both)} test(s) carry both the process and the cpu marker: {shown}. A process "
             "test is not in the CPU lane (`pytest -m process` runs it); remove the cpu marker "
             "from it (a module-level pytestmark included: mark that module's other tests one "
-            "by one)")
+            "by one)"
+        )
 
 
 def _timeout_plugin_active(config: pytest.Config) -> bool:
@@ -331,7 +337,8 @@ def ranks(
     # Under torchrun/srun: the launch's group, joined by the first test; pytest_sessionfinish
     # ends it.
     launcher = request.config.stash[HARNESS_KEY].launch(
-        fsdp_settings.backend, hang_stream=lambda: _uncaptured_stderr(request.config))
+        fsdp_settings.backend, hang_stream=lambda: _uncaptured_stderr(request.config)
+    )
     deadline, deadline_note = None, ""
     outer = _pytest_timeout(request.node)
     if outer is not None:

@@ -151,8 +151,9 @@ def shared_parameter_groups(model: nn.Module) -> list[list[str]]:
 # The registry: every policy by name
 # --------------------------------------------------------------------------------------------
 
-PolicyName = Literal["recommended", "seeds", "seeds_verbatim", "blocks_only", "monolithic",
-                     "top_level"]
+PolicyName = Literal[
+    "recommended", "seeds", "seeds_verbatim", "blocks_only", "monolithic", "top_level"
+]
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 #: The policies that need neither the block classes nor the size threshold (a factory model
 #: may name no block class, and these still apply to it).

@@ -64,10 +64,15 @@ def _grouped_mm_on_meta() -> Any:
         ):
             kwargs = kwargs or {}
             a, b = (args + (None, None))[:2]
-            if (packet is not None and getattr(func, "overloadpacket", None) is packet
-                    and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                    and a.device.type == "meta" and a.dtype != torch.bfloat16
-                    and kwargs.get("out_dtype") is None):
+            if (
+                packet is not None
+                and getattr(func, "overloadpacket", None) is packet
+                and isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.device.type == "meta"
+                and a.dtype != torch.bfloat16
+                and kwargs.get("out_dtype") is None
+            ):
                 out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
                 return out.to(a.dtype)
             return func(*args, **kwargs)
@@ -75,9 +80,14 @@ def _grouped_mm_on_meta() -> Any:
     return GroupedMMOnMeta()
 
 
-def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[UnitInfo],
-                        loss_fn: Callable[[Any], Any] = default_loss, *,
-                        count_flops: bool = True) -> ActivationProfile:
+def profile_activations(
+    model: torch.nn.Module,
+    batch: Any,
+    units: Sequence[UnitInfo],
+    loss_fn: Callable[[Any], Any] = default_loss,
+    *,
+    count_flops: bool = True,
+) -> ActivationProfile:
     """Activation bytes per unit for one forward + loss, measured on a meta model and batch.
 
     Saved tensors are those autograd keeps for backward (``saved_tensors_hooks``), deduplicated
@@ -131,16 +141,25 @@ def profile_activations(model: torch.nn.Module, batch: Any, units: Sequence[Unit
         handles.append(m.register_forward_hook(post))
     flops = _flop_counter(model) if count_flops else _NoFlops()
     try:
-        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-              _grouped_mm_on_meta(), Produced(), flops.mode):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            _grouped_mm_on_meta(),
+            Produced(),
+            flops.mode,
+        ):
             loss_fn(call_model(model, batch))
     finally:
         for h in handles:
             h.remove()
     leaves = tree_leaves(batch)
     input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
-    return ActivationProfile(input_bytes=input_bytes, saved_bytes=saved, produced_bytes=produced,
-                             entry_bytes=entry, forward_flops=flops.by_unit(entry))
+    return ActivationProfile(
+        input_bytes=input_bytes,
+        saved_bytes=saved,
+        produced_bytes=produced,
+        entry_bytes=entry,
+        forward_flops=flops.by_unit(entry),
+    )
 
 
 def _storage_bytes(tree: Any, exclude: set[int]) -> int:
@@ -163,8 +182,10 @@ class _Flops:
         # The planner runs attention as the CPU flash op on meta (plan.activations._attention),
         # which torch's registry does not count: count it as the GPU flash op it stands for.
         mapping: dict[Any, Any] = {}
-        cpu, gpu = flash_attention_cpu_op(), getattr(
-            torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+        cpu, gpu = (
+            flash_attention_cpu_op(),
+            getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None),
+        )
         if cpu is not None and gpu in flop_registry:
             formula = flop_registry[gpu]
 
@@ -216,27 +237,45 @@ _PLANS: dict[tuple[Any, ...], tuple[list[UnitInfo], ActivationProfile, int]] = {
 def _plan_key(spec: ModelSpec, batch_size: int) -> tuple[Any, ...]:
     from fsdp_conformance.models import load_object
 
-    callables = tuple(load_object(path, what) if path else None for path, what in (
-        (spec.factory, "model factory"), (spec.input_builder, "input builder")))
+    callables = tuple(
+        load_object(path, what) if path else None
+        for path, what in ((spec.factory, "model factory"), (spec.input_builder, "input builder"))
+    )
     return (spec, batch_size, *callables)
 
 
-def plan_step(spec: ModelSpec, world_size: int, version: str, *, optimizer: str | None = None,
-              batch_size: int = 2, compute_bytes: int = 4, param_bytes: int = 4,
-              tolerance: float = BOUND_TOLERANCE) -> tuple[list[UnitInfo], StepConfig]:
+def plan_step(
+    spec: ModelSpec,
+    world_size: int,
+    version: str,
+    *,
+    optimizer: str | None = None,
+    batch_size: int = 2,
+    compute_bytes: int = 4,
+    param_bytes: int = 4,
+    tolerance: float = BOUND_TOLERANCE,
+) -> tuple[list[UnitInfo], StepConfig]:
     """The per-layer plan and step configuration of a model, on meta (nothing allocated)."""
     key = _plan_key(spec, batch_size)
     if key not in _PLANS:
         _PLANS[key] = _profile_on_meta(spec, batch_size)
     units, acts, buffers = _PLANS[key]
-    config = StepConfig(world_size=world_size, version=version, param_bytes=param_bytes,
-                        compute_bytes=compute_bytes, optimizer=optimizer, buffer_bytes=buffers,
-                        activations=acts, tolerance=tolerance)
+    config = StepConfig(
+        world_size=world_size,
+        version=version,
+        param_bytes=param_bytes,
+        compute_bytes=compute_bytes,
+        optimizer=optimizer,
+        buffer_bytes=buffers,
+        activations=acts,
+        tolerance=tolerance,
+    )
     return list(units), config
 
 
-def _profile_on_meta(spec: ModelSpec,
-                     batch_size: int) -> tuple[list[UnitInfo], ActivationProfile, int]:
+def _profile_on_meta(
+    spec: ModelSpec, batch_size: int
+) -> tuple[list[UnitInfo], ActivationProfile, int]:
     from fsdp_conformance.units import plan_units
 
     built = spec.instantiate("meta")
@@ -254,4 +293,3 @@ def _profile_on_meta(spec: ModelSpec,
         ) from exc
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
     return units, acts, buffers
-

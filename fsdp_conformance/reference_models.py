@@ -332,8 +332,9 @@ class Rotary(nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32,
-                                     device=self.inv_freq.device)
+            exponents = torch.arange(
+                0, self.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device
+            )
             self.inv_freq.copy_(1.0 / (self.theta ** (exponents / self.head_dim)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,24 +416,53 @@ class ReferenceModel:
 REFERENCE_MODELS: dict[str, ReferenceModel] = {
     m.name: m
     for m in (
-        ReferenceModel("massive", MassiveModel, (DecoderLayer,), "features",
-                       "the seeds' MassiveModel (embed, DecoderLayers, large head)"),
-        ReferenceModel("embedding_classifier", EmbeddingClassifier, (DecoderLayer,), "tokens",
-                       "large embedding table, small classification head"),
-        ReferenceModel("encoder_decoder", EncoderDecoder, (EncoderLayer, DecoderLayer),
-                       "features", "asymmetric encoder-decoder"),
-        ReferenceModel("tied", TiedLM, (DecoderLayer,), "tokens",
-                       "embedding and head share one weight"),
-        ReferenceModel("lora", LoRAModel, (LoRADecoderLayer,), "features",
-                       "frozen base with trainable adapters (mixed requires_grad)"),
-        ReferenceModel("llama", LlamaModel, (LlamaBlock,), "tokens",
-                       "Llama-style blocks with norms, GQA and a rotary non-persistent buffer"),
+        ReferenceModel(
+            "massive",
+            MassiveModel,
+            (DecoderLayer,),
+            "features",
+            "the seeds' MassiveModel (embed, DecoderLayers, large head)",
+        ),
+        ReferenceModel(
+            "embedding_classifier",
+            EmbeddingClassifier,
+            (DecoderLayer,),
+            "tokens",
+            "large embedding table, small classification head",
+        ),
+        ReferenceModel(
+            "encoder_decoder",
+            EncoderDecoder,
+            (EncoderLayer, DecoderLayer),
+            "features",
+            "asymmetric encoder-decoder",
+        ),
+        ReferenceModel(
+            "tied", TiedLM, (DecoderLayer,), "tokens", "embedding and head share one weight"
+        ),
+        ReferenceModel(
+            "lora",
+            LoRAModel,
+            (LoRADecoderLayer,),
+            "features",
+            "frozen base with trainable adapters (mixed requires_grad)",
+        ),
+        ReferenceModel(
+            "llama",
+            LlamaModel,
+            (LlamaBlock,),
+            "tokens",
+            "Llama-style blocks with norms, GQA and a rotary non-persistent buffer",
+        ),
     )
 }
 
 
-def build_reference(name: str, config: ModelConfig | LlamaConfig | None = None,
-                    device: str | torch.device | None = None) -> nn.Module:
+def build_reference(
+    name: str,
+    config: ModelConfig | LlamaConfig | None = None,
+    device: str | torch.device | None = None,
+) -> nn.Module:
     """Build a reference model by name, optionally on a device (``"meta"`` for no storage)."""
     try:
         ref = REFERENCE_MODELS[name]

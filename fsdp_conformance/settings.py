@@ -166,10 +166,12 @@ def world_sizes_left_out(settings: Settings) -> str:
     if not left:
         return ""
     sizes = ",".join(map(str, DEFAULT_WORLD_SIZES))
-    return (f"{','.join(map(str, left))} left out of the default {sizes}: "
-            f"{usable_cores()} core(s) here, one per rank needed; set world sizes {sizes} "
-            f"({OPTIONS_BY_NAME['world_sizes'].cli_flag} / {OPTIONS_BY_NAME['world_sizes'].flag})"
-            " to run it")
+    return (
+        f"{','.join(map(str, left))} left out of the default {sizes}: "
+        f"{usable_cores()} core(s) here, one per rank needed; set world sizes {sizes} "
+        f"({OPTIONS_BY_NAME['world_sizes'].cli_flag} / {OPTIONS_BY_NAME['world_sizes'].flag})"
+        " to run it"
+    )
 
 
 def machine_world_size_limit(
@@ -183,8 +185,11 @@ def machine_world_size_limit(
     limit = by_cores
     if available is not None:
         by_memory = int(available * RANK_MEMORY_SHARE // RANK_BYTES)
-        parts.insert(0, f"memory: {available / 2**30:.1f} GiB available x {RANK_MEMORY_SHARE} / "
-                        f"{RANK_BYTES / MiB:.0f} MiB per idle rank = {by_memory}")
+        parts.insert(
+            0,
+            f"memory: {available / 2**30:.1f} GiB available x {RANK_MEMORY_SHARE} / "
+            f"{RANK_BYTES / MiB:.0f} MiB per idle rank = {by_memory}",
+        )
         limit = min(limit, by_memory)
     return WorldSizeLimit(max(1, limit), "the smaller of " + ", ".join(parts))
 
@@ -477,8 +482,10 @@ def pyproject_settings(start: str) -> dict[str, Any]:
             raise SettingsError(f"{path} is not valid TOML ({exc})") from None
     table = data.get("tool", {}).get(PYPROJECT_TABLE, {})
     if not isinstance(table, dict):
-        raise SettingsError(f"tool.{PYPROJECT_TABLE} in {path} is not a table; write it as "
-                            f"[tool.{PYPROJECT_TABLE}] with keys {', '.join(OPTIONS_BY_NAME)}")
+        raise SettingsError(
+            f"tool.{PYPROJECT_TABLE} in {path} is not a table; write it as "
+            f"[tool.{PYPROJECT_TABLE}] with keys {', '.join(OPTIONS_BY_NAME)}"
+        )
     unknown = sorted(set(table) - set(OPTIONS_BY_NAME))
     if unknown:
         raise SettingsError(

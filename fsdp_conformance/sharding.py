@@ -97,8 +97,9 @@ def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:
     return {"reshard_after_forward": False}
 
 
-def param_dtype_kwargs(version: str, param_dtype: str | None,
-                       reduce_dtype: str | None = None) -> dict[str, Any]:
+def param_dtype_kwargs(
+    version: str, param_dtype: str | None, reduce_dtype: str | None = None
+) -> dict[str, Any]:
     """Mixed precision as a user writes it with only the compute dtype named: FSDP1
     ``MixedPrecision(param_dtype=...)``, FSDP2 ``MixedPrecisionPolicy(param_dtype=...)``, every
     other field left to torch (reduce dtype, buffers, input casts). ``None``: no policy.
@@ -145,8 +146,9 @@ def shard(
     return shard_fsdp2(model, ctx, policy, **kwargs)
 
 
-def checkpoint_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]],
-                      every: int) -> list[str]:
+def checkpoint_blocks(
+    model: nn.Module, block_classes: Sequence[type[nn.Module]], every: int
+) -> list[str]:
     """Activation checkpointing on blocks 0, ``every``, 2 x ``every``, ... of a sharded model
     (``every`` 1: every block); returns their FQNs.
 
@@ -182,12 +184,17 @@ def hsdp_kwargs(ctx: RankContext, version: str, shard_group: int | None) -> dict
     if shard_group is None:
         return {}
     if shard_group < 1 or ctx.world_size % shard_group:
-        raise ValueError(f"HSDP shard group of {shard_group} ranks does not divide world size "
-                         f"{ctx.world_size}; choose a divisor of it")
+        raise ValueError(
+            f"HSDP shard group of {shard_group} ranks does not divide world size "
+            f"{ctx.world_size}; choose a divisor of it"
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(ctx.device_type, (ctx.world_size // shard_group, shard_group),
-                            mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(
+        ctx.device_type,
+        (ctx.world_size // shard_group, shard_group),
+        mesh_dim_names=("replicate", "shard"),
+    )
     if check_fsdp_version(version) == "fsdp2":
         return {"mesh": mesh}
     from torch.distributed.fsdp import ShardingStrategy

@@ -17,8 +17,18 @@ KiB = 2**10
 
 #: Units ``parse_bytes`` accepts (case-insensitive): decimal as device memory is quoted, and
 #: binary with an ``i``.
-UNITS_OF_BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-                  "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+UNITS_OF_BYTES = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 #: The formats in use:
 #: ``binary``: MiB, or KiB below one MiB (reports: small models' units would all read 0.00 MiB);

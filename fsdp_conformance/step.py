@@ -44,8 +44,14 @@ from fsdp_conformance.timeline import Timeline, record_timeline
 
 #: The synchronous collectives FSDP1 and FSDP2 issue on CPU (``torch.distributed`` attributes,
 #: looked up at call time by FSDP, so replacing them for one step reaches every call).
-SYNCED_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-                      "reduce_scatter_tensor", "all_reduce", "broadcast")
+SYNCED_COLLECTIVES = (
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+)
 #: How long a collective's tensors may stay held by gloo's worker after it finished.
 RELEASE_TIMEOUT_S = 60.0
 
@@ -111,6 +117,7 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
             made_here = [r for r in made.refs if _storage_key(r) not in own]
             _wait_for_release(name, made_here, held, before, counts, stats)
             return result
+
         return call
 
     originals = {n: getattr(dist, n) for n in SYNCED_COLLECTIVES if hasattr(dist, n)}
@@ -123,22 +130,28 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
             setattr(dist, n, fn)
 
 
-def _wait_for_release(name: str, made_here: Sequence[weakref.ref[Any]], held: Sequence[Any],
-                      before: Sequence[tuple[int, int]], counts: Callable[[Any], tuple[int, int]],
-                      stats: dict[str, int]) -> None:
+def _wait_for_release(
+    name: str,
+    made_here: Sequence[weakref.ref[Any]],
+    held: Sequence[Any],
+    before: Sequence[tuple[int, int]],
+    counts: Callable[[Any], tuple[int, int]],
+    stats: dict[str, int],
+) -> None:
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
     first = True
     # Released: the arguments' counts are back and every storage gloo made is gone.
-    while (any(r() is not None for r in made_here)
-           or any(a > b0 or s > s0 for t, (b0, s0) in zip(held, before)
-                  for a, s in (counts(t),))):
+    while any(r() is not None for r in made_here) or any(
+        a > b0 or s > s0 for t, (b0, s0) in zip(held, before) for a, s in (counts(t),)
+    ):
         if first:
             stats["waited"] += 1
             first = False
         if time.monotonic() > deadline:
             raise MeasureError(
                 f"gloo still held the tensors of {name} {RELEASE_TIMEOUT_S:.0f} s after "
-                "it returned: the step's memory cannot be measured in program order")
+                "it returned: the step's memory cannot be measured in program order"
+            )
         os.sched_yield()
 
 
@@ -146,7 +159,6 @@ def _storage_key(ref: Any) -> int | None:
     # No strong reference outlives this call: holding one would keep the storage alive.
     st = ref()
     return None if st is None else storage_key(st)
-
 
 
 # ============================================================================================
@@ -187,15 +199,26 @@ def _zero_grad(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
         model.zero_grad(set_to_none=True)
 
 
-
-def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", *,
-                 optimizer: str | None = None, batch_size: int = 2, meter: str = "auto",
-                 also: str | None = None, timeline: bool = True,
-                 track_construction: bool = True,
-                 param_dtype: str | None = None, reduce_dtype: str | None = None,
-                 record: bool = False, checkpoint_every: int = 0,
-                 shard_group: int | None = None, seq_len: int = 8,
-                 offload: bool = False) -> dict[str, Any]:
+def measure_step(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str,
+    wrapping: str = "per_layer",
+    *,
+    optimizer: str | None = None,
+    batch_size: int = 2,
+    meter: str = "auto",
+    also: str | None = None,
+    timeline: bool = True,
+    track_construction: bool = True,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    record: bool = False,
+    checkpoint_every: int = 0,
+    shard_group: int | None = None,
+    seq_len: int = 8,
+    offload: bool = False,
+) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
     ``meter``: "auto" (the CUDA allocator on GPU, torch's tracker on CPU, the OS figure when an
@@ -250,11 +273,16 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         # Resolved before sharding: FSDP2 changes the model's classes in place.
         blocks = built.blocks if checkpoint_every else ()
         policy = built.policy(wrap.policy)
-        sharded = shard(model, ctx, version, policy,
-                        **reshard_kwargs(version, wrap.reshard_after_forward),
-                        **param_dtype_kwargs(version, param_dtype, reduce_dtype),
-                        **hsdp_kwargs(ctx, version, shard_group),
-                        **offload_kwargs(ctx, version, offload))
+        sharded = shard(
+            model,
+            ctx,
+            version,
+            policy,
+            **reshard_kwargs(version, wrap.reshard_after_forward),
+            **param_dtype_kwargs(version, param_dtype, reduce_dtype),
+            **hsdp_kwargs(ctx, version, shard_group),
+            **offload_kwargs(ctx, version, offload),
+        )
         checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every)
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device, seq_len)
@@ -266,8 +294,11 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
         # reads the same step: the tracker alone sees no such memory, and a tracked warm-up
         # costs CPU time. Tracked, the warm-up's collectives also release in program order:
         # a buffer gloo's worker still held would be counted at the start of the measured step.
-        first = (make_meter(primary, ctx, sharded, opt, batch, construction, baseline)
-                 if primary == "FSDPMemTracker" and second else None)
+        first = (
+            make_meter(primary, ctx, sharded, opt, batch, construction, baseline)
+            if primary == "FSDPMemTracker" and second
+            else None
+        )
         with contextlib.ExitStack() as warm:
             if first is not None:
                 warm.enter_context(collectives_release_in_order(ctx.device_type))
@@ -277,8 +308,11 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
     meters = [first or make_meter(primary, ctx, sharded, opt, batch, construction, baseline)]
     if second:
         meters.append(make_meter(second, ctx, sharded, opt, batch, construction, baseline))
-    rec = (record_timeline(sharded, meters[0]) if timeline and primary != "none"
-           else contextlib.nullcontext(Timeline()))
+    rec = (
+        record_timeline(sharded, meters[0])
+        if timeline and primary != "none"
+        else contextlib.nullcontext(Timeline())
+    )
     with contextlib.ExitStack() as stack:
         # Outermost: every free of the step happens on the main thread, in program order.
         synced = stack.enter_context(collectives_release_in_order(ctx.device_type))
@@ -297,12 +331,17 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
             torch.cuda.synchronize(ctx.device)
         seconds = time.perf_counter() - t0
     out = {
-        "rank": ctx.rank, "wrapping": wrapping, "version": version, "seconds": seconds,
+        "rank": ctx.rank,
+        "wrapping": wrapping,
+        "version": version,
+        "seconds": seconds,
         "meters": [meter_data(m, sharded, opt, batch) for m in meters],
         # What every meter must at least see at every instant of the step: this rank's shards.
         "param_bytes": sharded_param_bytes(sharded),
-        "timeline": tl.to_data(), "units": [u.to_dict() for u in actual_units(sharded)],
-        "collectives": dict(synced), "checkpointed": checkpointed,
+        "timeline": tl.to_data(),
+        "units": [u.to_dict() for u in actual_units(sharded)],
+        "collectives": dict(synced),
+        "checkpointed": checkpointed,
     }
     if record:
         out["collective_records"] = recorder.records
@@ -317,8 +356,12 @@ def measure_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str 
 
 #: Dropout modules, zeroed through their ``p``.
 DROPOUT_MODULES = (
-    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
-    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout,
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
 )
 #: A float module attribute whose name holds one of these is a functional dropout probability
 #: (transformers' ``attention_dropout``, passed as ``dropout=`` to the attention interface when
@@ -356,8 +399,11 @@ def disable_dropout(*models: torch.nn.Module) -> list[str]:
                     names.append(where)
                 continue
             for attr, value in list(vars(module).items()):
-                if (isinstance(value, float) and value > 0
-                        and any(w in attr.lower() for w in DROPOUT_ATTR_WORDS)):
+                if (
+                    isinstance(value, float)
+                    and value > 0
+                    and any(w in attr.lower() for w in DROPOUT_ATTR_WORDS)
+                ):
                     setattr(module, attr, 0.0)
                     names.append(f"{where}.{attr}")
         changed.append(names)
@@ -375,8 +421,13 @@ def forward_randomness(model: torch.nn.Module, batch: Any) -> float:
 
     probe = copy.deepcopy(model)
     probe.train()
-    devices = sorted({t.device.index or 0 for t in tree_leaves(batch)
-                      if isinstance(t, torch.Tensor) and t.is_cuda})
+    devices = sorted(
+        {
+            t.device.index or 0
+            for t in tree_leaves(batch)
+            if isinstance(t, torch.Tensor) and t.is_cuda
+        }
+    )
     losses = []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         for seed in (1, 2):

@@ -16,8 +16,7 @@ from fsdp_conformance.meters import Meter
 #: Phases in the order a unit goes through them. ``gather``/``release`` samples are taken just
 #: before FSDP's own pre-/post-forward hooks and ``forward``/``forward_done`` just after, so a
 #: unit's gather is the difference between ``pre_forward`` and ``forward``.
-PHASES = ("pre_forward", "forward", "forward_done", "post_forward", "pre_backward",
-          "post_backward")
+PHASES = ("pre_forward", "forward", "forward_done", "post_forward", "pre_backward", "post_backward")
 
 
 @dataclasses.dataclass
@@ -27,8 +26,9 @@ class Timeline:
     events: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
 
     def to_data(self) -> list[dict[str, Any]]:
-        return [{"i": i, "unit": u, "phase": p, "bytes": b} for i, (u, p, b) in
-                enumerate(self.events)]
+        return [
+            {"i": i, "unit": u, "phase": p, "bytes": b} for i, (u, p, b) in enumerate(self.events)
+        ]
 
 
 def _units_with_modules(model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
@@ -58,8 +58,7 @@ def record_timeline(model: torch.nn.Module, meter: Meter) -> Iterator[Timeline]:
         timeline.events.append((unit, phase, meter.current()))
 
     def tensors(obj: Any) -> list[Any]:
-        return [t for t in tree_leaves(obj)
-                if isinstance(t, torch.Tensor) and t.requires_grad]
+        return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     for fqn, outer, inner in _units_with_modules(model):
         same = outer is inner
@@ -72,7 +71,8 @@ def record_timeline(model: torch.nn.Module, meter: Meter) -> Iterator[Timeline]:
             inputs = tensors(args)
             if inputs:  # fires once the gradients w.r.t. the unit's inputs exist
                 torch.autograd.graph.register_multi_grad_hook(
-                    inputs, lambda _g, fqn=fqn: sample(fqn, "post_backward"), mode="any")
+                    inputs, lambda _g, fqn=fqn: sample(fqn, "post_backward"), mode="any"
+                )
 
         def forward_done(_m: Any, _a: Any, _o: Any, fqn: str = fqn) -> None:
             sample(fqn, "forward_done")
@@ -82,7 +82,8 @@ def record_timeline(model: torch.nn.Module, meter: Meter) -> Iterator[Timeline]:
             outputs = tensors(out)
             if outputs:  # registered after FSDP's own: fires once the unit is gathered again
                 torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda _g, fqn=fqn: sample(fqn, "pre_backward"), mode="any")
+                    outputs, lambda _g, fqn=fqn: sample(fqn, "pre_backward"), mode="any"
+                )
 
         # FSDP2 registers its pre-forward with prepend=True and its post-forward appended;
         # FSDP1 works inside the wrapper's forward. Either way these land on the right side.
@@ -95,4 +96,3 @@ def record_timeline(model: torch.nn.Module, meter: Meter) -> Iterator[Timeline]:
     finally:
         for h in handles:
             h.remove()
-

@@ -244,9 +244,14 @@ def fsdp2_units(model: nn.Module) -> list[UnitInfo]:
         for group in _compat.fsdp2_managed_params(state):
             for param, owners in group:
                 fqn = _owner_fqn(module_names, name, owners)
-                if fqn is None and sharing[id(state)][0] == name and not any(
+                if (
+                    fqn is None
+                    and sharing[id(state)][0] == name
+                    and not any(
                         _owner_fqn(module_names, other, owners) is not None
-                        for other in sharing[id(state)][1:]):
+                        for other in sharing[id(state)][1:]
+                    )
+                ):
                     # Registered nowhere under the unit's modules any more: still the first
                     # module's, under the name torch recorded for it.
                     mod, attr = owners[0]
@@ -312,27 +317,34 @@ def fsdp2_management_problems(model: nn.Module) -> list[str]:
                 if not any(getattr(mod, attr, None) is param for mod, attr in owners):
                     mod, attr = owners[0]
                     where = _join(module_names.get(id(mod), "<module outside the model>"), attr)
-                    stale.append(f"{where}: unit {label} manages a parameter the model no "
-                                 "longer holds there (re-assigned after fully_shard)")
+                    stale.append(
+                        f"{where}: unit {label} manages a parameter the model no "
+                        "longer holds there (re-assigned after fully_shard)"
+                    )
     problems = []
     for fqn, p in model.named_parameters():
         holders = held_by.get(id(p), [])
         if not holders:
             problems.append(f"{fqn}: managed by no FSDP2 param group ({_describe(p, dtensor)})")
         elif len(holders) > 1:
-            problems.append(f"{fqn}: managed by {len(holders)} param groups "
-                            f"({', '.join(holders)}); it must be exactly one")
+            problems.append(
+                f"{fqn}: managed by {len(holders)} param groups "
+                f"({', '.join(holders)}); it must be exactly one"
+            )
         elif not (isinstance(p, dtensor) and any(pl.is_shard() for pl in p.placements)):
-            problems.append(f"{fqn}: managed by {holders[0]} but not sharded "
-                            f"({_describe(p, dtensor)})")
+            problems.append(
+                f"{fqn}: managed by {holders[0]} but not sharded ({_describe(p, dtensor)})"
+            )
     return problems + stale
 
 
 def _describe(p: Any, dtensor: type[Any]) -> str:
     if isinstance(p, dtensor):
-        return (f"DTensor {tuple(p.placements)}, {p.to_local().numel():,} of {p.numel():,} "
-                "elements local")
-    return (f"plain {type(p).__name__}, replicated: all {p.numel():,} elements on every rank")
+        return (
+            f"DTensor {tuple(p.placements)}, {p.to_local().numel():,} of {p.numel():,} "
+            "elements local"
+        )
+    return f"plain {type(p).__name__}, replicated: all {p.numel():,} elements on every rank"
 
 
 def _is_below(name: str, ancestor: str) -> bool:
@@ -356,9 +368,9 @@ def actual_units(model: nn.Module) -> list[UnitInfo]:
 def format_unit_tree(units: Sequence[UnitInfo], title: str | None = None) -> str:
     """The units as an indented tree, in the spirit of the seeds' ``print(fsdp_model)``::
 
-        MassiveModel (root)                 4,160 params
-        ├── layers.0  DecoderLayer          37,184 params  local 18,592
-        └── head      Linear                32,500 params
+    MassiveModel (root)                 4,160 params
+    ├── layers.0  DecoderLayer          37,184 params  local 18,592
+    └── head      Linear                32,500 params
     """
     by_parent: dict[str | None, list[UnitInfo]] = {}
     for u in units:
@@ -424,8 +436,11 @@ def unit_set_differences(expected: Sequence[UnitInfo], actual: Sequence[UnitInfo
             "(--fsdp-block-cls) or check the size threshold"
         )
     expected_fqns = {u.fqn for u in expected}
-    nested = [u for u in actual if u.fqn not in expected_fqns and u.parent in expected_fqns
-              and u.parent != ROOT]
+    nested = [
+        u
+        for u in actual
+        if u.fqn not in expected_fqns and u.parent in expected_fqns and u.parent != ROOT
+    ]
     for u in nested:
         diffs.append(f"! {u.fqn} is a unit nested inside the block unit {u.parent}")
     return diffs

@@ -87,12 +87,27 @@ def verdict_passes(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
 
 
 CHECKS = (
-    Check(BLOCKING, "test only: every rank waits in the check until the run is signalled",
-          rank_blocks_until_signalled, verdict_passes, lanes=("cpu",)),
-    Check(LAUNCH_ENVIRONMENT, "test only: what the launch provides, as each rank sees it",
-          rank_launch_environment, verdict_launch_environment, lanes=("cpu",)),
-    Check(FAILING_ON_RANK1, "test only: passes on rank 0, raises on rank 1",
-          rank_fails_on_rank1, verdict_passes, lanes=("cpu",)),
+    Check(
+        BLOCKING,
+        "test only: every rank waits in the check until the run is signalled",
+        rank_blocks_until_signalled,
+        verdict_passes,
+        lanes=("cpu",),
+    ),
+    Check(
+        LAUNCH_ENVIRONMENT,
+        "test only: what the launch provides, as each rank sees it",
+        rank_launch_environment,
+        verdict_launch_environment,
+        lanes=("cpu",),
+    ),
+    Check(
+        FAILING_ON_RANK1,
+        "test only: passes on rank 0, raises on rank 1",
+        rank_fails_on_rank1,
+        verdict_passes,
+        lanes=("cpu",),
+    ),
 )
 
 

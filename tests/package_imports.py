@@ -25,9 +25,13 @@ def _statements(source: str) -> Iterator[tuple[str, tuple[str, ...]]]:
                 yield alias.name, ()
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module, tuple(a.name for a in node.names)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             yield node.args[0].value, ()
 
 
@@ -73,8 +77,11 @@ def module_imports(source: str, package_dir: pathlib.Path) -> set[str]:
 
 def relative_imports(source: str) -> list[int]:
     """Line numbers of relative imports (``from .x import y``), which the readers above skip."""
-    return [node.lineno for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.ImportFrom) and node.level > 0]
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    ]
 
 
 def file_imports(path: pathlib.Path) -> set[str]:

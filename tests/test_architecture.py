@@ -55,6 +55,7 @@ LAYERS: dict[str, str] = {
     "claims": "claims",
     "gate": "gate",
     "cli": "wiring",
+    "cli_parser": "wiring",
     "plugin": "wiring",
     "model_tests": "wiring",
 }
@@ -84,40 +85,98 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     "harness.outcomes": {"harness.protocol"},
     "harness.forkserver": {"harness.outcomes"},
     "harness.timeouts": set(),
-    "harness.pool": {"harness.protocol", "harness.outcomes", "harness.forkserver",
-                     "harness.timeouts"},
-    "harness.manager": {"harness.protocol", "harness.outcomes", "harness.forkserver",
-                        "harness.timeouts", "harness.pool"},
-    "harness.launcher": {"harness.protocol", "harness.outcomes", "harness.worker",
-                         "harness.interrupts"},
-    "harness.session": {"harness.protocol", "harness.outcomes", "harness.interrupts",
-                        "harness.forkserver", "harness.timeouts", "harness.pool",
-                        "harness.manager", "harness.launcher"},
+    "harness.pool": {
+        "harness.protocol",
+        "harness.outcomes",
+        "harness.forkserver",
+        "harness.timeouts",
+    },
+    "harness.manager": {
+        "harness.protocol",
+        "harness.outcomes",
+        "harness.forkserver",
+        "harness.timeouts",
+        "harness.pool",
+    },
+    "harness.launcher": {
+        "harness.protocol",
+        "harness.outcomes",
+        "harness.worker",
+        "harness.interrupts",
+    },
+    "harness.session": {
+        "harness.protocol",
+        "harness.outcomes",
+        "harness.interrupts",
+        "harness.forkserver",
+        "harness.timeouts",
+        "harness.pool",
+        "harness.manager",
+        "harness.launcher",
+    },
 }
 
 #: Imports the layer table allows but a module must not make, each with the reason.
 NEVER: dict[str, dict[str, str]] = {
-    "policies": {"models": "models imports policies (SEED_MIN_PARAMS, block-class resolution); "
-                           "the way back is the import cycle the seeds' threshold used to close"},
-    "model_tests": {"plugin": "wiring importing wiring: the plugin parametrizes "
-                              "conformance_check, model_tests.py holds only the test"},
+    "policies": {
+        "models": "models imports policies (SEED_MIN_PARAMS, block-class resolution); "
+        "the way back is the import cycle the seeds' threshold used to close"
+    },
+    "model_tests": {
+        "plugin": "wiring importing wiring: the plugin parametrizes "
+        "conformance_check, model_tests.py holds only the test"
+    },
 }
 
 #: The modules each folder of the package holds (the diagram in docs/architecture.md); a claim
 #: that is a folder of check families is a folder of its own here (``claims/state``).
 FOLDERS: dict[str, set[str]] = {
-    "harness": {"protocol", "outcomes", "timeouts", "pool", "manager", "forkserver", "launcher",
-                "ranks", "session", "worker", "clean_state", "interrupts"},
+    "harness": {
+        "protocol",
+        "outcomes",
+        "timeouts",
+        "pool",
+        "manager",
+        "forkserver",
+        "launcher",
+        "ranks",
+        "session",
+        "worker",
+        "clean_state",
+        "interrupts",
+    },
     "claims": {"check", "defaults"},
-    "claims/memory": {"measurement", "peak_within_bound", "sawtooth", "depth_invariance",
-                      "meter_agrees", "mixed_precision_peak", "plan_estimate_matches"},
+    "claims/memory": {
+        "measurement",
+        "peak_within_bound",
+        "sawtooth",
+        "depth_invariance",
+        "meter_agrees",
+        "mixed_precision_peak",
+        "plan_estimate_matches",
+    },
     "claims/wrap": {"units", "builders", "train", "mixed", "prefetch", "wrapping"},
-    "claims/init": {"meta_build", "weights", "seeds", "broadcast", "train_step", "peak_memory",
-                    "reports"},
-    "claims/state": {"round_trip", "resume", "dcp", "reshard", "checkpoint", "summon",
-                     "state_dicts", "faults"},
+    "claims/init": {
+        "meta_build",
+        "weights",
+        "seeds",
+        "broadcast",
+        "train_step",
+        "peak_memory",
+        "reports",
+    },
+    "claims/state": {
+        "round_trip",
+        "resume",
+        "dcp",
+        "reshard",
+        "checkpoint",
+        "summon",
+        "state_dicts",
+        "faults",
+    },
     "plan": {"model", "activations", "estimate", "verify", "report"},
-    "gate": {"suite", "report", "compare", "plots"},
+    "gate": {"suite", "outputs", "report", "compare", "plots"},
 }
 
 #: Private torch access: a ``._name`` step in a dotted torch path, FSDP1's handle, storage
@@ -192,8 +251,9 @@ def _table_names(module: str, folders: set[str]) -> tuple[str, ...]:
     return (head,)
 
 
-def _table_mismatches(table: dict[str, str], modules: list[str], folders: set[str],
-                      layers: dict[str, str]) -> list[str]:
+def _table_mismatches(
+    table: dict[str, str], modules: list[str], folders: set[str], layers: dict[str, str]
+) -> list[str]:
     """Modules no row names, modules in another layer than ``layers`` says, rows naming none."""
     bad = []
     for module in modules:
@@ -201,11 +261,16 @@ def _table_mismatches(table: dict[str, str], modules: list[str], folders: set[st
         if not names:
             bad.append(f"{module} is in no row of the layer table")
         elif table[names[0]] != layers[module.split(".")[0]]:
-            bad.append(f"{module} is in the {table[names[0]]} row; its layer is "
-                       f"{layers[module.split('.')[0]]}")
+            bad.append(
+                f"{module} is in the {table[names[0]]} row; its layer is "
+                f"{layers[module.split('.')[0]]}"
+            )
     covered = {n for m in modules for n in _table_names(m, folders)}
-    bad += [f"the layer table names {name}, no module of the package" for name in table
-            if name not in covered]
+    bad += [
+        f"the layer table names {name}, no module of the package"
+        for name in table
+        if name not in covered
+    ]
     return bad
 
 
@@ -215,7 +280,8 @@ def test_the_layer_table_in_the_docs_names_every_module_in_its_layer() -> None:
     modules = [name for name, _ in _modules() if name != "__init__"]
     bad = _table_mismatches(table, modules, set(FOLDERS), LAYERS)
     assert not bad, "docs/architecture.md's layer table and the package disagree:\n" + (
-        "\n".join(bad))
+        "\n".join(bad)
+    )
 
 
 def test_the_layer_table_check_catches_a_module_missing_from_it() -> None:
@@ -235,7 +301,8 @@ def test_the_layer_table_check_catches_a_module_missing_from_it() -> None:
     layers = {"sizes": "base", "settings": "base", "harness": "harness", "claims": "claims"}
     folders = {"harness", "claims"}
     assert _table_mismatches(table, modules[:-1], folders, layers) == [
-        "the layer table names gone, no module of the package"]
+        "the layer table names gone, no module of the package"
+    ]
     assert _table_mismatches(table, modules, folders, layers) == [
         "claims.wrap is in no row of the layer table",
         "the layer table names gone, no module of the package",
@@ -247,7 +314,8 @@ def test_the_layer_table_check_catches_a_module_missing_from_it() -> None:
     ]
     moved = _layer_table(text.replace("| base |", "| blocks |"))
     assert _table_mismatches(moved, modules[:1], folders, layers)[0] == (
-        "sizes is in the blocks row; its layer is base")
+        "sizes is in the blocks row; its layer is base"
+    )
 
 
 def test_each_layer_imports_only_the_layers_below_it() -> None:
@@ -276,7 +344,8 @@ def test_no_claim_imports_another_claim() -> None:
             if parts[0] == "claims" and len(parts) > 1 and parts[1] not in ("check", own):
                 bad.append(f"{name} imports {'.'.join(parts[:2])}")
     assert not bad, "a claim imports another claim; move the shared code to a block:\n" + (
-        "\n".join(bad))
+        "\n".join(bad)
+    )
 
 
 def _short(dotted: str) -> str:
@@ -290,8 +359,10 @@ def _within_layer_violations(name: str, imported: set[str]) -> list[str]:
         if name in WITHIN_LAYER_ONLY and target != name and _layer(target) == _layer(name):
             allowed = WITHIN_LAYER_ONLY[name]
             if target not in allowed:
-                bad.append(f"{name} imports {target}; of its layer it may import only "
-                           f"{', '.join(sorted(allowed)) or 'nothing'}")
+                bad.append(
+                    f"{name} imports {target}; of its layer it may import only "
+                    f"{', '.join(sorted(allowed)) or 'nothing'}"
+                )
         for forbidden, why in NEVER.get(name, {}).items():
             if target == forbidden or target.startswith(forbidden + "."):
                 bad.append(f"{name} imports {target}: {why}")
@@ -299,11 +370,14 @@ def _within_layer_violations(name: str, imported: set[str]) -> list[str]:
 
 
 def test_the_rules_inside_a_layer_hold() -> None:
-    bad = [v for name, path in _modules()
-           for v in _within_layer_violations(
-               name, module_imports(path.read_text(encoding="utf-8"), PACKAGE))]
-    assert not bad, "import rule inside a layer broken (docs/architecture.md):\n" + (
-        "\n".join(bad))
+    bad = [
+        v
+        for name, path in _modules()
+        for v in _within_layer_violations(
+            name, module_imports(path.read_text(encoding="utf-8"), PACKAGE)
+        )
+    ]
+    assert not bad, "import rule inside a layer broken (docs/architecture.md):\n" + ("\n".join(bad))
 
 
 def test_the_rules_inside_a_layer_catch_the_edges_they_forbid() -> None:
@@ -314,25 +388,33 @@ def test_the_rules_inside_a_layer_catch_the_edges_they_forbid() -> None:
         "\ndef _sneak():\n"
         "    from fsdp_conformance.harness.pool import RankPool\n"
         "    from fsdp_conformance.harness import Ranks\n"
-        "    return RankPool, Ranks\n")
-    assert [v.split(";")[0] for v in _within_layer_violations(
-        "harness.worker", module_imports(worker, PACKAGE))] == [
-        "harness.worker imports harness", "harness.worker imports harness.pool"]
+        "    return RankPool, Ranks\n"
+    )
+    assert [
+        v.split(";")[0]
+        for v in _within_layer_violations("harness.worker", module_imports(worker, PACKAGE))
+    ] == ["harness.worker imports harness", "harness.worker imports harness.pool"]
     assert _within_layer_violations(
-        "policies", module_imports("from fsdp_conformance.models import ModelSpec", PACKAGE))
+        "policies", module_imports("from fsdp_conformance.models import ModelSpec", PACKAGE)
+    )
     plugin_back = "def f(m):\n    from fsdp_conformance.plugin import SETTINGS_KEY\n"
     assert _within_layer_violations("model_tests", module_imports(plugin_back, PACKAGE)) == [
-        f"model_tests imports plugin: {NEVER['model_tests']['plugin']}"]
+        f"model_tests imports plugin: {NEVER['model_tests']['plugin']}"
+    ]
     assert not _within_layer_violations(
-        "harness.pool", module_imports(
-            "from fsdp_conformance.harness import outcomes, protocol", PACKAGE))
+        "harness.pool",
+        module_imports("from fsdp_conformance.harness import outcomes, protocol", PACKAGE),
+    )
 
 
 def test_the_package_uses_absolute_imports_only() -> None:
     # The readers of the import graph see absolute imports only; a relative one
     # (`from ..cli import main` in the planner) would slip past every rule above.
-    bad = [f"{path.relative_to(ROOT)}:{line}" for _, path in _modules()
-           for line in relative_imports(path.read_text(encoding="utf-8"))]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for _, path in _modules()
+        for line in relative_imports(path.read_text(encoding="utf-8"))
+    ]
     assert not bad, "relative imports (write fsdp_conformance.x):\n" + "\n".join(bad)
     assert relative_imports("import os\ndef f():\n    from ..cli import main\n") == [3]
 
@@ -349,8 +431,10 @@ def test_each_folder_is_a_regular_package_with_its_modules() -> None:
 
 def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
     """Source lines without comments (private names in prose are fine)."""
-    return [(i, line.split("#", 1)[0])
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)]
+    return [
+        (i, line.split("#", 1)[0])
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+    ]
 
 
 def test_private_torch_access_only_in_compat() -> None:
@@ -365,8 +449,12 @@ def test_private_torch_access_only_in_compat() -> None:
 
 
 def test_the_private_access_pattern_catches_the_usual_forms() -> None:
-    for code in ("from torch.utils._pytree import tree_map", "m._handle.flat_param",
-                 "torch.distributed.fsdp._init_utils", "t.untyped_storage()._cdata"):
+    for code in (
+        "from torch.utils._pytree import tree_map",
+        "m._handle.flat_param",
+        "torch.distributed.fsdp._init_utils",
+        "t.untyped_storage()._cdata",
+    ):
         assert PRIVATE_TORCH.search(code), code
     for code in ("import torch.distributed as dist", "torch.nn.init.zeros_(w)", "self._ranks"):
         assert not PRIVATE_TORCH.search(code), code
@@ -377,7 +465,10 @@ def test_nothing_cites_a_file_outside_the_repository() -> None:
     files = [p for p in (ROOT / "fsdp_conformance").rglob("*.py")]
     files += [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_architecture.py"]
     files += list((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
-    bad = [f"{p.relative_to(ROOT)}:{i}" for p in files
-           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-           if "NOTES.md" in line or "shared/seeds" in line]
+    bad = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in files
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if "NOTES.md" in line or "shared/seeds" in line
+    ]
     assert not bad, "references to files outside the repository:\n" + "\n".join(bad)

@@ -32,9 +32,11 @@ def test_a_missing_capability_is_a_skip_naming_it_the_torch_and_where_it_was_mea
     with pytest.raises(CheckSkipped) as info:
         require(missing)
     said = str(info.value)
-    assert said.startswith(f"capability 'a feature' is not in torch {torch.__version__} "
-                           "(needs torch.thing.attr; first seen in 9.9.0): skipped by "
-                           "capability, not a failure"), said
+    assert said.startswith(
+        f"capability 'a feature' is not in torch {torch.__version__} "
+        "(needs torch.thing.attr; first seen in 9.9.0): skipped by "
+        "capability, not a failure"
+    ), said
 
 
 def test_a_probe_that_raises_finds_nothing_and_fsdp2_on_gpu_is_not_asked_about_cpu() -> None:
@@ -68,7 +70,10 @@ def test_pinned_host_memory_is_there_exactly_where_torch_has_a_gpu_and_its_skip_
     # FSDP1's CPU offload pins its shard: a machine without a GPU cannot (this one, CI's).
     assert capabilities.PINNED_HOST_MEMORY.present == torch.cuda.is_available()
     if not torch.cuda.is_available():
-        with pytest.raises(CheckSkipped, match=r"capability 'pinned host memory' is not in torch "
-                           r".*skipped by capability, not a failure; run it on a machine with a "
-                           r"GPU$"):
+        with pytest.raises(
+            CheckSkipped,
+            match=r"capability 'pinned host memory' is not in torch "
+            r".*skipped by capability, not a failure; run it on a machine with a "
+            r"GPU$",
+        ):
             require(capabilities.PINNED_HOST_MEMORY)

@@ -62,18 +62,22 @@ def naming_problems(check: Check) -> list[str]:
     allowed = {"rank": _allowed_rank_names(check), "verdict": _prefixes(check.name, "verdict")}
     for fn, kind in ((check.rank_fn, "rank"), (check.verdict, "verdict")):
         if fn.__name__ not in allowed[kind]:
-            problems.append(f"{check.name}: {kind} function {fn.__name__} is not one of "
-                            f"{', '.join(allowed[kind])}")
+            problems.append(
+                f"{check.name}: {kind} function {fn.__name__} is not one of "
+                f"{', '.join(allowed[kind])}"
+            )
     return problems
 
 
-def _variants_only(node: ast.expr, helpers: Mapping[str, ast.FunctionDef],
-                   seen: frozenset[str] = frozenset()) -> bool:
+def _variants_only(
+    node: ast.expr, helpers: Mapping[str, ast.FunctionDef], seen: frozenset[str] = frozenset()
+) -> bool:
     """``variants(...)``, ``a + b`` of such, or a call to a function of the same module whose
     every return is such a chain (``wrap``'s per-version chain): the one registration shape."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _variants_only(node.left, helpers, seen) and _variants_only(node.right, helpers,
-                                                                           seen)
+        return _variants_only(node.left, helpers, seen) and _variants_only(
+            node.right, helpers, seen
+        )
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
         return False
     if node.func.id == "variants":
@@ -83,7 +87,8 @@ def _variants_only(node: ast.expr, helpers: Mapping[str, ast.FunctionDef],
         return False
     returns = [r.value for r in ast.walk(helper) if isinstance(r, ast.Return)]
     return bool(returns) and all(
-        r is not None and _variants_only(r, helpers, seen | {node.func.id}) for r in returns)
+        r is not None and _variants_only(r, helpers, seen | {node.func.id}) for r in returns
+    )
 
 
 def registration_problems(source: str, label: str) -> list[str]:
@@ -94,28 +99,42 @@ def registration_problems(source: str, label: str) -> list[str]:
     tree = ast.parse(source)
     helpers = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "Check"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "Check"
+        ):
             problems.append(f"{label}:{node.lineno}: builds Check(...) directly")
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         for target in targets:
             if isinstance(target, ast.Name) and target.id.endswith("CHECKS"):
                 registered += 1
                 value = node.value  # type: ignore[union-attr]
                 if value is None or not _variants_only(value, helpers):
-                    problems.append(f"{label}:{node.lineno}: {target.id} is not a concatenation "
-                                    "of variants(...) calls")
-    calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Name) and n.func.id == "variants"]
+                    problems.append(
+                        f"{label}:{node.lineno}: {target.id} is not a concatenation "
+                        "of variants(...) calls"
+                    )
+    calls = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "variants"
+    ]
     if calls and not registered:
         problems.append(f"{label}:{calls[0]}: variants(...) outside a CHECKS assignment")
     return problems
 
 
 def _claim_sources() -> list[Path]:
-    return sorted(p for p in CLAIMS.rglob("*.py") if p.name != "check.py"
-                  and p != CLAIMS / "__init__.py")
+    return sorted(
+        p for p in CLAIMS.rglob("*.py") if p.name != "check.py" and p != CLAIMS / "__init__.py"
+    )
 
 
 @pytest.mark.parametrize("check", EVERY_CHECK, ids=lambda c: c.name)
@@ -144,19 +163,26 @@ def test_a_table_loop_or_a_direct_check_breaks_the_registration_shape() -> None:
     direct = "X = Check('wrap.x', 'text', rank_x, verdict_x)\n"
     stray = "EXTRA = variants('wrap.x', 'text', rank_x, verdict_x)\n"
     assert registration_problems(loop, "loop.py") == [
-        "loop.py:1: CHECKS is not a concatenation of variants(...) calls"]
+        "loop.py:1: CHECKS is not a concatenation of variants(...) calls"
+    ]
     assert registration_problems(direct, "direct.py") == ["direct.py:1: builds Check(...) directly"]
     assert registration_problems(stray, "stray.py") == [
-        "stray.py:1: variants(...) outside a CHECKS assignment"]
+        "stray.py:1: variants(...) outside a CHECKS assignment"
+    ]
     chain = "CHECKS = variants('a.b', 't', r, v) + variants('a.c', 't', r, v)\n"
     assert registration_problems(chain, "chain.py") == []
-    per_version = ("def _one(v):\n    return variants('a.b', 't', r, v, versions=(v,))\n"
-                   "CHECKS = _one('fsdp1') + _one('fsdp2')\n")
+    per_version = (
+        "def _one(v):\n    return variants('a.b', 't', r, v, versions=(v,))\n"
+        "CHECKS = _one('fsdp1') + _one('fsdp2')\n"
+    )
     assert registration_problems(per_version, "per_version.py") == []
-    table = ("def _rows():\n    return tuple(c for row in ROWS for c in variants(*row))\n"
-             "CHECKS = _rows()\n")
+    table = (
+        "def _rows():\n    return tuple(c for row in ROWS for c in variants(*row))\n"
+        "CHECKS = _rows()\n"
+    )
     assert registration_problems(table, "table.py") == [
-        "table.py:3: CHECKS is not a concatenation of variants(...) calls"]
+        "table.py:3: CHECKS is not a concatenation of variants(...) calls"
+    ]
 
 
 def test_every_claim_module_is_a_package_of_check_families_or_one_module() -> None:
@@ -169,11 +195,19 @@ def test_every_claim_module_is_a_package_of_check_families_or_one_module() -> No
 
 def test_variants_put_the_version_and_model_in_params_never_in_the_name() -> None:
     a, b = ModelSpec(reference="massive"), ModelSpec(reference="tied")
-    built = variants("wrap.x", {"fsdp1": "one", "fsdp2": "two"}, _rank, _verdict,
-                     specs=(a, b), policy="recommended")
+    built = variants(
+        "wrap.x",
+        {"fsdp1": "one", "fsdp2": "two"},
+        _rank,
+        _verdict,
+        specs=(a, b),
+        policy="recommended",
+    )
     assert [(c.name, c.params["version"], c.params["spec"], c.description) for c in built] == [
-        ("wrap.x", "fsdp1", a, "one"), ("wrap.x", "fsdp1", b, "one"),
-        ("wrap.x", "fsdp2", a, "two"), ("wrap.x", "fsdp2", b, "two"),
+        ("wrap.x", "fsdp1", a, "one"),
+        ("wrap.x", "fsdp1", b, "one"),
+        ("wrap.x", "fsdp2", a, "two"),
+        ("wrap.x", "fsdp2", b, "two"),
     ]
     assert all(c.params["policy"] == "recommended" and c.claim == "wrap" for c in built)
     (plain,) = variants("init.y", "text", _rank, _verdict, versions=None, lanes=("cpu",), k=1)

@@ -105,8 +105,15 @@ class Stubs:
         self.fake.mkdir()
         self.log.touch()
         self.python = self.bin / "python"
-        for name in ("python", "python3", "pip", "pip3", "fsdp-conformance", "torchrun",
-                     "nvidia-smi"):
+        for name in (
+            "python",
+            "python3",
+            "pip",
+            "pip3",
+            "fsdp-conformance",
+            "torchrun",
+            "nvidia-smi",
+        ):
             (self.bin / name).write_text(STUB)
             (self.bin / name).chmod(0o755)
 
@@ -119,25 +126,36 @@ class Stubs:
     def missing(self, module: str) -> None:
         """Make ``import module`` fail as a module that is not installed does."""
         (self.fake / f"{module}.py").write_text(
-            f"raise ModuleNotFoundError(\"No module named '{module}'\", name={module!r})\n")
+            f"raise ModuleNotFoundError(\"No module named '{module}'\", name={module!r})\n"
+        )
 
     def run(self, script: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("FSDP_CONFORMANCE_", "TORCH_", "GPU_", "STUB_", "FAKE_"))
-                and k not in ("PYTHON", "PYTHONPATH", "OUT", "CUDA_VISIBLE_DEVICES",
-                              "VIRTUAL_ENV")}
-        base.update({
-            "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHON": str(self.python),
-            "OUT": str(self.out),
-            "GPU_VENV_ROOT": str(self.venvs),
-            "STUB_LOG": str(self.log),
-            "STUB_SELF": str(self.python),
-            "REAL_PYTHON": sys.executable,
-        })
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("FSDP_CONFORMANCE_", "TORCH_", "GPU_", "STUB_", "FAKE_"))
+            and k not in ("PYTHON", "PYTHONPATH", "OUT", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV")
+        }
+        base.update(
+            {
+                "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+                "PYTHON": str(self.python),
+                "OUT": str(self.out),
+                "GPU_VENV_ROOT": str(self.venvs),
+                "STUB_LOG": str(self.log),
+                "STUB_SELF": str(self.python),
+                "REAL_PYTHON": sys.executable,
+            }
+        )
         base.update(env)
-        return subprocess.run(["bash", str(ROOT / script), *args], env=base, text=True,
-                              capture_output=True, timeout=180, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            ["bash", str(ROOT / script), *args],
+            env=base,
+            text=True,
+            capture_output=True,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
 
     def calls(self, needle: str = "") -> list[str]:
         return [line for line in self.log.read_text().splitlines() if needle in line]
@@ -210,17 +228,24 @@ def test_gpu_check_names_a_missing_pytest_timeout(stubs: Stubs) -> None:
     assert not stubs.calls(" -m pytest"), "the tests ran without their dependencies"
 
 
-@pytest.mark.parametrize(("devices", "sizes", "launched", "pytest_rc", "report_rc"), [
-    (1, "1", "1", 1, 0),
-    (3, "1,2", "2", 0, 4),
-    (8, "1,2,4,8", "8", 1, 0),
-])
+@pytest.mark.parametrize(
+    ("devices", "sizes", "launched", "pytest_rc", "report_rc"),
+    [
+        (1, "1", "1", 1, 0),
+        (3, "1,2", "2", 0, 4),
+        (8, "1,2,4,8", "8", 1, 0),
+    ],
+)
 @process
 def test_gpu_check_runs_every_world_size_and_keeps_the_artifacts_and_the_worst_status(
-        stubs: Stubs, devices: int, sizes: str, launched: str, pytest_rc: int,
-        report_rc: int) -> None:
-    env = {**stubs.fake_torch(devices), "GPU_CHECK_INSTALL": "0",
-           "STUB_PYTEST_RC": str(pytest_rc), "STUB_REPORT_RC": str(report_rc)}
+    stubs: Stubs, devices: int, sizes: str, launched: str, pytest_rc: int, report_rc: int
+) -> None:
+    env = {
+        **stubs.fake_torch(devices),
+        "GPU_CHECK_INSTALL": "0",
+        "STUB_PYTEST_RC": str(pytest_rc),
+        "STUB_REPORT_RC": str(report_rc),
+    }
     result = stubs.run("ci/gpu-check.sh", env)
     assert result.returncode == max(pytest_rc, report_rc), result.stdout + result.stderr
     tests = [c for c in stubs.calls(" -m pytest -m gpu") if "torch.distributed.run" not in c]
@@ -251,7 +276,8 @@ def test_gpu_lane_refuses_without_a_cuda_torch_and_installs_nothing(stubs: Stubs
 
 @process
 def test_gpu_lane_uses_the_runners_torch_and_writes_the_report_when_tests_fail(
-        stubs: Stubs) -> None:
+    stubs: Stubs,
+) -> None:
     result = stubs.run("ci/gpu-lane.sh", {**stubs.fake_torch(2), "STUB_PYTEST_RC": "1"})
     assert result.returncode == 1, result.stdout + result.stderr
     venvs = stubs.calls(" -m venv ")
@@ -285,8 +311,7 @@ def test_gpu_lane_installs_a_pinned_torch_once_into_a_kept_venv(stubs: Stubs) ->
 
 
 @process
-def test_gpu_lane_with_torch_spec_refuses_before_downloading_without_a_gpu(
-        stubs: Stubs) -> None:
+def test_gpu_lane_with_torch_spec_refuses_before_downloading_without_a_gpu(stubs: Stubs) -> None:
     result = stubs.run("ci/gpu-lane.sh", {"STUB_GPUS": "0", "TORCH_SPEC": "torch==2.13.0"})
     assert result.returncode != 0, result.stdout + result.stderr
     assert not stubs.calls(" -m pip") and not stubs.calls("/pip "), stubs.calls()
@@ -306,11 +331,17 @@ def test_tox_gpu_env_passes_the_gpu_variables() -> None:
     if passenv is None:  # tox: an env without its own passenv takes [testenv]'s
         passenv = gpu.parser.get("testenv", "passenv", fallback="")
     patterns = [p.strip() for p in re.split(r"[,\n]", passenv) if p.strip()]
-    needed = ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
-              "TORCH_DISTRIBUTED_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES",
-              "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "FSDP_CONFORMANCE_WORLD_SIZES"]
-    dropped = [name for name in needed
-               if not any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    needed = [
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_NCCL_BLOCKING_WAIT",
+        "TORCH_DISTRIBUTED_DEBUG",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "CUDA_VISIBLE_DEVICES",
+        "NCCL_DEBUG",
+        "NCCL_SOCKET_IFNAME",
+        "FSDP_CONFORMANCE_WORLD_SIZES",
+    ]
+    dropped = [name for name in needed if not any(fnmatch.fnmatchcase(name, p) for p in patterns)]
     assert dropped == [], f"tox -e gpu drops {dropped} (passenv: {patterns})"
 
 
@@ -363,7 +394,8 @@ def test_tox_lint_env_runs_the_lint_script_with_its_own_python() -> None:
     tox.read(ROOT / "tox.ini", encoding="utf-8")
     lint = tox["testenv:lint"]
     assert lint.get("commands", fallback="").split() == ["bash", "{toxinidir}/ci/lint.sh"], (
-        f"tox -e lint runs {lint.get('commands')!r}, not ci/lint.sh (the list .ci/run runs)")
+        f"tox -e lint runs {lint.get('commands')!r}, not ci/lint.sh (the list .ci/run runs)"
+    )
     setenv = lint.get("setenv", fallback="")
     assert re.search(r"^\s*PYTHON\s*=\s*\{envpython\}\s*$", setenv, re.MULTILINE), setenv
     assert "lint" in lint.get("extras", fallback="").split(), "tox -e lint lacks the lint extra"

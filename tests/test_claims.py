@@ -13,11 +13,13 @@ from fsdp_conformance.claims.check import Check
 
 
 def test_all_checks_are_the_claim_modules_checks_in_report_order() -> None:
-    assert claims.CLAIM_MODULES == ("fsdp_conformance.claims.wrap",
-                                    "fsdp_conformance.claims.init",
-                                    "fsdp_conformance.claims.memory",
-                                    "fsdp_conformance.claims.defaults",
-                                    "fsdp_conformance.claims.state")
+    assert claims.CLAIM_MODULES == (
+        "fsdp_conformance.claims.wrap",
+        "fsdp_conformance.claims.init",
+        "fsdp_conformance.claims.memory",
+        "fsdp_conformance.claims.defaults",
+        "fsdp_conformance.claims.state",
+    )
     expected: list[Check] = []
     for name in claims.CLAIM_MODULES:
         module_checks = importlib.import_module(name).CHECKS

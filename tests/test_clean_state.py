@@ -39,8 +39,10 @@ def _probe(item: str) -> Any:  # noqa: C901 - a flat table, one branch per leak 
     if item == "num_threads":
         return torch.get_num_threads()
     if item == "deterministic":
-        return (torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled())
+        return (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
     if item == "anomaly":
         return (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     if item == "recursion_limit":
@@ -58,8 +60,11 @@ def _probe(item: str) -> Any:  # noqa: C901 - a flat table, one branch per leak 
     if item == "signal_handler":
         return _handler_name(signal.getsignal(signal.SIGUSR2))
     if item == "backend_flags":
-        return (torch.backends.mkldnn.enabled, torch.backends.opt_einsum.enabled,
-                torch.backends.cudnn.benchmark)
+        return (
+            torch.backends.mkldnn.enabled,
+            torch.backends.opt_einsum.enabled,
+            torch.backends.cudnn.benchmark,
+        )
     if item == "gc":
         import gc
 
@@ -70,8 +75,10 @@ def _probe(item: str) -> Any:  # noqa: C901 - a flat table, one branch per leak 
         from torch.distributed import device_mesh
         from torch.distributed.fsdp import FSDPModule
 
-        return (_handler_name(device_mesh.init_device_mesh),
-                hasattr(FSDPModule, "fsdp_conformance_leak"))
+        return (
+            _handler_name(device_mesh.init_device_mesh),
+            hasattr(FSDPModule, "fsdp_conformance_leak"),
+        )
     raise AssertionError(f"unknown item {item}")
 
 

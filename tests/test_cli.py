@@ -166,14 +166,24 @@ def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     sys.modules.pop(USER_MODULE, None)
 
 
-def run_cli(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_")) and k != "GITHUB_STEP_SUMMARY"}
+def run_cli(
+    args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_")) and k != "GITHUB_STEP_SUMMARY"
+    }
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "fsdp_conformance.cli", *args], cwd=cwd,
-                          env=environ, capture_output=True, text=True, check=False,
-                          timeout=SUBPROCESS_LIMIT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_conformance.cli", *args],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=SUBPROCESS_LIMIT_S,
+    )
 
 
 def main(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -208,7 +218,8 @@ class Run(NamedTuple):
 
 @pytest.fixture(scope="module")
 def reference_run(
-    lent_pools: PoolManager, tmp_path_factory: pytest.TempPathFactory,
+    lent_pools: PoolManager,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Run, Path]:
     """`fsdp-conformance run --checks wrap.units.exact --out out` on the reference models, once
     for the module, through ``main`` in process on the session's warm pools, from a folder of
@@ -242,7 +253,7 @@ def test_run_exits_0_and_writes_report_and_summary(reference_run: tuple[Run, Pat
 
 
 def test_run_report_has_the_schema_environment_settings_and_unit_trees(
-    reference_run: tuple[Run, Path]
+    reference_run: tuple[Run, Path],
 ) -> None:
     _, directory = reference_run
     report = gate_report.load_report(str(directory / "out" / "report.json"))
@@ -251,8 +262,11 @@ def test_run_report_has_the_schema_environment_settings_and_unit_trees(
     assert report["settings"]["world_sizes"] == [2] and report["settings"]["model"] is None
     assert report["summary"] == {"passed": 4, "failed": 0, "skipped": 0, "error": 0, "xfailed": 0}
     ids = [e["id"] for e in report["checks"]]
-    assert ids == [f"wrap.units.exact[cpu,ws2,{v},{m}]"
-                   for v in ("fsdp1", "fsdp2") for m in ("massive", "tied")]
+    assert ids == [
+        f"wrap.units.exact[cpu,ws2,{v},{m}]"
+        for v in ("fsdp1", "fsdp2")
+        for m in ("massive", "tied")
+    ]
     for e in report["checks"]:
         assert e["outcome"] == "passed" and e["seconds"] >= 0
         units = compare.unit_list(e)
@@ -266,8 +280,12 @@ def test_run_prints_the_table_and_progress_on_stderr(reference_run: tuple[Run, P
     result, _ = reference_run
     table = result.out
     assert table.splitlines()[0].split() == ["check", "outcome", "key", "figures"]
-    assert any(line.startswith("wrap.units.exact[cpu,ws2,fsdp1,massive]") and " PASSED " in line
-               and "units 6" in line for line in table.splitlines())
+    assert any(
+        line.startswith("wrap.units.exact[cpu,ws2,fsdp1,massive]")
+        and " PASSED " in line
+        and "units 6" in line
+        for line in table.splitlines()
+    )
     assert "4 passed, 0 failed, 0 skipped, 0 errors in " in table
     err = result.err.splitlines()
     assert err[0].startswith(f"fsdp-conformance: torch {torch.__version__}")
@@ -296,8 +314,10 @@ def test_compare_a_real_report_with_itself_and_with_a_changed_unit(
     new.write_text(json.dumps(changed))
     code, out, _ = main(["compare", old, str(new)], capsys)
     assert code == cli.EXIT_FAILED
-    assert ("[REGRESSION] wrap.units.exact[cpu,ws2,fsdp1,massive]: units: unit structure "
-            "changed: ~ layers.1 numel: 37248 -> 37312") in out
+    assert (
+        "[REGRESSION] wrap.units.exact[cpu,ws2,fsdp1,massive]: units: unit structure "
+        "changed: ~ layers.1 numel: 37248 -> 37312"
+    ) in out
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,18 +332,36 @@ def _report_value(ctx: Any, value: int, expected: int) -> dict[str, int]:
 
 def _verdict_expected(values: Sequence[Mapping[str, int]], params: Mapping[str, Any]) -> Verdict:
     # every rank's value, not rank 0's alone
-    wrong = [f"rank {v['rank']} reported {v['value']}" for v in values
-             if v["value"] != params["expected"]]
+    wrong = [
+        f"rank {v['rank']} reported {v['value']}"
+        for v in values
+        if v["value"] != params["expected"]
+    ]
     if wrong:
-        return Verdict(False, f"expected {params['expected']} on every rank: " + ", ".join(wrong),
-                       {"value": values[0]["value"]})
+        return Verdict(
+            False,
+            f"expected {params['expected']} on every rank: " + ", ".join(wrong),
+            {"value": values[0]["value"]},
+        )
     return Verdict(True, f"{params['expected']} on every rank", {"value": values[0]["value"]})
 
 
-PASSING = Check("test.right", "every rank reports the expected value", _report_value,
-                _verdict_expected, params={"value": 2, "expected": 2}, lanes=("cpu",))
-FAILING = Check("test.wrong", "every rank reports the expected value", _report_value,
-                _verdict_expected, params={"value": 1, "expected": 2}, lanes=("cpu",))
+PASSING = Check(
+    "test.right",
+    "every rank reports the expected value",
+    _report_value,
+    _verdict_expected,
+    params={"value": 2, "expected": 2},
+    lanes=("cpu",),
+)
+FAILING = Check(
+    "test.wrong",
+    "every rank reports the expected value",
+    _report_value,
+    _verdict_expected,
+    params={"value": 1, "expected": 2},
+    lanes=("cpu",),
+)
 
 
 def _crash_rank1_inside_torch(ctx: Any, value: int, expected: int) -> dict[str, int]:
@@ -337,8 +375,14 @@ def _crash_rank1_inside_torch(ctx: Any, value: int, expected: int) -> dict[str, 
     return {"rank": ctx.rank, "value": value}
 
 
-CRASHING = Check("test.crash", "rank 1 crashes inside torch", _crash_rank1_inside_torch,
-                 _verdict_expected, params={"value": 2, "expected": 2}, lanes=("cpu",))
+CRASHING = Check(
+    "test.crash",
+    "rank 1 crashes inside torch",
+    _crash_rank1_inside_torch,
+    _verdict_expected,
+    params={"value": 2, "expected": 2},
+    lanes=("cpu",),
+)
 
 
 def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_signal(
@@ -351,8 +395,10 @@ def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_s
     crashed, after = report["checks"]
     assert crashed["outcome"] == "error" and after["outcome"] == "passed", report["checks"]
     assert "rank 1 died" in crashed["message"]
-    assert ("--- rank 1: died ---\nkilled by SIGSEGV (exit status -11) inside torch: "
-            "torch.utils._pytree.tree_map (crashed in torch.utils._pytree.") in crashed["message"]
+    assert (
+        "--- rank 1: died ---\nkilled by SIGSEGV (exit status -11) inside torch: "
+        "torch.utils._pytree.tree_map (crashed in torch.utils._pytree."
+    ) in crashed["message"]
     assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "error": 1, "xfailed": 0}
 
 
@@ -372,7 +418,9 @@ def test_run_suite_reports_a_failing_check_as_failed_with_progress(
 
 
 def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
-    warm_pools: PoolManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    warm_pools: PoolManager,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING, FAILING])
@@ -386,7 +434,9 @@ def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
 
 
 def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The server imports torch on the other core while the run imports the model and the
     checks: started first, and the one the run's pool forks its ranks from."""
@@ -406,11 +456,15 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
 
     order: list[str] = []
     monkeypatch.setattr(forkserver, "_SHARED", Recording())
-    monkeypatch.setattr(session_module, "prestart_fork_server",
-                        lambda **kw: order.append("fork server") or prestart_fork_server(**kw))
+    monkeypatch.setattr(
+        session_module,
+        "prestart_fork_server",
+        lambda **kw: order.append("fork server") or prestart_fork_server(**kw),
+    )
     real_spec = user_model.user_spec
-    monkeypatch.setattr(user_model, "user_spec",
-                        lambda settings: order.append("model") or real_spec(settings))
+    monkeypatch.setattr(
+        user_model, "user_spec", lambda settings: order.append("model") or real_spec(settings)
+    )
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
     code, _, err = main(["run", "--out", str(tmp_path), "--no-plot"], capsys)
     assert code == cli.EXIT_OK, err
@@ -421,8 +475,20 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
 def test_run_exits_1_when_the_user_models_forward_breaks(
     warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = main(["run", "--model", f"{RANK_MODELS}:broken", "--block-cls", "Block",
-                         "--checks", "wrap.train.fp32", "--out", str(tmp_path)], capsys)
+    code, out, _ = main(
+        [
+            "run",
+            "--model",
+            f"{RANK_MODELS}:broken",
+            "--block-cls",
+            "Block",
+            "--checks",
+            "wrap.train.fp32",
+            "--out",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     assert code == cli.EXIT_FAILED
     report = gate_report.load_report(str(tmp_path / "report.json"))
     assert report["settings"]["model"] == f"{RANK_MODELS}:broken"
@@ -437,18 +503,34 @@ def _report_timeline(ctx: Any) -> dict[str, Any]:
     return {"rank": ctx.rank}
 
 
-def _verdict_with_timeline(values: Sequence[Mapping[str, Any]],
-                           params: Mapping[str, Any]) -> Verdict:
+def _verdict_with_timeline(
+    values: Sequence[Mapping[str, Any]], params: Mapping[str, Any]
+) -> Verdict:
     # the shape memory.sawtooth stores: rank 0's samples at each unit hook
-    timeline = [{"i": i, "unit": f"layers.{i // 2}", "phase": "forward", "bytes": b * 2**20}
-                for i, b in enumerate([10, 13, 10, 13, 10])]
-    return Verdict(True, f"{len(values)} ranks", {"teeth": 2},
-                   {"timeline": timeline, "wrapping": "per_layer", "limit_bytes": 20 * 2**20,
-                    "peak_bytes": 14 * 2**20})
+    timeline = [
+        {"i": i, "unit": f"layers.{i // 2}", "phase": "forward", "bytes": b * 2**20}
+        for i, b in enumerate([10, 13, 10, 13, 10])
+    ]
+    return Verdict(
+        True,
+        f"{len(values)} ranks",
+        {"teeth": 2},
+        {
+            "timeline": timeline,
+            "wrapping": "per_layer",
+            "limit_bytes": 20 * 2**20,
+            "peak_bytes": 14 * 2**20,
+        },
+    )
 
 
-TIMELINE = Check("test.timeline", "a check that stores a memory timeline",
-                 _report_timeline, _verdict_with_timeline, lanes=("cpu",))
+TIMELINE = Check(
+    "test.timeline",
+    "a check that stores a memory timeline",
+    _report_timeline,
+    _verdict_with_timeline,
+    lanes=("cpu",),
+)
 PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
 
 
@@ -471,12 +553,15 @@ def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
     titles = [p["title"] for p in plots.report_panels(report)]
     assert [t.split(":")[0] for t in titles] == ["FSDP1", "FSDP2"]
     assert all("memory.sawtooth (model massive, cpu, world size 2)" in t for t in titles)
-    assert all(set(p["timelines"]) == {"per_layer", "monolithic"}
-               for p in plots.report_panels(report))
+    assert all(
+        set(p["timelines"]) == {"per_layer", "monolithic"} for p in plots.report_panels(report)
+    )
 
 
 def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
-    warm_pools: PoolManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    warm_pools: PoolManager,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [TIMELINE])
@@ -504,7 +589,9 @@ def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
 
 
 def test_run_without_a_timeline_writes_no_plot_and_the_summary_says_nothing_of_one(
-    warm_pools: PoolManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    warm_pools: PoolManager,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
@@ -536,8 +623,19 @@ def test_list_shows_each_check_and_variant_once(capsys: pytest.CaptureFixture[st
 def test_list_on_the_user_model_shows_the_checks_that_run_on_it(
     user_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = main(["run", "--list", "--model", f"{USER_MODULE}:build", "--block-cls",
-                         "Block", "--checks", "wrap.units.plan"], capsys)
+    code, out, _ = main(
+        [
+            "run",
+            "--list",
+            "--model",
+            f"{USER_MODULE}:build",
+            "--block-cls",
+            "Block",
+            "--checks",
+            "wrap.units.plan",
+        ],
+        capsys,
+    )
     assert code == cli.EXIT_OK
     assert [line.split()[0] for line in out.splitlines()] == [
         f"wrap.units.plan[fsdp1,{USER_MODULE}:build]",
@@ -549,8 +647,14 @@ def test_checks_matching_nothing_is_exit_2_before_anything_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = main(["run", "--checks", "wrap.no_such", "--out", str(tmp_path / "o")], capsys)
-    assert_one_line_error(code, out, err, "run", "no check matched --checks 'wrap.no_such'",
-                          "fsdp-conformance run --list")
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        "run",
+        "no check matched --checks 'wrap.no_such'",
+        "fsdp-conformance run --list",
+    )
     assert not (tmp_path / "o").exists()  # no empty report that a gate could take for a pass
 
 
@@ -558,21 +662,44 @@ def test_checkpoint_folders_that_cannot_work_are_exit_2_before_anything_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "never-saved"
-    code, out, err = main(["run", "--load-checkpoint", str(missing), "--out",
-                           str(tmp_path / "o")], capsys)
-    assert_one_line_error(code, out, err, "run", f"--load-checkpoint {missing}: no such folder",
-                          "--save-checkpoint")
+    code, out, err = main(
+        ["run", "--load-checkpoint", str(missing), "--out", str(tmp_path / "o")], capsys
+    )
+    assert_one_line_error(
+        code, out, err, "run", f"--load-checkpoint {missing}: no such folder", "--save-checkpoint"
+    )
     both = tmp_path / "both"
     both.mkdir()
-    code, out, err = main(["run", "--save-checkpoint", str(both), "--load-checkpoint",
-                           str(both), "--out", str(tmp_path / "o")], capsys)
+    code, out, err = main(
+        [
+            "run",
+            "--save-checkpoint",
+            str(both),
+            "--load-checkpoint",
+            str(both),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert_one_line_error(code, out, err, "run", "name the same folder", "give two folders")
     assert not (tmp_path / "o").exists()
-    code, out, _ = main(["run", "--list", "--save-checkpoint", str(tmp_path / "ck"),
-                         "--checks", "state.checkpoint"], capsys)
+    code, out, _ = main(
+        [
+            "run",
+            "--list",
+            "--save-checkpoint",
+            str(tmp_path / "ck"),
+            "--checks",
+            "state.checkpoint",
+        ],
+        capsys,
+    )
     assert code == cli.EXIT_OK
     assert [line.split()[0] for line in out.splitlines()] == [
-        "state.checkpoint[fsdp1,massive]", "state.checkpoint[fsdp2,massive]"]
+        "state.checkpoint[fsdp1,massive]",
+        "state.checkpoint[fsdp2,massive]",
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,33 +710,66 @@ def test_checkpoint_folders_that_cannot_work_are_exit_2_before_anything_runs(
 @pytest.mark.parametrize(
     ("args", "parts"),
     [
-        (["--model", "fsdpc_no_such_pkg.model:build"],
-         ["cannot import module 'fsdpc_no_such_pkg.model'", "on PYTHONPATH"]),
-        (["--model", f"{USER_MODULE}:buidl"],
-         [f"module '{USER_MODULE}' has no attribute 'buidl'", "check the name after the colon"]),
+        (
+            ["--model", "fsdpc_no_such_pkg.model:build"],
+            ["cannot import module 'fsdpc_no_such_pkg.model'", "on PYTHONPATH"],
+        ),
+        (
+            ["--model", f"{USER_MODULE}:buidl"],
+            [f"module '{USER_MODULE}' has no attribute 'buidl'", "check the name after the colon"],
+        ),
         (["--model", USER_MODULE], ["is not of the form 'pkg.module:name'"]),
-        (["--model", f"{USER_MODULE}:NOT_CALLABLE"],
-         ["is not callable (int)", "name a function or class"]),
-        (["--model", f"{USER_MODULE}:raises", "--block-cls", "Block"],
-         [f"model factory '{USER_MODULE}:raises' raised FileNotFoundError: config.yaml",
-          "fix the factory"]),
-        (["--model", f"{USER_MODULE}:not_a_module", "--block-cls", "Block"],
-         ["returned dict, not an nn.Module", "make it return the model itself"]),
-        (["--model", f"{USER_MODULE}:build"],
-         ["no block class given", "pass --fsdp-block-cls"]),
-        (["--model", f"{USER_MODULE}:build", "--block-cls", "TransformerBlock"],
-         ["'TransformerBlock' matches no module class in the model Net",
-          f"its module classes are: {USER_MODULE}.Net", f"{USER_MODULE}.Block"]),
-        (["--model", f"{USER_MODULE}:build", "--block-cls", "Net"],
-         ["the wrap policy wraps nothing but the root", "block classes Net",
-          "names the model's block class"]),
+        (
+            ["--model", f"{USER_MODULE}:NOT_CALLABLE"],
+            ["is not callable (int)", "name a function or class"],
+        ),
+        (
+            ["--model", f"{USER_MODULE}:raises", "--block-cls", "Block"],
+            [
+                f"model factory '{USER_MODULE}:raises' raised FileNotFoundError: config.yaml",
+                "fix the factory",
+            ],
+        ),
+        (
+            ["--model", f"{USER_MODULE}:not_a_module", "--block-cls", "Block"],
+            ["returned dict, not an nn.Module", "make it return the model itself"],
+        ),
+        (["--model", f"{USER_MODULE}:build"], ["no block class given", "pass --fsdp-block-cls"]),
+        (
+            ["--model", f"{USER_MODULE}:build", "--block-cls", "TransformerBlock"],
+            [
+                "'TransformerBlock' matches no module class in the model Net",
+                f"its module classes are: {USER_MODULE}.Net",
+                f"{USER_MODULE}.Block",
+            ],
+        ),
+        (
+            ["--model", f"{USER_MODULE}:build", "--block-cls", "Net"],
+            [
+                "the wrap policy wraps nothing but the root",
+                "block classes Net",
+                "names the model's block class",
+            ],
+        ),
         (["--block-cls", "Block"], ["--block-cls is set but no --model", "--model mypkg"]),
-        (["--model", f"{USER_MODULE}:build", "--block-cls", "Block", "--min-params", "lots"],
-         ["invalid min_params 'lots' from command line --fsdp-min-params", "expected N"]),
+        (
+            ["--model", f"{USER_MODULE}:build", "--block-cls", "Block", "--min-params", "lots"],
+            ["invalid min_params 'lots' from command line --fsdp-min-params", "expected N"],
+        ),
     ],
-    ids=["import-path", "attribute", "no-colon", "not-callable", "factory-raises", "not-module",
-         "no-block-cls", "block-not-in-model", "wraps-nothing", "block-without-model",
-         "bad-min-params"],
+    ids=[
+        "import-path",
+        "attribute",
+        "no-colon",
+        "not-callable",
+        "factory-raises",
+        "not-module",
+        "no-block-cls",
+        "block-not-in-model",
+        "wraps-nothing",
+        "block-without-model",
+        "bad-min-params",
+    ],
 )
 def test_bad_user_model_input_is_one_line_and_exit_2(
     user_dir: Path, capsys: pytest.CaptureFixture[str], args: list[str], parts: list[str]
@@ -622,45 +782,81 @@ def test_model_too_large_for_the_cpu_lane_is_one_line_and_exit_2(
     user_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(user_model, "_available_host_bytes", lambda: 64 * 2**30)
-    code, out, err = main(["run", "--list", "--model", f"{USER_MODULE}:huge", "--block-cls",
-                           "Block"], capsys)
-    assert_one_line_error(code, out, err, "run", "has 10.74 B parameters",
-                          "needs about 320.0 GiB of host memory, 64.0 GiB is available",
-                          "use a smaller config of the model", "fsdp-conformance plan")
+    code, out, err = main(
+        ["run", "--list", "--model", f"{USER_MODULE}:huge", "--block-cls", "Block"], capsys
+    )
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        "run",
+        "has 10.74 B parameters",
+        "needs about 320.0 GiB of host memory, 64.0 GiB is available",
+        "use a smaller config of the model",
+        "fsdp-conformance plan",
+    )
     # the gpu lane alone does not hold the model in host memory
-    code, out, err = main(["run", "--list", "--lane", "gpu", "--model", f"{USER_MODULE}:huge",
-                           "--block-cls", "Block", "--checks", "wrap.units.plan"], capsys)
+    code, out, err = main(
+        [
+            "run",
+            "--list",
+            "--lane",
+            "gpu",
+            "--model",
+            f"{USER_MODULE}:huge",
+            "--block-cls",
+            "Block",
+            "--checks",
+            "wrap.units.plan",
+        ],
+        capsys,
+    )
     assert code == cli.EXIT_OK, err
 
 
 @pytest.mark.process
 def test_bad_model_input_from_the_command_line_prints_no_traceback(user_dir: Path) -> None:
-    result = run_cli(["run", "--model", f"{USER_MODULE}:build", "--block-cls", "Nope"], user_dir,
-                     {"PYTHONPATH": str(user_dir)})
+    result = run_cli(
+        ["run", "--model", f"{USER_MODULE}:build", "--block-cls", "Nope"],
+        user_dir,
+        {"PYTHONPATH": str(user_dir)},
+    )
     assert result.returncode == cli.EXIT_USAGE
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
-        (f"fsdp-conformance run: error: block class 'Nope' matches no module class in the model "
-         f"Net; its module classes are: {USER_MODULE}.Net, torch.nn.modules.linear.Linear, "
-         f"torch.nn.modules.container.ModuleList, {USER_MODULE}.Block")
+        (
+            f"fsdp-conformance run: error: block class 'Nope' matches no module class in the model "
+            f"Net; its module classes are: {USER_MODULE}.Net, torch.nn.modules.linear.Linear, "
+            f"torch.nn.modules.container.ModuleList, {USER_MODULE}.Block"
+        )
     ]
 
 
 def test_pyproject_table_gives_the_cli_its_model_and_an_unknown_key_is_exit_2(
-    user_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    user_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
     pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text(f'[tool.fsdp_conformance]\nmodel = "{USER_MODULE}:build"\n'
-                         'block_cls = "Block"\nworld_sizes = [2, 4]\n')
+    pyproject.write_text(
+        f'[tool.fsdp_conformance]\nmodel = "{USER_MODULE}:build"\n'
+        'block_cls = "Block"\nworld_sizes = [2, 4]\n'
+    )
     code, out, err = main(["run", "--list", "--checks", "init.meta_build"], capsys)
     assert code == cli.EXIT_OK, err
     assert out.split()[0] == f"init.meta_build[{USER_MODULE}:build]"
     pyproject.write_text('[tool.fsdp_conformance]\nmodel = "x:y"\nblock-cls = "Block"\n')
     code, out, err = main(["run", "--list"], capsys)
-    assert_one_line_error(code, out, err, "run", "unknown key(s) block-cls",
-                          "known keys: world_sizes, backend, timeout, model, block_cls")
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        "run",
+        "unknown key(s) block-cls",
+        "known keys: world_sizes, backend, timeout, model, block_cls",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -669,10 +865,19 @@ def test_pyproject_table_gives_the_cli_its_model_and_an_unknown_key_is_exit_2(
 
 
 def _entry(check: str, outcome: str = "passed", **figures: Any) -> dict[str, Any]:
-    return gate_report.check_entry(check=check, claim="memory", lane="cpu", world_size=2,
-                                   variant="fsdp2,massive", outcome=outcome,
-                                   message="why: " + outcome, figures=figures, data={},
-                                   seconds=0.1, warnings=())
+    return gate_report.check_entry(
+        check=check,
+        claim="memory",
+        lane="cpu",
+        world_size=2,
+        variant="fsdp2,massive",
+        outcome=outcome,
+        message="why: " + outcome,
+        figures=figures,
+        data={},
+        seconds=0.1,
+        warnings=(),
+    )
 
 
 def _write_report(path: Path, *entries: dict[str, Any], torch_version: str) -> str:
@@ -687,9 +892,11 @@ def pair(tmp_path: Path) -> tuple[str, str, str]:
     """(old, new with one memory move of +6% and a fail->pass, new identical to old)."""
     old = [_entry("memory.peak", peak_bytes=100 * 2**20), _entry("wrap.mixed", "failed")]
     new = [_entry("memory.peak", peak_bytes=106 * 2**20), _entry("wrap.mixed", "passed")]
-    return (_write_report(tmp_path / "old.json", *old, torch_version="2.13.0"),
-            _write_report(tmp_path / "new.json", *new, torch_version="2.14.1"),
-            _write_report(tmp_path / "same.json", *copy.deepcopy(old), torch_version="2.14.1"))
+    return (
+        _write_report(tmp_path / "old.json", *old, torch_version="2.13.0"),
+        _write_report(tmp_path / "new.json", *new, torch_version="2.14.1"),
+        _write_report(tmp_path / "same.json", *copy.deepcopy(old), torch_version="2.14.1"),
+    )
 
 
 def test_compare_exit_1_on_a_regression_and_lists_every_difference(
@@ -700,8 +907,10 @@ def test_compare_exit_1_on_a_regression_and_lists_every_difference(
     assert code == cli.EXIT_FAILED
     assert out.splitlines() == [
         "compare: torch 2.13.0 -> 2.14.1: 1 regression(s), 2 difference(s)",
-        ("  [REGRESSION] memory.peak[cpu,ws2,fsdp2,massive]: memory: peak_bytes: 100.00 MiB -> "
-         "106.00 MiB (+6.0%; tolerance 5%, floor 1.00 MiB)"),
+        (
+            "  [REGRESSION] memory.peak[cpu,ws2,fsdp2,massive]: memory: peak_bytes: 100.00 MiB -> "
+            "106.00 MiB (+6.0%; tolerance 5%, floor 1.00 MiB)"
+        ),
         "  [change] wrap.mixed[cpu,ws2,fsdp2,massive]: outcome: failed -> passed",
     ]
 
@@ -713,8 +922,9 @@ def test_compare_memory_tolerance_flag_turns_the_move_into_no_regression(
     code, out, _ = main(["compare", old, new, "--memory-tolerance", "0.1"], capsys)
     assert code == cli.EXIT_OK  # the remaining difference (fail -> pass) is not a regression
     assert "0 regression(s), 1 difference(s)" in out
-    code, out, _ = main(["compare", old, new, "--memory-tolerance", "0.1", "--fail-on-change"],
-                        capsys)
+    code, out, _ = main(
+        ["compare", old, new, "--memory-tolerance", "0.1", "--fail-on-change"], capsys
+    )
     assert code == cli.EXIT_FAILED
     code, out, _ = main(["compare", old, new, "--memory-floor-mib", "10"], capsys)
     assert code == cli.EXIT_OK and "memory" not in out
@@ -728,7 +938,9 @@ def test_compare_identical_reports_exit_0_with_no_differences(
         code, out, _ = main(["compare", old, same, *extra], capsys)
         assert code == cli.EXIT_OK
         assert out.splitlines() == [
-            "compare: torch 2.13.0 -> 2.14.1: 0 regression(s), 0 difference(s)", "no differences"]
+            "compare: torch 2.13.0 -> 2.14.1: 0 regression(s), 0 difference(s)",
+            "no differences",
+        ]
 
 
 def test_compare_json_output_parses_and_counts_regressions(
@@ -765,12 +977,19 @@ def _bad_report(tmp_path: Path, kind: str) -> str:
 
 @pytest.mark.parametrize(
     ("kind", "part"),
-    [("missing", "does not exist"), ("not-json", "is not valid JSON"),
-     ("schema", "is not an fsdp-conformance report"), ("version", "has schema version 99")],
+    [
+        ("missing", "does not exist"),
+        ("not-json", "is not valid JSON"),
+        ("schema", "is not an fsdp-conformance report"),
+        ("version", "has schema version 99"),
+    ],
 )
 def test_compare_bad_report_is_one_line_and_exit_2(
-    pair: tuple[str, str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
-    kind: str, part: str,
+    pair: tuple[str, str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    part: str,
 ) -> None:
     bad = _bad_report(tmp_path, kind)
     for args in ([pair[0], bad], [bad, pair[0]]):
@@ -780,23 +999,48 @@ def test_compare_bad_report_is_one_line_and_exit_2(
 
 def _good_report() -> dict[str, Any]:
     """A small report with every documented field: a unit list, warnings, a memory figure."""
-    units = [{"fqn": "", "cls": "MassiveModel", "numel": 10, "local_numel": 5, "parent": None,
-              "params": ["embed.weight"], "flat_numel": 16},
-             {"fqn": "layers.0", "cls": "DecoderLayer", "numel": 100, "local_numel": 50,
-              "parent": "", "params": ["layers.0.fc.weight"], "flat_numel": 112}]
+    units = [
+        {
+            "fqn": "",
+            "cls": "MassiveModel",
+            "numel": 10,
+            "local_numel": 5,
+            "parent": None,
+            "params": ["embed.weight"],
+            "flat_numel": 16,
+        },
+        {
+            "fqn": "layers.0",
+            "cls": "DecoderLayer",
+            "numel": 100,
+            "local_numel": 50,
+            "parent": "",
+            "params": ["layers.0.fc.weight"],
+            "flat_numel": 112,
+        },
+    ]
     wrap = gate_report.check_entry(
-        check="wrap.units.exact", claim="wrap", lane="cpu", world_size=2,
-        variant="fsdp1,massive", outcome="passed", message="ok", figures={"units": 2},
-        data={"actual": units}, seconds=0.2,
-        warnings=["FutureWarning: NO_SHARD is deprecated", "UserWarning: y"])
+        check="wrap.units.exact",
+        claim="wrap",
+        lane="cpu",
+        world_size=2,
+        variant="fsdp1,massive",
+        outcome="passed",
+        message="ok",
+        figures={"units": 2},
+        data={"actual": units},
+        seconds=0.2,
+        warnings=["FutureWarning: NO_SHARD is deprecated", "UserWarning: y"],
+    )
     peak = _entry("memory.peak", peak_bytes=100 * 2**20, working_set_bytes=[1, 2])
     return gate_report.build_report([wrap, peak], Settings(), 1.0)
 
 
 def _damage(report: dict[str, Any], where: str, value: Any) -> None:
     """Set (or with ``value`` DELETE, remove) the field at a JSON path like ``checks[0].data``."""
-    parts = [int(p) if p.isdigit() else p
-             for p in where.replace("[", ".").replace("]", "").split(".")]
+    parts = [
+        int(p) if p.isdigit() else p for p in where.replace("[", ".").replace("]", "").split(".")
+    ]
     target: Any = report
     for part in parts[:-1]:
         target = target[part]
@@ -824,17 +1068,32 @@ DAMAGED_REPORTS = [
     ("checks[0].lane", "tpu", "one of cpu, gpu", 'a string ("tpu")'),
     ("checks[1].seconds", "fast", "a finite number >= 0", 'a string ("fast")'),
     ("checks[1].message", None, "a string", "null"),
-    ("checks[1].figures.peak_bytes", {"rank0": 1}, "a number, string, boolean, null or a list",
-     'an object ({"rank0": 1})'),
-    ("checks[1].figures.working_set_bytes", [[1], [2]], "a number, string, boolean, null or a "
-     "list", "a list ([[1], [2]])"),
+    (
+        "checks[1].figures.peak_bytes",
+        {"rank0": 1},
+        "a number, string, boolean, null or a list",
+        'an object ({"rank0": 1})',
+    ),
+    (
+        "checks[1].figures.working_set_bytes",
+        [[1], [2]],
+        "a number, string, boolean, null or a list",
+        "a list ([[1], [2]])",
+    ),
     ("checks[0].data.actual[1].numel", "100", "an integer >= 0", 'a string ("100")'),
     ("checks[0].data.actual[1].params", "layers.0.fc.weight", "a list of strings", "a string"),
-    ("checks[0].deprecations[0]", "FutureWarning: other", "one of the entry's warnings",
-     'a string ("FutureWarning: other")'),
-    ("checks[1].id", "memory.peak[cpu,ws4,fsdp2,massive]",
-     "'memory.peak[cpu,ws2,fsdp2,massive]' (from check, lane, world_size, variant)",
-     'a string ("memory.peak[cpu,ws4,fsdp2,massive]")'),
+    (
+        "checks[0].deprecations[0]",
+        "FutureWarning: other",
+        "one of the entry's warnings",
+        'a string ("FutureWarning: other")',
+    ),
+    (
+        "checks[1].id",
+        "memory.peak[cpu,ws4,fsdp2,massive]",
+        "'memory.peak[cpu,ws2,fsdp2,massive]' (from check, lane, world_size, variant)",
+        'a string ("memory.peak[cpu,ws4,fsdp2,massive]")',
+    ),
     ("summary.passed", 5, "2 (the checks with outcome 'passed')", "an integer (5)"),
     ("summary", [], "an object", "a list ([])"),
     ("settings.world_sizes", "2", "a list of integers >= 1", 'a string ("2")'),
@@ -843,11 +1102,17 @@ DAMAGED_REPORTS = [
 ]
 
 
-@pytest.mark.parametrize(("where", "value", "expected", "found"), DAMAGED_REPORTS,
-                         ids=[f"{w}={'<deleted>' if v is DELETE else repr(v)}"[:50]
-                              for w, v, *_ in DAMAGED_REPORTS])
+@pytest.mark.parametrize(
+    ("where", "value", "expected", "found"),
+    DAMAGED_REPORTS,
+    ids=[f"{w}={'<deleted>' if v is DELETE else repr(v)}"[:50] for w, v, *_ in DAMAGED_REPORTS],
+)
 def test_compare_a_damaged_report_is_one_line_naming_the_field_and_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, value: Any, expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+    value: Any,
+    expected: str,
     found: str,
 ) -> None:
     good = tmp_path / "good.json"
@@ -860,8 +1125,16 @@ def test_compare_a_damaged_report_is_one_line_naming_the_field_and_exit_2(
     bad.write_text(json.dumps(damaged))
     for args in ([str(good), str(bad)], [str(bad), str(good)]):
         code, out, err = main(["compare", *args], capsys)
-        assert_one_line_error(code, out, err, "compare", f"{str(bad)!r} is damaged: {where}: ",
-                              f"expected {expected}", f"found {found}", "re-run")
+        assert_one_line_error(
+            code,
+            out,
+            err,
+            "compare",
+            f"{str(bad)!r} is damaged: {where}: ",
+            f"expected {expected}",
+            f"found {found}",
+            "re-run",
+        )
 
 
 def test_compare_a_duplicated_check_id_is_one_line_and_exit_2(
@@ -872,8 +1145,14 @@ def test_compare_a_duplicated_check_id_is_one_line_and_exit_2(
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(damaged))
     code, out, err = main(["compare", str(bad), str(bad)], capsys)
-    assert_one_line_error(code, out, err, "compare", "checks[2].id: expected an id unique",
-                          "appears twice (also checks[0])")
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        "compare",
+        "checks[2].id: expected an id unique",
+        "appears twice (also checks[0])",
+    )
 
 
 def test_compare_a_folder_or_a_binary_file_is_one_line_and_exit_2(
@@ -883,8 +1162,9 @@ def test_compare_a_folder_or_a_binary_file_is_one_line_and_exit_2(
     good.parent.mkdir()
     good.write_text(json.dumps(_good_report()))
     code, out, err = main(["compare", str(good.parent), str(good)], capsys)
-    assert_one_line_error(code, out, err, "compare", f"{str(good.parent)!r} is a folder",
-                          f"({str(good)!r} is there)")
+    assert_one_line_error(
+        code, out, err, "compare", f"{str(good.parent)!r} is a folder", f"({str(good)!r} is there)"
+    )
     binary = tmp_path / "report.png"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
     code, out, err = main(["compare", str(good), str(binary)], capsys)
@@ -893,12 +1173,25 @@ def test_compare_a_folder_or_a_binary_file_is_one_line_and_exit_2(
 
 def _model_report(path: Path, model: str | None, world_size: int = 2) -> str:
     variant = f"fsdp2,{model or 'massive'}"
-    entries = [gate_report.check_entry(check=name, claim="memory", lane="cpu",
-                                       world_size=world_size, variant=variant, outcome="passed",
-                                       message="ok", figures={}, data={}, seconds=0.1, warnings=())
-               for name in ("memory.peak", "memory.sawtooth")]
-    settings = Settings(world_sizes=(world_size,), model=model,
-                        block_cls="Block" if model else None)
+    entries = [
+        gate_report.check_entry(
+            check=name,
+            claim="memory",
+            lane="cpu",
+            world_size=world_size,
+            variant=variant,
+            outcome="passed",
+            message="ok",
+            figures={},
+            data={},
+            seconds=0.1,
+            warnings=(),
+        )
+        for name in ("memory.peak", "memory.sawtooth")
+    ]
+    settings = Settings(
+        world_sizes=(world_size,), model=model, block_cls="Block" if model else None
+    )
     report = gate_report.build_report(entries, settings, 1.0)
     gate_report.write_json_report(str(path), report)
     return str(path)
@@ -911,9 +1204,16 @@ def test_compare_reports_of_different_models_are_not_comparable_unless_forced(
     new = _model_report(tmp_path / "new.json", "pkg.mod:build")
     code, out, err = main(["compare", old, new], capsys)
     assert_one_line_error(
-        code, out, err, "compare", f"{old!r} and {new!r} are not comparable: ",
-        "settings.model None vs 'pkg.mod:build'", "settings.block_cls None vs 'Block'",
-        "no check in common (2 checks vs 2)", "pass --force to compare them anyway")
+        code,
+        out,
+        err,
+        "compare",
+        f"{old!r} and {new!r} are not comparable: ",
+        "settings.model None vs 'pkg.mod:build'",
+        "settings.block_cls None vs 'Block'",
+        "no check in common (2 checks vs 2)",
+        "pass --force to compare them anyway",
+    )
     code, out, err = main(["compare", old, new, "--force"], capsys)
     assert code == cli.EXIT_FAILED  # compared: every old check is missing from the new report
     assert "warning: the reports are not comparable" in err and "(--force)" in err
@@ -927,8 +1227,14 @@ def test_compare_reports_with_no_check_in_common_are_not_comparable(
     old = _model_report(tmp_path / "old.json", None, world_size=2)
     new = _model_report(tmp_path / "new.json", None, world_size=4)
     code, out, err = main(["compare", old, new], capsys)
-    assert_one_line_error(code, out, err, "compare", "are not comparable: no check in common "
-                          "(2 checks vs 2; settings world_sizes [2] vs [4])", "--force")
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        "compare",
+        "are not comparable: no check in common (2 checks vs 2; settings world_sizes [2] vs [4])",
+        "--force",
+    )
     empty = tmp_path / "empty.json"
     gate_report.write_json_report(str(empty), gate_report.build_report([], Settings(), 0.0))
     code, out, err = main(["compare", str(empty), str(empty)], capsys)
@@ -973,15 +1279,25 @@ def user_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--fsdp-model", "fsdpc_no_such_pkg:build"],
-         "ERROR: --fsdp-model: cannot import module 'fsdpc_no_such_pkg'*"),
-        (["--fsdp-model", f"{USER_MODULE}:build", "--fsdp-block-cls", "TransformerBlock"],
-         ("ERROR: --fsdp-model: block class 'TransformerBlock' matches no module class in the "
-          f"model Net; its module classes are: {USER_MODULE}.Net, *{USER_MODULE}.Block")),
+        (
+            ["--fsdp-model", "fsdpc_no_such_pkg:build"],
+            "ERROR: --fsdp-model: cannot import module 'fsdpc_no_such_pkg'*",
+        ),
+        (
+            ["--fsdp-model", f"{USER_MODULE}:build", "--fsdp-block-cls", "TransformerBlock"],
+            (
+                "ERROR: --fsdp-model: block class 'TransformerBlock' matches no module class in the "
+                f"model Net; its module classes are: {USER_MODULE}.Net, *{USER_MODULE}.Block"
+            ),
+        ),
         # As `fsdp-conformance run --block-cls` without --model: not silently ignored.
-        (["--fsdp-block-cls", "Block"],
-         ("ERROR: --fsdp-block-cls is set but no --fsdp-model: give the model factory too "
-          "(e.g. --fsdp-model mypkg.model:build_model)")),
+        (
+            ["--fsdp-block-cls", "Block"],
+            (
+                "ERROR: --fsdp-block-cls is set but no --fsdp-model: give the model factory too "
+                "(e.g. --fsdp-model mypkg.model:build_model)"
+            ),
+        ),
     ],
     ids=["import-path", "block-not-in-model", "block-without-model"],
 )
@@ -1007,19 +1323,33 @@ class LendPools:
 
 
 def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
-    pytester: pytest.Pytester, lent_pools: PoolManager,
+    pytester: pytest.Pytester,
+    lent_pools: PoolManager,
 ) -> None:
     # model from [tool.fsdp_conformance], block class from the command line: both sources at once
     pytester.makepyprojecttoml(
-        f'[tool.fsdp_conformance]\nmodel = "{RANK_MODELS}:build"\nworld_sizes = [2]\n')
+        f'[tool.fsdp_conformance]\nmodel = "{RANK_MODELS}:build"\nworld_sizes = [2]\n'
+    )
     result = pytester.runpytest_inprocess(
-        "-m", "cpu", "-k", "wrap.units", "-v", "-p", "no:cacheprovider",
-        "--fsdp-block-cls", "Block", plugins=[LendPools(lent_pools)])
+        "-m",
+        "cpu",
+        "-k",
+        "wrap.units",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "--fsdp-block-cls",
+        "Block",
+        plugins=[LendPools(lent_pools)],
+    )
     result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines([
-        f"fsdp-conformance: torch {torch.__version__}*model {RANK_MODELS}:build*",
-        f"*test_conformance?wrap.units.exact?fsdp1,{RANK_MODELS}:build?-ws2-cpu? PASSED*",
-    ], consecutive=False)
+    result.stdout.fnmatch_lines(
+        [
+            f"fsdp-conformance: torch {torch.__version__}*model {RANK_MODELS}:build*",
+            f"*test_conformance?wrap.units.exact?fsdp1,{RANK_MODELS}:build?-ws2-cpu? PASSED*",
+        ],
+        consecutive=False,
+    )
 
 
 def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(
@@ -1028,10 +1358,15 @@ def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(
     pytester.makepyprojecttoml("[tool.fsdp_conformance]\nworld_size = [2, 4]\n")
     result = pytester.runpytest_inprocess("-m", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
-        ("ERROR: unknown key(s) world_size in [[]tool.fsdp_conformance[]] of *pyproject.toml; "
-         "known keys: world_sizes, backend, timeout, model, block_cls, min_params, input, "
-         "max_world_size, init_fn")])
+    result.stderr.fnmatch_lines(
+        [
+            (
+                "ERROR: unknown key(s) world_size in [[]tool.fsdp_conformance[]] of *pyproject.toml; "
+                "known keys: world_sizes, backend, timeout, model, block_cls, min_params, input, "
+                "max_world_size, init_fn"
+            )
+        ]
+    )
 
 
 def test_unwritable_report_folder_is_exit_2_before_anything_runs(
@@ -1041,8 +1376,10 @@ def test_unwritable_report_folder_is_exit_2_before_anything_runs(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     code, out, err = main(["run", "--out", str(blocker / "out")], capsys)
-    assert_one_line_error(code, out, err, "run", f"cannot write the report to {blocker / 'out'}",
-                          "--out")
-    code, out, err = main(["run", "--out", str(tmp_path / "ok"), "--markdown",
-                           str(blocker / "summary.md")], capsys)
+    assert_one_line_error(
+        code, out, err, "run", f"cannot write the report to {blocker / 'out'}", "--out"
+    )
+    code, out, err = main(
+        ["run", "--out", str(tmp_path / "ok"), "--markdown", str(blocker / "summary.md")], capsys
+    )
     assert_one_line_error(code, out, err, "run", "cannot write the report to", "--markdown")

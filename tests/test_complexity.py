@@ -21,6 +21,7 @@ pytestmark = pytest.mark.cpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+
 def _ruff_bin() -> str | None:
     """The binary of the ``ruff`` package installed beside these tests, None without one."""
     try:
@@ -50,9 +51,22 @@ needs_pylint = pytest.mark.skipif(not _has_pylint(), reason=MISSING.format("pyli
 def _c901(*paths: str | pathlib.Path) -> str:
     assert RUFF is not None
     done = subprocess.run(
-        [RUFF, "check", "--config", str(ROOT / "pyproject.toml"), "--select", "C90",
-         "--output-format", "concise", "--no-cache", *map(str, paths)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [
+            RUFF,
+            "check",
+            "--config",
+            str(ROOT / "pyproject.toml"),
+            "--select",
+            "C90",
+            "--output-format",
+            "concise",
+            "--no-cache",
+            *map(str, paths),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     return done.stdout + done.stderr
 
@@ -88,8 +102,11 @@ def _bare_exemptions(text: str) -> list[int]:
 
 
 def test_every_complexity_exemption_gives_its_reason() -> None:
-    paths = [*ROOT.glob("fsdp_conformance/**/*.py"), *ROOT.glob("tests/*.py"),
-             *ROOT.glob("benchmarks/*.py")]
+    paths = [
+        *ROOT.glob("fsdp_conformance/**/*.py"),
+        *ROOT.glob("tests/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+    ]
     bare = [f"{p.relative_to(ROOT)}:{n}" for p in paths for n in _bare_exemptions(p.read_text())]
     assert not bare, f"noqa: C901 without ' - <reason>': {bare}"
 
@@ -108,9 +125,18 @@ def test_the_exemption_rule_catches_a_bare_noqa() -> None:
 def _repeated_blocks(*paths: str | pathlib.Path) -> str:
     """pylint's duplicate-code report with pyproject's ``[tool.pylint]`` (the rule alone)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pylint", "--rcfile", str(ROOT / "pyproject.toml"),
-         *map(str, paths)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pylint",
+            "--rcfile",
+            str(ROOT / "pyproject.toml"),
+            *map(str, paths),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     return done.stdout + done.stderr
 
@@ -124,8 +150,10 @@ def test_the_repetition_rule_is_six_lines_of_code(tmp_path: pathlib.Path) -> Non
 
     def module(name: str, common: int) -> str:
         body = "".join(f"    total = total * {i} + 1\n" for i in range(common))
-        return (f"{doc}{imports}\n\ndef f(a, b, c):\n    total = len({name!r})\n{body}"
-                f"    return total, {name!r}\n")
+        return (
+            f"{doc}{imports}\n\ndef f(a, b, c):\n    total = len({name!r})\n{body}"
+            f"    return total, {name!r}\n"
+        )
 
     for common in (5, 6):
         for name in ("one", "two"):

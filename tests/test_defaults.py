@@ -24,18 +24,31 @@ from fsdp_conformance.harness import Ranks
 from fsdp_conformance.settings import Settings
 
 #: The defaults each version's fault changes, as a torch upgrade could.
-FAULTS = {"fsdp1": ("reduce_dtype_default", "backward_prefetch_default"),
-          "fsdp2": ("reduce_dtype_default", "reshard_after_forward_default")}
+FAULTS = {
+    "fsdp1": ("reduce_dtype_default", "backward_prefetch_default"),
+    "fsdp2": ("reduce_dtype_default", "reshard_after_forward_default"),
+}
 
 
 def _report(runs: dict[str, CheckRun]) -> dict[str, Any]:
     entries = []
     for version, run in runs.items():
         assert run.verdict is not None, run.detail
-        entries.append(gate_report.check_entry(
-            check=run.check, claim="defaults", lane="cpu", world_size=2, variant=version,
-            outcome=run.outcome, message=run.detail, figures=run.verdict.figures,
-            data=run.verdict.data, seconds=run.seconds, warnings=run.warnings))
+        entries.append(
+            gate_report.check_entry(
+                check=run.check,
+                claim="defaults",
+                lane="cpu",
+                world_size=2,
+                variant=version,
+                outcome=run.outcome,
+                message=run.detail,
+                figures=run.verdict.figures,
+                data=run.verdict.data,
+                seconds=run.seconds,
+                warnings=run.warnings,
+            )
+        )
     return gate_report.build_report(entries, Settings(), 1.0)
 
 
@@ -81,16 +94,24 @@ def test_fingerprint_matches_torch_and_a_changed_default_is_a_regression(ranks: 
         dtypes = found[(version, "dtype", True)]
         # the figure, and each reduce-scatter record of the param_dtype-only step
         assert "param_dtype_only.reduce_scatter_dtype: torch.bfloat16 -> torch.float32" in dtypes
-        assert any(t.startswith("param_dtype_only: collective dtype: backward reduce_scatter "
-                                "layers.2 in_dtype torch.bfloat16 -> torch.float32")
-                   for t in dtypes), dtypes
-        assert any(t.startswith("param_dtype_only: collective bytes: backward reduce_scatter")
-                   for t in found[(version, "collectives", True)])
+        assert any(
+            t.startswith(
+                "param_dtype_only: collective dtype: backward reduce_scatter "
+                "layers.2 in_dtype torch.bfloat16 -> torch.float32"
+            )
+            for t in dtypes
+        ), dtypes
+        assert any(
+            t.startswith("param_dtype_only: collective bytes: backward reduce_scatter")
+            for t in found[(version, "collectives", True)]
+        )
     # FSDP1 without backward prefetch: the same collectives, the all-gathers later
     assert [t for t in found[("fsdp1", "order", False)] if t.startswith("defaults:")]
     # FSDP2 keeping units unsharded after forward: the backward all-gathers are gone
-    assert any(t.startswith("defaults: collectives issued: - backward all_gather layers.2")
-               for t in found[("fsdp2", "collectives", True)])
+    assert any(
+        t.startswith("defaults: collectives issued: - backward all_gather layers.2")
+        for t in found[("fsdp2", "collectives", True)]
+    )
 
 
 def _rec(op: str, unit: str, phase: str) -> dict[str, Any]:
@@ -101,12 +122,28 @@ def test_observers_name_what_the_collectives_show() -> None:
     # the derived observables, each on a hand-made step with and without the behaviour
     gathers = [_rec("all_gather", u, "forward") for u in LAYERS]
     ag, rs = "all_gather", "reduce_scatter"
-    pre = [*gathers] + [_rec(op, unit, "backward") for op, unit in (
-        (ag, "layers.2"), (ag, "layers.1"), (rs, "layers.2"), (ag, "layers.0"), (rs, "layers.1"),
-        (rs, "layers.0"))]
-    post = [*gathers] + [_rec(op, unit, "backward") for op, unit in (
-        (ag, "layers.2"), (rs, "layers.2"), (ag, "layers.1"), (rs, "layers.1"), (ag, "layers.0"),
-        (rs, "layers.0"))]
+    pre = [*gathers] + [
+        _rec(op, unit, "backward")
+        for op, unit in (
+            (ag, "layers.2"),
+            (ag, "layers.1"),
+            (rs, "layers.2"),
+            (ag, "layers.0"),
+            (rs, "layers.1"),
+            (rs, "layers.0"),
+        )
+    ]
+    post = [*gathers] + [
+        _rec(op, unit, "backward")
+        for op, unit in (
+            (ag, "layers.2"),
+            (rs, "layers.2"),
+            (ag, "layers.1"),
+            (rs, "layers.1"),
+            (ag, "layers.0"),
+            (rs, "layers.0"),
+        )
+    ]
     assert observe_backward_prefetch(pre) == "prefetched"
     assert observe_backward_prefetch(post) == "not prefetched"
     assert observe_sharding(pre) == "FULL_SHARD"
@@ -114,9 +151,15 @@ def test_observers_name_what_the_collectives_show() -> None:
     assert observe_sharding(kept) == "SHARD_GRAD_OP"
     assert observe_sharding([_rec("all_reduce", u, "backward") for u in LAYERS]) == "NO_SHARD"
     # forward: layer k+1 gathered before layer k's forward returned (marks: index, kind, unit)
-    ends_after = [(1, "fwd_end", "layers.0"), (2, "fwd_end", "layers.1"),
-                  (3, "fwd_end", "layers.2")]
-    ends_before = [(2, "fwd_end", "layers.0"), (3, "fwd_end", "layers.1"),
-                   (3, "fwd_end", "layers.2")]
+    ends_after = [
+        (1, "fwd_end", "layers.0"),
+        (2, "fwd_end", "layers.1"),
+        (3, "fwd_end", "layers.2"),
+    ]
+    ends_before = [
+        (2, "fwd_end", "layers.0"),
+        (3, "fwd_end", "layers.1"),
+        (3, "fwd_end", "layers.2"),
+    ]
     assert observe_forward_prefetch(gathers, ends_after) == "not prefetched"
     assert observe_forward_prefetch(gathers, ends_before) == "prefetched"

@@ -30,8 +30,10 @@ from fsdp_conformance.harness.forkserver import (
 from fsdp_conformance.harness.pool import prestart_fork_server
 
 needs_fork = pytest.mark.skipif(
-    not fork_available(), reason="this platform has no os.fork or no pidfds (Linux 5.3+): "
-    "every rank is started with exec, which the other harness tests cover")
+    not fork_available(),
+    reason="this platform has no os.fork or no pidfds (Linux 5.3+): "
+    "every rank is started with exec, which the other harness tests cover",
+)
 
 
 def _how_started(ctx: RankContext) -> dict[str, object]:
@@ -89,8 +91,11 @@ def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
         # ranks without a server of its own.
         monkeypatch.setenv("FSDP_CONFORMANCE_PROBE", "seen")
         one = _values(manager.run_outcomes(_how_started, world_size=1, **run))
-        malloc = _values(manager.run_outcomes(
-            _how_started, world_size=1, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, **run))
+        malloc = _values(
+            manager.run_outcomes(
+                _how_started, world_size=1, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, **run
+            )
+        )
         server = two[0]["ppid"]
         # Forked: the parent is the server, not this process; one server for both pools.
         assert server != os.getpid()
@@ -141,8 +146,7 @@ def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
     # the fork and never reads the variable there): the share does not replace it.
     assert fresh.run(_threads) == [3, 3]
     # The warm pool neither saw the variable nor was replaced.
-    assert [value for _, value in ranks.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")] == [
-        None, None]
+    assert [value for _, value in ranks.run(_pid_and_env, "MALLOC_MMAP_THRESHOLD_")] == [None, None]
     assert ranks.run(_pid) == warm
 
 
@@ -175,8 +179,9 @@ def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> N
     servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
-        run = dict(args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu",
-                   timeout=60.0)
+        run = dict(
+            args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu", timeout=60.0
+        )
         before = _values(manager.run_outcomes(_how_started, **run))
         os.kill(before[0]["ppid"], signal.SIGKILL)
         pids = [v["pid"] for v in before]
@@ -208,8 +213,12 @@ def test_a_server_started_early_imports_before_each_fork_what_the_parent_loaded_
     try:
         assert prestart_fork_server(servers)  # as the CLI does, before its own imports
         (server,) = servers.pids()
-        run = dict(args=(name,), kwargs={}, world_size=1, **{k: RUN[k] for k in (
-            "backend", "device_type", "timeout")})
+        run = dict(
+            args=(name,),
+            kwargs={},
+            world_size=1,
+            **{k: RUN[k] for k in ("backend", "device_type", "timeout")},
+        )
         assert _values(manager.run_outcomes(_loaded_at_start, **run)) == [False]
         importlib.import_module(name)  # the parent imports it after the server started
         assert _values(manager.run_outcomes(_loaded_at_start, fresh=True, **run)) == [True]
@@ -227,7 +236,8 @@ TRACKERS = "torch.distributed._tools.mem_tracker"
 @pytest.mark.process
 @needs_fork
 def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A server that imports only the base list, not what this process has loaded (the plots
     # module, imported here; this process's modules are restored after the test): the trackers
@@ -237,18 +247,27 @@ def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never
     servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
-        run = dict(kwargs={}, world_size=1, **{k: RUN[k] for k in (
-            "backend", "device_type", "timeout")})
+        run = dict(
+            kwargs={}, world_size=1, **{k: RUN[k] for k in ("backend", "device_type", "timeout")}
+        )
         assert _values(manager.run_outcomes(_loaded_at_start, args=(TRACKERS,), **run)) == [True]
         assert _values(manager.run_outcomes(_loaded_at_start, args=(plots,), **run)) == [False]
     finally:
         manager.close()
         servers.close()
     # A run's parent imports every claim (and through them the step and the meters), not them.
-    probe = ("import sys; from fsdp_conformance.claims import all_checks; all_checks(); "
-             f"print({TRACKERS!r} in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         check=True, cwd=tmp_path, timeout=120).stdout
+    probe = (
+        "import sys; from fsdp_conformance.claims import all_checks; all_checks(); "
+        f"print({TRACKERS!r} in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        timeout=120,
+    ).stdout
     assert out.strip() == "False"
 
 
@@ -263,7 +282,7 @@ def test_a_pool_without_fork_servers_starts_its_ranks_with_exec() -> None:
 @pytest.mark.process
 @needs_fork
 def test_a_pool_with_fork_servers_on_a_platform_without_fork_uses_exec(
-    monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import fsdp_conformance.harness.pool as pool_module
 
@@ -278,13 +297,26 @@ def test_a_pool_with_fork_servers_on_a_platform_without_fork_uses_exec(
 
 
 def test_the_server_preloads_torch_and_the_parents_heavy_packages_but_never_the_worker() -> None:
-    loaded = dict.fromkeys([
-        "os", "numpy", "fsdp_conformance", "fsdp_conformance.claims.wrap", WORKER_MODULE,
-        "transformers", "transformers.models.llama.modeling_llama", "pytest", "_pytest.python",
-        "tests.test_wrapping",
-    ])
+    loaded = dict.fromkeys(
+        [
+            "os",
+            "numpy",
+            "fsdp_conformance",
+            "fsdp_conformance.claims.wrap",
+            WORKER_MODULE,
+            "transformers",
+            "transformers.models.llama.modeling_llama",
+            "pytest",
+            "_pytest.python",
+            "tests.test_wrapping",
+        ]
+    )
     names = preload_modules(loaded)
     assert names[: len(BASE_PRELOAD)] == list(BASE_PRELOAD)
     assert set(names) - set(BASE_PRELOAD) == {
-        "fsdp_conformance", "fsdp_conformance.claims.wrap", "transformers",
-        "transformers.models.llama.modeling_llama", "pytest"}
+        "fsdp_conformance",
+        "fsdp_conformance.claims.wrap",
+        "transformers",
+        "transformers.models.llama.modeling_llama",
+        "pytest",
+    }

@@ -20,8 +20,9 @@ GATE_HOMES = {"reports": "report", "suite": "suite", "plots": "plots"}
 
 
 def test_compare_and_report_import_without_torch() -> None:
-    assert not loads_torch("fsdp_conformance.cli", "fsdp_conformance.gate.report",
-                           "fsdp_conformance.gate.compare")
+    assert not loads_torch(
+        "fsdp_conformance.cli", "fsdp_conformance.gate.report", "fsdp_conformance.gate.compare"
+    )
     # the control: the probe sees torch where a module does load it (the suite run does)
     assert loads_torch("fsdp_conformance.gate.suite")
 
@@ -33,27 +34,34 @@ def test_help_a_bad_flag_and_compare_run_through_main_without_torch(tmp_path: Pa
     from fsdp_conformance.settings import Settings
 
     write_json_report(str(tmp_path / "r.json"), build_report([], Settings(), 0.0))
-    code = ("import contextlib, io\n"
-            "from fsdp_conformance import cli\n"
-            "def call(*argv):\n"
-            "    out = io.StringIO()\n"
-            "    try:\n"
-            "        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
-            "            code = cli.main(list(argv))\n"
-            "    except SystemExit as exc:\n"
-            "        code = exc.code\n"
-            "    except ImportError:\n"
-            "        if not attempts:\n"
-            "            raise\n"
-            "        code = 'torch'\n"
-            "    print(code, bool(attempts))\n"
-            "call('--help')\n"
-            "call('run', '--bogus')\n"
-            "call('compare', 'r.json', 'missing.json')\n"  # a bad report: exit 2
-            "call('compare', 'r.json', 'r.json')\n"  # no check in common: exit 2
-            "call('run', '--list')\n")  # the control: the suite's checks do load torch
+    code = (
+        "import contextlib, io\n"
+        "from fsdp_conformance import cli\n"
+        "def call(*argv):\n"
+        "    out = io.StringIO()\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
+        "            code = cli.main(list(argv))\n"
+        "    except SystemExit as exc:\n"
+        "        code = exc.code\n"
+        "    except ImportError:\n"
+        "        if not attempts:\n"
+        "            raise\n"
+        "        code = 'torch'\n"
+        "    print(code, bool(attempts))\n"
+        "call('--help')\n"
+        "call('run', '--bogus')\n"
+        "call('compare', 'r.json', 'missing.json')\n"  # a bad report: exit 2
+        "call('compare', 'r.json', 'r.json')\n"  # no check in common: exit 2
+        "call('run', '--list')\n"
+    )  # the control: the suite's checks do load torch
     assert probe(code, cwd=tmp_path).splitlines() == [
-        "0 False", "2 False", "2 False", "2 False", "torch True"]
+        "0 False",
+        "2 False",
+        "2 False",
+        "2 False",
+        "torch True",
+    ]
 
 
 @pytest.mark.parametrize("old", ["reports", "suite", "plots"])

@@ -42,8 +42,16 @@ from fsdp_conformance.harness.timeouts import pg_timeout_for
 
 pytestmark = pytest.mark.cpu
 
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_LOCALID",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 @pytest.fixture
@@ -99,23 +107,30 @@ def test_a_world_larger_than_the_workers_slice_skips_naming_the_count_and_the_fi
         "gpu lane: world size 2 needs 2 CUDA devices, and pytest-xdist worker gw2 has none of "
         "this machine's 2 (each of the 3 workers gets its own slice, so that no two share a "
         "GPU); run fewer xdist workers (-n 1 or fewer gives each 2) or fewer ranks "
-        "(world_size markers, --fsdp-world-sizes)")
+        "(world_size markers, --fsdp-world-sizes)"
+    )
     assert lane_unavailable("gpu", 1, share=GpuShare(2, 3)) == (
         "gpu lane: world size 1 needs 1 CUDA device, and pytest-xdist worker gw2 has none of "
         "this machine's 2 (each of the 3 workers gets its own slice, so that no two share a "
         "GPU); run fewer xdist workers (-n 2 or fewer gives each 1) or fewer ranks "
-        "(world_size markers, --fsdp-world-sizes)")
+        "(world_size markers, --fsdp-world-sizes)"
+    )
     assert lane_unavailable("gpu", 1, share=GpuShare(1, 3)) is None  # gw1 has cuda:1
     assert lane_unavailable("gpu", 2) is None  # outside xdist the machine's 2 are all there
     fake_gpus(8)
     assert lane_unavailable("gpu", 4, share=GpuShare(1, 2)) is None
     reason = lane_unavailable("gpu", 8, share=GpuShare(1, 2), flag_style="cli")
-    assert reason is not None and "worker gw1 has 4 (cuda:4 to cuda:7) of this machine's 8" in (
-        reason) and "(-n 1 or fewer gives each 8)" in reason and "--world-sizes)" in reason
+    assert (
+        reason is not None
+        and "worker gw1 has 4 (cuda:4 to cuda:7) of this machine's 8" in (reason)
+        and "(-n 1 or fewer gives each 8)" in reason
+        and "--world-sizes)" in reason
+    )
     # Too few devices on the whole machine: the machine's reason, not the workers'.
     reason = lane_unavailable("gpu", 16, share=GpuShare(1, 2))
     assert reason is not None and reason.startswith(
-        "gpu lane: world size 16 needs 16 CUDA devices, found 8")
+        "gpu lane: world size 16 needs 16 CUDA devices, found 8"
+    )
     assert lane_unavailable("cpu", 16, share=GpuShare(1, 2)) is None
 
 
@@ -137,10 +152,20 @@ def test_a_cuda_rank_sets_and_binds_its_group_to_its_slices_device(
     devices_set: list[int] = []
     started: list[dict[str, Any]] = []
     monkeypatch.setattr(torch.cuda, "set_device", devices_set.append)
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kwargs: started.append({"backend": backend, **kwargs}))
-    spec = {"backend": "nccl", "rank": 2, "world_size": 4, "device_type": "cuda",
-            "devices": [4, 5, 6, 7], "store": "/nonexistent/store", "pg_timeout": 460.0}
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kwargs: started.append({"backend": backend, **kwargs}),
+    )
+    spec = {
+        "backend": "nccl",
+        "rank": 2,
+        "world_size": 4,
+        "device_type": "cuda",
+        "devices": [4, 5, 6, 7],
+        "store": "/nonexistent/store",
+        "pg_timeout": 460.0,
+    }
     ctx = worker_module._init_process_group(spec)
     assert devices_set == [6]
     assert started[0]["device_id"] == torch.device("cuda", 6)
@@ -208,10 +233,18 @@ class _RecordingPool:
 
     started: list[_Started] = []
 
-    def __init__(self, world_size: int, backend: str = "gloo", device_type: str = "cpu", *,
-                 env: Mapping[str, str] | None = None, start_timeout: float | None = None,
-                 pg_timeout: float = 300.0, fork_servers: Any = None,
-                 devices: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        device_type: str = "cpu",
+        *,
+        env: Mapping[str, str] | None = None,
+        start_timeout: float | None = None,
+        pg_timeout: float = 300.0,
+        fork_servers: Any = None,
+        devices: Sequence[int] | None = None,
+    ) -> None:
         self.world_size, self.backend, self.device_type = world_size, backend, device_type
         self.devices = pool_module.checked_devices(world_size, device_type, devices)
         self.pg_timeout = pg_timeout
@@ -219,8 +252,13 @@ class _RecordingPool:
         self.alive = True
         _RecordingPool.started.append(_Started(world_size, device_type, self.devices))
 
-    def run_outcomes(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-                     kwargs: Mapping[str, Any] | None = None, **_: Any) -> list[RankOutcome]:
+    def run_outcomes(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        **_: Any,
+    ) -> list[RankOutcome]:
         outcomes = []
         for rank in range(self.world_size):
             spec = {"rank": rank, "devices": self.devices}
@@ -234,8 +272,9 @@ class _RecordingPool:
 
 
 @pytest.fixture
-def recorded(monkeypatch: pytest.MonkeyPatch,
-             fake_gpus: Callable[[int], None]) -> Iterator[list[_Started]]:
+def recorded(
+    monkeypatch: pytest.MonkeyPatch, fake_gpus: Callable[[int], None]
+) -> Iterator[list[_Started]]:
     """Pools started from now on (stand-ins), on a machine of 8 CUDA devices."""
     started: list[_Started] = []
     monkeypatch.setattr(_RecordingPool, "started", started)
@@ -257,13 +296,16 @@ def test_each_xdist_workers_pools_use_its_own_devices(recorded: list[_Started]) 
     assert first.run(_device) == ["cuda:0", "cuda:1"]  # another slice: another pool
     assert Ranks(manager, 2).run(_device) == ["cpu", "cpu"]  # CPU pools: unchanged
     assert [(s.world_size, s.device_type, s.devices) for s in recorded] == [
-        (2, "cuda", (4, 5)), (4, "cuda", (4, 5, 6, 7)), (2, "cuda", (0, 1)), (2, "cpu", None)]
+        (2, "cuda", (4, 5)),
+        (4, "cuda", (4, 5, 6, 7)),
+        (2, "cuda", (0, 1)),
+        (2, "cpu", None),
+    ]
     manager.close()
 
 
 def test_outside_xdist_rank_r_stays_on_cuda_r(recorded: list[_Started]) -> None:
-    assert Ranks(PoolManager(), 2, lane="gpu", backend="nccl").run(_device) == [
-        "cuda:0", "cuda:1"]
+    assert Ranks(PoolManager(), 2, lane="gpu", backend="nccl").run(_device) == ["cuda:0", "cuda:1"]
     assert [s.devices for s in recorded] == [None]  # started exactly as before
 
 
@@ -295,7 +337,9 @@ def pytest_configure(config):
 
 
 def test_the_plugin_gives_an_xdist_worker_its_slice(
-    pytester: pytest.Pytester, recorded: list[_Started], monkeypatch: pytest.MonkeyPatch,
+    pytester: pytest.Pytester,
+    recorded: list[_Started],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name in ("FSDP_CONFORMANCE_WORLD_SIZES", "PYTEST_XDIST_WORKER_COUNT"):
         monkeypatch.delenv(name, raising=False)
@@ -303,11 +347,14 @@ def test_the_plugin_gives_an_xdist_worker_its_slice(
     pytester.makepyfile(test_inner=INNER_WORKER_SESSION)
     result = pytester.runpytest_inprocess("-p", "no:xdist", "-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines([
-        "SKIPPED *gpu lane: world size 8 needs 8 CUDA devices, and pytest-xdist worker gw1 has "
-        "4 (cuda:4 to cuda:7) of this machine's 8 (each of the 2 workers gets its own slice, so "
-        "that no two share a GPU); run fewer xdist workers (-n 1 or fewer gives each 8) or "
-        "fewer ranks (world_size markers, --fsdp-world-sizes)"])
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED *gpu lane: world size 8 needs 8 CUDA devices, and pytest-xdist worker gw1 has "
+            "4 (cuda:4 to cuda:7) of this machine's 8 (each of the 2 workers gets its own slice, so "
+            "that no two share a GPU); run fewer xdist workers (-n 1 or fewer gives each 8) or "
+            "fewer ranks (world_size markers, --fsdp-world-sizes)"
+        ]
+    )
     assert [(s.world_size, s.devices) for s in recorded] == [(4, (4, 5, 6, 7))]
 
 
@@ -316,21 +363,27 @@ def test_the_plugin_gives_an_xdist_worker_its_slice(
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("local_rank", "visible", "device"), [
-    (3, 1, 0),  # srun --gpus-per-task=1: the task's one GPU, whatever its LOCAL_RANK
-    (1, 2, 1),  # torchrun --nproc-per-node 2 on 2 GPUs
-    (7, 8, 7),
-    (5, 4, 1),  # two GPUs per task (srun --gpus-per-task=2 on 8 ranks per node)
-])
+@pytest.mark.parametrize(
+    ("local_rank", "visible", "device"),
+    [
+        (3, 1, 0),  # srun --gpus-per-task=1: the task's one GPU, whatever its LOCAL_RANK
+        (1, 2, 1),  # torchrun --nproc-per-node 2 on 2 GPUs
+        (7, 8, 7),
+        (5, 4, 1),  # two GPUs per task (srun --gpus-per-task=2 on 8 ranks per node)
+    ],
+)
 def test_a_launched_rank_takes_local_rank_modulo_the_devices_it_sees(
-    local_rank: int, visible: int, device: int,
+    local_rank: int,
+    visible: int,
+    device: int,
 ) -> None:
     assert launch_device_index(local_rank, visible) == device
 
 
 def test_a_launched_rank_without_a_device_is_told_so() -> None:
-    with pytest.raises(HarnessError, match="LOCAL_RANK 2 needs a CUDA device; this process "
-                                           "sees none"):
+    with pytest.raises(
+        HarnessError, match="LOCAL_RANK 2 needs a CUDA device; this process sees none"
+    ):
         launch_device_index(2, 0)
 
 
@@ -368,8 +421,13 @@ def one_gpu_per_task(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     devices it set."""
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}.items():
+    for name, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node0",
+    }.items():
         monkeypatch.setenv(name, value)
     devices_set: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -379,14 +437,20 @@ def one_gpu_per_task(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_the_launchs_group_gets_the_ranks_device_and_the_derived_timeout(
-    one_gpu_per_task: list[int], monkeypatch: pytest.MonkeyPatch,
+    one_gpu_per_task: list[int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dist = _FakeDist(monkeypatch)
     runner = LauncherRunner(pg_timeout=pg_timeout_for(400.0))
     assert one_gpu_per_task == [0]  # not set_device(LOCAL_RANK=1): an invalid ordinal here
-    assert dist.started == [{"backend": "nccl", "init_method": "env://",
-                             "device_id": torch.device("cuda", 0),
-                             "timeout": timedelta(seconds=460)}]
+    assert dist.started == [
+        {
+            "backend": "nccl",
+            "init_method": "env://",
+            "device_id": torch.device("cuda", 0),
+            "timeout": timedelta(seconds=460),
+        }
+    ]
     assert dist.barriers == 1  # the ranks leave the start together (CheckWatchdog's arming)
     assert (runner.device_type, runner.local_rank, runner.device_index) == ("cuda", 1, 0)
     assert runner.ctx.device == torch.device("cuda", 0)
@@ -396,7 +460,8 @@ def test_the_launchs_group_gets_the_ranks_device_and_the_derived_timeout(
 
 
 def test_a_runner_joining_a_group_already_up_leaves_it_alone(
-    one_gpu_per_task: list[int], monkeypatch: pytest.MonkeyPatch,
+    one_gpu_per_task: list[int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dist = _FakeDist(monkeypatch, up=True)  # e.g. a check of a launched run makes its own
     runner = LauncherRunner("nccl", pg_timeout=460.0)
@@ -416,22 +481,32 @@ def test_launched(ranks):
 
 
 def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and_ends_it(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    for name in ("FSDP_CONFORMANCE_TIMEOUT", "FSDP_CONFORMANCE_WORLD_SIZES",
-                 "FSDP_CONFORMANCE_BACKEND"):
+    for name in (
+        "FSDP_CONFORMANCE_TIMEOUT",
+        "FSDP_CONFORMANCE_WORLD_SIZES",
+        "FSDP_CONFORMANCE_BACKEND",
+    ):
         monkeypatch.delenv(name, raising=False)
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "MASTER_ADDR": "localhost"}.items():
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "localhost",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     dist = _FakeDist(monkeypatch)
     pytester.makepyfile(test_inner=LAUNCHED_SESSION)
-    result = pytester.runpytest_inprocess("--fsdp-timeout", "400", "--fsdp-world-sizes", "1",
-                                          "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess(
+        "--fsdp-timeout", "400", "--fsdp-world-sizes", "1", "-p", "no:cacheprovider"
+    )
     result.assert_outcomes(passed=1)
-    assert dist.started == [{"backend": "gloo", "init_method": "env://",
-                             "timeout": timedelta(seconds=460)}]
+    assert dist.started == [
+        {"backend": "gloo", "init_method": "env://", "timeout": timedelta(seconds=460)}
+    ]
     assert dist.destroyed == 1 and not dist.up

@@ -248,8 +248,9 @@ def test_check_timeout_is_cut_to_end_before_the_outer_deadline_and_says_so() -> 
 
     now = time.monotonic()
     deadline, note = outer_deadline(now, 60.0, "--timeout")
-    assert note == ("this test's pytest-timeout of 60s (--timeout), less 5s for the stack dump "
-                    "and teardown")
+    assert note == (
+        "this test's pytest-timeout of 60s (--timeout), less 5s for the stack dump and teardown"
+    )
     assert deadline == pytest.approx(now + 55.0)
     assert fit_timeout(30.0, deadline, note) == (30.0, "")  # fits: untouched
     assert fit_timeout(30.0, None) == (30.0, "")  # no pytest-timeout: untouched
@@ -274,9 +275,17 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
     manager = PoolManager()
     try:
         with pytest.raises(HarnessError) as info:
-            manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
-                                 device_type="cpu", timeout=100.0,
-                                 deadline=time.monotonic() - 1.0, deadline_note="NOTE")
+            manager.run_outcomes(
+                _rank_of,
+                (),
+                {},
+                world_size=2,
+                backend="gloo",
+                device_type="cpu",
+                timeout=100.0,
+                deadline=time.monotonic() - 1.0,
+                deadline_note="NOTE",
+            )
     finally:
         manager.close()
     message = str(info.value)
@@ -284,8 +293,13 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
     # or the process group's init (with fork servers, also a server importing torch).
     first_line = message.splitlines()[0]
     assert first_line.startswith("could not start 2 gloo ranks: "), first_line
-    assert any(phase in first_line for phase in (
-        "timed out importing torch", "timed out connecting", "process group init timed out")
+    assert any(
+        phase in first_line
+        for phase in (
+            "timed out importing torch",
+            "timed out connecting",
+            "process group init timed out",
+        )
     ), first_line
     assert message.endswith("(the ranks had 0.1s to start, the rest of NOTE)")
 
@@ -293,30 +307,36 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
 def test_crash_site_names_the_torch_function_called_or_the_innermost_frame() -> None:
     from fsdp_conformance.harness.outcomes import crash_site
 
-    log = "\n".join([
-        "Fatal Python error: Segmentation fault",
-        "",
-        "Thread 0x00007f0 (most recent call first):",  # another thread: not the crashed one
-        '  File "/x/threading.py", line 331 in wait',
-        "",
-        "Current thread 0x00007f1 (most recent call first):",
-        '  File "/usr/lib/python3.11/ctypes/__init__.py", line 519 in string_at',
-        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2942 in all_reduce',
-        '  File "/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper',
-        '  File "/work/model.py", line 7 in step',
-        "",
-        "Extension modules: numpy",
-    ])
-    assert crash_site(log) == ("inside torch: torch.distributed.c10d_logger.wrapper (crashed in "
-                               "torch.distributed.distributed_c10d.all_reduce, line 2942)")
+    log = "\n".join(
+        [
+            "Fatal Python error: Segmentation fault",
+            "",
+            "Thread 0x00007f0 (most recent call first):",  # another thread: not the crashed one
+            '  File "/x/threading.py", line 331 in wait',
+            "",
+            "Current thread 0x00007f1 (most recent call first):",
+            '  File "/usr/lib/python3.11/ctypes/__init__.py", line 519 in string_at',
+            '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2942 in all_reduce',
+            '  File "/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper',
+            '  File "/work/model.py", line 7 in step',
+            "",
+            "Extension modules: numpy",
+        ]
+    )
+    assert crash_site(log) == (
+        "inside torch: torch.distributed.c10d_logger.wrapper (crashed in "
+        "torch.distributed.distributed_c10d.all_reduce, line 2942)"
+    )
     no_torch = log.replace("/site-packages/torch/", "/site-packages/other/")
-    assert crash_site(no_torch) == ("in string_at (/usr/lib/python3.11/ctypes/__init__.py, "
-                                    "line 519)")
+    assert crash_site(no_torch) == (
+        "in string_at (/usr/lib/python3.11/ctypes/__init__.py, line 519)"
+    )
     assert crash_site("exited normally\n") is None
 
 
 def test_a_pool_under_a_folder_too_deep_for_a_socket_path_still_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A unix socket's path has at most 107 bytes; a deep TMPDIR (a pytest-xdist worker's
     temporary folder) went past it, and the pool's start failed with ``OSError: AF_UNIX path
@@ -326,15 +346,18 @@ def test_a_pool_under_a_folder_too_deep_for_a_socket_path_still_starts(
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
-    assert len(os.fsencode(os.path.join(deep, "fsdp-conformance-ranks-xxxxxxxx", "ctl.sock"))) \
+    assert (
+        len(os.fsencode(os.path.join(deep, "fsdp-conformance-ranks-xxxxxxxx", "ctl.sock")))
         > UNIX_PATH_MAX
+    )
     assert control_address(str(deep)).startswith("\0fsdp-conformance-")
     assert control_address(str(tmp_path)) == os.path.join(tmp_path, "ctl.sock")
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     manager = PoolManager()
     try:
-        outcomes = manager.run_outcomes(_rank_of, (), {}, world_size=2, backend="gloo",
-                                        device_type="cpu", timeout=60.0)
+        outcomes = manager.run_outcomes(
+            _rank_of, (), {}, world_size=2, backend="gloo", device_type="cpu", timeout=60.0
+        )
     finally:
         manager.close()
     assert [o.value for o in outcomes] == [0, 1]

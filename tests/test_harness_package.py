@@ -28,12 +28,34 @@ WORKER_MODULE = f"{HARNESS}.worker"
 #: The public names of the single-module harness (every top-level name without a leading
 #: underscore in fsdp_conformance/harness.py before the split): the package keeps them all.
 PUBLIC_NAMES = {
-    "GRACE_AFTER_FAILURE_S", "GRACE_AFTER_SKIP_S", "LOG_TAIL_LINES", "OUTER_TIMEOUT_RESERVE_S",
-    "STACK_DUMP_WAIT_S", "CheckSkipped", "HarnessError", "LauncherRunner", "PoolManager",
-    "RankContext", "RankFailure", "RankOutcome", "RankPool", "Ranks", "all_gather_objects",
-    "close_all_pools", "cuda_device_count", "describe_exit", "fit_timeout", "format_failure",
-    "lane_unavailable", "launched_externally", "log", "outer_deadline", "resolve_outcomes",
-    "skip_rank", "startup_environ", "traceback_text",
+    "GRACE_AFTER_FAILURE_S",
+    "GRACE_AFTER_SKIP_S",
+    "LOG_TAIL_LINES",
+    "OUTER_TIMEOUT_RESERVE_S",
+    "STACK_DUMP_WAIT_S",
+    "CheckSkipped",
+    "HarnessError",
+    "LauncherRunner",
+    "PoolManager",
+    "RankContext",
+    "RankFailure",
+    "RankOutcome",
+    "RankPool",
+    "Ranks",
+    "all_gather_objects",
+    "close_all_pools",
+    "cuda_device_count",
+    "describe_exit",
+    "fit_timeout",
+    "format_failure",
+    "lane_unavailable",
+    "launched_externally",
+    "log",
+    "outer_deadline",
+    "resolve_outcomes",
+    "skip_rank",
+    "startup_environ",
+    "traceback_text",
 }
 #: Public names added since: the lifecycle the CLI and the plugin open (issue 32), and the GPU
 #: share of a pytest-xdist worker that the plugin hands to it.
@@ -90,54 +112,83 @@ def test_a_pool_started_while_a_rank_imports_the_parents_script_is_refused(tmp_p
     # The flag the worker sets (protocol.loading_parent_main) is the one the pool reads.
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode != 0, done.stdout + done.stderr
     assert f"{HarnessError.__module__}.HarnessError: could not start 1 gloo ranks" in done.stderr
     assert "a RankPool was started while a rank imported the parent's __main__ script" in (
-        done.stderr)
-
+        done.stderr
+    )
 
 
 #: The front ends that drive the harness: they reach it only through its public names.
-FRONT_ENDS = ("cli.py", "plugin.py", "gate")
+FRONT_ENDS = ("cli.py", "cli_parser.py", "plugin.py", "gate")
 
 
 def _past_the_public_face(source: str, name: str) -> list[str]:
     """Each import of the harness in ``source`` that goes past its public face: a submodule,
     or a name ``fsdp_conformance.harness`` does not export."""
     bad: list[str] = []
-    for node in sorted((n for n in ast.walk(ast.parse(source))
-                        if isinstance(n, (ast.Import, ast.ImportFrom))), key=lambda n: n.lineno):
+    for node in sorted(
+        (n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom))),
+        key=lambda n: n.lineno,
+    ):
         if isinstance(node, ast.Import):
-            bad += [f"{name}:{node.lineno} import {a.name}" for a in node.names
-                    if a.name.startswith(HARNESS + ".")]
+            bad += [
+                f"{name}:{node.lineno} import {a.name}"
+                for a in node.names
+                if a.name.startswith(HARNESS + ".")
+            ]
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
             if node.module.startswith(HARNESS + "."):
                 bad.append(f"{name}:{node.lineno} from {node.module}")
             elif node.module == HARNESS:
-                bad += [f"{name}:{node.lineno} {HARNESS}.{a.name}" for a in node.names
-                        if a.name not in harness.__all__]
+                bad += [
+                    f"{name}:{node.lineno} {HARNESS}.{a.name}"
+                    for a in node.names
+                    if a.name not in harness.__all__
+                ]
     return bad
 
 
 def test_the_front_ends_reach_the_harness_only_through_its_public_names() -> None:
     package = Path(harness.__file__).parent.parent
-    paths = [path for entry in FRONT_ENDS
-             for path in (sorted((package / entry).glob("*.py"))
-                          if (package / entry).is_dir() else [package / entry])]
+    paths = [
+        path
+        for entry in FRONT_ENDS
+        for path in (
+            sorted((package / entry).glob("*.py"))
+            if (package / entry).is_dir()
+            else [package / entry]
+        )
+    ]
     assert len(paths) > 3, paths
-    bad = [line for path in paths
-           for line in _past_the_public_face(path.read_text(encoding="utf-8"), path.name)]
+    bad = [
+        line
+        for path in paths
+        for line in _past_the_public_face(path.read_text(encoding="utf-8"), path.name)
+    ]
     assert not bad, "past fsdp_conformance.harness's public names:\n" + "\n".join(bad)
     # Negative control: what this test exists to catch is caught, a public name is not.
-    sneaky = ("from fsdp_conformance.harness.pool import pg_timeout_for\n"
-              "def f():\n    from fsdp_conformance.harness import forkserver, Ranks\n"
-              "import fsdp_conformance.harness.interrupts\n")
+    sneaky = (
+        "from fsdp_conformance.harness.pool import pg_timeout_for\n"
+        "def f():\n    from fsdp_conformance.harness import forkserver, Ranks\n"
+        "import fsdp_conformance.harness.interrupts\n"
+    )
     assert _past_the_public_face(sneaky, "sneaky.py") == [
         "sneaky.py:1 from fsdp_conformance.harness.pool",
         "sneaky.py:3 fsdp_conformance.harness.forkserver",
-        "sneaky.py:4 import fsdp_conformance.harness.interrupts"]
+        "sneaky.py:4 import fsdp_conformance.harness.interrupts",
+    ]

@@ -531,8 +531,10 @@ def test_check_timeout_fits_inside_a_shorter_pytest_timeout_and_dumps_every_rank
 ) -> None:
     section = failure_section(faults.result, "test_hang_under_a_shorter_pytest_timeout")
     # Under 20 s, the reserve is a quarter of the pytest-timeout (3 s of 12 s), not 5 s.
-    note = ("(cut from 120s to end within this test's pytest-timeout of 12s (its timeout "
-            "marker), less 3s for the stack dump and teardown); its stacks:")
+    note = (
+        "(cut from 120s to end within this test's pytest-timeout of 12s (its timeout "
+        "marker), less 3s for the stack dump and teardown); its stacks:"
+    )
     section.fnmatch_lines(
         [
             "*failed on 2 ranks: rank 0 did not finish, rank 1 did not finish",
@@ -704,16 +706,22 @@ def start_torchrun(
 def start_launched_passing(
     tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
 ) -> Callable[[], tuple[int, dict[int, pytest.LineMatcher]]]:
-    return start_torchrun(tmp_path_factory.mktemp("launched"), procs,
-                          "test_launched.py", "-k", "in_process")
+    return start_torchrun(
+        tmp_path_factory.mktemp("launched"), procs, "test_launched.py", "-k", "in_process"
+    )
 
 
 @background("launched_failing")
 def start_launched_failing(
     tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
 ) -> Callable[[], tuple[int, dict[int, pytest.LineMatcher]]]:
-    return start_torchrun(tmp_path_factory.mktemp("launched"), procs,
-                          "test_launched.py", "-k", "failure or unpicklable")
+    return start_torchrun(
+        tmp_path_factory.mktemp("launched"),
+        procs,
+        "test_launched.py",
+        "-k",
+        "failure or unpicklable",
+    )
 
 
 @pytest.fixture(scope="module")

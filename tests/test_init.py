@@ -30,8 +30,11 @@ MASSIVE = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32
 
 def check(name: str, version: str | None = None) -> Check:
     """The check ``name`` (its ``version`` variant when it has several)."""
-    (found,) = [c for c in init.CHECKS + init.SEEDS_CHECKS
-                if c.name == name and c.params.get("version") == version]
+    (found,) = [
+        c
+        for c in init.CHECKS + init.SEEDS_CHECKS
+        if c.name == name and c.params.get("version") == version
+    ]
     return found
 
 
@@ -129,8 +132,9 @@ def test_full_scale_model_on_meta_grows_memory_by_almost_nothing(ranks: Ranks) -
     assert verdict.figures["params"] > 1.3e9
     assert verdict.figures["growth_MiB"] < 16
     # Negative control: the same measurement on a real (CPU) build of an 45 MB model.
-    eager = run_check(ranks, check("init.meta_build"), spec=peak_memory.MEMORY_SPEC,
-                      fault="eager_build")
+    eager = run_check(
+        ranks, check("init.meta_build"), spec=peak_memory.MEMORY_SPEC, fault="eager_build"
+    )
     assert not eager.passed
     assert "the model allocated storage" in eager.message or "not on meta" in eager.message
 
@@ -145,8 +149,7 @@ def test_same_seed_gives_bitwise_the_same_full_weights_on_any_world_size(ranks: 
     expected = meta_init.reference_digest(SPEC, 0)  # computed here, in one CPU process
     for version in VERSIONS:
         values = materialize_values(ranks, version=version)
-        for verdict in (weights.verdict_no_meta(values, {}),
-                        weights.verdict_weights(values, {})):
+        for verdict in (weights.verdict_no_meta(values, {}), weights.verdict_weights(values, {})):
             assert verdict.passed, f"{version}: {verdict.message}"
         assert {v["digest"] for v in values} == {expected}, version
 
@@ -226,8 +229,7 @@ def test_seeds_materialization_fn_yields_one_line_findings(ranks: Ranks) -> None
 @pytest.mark.world_size(2)
 def test_seeds_fn_with_to_empty_passes_on_a_model_it_covers(ranks: Ranks) -> None:
     # MassiveModel has only Linear weights and biases: the check must not cry wolf.
-    values = ranks.run(weights.rank_weights, spec=MASSIVE, version="fsdp1",
-                       method="seeds_to_empty")
+    values = ranks.run(weights.rank_weights, spec=MASSIVE, version="fsdp1", method="seeds_to_empty")
     verdict = weights.verdict_no_meta(values, {})
     assert verdict.passed, verdict.message
 
@@ -273,8 +275,7 @@ def test_rank0_broadcast_at_one_rank_skips_rather_than_passing_on_nothing(ranks:
         rank0 = check("init.broadcast_rank0", version)
         for fault in (None, "no_broadcast"):
             with pytest.raises(CheckSkipped, match="no other rank to receive rank 0's weights"):
-                ranks.configured(skip=None).run(rank0.rank_fn,
-                                                **{**rank0.params, "fault": fault})
+                ranks.configured(skip=None).run(rank0.rank_fn, **{**rank0.params, "fault": fault})
 
 
 def test_sync_module_states_on_one_gpu_skips_rather_than_passing_on_nothing() -> None:
@@ -331,12 +332,17 @@ def test_peak_bound_counts_one_unit_and_fsdp1s_flat_copy() -> None:
     # The arithmetic lives in bound.init_peak_bound (shared with the memory blocks); the claim
     # keeps its tolerances and its text. FSDP1 holds one more unit (the flat copy), FSDP2 none.
     mib = 2**20
-    assert init_peak_bound(10 * mib, 5 * mib, "fsdp1", 0.1, 4 * mib) == (20 * mib * 1.1 + 4 * mib,
-                                                                         5 * mib)
-    assert init_peak_bound(10 * mib, 5 * mib, "fsdp2", 0.1, 4 * mib) == (15 * mib * 1.1 + 4 * mib,
-                                                                         0)
+    assert init_peak_bound(10 * mib, 5 * mib, "fsdp1", 0.1, 4 * mib) == (
+        20 * mib * 1.1 + 4 * mib,
+        5 * mib,
+    )
+    assert init_peak_bound(10 * mib, 5 * mib, "fsdp2", 0.1, 4 * mib) == (
+        15 * mib * 1.1 + 4 * mib,
+        0,
+    )
     bound, terms = peak_memory.peak_memory_bound(
-        {"sharded_bytes": 10 * mib, "largest_unit_bytes": 5 * mib, "version": "fsdp1"})
+        {"sharded_bytes": 10 * mib, "largest_unit_bytes": 5 * mib, "version": "fsdp1"}
+    )
     assert bound == 20 * mib * 1.1 + 4 * mib
     assert terms == "sharded 10.0 + unit 5.0 + flat copy 5.0 MiB, +10% +4 MiB"
 
@@ -348,8 +354,11 @@ def test_checks_are_listed_with_stable_names_and_the_init_claim() -> None:
     # The FSDP version is a variant, never part of a check's name (issue 11).
     assert not [n for n in names if any(v in n for v in VERSIONS)]
     assert all(c.claim == "init" and c.name.startswith("init.") for c in init.CHECKS)
-    assert all(c.env == {"MALLOC_MMAP_THRESHOLD_": "65536"}
-               for c in init.CHECKS if c.name.startswith("init.peak_memory"))
+    assert all(
+        c.env == {"MALLOC_MMAP_THRESHOLD_": "65536"}
+        for c in init.CHECKS
+        if c.name.startswith("init.peak_memory")
+    )
     assert not set(names) & {c.name for c in init.SEEDS_CHECKS}
 
 
@@ -361,8 +370,11 @@ def raw_param_model() -> nn.Module:
 @pytest.mark.world_size(2)
 def test_a_model_that_cannot_be_meta_initialized_gets_one_clear_finding(ranks: Ranks) -> None:
     user = ModelSpec(reference=None, factory=f"{__name__}:raw_param_model", block_cls=("Linear",))
-    for name, version in (("init.weights", "fsdp2"), ("init.train_step", "fsdp1"),
-                          ("init.broadcast_rank0", "fsdp1")):
+    for name, version in (
+        ("init.weights", "fsdp2"),
+        ("init.train_step", "fsdp1"),
+        ("init.broadcast_rank0", "fsdp1"),
+    ):
         verdict = run_check(ranks, check(name, version), spec=user)
         assert not verdict.passed, name
         assert "1 (_RawParam)" in verdict.message and "define reset_parameters()" in verdict.message

@@ -52,8 +52,9 @@ def tiny_mixtral() -> nn.Module:
 
 
 def _hf(factory: str, block: str, init_fn: str | None = None) -> ModelSpec:
-    return ModelSpec(reference=None, factory=f"{__name__}:{factory}", block_cls=(block,),
-                     init_fn=init_fn)
+    return ModelSpec(
+        reference=None, factory=f"{__name__}:{factory}", block_cls=(block,), init_fn=init_fn
+    )
 
 
 LLAMA = _hf("tiny_llama", "LlamaDecoderLayer")
@@ -61,9 +62,13 @@ GPT2 = _hf("tiny_gpt2", "GPT2Block")  # tied embeddings, dropout 0.1
 MIXTRAL = _hf("tiny_mixtral", "MixtralDecoderLayer")
 #: The negative control: the user's init forgets the norms.
 LLAMA_SKIPPING_NORMS = _hf("tiny_llama", "LlamaDecoderLayer", f"{__name__}:init_skipping_norms")
-LLAMA_NORMS = ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
-               "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
-               "model.norm"]
+LLAMA_NORMS = [
+    "model.layers.0.input_layernorm",
+    "model.layers.0.post_attention_layernorm",
+    "model.layers.1.input_layernorm",
+    "model.layers.1.post_attention_layernorm",
+    "model.norm",
+]
 
 
 def init_skipping_norms(module: nn.Module) -> None:
@@ -99,8 +104,12 @@ def init_raw(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-RAW_WITH_INIT = ModelSpec(reference=None, factory=f"{__name__}:raw_param_model",
-                          block_cls=("Linear",), init_fn=f"{__name__}:init_raw")
+RAW_WITH_INIT = ModelSpec(
+    reference=None,
+    factory=f"{__name__}:raw_param_model",
+    block_cls=("Linear",),
+    init_fn=f"{__name__}:init_raw",
+)
 
 
 def check(name: str, version: str | None = None) -> Check:
@@ -126,8 +135,9 @@ def test_a_transformers_model_is_initialized_by_its_own_init_weights() -> None:
     # The non-persistent rotary buffers are recomputed as an eager build computes them.
     eager = tiny_llama()
     for buffer in ("inv_freq", "original_inv_freq"):
-        assert torch.equal(getattr(model.model.rotary_emb, buffer),
-                           getattr(eager.model.rotary_emb, buffer)), buffer
+        assert torch.equal(
+            getattr(model.model.rotary_emb, buffer), getattr(eager.model.rotary_emb, buffer)
+        ), buffer
 
 
 def test_an_ancestors_init_weights_reaches_its_childs_tensors() -> None:
@@ -156,8 +166,9 @@ def test_an_init_fn_that_skips_the_norms_is_named_for_every_module() -> None:
     with pytest.raises(meta_init.InitError) as info:
         meta_init.reference_model(LLAMA_SKIPPING_NORMS, 0)
     message = str(info.value)
-    assert message.startswith(f"init function '{__name__}:init_skipping_norms' leaves tensors "
-                              "of 5 modules uninitialized")
+    assert message.startswith(
+        f"init function '{__name__}:init_skipping_norms' leaves tensors of 5 modules uninitialized"
+    )
     for name in LLAMA_NORMS:
         assert f"{name} (LlamaRMSNorm: weight)" in message
     assert "\n" not in message
@@ -179,8 +190,10 @@ def test_the_no_contract_error_names_all_three_ways_out() -> None:
     with pytest.raises(meta_init.InitError) as info:
         meta_init.check_initializable(model)
     message = str(info.value)
-    assert "1 module(s) own parameters or buffers but have no reset_parameters(): 1 (_RawParam)" \
+    assert (
+        "1 module(s) own parameters or buffers but have no reset_parameters(): 1 (_RawParam)"
         in message
+    )
     assert "define reset_parameters() on those classes" in message
     assert "--init-fn pkg.module:fn" in message and "init_fn in [tool.fsdp_conformance]" in message
     assert "transformers PreTrainedModel whose _init_weights covers them" in message
@@ -189,16 +202,22 @@ def test_the_no_contract_error_names_all_three_ways_out() -> None:
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz' for init function "
-                                  "'no_such_module_xyz:fn'"),
-        (f"{__name__}:no_such_fn", f"module '{__name__}' has no attribute 'no_such_fn' (init "
-                                   f"function '{__name__}:no_such_fn')"),
+        (
+            "no_such_module_xyz:fn",
+            "cannot import module 'no_such_module_xyz' for init function 'no_such_module_xyz:fn'",
+        ),
+        (
+            f"{__name__}:no_such_fn",
+            f"module '{__name__}' has no attribute 'no_such_fn' (init "
+            f"function '{__name__}:no_such_fn')",
+        ),
         ("justaname", "init function 'justaname' is not of the form 'pkg.module:name'"),
     ],
 )
 def test_a_bad_init_fn_path_is_one_clear_error_before_any_rank(path: str, expected: str) -> None:
-    spec = ModelSpec(reference=None, factory=f"{__name__}:raw_param_model",
-                     block_cls=("Linear",), init_fn=path)
+    spec = ModelSpec(
+        reference=None, factory=f"{__name__}:raw_param_model", block_cls=("Linear",), init_fn=path
+    )
     with pytest.raises(ModelSpecError) as info:
         validate_user_model(spec, ["cpu"], [2])
     assert str(info.value).startswith(expected)
@@ -212,7 +231,8 @@ def test_init_fn_is_a_setting_from_every_source(tmp_path: Path) -> None:
     assert env.init_fn == "p.m:e"
     assert env.sources["init_fn"] == "environment variable FSDP_CONFORMANCE_INIT_FN"
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.fsdp_conformance]\nmodel = "p.m:f"\ninit_fn = "p.m:t"\n')
+        '[tool.fsdp_conformance]\nmodel = "p.m:f"\ninit_fn = "p.m:t"\n'
+    )
     table = resolve_settings({}, {}, {}, pyproject_settings(str(tmp_path)))
     assert table.init_fn == "p.m:t"
     assert environment_summary(given).endswith(", model p.m:f, init fn p.m:init")
@@ -233,8 +253,10 @@ def test_transformers_models_meta_init_to_the_reference_on_both_versions(ranks: 
         expected = meta_init.reference_digest(spec, 0)
         for version in VERSIONS:
             values = ranks.run(weights.rank_weights, spec=spec, version=version)
-            for verdict in (weights.verdict_no_meta(values, {}),
-                            weights.verdict_weights(values, {})):
+            for verdict in (
+                weights.verdict_no_meta(values, {}),
+                weights.verdict_weights(values, {}),
+            ):
                 assert verdict.passed, f"{spec.factory} {version}: {verdict.message}"
             assert {v["digest"] for v in values} == {expected}, (spec.factory, version)
 
@@ -263,8 +285,9 @@ def test_train_step_on_a_dropout_model_compares_like_with_like(ranks: Ranks) -> 
     assert verdict.passed, verdict.message
     assert "dropout disabled for the comparison" in verdict.message
     # Negative control on the same dropout model: ranks initialized differently.
-    bad = run_check(ranks, check("init.train_step", "fsdp2"), spec=GPT2,
-                    fault="ranks_seeded_differently")
+    bad = run_check(
+        ranks, check("init.train_step", "fsdp2"), spec=GPT2, fault="ranks_seeded_differently"
+    )
     assert not bad.passed
     assert "weights differ from the reference" in bad.message
 
@@ -281,5 +304,6 @@ def test_fsdp1_default_path_skips_a_transformers_model_with_the_reason(ranks: Ra
 def test_an_eager_transformers_model_reinitializes_to_the_reference_without_a_spec() -> None:
     # No spec: the shadow is a meta copy of the unsharded model (no storage copied).
     model = meta_init.deterministic_init_(tiny_gpt2(), 0)
-    assert (tensors.state_digest(meta_init.canonical_state(model))
-            == meta_init.reference_digest(GPT2, 0))
+    assert tensors.state_digest(meta_init.canonical_state(model)) == meta_init.reference_digest(
+        GPT2, 0
+    )

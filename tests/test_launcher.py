@@ -36,6 +36,7 @@ LAUNCH_LIMIT_S = 300
 TABLE_HEADER = ["check", "outcome", "key", "figures"]
 MALLOC = "MALLOC_MMAP_THRESHOLD_"
 
+
 class Launch:
     def __init__(self, directory: Path, proc: subprocess.CompletedProcess[str]) -> None:
         self.directory = directory
@@ -68,8 +69,9 @@ class Running:
         except subprocess.TimeoutExpired:
             self.stop()
             pytest.fail(f"torchrun ran over {LAUNCH_LIMIT_S}s: {' '.join(self.cmd)}")
-        return Launch(self.directory,
-                      subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err))
+        return Launch(
+            self.directory, subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -77,21 +79,50 @@ class Running:
             self.proc.communicate()
 
 
-def start_launch(directory: Path, checks: str, env: Mapping[str, str] | None = None,
-                 pythonpath: Sequence[str] = (), stderr: IO[str] | int = subprocess.PIPE
-                 ) -> Running:
+def start_launch(
+    directory: Path,
+    checks: str,
+    env: Mapping[str, str] | None = None,
+    pythonpath: Sequence[str] = (),
+    stderr: IO[str] | int = subprocess.PIPE,
+) -> Running:
     """Start ``torchrun --standalone --nproc-per-node 2 -m fsdp_conformance.cli run`` in
     ``directory`` (its stderr to ``stderr``)."""
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
-               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                             "GITHUB_STEP_SUMMARY", MALLOC)}
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GITHUB_STEP_SUMMARY",
+            MALLOC,
+        )
+    }
     environ["PYTHONPATH"] = os.pathsep.join([*pythonpath, *(p for p in sys.path if p)])
     environ.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "fsdp_conformance.cli", "run", "--checks", checks, "--out", "out"]
-    proc = subprocess.Popen(cmd, cwd=directory, env=environ, stdout=subprocess.PIPE,
-                            stderr=stderr, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fsdp_conformance.cli",
+        "run",
+        "--checks",
+        checks,
+        "--out",
+        "out",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=directory, env=environ, stdout=subprocess.PIPE, stderr=stderr, text=True
+    )
     return Running(directory, cmd, proc)
 
 
@@ -100,14 +131,14 @@ def _start_without_malloc(tmp_path_factory: pytest.TempPathFactory) -> Running:
     return start_launch(tmp_path_factory.mktemp("without"), "init.peak_memory")
 
 
-def _start_with_malloc_and_a_failure_on_rank1(tmp_path_factory: pytest.TempPathFactory
-                                              ) -> Running:
+def _start_with_malloc_and_a_failure_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> Running:
     """The same two checks launched with the setting, and (selected by the same
     ``--checks init.peak_memory``) the test-only ``init.peak_memory.launch_environment`` and
     ``init.peak_memory.injected_failure`` (raises on rank 1 only)."""
     directory = tmp_path_factory.mktemp("with")
-    return start_launch(directory, "init.peak_memory", {MALLOC: "65536"},
-                        injected_checks.site_path(directory))
+    return start_launch(
+        directory, "init.peak_memory", {MALLOC: "65536"}, injected_checks.site_path(directory)
+    )
 
 
 #: The launches below, by the name of the fixture that gives each.
@@ -131,12 +162,16 @@ def launches(
     """
     # A pytest-xdist worker runs only some of the tests it collected: there each fixture
     # starts its own launch when asked, so no worker starts another's.
-    needed = set() if hasattr(request.config, "workerinput") else {
-        name
-        for item in request.session.items
-        if getattr(item, "module", None) is request.module
-        for name in getattr(item, "fixturenames", ())
-    }
+    needed = (
+        set()
+        if hasattr(request.config, "workerinput")
+        else {
+            name
+            for item in request.session.items
+            if getattr(item, "module", None) is request.module
+            for name in getattr(item, "fixturenames", ())
+        }
+    )
     started = {name: start(tmp_path_factory) for name, start in LAUNCHES.items() if name in needed}
     try:
         yield started
@@ -213,10 +248,12 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
         "[2/2] init.peak_memory [cpu, ws2, fsdp2,massive]",
     ]
     assert "ranks: external launcher (env://)" in run.proc.stderr
-    assert out[-3:] == ["report: out/report.json", "summary: out/summary.md",
-                        "other ranks' logs: out/rank1.log"]
-    assert sorted(p.name for p in run.out.iterdir()) == ["rank1.log", "report.json",
-                                                         "summary.md"]
+    assert out[-3:] == [
+        "report: out/report.json",
+        "summary: out/summary.md",
+        "other ranks' logs: out/rank1.log",
+    ]
+    assert sorted(p.name for p in run.out.iterdir()) == ["rank1.log", "report.json", "summary.md"]
     log = run.rank1_log
     assert log[0].startswith("fsdp-conformance: torch ")
     assert [line.split(" ... ")[0] for line in log if line.startswith("[")] == [
@@ -250,7 +287,9 @@ def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
     report = run.report
     entries = [e for e in report["checks"] if e["check"] == "init.peak_memory"]
     assert [(e["variant"], e["outcome"]) for e in entries] == [
-        ("fsdp1,massive", "passed"), ("fsdp2,massive", "passed")], run.explain()
+        ("fsdp1,massive", "passed"),
+        ("fsdp2,massive", "passed"),
+    ], run.explain()
     # the launch's other checks are test-only: the launch's environment (next test) and the
     # injected failure (the one after): nothing else failed
     assert report["summary"] == {"passed": 3, "failed": 0, "skipped": 0, "error": 1, "xfailed": 0}
@@ -266,8 +305,7 @@ def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
     run = with_malloc_and_a_failure_on_rank1
-    (entry,) = [e for e in run.report["checks"]
-                if e["check"] == injected_checks.LAUNCH_ENVIRONMENT]
+    (entry,) = [e for e in run.report["checks"] if e["check"] == injected_checks.LAUNCH_ENVIRONMENT]
     assert entry["outcome"] == "passed", entry["message"]
     by_rank = entry["data"]["ranks"]
     assert by_rank[0] == by_rank[1]  # every rank gets the same answer (it is all-gathered)
@@ -281,8 +319,7 @@ def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
         "needs LOCAL_RANK=1 set before the ranks start (rank 0 started without it); "
         "launch with `LOCAL_RANK=1 torchrun ...` to run it"
     )
-    assert found["other_value"].startswith(
-        "needs MALLOC_MMAP_THRESHOLD_=1 set before the ranks")
+    assert found["other_value"].startswith("needs MALLOC_MMAP_THRESHOLD_=1 set before the ranks")
     assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
 
 
@@ -334,20 +371,45 @@ def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_b
     assert torch.get_default_dtype() == before
 
 
-def launched_pytest_session(directory: Path, name: str, source: str, *args: str,
-                            launch: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+def launched_pytest_session(
+    directory: Path, name: str, source: str, *args: str, launch: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc-per-node 2 LAUNCH -m pytest ARGS NAME`` on a test file
     written from ``source`` in ``directory``, with this session's import path and none of its
     launch or plugin settings."""
     (directory / name).write_text(source)
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
-               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           *launch, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args, name]
-    return subprocess.run(cmd, cwd=directory, env=environ, capture_output=True, text=True,
-                          timeout=LAUNCH_LIMIT_S, check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *launch,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *args,
+        name,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=directory,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_LIMIT_S,
+        check=False,
+    )
 
 
 def _stuck_here(release: threading.Event) -> None:
@@ -367,6 +429,7 @@ def test_a_check_past_its_timeout_writes_every_threads_stack_then_ends_the_rank(
         release.set()  # in a rank: os._exit; here the stuck main thread may go on
 
     with open(tmp_path / "stacks", "w+") as out:
+
         @contextlib.contextmanager
         def stream() -> Iterator[IO[str]]:
             yield out
@@ -376,9 +439,11 @@ def test_a_check_past_its_timeout_writes_every_threads_stack_then_ends_the_rank(
         out.seek(0)
         written = out.read()
     assert ended == [HANG_EXIT_STATUS]
-    assert (f"fsdp-conformance: check mod.check did not finish within 0.2 s (cut from 5 s) on "
-            f"rank 1 of the launch; every thread's stack follows, then this rank ends with exit "
-            f"status {HANG_EXIT_STATUS}") in written, written
+    assert (
+        f"fsdp-conformance: check mod.check did not finish within 0.2 s (cut from 5 s) on "
+        f"rank 1 of the launch; every thread's stack follows, then this rank ends with exit "
+        f"status {HANG_EXIT_STATUS}"
+    ) in written, written
     assert " in _stuck_here" in written, written  # the main thread's stack, where it waits
 
 
@@ -389,8 +454,9 @@ def test_a_check_that_finishes_in_time_leaves_no_trace_and_the_rank_runs_on(
 
     ended: list[int] = []
     with open(tmp_path / "stacks", "w+") as out:
-        with CheckWatchdog("mod.check", 0, 30.0, "", lambda: contextlib.nullcontext(out),
-                           ended.append):
+        with CheckWatchdog(
+            "mod.check", 0, 30.0, "", lambda: contextlib.nullcontext(out), ended.append
+        ):
             pass
         assert out.tell() == 0
     assert ended == []
@@ -420,16 +486,24 @@ def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
     # past the check's timeout, through pytest's capture, and ends the rank: the launch ends
     # at the check's timeout, not at the process group's (300 s).
     logs = tmp_path / "logs"
-    done = launched_pytest_session(tmp_path, "test_hang.py", HANG_SESSION, "--fsdp-timeout", "3",
-                                   launch=("--redirects", "2", "--log-dir", str(logs)))
+    done = launched_pytest_session(
+        tmp_path,
+        "test_hang.py",
+        HANG_SESSION,
+        "--fsdp-timeout",
+        "3",
+        launch=("--redirects", "2", "--log-dir", str(logs)),
+    )
     # Each rank's stderr in its own file (torchrun --redirects 2): LOG_DIR/.../RANK/stderr.log.
     stderr = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
     told = done.stdout + done.stderr + "".join(stderr.values())
     assert done.returncode != 0, told
     assert sorted(stderr) == [0, 1], told
     for rank in (0, 1):
-        assert (f"did not finish within 3 s on rank {rank} of the launch; every thread's stack "
-                "follows, then this rank ends with exit status 124") in stderr[rank], told
+        assert (
+            f"did not finish within 3 s on rank {rank} of the launch; every thread's stack "
+            "follows, then this rank ends with exit status 124"
+        ) in stderr[rank], told
     # faulthandler's frames ("File ..., line N in NAME"): rank 1 where it is stuck, rank 0
     # where it waits for rank 1's outcome.
     assert " in _stuck_on_rank1" in stderr[1], stderr[1]
@@ -481,9 +555,12 @@ def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path)
     # in it, never between checks or after the run.
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err_file:
-        running = start_launch(tmp_path, injected_checks.BLOCKING,
-                               pythonpath=injected_checks.site_path(tmp_path),
-                               stderr=err_file)
+        running = start_launch(
+            tmp_path,
+            injected_checks.BLOCKING,
+            pythonpath=injected_checks.site_path(tmp_path),
+            stderr=err_file,
+        )
         proc = running.proc
         try:
             # Each rank in the check: it wrote its marker (rank 0 may start the check while
@@ -500,7 +577,9 @@ def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path)
             running.stop()
     err = err_path.read_text()
     for rank in (0, 1):
-        assert (f"fsdp-conformance run: interrupted by SIGTERM; rank {rank} of the launch "
-                "stopped; no report written (exit 143)") in err.splitlines(), err
+        assert (
+            f"fsdp-conformance run: interrupted by SIGTERM; rank {rank} of the launch "
+            "stopped; no report written (exit 143)"
+        ) in err.splitlines(), err
     assert "forcefully exiting via 9" not in err  # no rank needed torchrun's SIGKILL
     assert not (tmp_path / "out" / "report.json").exists()

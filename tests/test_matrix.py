@@ -21,12 +21,27 @@ from fsdp_conformance.harness import CheckSkipped
 from fsdp_conformance.settings import Settings
 
 
-def entry(check: str, outcome: str, message: str = "ok", variant: str = "fsdp2,massive",
-          expected: dict[str, str] | None = None) -> dict[str, Any]:
+def entry(
+    check: str,
+    outcome: str,
+    message: str = "ok",
+    variant: str = "fsdp2,massive",
+    expected: dict[str, str] | None = None,
+) -> dict[str, Any]:
     return gate_report.check_entry(
-        check=check, claim=check.split(".")[0], lane="cpu", world_size=2, variant=variant,
-        outcome=outcome, message=message, figures={}, data={}, seconds=0.1, warnings=(),
-        expected=expected)
+        check=check,
+        claim=check.split(".")[0],
+        lane="cpu",
+        world_size=2,
+        variant=variant,
+        outcome=outcome,
+        message=message,
+        figures={},
+        data={},
+        seconds=0.1,
+        warnings=(),
+        expected=expected,
+    )
 
 
 def report(torch_version: str, *entries: dict[str, Any]) -> dict[str, Any]:
@@ -37,8 +52,9 @@ def report(torch_version: str, *entries: dict[str, Any]) -> dict[str, Any]:
 
 def capability_skip_message() -> str:
     """What :func:`capabilities.require` says when a capability is missing (read, not copied)."""
-    missing = capabilities.Capability("FSDP2 on CPU", "a CPU stream event", "first seen in 2.8.0",
-                                      lambda: False)
+    missing = capabilities.Capability(
+        "FSDP2 on CPU", "a CPU stream event", "first seen in 2.8.0", lambda: False
+    )
     with pytest.raises(CheckSkipped) as info:
         capabilities.require(missing)
     return str(info.value)
@@ -50,20 +66,37 @@ DEFECT = {"reason": "FSDP2 on gloo sums gradients\nsecond line", "link": "https:
 def three_versions() -> list[tuple[str, dict[str, Any]]]:
     skip_capability = capability_skip_message()
     return [
-        ("a/report.json", report(
-            "2.6.0", entry("wrap.train.fp32", "skipped", skip_capability),
-            entry("init.weights", "passed"),
-            entry("memory.sawtooth", "skipped", "the largest unit is small; use a larger "
-                  "config"))),
-        ("b/report.json", report(
-            "2.8.0", entry("wrap.train.fp32", "xfailed", "2.00x the reference", expected=DEFECT),
-            entry("init.weights", "failed", "digests differ | rank 1\nthe tree"),
-            entry("memory.sawtooth", "skipped", "the largest unit is small; use a larger "
-                  "config"))),
-        ("c/report.json", report(
-            "2.13.0+cpu", entry("wrap.train.fp32", "passed"),
-            entry("init.weights", "error", "RuntimeError: boom"),
-            entry("state.dcp", "passed"))),
+        (
+            "a/report.json",
+            report(
+                "2.6.0",
+                entry("wrap.train.fp32", "skipped", skip_capability),
+                entry("init.weights", "passed"),
+                entry(
+                    "memory.sawtooth", "skipped", "the largest unit is small; use a larger config"
+                ),
+            ),
+        ),
+        (
+            "b/report.json",
+            report(
+                "2.8.0",
+                entry("wrap.train.fp32", "xfailed", "2.00x the reference", expected=DEFECT),
+                entry("init.weights", "failed", "digests differ | rank 1\nthe tree"),
+                entry(
+                    "memory.sawtooth", "skipped", "the largest unit is small; use a larger config"
+                ),
+            ),
+        ),
+        (
+            "c/report.json",
+            report(
+                "2.13.0+cpu",
+                entry("wrap.train.fp32", "passed"),
+                entry("init.weights", "error", "RuntimeError: boom"),
+                entry("state.dcp", "passed"),
+            ),
+        ),
     ]
 
 
@@ -71,11 +104,13 @@ def test_each_outcome_becomes_its_cell_with_the_reason_a_reader_needs() -> None:
     assert matrix.cell_of(entry("a", "passed")) == matrix.Cell("pass")
     skip = matrix.cell_of(entry("a", "skipped", capability_skip_message()))
     assert skip.kind == "capability" and "FSDP2 on CPU" in skip.reason
-    assert matrix.cell_of(entry("a", "skipped", "too small; use a larger config")) == \
-        matrix.Cell("skip", "too small; use a larger config")
+    assert matrix.cell_of(entry("a", "skipped", "too small; use a larger config")) == matrix.Cell(
+        "skip", "too small; use a larger config"
+    )
     xfail = matrix.cell_of(entry("a", "xfailed", "2.00x", expected=DEFECT))
-    assert xfail == matrix.Cell("xfail", "known torch defect: FSDP2 on gloo sums gradients "
-                                         "(https://x/1)")
+    assert xfail == matrix.Cell(
+        "xfail", "known torch defect: FSDP2 on gloo sums gradients (https://x/1)"
+    )
     change = matrix.cell_of(entry("a", "xfailed", "differs", expected={**DEFECT, "kind": "change"}))
     assert change.reason.startswith("known torch change: FSDP2 on gloo")
     assert matrix.cell_of(entry("a", "failed", "\nfirst\nsecond")) == matrix.Cell("fail", "first")
@@ -85,29 +120,45 @@ def test_each_outcome_becomes_its_cell_with_the_reason_a_reader_needs() -> None:
 def test_matrix_has_a_column_per_version_and_a_row_per_check_absent_where_not_run() -> None:
     table = matrix.build_matrix(three_versions())
     assert table.columns == ["2.6.0", "2.8.0", "2.13.0+cpu"]
-    assert table.rows == ["wrap.train.fp32[cpu,ws2,fsdp2,massive]",
-                          "init.weights[cpu,ws2,fsdp2,massive]",
-                          "memory.sawtooth[cpu,ws2,fsdp2,massive]",
-                          "state.dcp[cpu,ws2,fsdp2,massive]"]
+    assert table.rows == [
+        "wrap.train.fp32[cpu,ws2,fsdp2,massive]",
+        "init.weights[cpu,ws2,fsdp2,massive]",
+        "memory.sawtooth[cpu,ws2,fsdp2,massive]",
+        "state.dcp[cpu,ws2,fsdp2,massive]",
+    ]
     kinds = [[table.cell(r, c).kind for c in table.columns] for r in table.rows]
-    assert kinds == [["capability", "xfail", "pass"], ["pass", "fail", "error"],
-                     ["skip", "skip", "absent"], ["absent", "absent", "pass"]]
-    assert table.counts("2.13.0+cpu") == {"pass": 2, "fail": 0, "error": 1, "xfail": 0,
-                                          "capability": 0, "skip": 0, "absent": 1}
+    assert kinds == [
+        ["capability", "xfail", "pass"],
+        ["pass", "fail", "error"],
+        ["skip", "skip", "absent"],
+        ["absent", "absent", "pass"],
+    ]
+    assert table.counts("2.13.0+cpu") == {
+        "pass": 2,
+        "fail": 0,
+        "error": 1,
+        "xfail": 0,
+        "capability": 0,
+        "skip": 0,
+        "absent": 1,
+    }
 
 
 def test_markdown_gives_each_distinct_reason_one_footnote_and_totals_per_version() -> None:
     text = matrix.to_markdown(matrix.build_matrix(three_versions()))
     lines = text.splitlines()
     assert lines[0] == "| check | 2.6.0 | 2.8.0 | 2.13.0+cpu |"
-    assert lines[2].startswith("| `wrap.train.fp32[cpu,ws2,fsdp2,massive]` | capability [1] | "
-                               "xfail [2] | pass |")
+    assert lines[2].startswith(
+        "| `wrap.train.fp32[cpu,ws2,fsdp2,massive]` | capability [1] | xfail [2] | pass |"
+    )
     # The same skip on two versions is one footnote; a '|' in a reason cannot split a cell.
     sawtooth = next(line for line in lines if line.startswith("| `memory.sawtooth"))
     assert sawtooth.count("skip [5]") == 2 and sawtooth.endswith("| — |")
     assert "[3] digests differ \\| rank 1  " in lines
-    assert lines[6] == ("| **total** | 1 pass, 1 capability, 1 skip, 1 absent | 1 fail, 1 xfail, "
-                        "1 skip, 1 absent | 2 pass, 1 error, 1 absent |")
+    assert lines[6] == (
+        "| **total** | 1 pass, 1 capability, 1 skip, 1 absent | 1 fail, 1 xfail, "
+        "1 skip, 1 absent | 2 pass, 1 error, 1 absent |"
+    )
     assert sum(line.startswith("[") for line in lines) == 5
 
 
@@ -116,13 +167,16 @@ def test_svg_is_one_cell_per_check_and_version_with_its_reason_on_hover() -> Non
     doc = xml.dom.minidom.parseString(matrix.to_svg(table))
     titles = [t.firstChild.data for t in doc.getElementsByTagName("title")]
     assert len(titles) == len(table.rows) * len(table.columns)
-    assert ("wrap.train.fp32[cpu,ws2,fsdp2,massive] on torch 2.8.0: xfail: known torch defect: "
-            "FSDP2 on gloo sums gradients (https://x/1)") in titles
+    assert (
+        "wrap.train.fp32[cpu,ws2,fsdp2,massive] on torch 2.8.0: xfail: known torch defect: "
+        "FSDP2 on gloo sums gradients (https://x/1)"
+    ) in titles
     assert "state.dcp[cpu,ws2,fsdp2,massive] on torch 2.6.0: absent" in titles
 
 
 def test_cli_matrix_prints_the_table_writes_both_files_and_names_a_bad_report(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     paths = []
     for name, built in three_versions():
@@ -180,8 +234,9 @@ def fake_venv(venvs: Path, version: str, prepared: Path) -> None:
     (root / "bin").mkdir()
     for name, text in (("python", FAKE_PYTHON), ("fsdp-conformance", FAKE_CLI)):
         path = root / "bin" / name
-        path.write_text(text.replace("$SITE", str(root / "site"))
-                        .replace("$PREPARED", str(prepared)))
+        path.write_text(
+            text.replace("$SITE", str(root / "site")).replace("$PREPARED", str(prepared))
+        )
         path.chmod(0o755)
 
 
@@ -199,11 +254,21 @@ def test_torch_matrix_script_runs_each_kept_venv_and_renders_the_matrix(tmp_path
     for version, path in prepared:
         fake_venv(venvs, version, path)
     fake_venv(venvs, "2.7.0", tmp_path / "no-report.json")
-    env = {**os.environ, "MATRIX_OUT": str(tmp_path / "out"), "MATRIX_VENVS": str(venvs),
-           "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(["bash", str(ROOT / "ci" / "torch-matrix.sh"), "2.6.0", "2.7.0",
-                             "2.8.0", "2.13.0"], capture_output=True, text=True, env=env,
-                            cwd=ROOT, timeout=120)
+    env = {
+        **os.environ,
+        "MATRIX_OUT": str(tmp_path / "out"),
+        "MATRIX_VENVS": str(venvs),
+        "REAL_PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        ["bash", str(ROOT / "ci" / "torch-matrix.sh"), "2.6.0", "2.7.0", "2.8.0", "2.13.0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr
     assert "torch-matrix: torch 2.7.0 wrote no report; its column is missing" in result.stderr
     assert "torch-matrix: missing: 2.7.0" in result.stderr

@@ -44,7 +44,8 @@ VERSIONS = ("fsdp1", "fsdp2")
 #: Each memory check's variants, one per FSDP version (fsdp1, fsdp2).
 SAWTOOTH_CHECKS, DEPTH_CHECKS, METER_CHECKS = (
     tuple(c for c in CHECKS if c.name == name)
-    for name in ("memory.sawtooth", "memory.depth_invariance", "memory.meter_agrees"))
+    for name in ("memory.sawtooth", "memory.depth_invariance", "memory.meter_agrees")
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -62,10 +63,14 @@ def _units() -> list[UnitInfo]:
 
 
 def test_bound_terms_follow_from_the_plan_and_config_term_by_term() -> None:
-    acts = ActivationProfile(input_bytes=64, saved_bytes={"": 8, "layers.0": 40},
-                                    produced_bytes={"layers.0": 96, "head": 32})
-    config = StepConfig(world_size=4, version="fsdp2", optimizer="adam",
-                               buffer_bytes=16, activations=acts)
+    acts = ActivationProfile(
+        input_bytes=64,
+        saved_bytes={"": 8, "layers.0": 40},
+        produced_bytes={"layers.0": 96, "head": 32},
+    )
+    config = StepConfig(
+        world_size=4, version="fsdp2", optimizer="adam", buffer_bytes=16, activations=acts
+    )
     bound = per_layer_bound(_units(), config)
     shard = 25 + 250 + 250 + 201  # ceil(numel / 4) per unit
     assert bound.term("sharded params").bytes == shard * 4
@@ -104,8 +109,7 @@ def test_step_config_rejects_bad_values_with_the_field_named() -> None:
 def test_bound_of_70b_on_1024_ranks_is_planned_on_meta_without_allocating() -> None:
     spec = ModelSpec(reference="llama", config=LLAMA_PRESETS["70b"])
     start = time.perf_counter()
-    units, config = plan_step(spec, 1024, "fsdp2", optimizer="adamw", batch_size=1,
-                                     compute_bytes=2)
+    units, config = plan_step(spec, 1024, "fsdp2", optimizer="adamw", batch_size=1, compute_bytes=2)
     bound = per_layer_bound(units, config)
     elapsed = time.perf_counter() - start
     total = sum(u.numel for u in units)
@@ -163,7 +167,8 @@ def test_a_model_is_profiled_once_per_batch_size_and_each_step_gets_its_own_conf
     from fsdp_conformance import hf_models
 
     key = profile._plan_key(
-        ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama", depth=1), 2)
+        ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama", depth=1), 2
+    )
     assert any(part is hf_models.llama for part in key)
 
 
@@ -184,8 +189,9 @@ def shared_runs() -> dict[tuple[Any, ...], list]:
     return {}
 
 
-def _shared_check_run(ranks: Ranks, shared: dict, checks: Sequence[Check],
-                      version: str) -> tuple[list, dict]:
+def _shared_check_run(
+    ranks: Ranks, shared: dict, checks: Sequence[Check], version: str
+) -> tuple[list, dict]:
     """The check of ``checks`` for ``version`` as ``fsdp-conformance run`` runs it, once per
     module (rank values and params). Read, for ``SAWTOOTH_CHECKS`` (a per-layer step
     plus the monolithic one for the picture), by
@@ -209,7 +215,9 @@ def test_per_layer_peak_is_under_the_bound_and_the_timeline_is_a_sawtooth(
     # picture's, read by test_sawtooth_check_records_the_monolithic_timeline_for_the_picture).
     values, params = (
         _shared_check_run(ranks, shared_runs, SAWTOOTH_CHECKS, version)
-        if version == "fsdp2" else _step(ranks, version))
+        if version == "fsdp2"
+        else _step(ranks, version)
+    )
     peak = verdict_peak_within_bound(values, params)
     assert peak.passed, peak.message
     assert all(v["meters"][0]["peak"] <= peak.figures["limit_bytes"] for v in values)
@@ -254,8 +262,7 @@ def test_sawtooth_check_records_the_monolithic_timeline_for_the_picture(
     ranks: Ranks, shared_runs: dict
 ) -> None:
     check = SAWTOOTH_CHECKS[1]
-    values, params = _shared_check_run(ranks, shared_runs, SAWTOOTH_CHECKS,
-                                       check.params["version"])
+    values, params = _shared_check_run(ranks, shared_runs, SAWTOOTH_CHECKS, check.params["version"])
     verdict = check.verdict(values, params)
     assert verdict.passed, verdict.message
     compare = verdict.data["compare"]
@@ -322,6 +329,7 @@ def _late_release_peaks(ctx: Any, hold_s: float = 0.5) -> dict[str, Any]:
             else:
                 held.clear()
             return out
+
         return call
 
     peaks, waited = {}, 0
@@ -349,7 +357,8 @@ def test_peak_does_not_depend_on_when_gloo_workers_let_go_of_collective_tensors(
     values = ranks.run(_late_release_peaks)
     for v in values:
         assert v["late"] == v["clean"], (
-            f"rank {v['rank']}: peak {v['late']:,} B with late releases, {v['clean']:,} B without")
+            f"rank {v['rank']}: peak {v['late']:,} B with late releases, {v['clean']:,} B without"
+        )
         assert v["waited"] > 0  # the injected late releases were seen and waited for
 
 
@@ -361,8 +370,9 @@ def test_depth_check_fails_on_monolithic_wrapping(
     # monolithic steps at 2, 4 and 8 layers are the reference steps of the check's own run.
     check = next(c for c in DEPTH_CHECKS if c.params["version"] == version)
     values, params = _shared_check_run(ranks, shared_runs, DEPTH_CHECKS, version)
-    verdict = check.verdict(_as_measured_with(values, "monolithic"),
-                            {**params, "wrapping": "monolithic"})
+    verdict = check.verdict(
+        _as_measured_with(values, "monolithic"), {**params, "wrapping": "monolithic"}
+    )
     assert not verdict.passed
     assert "the monolithic working set grows with depth" in verdict.message
 
@@ -414,6 +424,7 @@ def _blind_meter_values(ctx: Any) -> dict[str, Any]:
     original = meters.TrackerMeter._snapshot
     out: dict[str, Any] = {}
     for version, scale in (("fsdp2", 0.0), ("fsdp1", 0.1)):
+
         def scaled(self: Any, kind: str, scale: float = scale) -> dict[str, int]:
             return {k: int(v * scale) for k, v in original(self, kind).items()}
 
@@ -442,8 +453,10 @@ def test_a_meter_reading_less_than_the_sharded_parameters_fails_both_checks(
         for verdict in (agrees, peak):
             assert not verdict.passed, (version, verdict.message)
             for rank in range(ranks.world_size):
-                assert (f"rank {rank}: {tracker} reads start " in verdict.message
-                        and "less than the" in verdict.message), verdict.message
+                assert (
+                    f"rank {rank}: {tracker} reads start " in verdict.message
+                    and "less than the" in verdict.message
+                ), verdict.message
         assert "the meter reads less than the parameter shards" in peak.message
         assert agrees.figures["tracker"] == tracker
 
@@ -473,11 +486,14 @@ def test_unknown_wrapping_and_meter_are_named() -> None:
 
 def test_checks_cover_every_claim_for_both_versions() -> None:
     names = {(c.name, c.params["version"]) for c in CHECKS}
-    for name in ("memory.peak_within_bound", "memory.sawtooth", "memory.depth_invariance",
-                 "memory.meter_agrees"):
+    for name in (
+        "memory.peak_within_bound",
+        "memory.sawtooth",
+        "memory.depth_invariance",
+        "memory.meter_agrees",
+    ):
         assert {(name, v) for v in VERSIONS} <= names
-    assert all(c.claim == "memory" and isinstance(c.params["spec"], ModelSpec)
-               for c in CHECKS)
+    assert all(c.claim == "memory" and isinstance(c.params["spec"], ModelSpec) for c in CHECKS)
 
 
 def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path) -> None:
@@ -489,13 +505,26 @@ def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path
 
     path = plots.plot_timelines(
         {"per_layer": tl([10, 13, 10, 13, 10]), "monolithic": tl([10, 50, 50, 30])},
-        str(tmp_path / "t.png"), limit_bytes=20, title="test")
+        str(tmp_path / "t.png"),
+        limit_bytes=20,
+        title="test",
+    )
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    report = {"checks": [{"id": "memory.sawtooth[cpu,ws2,fsdp2]", "check": "memory.sawtooth",
-                          "data": {"timeline": tl([1, 2, 1]), "wrapping": "per_layer",
-                                   "limit_bytes": 3,
-                                   "compare": {"wrapping": "monolithic", "timeline": tl([1, 5])}}}]}
+    report = {
+        "checks": [
+            {
+                "id": "memory.sawtooth[cpu,ws2,fsdp2]",
+                "check": "memory.sawtooth",
+                "data": {
+                    "timeline": tl([1, 2, 1]),
+                    "wrapping": "per_layer",
+                    "limit_bytes": 3,
+                    "compare": {"wrapping": "monolithic", "timeline": tl([1, 5])},
+                },
+            }
+        ]
+    }
     out = plots.plot_report_timelines(report, str(tmp_path / "r.png"))
     assert out is not None and (tmp_path / "r.png").stat().st_size > 0
     assert plots.plot_report_timelines({"checks": []}, str(tmp_path / "none.png")) is None
@@ -513,9 +542,15 @@ def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]
     for depth, per_layer in zip((2, 4, 8), per_layer_mb):
         sharded = BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)
         bound = Bound((sharded,), 0.1)
-        rows.append({"depth": depth, "bound": bound.to_dict(), "layer_bytes": 4 * 10**6,
-                     "per_layer": int((per_layer + depth) * 10**6),
-                     "monolithic": int((5 * depth + 1) * 10**6)})
+        rows.append(
+            {
+                "depth": depth,
+                "bound": bound.to_dict(),
+                "layer_bytes": 4 * 10**6,
+                "per_layer": int((per_layer + depth) * 10**6),
+                "monolithic": int((5 * depth + 1) * 10**6),
+            }
+        )
     return {"rank": rank, "rows": rows, "wrapping": "per_layer", "reference": "monolithic"}
 
 
@@ -523,20 +558,24 @@ def test_depth_verdict_catches_a_shallow_outlier_and_growth() -> None:
     params = {"spec": DEFAULT_SPEC, "version": "fsdp2"}
     # One rank ~1.2 MB more at the smallest depth only (what a late free on gloo's worker
     # thread once produced, before frees were put in program order): not constant, a failure.
-    outlier = verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
-                                               _depth_values([8.2, 7.0, 7.0], rank=1)], params)
+    outlier = verdict_depth_invariance(
+        [_depth_values([7.0, 7.0, 7.0]), _depth_values([8.2, 7.0, 7.0], rank=1)], params
+    )
     assert not outlier.passed
-    assert ("rank 1: the per_layer working set is not constant over depth (larger at fewer "
-            "layers)") in outlier.message
+    assert (
+        "rank 1: the per_layer working set is not constant over depth (larger at fewer layers)"
+    ) in outlier.message
     assert "at 2 layers at least 8.20 MB" in outlier.message
-    grows = verdict_depth_invariance([_depth_values([7.0, 7.0, 7.0]),
-                                             _depth_values([7.0, 7.0, 8.2], rank=1)], params)
+    grows = verdict_depth_invariance(
+        [_depth_values([7.0, 7.0, 7.0]), _depth_values([7.0, 7.0, 8.2], rank=1)], params
+    )
     assert not grows.passed
     assert "rank 1: the per_layer working set grows with depth" in grows.message
     assert "at 8 layers" in grows.message and grows.message.count("rank 1:") >= 2
     # Within the tolerance (10 %) either way: constant.
-    within = verdict_depth_invariance([_depth_values([7.0, 7.6, 7.0]),
-                                              _depth_values([7.6, 7.0, 7.0], rank=1)], params)
+    within = verdict_depth_invariance(
+        [_depth_values([7.0, 7.6, 7.0]), _depth_values([7.6, 7.0, 7.0], rank=1)], params
+    )
     assert within.passed, within.message
 
 
@@ -544,8 +583,13 @@ def test_meter_verdict_cannot_pass_when_the_step_is_below_the_meters_resolution(
     # A tracker that saw nothing (0) against a truth of 1.5 MB differs by less than the
     # resolution: without a guard it would "agree". Too small a step cannot be judged.
     def value(rank: int, tracker: int, truth: int) -> dict[str, Any]:
-        return {"rank": rank, "meters": [{"source": "MemTracker", "start": 0, "peak": tracker},
-                                         {"source": "os", "start": 0, "peak": truth}]}
+        return {
+            "rank": rank,
+            "meters": [
+                {"source": "MemTracker", "start": 0, "peak": tracker},
+                {"source": "os", "start": 0, "peak": truth},
+            ],
+        }
 
     small = [value(r, 0, int(1.5e6)) for r in range(2)]
     verdict = verdict_meter_agrees(small, {})

@@ -47,7 +47,6 @@ def test_bf16_peak_is_under_the_bound_of_the_observed_dtypes(ranks: Ranks, versi
         assert set(verdict.data["collectives"][case][0]) >= {"op", "in_dtype", "out_bytes"}
 
 
-
 def _fp32_gathers_and_a_leak(ctx: Any) -> dict[str, Any]:
     """Both versions, one rank call: a step with ``param_dtype=fp32`` (its all-gathers really
     carry fp32), and the bf16 cases with a fault: every step keeps 24 MB alive through its
@@ -58,8 +57,11 @@ def _fp32_gathers_and_a_leak(ctx: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for version in VERSIONS:
-        out[version] = {"fp32": rank_mixed_precision_peak(
-            ctx, DEFAULT_SPEC, version, cases=(("fp32_gathers", "fp32", None),))}
+        out[version] = {
+            "fp32": rank_mixed_precision_peak(
+                ctx, DEFAULT_SPEC, version, cases=(("fp32_gathers", "fp32", None),)
+            )
+        }
     original = step.train_step
 
     def leaky(model: Any, batch: Any, optimizer: Any = None) -> None:
@@ -70,8 +72,7 @@ def _fp32_gathers_and_a_leak(ctx: Any) -> dict[str, Any]:
     step.train_step = leaky  # type: ignore[assignment]
     try:
         for version in VERSIONS:
-            out[version]["leak"] = rank_mixed_precision_peak(ctx, DEFAULT_SPEC,
-                                                                    version)
+            out[version]["leak"] = rank_mixed_precision_peak(ctx, DEFAULT_SPEC, version)
     finally:
         step.train_step = original  # type: ignore[assignment]
     return out
@@ -85,8 +86,10 @@ LEAK_BYTES = 24 * 10**6
 def _as_if_bf16(value: dict[str, Any]) -> dict[str, Any]:
     """The rank's values with every all-gather's observed output dtype replaced by bf16."""
     case = value["cases"]["fp32_gathers"]
-    records = [{**r, "out_dtype": "torch.bfloat16"} if r["op"] == "all_gather" else r
-               for r in case["collectives"]]
+    records = [
+        {**r, "out_dtype": "torch.bfloat16"} if r["op"] == "all_gather" else r
+        for r in case["collectives"]
+    ]
     return {**value, "cases": {"fp32_gathers": {**case, "collectives": records}}}
 
 
@@ -104,20 +107,21 @@ def test_dtypes_that_do_not_match_the_bytes_and_a_peak_over_the_bound_fail_on_ev
         honest = verdict_mixed_precision_peak(per_rank, _params(version))
         assert honest.passed, honest.message
         assert honest.figures["fp32_gathers.all_gather_dtype"] == "torch.float32"
-        faked = verdict_mixed_precision_peak([_as_if_bf16(v) for v in per_rank],
-                                                    _params(version))
+        faked = verdict_mixed_precision_peak([_as_if_bf16(v) for v in per_rank], _params(version))
         assert not faked.passed, faked.message
         for rank in range(ranks.world_size):
-            assert (f"fp32_gathers: rank {rank}: the recorded dtypes do not describe the bytes "
-                    "moved" in faked.message), faked.message
+            assert (
+                f"fp32_gathers: rank {rank}: the recorded dtypes do not describe the bytes "
+                "moved" in faked.message
+            ), faked.message
         assert "x 2 B of the recorded torch.bfloat16 (4 B per element)" in faked.message
         config = config_from(per_rank[0]["config"])
-        as_bf16 = observed_step_config(config, {"all_gather_dtype": "torch.bfloat16",
-                                                       "reduce_scatter_dtype": "torch.float32"})
+        as_bf16 = observed_step_config(
+            config, {"all_gather_dtype": "torch.bfloat16", "reduce_scatter_dtype": "torch.float32"}
+        )
         assert as_bf16.compute_bytes == 2 and as_bf16.reduce_bytes == 4
         # A peak over the bound of the observed dtypes fails, on every rank, in both cases.
-        leak = verdict_mixed_precision_peak([v[version]["leak"] for v in values],
-                                                   _params(version))
+        leak = verdict_mixed_precision_peak([v[version]["leak"] for v in values], _params(version))
         assert not leak.passed, leak.message
         for label in ("reduce_unset", "reduce_fp32"):
             for rank in range(ranks.world_size):
@@ -132,10 +136,23 @@ def test_a_bad_reduce_dtype_is_named_and_mixed_dtypes_derive_no_bound() -> None:
         param_dtype_kwargs("fsdp2", "bf16", "fp8")
     _, config = plan_step(DEFAULT_SPEC, 2, "fsdp2")
     with pytest.raises(MemoryCheckError, match="no single dtype observed"):
-        observed_step_config(config, {"all_gather_dtype": "torch.bfloat16|torch.float32",
-                                             "reduce_scatter_dtype": "torch.float32"})
-    records = [{"op": "all_gather", "unit": "", "out_dtype": "torch.float32", "out_bytes": 40,
-                "in_dtype": "torch.float32", "in_bytes": 20}]
+        observed_step_config(
+            config,
+            {
+                "all_gather_dtype": "torch.bfloat16|torch.float32",
+                "reduce_scatter_dtype": "torch.float32",
+            },
+        )
+    records = [
+        {
+            "op": "all_gather",
+            "unit": "",
+            "out_dtype": "torch.float32",
+            "out_bytes": 40,
+            "in_dtype": "torch.float32",
+            "in_bytes": 20,
+        }
+    ]
     assert dtype_size_problems(records, {"": [10]}) == []
     assert "not its numel (12) x 4 B" in dtype_size_problems(records, {"": [12]})[0]
 

@@ -27,7 +27,8 @@ MB = 10**6
 
 needs_clear_refs = pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"),
-    reason="the host peak meter resets VmHWM through Linux /proc/self/clear_refs")
+    reason="the host peak meter resets VmHWM through Linux /proc/self/clear_refs",
+)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -45,8 +46,14 @@ def test_claims_keep_no_copy_of_the_meters(claim: str) -> None:
     folder = PACKAGE / "claims" / claim
     paths = sorted(folder.glob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
     source = "".join(p.read_text(encoding="utf-8") for p in paths)
-    for reader in ("max_memory_allocated", "reset_peak_memory_stats", "class OSMeter",
-                   "class CudaMeter", "def status_bytes", "def reset_peak_rss"):
+    for reader in (
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
+        "class OSMeter",
+        "class CudaMeter",
+        "def status_bytes",
+        "def reset_peak_rss",
+    ):
         assert reader not in source, f"{claim}.py has its own {reader!r}: use meters.py"
 
 
@@ -90,8 +97,11 @@ def test_cuda_peak_is_relative_to_what_was_allocated_before_the_block(
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["max"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device=None: state.update(max=state["allocated"]))
+    monkeypatch.setattr(
+        torch.cuda,
+        "reset_peak_memory_stats",
+        lambda device=None: state.update(max=state["allocated"]),
+    )
     ctx = RankContext(0, 1, 0, "nccl", "cuda")
     with host_or_cuda_peak(ctx) as reading:
         alloc(70)
@@ -105,8 +115,10 @@ def _tracked_step(cls: type, model: torch.nn.Module) -> dict[str, dict[str, int]
         out = model(torch.randn(4, 32)).sum()
         out.backward()
     cpu = torch.device("cpu")
-    return {kind: {str(k): v for k, v in tracker.get_tracker_snapshot(kind)[cpu].items()}
-            for kind in ("peak", "current")}
+    return {
+        kind: {str(k): v for k, v in tracker.get_tracker_snapshot(kind)[cpu].items()}
+        for kind in ("peak", "current")
+    }
 
 
 def test_the_trackers_that_update_only_the_global_peak_give_torchs_snapshots() -> None:
@@ -118,8 +130,9 @@ def test_the_trackers_that_update_only_the_global_peak_give_torchs_snapshots() -
     assert lean is not None and full is not None
     assert lean is not full and issubclass(lean, full)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
-                                  for _ in range(12)))
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(12))
+    )
     _tracked_step(lean, model)  # first use: lazily made tensors are not the comparison's
     model.zero_grad(set_to_none=True)
     torch_snaps = _tracked_step(full, model)
@@ -206,9 +219,11 @@ class _Allocator:
     def stats(self, device: object = None) -> dict[str, int]:
         if not self.has_requested:
             return {"allocated_bytes.all.current": self.allocated}
-        return {"requested_bytes.all.current": self.requested,
-                "requested_bytes.all.peak": self.requested_peak,
-                "allocated_bytes.all.current": self.allocated}
+        return {
+            "requested_bytes.all.current": self.requested,
+            "requested_bytes.all.peak": self.requested_peak,
+            "allocated_bytes.all.current": self.allocated,
+        }
 
     def reset(self, device: object = None) -> None:
         self.requested_peak, self.allocated_peak = self.requested, self.allocated
@@ -216,7 +231,8 @@ class _Allocator:
 
 @pytest.mark.parametrize("requested", [True, False])
 def test_cuda_meter_reads_the_bytes_tensors_requested_not_the_allocators_blocks(
-    monkeypatch: pytest.MonkeyPatch, requested: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    requested: bool,
 ) -> None:
     from fsdp_conformance import meters
 
@@ -227,8 +243,9 @@ def test_cuda_meter_reads_the_bytes_tensors_requested_not_the_allocators_blocks(
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", alloc.reset)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     alloc.alloc(1000)  # before the step: the baseline
-    meter = meters.CudaMeter(torch.device("cuda", 0), baseline=meters.cuda_bytes(
-        torch.device("cuda", 0)))
+    meter = meters.CudaMeter(
+        torch.device("cuda", 0), baseline=meters.cuda_bytes(torch.device("cuda", 0))
+    )
     with meter.measure():
         alloc.alloc(3 * 1024 * 1024 + 5)
     if requested:

@@ -43,19 +43,30 @@ def new_layout(old: Mapping[str, Any]) -> dict[str, Any]:
     Checks added since the golden report (a new claim's) are left out: it never ran them.
     """
     old_names = {e["check"] for e in old["checks"]}
-    selected = [(check, params) for check, params in suite.select_checks(all_checks(), None)
-                if check.name in old_names
-                or legacy_name(check.name, params.get("version")) in old_names]
+    selected = [
+        (check, params)
+        for check, params in suite.select_checks(all_checks(), None)
+        if check.name in old_names or legacy_name(check.name, params.get("version")) in old_names
+    ]
     assert len(selected) == len(old["checks"]), "the golden report is not a full cpu run"
     entries = []
     for (check, params), was in zip(selected, old["checks"]):
-        entries.append(check_entry(
-            check=check.name, claim=check.claim, lane=was["lane"],
-            world_size=was["world_size"], variant=suite.variant_of(params),
-            outcome=was["outcome"], message=was["message"], figures=was["figures"],
-            data=was["data"], seconds=was["seconds"], warnings=was["warnings"]))
-    return build_report(entries, Settings(world_sizes=tuple(old["settings"]["world_sizes"])),
-                        1.0)
+        entries.append(
+            check_entry(
+                check=check.name,
+                claim=check.claim,
+                lane=was["lane"],
+                world_size=was["world_size"],
+                variant=suite.variant_of(params),
+                outcome=was["outcome"],
+                message=was["message"],
+                figures=was["figures"],
+                data=was["data"],
+                seconds=was["seconds"],
+                warnings=was["warnings"],
+            )
+        )
+    return build_report(entries, Settings(world_sizes=tuple(old["settings"]["world_sizes"])), 1.0)
 
 
 def test_the_golden_report_is_of_the_old_layout(old: dict[str, Any]) -> None:
@@ -90,7 +101,8 @@ def test_a_changed_outcome_is_still_found_across_the_layouts(old: dict[str, Any]
     entry["outcome"] = "failed"
     diffs = compare_reports(old, new)
     assert [(d.check_id, d.kind, d.regression) for d in diffs if d.kind != "settings"] == [
-        ("init.weights[cpu,ws2,fsdp2,llama]", "outcome", True)]
+        ("init.weights[cpu,ws2,fsdp2,llama]", "outcome", True)
+    ]
 
 
 def test_no_two_old_ids_migrate_to_the_same_new_id(old: dict[str, Any]) -> None:
@@ -109,14 +121,17 @@ def test_migrating_twice_changes_nothing(old: dict[str, Any]) -> None:
     assert load_report(str(GOLDEN)) == old  # the stored form is left as it is
 
 
-@pytest.mark.parametrize("pattern, selected", [
-    ("init.weights.fsdp2", [("init.weights", "fsdp2")]),
-    ("init.no_meta.fsdp1", [("init.no_meta", "fsdp1")]),
-    ("init.weights.fsdp1_default", [("init.weights.default_path", "fsdp1")]),
-    ("init.peak_memory.fsdp2", [("init.peak_memory", "fsdp2")]),
-    ("init.seeds_fn_to_empty.fsdp1", [("init.seeds_fn_to_empty", "fsdp1")]),
-    ("init.train_step", [("init.train_step", "fsdp1"), ("init.train_step", "fsdp2")]),
-])
+@pytest.mark.parametrize(
+    "pattern, selected",
+    [
+        ("init.weights.fsdp2", [("init.weights", "fsdp2")]),
+        ("init.no_meta.fsdp1", [("init.no_meta", "fsdp1")]),
+        ("init.weights.fsdp1_default", [("init.weights.default_path", "fsdp1")]),
+        ("init.peak_memory.fsdp2", [("init.peak_memory", "fsdp2")]),
+        ("init.seeds_fn_to_empty.fsdp1", [("init.seeds_fn_to_empty", "fsdp1")]),
+        ("init.train_step", [("init.train_step", "fsdp1"), ("init.train_step", "fsdp2")]),
+    ],
+)
 def test_check_patterns_of_the_old_names_select_the_same_variants(
     pattern: str, selected: list[tuple[str, str]]
 ) -> None:

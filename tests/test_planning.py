@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from torch_probe import probe
 
-from fsdp_conformance import cli
+from fsdp_conformance import cli, cli_parser
 from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Verdict
@@ -119,24 +119,24 @@ def test_estimate_is_memorys_per_layer_bound_not_a_second_formula(
     assert (config.param_bytes, config.compute_bytes, config.optimizer) == (4, 2, "adamw")
     assert plan70.activations.input_bytes == 1 * 4096 * 8  # int64 token ids
     bound = plan70.estimate(1024)
-    assert bound.term("sharded params").bytes == pytest.approx(plan70.total_numel / 1024 * 4,
-                                                               rel=1e-3)
+    assert bound.term("sharded params").bytes == pytest.approx(
+        plan70.total_numel / 1024 * 4, rel=1e-3
+    )
 
 
 def test_sharded_state_shrinks_with_world_size_and_the_rest_does_not(
     plan70: ModelPlan,
 ) -> None:
     parts = {w: breakdown(plan70.estimate(w)) for w in CLAIM_WORLD_SIZES}
-    assert parts[8]["sharded_state"] == pytest.approx(128 * parts[1024]["sharded_state"],
-                                                      rel=1e-3)
+    assert parts[8]["sharded_state"] == pytest.approx(128 * parts[1024]["sharded_state"], rel=1e-3)
     assert parts[8]["activations"] == parts[1024]["activations"]
     assert parts[8]["unit_working_set"] >= parts[1024]["unit_working_set"]
-    assert all(p["total"] == sum(v for k, v in p.items() if k != "total")
-               for p in parts.values())
+    assert all(p["total"] == sum(v for k, v in p.items() if k != "total") for p in parts.values())
 
 
 def test_monolithic_70b_never_fits_80gb_because_its_one_unit_alone_is_too_big(
-    llama70b: ModelChoice, meta70: Any,
+    llama70b: ModelChoice,
+    meta70: Any,
 ) -> None:
     # Negative control for "devices needed": the seeds' "monolithic FSDP ... OOM" at scale.
     plan = plan_model(llama70b, PlanSettings(policy="monolithic", seq_len=512), meta70)
@@ -149,7 +149,8 @@ def test_monolithic_70b_never_fits_80gb_because_its_one_unit_alone_is_too_big(
 
 
 def test_devices_needed_is_the_smallest_world_size_that_fits(
-    llama70b: ModelChoice, meta70: Any,
+    llama70b: ModelChoice,
+    meta70: Any,
 ) -> None:
     plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
     need = devices_needed(plan, 80 * GB)
@@ -165,7 +166,8 @@ def test_devices_needed_is_the_smallest_world_size_that_fits(
 
 
 def test_devices_needed_keeps_the_device_reserve_free(
-    llama70b: ModelChoice, meta70: Any,
+    llama70b: ModelChoice,
+    meta70: Any,
 ) -> None:
     # The estimate counts what torch's allocator holds; the CUDA context, NCCL's buffers and
     # the cuBLAS workspaces come on top. A device that fits the estimate exactly at W ranks
@@ -178,8 +180,9 @@ def test_devices_needed_keeps_the_device_reserve_free(
     kept = devices_needed(plan, exact)
     assert kept.world_size is not None and kept.world_size > w
     assert plan.estimate(kept.world_size).total <= exact - DEFAULT_RESERVE.total
-    assert DEFAULT_RESERVE.total == (DEFAULT_RESERVE.cuda_context + DEFAULT_RESERVE.nccl
-                                     + DEFAULT_RESERVE.cublas_workspaces)
+    assert DEFAULT_RESERVE.total == (
+        DEFAULT_RESERVE.cuda_context + DEFAULT_RESERVE.nccl + DEFAULT_RESERVE.cublas_workspaces
+    )
     # A reserve as large as the device: nothing fits, and the reason says why.
     none = devices_needed(plan, 2 * GB)
     assert none.world_size is None and "(2.00 GB less the 2.13 GB device reserve)" in none.reason
@@ -212,7 +215,8 @@ def test_activation_checkpointing_makes_70b_at_seq_4096_fit_80gb_and_costs_a_rec
     assert full_b.term("recomputed unit").bytes == acts.saved_bytes["layers.0"]
     assert full_b.term("saved activations").bytes == (
         sum(v for k, v in acts.saved_bytes.items() if k not in full.checkpointed)
-        + sum(acts.entry_bytes[u] for u in full.checkpointed))
+        + sum(acts.entry_bytes[u] for u in full.checkpointed)
+    )
     assert full_b.total < none_b.total / 5
     assert full.recompute_flops == sum(acts.forward_flops[u] for u in full.checkpointed)
     # A Llama block's forward is at least 2 x its parameters x tokens (its matmuls).
@@ -238,11 +242,13 @@ def test_activation_checkpointing_makes_70b_at_seq_4096_fit_80gb_and_costs_a_rec
 
 
 def test_the_seeds_claim_as_numbers_and_the_policies_side_by_side(
-    llama70b: ModelChoice, meta70: Any,
+    llama70b: ModelChoice,
+    meta70: Any,
 ) -> None:
     # On the module's meta build: its forward at seq 512 was profiled by the tests above.
-    data = compare_policies(llama70b, PlanSettings(seq_len=512), CLAIM_WORLD_SIZES,
-                            [80 * GB, 141 * GB], model=meta70)
+    data = compare_policies(
+        llama70b, PlanSettings(seq_len=512), CLAIM_WORLD_SIZES, [80 * GB, 141 * GB], model=meta70
+    )
     fp16 = data["claim"]["fp16_weight_bytes"]
     assert fp16 == data["model"]["params"] * 2
     assert abs(fp16 - 140 * GB) < 0.02 * 140 * GB  # "approximately 140GB": 137.95 GB
@@ -259,7 +265,9 @@ def test_the_seeds_claim_as_numbers_and_the_policies_side_by_side(
 
 
 def test_plan_tree_collapses_identical_blocks_and_keeps_the_nesting(
-    llama70b: ModelChoice, plan70: ModelPlan, meta70: Any,
+    llama70b: ModelChoice,
+    plan70: ModelPlan,
+    meta70: Any,
 ) -> None:
     tree = format_plan_tree(plan70, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree
@@ -295,24 +303,32 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["--preset", "700b"], "unknown preset '700b'; choose one of 7b, 13b, 70b, seeds"),
-    ([], "no model given: pass --preset"),
-    (["--preset", "70b", "--reference", "massive"], "name one model, not --preset and"),
-    (["--reference", "gpt9"], "unknown reference model 'gpt9'"),
-    (["--preset", "7b", "--device-memory", "80 potatoes"], "is not a size; write e.g. 80GB"),
-    (["--preset", "7b", "--world-size", "0"], "--world-size must be >= 1"),
-    (["--preset", "7b", "--policy", "flat"], "argument --policy: invalid choice: 'flat'"),
-    (["--preset", "7b", "--bogus"],
-     "unrecognized arguments: --bogus; see `fsdp-conformance plan --help`"),
-    (["--model", "no_such_pkg.mod:build", "--block-cls", "Block"],
-     "cannot import module 'no_such_pkg.mod'"),
-    (["--model", "fsdp_conformance.reference_models:MassiveModel"], "no block class given"),
-    (["--preset", "7b", "--layers", "2"], "a preset has its own shape"),
-    (["--preset", "7b", "--device-reserve", "lots"], "--device-reserve 'lots' is not a size"),
-])
-def test_bad_input_is_one_line_naming_the_fix(argv: list[str], needle: str,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--preset", "700b"], "unknown preset '700b'; choose one of 7b, 13b, 70b, seeds"),
+        ([], "no model given: pass --preset"),
+        (["--preset", "70b", "--reference", "massive"], "name one model, not --preset and"),
+        (["--reference", "gpt9"], "unknown reference model 'gpt9'"),
+        (["--preset", "7b", "--device-memory", "80 potatoes"], "is not a size; write e.g. 80GB"),
+        (["--preset", "7b", "--world-size", "0"], "--world-size must be >= 1"),
+        (["--preset", "7b", "--policy", "flat"], "argument --policy: invalid choice: 'flat'"),
+        (
+            ["--preset", "7b", "--bogus"],
+            "unrecognized arguments: --bogus; see `fsdp-conformance plan --help`",
+        ),
+        (
+            ["--model", "no_such_pkg.mod:build", "--block-cls", "Block"],
+            "cannot import module 'no_such_pkg.mod'",
+        ),
+        (["--model", "fsdp_conformance.reference_models:MassiveModel"], "no block class given"),
+        (["--preset", "7b", "--layers", "2"], "a preset has its own shape"),
+        (["--preset", "7b", "--device-reserve", "lots"], "--device-reserve 'lots' is not a size"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_fix(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(["plan", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""
@@ -321,22 +337,30 @@ def test_bad_input_is_one_line_naming_the_fix(argv: list[str], needle: str,
 
 
 def test_plan_is_a_subcommand_of_the_one_parser_and_run_and_compare_stay_light() -> None:
-    parser = cli.build_parser()
+    parser = cli_parser.build_parser()
     args = parser.parse_args(["plan", "--preset", "70b", "--world-size", "64", "--json"])
     assert (args.command, args.preset, args.world_size, args.json, args.usage_error) == (
-        "plan", "70b", 64, True, None)
+        "plan",
+        "70b",
+        64,
+        True,
+        None,
+    )
     # A usage error comes back in args (main prints it: one line, exit 2), not as an exit here.
     bad = parser.parse_args(["plan", "--preset", "7b", "--world-size", "x"])
-    assert bad.usage_error == ("argument --world-size: invalid int value: 'x'; see "
-                               "`fsdp-conformance plan --help`")
+    assert bad.usage_error == (
+        "argument --world-size: invalid int value: 'x'; see `fsdp-conformance plan --help`"
+    )
     # plan's flags come from modules that import torch: they are added when `plan` is parsed,
     # so that `run`, `compare` and `--help` do not import torch (the probe's control: plan does).
     # (The probe refuses torch and records the attempt: it costs no torch import.)
-    code = ("from fsdp_conformance import cli\np = cli.build_parser()\n"
-            "p.parse_args(['compare', 'old.json', 'new.json'])\np.format_help()\n"
-            "print(bool(attempts))\n"
-            "try:\n    p.parse_args(['plan', '--preset', '7b'])\nexcept ImportError:\n    pass\n"
-            "print(bool(attempts))\n")
+    code = (
+        "from fsdp_conformance import cli_parser\np = cli_parser.build_parser()\n"
+        "p.parse_args(['compare', 'old.json', 'new.json'])\np.format_help()\n"
+        "print(bool(attempts))\n"
+        "try:\n    p.parse_args(['plan', '--preset', '7b'])\nexcept ImportError:\n    pass\n"
+        "print(bool(attempts))\n"
+    )
     assert probe(code).split() == ["False", "True"]
 
 
@@ -349,8 +373,13 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
     if dist.is_available() and dist.is_initialized():
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run([sys.executable, "-m", "fsdp_conformance.cli", "plan", *argv],
-                              capture_output=True, text=True, timeout=240, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "fsdp_conformance.cli", "plan", *argv],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
         return proc.returncode, proc.stdout, proc.stderr
     capsys.readouterr()
     code = cli.main(["plan", *argv])
@@ -413,17 +442,34 @@ def test_cli_plan_states_the_device_reserve_and_takes_the_users_own(
 
 
 def _spec(reference: str, layers: int, dim: int) -> ModelSpec:
-    config = (LlamaConfig(num_layers=layers, dim=dim) if reference == "llama"
-              else ModelConfig(num_layers=layers, dim=dim))
+    config = (
+        LlamaConfig(num_layers=layers, dim=dim)
+        if reference == "llama"
+        else ModelConfig(num_layers=layers, dim=dim)
+    )
     return ModelSpec(reference=reference, config=config)
 
 
-def _case(reference: str, layers: int, dim: int, version: str, policy: str,
-          optimizer: str = "none", batch_size: int = 2, checkpointing: str = "none",
-          **more: Any) -> dict:
-    return {"spec": _spec(reference, layers, dim), "version": version, "policy": policy,
-            "optimizer": optimizer, "batch_size": batch_size, "checkpointing": checkpointing,
-            **more}
+def _case(
+    reference: str,
+    layers: int,
+    dim: int,
+    version: str,
+    policy: str,
+    optimizer: str = "none",
+    batch_size: int = 2,
+    checkpointing: str = "none",
+    **more: Any,
+) -> dict:
+    return {
+        "spec": _spec(reference, layers, dim),
+        "version": version,
+        "policy": policy,
+        "optimizer": optimizer,
+        "batch_size": batch_size,
+        "checkpointing": checkpointing,
+        **more,
+    }
 
 
 #: Several models, depths, both versions and both measurable policies; parameter-heavy
@@ -449,16 +495,25 @@ TRUST_CASES = [
 #: Optimizer state in a parameter-heavy step; saved activations in the activation-heavy ones
 #: (they are 90% of the 70B estimate at batch 1 x 4096); with checkpointing on every block, the
 #: recomputed block's saved set.
-DROPPED_TERMS = {0: "optimizer state", 2: "saved activations", 4: "saved activations",
-                 5: "saved activations", 9: "recomputed unit", 10: "saved activations"}
+DROPPED_TERMS = {
+    0: "optimizer state",
+    2: "saved activations",
+    4: "saved activations",
+    5: "saved activations",
+    9: "recomputed unit",
+    10: "saved activations",
+}
 
 
 def _judged_with(values: list[dict], cases: list[dict], estimates: dict[int, Bound]) -> Verdict:
     """The trust verdict's judgement with ``estimates`` (case index -> Bound) in place of the
     planner's for those cases."""
     world_size = len(values)
-    return judge_estimates(values, cases, [estimates.get(i) or estimate_for_case(c, world_size)
-                                           for i, c in enumerate(cases)])
+    return judge_estimates(
+        values,
+        cases,
+        [estimates.get(i) or estimate_for_case(c, world_size) for i, c in enumerate(cases)],
+    )
 
 
 def _without(bound: Bound, name: str) -> Bound:
@@ -487,7 +542,8 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
         estimates[i] = _without(estimate_for_case(case, world_size), name)
         peaks = {v["rank"]: v["peaks"][i]["peak"] for v in values}
         ok, lines = compare_to_measurement(
-            estimates[i], peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]])
+            estimates[i], peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]]
+        )
         assert not ok, f"case {i}: a bound without {name!r} still passed: {lines}"
         assert all("ABOVE 1.10 x the estimate: the estimate misses" in ln for ln in lines)
     broken = _judged_with(values, TRUST_CASES, estimates)
@@ -506,8 +562,9 @@ def _measured_within(ranks: Ranks, cases: list[dict], label: str) -> list[dict]:
     return values
 
 
-def _caught_above(values: list[dict], cases: list[dict], estimates: dict[int, Bound],
-                  outside: int) -> str:
+def _caught_above(
+    values: list[dict], cases: list[dict], estimates: dict[int, Bound], outside: int
+) -> str:
     """The same peaks judged against ``estimates``: ``outside`` case-rank pairs above them."""
     broken = _judged_with(values, cases, estimates)
     assert not broken.passed and f"{outside} outside" in broken.message, broken.message
@@ -546,10 +603,16 @@ def _no_recompute(case: dict) -> Bound:
 #: negative control; activation-heavy with every block checkpointed (the AC trust cases' model
 #: and batch, both reductions at once), with the recompute term dropped.
 HSDP_REGIMES = {
-    "params": (_case("massive", 4, 128, "fsdp1", "recommended", "adamw"),
-               "hsdp=2 fp32: estimate", _full_sharding),
-    "checkpointed": (_case("massive", 8, 32, "fsdp1", "recommended", batch_size=128,
-                           checkpointing="full"), " ac=full hsdp=2 fp32: estimate", _no_recompute),
+    "params": (
+        _case("massive", 4, 128, "fsdp1", "recommended", "adamw"),
+        "hsdp=2 fp32: estimate",
+        _full_sharding,
+    ),
+    "checkpointed": (
+        _case("massive", 8, 32, "fsdp1", "recommended", batch_size=128, checkpointing="full"),
+        " ac=full hsdp=2 fp32: estimate",
+        _no_recompute,
+    ),
 }
 
 
@@ -557,7 +620,8 @@ HSDP_REGIMES = {
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("regime", list(HSDP_REGIMES))
 def test_hsdp_peaks_follow_the_shard_group_and_a_wrong_estimate_is_caught(
-    ranks: Ranks, regime: str,
+    ranks: Ranks,
+    regime: str,
 ) -> None:
     # World size 4 as 2 replicas x shard groups of 2: FSDP2 fully_shard on a 2-D mesh, FSDP1
     # HYBRID_SHARD. Each rank holds half of every unit, as at world size 2.
@@ -601,8 +665,15 @@ def _device_peaks_with_offload_between(ctx: RankContext, case: dict) -> dict:
 
     peaks = []
     for offload in (False, True, False):
-        m = measure_step(ctx, case["spec"], case["version"], "per_layer", optimizer="adamw",
-                         timeline=False, offload=offload)
+        m = measure_step(
+            ctx,
+            case["spec"],
+            case["version"],
+            "per_layer",
+            optimizer="adamw",
+            timeline=False,
+            offload=offload,
+        )
         peaks.append((m["meters"][0]["source"], m["meters"][0]["peak"]))
     return {"rank": ctx.rank, "peaks": peaks}
 
@@ -618,7 +689,8 @@ def _moved_off_the_device(before: int, after: int, planned: int) -> bool:
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("version", ["fsdp1", "fsdp2"])
 def test_cpu_offload_takes_at_least_the_planned_state_off_the_device(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     # The split a CPU machine cannot see (host and device are one memory there): FSDP1
     # CPUOffload(offload_params=True), FSDP2 CPUOffloadPolicy() as users write them, AdamW.
@@ -634,13 +706,15 @@ def test_cpu_offload_takes_at_least_the_planned_state_off_the_device(
         assert src0 == src1 == src2 == "cuda", v
         assert _moved_off_the_device(before, with_offload, planned), (
             f"rank {v['rank']}: device peak {before} B without offload, {with_offload} B with "
-            f"it: fell by {before - with_offload} B, the planner moves {planned} B to the host")
+            f"it: fell by {before - with_offload} B, the planner moves {planned} B to the host"
+        )
         # Negative control: two steps that both keep the state on the device do not pass.
         assert not _moved_off_the_device(before, again, planned)
 
 
 def test_cpu_offload_moves_the_sharded_state_to_the_host(
-    llama70b: ModelChoice, meta70: Any,
+    llama70b: ModelChoice,
+    meta70: Any,
 ) -> None:
     # Derived, not measured (a CPU machine cannot tell host from device): the device keeps
     # one unit's shards in transit, the host the sharded params, grads and optimizer state.
@@ -660,7 +734,8 @@ def test_cpu_offload_moves_the_sharded_state_to_the_host(
 
 
 def test_hsdp_estimate_is_full_sharding_over_the_shard_group(
-    llama70b: ModelChoice, meta70: Any,
+    llama70b: ModelChoice,
+    meta70: Any,
 ) -> None:
     plan = plan_model(llama70b, PlanSettings(seq_len=512), meta70)
     hsdp = plan_model(llama70b, PlanSettings(seq_len=512, shard_group_size=64), meta70)
@@ -695,7 +770,8 @@ def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() ->
     plain.load_state_dict(model.state_dict())
     plain_packed = []
     with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: plain_packed.append(t) or t, lambda t: t):
+        lambda t: plain_packed.append(t) or t, lambda t: t
+    ):
         plain(x).sum().backward()
     assert len(packed) < len(plain_packed)  # checkpointed blocks saved nothing in forward
     assert checkpoint_blocks(model, (DecoderLayer,), 0) == []
@@ -708,8 +784,11 @@ def test_run_judges_the_planner_in_fp32_and_bf16_and_a_peak_above_the_estimate_f
 ) -> None:
     # Before issue 13 `run` had no planner check (plan_trust was not a claim module) and the
     # trust cases were fp32 only.
-    selected = [(c, p) for c, p in suite.select_checks(all_checks(), None)
-                if c.name == "memory.plan_estimate_matches"]
+    selected = [
+        (c, p)
+        for c, p in suite.select_checks(all_checks(), None)
+        if c.name == "memory.plan_estimate_matches"
+    ]
     assert [p["version"] for _, p in selected] == ["fsdp1", "fsdp2"]
     for check, params in selected:
         values = ranks.run(check.rank_fn, **params)
@@ -719,16 +798,20 @@ def test_run_judges_the_planner_in_fp32_and_bf16_and_a_peak_above_the_estimate_f
         dtypes = [label.rsplit(" ", 1)[1] for label in f["case_labels"]]
         assert dtypes.count("fp32") >= 2 and dtypes.count("bf16") == 1
         assert len(f["estimate_bytes"]) == len(f["peak_bytes"]) == len(f["ratios"]) == f["cases"]
-        for est, peak, ratio, low in zip(f["estimate_bytes"], f["peak_bytes"], f["ratios"],
-                                         f["min_allowed_ratios"]):
+        for est, peak, ratio, low in zip(
+            f["estimate_bytes"], f["peak_bytes"], f["ratios"], f["min_allowed_ratios"]
+        ):
             assert ratio == round(peak / est, 3) and low <= ratio <= f["max_allowed_ratio"]
         bf16 = dtypes.index("bf16")
         assert f["estimate_bytes"][bf16] < f["estimate_bytes"][0]  # the bf16 terms are smaller
         assert "opt=none bf16: estimate" in verdict.message
         # Negative control: the bf16 case measured as a step that gathered everything at once
         # (the monolithic case's peaks) exceeds its estimate on every rank.
-        mono = next(i for i, c in enumerate(default_cases(params["spec"], params["version"]))
-                    if c["policy"] == "monolithic")
+        mono = next(
+            i
+            for i, c in enumerate(default_cases(params["spec"], params["version"]))
+            if c["policy"] == "monolithic"
+        )
         bad = copy.deepcopy(values)
         for v in bad:
             v["peaks"][bf16] = v["peaks"][mono]
@@ -739,16 +822,20 @@ def test_run_judges_the_planner_in_fp32_and_bf16_and_a_peak_above_the_estimate_f
 
 
 def test_comparison_flags_a_reduced_bound_above_and_an_inflated_one_below() -> None:
-    terms = (BoundTerm("sharded params", 300, "x"), BoundTerm("optimizer state", 600, "x"),
-             BoundTerm("saved activations", 100, "x"))
+    terms = (
+        BoundTerm("sharded params", 300, "x"),
+        BoundTerm("optimizer state", 600, "x"),
+        BoundTerm("saved activations", 100, "x"),
+    )
     bound = Bound(terms, 0.10)
     peaks = {0: 800, 1: 800}  # where per-layer peaks land: 0.8 of the estimate
     ok, lines = compare_to_measurement(bound, peaks, min_ratio=0.45)
     assert ok and all(ln.endswith(": ok") for ln in lines) and len(lines) == 2
     reduced = Bound(tuple(t for t in terms if t.name != "optimizer state"), 0.10)
     ok, lines = compare_to_measurement(reduced, peaks, min_ratio=0.45)
-    assert not ok and all("ABOVE 1.10 x the estimate: the estimate misses 400 B" in ln
-                          for ln in lines)
+    assert not ok and all(
+        "ABOVE 1.10 x the estimate: the estimate misses 400 B" in ln for ln in lines
+    )
     inflated = Bound(terms * 3, 0.10)
     ok, lines = compare_to_measurement(inflated, {0: 800, 1: 2000}, min_ratio=0.45)
     assert not ok
@@ -808,20 +895,34 @@ def test_plans_that_differ_only_in_what_the_forward_does_not_read_share_one_prof
 
     calls = []
     real = activations.profile_step_activations
-    monkeypatch.setattr(activations, "profile_step_activations",
-                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(
+        activations, "profile_step_activations", lambda *a, **k: calls.append(a[3]) or real(*a, **k)
+    )
     monkeypatch.setattr(activations, "_SPEC_PROFILES", {})  # none from this session's other plans
     choice = choose_model(reference="llama", layers=2, dim=32)
     meta = build_meta_model(choice)
     base = PlanSettings(seq_len=16)
-    plans = [plan_model(choice, dataclasses.replace(base, **change), meta) for change in (
-        {}, {"shard_group_size": 2}, {"cpu_offload": True}, {"version": "fsdp1"},
-        {"optimizer": "none"}, {"param_dtype": "bf16"}, {"policy": "monolithic"},
-        {"checkpointing": "full"})]
+    plans = [
+        plan_model(choice, dataclasses.replace(base, **change), meta)
+        for change in (
+            {},
+            {"shard_group_size": 2},
+            {"cpu_offload": True},
+            {"version": "fsdp1"},
+            {"optimizer": "none"},
+            {"param_dtype": "bf16"},
+            {"policy": "monolithic"},
+            {"checkpointing": "full"},
+        )
+    ]
     assert len(calls) == 1
     assert all(p.activations.input_bytes == plans[0].activations.input_bytes for p in plans)
-    for change in ({"compute_dtype": "fp32"}, {"batch_size": 2}, {"seq_len": 32},
-                   {"attention": "math"}):
+    for change in (
+        {"compute_dtype": "fp32"},
+        {"batch_size": 2},
+        {"seq_len": 32},
+        {"attention": "math"},
+    ):
         plan_model(choice, dataclasses.replace(base, **change), meta)
     assert len(calls) == 5
     # A reference model is named by its spec: another meta build of it reuses the profiles...
@@ -841,8 +942,9 @@ def test_a_factorys_profile_is_kept_on_its_model_object_not_by_spec(
 
     calls = []
     real = activations.profile_step_activations
-    monkeypatch.setattr(activations, "profile_step_activations",
-                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(
+        activations, "profile_step_activations", lambda *a, **k: calls.append(a[3]) or real(*a, **k)
+    )
     choice = choose_model(factory="fsdp_conformance.hf_models:llama")
     meta = build_meta_model(choice)
     settings = PlanSettings(seq_len=16)
@@ -855,7 +957,8 @@ def test_a_factorys_profile_is_kept_on_its_model_object_not_by_spec(
 
 @pytest.mark.parametrize("reference", ["llama", "massive", "tied", "lora", "embedding_classifier"])
 def test_a_deep_reference_model_is_profiled_at_three_blocks_with_its_whole_forwards_figures(
-    reference: str, monkeypatch: pytest.MonkeyPatch,
+    reference: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A reference model or preset deeper than three blocks runs three on meta (the first, a
     middle one, the last; the 70B preset's 80 cost three): per module, the bytes and FLOPs of
@@ -864,20 +967,26 @@ def test_a_deep_reference_model_is_profiled_at_three_blocks_with_its_whole_forwa
 
     depths: list[int] = []
     real = activations.profile_step_activations
-    monkeypatch.setattr(activations, "profile_step_activations",
-                        lambda model, *a: depths.append(len(model.layers)) or real(model, *a))
+    monkeypatch.setattr(
+        activations,
+        "profile_step_activations",
+        lambda model, *a: depths.append(len(model.layers)) or real(model, *a),
+    )
     choice = choose_model(reference=reference, layers=6, dim=32)
     model = build_meta_model(choice)
     every = [UnitInfo(fqn=n, cls=type(m).__name__, numel=0) for n, m in model.named_modules()]
-    for settings in (PlanSettings(seq_len=16, compute_dtype="fp32"),
-                     PlanSettings(seq_len=16, attention="math")):
+    for settings in (
+        PlanSettings(seq_len=16, compute_dtype="fp32"),
+        PlanSettings(seq_len=16, attention="math"),
+    ):
         repeated = activations._module_profile(model, choice, settings)
         assert depths[-1] == activations.PROFILED_BLOCKS == 3
         whole = real(model, choice, every, settings)
         assert repeated == whole
         assert whole.forward_flops[""] > 0 and set(whole.saved_bytes) == {u.fqn for u in every}
-    factory = ModelChoice(ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama"),
-                          "a factory")
+    factory = ModelChoice(
+        ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama"), "a factory"
+    )
     activations._module_profile(model, factory, PlanSettings(seq_len=16))
     assert depths[-1] == 6
 
@@ -891,9 +1000,15 @@ def test_the_memory_checks_profile_counts_the_planners_bytes_without_its_flops()
     choice = choose_model(reference="llama", layers=2, dim=32)
     memory_profile = plan_step(choice.spec, 2, "fsdp2")[1].activations
     assert memory_profile is not None and memory_profile.forward_flops == {}
-    planned = plan_model(choice, PlanSettings(seq_len=8, batch_size=2, compute_dtype="fp32",
-                                              attention="math", optimizer="none")).activations
+    planned = plan_model(
+        choice,
+        PlanSettings(
+            seq_len=8, batch_size=2, compute_dtype="fp32", attention="math", optimizer="none"
+        ),
+    ).activations
     assert planned.forward_flops["layers.0"] > 0
-    assert (memory_profile.saved_bytes, memory_profile.produced_bytes,
-            memory_profile.input_bytes) == (planned.saved_bytes, planned.produced_bytes,
-                                            planned.input_bytes)
+    assert (
+        memory_profile.saved_bytes,
+        memory_profile.produced_bytes,
+        memory_profile.input_bytes,
+    ) == (planned.saved_bytes, planned.produced_bytes, planned.input_bytes)

@@ -116,11 +116,13 @@ def test_a_process_test_is_in_the_process_lane_only_and_its_ranks_are_gloo_ranks
     cpu = pytester.runpytest_inprocess("-m", "cpu", "-rA")
     cpu.assert_outcomes(passed=1, deselected=3)
     cpu.stdout.fnmatch_lines(["PASSED test_process_lane.py::test_unmarked"])
-    process = pytester.runpytest_inprocess("-m", "process and not gpu", "-rA",
-                                           "--fsdp-world-sizes", "2")
+    process = pytester.runpytest_inprocess(
+        "-m", "process and not gpu", "-rA", "--fsdp-world-sizes", "2"
+    )
     process.assert_outcomes(passed=2, deselected=2)
     process.stdout.fnmatch_lines(
-        ["PASSED test_process_lane.py::test_process_with_ranks[[]ws2-cpu[]]"], consecutive=False)
+        ["PASSED test_process_lane.py::test_process_with_ranks[[]ws2-cpu[]]"], consecutive=False
+    )
     # A GPU test that starts processes stays in the GPU lane.
     gpu = pytester.runpytest_inprocess("-m", "gpu", "--co", "-q")
     gpu.stdout.fnmatch_lines(["test_process_lane.py::test_gpu_process"])
@@ -131,7 +133,8 @@ def test_a_process_test_is_in_the_process_lane_only_and_its_ranks_are_gloo_ranks
 def test_a_process_test_under_a_cpu_module_mark_is_a_usage_error_naming_it(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makepyfile(test_both="""
+    pytester.makepyfile(
+        test_both="""
 import pytest
 
 pytestmark = pytest.mark.cpu
@@ -140,13 +143,16 @@ pytestmark = pytest.mark.cpu
 @pytest.mark.process
 def test_starts_a_process():
     pass
-""")
+"""
+    )
     result = pytester.runpytest_inprocess("-m", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
-        "ERROR: 1 test(s) carry both the process and the cpu marker: "
-        "test_both.py::test_starts_a_process. A process test is not in the CPU lane*"
-    ])
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: 1 test(s) carry both the process and the cpu marker: "
+            "test_both.py::test_starts_a_process. A process test is not in the CPU lane*"
+        ]
+    )
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without CUDA")
@@ -332,8 +338,10 @@ def test_a_users_timeout_is_respected_and_checks_fit_inside_it(
     result.stdout.fnmatch_lines(["TIMEOUT test_uses_ranks[[]ws2-cpu[]]: None"])
     # ...and the checks' deadline is taken from it (no rank starts: no check runs here).
     result.stdout.fnmatch_lines(
-        ["*NOTE this test's pytest-timeout of 30s (--timeout), less 5s for the stack dump and "
-         "teardown"]
+        [
+            "*NOTE this test's pytest-timeout of 30s (--timeout), less 5s for the stack dump and "
+            "teardown"
+        ]
     )
     result.assert_outcomes(passed=5)
 
@@ -344,6 +352,8 @@ def test_without_a_users_timeout_checks_fit_inside_the_outer_guard(
     pytester.makepyfile(test_note=PRINT_DEADLINE)
     result = pytester.runpytest_inprocess("-s", "-m", "cpu", "--fsdp-timeout=10")
     result.stdout.fnmatch_lines(
-        ["*NOTE this test's pytest-timeout of 110s (the plugin's outer guard), less 5s for the "
-         "stack dump and teardown"]
+        [
+            "*NOTE this test's pytest-timeout of 110s (the plugin's outer guard), less 5s for the "
+            "stack dump and teardown"
+        ]
     )

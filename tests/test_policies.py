@@ -36,8 +36,13 @@ SMALL = ModelConfig(num_layers=2, dim=32)
 
 @pytest.mark.parametrize(
     "given",
-    [DecoderLayer, "DecoderLayer", "fsdp_conformance.reference_models.DecoderLayer",
-     "fsdp_conformance.reference_models:DecoderLayer", ["DecoderLayer"]],
+    [
+        DecoderLayer,
+        "DecoderLayer",
+        "fsdp_conformance.reference_models.DecoderLayer",
+        "fsdp_conformance.reference_models:DecoderLayer",
+        ["DecoderLayer"],
+    ],
     ids=["class", "name", "dotted", "colon", "list"],
 )
 def test_block_classes_resolve_from_class_path_or_name(given: object) -> None:
@@ -47,7 +52,9 @@ def test_block_classes_resolve_from_class_path_or_name(given: object) -> None:
 def test_several_block_classes_resolve_in_order() -> None:
     model = EncoderDecoder(SMALL)
     assert resolve_block_classes(model, ["EncoderLayer", DecoderLayer]) == (
-        EncoderLayer, DecoderLayer)
+        EncoderLayer,
+        DecoderLayer,
+    )
 
 
 def test_unknown_block_name_lists_the_models_module_classes() -> None:
@@ -103,8 +110,18 @@ def test_unknown_policy_name_lists_the_choices() -> None:
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_every_policy_name_resolves_to_a_plan(name: str) -> None:
     model = MassiveModel(SMALL)
-    units = [u.fqn for u in plan_units(model, policy(name, model, (DecoderLayer,),  # type: ignore[arg-type]
-                                                     SMALL.min_params))]
+    units = [
+        u.fqn
+        for u in plan_units(
+            model,
+            policy(
+                name,
+                model,
+                (DecoderLayer,),  # type: ignore[arg-type]
+                SMALL.min_params,
+            ),
+        )
+    ]
     expected_blocks = name not in ("monolithic", "top_level")
     assert ("layers.0" in units) == expected_blocks, units
     assert units[0] == "" and (len(units) == 1) == (name == "monolithic"), units
@@ -140,15 +157,17 @@ def test_wrapping_labels_and_planner_names_are_registry_names() -> None:
     with pytest.raises(PolicyError) as info:
         wrapping("flat")
     assert str(info.value) == (
-        "unknown wrapping 'flat'; choose one of per_layer, monolithic, top_level, no_reshard")
+        "unknown wrapping 'flat'; choose one of per_layer, monolithic, top_level, no_reshard"
+    )
     assert wrapping_label("recommended") == "per_layer"
     assert wrapping_label("monolithic") == "monolithic" and wrapping_label("seeds") is None
     assert PLAN_POLICIES == ("recommended", "seeds", "monolithic")
     assert set(PLAN_POLICIES) <= set(POLICY_NAMES)
     from fsdp_conformance.plan.model import PlanError, PlanSettings
 
-    with pytest.raises(PlanError, match="policy 'root_only' is not one of "
-                                        "recommended, seeds, monolithic"):
+    with pytest.raises(
+        PlanError, match="policy 'root_only' is not one of recommended, seeds, monolithic"
+    ):
         PlanSettings(policy="root_only")  # type: ignore[arg-type]
 
 
@@ -156,11 +175,14 @@ def test_seeds_policy_wraps_each_side_of_a_tied_weight() -> None:
     # The seeds' size lambda wraps `embed` and `head` separately although they share one
     # weight; the recommended policy keeps the weight in the root.
     model = TiedLM(SMALL)
-    seeds = [u.fqn for u in plan_units(model, seeds_hybrid_policy((DecoderLayer,),
-                                                                  SMALL.min_params))]
+    seeds = [
+        u.fqn for u in plan_units(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params))
+    ]
     assert "embed" in seeds and "head" in seeds
-    recommended = [u.fqn for u in plan_units(
-        model, recommended_policy(model, (DecoderLayer,), SMALL.min_params))]
+    recommended = [
+        u.fqn
+        for u in plan_units(model, recommended_policy(model, (DecoderLayer,), SMALL.min_params))
+    ]
     assert "embed" not in recommended and "head" not in recommended
 
 
@@ -178,8 +200,14 @@ def test_each_torch_builder_gives_its_documented_units(ranks: Ranks) -> None:
         assert verdict.passed, verdict.message
         counts[builder] = verdict.figures["units"]
     # massive, 4 blocks at dim 64: root + 4 blocks (+ head, + MLP linears by size, ...).
-    assert counts == {"transformer": 5, "size": 10, "lambda": 2, "or": 6, "module_wrap": 15,
-                      "custom": 6}
+    assert counts == {
+        "transformer": 5,
+        "size": 10,
+        "lambda": 2,
+        "or": 6,
+        "module_wrap": 15,
+        "custom": 6,
+    }
 
 
 @pytest.mark.world_size(2)

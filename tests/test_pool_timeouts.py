@@ -51,8 +51,9 @@ def test_the_process_group_outlasts_the_check_timeout_by_the_margin() -> None:
 def test_the_start_timeout_grows_with_the_world_and_more_for_gpu_ranks() -> None:
     assert start_timeout_for(8, "cuda") > 60.0  # eight cold CUDA ranks: more than the old 60 s
     assert start_timeout_for(8, "cuda") > start_timeout_for(8, "cpu")
-    assert start_timeout_for(1, "cuda") < start_timeout_for(2, "cuda") < start_timeout_for(
-        8, "cuda")
+    assert (
+        start_timeout_for(1, "cuda") < start_timeout_for(2, "cuda") < start_timeout_for(8, "cuda")
+    )
     assert start_timeout_for(2, "cpu") < start_timeout_for(16, "cpu")
     # The fixed part stays: no world starts with less than before.
     assert start_timeout_for(1, "cpu") >= START_TIMEOUT_S
@@ -77,22 +78,42 @@ class _RecordingPool:
 
     started: list[_Started] = []
 
-    def __init__(self, world_size: int, backend: str = "gloo", device_type: str = "cpu", *,
-                 env: Mapping[str, str] | None = None, start_timeout: float | None = None,
-                 pg_timeout: float = 300.0, fork_servers: Any = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        device_type: str = "cpu",
+        *,
+        env: Mapping[str, str] | None = None,
+        start_timeout: float | None = None,
+        pg_timeout: float = 300.0,
+        fork_servers: Any = None,
+    ) -> None:
         self.world_size, self.backend, self.device_type = world_size, backend, device_type
         self.pg_timeout = pg_timeout
         self.broken = False
         self.alive = True
         _RecordingPool.started.append(
-            _Started(world_size, backend, device_type, start_timeout, pg_timeout))
+            _Started(world_size, backend, device_type, start_timeout, pg_timeout)
+        )
 
-    def run_outcomes(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-                     kwargs: Mapping[str, Any] | None = None, **_: Any) -> list[RankOutcome]:
+    def run_outcomes(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        **_: Any,
+    ) -> list[RankOutcome]:
         return [
-            RankOutcome(rank, "ok", value=fn(
-                RankContext(rank, self.world_size, rank, self.backend, self.device_type),
-                *args, **dict(kwargs or {})))
+            RankOutcome(
+                rank,
+                "ok",
+                value=fn(
+                    RankContext(rank, self.world_size, rank, self.backend, self.device_type),
+                    *args,
+                    **dict(kwargs or {}),
+                ),
+            )
             for rank in range(self.world_size)
         ]
 
@@ -114,11 +135,25 @@ def _rank(ctx: RankContext) -> int:
     return ctx.rank
 
 
-def _run(manager: PoolManager, *, timeout: float, world_size: int = 2, device_type: str = "cpu",
-         deadline: float | None = None) -> list[RankOutcome]:
+def _run(
+    manager: PoolManager,
+    *,
+    timeout: float,
+    world_size: int = 2,
+    device_type: str = "cpu",
+    deadline: float | None = None,
+) -> list[RankOutcome]:
     backend = "nccl" if device_type == "cuda" else "gloo"
-    return manager.run_outcomes(_rank, (), {}, world_size=world_size, backend=backend,
-                                device_type=device_type, timeout=timeout, deadline=deadline)
+    return manager.run_outcomes(
+        _rank,
+        (),
+        {},
+        world_size=world_size,
+        backend=backend,
+        device_type=device_type,
+        timeout=timeout,
+        deadline=deadline,
+    )
 
 
 def test_a_manager_starts_pools_with_the_timeouts_derived_for_them(
@@ -151,8 +186,13 @@ def test_a_check_longer_than_the_pools_group_gets_a_pool_that_outlasts_it(
 def test_an_outer_deadline_still_cuts_the_derived_start_timeout(
     recorded: list[_Started],
 ) -> None:
-    _run(PoolManager(), timeout=120.0, world_size=8, device_type="cuda",
-         deadline=time.monotonic() + 30.0)
+    _run(
+        PoolManager(),
+        timeout=120.0,
+        world_size=8,
+        device_type="cuda",
+        deadline=time.monotonic() + 30.0,
+    )
     start_timeout = recorded[0].start_timeout
     assert start_timeout is not None and 25.0 < start_timeout <= 30.0
 
@@ -174,7 +214,9 @@ def test_a_gpu_world_of_eight(ranks, rank_pools):
 
 
 def test_the_plugins_manager_derives_its_timeouts_from_the_settings(
-    pytester: pytest.Pytester, recorded: list[_Started], monkeypatch: pytest.MonkeyPatch,
+    pytester: pytest.Pytester,
+    recorded: list[_Started],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name in ("FSDP_CONFORMANCE_TIMEOUT", "PYTEST_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
@@ -202,10 +244,10 @@ def test_run_suite_starts_its_pools_with_timeouts_derived_from_the_settings(
     from fsdp_conformance.gate.suite import run_suite
     from fsdp_conformance.settings import Settings
 
-    check = Check("test.timeouts", "test only: each rank's number", _rank, _verdict,
-                  lanes=("gpu",))
-    report = run_suite(Settings(timeout=400.0, world_sizes=(8,)), ["gpu"], checks=[check],
-                       stream=io.StringIO())
+    check = Check("test.timeouts", "test only: each rank's number", _rank, _verdict, lanes=("gpu",))
+    report = run_suite(
+        Settings(timeout=400.0, world_sizes=(8,)), ["gpu"], checks=[check], stream=io.StringIO()
+    )
     assert [c["outcome"] for c in report["checks"]] == ["passed"], report["checks"]
     assert [(s.world_size, s.backend, s.device_type) for s in recorded] == [(8, "nccl", "cuda")]
     assert recorded[0].pg_timeout > 400.0
@@ -226,8 +268,9 @@ CPU_CTX = RankContext(0, 1, 0, "gloo", "cpu")
 def synchronize_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """``torch.cuda.synchronize`` stubbed: each call lands in the list, with its device."""
     calls: list[Any] = []
-    monkeypatch.setattr(torch.cuda, "synchronize",
-                        lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device))
+    )
     return calls
 
 
@@ -240,14 +283,14 @@ def test_a_cuda_ranks_check_is_synchronized_after_it_returns(
     synchronize_calls: list[Any],
 ) -> None:
     status, value, detail, _ = execute_check(
-        _returns_after_queuing, CUDA_CTX, (synchronize_calls,), {})
+        _returns_after_queuing, CUDA_CTX, (synchronize_calls,), {}
+    )
     assert (status, value, detail) == ("ok", "value", "")
     assert synchronize_calls == ["check returned", ("synchronize", torch.device("cuda", 0))]
 
 
 def test_a_cpu_ranks_check_is_not_synchronized(synchronize_calls: list[Any]) -> None:
-    status, value, _, _ = execute_check(
-        _returns_after_queuing, CPU_CTX, (synchronize_calls,), {})
+    status, value, _, _ = execute_check(_returns_after_queuing, CPU_CTX, (synchronize_calls,), {})
     assert (status, value) == ("ok", "value")
     assert synchronize_calls == ["check returned"]
 

@@ -60,11 +60,12 @@ def test_ci_lints_before_the_tests_with_the_pinned_tools() -> None:
 def test_the_lint_order_rule_catches_a_command_without_lint() -> None:
     # Negative controls: the command before the lint step, and lint after the tests.
     assert lint_order(
-        'pip install -c ci/constraints-cpu.txt -e ".[test]" && python -m pytest -m cpu') == [
-        "the install lacks the lint extra (.[test,lint])", "ci/lint.sh is not a step"]
-    assert lint_order('pip install -c ci/constraints-cpu.txt -e ".[test,lint]" && '
-                      "python -m pytest -m cpu && bash ci/lint.sh") == [
-        "ci/lint.sh does not run before the tests"]
+        'pip install -c ci/constraints-cpu.txt -e ".[test]" && python -m pytest -m cpu'
+    ) == ["the install lacks the lint extra (.[test,lint])", "ci/lint.sh is not a step"]
+    assert lint_order(
+        'pip install -c ci/constraints-cpu.txt -e ".[test,lint]" && '
+        "python -m pytest -m cpu && bash ci/lint.sh"
+    ) == ["ci/lint.sh does not run before the tests"]
 
 
 def test_ci_script_is_strict_and_executable() -> None:

@@ -44,23 +44,39 @@ def entry(
     message: str = "ok",
 ) -> dict[str, Any]:
     return gate_report.check_entry(
-        check=check, claim=check.split(".")[0], lane="cpu", world_size=2, variant=variant,
-        outcome=outcome, message=message, figures=figures or {}, data=data or {}, seconds=0.1,
+        check=check,
+        claim=check.split(".")[0],
+        lane="cpu",
+        world_size=2,
+        variant=variant,
+        outcome=outcome,
+        message=message,
+        figures=figures or {},
+        data=data or {},
+        seconds=0.1,
         warnings=warnings,
     )
 
 
-def report(*entries: Mapping[str, Any], torch_version: str = "2.13.0+cpu",
-           settings: Settings | None = None) -> dict[str, Any]:
+def report(
+    *entries: Mapping[str, Any], torch_version: str = "2.13.0+cpu", settings: Settings | None = None
+) -> dict[str, Any]:
     built = gate_report.build_report(list(entries), settings or Settings(), 1.5)
     built["environment"]["torch"] = torch_version
     return built
 
 
-def unit(fqn: str, cls: str, numel: int, parent: str | None = "",
-         params: Sequence[str] = ()) -> dict[str, Any]:
-    return {"fqn": fqn, "cls": cls, "numel": numel, "local_numel": numel // 2,
-            "parent": parent, "params": list(params)}
+def unit(
+    fqn: str, cls: str, numel: int, parent: str | None = "", params: Sequence[str] = ()
+) -> dict[str, Any]:
+    return {
+        "fqn": fqn,
+        "cls": cls,
+        "numel": numel,
+        "local_numel": numel // 2,
+        "parent": parent,
+        "params": list(params),
+    }
 
 
 def per_layer_units(layers: int = 2, layer_numel: int = 100) -> list[dict[str, Any]]:
@@ -90,12 +106,23 @@ def test_check_entry_id_names_check_lane_world_size_and_variant() -> None:
 
 
 def test_check_entry_sorts_warnings_and_picks_out_the_deprecations() -> None:
-    e = entry(warnings=["UserWarning: b", "FutureWarning: NO_SHARD is deprecated",
-                        "UserWarning: b", "DeprecationWarning: old api"])
-    assert e["warnings"] == ["DeprecationWarning: old api", "FutureWarning: NO_SHARD is deprecated",
-                             "UserWarning: b"]
-    assert e["deprecations"] == ["DeprecationWarning: old api",
-                                 "FutureWarning: NO_SHARD is deprecated"]
+    e = entry(
+        warnings=[
+            "UserWarning: b",
+            "FutureWarning: NO_SHARD is deprecated",
+            "UserWarning: b",
+            "DeprecationWarning: old api",
+        ]
+    )
+    assert e["warnings"] == [
+        "DeprecationWarning: old api",
+        "FutureWarning: NO_SHARD is deprecated",
+        "UserWarning: b",
+    ]
+    assert e["deprecations"] == [
+        "DeprecationWarning: old api",
+        "FutureWarning: NO_SHARD is deprecated",
+    ]
 
 
 def test_check_entry_turns_check_data_into_plain_json() -> None:
@@ -104,13 +131,18 @@ def test_check_entry_turns_check_data_into_plain_json() -> None:
         name: str
         dtype: Any
 
-    e = entry(figures={"param_dtype": torch.bfloat16, "sizes": (1, 2)},
-              data={"rows": [Row("a", torch.float32)], "seen": {3, 1}, 7: None})
+    e = entry(
+        figures={"param_dtype": torch.bfloat16, "sizes": (1, 2)},
+        data={"rows": [Row("a", torch.float32)], "seen": {3, 1}, 7: None},
+    )
     text = json.dumps(e)  # must not raise
     back = json.loads(text)
     assert back["figures"] == {"param_dtype": "torch.bfloat16", "sizes": [1, 2]}
-    assert back["data"] == {"rows": [{"name": "a", "dtype": "torch.float32"}], "seen": [1, 3],
-                            "7": None}
+    assert back["data"] == {
+        "rows": [{"name": "a", "dtype": "torch.float32"}],
+        "seen": [1, 3],
+        "7": None,
+    }
 
 
 def test_build_report_has_schema_environment_settings_and_counts() -> None:
@@ -168,8 +200,11 @@ def test_interrupted_write_keeps_the_old_report_and_leaves_no_temp_file(
     def interrupt(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt  # as Ctrl-C mid-write
 
-    target = {"dumps": (gate_report.json, "dumps"), "fsync": (_files.os, "fsync"),
-              "replace": (_files.os, "replace")}[fail_at]
+    target = {
+        "dumps": (gate_report.json, "dumps"),
+        "fsync": (_files.os, "fsync"),
+        "replace": (_files.os, "replace"),
+    }[fail_at]
     monkeypatch.setattr(*target, interrupt)
     with pytest.raises(KeyboardInterrupt):
         gate_report.write_json_report(str(path), report(entry(outcome="failed")))
@@ -211,17 +246,24 @@ def test_load_report_refuses_another_schema_version_and_says_to_rerun(tmp_path: 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda r: r.pop("environment"), "damaged: environment: expected an object, found "
-         r"nothing \(the field is missing\)"),
+        (
+            lambda r: r.pop("environment"),
+            "damaged: environment: expected an object, found "
+            r"nothing \(the field is missing\)",
+        ),
         (lambda r: r.update(checks={}), r"checks: expected a list, found an object \({}\)"),
         (lambda r: r["checks"][0].pop("outcome"), r"checks\[0\].outcome: expected one of"),
-        (lambda r: r["checks"][0].update(outcome="ok"),
-         r"checks\[0\].outcome: expected one of passed, failed, skipped, error, xfailed, found a "
-         r"string "
-         r"\(\"ok\"\)"),
-        (lambda r: r["checks"].append(dict(r["checks"][0])),
-         r"checks\[1\].id: expected an id unique in the report, .* appears twice \(also "
-         r"checks\[0\]\)"),
+        (
+            lambda r: r["checks"][0].update(outcome="ok"),
+            r"checks\[0\].outcome: expected one of passed, failed, skipped, error, xfailed, found a "
+            r"string "
+            r"\(\"ok\"\)",
+        ),
+        (
+            lambda r: r["checks"].append(dict(r["checks"][0])),
+            r"checks\[1\].id: expected an id unique in the report, .* appears twice \(also "
+            r"checks\[0\]\)",
+        ),
     ],
 )
 def test_load_report_refuses_a_damaged_report_in_one_message(
@@ -250,11 +292,14 @@ def test_load_report_accepts_fields_the_schema_does_not_document(tmp_path: Path)
 def test_comparability_names_model_settings_and_missing_common_checks() -> None:
     same = report(entry())
     assert compare.comparability(same, report(entry(), torch_version="2.14.1")) is None
-    other = report(entry(variant="fsdp1,pkg:build"),
-                   settings=Settings(model="pkg:build", block_cls="Block", min_params=4000))
+    other = report(
+        entry(variant="fsdp1,pkg:build"),
+        settings=Settings(model="pkg:build", block_cls="Block", min_params=4000),
+    )
     assert compare.comparability(same, other) == (
         "settings.model None vs 'pkg:build'; settings.block_cls None vs 'Block'; "
-        "settings.min_params None vs 4000; no check in common (1 checks vs 1)")
+        "settings.min_params None vs 4000; no check in common (1 checks vs 1)"
+    )
     # the same model, one common check: comparable (the others are missing / added)
     assert compare.comparability(report(entry(), entry("a.b")), same) is None
 
@@ -267,10 +312,17 @@ def test_comparability_names_model_settings_and_missing_common_checks() -> None:
 def test_table_shows_each_check_its_outcome_figures_and_the_failure_reason() -> None:
     r = report(
         entry(figures={"units": 6, "peak_bytes": 27 * MiB + MiB // 2}),
-        entry("memory.sawtooth", "failed", figures={"max_rise_bytes": 300 * 1024},
-              message="the timeline is not a sawtooth\n  rank 0: ...\n"),
-        entry("init.weights.fsdp1", "error",
-              message="check failed\nTraceback ...\nValueError: meta vs cpu\n"),
+        entry(
+            "memory.sawtooth",
+            "failed",
+            figures={"max_rise_bytes": 300 * 1024},
+            message="the timeline is not a sawtooth\n  rank 0: ...\n",
+        ),
+        entry(
+            "init.weights.fsdp1",
+            "error",
+            message="check failed\nTraceback ...\nValueError: meta vs cpu\n",
+        ),
     )
     table = gate_report.format_table(r)
     lines = table.splitlines()
@@ -305,8 +357,11 @@ def test_markdown_summary_has_status_table_failure_details_and_deprecations() ->
 
 
 def test_identical_reports_have_no_differences() -> None:
-    e = entry(figures={"units": 3, "peak_bytes": 5 * MiB, "loss": 0.33},
-              data={"actual": per_layer_units()}, warnings=["UserWarning: x"])
+    e = entry(
+        figures={"units": 3, "peak_bytes": 5 * MiB, "loss": 0.33},
+        data={"actual": per_layer_units()},
+        warnings=["UserWarning: x"],
+    )
     old, new = report(e, torch_version="2.13.0"), report(e, torch_version="2.14.1")
     assert compare_reports(old, new) == []
     assert compare.format_differences(old, new, []) == (
@@ -343,8 +398,12 @@ def test_outcome_moves_are_regressions_only_when_worse(
     assert kinds(diffs) == [("outcome", regression)]
 
 
-EXPECTED = {"check": "state.summon.rank0_discard", "torch": ">=2.13, <2.16",
-            "reason": "a known torch defect", "link": "https://example.org/defect"}
+EXPECTED = {
+    "check": "state.summon.rank0_discard",
+    "torch": ">=2.13, <2.16",
+    "reason": "a known torch defect",
+    "link": "https://example.org/defect",
+}
 
 
 def xfailed(check: str = "wrap.units.exact") -> dict[str, Any]:
@@ -373,24 +432,35 @@ def test_a_report_from_before_expected_failures_still_loads(tmp_path: Path) -> N
     r = report(entry())
     del r["summary"]["xfailed"]
     path = _write(tmp_path / "old.json", r)
-    assert gate_report.load_report(path)["summary"] == {"passed": 1, "failed": 0, "skipped": 0,
-                                                        "error": 0}
+    assert gate_report.load_report(path)["summary"] == {
+        "passed": 1,
+        "failed": 0,
+        "skipped": 0,
+        "error": 0,
+    }
     r = report(xfailed())
     del r["summary"]["xfailed"]  # but a count it needs is still required
     with pytest.raises(ReportError, match="summary.xfailed"):
         gate_report.load_report(_write(tmp_path / "damaged.json", r))
 
 
-@pytest.mark.parametrize(("old", "new", "kind", "regression", "says"), [
-    ("xfailed", "passed", "expectation", False, "fixed upstream? its expectation can go"),
-    ("passed", "xfailed", "expectation", False, "a known torch defect on the candidate"),
-    ("skipped", "xfailed", "expectation", False, "a known torch defect on the candidate"),
-    ("xfailed", "failed", "outcome", True, "xfailed -> failed"),
-    ("xfailed", "error", "outcome", True, "xfailed -> error"),
-    ("failed", "xfailed", "outcome", False, "failed -> xfailed"),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "kind", "regression", "says"),
+    [
+        ("xfailed", "passed", "expectation", False, "fixed upstream? its expectation can go"),
+        ("passed", "xfailed", "expectation", False, "a known torch defect on the candidate"),
+        ("skipped", "xfailed", "expectation", False, "a known torch defect on the candidate"),
+        ("xfailed", "failed", "outcome", True, "xfailed -> failed"),
+        ("xfailed", "error", "outcome", True, "xfailed -> error"),
+        ("failed", "xfailed", "outcome", False, "failed -> xfailed"),
+    ],
+)
 def test_compare_says_when_an_expected_failure_passes_and_when_no_expectation_covers_one(
-    old: str, new: str, kind: str, regression: bool, says: str,
+    old: str,
+    new: str,
+    kind: str,
+    regression: bool,
+    says: str,
 ) -> None:
     before = xfailed() if old == "xfailed" else entry(outcome=old)
     after = xfailed() if new == "xfailed" else entry(outcome=new, message="boom")
@@ -399,13 +469,15 @@ def test_compare_says_when_an_expected_failure_passes_and_when_no_expectation_co
     assert says in diff.text
 
 
-def test_a_documented_change_as_an_expected_failure_is_named_a_change_and_its_figures_still_count(
-) -> None:
+def test_a_documented_change_as_an_expected_failure_is_named_a_change_and_its_figures_still_count() -> (
+    None
+):
     """defaults.fingerprint on 2.15 (kind "change"): the outcome move is not a regression and
     says what it is; the dtype it moved is still a regression, so the gate still fails."""
     before = entry("defaults.fingerprint", figures={"reduce_scatter_dtype": "torch.bfloat16"})
-    after = entry("defaults.fingerprint", "xfailed", figures={"reduce_scatter_dtype":
-                                                              "torch.float32"})
+    after = entry(
+        "defaults.fingerprint", "xfailed", figures={"reduce_scatter_dtype": "torch.float32"}
+    )
     after["expected"] = {**EXPECTED, "kind": "change"}
     diffs = compare_one(before, after)
     assert kinds(diffs) == [("expectation", False), ("dtype", True)]
@@ -453,8 +525,10 @@ def test_changed_unit_structure_is_a_regression_naming_the_units() -> None:
     old_units = per_layer_units(layers=2)
     mlp = unit("layers.1.mlp", "Sequential", 60, "", ["layers.1.mlp.0.weight"])
     new_units = [*old_units[:2], mlp]
-    diffs = compare_one(entry(figures={"units": 3}, data={"actual": old_units}),
-                        entry(figures={"units": 3}, data={"actual": new_units}))
+    diffs = compare_one(
+        entry(figures={"units": 3}, data={"actual": old_units}),
+        entry(figures={"units": 3}, data={"actual": new_units}),
+    )
     assert kinds(diffs) == [("units", True)]
     assert diffs[0].text == (
         "unit structure changed: - layers.1 (DecoderLayer); + layers.1.mlp (Sequential)"
@@ -462,8 +536,10 @@ def test_changed_unit_structure_is_a_regression_naming_the_units() -> None:
 
 
 def test_unit_count_change_is_reported_once_with_the_unit_lists() -> None:
-    diffs = compare_one(entry(figures={"units": 3}, data={"units": per_layer_units(2)}),
-                        entry(figures={"units": 2}, data={"units": per_layer_units(1)}))
+    diffs = compare_one(
+        entry(figures={"units": 3}, data={"units": per_layer_units(2)}),
+        entry(figures={"units": 2}, data={"units": per_layer_units(1)}),
+    )
     assert kinds(diffs) == [("units", True)]
     assert "- layers.1 (DecoderLayer)" in diffs[0].text
 
@@ -472,8 +548,9 @@ def test_unit_size_parent_and_parameter_moves_are_named_field_by_field() -> None
     old_units = per_layer_units(2)
     new_units = [dict(u) for u in old_units]
     new_units[1] = dict(new_units[1], numel=120, local_numel=60)
-    new_units[2] = dict(new_units[2], parent="layers.0",
-                        params=["layers.1.attn.weight", "embed.weight"])
+    new_units[2] = dict(
+        new_units[2], parent="layers.0", params=["layers.1.attn.weight", "embed.weight"]
+    )
     diffs = compare_one(entry(data={"plan": old_units}), entry(data={"plan": new_units}))
     assert kinds(diffs) == [("units", True)]
     assert diffs[0].text == (
@@ -499,16 +576,22 @@ def test_unit_count_without_unit_lists_is_still_compared() -> None:
 
 
 def test_memory_up_by_more_than_the_tolerance_is_a_regression() -> None:
-    diffs = compare_one(entry(figures={"peak_bytes": 100 * MiB}),
-                        entry(figures={"peak_bytes": 106 * MiB}))
+    diffs = compare_one(
+        entry(figures={"peak_bytes": 100 * MiB}), entry(figures={"peak_bytes": 106 * MiB})
+    )
     assert kinds(diffs) == [("memory", True)]
-    assert diffs[0].text == ("peak_bytes: 100.00 MiB -> 106.00 MiB (+6.0%; tolerance 5%, "
-                             "floor 1.00 MiB)")
+    assert diffs[0].text == (
+        "peak_bytes: 100.00 MiB -> 106.00 MiB (+6.0%; tolerance 5%, floor 1.00 MiB)"
+    )
 
 
 def test_memory_within_the_tolerance_is_not_reported() -> None:
-    assert compare_one(entry(figures={"peak_bytes": 100 * MiB}),
-                       entry(figures={"peak_bytes": 104 * MiB})) == []
+    assert (
+        compare_one(
+            entry(figures={"peak_bytes": 100 * MiB}), entry(figures={"peak_bytes": 104 * MiB})
+        )
+        == []
+    )
 
 
 def test_memory_down_by_more_than_the_tolerance_is_a_change() -> None:
@@ -542,20 +625,36 @@ def test_memory_lists_are_compared_element_by_element() -> None:
 
 
 def test_dtype_change_is_a_regression() -> None:
-    diffs = compare_one(entry(figures={"reduce_dtype": "torch.float32"}),
-                        entry(figures={"reduce_dtype": "torch.bfloat16"}))
+    diffs = compare_one(
+        entry(figures={"reduce_dtype": "torch.float32"}),
+        entry(figures={"reduce_dtype": "torch.bfloat16"}),
+    )
     assert [(d.kind, d.regression, d.text) for d in diffs] == [
-        ("dtype", True, "reduce_dtype: torch.float32 -> torch.bfloat16")]
+        ("dtype", True, "reduce_dtype: torch.float32 -> torch.bfloat16")
+    ]
 
 
 def test_measured_floats_are_left_to_the_checks_and_other_figures_are_changes() -> None:
-    old = entry(figures={"loss": 0.3328, "tracker_over_truth": [0.999, 0.991],
-                         "digest": "b70745a46663be67", "steps": 3})
-    new = entry(figures={"loss": 0.3329, "tracker_over_truth": [0.987, 0.992],
-                         "digest": "8c4881791b91a717", "steps": 3})
+    old = entry(
+        figures={
+            "loss": 0.3328,
+            "tracker_over_truth": [0.999, 0.991],
+            "digest": "b70745a46663be67",
+            "steps": 3,
+        }
+    )
+    new = entry(
+        figures={
+            "loss": 0.3329,
+            "tracker_over_truth": [0.987, 0.992],
+            "digest": "8c4881791b91a717",
+            "steps": 3,
+        }
+    )
     diffs = compare_one(old, new)
     assert [(d.kind, d.regression, d.text) for d in diffs] == [
-        ("figure", False, "digest: 'b70745a46663be67' -> '8c4881791b91a717'")]
+        ("figure", False, "digest: 'b70745a46663be67' -> '8c4881791b91a717'")
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -565,8 +664,13 @@ def test_measured_floats_are_left_to_the_checks_and_other_figures_are_changes() 
 
 def test_new_warning_and_new_deprecation_are_reported_as_changes() -> None:
     old = entry(warnings=["UserWarning: known"])
-    new = entry(warnings=["UserWarning: known", "UserWarning: returned a view tensor",
-                          "FutureWarning: `NO_SHARD` is deprecated"])
+    new = entry(
+        warnings=[
+            "UserWarning: known",
+            "UserWarning: returned a view tensor",
+            "FutureWarning: `NO_SHARD` is deprecated",
+        ]
+    )
     diffs = compare_one(old, new)
     assert [(d.kind, d.regression, d.text) for d in diffs] == [
         ("deprecation", False, "new deprecation: FutureWarning: `NO_SHARD` is deprecated"),
@@ -575,12 +679,17 @@ def test_new_warning_and_new_deprecation_are_reported_as_changes() -> None:
 
 
 def test_a_new_warning_raised_by_several_checks_is_one_difference_naming_them() -> None:
-    view = ("UserWarning: FSDP2-wrapped module (FSDPLinear) returned a view tensor. An in-place "
-            "op on this view")
+    view = (
+        "UserWarning: FSDP2-wrapped module (FSDPLinear) returned a view tensor. An in-place "
+        "op on this view"
+    )
     checks = ("wrap.units.exact", "wrap.units.plan", "wrap.units.accounting")
     old = report(*(entry(c) for c in checks))
-    new = report(entry(checks[0], warnings=[view]), entry(checks[1], warnings=[view]),
-                 entry(checks[2], warnings=["UserWarning: only here"]))
+    new = report(
+        entry(checks[0], warnings=[view]),
+        entry(checks[1], warnings=[view]),
+        entry(checks[2], warnings=["UserWarning: only here"]),
+    )
     ids = [e["id"] for e in new["checks"]]
     diffs = compare_reports(old, new)
     # Checks are compared in id order (accounting, exact, plan); a group sits where it was
@@ -593,19 +702,23 @@ def test_a_new_warning_raised_by_several_checks_is_one_difference_naming_them() 
 
 def test_a_warning_whose_source_line_moved_is_not_new() -> None:
     # torch's C++ warnings carry their source location, which moves in every release.
-    text = ("UserWarning: Converting a tensor with requires_grad=True to a scalar may lead to "
-            "unexpected behavior.\nConsider using tensor.detach() first. (Triggered internally "
-            "at /__w/pytorch/pytorch/torch/csrc/autograd/generated/"
-            "python_variable_methods.cpp:{}.)")
+    text = (
+        "UserWarning: Converting a tensor with requires_grad=True to a scalar may lead to "
+        "unexpected behavior.\nConsider using tensor.detach() first. (Triggered internally "
+        "at /__w/pytorch/pytorch/torch/csrc/autograd/generated/"
+        "python_variable_methods.cpp:{}.)"
+    )
     old, new = entry(warnings=[text.format(822)]), entry(warnings=[text.format(820)])
     assert compare_one(old, new) == []
     # a genuinely new one is reported on one line
     diffs = compare_one(entry(), new)
     assert kinds(diffs) == [("warning", False)] and "\n" not in diffs[0].text
-    assert diffs[0].text.endswith("scalar may lead to unexpected behavior. Consider using "
-                                  "tensor.detach() first. (Triggered internally at "
-                                  "/__w/pytorch/pytorch/torch/csrc/autograd/generated/"
-                                  "python_variable_methods.cpp:820.)")
+    assert diffs[0].text.endswith(
+        "scalar may lead to unexpected behavior. Consider using "
+        "tensor.detach() first. (Triggered internally at "
+        "/__w/pytorch/pytorch/torch/csrc/autograd/generated/"
+        "python_variable_methods.cpp:820.)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,8 +728,9 @@ def test_a_warning_whose_source_line_moved_is_not_new() -> None:
 
 def test_differences_print_regressions_first_with_their_check_ids() -> None:
     old = report(entry("a.one", outcome="failed"), entry("b.two"), torch_version="2.13.0")
-    new = report(entry("a.one"), entry("b.two", outcome="failed", message="boom"),
-                 torch_version="2.14.1")
+    new = report(
+        entry("a.one"), entry("b.two", outcome="failed", message="boom"), torch_version="2.14.1"
+    )
     text = compare.format_differences(old, new, compare_reports(old, new))
     assert text.splitlines() == [
         "compare: torch 2.13.0 -> 2.14.1: 1 regression(s), 2 difference(s)",

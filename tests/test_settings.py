@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from fsdp_conformance import cli
+from fsdp_conformance import cli, cli_parser
 from fsdp_conformance.settings import (
     MAX_TIMEOUT_S,
     OPTIONS,
@@ -53,16 +53,17 @@ def test_command_line_beats_environment_beats_ini_beats_pyproject() -> None:
 
 
 def test_empty_environment_variable_and_empty_ini_value_count_as_not_set() -> None:
-    s = resolve_settings({}, {"FSDP_CONFORMANCE_BACKEND": ""}, {"backend": ""},
-                         {"backend": "gloo"})
+    s = resolve_settings({}, {"FSDP_CONFORMANCE_BACKEND": ""}, {"backend": ""}, {"backend": "gloo"})
     assert s.backend == "gloo"
     assert s.sources["backend"] == "pyproject.toml [tool.fsdp_conformance] backend"
 
 
 def test_values_are_parsed_into_their_types() -> None:
     s = resolve_settings(
-        {"world_sizes": "2, 4,2", "backend": "NCCL", "min_params": "2e7"}, {},
-        {"timeout": "7.5"}, {"block_cls": " Block ", "input": "pkg.mod:batch", "model": "p.m:f"},
+        {"world_sizes": "2, 4,2", "backend": "NCCL", "min_params": "2e7"},
+        {},
+        {"timeout": "7.5"},
+        {"block_cls": " Block ", "input": "pkg.mod:batch", "model": "p.m:f"},
     )
     assert s.world_sizes == (2, 4)  # order kept, duplicates dropped
     assert s.backend == "nccl" and s.timeout == 7.5 and s.min_params == 20_000_000
@@ -82,52 +83,112 @@ def test_backend_for_each_lane() -> None:
 @pytest.mark.parametrize(
     ("where", "name", "value", "expected"),
     [
-        ("cli", "backend", "mpi",
-         ("invalid backend 'mpi' from command line --fsdp-backend: expected one of auto, gloo, "
-          "nccl; expected auto|gloo|nccl")),
-        ("env", "world_sizes", "two",
-         ("invalid world_sizes 'two' from environment variable FSDP_CONFORMANCE_WORLD_SIZES: "
-          "'two' is not a positive integer; expected N[,N...]")),
-        ("ini", "timeout", "0",
-         "invalid timeout '0' from ini key fsdp_timeout: must be > 0; expected SECONDS"),
-        ("pyproject", "min_params", "-5",
-         ("invalid min_params '-5' from pyproject.toml [tool.fsdp_conformance] min_params: "
-          "must be >= 0; expected N")),
-        ("pyproject", "world_sizes", [2, 0],
-         ("invalid world_sizes '2,0' from pyproject.toml [tool.fsdp_conformance] world_sizes: "
-          "'0' is not a positive integer")),
-        ("env", "timeout", "soon",
-         "invalid timeout 'soon' from environment variable FSDP_CONFORMANCE_TIMEOUT"),
+        (
+            "cli",
+            "backend",
+            "mpi",
+            (
+                "invalid backend 'mpi' from command line --fsdp-backend: expected one of auto, gloo, "
+                "nccl; expected auto|gloo|nccl"
+            ),
+        ),
+        (
+            "env",
+            "world_sizes",
+            "two",
+            (
+                "invalid world_sizes 'two' from environment variable FSDP_CONFORMANCE_WORLD_SIZES: "
+                "'two' is not a positive integer; expected N[,N...]"
+            ),
+        ),
+        (
+            "ini",
+            "timeout",
+            "0",
+            "invalid timeout '0' from ini key fsdp_timeout: must be > 0; expected SECONDS",
+        ),
+        (
+            "pyproject",
+            "min_params",
+            "-5",
+            (
+                "invalid min_params '-5' from pyproject.toml [tool.fsdp_conformance] min_params: "
+                "must be >= 0; expected N"
+            ),
+        ),
+        (
+            "pyproject",
+            "world_sizes",
+            [2, 0],
+            (
+                "invalid world_sizes '2,0' from pyproject.toml [tool.fsdp_conformance] world_sizes: "
+                "'0' is not a positive integer"
+            ),
+        ),
+        (
+            "env",
+            "timeout",
+            "soon",
+            "invalid timeout 'soon' from environment variable FSDP_CONFORMANCE_TIMEOUT",
+        ),
         # nan passes a plain `<= 0` test; inf overflows the harness's waits and pytest-timeout.
-        ("cli", "timeout", "nan",
-         "invalid timeout 'nan' from command line --fsdp-timeout: must be a finite number > 0"),
-        ("env", "timeout", "inf",
-         ("invalid timeout 'inf' from environment variable FSDP_CONFORMANCE_TIMEOUT: must be a "
-          "finite number > 0")),
+        (
+            "cli",
+            "timeout",
+            "nan",
+            "invalid timeout 'nan' from command line --fsdp-timeout: must be a finite number > 0",
+        ),
+        (
+            "env",
+            "timeout",
+            "inf",
+            (
+                "invalid timeout 'inf' from environment variable FSDP_CONFORMANCE_TIMEOUT: must be a "
+                "finite number > 0"
+            ),
+        ),
         # int(float('1e999')) raises OverflowError, which is not a ValueError.
-        ("cli", "min_params", "1e999",
-         "invalid min_params '1e999' from command line --fsdp-min-params: must be a finite"),
+        (
+            "cli",
+            "min_params",
+            "1e999",
+            "invalid min_params '1e999' from command line --fsdp-min-params: must be a finite",
+        ),
         # poll()'s milliseconds overflow a C int past 24.8 days: OverflowError in every check.
-        ("cli", "timeout", "2.2e6",
-         "invalid timeout '2.2e6' from command line --fsdp-timeout: must be at most 604800 "
-         "(one week)"),
+        (
+            "cli",
+            "timeout",
+            "2.2e6",
+            "invalid timeout '2.2e6' from command line --fsdp-timeout: must be at most 604800 "
+            "(one week)",
+        ),
         # setitimer overflows past 9.2e9 s: a pytest INTERNALERROR.
-        ("env", "timeout", "1e12",
-         "invalid timeout '1e12' from environment variable FSDP_CONFORMANCE_TIMEOUT: must be "
-         "at most 604800"),
-        ("ini", "max_world_size", "0",
-         "invalid max_world_size '0' from ini key fsdp_max_world_size: '0' is not a positive "
-         "integer; expected N"),
+        (
+            "env",
+            "timeout",
+            "1e12",
+            "invalid timeout '1e12' from environment variable FSDP_CONFORMANCE_TIMEOUT: must be "
+            "at most 604800",
+        ),
+        (
+            "ini",
+            "max_world_size",
+            "0",
+            "invalid max_world_size '0' from ini key fsdp_max_world_size: '0' is not a positive "
+            "integer; expected N",
+        ),
     ],
 )
 def test_bad_value_names_the_value_its_source_and_the_fix(
     where: str, name: str, value: object, expected: str
 ) -> None:
     option = next(o for o in OPTIONS if o.name == name)
-    given = {"cli": ({name: value}, {}, {}, {}),
-             "env": ({}, {option.env: value}, {}, {}),
-             "ini": ({}, {}, {name: value}, {}),
-             "pyproject": ({}, {}, {}, {name: value})}[where]
+    given = {
+        "cli": ({name: value}, {}, {}, {}),
+        "env": ({}, {option.env: value}, {}, {}),
+        "ini": ({}, {}, {name: value}, {}),
+        "pyproject": ({}, {}, {}, {name: value}),
+    }[where]
     with pytest.raises(SettingsError) as info:
         resolve_settings(*given)  # type: ignore[arg-type]
     message = str(info.value)
@@ -139,17 +200,29 @@ def test_bad_value_names_the_value_its_source_and_the_fix(
 @pytest.mark.parametrize(
     ("flag_style", "given", "expected"),
     [
-        ("pytest", ({"block_cls": "Block"}, {}, {}),
-         "--fsdp-block-cls is set but no --fsdp-model: give the model factory too (e.g. "
-         "--fsdp-model mypkg.model:build_model)"),
-        ("cli", ({"block_cls": "Block"}, {}, {}),
-         "--block-cls is set but no --model: give the model factory too (e.g. --model "
-         "mypkg.model:build_model)"),
+        (
+            "pytest",
+            ({"block_cls": "Block"}, {}, {}),
+            "--fsdp-block-cls is set but no --fsdp-model: give the model factory too (e.g. "
+            "--fsdp-model mypkg.model:build_model)",
+        ),
+        (
+            "cli",
+            ({"block_cls": "Block"}, {}, {}),
+            "--block-cls is set but no --model: give the model factory too (e.g. --model "
+            "mypkg.model:build_model)",
+        ),
         # from any source: the rule is on the resolved settings, not on the command line
-        ("cli", ({}, {"FSDP_CONFORMANCE_INPUT": "pkg.mod:batch"}, {}),
-         "--input is set but no --model: give the model factory too"),
-        ("pytest", ({}, {}, {"input": "pkg.mod:batch"}),
-         "--fsdp-input is set but no --fsdp-model: give the model factory too"),
+        (
+            "cli",
+            ({}, {"FSDP_CONFORMANCE_INPUT": "pkg.mod:batch"}, {}),
+            "--input is set but no --model: give the model factory too",
+        ),
+        (
+            "pytest",
+            ({}, {}, {"input": "pkg.mod:batch"}),
+            "--fsdp-input is set but no --fsdp-model: give the model factory too",
+        ),
     ],
 )
 def test_a_model_option_without_the_model_is_a_settings_error(
@@ -162,8 +235,12 @@ def test_a_model_option_without_the_model_is_a_settings_error(
 
 
 def test_a_model_option_with_the_model_resolves() -> None:
-    s = resolve_settings({"model": "pkg.m:f", "block_cls": "Block"},
-                         {"FSDP_CONFORMANCE_INPUT": "pkg.mod:batch"}, {}, flag_style="cli")
+    s = resolve_settings(
+        {"model": "pkg.m:f", "block_cls": "Block"},
+        {"FSDP_CONFORMANCE_INPUT": "pkg.mod:batch"},
+        {},
+        flag_style="cli",
+    )
     assert (s.model, s.block_cls, s.input) == ("pkg.m:f", "Block", "pkg.mod:batch")
 
 
@@ -223,7 +300,7 @@ def test_invalid_toml_and_a_non_table_are_errors_naming_the_file(tmp_path: Path)
 
 
 def test_every_option_is_a_cli_flag_under_both_spellings() -> None:
-    parser = cli.build_parser()
+    parser = cli_parser.build_parser()
     for option in OPTIONS:
         short = "--" + option.name.replace("_", "-")
         for flag in (short, option.flag):
@@ -241,7 +318,7 @@ def test_cli_settings_resolve_command_line_env_and_pyproject(
     for option in OPTIONS:
         monkeypatch.delenv(option.env, raising=False)
     monkeypatch.setenv("FSDP_CONFORMANCE_TIMEOUT", "45")
-    args = cli.build_parser().parse_args(["run", "--backend", "auto"])
+    args = cli_parser.build_parser().parse_args(["run", "--backend", "auto"])
     s = cli.resolve_cli_settings(args)
     assert (s.world_sizes, s.backend, s.timeout) == ((2, 4), "auto", 45.0)
     assert s.sources["world_sizes"] == "pyproject.toml [tool.fsdp_conformance] world_sizes"
@@ -279,17 +356,22 @@ def test_the_longest_timeout_is_accepted_and_fits_every_wait() -> None:
     assert MAX_TIMEOUT_S * 5 + 60 < threading.TIMEOUT_MAX
 
 
-@pytest.mark.parametrize(("where", "source"), [
-    ("cli", "command line --fsdp-world-sizes"),
-    ("env", "environment variable FSDP_CONFORMANCE_WORLD_SIZES"),
-    ("pyproject", "pyproject.toml [tool.fsdp_conformance] world_sizes"),
-])
+@pytest.mark.parametrize(
+    ("where", "source"),
+    [
+        ("cli", "command line --fsdp-world-sizes"),
+        ("env", "environment variable FSDP_CONFORMANCE_WORLD_SIZES"),
+        ("pyproject", "pyproject.toml [tool.fsdp_conformance] world_sizes"),
+    ],
+)
 def test_world_size_over_the_machine_limit_is_one_error_with_limit_rule_and_override(
     where: str, source: str
 ) -> None:
-    given = {"cli": ({"world_sizes": "2,1000"}, {}, {}, {}),
-             "env": ({}, {"FSDP_CONFORMANCE_WORLD_SIZES": "2,1000"}, {}, {}),
-             "pyproject": ({}, {}, {}, {"world_sizes": [2, 1000]})}[where]
+    given = {
+        "cli": ({"world_sizes": "2,1000"}, {}, {}, {}),
+        "env": ({}, {"FSDP_CONFORMANCE_WORLD_SIZES": "2,1000"}, {}, {}),
+        "pyproject": ({}, {}, {}, {"world_sizes": [2, 1000]}),
+    }[where]
     with pytest.raises(SettingsError) as info:
         resolve_settings(*given, machine_limit=lambda: _machine_of(16))  # type: ignore[arg-type]
     assert str(info.value) == (
@@ -301,21 +383,32 @@ def test_world_size_over_the_machine_limit_is_one_error_with_limit_rule_and_over
 
 
 def test_a_hundred_thousand_ranks_are_refused_on_this_very_machine() -> None:
-    with pytest.raises(SettingsError, match=r"world size 100000 from command line .* at most "
-                       r"\d+ ranks \(the smaller of memory: .* GiB available x 0.8 / 220 MiB "
-                       r"per idle rank = \d+, cores: \d+ x 8 = \d+\)"):
+    with pytest.raises(
+        SettingsError,
+        match=r"world size 100000 from command line .* at most "
+        r"\d+ ranks \(the smaller of memory: .* GiB available x 0.8 / 220 MiB "
+        r"per idle rank = \d+, cores: \d+ x 8 = \d+\)",
+    ):
         resolve_settings({"world_sizes": "100000"}, {}, {})
 
 
 def test_max_world_size_overrides_the_machine_limit_either_way() -> None:
-    s = resolve_settings({"world_sizes": "32"}, {"FSDP_CONFORMANCE_MAX_WORLD_SIZE": "32"}, {},
-                         machine_limit=lambda: _machine_of(16))
+    s = resolve_settings(
+        {"world_sizes": "32"},
+        {"FSDP_CONFORMANCE_MAX_WORLD_SIZE": "32"},
+        {},
+        machine_limit=lambda: _machine_of(16),
+    )
     assert s.world_sizes == (32,) and s.max_world_size == 32
     assert world_size_limit(s, {}) == WorldSizeLimit(
-        32, "set by environment variable FSDP_CONFORMANCE_MAX_WORLD_SIZE")
-    with pytest.raises(SettingsError, match=r"^world size 4 from ini key fsdp_world_sizes is more "
-                       r"than this machine can hold: at most 2 ranks \(set by command line "
-                       r"--fsdp-max-world-size\)"):
+        32, "set by environment variable FSDP_CONFORMANCE_MAX_WORLD_SIZE"
+    )
+    with pytest.raises(
+        SettingsError,
+        match=r"^world size 4 from ini key fsdp_world_sizes is more "
+        r"than this machine can hold: at most 2 ranks \(set by command line "
+        r"--fsdp-max-world-size\)",
+    ):
         resolve_settings({"max_world_size": "2"}, {}, {"world_sizes": "2,4"})
 
 
@@ -330,8 +423,10 @@ def test_limit_rule_memory_first_and_a_generous_core_factor() -> None:
     # The 2-core CI machine: world sizes 2 and 4 (and more), asked for, stay allowed.
     ci = machine_world_size_limit(available=16 * gib, cores=2)
     assert ci.limit == 16
-    assert ci.how == ("the smaller of memory: 16.0 GiB available x 0.8 / 220 MiB per idle "
-                      "rank = 59, cores: 2 x 8 = 16")
+    assert ci.how == (
+        "the smaller of memory: 16.0 GiB available x 0.8 / 220 MiB per idle "
+        "rank = 59, cores: 2 x 8 = 16"
+    )
     assert resolve_settings({"world_sizes": "2,4"}, {}, {}, machine_limit=lambda: ci)
     # Memory binds first on a small machine: 1 GiB holds 3 idle ranks at 80 %.
     assert machine_world_size_limit(available=1 * gib, cores=64).limit == 3
@@ -355,7 +450,9 @@ def test_cli_run_refuses_a_world_size_over_the_limit_before_any_rank_starts(
     code = cli.main(["run", "--world-sizes", "1000", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == cli.EXIT_USAGE
-    assert "world size 1000 from command line --fsdp-world-sizes is more than this machine " \
+    assert (
+        "world size 1000 from command line --fsdp-world-sizes is more than this machine "
         "can hold: at most" in err
+    )
     assert "--fsdp-max-world-size N" in err
     assert len(err.strip().splitlines()) == 1

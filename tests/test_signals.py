@@ -30,10 +30,20 @@ WORKER_MODULE = b"fsdp_conformance.harness.worker"
 
 
 def clean_env(tmpdir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                         "GITHUB_STEP_SUMMARY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_", "TORCHELASTIC_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GITHUB_STEP_SUMMARY",
+        )
+    }
     env["TMPDIR"] = str(tmpdir)
     return env
 
@@ -64,8 +74,9 @@ def still_alive(pids: Sequence[int]) -> list[int]:
     return alive
 
 
-def signal_when_ranks_run(proc: subprocess.Popen[str], signums: Sequence[int],
-                          gap_s: float = 0.02) -> list[int]:
+def signal_when_ranks_run(
+    proc: subprocess.Popen[str], signums: Sequence[int], gap_s: float = 0.02
+) -> list[int]:
     """Wait until ``proc`` has its rank processes, send ``signums``; return the ranks' pids."""
     deadline = time.monotonic() + START_LIMIT_S
     pids: list[int] = []
@@ -115,10 +126,23 @@ def start_run(tmp_path: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Pop
     tmpdir.mkdir()
     # Checks that train: each takes long enough on a busy machine to be signalled mid-way.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_conformance.cli", "run", "--checks", "wrap.train",
-         "--out", str(tmp_path / "out"), *extra],
-        cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, preexec_fn=as_from_a_terminal,
+        [
+            sys.executable,
+            "-m",
+            "fsdp_conformance.cli",
+            "run",
+            "--checks",
+            "wrap.train",
+            "--out",
+            str(tmp_path / "out"),
+            *extra,
+        ],
+        cwd=tmp_path,
+        env=clean_env(tmpdir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
     )
     print(f"run {tmp_path.name} started; this process's {ignored_here()}")
     return proc, tmpdir
@@ -151,7 +175,8 @@ class Interrupted:
 
 
 def signal_each_when_its_ranks_run(
-    procs: Mapping[str, subprocess.Popen[str]], signals: Mapping[str, Sequence[int]],
+    procs: Mapping[str, subprocess.Popen[str]],
+    signals: Mapping[str, Sequence[int]],
     gap_s: float = 0.02,
 ) -> dict[str, list[int]]:
     """:func:`signal_when_ranks_run` for several runs at once, each on its own clock."""
@@ -167,8 +192,10 @@ def signal_each_when_its_ranks_run(
                     for other in procs.values():
                         other.kill()
                     out, err = proc.communicate()
-                    pytest.fail(f"{name}: no rank processes appeared (exit {proc.returncode}):"
-                                f"\n{out}\n{err}")
+                    pytest.fail(
+                        f"{name}: no rank processes appeared (exit {proc.returncode}):"
+                        f"\n{out}\n{err}"
+                    )
                 pids = rank_pids(proc.pid)
                 if len(pids) >= 2:
                     found[name] = (time.monotonic(), pids)
@@ -196,18 +223,26 @@ def interrupted_runs(
     """
     # A pytest-xdist worker runs only some of the tests it collected: there each test runs
     # its own, so no worker starts another's.
-    needed = [] if hasattr(request.config, "workerinput") else [
-        name for name in RUNS
-        if any(getattr(item, "callspec", None) is not None
-               and item.callspec.params.get("run") == name  # type: ignore[attr-defined]
-               and getattr(item, "module", None) is request.module
-               for item in request.session.items)
-    ]
+    needed = (
+        []
+        if hasattr(request.config, "workerinput")
+        else [
+            name
+            for name in RUNS
+            if any(
+                getattr(item, "callspec", None) is not None
+                and item.callspec.params.get("run") == name  # type: ignore[attr-defined]
+                and getattr(item, "module", None) is request.module
+                for item in request.session.items
+            )
+        ]
+    )
     started = {name: start_run(tmp_path_factory.mktemp(name)) for name in needed}
     procs = {name: proc for name, (proc, _) in started.items()}
     try:
         pids = signal_each_when_its_ranks_run(
-            procs, {name: [RUNS[name][0]] * RUNS[name][1] for name in needed})
+            procs, {name: [RUNS[name][0]] * RUNS[name][1] for name in needed}
+        )
         runs = {}
         for name, (proc, tmpdir) in started.items():
             runs[name] = finished(proc, tmpdir, pids[name])
@@ -239,8 +274,10 @@ def test_run_interrupted_exits_128_plus_n_and_leaves_no_rank_or_folder(
     err = got.err
     assert got.returncode == code, err
     name = signal.Signals(signum).name
-    assert (f"fsdp-conformance run: interrupted by {name}; rank processes stopped and their "
-            f"folders removed; no report written (exit {code})") in err.splitlines()
+    assert (
+        f"fsdp-conformance run: interrupted by {name}; rank processes stopped and their "
+        f"folders removed; no report written (exit {code})"
+    ) in err.splitlines()
     assert "Traceback" not in err and "Exception ignored" not in err
     assert got.out == ""  # no table: nothing was decided
     assert not (got.tmp_path / "out" / "report.json").exists()
@@ -270,10 +307,23 @@ def test_pytest_session_sigterm_exits_143_and_leaves_no_rank_or_folder(tmp_path:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_slow.py",
-         "--basetemp", str(tmp_path / "basetemp")],
-        cwd=tmp_path, env=clean_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, preexec_fn=as_from_a_terminal,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "test_slow.py",
+            "--basetemp",
+            str(tmp_path / "basetemp"),
+        ],
+        cwd=tmp_path,
+        env=clean_env(tmpdir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
     )
     pids = signal_when_ranks_run(proc, [signal.SIGTERM])
     out, err = finish(proc)
@@ -313,8 +363,12 @@ def test_a_launched_rank_interrupted_while_joining_the_group_names_itself(
     from fsdp_conformance import cli
     from fsdp_conformance.harness import session as session_module
 
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                       "MASTER_ADDR": "127.0.0.1"}.items():
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
         monkeypatch.setenv(key, value)
     session = harness.HarnessSession(owns_exit=True)
     assert not session.launched
@@ -329,5 +383,7 @@ def test_a_launched_rank_interrupted_while_joining_the_group_names_itself(
         for signum, handler in saved.items():  # _interrupted ignores both from then on
             signal.signal(signum, handler)
     assert code == 143 and closed == [True]
-    assert "interrupted by SIGTERM; rank 1 of the launch stopped; no report written (exit 143)" \
+    assert (
+        "interrupted by SIGTERM; rank 1 of the launch stopped; no report written (exit 143)"
         in capsys.readouterr().err
+    )

@@ -49,8 +49,15 @@ def test_format_bytes_defaults_to_binary_and_refuses_an_unknown_style() -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("80GB", 80 * 10**9), ("141 GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("8e10", 8 * 10**10),
-     ("512mib", 512 * 2**20), (" 1.5 TB ", 15 * 10**11), ("4096", 4096)],
+    [
+        ("80GB", 80 * 10**9),
+        ("141 GB", 141 * 10**9),
+        ("80GiB", 80 * 2**30),
+        ("8e10", 8 * 10**10),
+        ("512mib", 512 * 2**20),
+        (" 1.5 TB ", 15 * 10**11),
+        ("4096", 4096),
+    ],
 )
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
@@ -58,11 +65,15 @@ def test_parse_bytes(text: str, value: int) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("80 potatoes", "--device-memory '80 potatoes' is not a size; write e.g. 80GB, 141GB or "
-      "80GiB"),
-     ("GB", "--device-memory 'GB' is not a size"),
-     ("-4GB", "--device-memory '-4GB' is not a size"),
-     ("0GB", "--device-memory '0GB' must be positive")],
+    [
+        (
+            "80 potatoes",
+            "--device-memory '80 potatoes' is not a size; write e.g. 80GB, 141GB or 80GiB",
+        ),
+        ("GB", "--device-memory 'GB' is not a size"),
+        ("-4GB", "--device-memory '-4GB' is not a size"),
+        ("0GB", "--device-memory '0GB' must be positive"),
+    ],
 )
 def test_parse_bytes_errors_name_the_value_and_the_fix(text: str, message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -81,8 +92,14 @@ def test_parse_bytes_names_the_flag_it_came_from() -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("2", (2,)), ("2,4", (2, 4)), ("2 4", (2, 4)), ("2, 4,2", (2, 4)), (",8,,64,", (8, 64)),
-     ("8,64,512,1024", (8, 64, 512, 1024))],
+    [
+        ("2", (2,)),
+        ("2,4", (2, 4)),
+        ("2 4", (2, 4)),
+        ("2, 4,2", (2, 4)),
+        (",8,,64,", (8, 64)),
+        ("8,64,512,1024", (8, 64, 512, 1024)),
+    ],
 )
 def test_parse_world_sizes_order_kept_duplicates_dropped(text: str, value: tuple[int, ...]) -> None:
     assert parse_world_sizes(text) == value
@@ -90,10 +107,15 @@ def test_parse_world_sizes_order_kept_duplicates_dropped(text: str, value: tuple
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("two", "'two' is not a positive integer"), ("2,0", "'0' is not a positive integer"),
-     ("-1", "'-1' is not a positive integer"), ("+3", "'+3' is not a positive integer"),
-     ("2.5", "'2.5' is not a positive integer"), ("", "no world size given"),
-     (" , ", "no world size given")],
+    [
+        ("two", "'two' is not a positive integer"),
+        ("2,0", "'0' is not a positive integer"),
+        ("-1", "'-1' is not a positive integer"),
+        ("+3", "'+3' is not a positive integer"),
+        ("2.5", "'2.5' is not a positive integer"),
+        ("", "no world size given"),
+        (" , ", "no world size given"),
+    ],
 )
 def test_parse_world_sizes_errors(text: str, message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -103,12 +125,17 @@ def test_parse_world_sizes_errors(text: str, message: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("8,x", "--world-sizes '8,x' is not a comma-separated list of integers; write e.g. "
-      "8,64,512,1024"),
-     ("+3", "--world-sizes '+3' is not a comma-separated list of integers"),
-     ("8,0", "--world-sizes '8,0' needs integers >= 1, e.g. 8,64,512,1024"),
-     ("-1", "--world-sizes '-1' needs integers >= 1"),
-     ("", "--world-sizes '' needs integers >= 1")],
+    [
+        (
+            "8,x",
+            "--world-sizes '8,x' is not a comma-separated list of integers; write e.g. "
+            "8,64,512,1024",
+        ),
+        ("+3", "--world-sizes '+3' is not a comma-separated list of integers"),
+        ("8,0", "--world-sizes '8,0' needs integers >= 1, e.g. 8,64,512,1024"),
+        ("-1", "--world-sizes '-1' needs integers >= 1"),
+        ("", "--world-sizes '' needs integers >= 1"),
+    ],
 )
 def test_planner_world_sizes_keep_the_planner_texts(text: str, message: str) -> None:
     with pytest.raises(PlanError) as info:

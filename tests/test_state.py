@@ -27,6 +27,7 @@ from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
 
+
 def by_version(name: str) -> dict[str, Check]:
     """The claim's check ``name``, one per FSDP version."""
     return {c.params["version"]: c for c in state.CHECKS if c.name == name}
@@ -47,8 +48,9 @@ def shared_runs() -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     return {}
 
 
-def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], list[dict[str, Any]]],
-                 version: str) -> list[dict[str, Any]]:
+def clean_values(
+    ranks: Ranks, shared: dict[tuple[Any, ...], list[dict[str, Any]]], version: str
+) -> list[dict[str, Any]]:
     key = (ranks.device_type, ranks.world_size, version)
     if key not in shared:
         shared[key] = ranks.run(CHECK[version].rank_fn, **CHECK[version].params)
@@ -57,7 +59,9 @@ def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], list[dict[str, Any]
 
 @pytest.mark.parametrize("version", sorted(CHECK))
 def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
-    ranks: Ranks, shared_runs: dict, version: str,
+    ranks: Ranks,
+    shared_runs: dict,
+    version: str,
 ) -> None:
     values = clean_values(ranks, shared_runs, version)
     verdict = CHECK[version].verdict(values, CHECK[version].params)
@@ -85,7 +89,9 @@ def test_a_value_changed_before_loading_fails_every_loaded_kind(ranks: Ranks, ve
 
 @pytest.mark.parametrize("version", sorted(CHECK))
 def test_a_reference_of_another_seed_fails_every_kind_as_got_and_as_loaded(
-    ranks: Ranks, shared_runs: dict, version: str,
+    ranks: Ranks,
+    shared_runs: dict,
+    version: str,
 ) -> None:
     check = CHECK[version]
     verdict = check.verdict(clean_values(ranks, shared_runs, version), {**check.params, "seed": 1})
@@ -95,7 +101,8 @@ def test_a_reference_of_another_seed_fails_every_kind_as_got_and_as_loaded(
 
 
 def test_a_rank0_only_getter_that_hands_rank_1_a_dict_fails(
-    ranks: Ranks, shared_runs: dict,
+    ranks: Ranks,
+    shared_runs: dict,
 ) -> None:
     if ranks.world_size < 2:
         pytest.skip("needs a rank 1: world size 2 or more")
@@ -109,14 +116,16 @@ def test_a_rank0_only_getter_that_hands_rank_1_a_dict_fails(
 
 @pytest.mark.parametrize("version", sorted(CHECK))
 def test_a_tied_transformers_model_round_trips_and_its_negative_control_fails(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     spec = ModelSpec(reference=None, factory=f"{__name__}:gpt2_one_layer")
     check = CHECK[version]
     clean = run_check(ranks, check, **{**check.params, "spec": spec})
     assert clean.passed, clean.message
-    broken = run_check(ranks, check, **{**check.params, "spec": spec,
-                                        "fault": "value_changed_before_loading"})
+    broken = run_check(
+        ranks, check, **{**check.params, "spec": spec, "fault": "value_changed_before_loading"}
+    )
     assert not broken.passed and broken.figures["failed_kinds"], broken.message
 
 
@@ -125,7 +134,8 @@ RESUME = by_version("state.resume")
 
 @pytest.mark.parametrize("version", sorted(RESUME))
 def test_a_run_resumed_from_model_and_optimizer_state_equals_the_unbroken_run(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     check = RESUME[version]
     verdict = run_check(ranks, check, **check.params)
@@ -136,7 +146,8 @@ def test_a_run_resumed_from_model_and_optimizer_state_equals_the_unbroken_run(
 
 @pytest.mark.parametrize("version", sorted(RESUME))
 def test_a_resumed_run_without_the_optimizer_state_fails_every_kind(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     check = RESUME[version]
     verdict = run_check(ranks, check, **{**check.params, "fault": "optimizer_not_loaded"})
@@ -148,9 +159,16 @@ def test_a_resumed_run_without_the_optimizer_state_fails_every_kind(
 def test_a_rank0_only_optimizer_getter_that_reaches_rank_1_fails_that_kind() -> None:
     # Judged in the parent: the clean run's values, with rank 1 handed optimizer state.
     check = RESUME["fsdp2"]
-    values = [{"rank": r, "unbroken": {"loss": 1.0, "loss_hex": "x", "digests": {}},
-               "kinds": {"full_rank0": {"loss": 1.0, "loss_hex": "x", "digests": {},
-                                        "optim_entries": 16}}} for r in (0, 1)]
+    values = [
+        {
+            "rank": r,
+            "unbroken": {"loss": 1.0, "loss_hex": "x", "digests": {}},
+            "kinds": {
+                "full_rank0": {"loss": 1.0, "loss_hex": "x", "digests": {}, "optim_entries": 16}
+            },
+        }
+        for r in (0, 1)
+    ]
     verdict = check.verdict(values, check.params)
     assert verdict.figures["failed_kinds"] == ["full_rank0"]
     assert "handed this rank state for 16 parameter(s) (expected none)" in verdict.message
@@ -171,7 +189,8 @@ DCP = by_version("state.dcp")
 
 @pytest.mark.parametrize("version", sorted(DCP))
 def test_a_distributed_checkpoint_loads_into_both_versions_and_one_process_bitwise(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     check = DCP[version]
     verdict = run_check(ranks, check, **check.params)
@@ -195,7 +214,8 @@ RESHARD = by_version("state.reshard")
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("version", sorted(RESHARD))
 def test_a_checkpoint_saved_at_world_size_2_loads_at_4_into_both_versions_bitwise(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     check = RESHARD[version]
     verdict = run_check(ranks, check, **check.params)
@@ -206,7 +226,8 @@ def test_a_checkpoint_saved_at_world_size_2_loads_at_4_into_both_versions_bitwis
 
 @pytest.mark.parametrize("version", sorted(RESHARD))
 def test_a_resharded_checkpoint_with_a_wrong_shard_fails_both_versions(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     check = RESHARD[version]
     verdict = run_check(ranks, check, **{**check.params, "fault": "wrong_shards_written"})
@@ -217,14 +238,16 @@ def test_a_resharded_checkpoint_with_a_wrong_shard_fails_both_versions(
 
 @pytest.mark.parametrize("version", sorted(DCP))
 def test_a_tied_transformers_checkpoint_loads_everywhere_and_a_wrong_shard_fails(
-    ranks: Ranks, version: str,
+    ranks: Ranks,
+    version: str,
 ) -> None:
     spec = ModelSpec(reference=None, factory=f"{__name__}:gpt2_one_layer")
     check = DCP[version]
     clean = run_check(ranks, check, **{**check.params, "spec": spec})
     assert clean.passed, clean.message
-    broken = run_check(ranks, check, **{**check.params, "spec": spec,
-                                        "fault": "wrong_shards_written"})
+    broken = run_check(
+        ranks, check, **{**check.params, "spec": spec, "fault": "wrong_shards_written"}
+    )
     assert broken.figures["failed_targets"] == ["fsdp1", "fsdp2", "unsharded"], broken.message
 
 
@@ -238,7 +261,8 @@ def test_summon_full_params_shows_the_reference_and_keeps_a_change_only_with_wri
     assert verdict.passed, verdict.message
     assert verdict.figures["cases"] == ["writeback", "no_writeback", "rank0_only", "with_grads"]
     assert "with_grads: every gradient whole inside and equal to a single-process" in (
-        verdict.message)
+        verdict.message
+    )
 
 
 def test_gradients_summoned_without_with_grads_fail_that_case_only(ranks: Ranks) -> None:
@@ -269,8 +293,10 @@ def test_rank0_only_without_writeback_fails_exactly_where_an_expectation_names_t
     verdict = run_check(ranks.configured(xfail=None), RANK0_DISCARD)
     expected = expectation_for(ranks, RANK0_DISCARD, RANK0_DISCARD.params)
     if expected is None:
-        assert verdict.passed, ("fails on a torch no expectation names: record it in "
-                                "fsdp_conformance/expectations.toml\n" + verdict.message)
+        assert verdict.passed, (
+            "fails on a torch no expectation names: record it in "
+            "fsdp_conformance/expectations.toml\n" + verdict.message
+        )
     else:
         assert not verdict.passed and verdict.figures["failed_cases"] == ["rank0_only_write"]
         # Only the ranks that held a shard kept the change: a tensor half changed.
@@ -289,15 +315,19 @@ def test_the_checkpoint_check_runs_only_in_a_run_that_gives_a_folder(tmp_path: A
 
     names = {c.name for c, _ in suite.select_checks(state.CHECKS, None)}
     assert "state.checkpoint" not in names and "state.dcp" in names
-    chosen = suite.select_checks(state.CHECKS, None, "state.checkpoint",
-                                 {"save_to": str(tmp_path), "load_from": None})
+    chosen = suite.select_checks(
+        state.CHECKS, None, "state.checkpoint", {"save_to": str(tmp_path), "load_from": None}
+    )
     assert [(c.name, p["save_to"], p["load_from"]) for c, p in chosen] == [
-        ("state.checkpoint", str(tmp_path), None)] * 2
+        ("state.checkpoint", str(tmp_path), None)
+    ] * 2
 
 
 @pytest.mark.parametrize("version", sorted(CHECKPOINT))
 def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
-    ranks: Ranks, version: str, tmp_path: Any,
+    ranks: Ranks,
+    version: str,
+    tmp_path: Any,
 ) -> None:
     check = CHECKPOINT[version]
     saved = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path)})
@@ -313,18 +343,23 @@ def test_a_checkpoint_saved_by_one_run_loads_in_another_with_the_saved_values(
     assert loaded.figures["failed"] == []
     # Negative controls: a loader that reads one wrong value fails every target; a save that
     # writes rank 0's shards changed fails its read-back.
-    wrong = run_check(ranks, check, **{**check.params, "load_from": str(tmp_path),
-                                       "fault": "wrong_value_read"})
-    assert wrong.figures["failed"] == ["load:fsdp1", "load:fsdp2", "load:unsharded"], \
-        wrong.message
-    bad_save = run_check(ranks, check, **{**check.params, "save_to": str(tmp_path / "again"),
-                                          "fault": "wrong_shards_written"})
-    assert bad_save.figures["failed"] == ["save:fsdp1", "save:fsdp2", "save:unsharded"], \
+    wrong = run_check(
+        ranks, check, **{**check.params, "load_from": str(tmp_path), "fault": "wrong_value_read"}
+    )
+    assert wrong.figures["failed"] == ["load:fsdp1", "load:fsdp2", "load:unsharded"], wrong.message
+    bad_save = run_check(
+        ranks,
+        check,
+        **{**check.params, "save_to": str(tmp_path / "again"), "fault": "wrong_shards_written"},
+    )
+    assert bad_save.figures["failed"] == ["save:fsdp1", "save:fsdp2", "save:unsharded"], (
         bad_save.message
+    )
 
 
 def test_loading_from_a_folder_without_the_variant_skips_naming_the_save_flag(
-    ranks: Ranks, tmp_path: Any,
+    ranks: Ranks,
+    tmp_path: Any,
 ) -> None:
     check = CHECKPOINT["fsdp2"]
     # Every rank skips, so the plugin's skip (pytest.skip) is what run_check raises.
@@ -333,7 +368,8 @@ def test_loading_from_a_folder_without_the_variant_skips_naming_the_save_flag(
 
 
 def test_saving_into_a_folder_of_other_files_is_refused_and_leaves_them(
-    ranks: Ranks, tmp_path: Any,
+    ranks: Ranks,
+    tmp_path: Any,
 ) -> None:
     from fsdp_conformance.harness import RankFailure
 

@@ -89,8 +89,12 @@ def test_recommended_plan_equals_the_claim_on_every_reference_case() -> None:
 
 def test_negative_control_seeds_plan_nests_mlp_units_inside_blocks() -> None:
     model = MassiveModel(SMALL)
-    verdict = judge_plan(model, seeds_hybrid_policy((DecoderLayer,), SMALL.min_params),
-                         (DecoderLayer,), SMALL.min_params)
+    verdict = judge_plan(
+        model,
+        seeds_hybrid_policy((DecoderLayer,), SMALL.min_params),
+        (DecoderLayer,),
+        SMALL.min_params,
+    )
     assert not verdict.passed
     assert "layers.0.mlp.0 is a unit nested inside the block unit layers.0" in verdict.message
     assert "expected units:" in verdict.message and "actual units:" in verdict.message
@@ -115,8 +119,9 @@ def test_full_scale_plans_are_fast_and_allocate_nothing() -> None:
     assert not verdict.passed
     assert len(units) == 26  # root + 8 blocks + 16 nested MLP linears + head
     nested = [u.fqn for u in units if u.fqn.endswith(("mlp.0", "mlp.2"))]
-    assert len(nested) == 16 and all(u.parent.startswith("layers.") for u in units
-                                     if u.fqn in nested)
+    assert len(nested) == 16 and all(
+        u.parent.startswith("layers.") for u in units if u.fqn in nested
+    )
     block = next(u for u in units if u.fqn == "layers.0")
     assert block.numel == 4096 * 4096 + 4096  # only attn is left in the block's own unit
     rec_units, rec_verdict = seeds_full_scale_plan("recommended")
@@ -128,8 +133,10 @@ def test_plan_on_meta_model_matches_plan_on_real_model() -> None:
     with torch.device("meta"):
         meta = MassiveModel(SMALL)
     real = MassiveModel(SMALL)
-    plans = [plan_units(m, recommended_policy(m, (DecoderLayer,), SMALL.min_params))
-             for m in (meta, real)]
+    plans = [
+        plan_units(m, recommended_policy(m, (DecoderLayer,), SMALL.min_params))
+        for m in (meta, real)
+    ]
     assert plans[0] == plans[1]
 
 
@@ -168,8 +175,10 @@ def test_fsdp2_state_that_an_upgrade_moved_is_one_message_naming_what_moved() ->
     class OldState:  # torch before per-parameter meshes: one group, or None
         _fsdp_param_group = MovedGroup()
 
-    with pytest.raises(_compat.CompatError, match="neither _fsdp_param_groups nor "
-                       "_fsdp_param_group.*fsdp2_managed_params"):
+    with pytest.raises(
+        _compat.CompatError,
+        match="neither _fsdp_param_groups nor _fsdp_param_group.*fsdp2_managed_params",
+    ):
         _compat.fsdp2_managed_params(MovedState())
     with pytest.raises(_compat.CompatError, match="param group moved.*fsdp_params"):
         _compat.fsdp2_managed_params(OldState())

@@ -82,8 +82,10 @@ def keyword_net() -> nn.Module:
 
 def keyword_inputs(model: nn.Module, batch_size: int, device: Any) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"x": torch.randn(batch_size, 4, 16, generator=g).to(device),
-            "scale": torch.full((batch_size, 1, 1), 0.5).to(device)}
+    return {
+        "x": torch.randn(batch_size, 4, 16, generator=g).to(device),
+        "scale": torch.full((batch_size, 1, 1), 0.5).to(device),
+    }
 
 
 def _spec(factory: str, **kwargs: Any) -> ModelSpec:
@@ -120,8 +122,15 @@ def test_a_transformers_model_gets_token_ids_from_its_config_as_keywords() -> No
 def test_an_encoder_decoder_also_gets_decoder_input_ids() -> None:
     import transformers
 
-    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
-                                   num_heads=2, decoder_start_token_id=0)
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+    )
     model = transformers.T5ForConditionalGeneration(config)
     batch = make_batch(model, batch_size=2, seq_len=4)
     assert set(batch) == {"input_ids", "decoder_input_ids"}
@@ -149,9 +158,10 @@ def test_resident_bytes_count_the_tensors_of_a_mapping_batch() -> None:
     assert resident_tensor_bytes(model, None, [{"x": torch.zeros(1000)}]) == alone + 4000
 
 
-@pytest.mark.parametrize("name, block", [("llama", "LlamaDecoderLayer"),
-                                         ("gpt2", "GPT2Block"),
-                                         ("mixtral", "MixtralDecoderLayer")])
+@pytest.mark.parametrize(
+    "name, block",
+    [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block"), ("mixtral", "MixtralDecoderLayer")],
+)
 def test_block_classes_of_a_transformers_model_come_from_no_split_modules(
     name: str, block: str
 ) -> None:
@@ -186,10 +196,12 @@ def test_an_explicit_wrong_block_class_on_a_transformers_model_is_still_an_error
 @pytest.mark.world_size(2)
 def test_an_input_builder_returning_a_mapping_trains_under_fsdp(ranks: Ranks) -> None:
     """rank_train slices a mapping batch per rank and calls the model with keywords."""
-    check = next(c for c in WRAP_CHECKS if c.name == "wrap.train.fp32"
-                 and c.params["version"] == "fsdp2")
-    spec = _spec(f"{__name__}:keyword_net", block_cls=("Linear",),
-                 input_builder=f"{__name__}:keyword_inputs")
+    check = next(
+        c for c in WRAP_CHECKS if c.name == "wrap.train.fp32" and c.params["version"] == "fsdp2"
+    )
+    spec = _spec(
+        f"{__name__}:keyword_net", block_cls=("Linear",), input_builder=f"{__name__}:keyword_inputs"
+    )
     verdict = run_check(ranks, check, spec=spec)
     assert verdict.passed, verdict.message
 
@@ -200,8 +212,11 @@ def test_an_input_builder_returning_a_mapping_trains_under_fsdp(ranks: Ranks) ->
 
 
 def _depth_check(version: str = "fsdp2") -> Check:
-    return next(c for c in MEMORY_CHECKS
-                if c.name == "memory.depth_invariance" and c.params["version"] == version)
+    return next(
+        c
+        for c in MEMORY_CHECKS
+        if c.name == "memory.depth_invariance" and c.params["version"] == version
+    )
 
 
 def test_depth_keywords_and_how_a_depth_is_set() -> None:
@@ -213,7 +228,8 @@ def test_depth_keywords_and_how_a_depth_is_set() -> None:
     assert depth_keyword(only_kwargs) is None  # not guessed at
     assert _spec(f"{HF}:gpt2").depth_setting() == "the factory's num_layers= keyword"
     assert _spec(f"{__name__}:gpt2_fixed").depth_setting() == (
-        "config.num_hidden_layers of its GPT2LMHeadModel")
+        "config.num_hidden_layers of its GPT2LMHeadModel"
+    )
     assert _spec(f"{__name__}:keyword_net").depth_setting() is None
 
 
@@ -249,19 +265,22 @@ def test_depth_invariance_skips_a_factory_without_a_settable_depth(ranks: Ranks)
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_depth_invariance_measures_a_transformers_factory_at_three_depths(ranks: Ranks) -> None:
-    verdict = run_check(ranks, _depth_check(), spec=_spec(f"{__name__}:gpt2_fixed"),
-                        depths=(1, 2, 4))
+    verdict = run_check(
+        ranks, _depth_check(), spec=_spec(f"{__name__}:gpt2_fixed"), depths=(1, 2, 4)
+    )
     assert verdict.passed, verdict.message
     assert verdict.figures["depths"] == [1, 2, 4]
-    assert ("depths 1, 2, 4 (set by config.num_hidden_layers of its GPT2LMHeadModel)"
-            in verdict.message)
+    assert (
+        "depths 1, 2, 4 (set by config.num_hidden_layers of its GPT2LMHeadModel)" in verdict.message
+    )
 
 
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_depth_invariance_fails_a_factory_that_ignores_its_depth_keyword(ranks: Ranks) -> None:
-    verdict = run_check(ranks, _depth_check(), spec=_spec(f"{__name__}:llama_ignoring_depth"),
-                        depths=(1, 2, 3))
+    verdict = run_check(
+        ranks, _depth_check(), spec=_spec(f"{__name__}:llama_ignoring_depth"), depths=(1, 2, 3)
+    )
     assert not verdict.passed
     assert "the model did not get deeper" in verdict.message
     assert "set by the factory's num_layers= keyword" in verdict.message
@@ -280,7 +299,7 @@ def test_a_mixture_of_experts_model_profiles_on_meta() -> None:
 # Item 7: module:attr from the current folder
 # ------------------------------------------------------------------------------------------
 
-USER_FACTORY = '''
+USER_FACTORY = """
 import torch
 from torch import nn
 
@@ -296,7 +315,7 @@ class Block(nn.Module):
 
 def build():
     return nn.Sequential(nn.Linear(32, 32), Block(), Block(), nn.Linear(32, 32))
-'''
+"""
 
 
 @pytest.fixture
@@ -323,7 +342,8 @@ def test_the_pyproject_model_resolves_from_the_current_folder(
     model_folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (model_folder / "pyproject.toml").write_text(
-        '[tool.fsdp_conformance]\nmodel = "fsdpc_cwd_models:build"\nblock_cls = "Block"\n')
+        '[tool.fsdp_conformance]\nmodel = "fsdpc_cwd_models:build"\nblock_cls = "Block"\n'
+    )
     code = cli.main(["run", "--list", "--checks", "init.meta_build"])
     out, err = capsys.readouterr()
     assert code == cli.EXIT_OK, err
@@ -340,20 +360,43 @@ def test_cli_run_from_the_model_folder_needs_no_pythonpath(tmp_path: Path) -> No
     bindir = tmp_path / "bin"
     bindir.mkdir()
     launcher = bindir / "fsdp-conformance"
-    launcher.write_text(textwrap.dedent("""
+    launcher.write_text(
+        textwrap.dedent("""
         import sys
         from fsdp_conformance.cli import main
         sys.exit(main())
-    """))
+    """)
+    )
     package_root = str(Path(cli.__file__).resolve().parents[1])  # this checkout, not the model
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_")) and k != "GITHUB_STEP_SUMMARY"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FSDP_CONFORMANCE_", "PYTEST_")) and k != "GITHUB_STEP_SUMMARY"
+    }
     env["PYTHONPATH"] = package_root
     result = subprocess.run(
-        [sys.executable, str(launcher), "run", "--model", "fsdpc_cwd_models:build",
-         "--block-cls", "Block", "--checks", "wrap.units.plan", "--world-sizes", "2",
-         "--out", str(tmp_path / "out")],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=240, check=False)
+        [
+            sys.executable,
+            str(launcher),
+            "run",
+            "--model",
+            "fsdpc_cwd_models:build",
+            "--block-cls",
+            "Block",
+            "--checks",
+            "wrap.units.plan",
+            "--world-sizes",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert result.returncode == cli.EXIT_OK, result.stdout + result.stderr
     assert "2 passed, 0 failed" in result.stdout
 
@@ -370,8 +413,9 @@ def test_an_empty_plan_from_no_split_modules_says_where_the_blocks_came_from() -
     spec = _spec(f"{__name__}:llama_naming_its_root", min_params=10**12)
     with pytest.raises(PolicyError) as info:
         validate_user_model(spec, ["cpu"], [2])
-    assert ("block classes LlamaForCausalLM (from the model's _no_split_modules), threshold"
-            in str(info.value))
+    assert "block classes LlamaForCausalLM (from the model's _no_split_modules), threshold" in str(
+        info.value
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,7 +431,10 @@ SKIP_KINDS = ("does not apply", "use ", "define ", "pass ", "set ", "run ")
 @pytest.mark.process  # a whole run: the process lane, beside the CLI runs in subprocesses
 @pytest.mark.parametrize("name", sorted(hf_models.FACTORIES))
 def test_the_whole_run_passes_on_a_reference_transformers_model_with_only_model(
-    name: str, warm_pools: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    name: str,
+    warm_pools: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`fsdp-conformance run --model fsdp_conformance.hf_models:<name>`: every check of the
@@ -397,12 +444,23 @@ def test_the_whole_run_passes_on_a_reference_transformers_model_with_only_model(
     for variable in [k for k in os.environ if k.startswith("FSDP_CONFORMANCE_")]:
         monkeypatch.delenv(variable)
     monkeypatch.chdir(tmp_path)  # no pyproject table of this repository applies
-    code = cli.main(["run", "--model", f"fsdp_conformance.hf_models:{name}",
-                     "--out", str(tmp_path / "out"), "--no-plot"])
+    code = cli.main(
+        [
+            "run",
+            "--model",
+            f"fsdp_conformance.hf_models:{name}",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-plot",
+        ]
+    )
     out, err = capsys.readouterr()
     report = load_report(str(tmp_path / "out" / "report.json"))
-    bad = [f"{e['id']}: {e['outcome']}: {e['message'][:600]}" for e in report["checks"]
-           if e["outcome"] in ("failed", "error")]
+    bad = [
+        f"{e['id']}: {e['outcome']}: {e['message'][:600]}"
+        for e in report["checks"]
+        if e["outcome"] in ("failed", "error")
+    ]
     assert bad == [], "\n".join(bad)
     assert code == cli.EXIT_OK, out + err
     summary = report["summary"]

@@ -19,8 +19,9 @@ from fsdp_conformance.settings import (
 pytestmark = pytest.mark.cpu
 
 
-@pytest.mark.parametrize(("cores", "expected"), [(1, (2,)), (2, (2,)), (3, (2,)), (4, (2, 4)),
-                                                 (64, (2, 4))])
+@pytest.mark.parametrize(
+    ("cores", "expected"), [(1, (2,)), (2, (2,)), (3, (2,)), (4, (2, 4)), (64, (2, 4))]
+)
 def test_default_world_sizes_follow_the_cores(cores: int, expected: tuple[int, ...]) -> None:
     assert DEFAULT_WORLD_SIZES == (2, 4)
     assert default_world_sizes(cores) == expected
@@ -45,9 +46,10 @@ def test_the_header_says_which_default_size_was_left_out_and_how_to_run_it(
     two = resolve_settings({}, {}, {})
     assert two.world_sizes == (2,)
     header = environment_summary(two)
-    assert ("world sizes 2 (4 left out of the default 2,4: 2 core(s) here, one per rank "
-            "needed; set world sizes 2,4 (--world-sizes / --fsdp-world-sizes) to run it)"
-            in header), header
+    assert (
+        "world sizes 2 (4 left out of the default 2,4: 2 core(s) here, one per rank "
+        "needed; set world sizes 2,4 (--world-sizes / --fsdp-world-sizes) to run it)" in header
+    ), header
     monkeypatch.setattr(settings_module, "usable_cores", lambda: 8)
     eight = resolve_settings({}, {}, {})
     assert eight.world_sizes == (2, 4)

@@ -101,8 +101,12 @@ def test_negative_control_blocks_only_misses_the_oversized_head(ranks: Ranks) ->
 @pytest.mark.world_size(2)
 def test_negative_control_plan_that_does_not_describe_the_wrapping(ranks: Ranks) -> None:
     for version in VERSIONS:
-        params = {"spec": SMALL, "version": version, "policy": "recommended",
-                  "fault": "seeds_applied"}
+        params = {
+            "spec": SMALL,
+            "version": version,
+            "policy": "recommended",
+            "fault": "seeds_applied",
+        }
         verdict = verdict_units_plan(ranks.run(rank_units, **params), params)
         assert not verdict.passed
         assert "+ unexpected unit layers.0.mlp.0 (Linear" in verdict.message
@@ -116,8 +120,12 @@ def test_negative_control_a_parameter_fsdp_leaves_unmanaged_fails_every_unit_che
     from the modules the suite sharded: a block parameter FSDP was told to ignore is plain and
     replicated on every rank, in no unit, and all three unit checks fail on every rank."""
     for version in VERSIONS:
-        params = {"spec": ODD, "version": version, "policy": "recommended",
-                  "fault": "unmanaged_parameter"}
+        params = {
+            "spec": ODD,
+            "version": version,
+            "policy": "recommended",
+            "fault": "unmanaged_parameter",
+        }
         values = ranks.run(rank_units, **params)
         exact = verdict_units_exact(values, params)
         plan = verdict_units_plan(values, params)
@@ -130,8 +138,10 @@ def test_negative_control_a_parameter_fsdp_leaves_unmanaged_fails_every_unit_che
         assert "expected units:" in exact.message and "actual units:" in exact.message
         assert "fewer: parameters are outside every unit" in accounting.message
         if version == "fsdp2":
-            assert ("ranks 0, 1: layers.0.attn.weight: managed by no FSDP2 param group (plain "
-                    "Parameter, replicated: all 900 elements on every rank)") in exact.message
+            assert (
+                "ranks 0, 1: layers.0.attn.weight: managed by no FSDP2 param group (plain "
+                "Parameter, replicated: all 900 elements on every rank)"
+            ) in exact.message
 
 
 def test_fsdp2_units_are_read_from_the_param_groups_not_the_modules() -> None:
@@ -146,8 +156,7 @@ def test_fsdp2_units_are_read_from_the_param_groups_not_the_modules() -> None:
     from fsdp_conformance.units import fsdp2_management_problems, fsdp2_units
 
     if dist.is_initialized():
-        pytest.skip("this process already has a default process group (the fake one needs "
-                    "its own)")
+        pytest.skip("this process already has a default process group (the fake one needs its own)")
     store = _compat.fake_store_cls()()
     dist.init_process_group("fake", store=store, rank=0, world_size=2)
     try:
@@ -158,8 +167,10 @@ def test_fsdp2_units_are_read_from_the_param_groups_not_the_modules() -> None:
         fully_shard(model, mesh=mesh)
         assert fsdp2_management_problems(model) == []
         before = {u.fqn: (u.numel, u.local_numel, u.params) for u in fsdp2_units(model)}
-        assert before == {"": (14, 7, ("1.weight", "1.bias")),
-                          "0": (30, 15, ("0.weight", "0.bias"))}
+        assert before == {
+            "": (14, 7, ("1.weight", "1.bias")),
+            "0": (30, 15, ("0.weight", "0.bias")),
+        }
         model[0].weight = torch.nn.Parameter(torch.zeros(6, 4))  # plain, replicated
         after = {u.fqn: u.params for u in fsdp2_units(model)}
         # The group still manages its DTensor under the name torch recorded for it.
@@ -185,7 +196,8 @@ def test_seeds_policy_on_tied_weights_duplicates_the_weight(ranks: Ranks) -> Non
         verdict = verdict_units_accounting(values, params)
         assert not verdict.passed
         assert "tied weight embed.weight = head.weight is in 2 units (embed, head)" in (
-            verdict.message)
+            verdict.message
+        )
         assert "more: a weight is counted in two units" in verdict.message
         if version == "fsdp1":
             # FSDP1 flattens the weight twice (two copies); the plan, which assigns each
@@ -238,8 +250,13 @@ def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) 
     for version in VERSIONS:
         for fault in ("summed_grads", "skipped_reduction"):
             # One step shows a gradient error: the lane pays for four sharded models, not more.
-            params = {"spec": SMALL, "version": version, "precision": "bf16", "fault": fault,
-                      "steps": 1}
+            params = {
+                "spec": SMALL,
+                "version": version,
+                "precision": "bf16",
+                "fault": fault,
+                "steps": 1,
+            }
             verdict = verdict_train(ranks.run(rank_train, **params), params)
             assert not verdict.passed, f"{version} {fault}: {verdict.message}"
             assert "'s update differs from the reference's by" in verdict.message
@@ -249,18 +266,27 @@ def test_negative_control_bf16_summed_or_unreduced_gradients_fail(ranks: Ranks) 
             assert (summed in verdict.message) == (fault == "summed_grads"), verdict.message
 
 
-@pytest.mark.parametrize(("factor", "ranks_n", "words"), [
-    (2.0, 2, "2.00x the reference's (least squares over all weights) = the world size (2): "
-              "gradients summed across ranks, not averaged"),
-    (3.97, 4, "= the world size (4): gradients summed"),
-    (0.25, 4, "= 1 / the world size (4): gradients averaged twice"),
-    (0.001, 2, "no update reached the weights"),
-    (1.0, 2, "the same scale: the difference is in the direction"),
-    (1.37, 2, "the sharded update is 1.37x the reference's (least squares over all weights)"),
-    (None, 2, "the reference made no update to compare with"),
-])
+@pytest.mark.parametrize(
+    ("factor", "ranks_n", "words"),
+    [
+        (
+            2.0,
+            2,
+            "2.00x the reference's (least squares over all weights) = the world size (2): "
+            "gradients summed across ranks, not averaged",
+        ),
+        (3.97, 4, "= the world size (4): gradients summed"),
+        (0.25, 4, "= 1 / the world size (4): gradients averaged twice"),
+        (0.001, 2, "no update reached the weights"),
+        (1.0, 2, "the same scale: the difference is in the direction"),
+        (1.37, 2, "the sharded update is 1.37x the reference's (least squares over all weights)"),
+        (None, 2, "the reference made no update to compare with"),
+    ],
+)
 def test_the_update_scale_names_its_cause_only_where_it_fits(
-    factor: float | None, ranks_n: int, words: str,
+    factor: float | None,
+    ranks_n: int,
+    words: str,
 ) -> None:
     from fsdp_conformance.claims.wrap.train import update_diagnosis
 
@@ -273,8 +299,7 @@ def test_the_update_scale_names_its_cause_only_where_it_fits(
 @pytest.mark.world_size(2)
 def test_negative_control_parameters_outside_fsdp_diverge(ranks: Ranks) -> None:
     for version in VERSIONS:
-        params = {"spec": SMALL, "version": version, "precision": "fp32",
-                  "fault": "unsynced_root"}
+        params = {"spec": SMALL, "version": version, "precision": "fp32", "fault": "unsynced_root"}
         verdict = verdict_train(ranks.run(rank_train, **params), params)
         assert not verdict.passed
         assert "embed.weight's update differs from the reference's by" in verdict.message
@@ -282,8 +307,7 @@ def test_negative_control_parameters_outside_fsdp_diverge(ranks: Ranks) -> None:
 
 @pytest.mark.world_size(2)
 def test_negative_control_bf16_not_in_effect_or_params_not_fp32(ranks: Ranks) -> None:
-    params = {"spec": SMALL, "version": "fsdp1", "precision": "bf16",
-              "fault": "no_mixed_precision"}
+    params = {"spec": SMALL, "version": "fsdp1", "precision": "bf16", "fault": "no_mixed_precision"}
     verdict = verdict_train(ranks.run(rank_train, **params), params)
     assert not verdict.passed and "compute did not run in bf16" in verdict.message
     params = {"spec": SMALL, "version": "fsdp2", "precision": "bf16", "fault": "params_bf16"}
@@ -321,9 +345,13 @@ def test_mixed_configuration_on_tied_weights_one_unit_or_a_skip(ranks: Ranks) ->
     assert verdict.passed, verdict.message
     assert "embedding embed (one unit with the tied head) NO_SHARD fp32" in verdict.message
     # Negative controls: rank 1 alone reports the head outside the unit, or the tie split.
-    for key, message in (("same_unit", "rank 1: head shares embed's weight but is not in its "
-                          "unit"), ("still_tied", "rank 1: after sharding, head no longer holds "
-                                    "embed's parameter (the tie was split)")):
+    for key, message in (
+        ("same_unit", "rank 1: head shares embed's weight but is not in its unit"),
+        (
+            "still_tied",
+            "rank 1: after sharding, head no longer holds embed's parameter (the tie was split)",
+        ),
+    ):
         bad = copy.deepcopy(values)
         bad[1]["tied"]["head"][key] = False
         failed = verdict_mixed(bad, params)
@@ -374,17 +402,22 @@ def test_one_coarse_unit_has_nothing_to_prefetch(ranks: Ranks) -> None:
 def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
     # FSDP1's defaults: forward_prefetch=False, so the next unit is gathered only when its
     # block starts; backward_prefetch=None likewise gathers late in backward.
-    params = {"spec": SMALL, "version": "fsdp1",
-              "fault": ("no_forward_prefetch", "no_backward_prefetch")}
+    params = {
+        "spec": SMALL,
+        "version": "fsdp1",
+        "fault": ("no_forward_prefetch", "no_backward_prefetch"),
+    }
     values = ranks.run(rank_prefetch, **params)
     forward = verdict_prefetch_forward(values, params)
     assert not forward.passed
     assert "unit layers.1 was not gathered before block layers.0 finished its forward" in (
-        forward.message)
+        forward.message
+    )
     backward = verdict_prefetch_backward(values, params)
     assert not backward.passed
     assert "unit layers.1 was not gathered before block layers.2 finished its backward" in (
-        backward.message)
+        backward.message
+    )
     # FSDP2 without explicit forward prefetch: its implicit prefetch overlaps on CUDA streams
     # only; in the order the CPU issues all-gathers, unit k+1 comes after block k.
     params = {"spec": SMALL, "version": "fsdp2", "fault": "no_forward_prefetch"}
@@ -394,10 +427,24 @@ def test_negative_control_prefetch_switched_off(ranks: Ranks) -> None:
 
 def test_prefetch_verdicts_cannot_pass_with_fewer_than_two_blocks() -> None:
     # One block has no next unit: a verdict that examined no block pair proved nothing.
-    run = [("fwd_start", 0), ("gather", "layers.0"), ("fwd_end", 0), ("fwd_done", None),
-           ("bwd_start", 0), ("bwd_end", 0)]
-    values = [{"rank": r, "version": "fsdp2", "blocks": ["layers.0"], "units": ["", "layers.0"],
-               "runs": [run]} for r in range(2)]
+    run = [
+        ("fwd_start", 0),
+        ("gather", "layers.0"),
+        ("fwd_end", 0),
+        ("fwd_done", None),
+        ("bwd_start", 0),
+        ("bwd_end", 0),
+    ]
+    values = [
+        {
+            "rank": r,
+            "version": "fsdp2",
+            "blocks": ["layers.0"],
+            "units": ["", "layers.0"],
+            "runs": [run],
+        }
+        for r in range(2)
+    ]
     for verdict_fn in (verdict_prefetch_forward, verdict_prefetch_backward):
         verdict = verdict_fn(values, {})
         assert not verdict.passed
@@ -414,15 +461,27 @@ def test_prefetch_skips_a_model_with_one_block_on_every_rank(ranks: Ranks) -> No
 def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
     # Two ranks of FSDP1 on a model whose embed.weight is tied to head.weight (16 elements).
     def value(rank: int, units: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"rank": rank, "world_size": 2, "version": "fsdp1", "actual": units,
-                "model_numel": 16, "shared": [["embed.weight", "head.weight"]],
-                "strategies": {}, "param_shapes": {"embed.weight": [4, 4],
-                                                   "head.weight": [4, 4]}}
+        return {
+            "rank": rank,
+            "world_size": 2,
+            "version": "fsdp1",
+            "actual": units,
+            "model_numel": 16,
+            "shared": [["embed.weight", "head.weight"]],
+            "strategies": {},
+            "param_shapes": {"embed.weight": [4, 4], "head.weight": [4, 4]},
+        }
 
     def unit(fqn: str, numel: int, params: tuple[str, ...]) -> dict[str, Any]:
-        return {"fqn": fqn, "cls": "Net" if not fqn else "Linear", "numel": numel,
-                "local_numel": numel // 2, "parent": None if not fqn else "",
-                "params": params, "flat_numel": None}
+        return {
+            "fqn": fqn,
+            "cls": "Net" if not fqn else "Linear",
+            "numel": numel,
+            "local_numel": numel // 2,
+            "parent": None if not fqn else "",
+            "params": params,
+            "flat_numel": None,
+        }
 
     good = [unit("", 16, ("embed.weight",))]
     assert verdict_units_accounting([value(0, good), value(1, good)], {}).passed
@@ -458,8 +517,10 @@ def test_each_fault_patches_a_step_for_its_duration_only(family: str) -> None:
     ctx = RankContext(rank=0, world_size=2, local_rank=0, backend="gloo", device_type="cpu")
 
     def steps() -> dict[str, Any]:
-        return {**{f"{family}.{k}": v for k, v in vars(module).items()},
-                **{f"dist.{k}": getattr(dist, k) for k in dir(dist) if "reduce_scatter" in k}}
+        return {
+            **{f"{family}.{k}": v for k, v in vars(module).items()},
+            **{f"dist.{k}": getattr(dist, k) for k in dir(dist) if "reduce_scatter" in k},
+        }
 
     before = steps()
     assert len(module.FAULTS) >= 1

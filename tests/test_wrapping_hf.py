@@ -15,12 +15,16 @@ from fsdp_conformance.harness import CheckSkipped, RankContext, Ranks
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.step import disable_dropout, forward_randomness
 
-pytest.importorskip("transformers", reason="the Hugging Face reference models need the hf extra "
-                    "(pip install 'fsdp-conformance[hf]')")
+pytest.importorskip(
+    "transformers",
+    reason="the Hugging Face reference models need the hf extra "
+    "(pip install 'fsdp-conformance[hf]')",
+)
 
 VERSIONS = ("fsdp1", "fsdp2")
-GPT2 = ModelSpec(reference=None, factory="fsdp_conformance.hf_models:gpt2",
-                 block_cls=("GPT2Block",))
+GPT2 = ModelSpec(
+    reference=None, factory="fsdp_conformance.hf_models:gpt2", block_cls=("GPT2Block",)
+)
 #: GPT-2's dropout: the embedding's, and per block (two by default) attention, residual and MLP
 #: dropout.
 GPT2_DROPOUT = 1 + 3 * 2
@@ -42,13 +46,27 @@ def test_disable_dropout_reaches_modules_and_functional_probabilities() -> None:
     torch.manual_seed(0)
     gpt2 = hf_models.gpt2(num_layers=2)
     # Llama's attention dropout is functional: a float passed as dropout= when self.training.
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, attention_dropout=0.3, bos_token_id=0, eos_token_id=1))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            attention_dropout=0.3,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    )
     for model, expected in (
         (gpt2, {"transformer.drop", "transformer.h.1.attn.attn_dropout"}),
-        (llama, {"model.layers.0.self_attn.attention_dropout",
-                 "model.layers.1.self_attn.attention_dropout"}),
+        (
+            llama,
+            {
+                "model.layers.0.self_attn.attention_dropout",
+                "model.layers.1.self_attn.attention_dropout",
+            },
+        ),
     ):
         batch = make_batch(model)
         assert forward_randomness(model, batch) > 1e-4  # the negative control: random before
@@ -95,10 +113,13 @@ def test_training_parity_on_a_dropout_model_says_dropout_was_disabled(ranks: Ran
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("fault, message", [
-    ("summed_grads", "'s update differs from the reference's by"),
-    ("permuted_shard", "differs from the reference by"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("summed_grads", "'s update differs from the reference's by"),
+        ("permuted_shard", "differs from the reference by"),
+    ],
+)
 def test_negative_controls_still_fail_on_a_dropout_model(
     ranks: Ranks, fault: str, message: str
 ) -> None:
@@ -119,8 +140,11 @@ def test_parity_skips_when_randomness_cannot_be_switched_off() -> None:
     # The probe runs before anything is sharded, so one in-process rank shows the skip; every
     # rank builds the same model from the same seed and skips alike.
     ctx = RankContext(rank=0, world_size=2, local_rank=0, backend="gloo", device_type="cpu")
-    with pytest.raises(CheckSkipped, match="still draws random numbers after dropout was "
-                       r"disabled \(0 modules\): two calls on the same input differ"):
+    with pytest.raises(
+        CheckSkipped,
+        match="still draws random numbers after dropout was "
+        r"disabled \(0 modules\): two calls on the same input differ",
+    ):
         rank_train(ctx, _NoisySpec(reference="massive"), version="fsdp2")
 
 
@@ -144,11 +168,16 @@ def test_mixed_configuration_keeps_a_tied_head_in_the_embedding_unit(ranks: Rank
         assert v["compute_dtypes"]["lm_head"][1] == "torch.float32"
         # Conv1D (a matrix weight, not an nn.Linear) is recorded: the blocks really ran bf16.
         assert v["compute_dtypes"]["transformer.h.0.attn.c_attn"] == (
-            "torch.bfloat16", "torch.bfloat16")
+            "torch.bfloat16",
+            "torch.bfloat16",
+        )
 
 
 @pytest.mark.world_size(2)
 def test_mixed_configuration_skips_fsdp1_on_a_tied_model_with_the_reason(ranks: Ranks) -> None:
-    with pytest.raises(CheckSkipped, match=r"transformer.wte's weight is tied to lm_head\. "
-                       r"FSDP1 units follow the module tree.*here the root \(GPT2LMHeadModel\)"):
+    with pytest.raises(
+        CheckSkipped,
+        match=r"transformer.wte's weight is tied to lm_head\. "
+        r"FSDP1 units follow the module tree.*here the root \(GPT2LMHeadModel\)",
+    ):
         ranks.configured(skip=None).run(rank_mixed, spec=GPT2, version="fsdp1")

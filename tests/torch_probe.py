@@ -33,20 +33,29 @@ sys.meta_path.insert(0, _NoTorch())
 def probe(code: str, cwd: Path | None = None) -> str:
     """stdout of ``TORCH_BLOCKER + code`` in a fresh interpreter (this one's sys.path)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", TORCH_BLOCKER + code], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=PROBE_LIMIT_S, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_BLOCKER + code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=PROBE_LIMIT_S,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def loads_torch(*modules: str) -> bool:
     """Whether importing ``modules`` in a fresh interpreter loads (asks for) torch."""
-    code = (f"for name in {list(modules)!r}:\n"
-            "    try:\n"
-            "        importlib.import_module(name)\n"
-            "    except ImportError:\n"
-            "        if not attempts:\n"
-            "            raise\n"
-            "        break\n"
-            "print(bool(attempts))\n")
+    code = (
+        f"for name in {list(modules)!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        if not attempts:\n"
+        "            raise\n"
+        "        break\n"
+        "print(bool(attempts))\n"
+    )
     return probe(code).strip() == "True"

@@ -113,8 +113,18 @@ def variants(
             variant: dict[str, Any] = {} if spec is None else {"spec": spec}
             if version is not None:
                 variant["version"] = version
-            out.append(Check(name, text, rank_fn, verdict, {**variant, **params}, env=env,
-                             lanes=lanes, opt_in=opt_in))
+            out.append(
+                Check(
+                    name,
+                    text,
+                    rank_fn,
+                    verdict,
+                    {**variant, **params},
+                    env=env,
+                    lanes=lanes,
+                    opt_in=opt_in,
+                )
+            )
     return tuple(out)
 
 
@@ -184,8 +194,7 @@ def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
     return verdict
 
 
-def _xfail_if_expected(ranks: Ranks, check: Check, params: Mapping[str, Any],
-                       message: str) -> None:
+def _xfail_if_expected(ranks: Ranks, check: Check, params: Mapping[str, Any], message: str) -> None:
     if ranks.xfail is None:
         return
     expected = expectation_for(ranks, check, params)
@@ -212,13 +221,22 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     expected = expectation_for(ranks, check, params)
     if expected is not None:
         if outcome == PASSED:
-            detail += (f"\n(an expectation says this fails on torch {expected.torch}, and it "
-                       "passed: the defect may be fixed; remove its entry from "
-                       "expectations.toml)")
+            detail += (
+                f"\n(an expectation says this fails on torch {expected.torch}, and it "
+                "passed: the defect may be fixed; remove its entry from "
+                "expectations.toml)"
+            )
         else:
             outcome, detail = XFAILED, f"expected failure: {expected.describe()}\n{detail}"
-    return CheckRun(check.name, outcome, verdict, detail, time.perf_counter() - start, caught,
-                    expected.as_data() if expected is not None else None)
+    return CheckRun(
+        check.name,
+        outcome,
+        verdict,
+        detail,
+        time.perf_counter() - start,
+        caught,
+        expected.as_data() if expected is not None else None,
+    )
 
 
 def all_equal(values: Sequence[Any]) -> bool:

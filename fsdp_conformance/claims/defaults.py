@@ -101,11 +101,13 @@ def _batch(ctx: RankContext) -> torch.Tensor:
 # Faults: a changed default, injected into torch on the ranks (negative controls)
 # --------------------------------------------------------------------------------------------
 
+
 def _reduce_fp32(cls: Any) -> Any:
     # A factory in the class's place: the rank function looks the class up at call time.
     def make(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("reduce_dtype", torch.float32)
         return cls(*args, **kwargs)
+
     return make
 
 
@@ -113,8 +115,10 @@ def _reduce_fp32(cls: Any) -> Any:
 def _reduce_dtype_fp32(ctx: RankContext) -> Iterator[None]:
     import torch.distributed.fsdp as fsdp
 
-    with patched(fsdp, "MixedPrecision", _reduce_fp32), \
-            patched(fsdp, "MixedPrecisionPolicy", _reduce_fp32):
+    with (
+        patched(fsdp, "MixedPrecision", _reduce_fp32),
+        patched(fsdp, "MixedPrecisionPolicy", _reduce_fp32),
+    ):
         yield
 
 
@@ -122,8 +126,10 @@ def _fsdp1_default(key: str, value: Any) -> Callable[[RankContext], Any]:
     def effect(ctx: RankContext) -> Any:
         import torch.distributed.fsdp as fsdp
 
-        return patched(fsdp.FullyShardedDataParallel, "__init__",
-                       lambda init: with_default(init, key, value))
+        return patched(
+            fsdp.FullyShardedDataParallel, "__init__", lambda init: with_default(init, key, value)
+        )
+
     return effect
 
 
@@ -132,6 +138,7 @@ def _fully_shard_default(key: str, value: Any) -> Callable[[RankContext], Any]:
         import torch.distributed.fsdp as fsdp
 
         return patched(fsdp, "fully_shard", lambda fn: with_default(fn, key, value))
+
     return effect
 
 
@@ -139,13 +146,17 @@ def _fully_shard_default(key: str, value: Any) -> Callable[[RankContext], Any]:
 FAULTS = FaultTable(
     reduce_dtype_default=Fault(
         "a policy with param_dtype only reduces in fp32 (MixedPrecision / MixedPrecisionPolicy "
-        "default reduce_dtype float32 instead of param_dtype)", _reduce_dtype_fp32),
+        "default reduce_dtype float32 instead of param_dtype)",
+        _reduce_dtype_fp32,
+    ),
     backward_prefetch_default=Fault(
         "FSDP1's backward_prefetch defaults to None (no prefetch)",
-        _fsdp1_default("backward_prefetch", None)),
+        _fsdp1_default("backward_prefetch", None),
+    ),
     reshard_after_forward_default=Fault(
         "FSDP2's reshard_after_forward defaults to False",
-        _fully_shard_default("reshard_after_forward", False)),
+        _fully_shard_default("reshard_after_forward", False),
+    ),
 )
 
 
@@ -154,8 +165,13 @@ FAULTS = FaultTable(
 # --------------------------------------------------------------------------------------------
 
 
-def _step(model: nn.Module, ctx: RankContext, version: str, iterations: int = 1,
-          after_forward: Callable[[], None] | None = None) -> dict[str, Any]:
+def _step(
+    model: nn.Module,
+    ctx: RankContext,
+    version: str,
+    iterations: int = 1,
+    after_forward: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Forward and backward ``iterations`` times; the last one's collectives and marks.
 
     Marks: ``(index of the next collective, "fwd_end", unit)`` when a layer unit's forward
@@ -170,11 +186,17 @@ def _step(model: nn.Module, ctx: RankContext, version: str, iterations: int = 1,
     for _ in range(iterations):
         marks.clear()
         with record_collectives(sizes) as rec:
-            handles = [units[u].register_forward_hook(
-                lambda m, a, o, u=u: marks.append((len(rec.records), "fwd_end", u)))
-                for u in LAYERS]
-            handles.append(units["layers.0"].register_forward_pre_hook(
-                lambda m, a: seen.__setitem__("unit_input_dtype", str(a[0].dtype))))
+            handles = [
+                units[u].register_forward_hook(
+                    lambda m, a, o, u=u: marks.append((len(rec.records), "fwd_end", u))
+                )
+                for u in LAYERS
+            ]
+            handles.append(
+                units["layers.0"].register_forward_pre_hook(
+                    lambda m, a: seen.__setitem__("unit_input_dtype", str(a[0].dtype))
+                )
+            )
             rec.phase = "forward"
             out = model(batch)
             seen["output_dtype"] = str(out.dtype)
@@ -205,8 +227,14 @@ def _dtype_figures(case: str, step: Mapping[str, Any], *names: str) -> dict[str,
 
 
 def _first(records: Sequence[Mapping[str, Any]], op: str, unit: str, phase: str) -> int | None:
-    return next((i for i, r in enumerate(records)
-                 if r["op"] == op and r["unit"] == unit and r["phase"] == phase), None)
+    return next(
+        (
+            i
+            for i, r in enumerate(records)
+            if r["op"] == op and r["unit"] == unit and r["phase"] == phase
+        ),
+        None,
+    )
 
 
 def _label(flags: Sequence[bool], yes: str, no: str) -> str:
@@ -218,8 +246,9 @@ def _label(flags: Sequence[bool], yes: str, no: str) -> str:
 def observe_sharding(records: Sequence[Mapping[str, Any]]) -> str:
     """The sharding strategy the collectives show (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)."""
     ops = {r["op"] for r in records if r["phase"] == "backward"}
-    regathered = {r["unit"] for r in records
-                  if r["op"] == "all_gather" and r["phase"] == "backward"}
+    regathered = {
+        r["unit"] for r in records if r["op"] == "all_gather" and r["phase"] == "backward"
+    }
     if "all_reduce" in ops and "all_gather" not in ops and "reduce_scatter" not in ops:
         return "NO_SHARD"
     if "reduce_scatter" in ops and set(LAYERS) <= regathered:
@@ -245,8 +274,9 @@ def observe_backward_prefetch(records: Sequence[Mapping[str, Any]]) -> str:
     return _label(flags, "prefetched", "not prefetched")
 
 
-def observe_forward_prefetch(records: Sequence[Mapping[str, Any]],
-                             marks: Sequence[tuple[int, str, str]]) -> str:
+def observe_forward_prefetch(
+    records: Sequence[Mapping[str, Any]], marks: Sequence[tuple[int, str, str]]
+) -> str:
     """Whether layer k+1's all-gather is issued before layer k's forward returns."""
     ends = {unit: index for index, kind, unit in marks if kind == "fwd_end"}
     flags = []
@@ -264,8 +294,11 @@ def _fsdp1_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     def wrap(**options: Any) -> nn.Module:
         # As a user writes it: a wrap policy and the device, every other option omitted.
         return fsdp.FullyShardedDataParallel(
-            _tiny(ctx), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=ctx.device,
-            **options)
+            _tiny(ctx),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            device_id=ctx.device,
+            **options,
+        )
 
     figures: dict[str, Any] = {}
     model = wrap()
@@ -277,12 +310,17 @@ def _fsdp1_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     figures["defaults.forward_prefetch"] = observe_forward_prefetch(records, plain["marks"])
     figures["defaults.limit_all_gathers"] = _compat.fsdp1_limit_all_gathers(model)
     figures["defaults.flat_parameters"] = any(
-        "_flat_param" in n for n, _ in model.named_parameters())
+        "_flat_param" in n for n, _ in model.named_parameters()
+    )
     figures.update(_dtype_figures("defaults", plain, "all_gather_dtype", "reduce_scatter_dtype"))
-    mixed = _step(wrap(mixed_precision=fsdp.MixedPrecision(param_dtype=torch.bfloat16)),
-                  ctx, "fsdp1")
-    figures.update(_dtype_figures("param_dtype_only", mixed, "all_gather_dtype",
-                                  "reduce_scatter_dtype", "output_dtype"))
+    mixed = _step(
+        wrap(mixed_precision=fsdp.MixedPrecision(param_dtype=torch.bfloat16)), ctx, "fsdp1"
+    )
+    figures.update(
+        _dtype_figures(
+            "param_dtype_only", mixed, "all_gather_dtype", "reduce_scatter_dtype", "output_dtype"
+        )
+    )
     return figures, {"defaults": records, "param_dtype_only": mixed["collectives"]}
 
 
@@ -320,22 +358,36 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     records = plain["collectives"]
     figures["defaults.unsharded_after_forward"] = unsharded
     figures["defaults.regathered_in_backward"] = sorted(
-        {r["unit"] for r in records if r["op"] == "all_gather" and r["phase"] == "backward"})
+        {r["unit"] for r in records if r["op"] == "all_gather" and r["phase"] == "backward"}
+    )
     figures["defaults.backward_prefetch"] = observe_backward_prefetch(records)
     figures.update(_dtype_figures("defaults", plain, "all_gather_dtype", "reduce_scatter_dtype"))
     figures["defaults.shards_on_compute_device"] = all(
         p.to_local().device.type == ctx.device_type  # type: ignore[attr-defined]
-        for p in model.parameters())
+        for p in model.parameters()
+    )
     cases = {"defaults": records}
     # output_dtype on the root only, as a user writes it: on every unit it would feed bf16
     # activations into the next unit's fp32 parameters (no param_dtype, so no input cast).
     for case, fields, root_only, names in (
-        ("param_dtype_only", {"param_dtype": torch.bfloat16}, False,
-         ("all_gather_dtype", "reduce_scatter_dtype", "unit_input_dtype", "output_dtype")),
-        ("reduce_dtype_only", {"reduce_dtype": torch.bfloat16}, False,
-         ("all_gather_dtype", "reduce_scatter_dtype")),
-        ("output_dtype_only", {"output_dtype": torch.bfloat16}, True,
-         ("all_gather_dtype", "output_dtype")),
+        (
+            "param_dtype_only",
+            {"param_dtype": torch.bfloat16},
+            False,
+            ("all_gather_dtype", "reduce_scatter_dtype", "unit_input_dtype", "output_dtype"),
+        ),
+        (
+            "reduce_dtype_only",
+            {"reduce_dtype": torch.bfloat16},
+            False,
+            ("all_gather_dtype", "reduce_scatter_dtype"),
+        ),
+        (
+            "output_dtype_only",
+            {"output_dtype": torch.bfloat16},
+            True,
+            ("all_gather_dtype", "output_dtype"),
+        ),
     ):
         step = _step(shard(root_only, mp_policy=policy(**fields)), ctx, "fsdp2")
         figures.update(_dtype_figures(case, step, *names))
@@ -353,16 +405,19 @@ class Fingerprint(TypedDict):
     collectives: dict[str, Any]
 
 
-def rank_fingerprint(ctx: RankContext, version: str = "fsdp2",
-                     faults: Sequence[str] = ()) -> Fingerprint:
+def rank_fingerprint(
+    ctx: RankContext, version: str = "fsdp2", faults: Sequence[str] = ()
+) -> Fingerprint:
     """Every observable of ``version``'s defaults on this rank, and the collectives behind them.
 
     ``faults``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
     """
     check_fsdp_version(version)
     if version == "fsdp1" and ctx.world_size == 1:
-        skip_rank("FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
-                  "NO_SHARD): its sharded defaults cannot be observed; run at world size >= 2")
+        skip_rank(
+            "FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
+            "NO_SHARD): its sharded defaults cannot be observed; run at world size >= 2"
+        )
     with FAULTS.inject(faults, ctx):
         cases = _fsdp1_cases(ctx) if version == "fsdp1" else _fsdp2_cases(ctx)
     figures, collectives = cases
@@ -381,35 +436,48 @@ def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]
     for v in values[1:]:
         for key in ("figures", "collectives"):
             if v[key] != first[key]:
-                problems.append(f"rank {v['rank']} observed other {key} than rank "
-                                f"{first['rank']}")
+                problems.append(f"rank {v['rank']} observed other {key} than rank {first['rank']}")
     expected = EXPECTED[version]
     observed = first["figures"]
     for key, want in expected.items():
         got = observed.get(key)
         if got != want:
-            problems.append(f"{key}: expected {want!r} (torch 2.13, the option omitted), "
-                            f"observed {got!r}")
+            problems.append(
+                f"{key}: expected {want!r} (torch 2.13, the option omitted), observed {got!r}"
+            )
     figures = dict(observed)
     figures["collectives_recorded"] = sum(len(c) for c in first["collectives"].values())
     data = {"collectives": first["collectives"], "expected": expected}
     if problems:
         # the first line names what moved: compare shows only that line
         moved = [p.split(":", 1)[0] for p in problems]
-        return Verdict(False, f"{version} defaults differ from the pinned torch's: "
-                       f"{', '.join(moved)}\n  " + "\n  ".join(problems), figures, data)
-    return Verdict(True, f"{len(expected)} default behaviours as expected; "
-                   f"{figures['collectives_recorded']} collectives recorded", figures, data)
+        return Verdict(
+            False,
+            f"{version} defaults differ from the pinned torch's: "
+            f"{', '.join(moved)}\n  " + "\n  ".join(problems),
+            figures,
+            data,
+        )
+    return Verdict(
+        True,
+        f"{len(expected)} default behaviours as expected; "
+        f"{figures['collectives_recorded']} collectives recorded",
+        figures,
+        data,
+    )
 
 
 #: One check per FSDP version: every observable of its defaults from one rank call.
 CHECKS: tuple[Check, ...] = variants(
     "defaults.fingerprint",
-    {"fsdp1": "FSDP1 with mixed precision, prefetch, gather limit, flat parameters and "
-              "sharding strategy left unset does what torch 2.13 does, observed",
-     "fsdp2": "FSDP2 with reshard_after_forward, each MixedPrecisionPolicy field and the "
-              "offload policy left unset does what torch 2.13 does, observed"},
-    rank_fingerprint, verdict_fingerprint,
+    {
+        "fsdp1": "FSDP1 with mixed precision, prefetch, gather limit, flat parameters and "
+        "sharding strategy left unset does what torch 2.13 does, observed",
+        "fsdp2": "FSDP2 with reshard_after_forward, each MixedPrecisionPolicy field and the "
+        "offload policy left unset does what torch 2.13 does, observed",
+    },
+    rank_fingerprint,
+    verdict_fingerprint,
 )
 
 __all__ = [

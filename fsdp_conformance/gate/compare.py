@@ -14,6 +14,7 @@ another order a difference).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,16 +82,17 @@ def compare_reports(
     diffs = _compare_settings(old.get("settings") or {}, new.get("settings") or {})
     for cid in sorted(old_checks.keys() - new_checks.keys()):
         was = old_checks[cid]["outcome"]
-        diffs.append(Difference(cid, "missing", True,
-                                f"check missing from the new report (was {was})"))
+        diffs.append(
+            Difference(cid, "missing", True, f"check missing from the new report (was {was})")
+        )
     for cid in sorted(new_checks.keys() - old_checks.keys()):
         # A new check that fails is a failure on the candidate torch: the gate must not pass it.
         now = new_checks[cid]["outcome"]
-        diffs.append(Difference(cid, "added", now in ("failed", "error"),
-                                f"new check (now {now})"))
+        diffs.append(Difference(cid, "added", now in ("failed", "error"), f"new check (now {now})"))
     for cid in sorted(old_checks.keys() & new_checks.keys()):
-        diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], memory_tolerance,
-                                memory_floor_bytes)
+        diffs += _compare_entry(
+            cid, old_checks[cid], new_checks[cid], memory_tolerance, memory_floor_bytes
+        )
     return _group_warnings(diffs)
 
 
@@ -115,8 +117,11 @@ def _group_warnings(diffs: Sequence[Difference]) -> list[Difference]:
         if cids is None or len(cids) == 1:
             grouped.append(d)
         else:
-            grouped.append(Difference(f"{len(cids)} checks", d.kind, False,
-                                      f"{d.text} (raised by {', '.join(cids)})"))
+            grouped.append(
+                Difference(
+                    f"{len(cids)} checks", d.kind, False, f"{d.text} (raised by {', '.join(cids)})"
+                )
+            )
     return grouped
 
 
@@ -132,26 +137,31 @@ def comparability(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     (different world sizes, lanes or ``--checks``; an empty report). Either way every check
     would show up as missing and added, burying the one difference that matters.
     """
-    reasons = [f"settings.{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
-               for key in MODEL_SETTINGS
-               if old["settings"].get(key) != new["settings"].get(key)]
+    reasons = [
+        f"settings.{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
+        for key in MODEL_SETTINGS
+        if old["settings"].get(key) != new["settings"].get(key)
+    ]
     old_ids = {e["id"] for e in migrate_report(old)["checks"]}
     new_ids = {e["id"] for e in migrate_report(new)["checks"]}
     if not old_ids & new_ids:
-        others = [f"{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
-                  for key in sorted(old["settings"].keys() | new["settings"].keys())
-                  if key not in MODEL_SETTINGS
-                  and old["settings"].get(key) != new["settings"].get(key)]
-        reasons.append(f"no check in common ({len(old_ids)} checks vs {len(new_ids)}"
-                       + (f"; settings {', '.join(others)}" if others else "") + ")")
+        others = [
+            f"{key} {old['settings'].get(key)!r} vs {new['settings'].get(key)!r}"
+            for key in sorted(old["settings"].keys() | new["settings"].keys())
+            if key not in MODEL_SETTINGS and old["settings"].get(key) != new["settings"].get(key)
+        ]
+        reasons.append(
+            f"no check in common ({len(old_ids)} checks vs {len(new_ids)}"
+            + (f"; settings {', '.join(others)}" if others else "")
+            + ")"
+        )
     return "; ".join(reasons) or None
 
 
 def _compare_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Difference]:
     # Context, not a verdict: different settings usually explain the differences that follow.
     return [
-        Difference("(settings)", "settings", False,
-                   f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+        Difference("(settings)", "settings", False, f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
         for key in sorted(old.keys() | new.keys())
         if old.get(key) != new.get(key)
     ]
@@ -200,13 +210,21 @@ def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
     o, n = old["outcome"], new["outcome"]
     if o == "xfailed":
         why = (old.get("expected") or {}).get("link", "")
-        return Difference(cid, "expectation", False,
-                          f"xfailed -> {n}: the expected failure ({why}) no longer fails on the "
-                          "candidate: fixed upstream? its expectation can go")
+        return Difference(
+            cid,
+            "expectation",
+            False,
+            f"xfailed -> {n}: the expected failure ({why}) no longer fails on the "
+            "candidate: fixed upstream? its expectation can go",
+        )
     expected = new.get("expected") or {}
-    return Difference(cid, "expectation", False,
-                      f"{o} -> xfailed: a {known_label(expected.get('kind'))} on the candidate: "
-                      f"{expected.get('reason', '')} ({expected.get('link', '')})")
+    return Difference(
+        cid,
+        "expectation",
+        False,
+        f"{o} -> xfailed: a {known_label(expected.get('kind'))} on the candidate: "
+        f"{expected.get('reason', '')} ({expected.get('link', '')})",
+    )
 
 
 #: Changed items listed in one difference line before "(+N more)".
@@ -239,13 +257,21 @@ def _collective_changes(
     for step in sorted(a.keys() | b.keys()):
         label = f"{step}: " if step else ""
         if step not in b:
-            diffs.append(Difference(
-                cid, "collectives", True,
-                f"{label}no collectives recorded any more (was {len(a[step])})"))
+            diffs.append(
+                Difference(
+                    cid,
+                    "collectives",
+                    True,
+                    f"{label}no collectives recorded any more (was {len(a[step])})",
+                )
+            )
             continue
         if step not in a:
-            diffs.append(Difference(cid, "collectives", False,
-                                    f"{label}newly recorded ({len(b[step])} collectives)"))
+            diffs.append(
+                Difference(
+                    cid, "collectives", False, f"{label}newly recorded ({len(b[step])} collectives)"
+                )
+            )
             continue
         diffs += _step_changes(cid, label, a[step], b[step])
     return diffs
@@ -261,8 +287,9 @@ def _numbered(records: Sequence[Mapping[str, Any]]) -> list[tuple[tuple[str, str
     return out
 
 
-def _step_changes(cid: str, label: str, old: Sequence[Mapping[str, Any]],
-                  new: Sequence[Mapping[str, Any]]) -> list[Difference]:
+def _step_changes(
+    cid: str, label: str, old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]
+) -> list[Difference]:
     old_ids, new_ids = _numbered(old), _numbered(new)
     by_old = dict(zip(old_ids, old))
     by_new = dict(zip(new_ids, new))
@@ -273,22 +300,28 @@ def _step_changes(cid: str, label: str, old: Sequence[Mapping[str, Any]],
         x, y, name = by_old[ident], by_new[ident], _collective_name(*ident)
         for side in ("in", "out"):
             if x.get(f"{side}_dtype") != y.get(f"{side}_dtype"):
-                dtypes.append(f"{name} {side}_dtype {x.get(f'{side}_dtype')} -> "
-                              f"{y.get(f'{side}_dtype')}")
+                dtypes.append(
+                    f"{name} {side}_dtype {x.get(f'{side}_dtype')} -> {y.get(f'{side}_dtype')}"
+                )
             if x.get(f"{side}_bytes") != y.get(f"{side}_bytes"):
-                sizes.append(f"{name} {side}_bytes {x.get(f'{side}_bytes')} -> "
-                             f"{y.get(f'{side}_bytes')}")
+                sizes.append(
+                    f"{name} {side}_bytes {x.get(f'{side}_bytes')} -> {y.get(f'{side}_bytes')}"
+                )
     gone = [f"- {_collective_name(*i)}" for i in old_ids if i not in by_new]
     came = [f"+ {_collective_name(*i)}" for i in new_ids if i not in by_old]
     diffs = []
     if dtypes:
         diffs.append(Difference(cid, "dtype", True, f"{label}collective dtype: {_items(dtypes)}"))
     if sizes:
-        diffs.append(Difference(cid, "collectives", True,
-                                f"{label}collective bytes: {_items(sizes)}"))
+        diffs.append(
+            Difference(cid, "collectives", True, f"{label}collective bytes: {_items(sizes)}")
+        )
     if gone or came:
-        diffs.append(Difference(cid, "collectives", True,
-                                f"{label}collectives issued: {_items(gone + came)}"))
+        diffs.append(
+            Difference(
+                cid, "collectives", True, f"{label}collectives issued: {_items(gone + came)}"
+            )
+        )
     elif old_ids != new_ids:
         order = ", ".join(_collective_name(*i) for i in new_ids)
         diffs.append(Difference(cid, "order", False, f"{label}collective order now: {order}"))
@@ -358,8 +391,12 @@ def _memory_change(
     """A memory figure (a number, or a list of numbers compared element by element)."""
     if _number(a) and _number(b):
         pairs = [(key, a, b)]
-    elif (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
-          and all(_number(x) for x in a + b)):
+    elif (
+        isinstance(a, list)
+        and isinstance(b, list)
+        and len(a) == len(b)
+        and all(_number(x) for x in a + b)
+    ):
         pairs = [(f"{key}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
     else:
         return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
@@ -371,10 +408,15 @@ def _memory_change(
         rel = (y - x) / x if x else float("inf") if y > x else float("-inf")
         if abs(y - x) <= floor or abs(rel) <= tol:
             continue
-        diffs.append(Difference(
-            cid, "memory", y > x,
-            f"{label}: {_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}; tolerance "
-            f"{tol:.0%}, floor {floor_bytes / MiB:.2f} MiB)"))
+        diffs.append(
+            Difference(
+                cid,
+                "memory",
+                y > x,
+                f"{label}: {_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}; tolerance "
+                f"{tol:.0%}, floor {floor_bytes / MiB:.2f} MiB)",
+            )
+        )
     return diffs
 
 
@@ -382,6 +424,7 @@ def _unit_change(
     old_units: Sequence[Mapping[str, Any]], new_units: Sequence[Mapping[str, Any]]
 ) -> str:
     """'' when the structures agree, else the changed units, one ``+``/``-``/``~`` item each."""
+
     def norm(u: Mapping[str, Any]) -> dict[str, Any]:
         out = {f: u.get(f) for f in UNIT_FIELDS}
         if isinstance(out["params"], list):
@@ -425,3 +468,28 @@ def format_differences(
         mark = "REGRESSION" if d.regression else "change"
         lines.append(f"  [{mark}] {d.check_id}: {d.kind}: {d.text}")
     return "\n".join(lines)
+
+
+def render(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    diffs: Sequence[Difference],
+    paths: tuple[str, str],
+    memory_tolerance: float,
+    memory_floor_mib: float,
+    as_json: bool,
+) -> str:
+    """What ``compare`` prints: the differences as text, or as JSON with both reports' torch."""
+    if not as_json:
+        return format_differences(old, new, diffs)
+    return json.dumps(
+        {
+            "old": {"path": paths[0], "torch": old["environment"]["torch"]},
+            "new": {"path": paths[1], "torch": new["environment"]["torch"]},
+            "memory_tolerance": memory_tolerance,
+            "memory_floor_mib": memory_floor_mib,
+            "regressions": sum(d.regression for d in diffs),
+            "differences": [d.to_dict() for d in diffs],
+        },
+        indent=2,
+    )

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,7 +72,7 @@ class Matrix:
 
 def _first_line(text: str) -> str:
     line = next((s.strip() for s in text.splitlines() if s.strip()), "")
-    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
 def cell_of(entry: Mapping[str, Any]) -> Cell:
@@ -98,8 +100,9 @@ def _version_of(report: Mapping[str, Any]) -> str:
 def build_matrix(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> Matrix:
     """The matrix of ``(path, report)`` pairs, one column each, in the order given."""
     versions = [_version_of(r) for _, r in reports]
-    columns = [v if versions.count(v) == 1 else f"{v} ({path})"
-               for v, (path, _) in zip(versions, reports)]
+    columns = [
+        v if versions.count(v) == 1 else f"{v} ({path})" for v, (path, _) in zip(versions, reports)
+    ]
     rows: dict[str, None] = {}  # ordered set
     cells: dict[tuple[str, str], Cell] = {}
     for column, (_, report) in zip(columns, reports):
@@ -125,8 +128,11 @@ def _md_escape(text: str) -> str:
 
 def differing_rows(matrix: Matrix) -> list[str]:
     """The checks that do not pass on every version (skipped, failed, absent somewhere)."""
-    return [row for row in matrix.rows
-            if any(matrix.cell(row, c).kind != "pass" for c in matrix.columns)]
+    return [
+        row
+        for row in matrix.rows
+        if any(matrix.cell(row, c).kind != "pass" for c in matrix.columns)
+    ]
 
 
 def to_markdown(matrix: Matrix, differing: bool = False) -> str:
@@ -136,11 +142,16 @@ def to_markdown(matrix: Matrix, differing: bool = False) -> str:
     pass on every version (the totals row still counts every check)."""
     shown = differing_rows(matrix) if differing else matrix.rows
     notes = _footnotes(dataclasses.replace(matrix, rows=shown))
-    lines = ["| check | " + " | ".join(matrix.columns) + " |",
-             "|---|" + "---|" * len(matrix.columns)]
+    lines = [
+        "| check | " + " | ".join(matrix.columns) + " |",
+        "|---|" + "---|" * len(matrix.columns),
+    ]
     if differing:
-        lines.append(f"| *{len(matrix.rows) - len(shown)} other checks* | "
-                     + " | ".join(["pass"] * len(matrix.columns)) + " |")
+        lines.append(
+            f"| *{len(matrix.rows) - len(shown)} other checks* | "
+            + " | ".join(["pass"] * len(matrix.columns))
+            + " |"
+        )
     for row in shown:
         cells = []
         for column in matrix.columns:
@@ -170,29 +181,54 @@ def to_svg(matrix: Matrix) -> str:
     its tooltip (an SVG ``<title>``: shown on hover by browsers and GitHub's viewer)."""
     width = _LABEL_W + _CELL_W * len(matrix.columns) + 8
     height = _HEAD_H + _CELL_H * len(matrix.rows) + _LEGEND_H + 8
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="monospace" font-size="11">',
-           f'<rect width="{width}" height="{height}" fill="#ffffff"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="monospace" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+    ]
     for i, column in enumerate(matrix.columns):
         x = _LABEL_W + i * _CELL_W + _CELL_W / 2
-        out.append(f'<text x="{x}" y="{_HEAD_H - 8}" text-anchor="middle" font-weight="bold">'
-                   f'{html.escape(column)}</text>')
+        out.append(
+            f'<text x="{x}" y="{_HEAD_H - 8}" text-anchor="middle" font-weight="bold">'
+            f"{html.escape(column)}</text>"
+        )
     for j, row in enumerate(matrix.rows):
         y = _HEAD_H + j * _CELL_H
         out.append(f'<text x="4" y="{y + _CELL_H - 4}">{html.escape(row)}</text>')
         for i, column in enumerate(matrix.columns):
             cell = matrix.cell(row, column)
             tip = f"{row} on torch {column}: {cell.kind}" + (
-                f": {cell.reason}" if cell.reason else "")
-            out.append(f'<rect x="{_LABEL_W + i * _CELL_W}" y="{y}" width="{_CELL_W - 2}" '
-                       f'height="{_CELL_H - 2}" fill="{KINDS[cell.kind][1]}" stroke="#9e9e9e">'
-                       f'<title>{html.escape(tip)}</title></rect>')
+                f": {cell.reason}" if cell.reason else ""
+            )
+            out.append(
+                f'<rect x="{_LABEL_W + i * _CELL_W}" y="{y}" width="{_CELL_W - 2}" '
+                f'height="{_CELL_H - 2}" fill="{KINDS[cell.kind][1]}" stroke="#9e9e9e">'
+                f"<title>{html.escape(tip)}</title></rect>"
+            )
     y = _HEAD_H + len(matrix.rows) * _CELL_H + 20
     x = 4
     for kind, (_, colour) in KINDS.items():
-        out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}" '
-                   'stroke="#9e9e9e"/>')
+        out.append(
+            f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}" stroke="#9e9e9e"/>'
+        )
         out.append(f'<text x="{x + 16}" y="{y}">{kind}</text>')
         x += 24 + 8 * len(kind) + 16
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def print_and_write(matrix: Matrix, out: str | None, *, differing: bool = False) -> None:
+    """Print the matrix's Markdown (only the rows that differ with ``differing``) and, with
+    ``out``, write ``matrix.md`` (every row) and ``matrix.svg`` there."""
+    text = to_markdown(matrix)
+    print(to_markdown(matrix, differing=True) if differing else text, end="")
+    if out is None:
+        return
+    os.makedirs(out, exist_ok=True)
+    for name, content in (("matrix.md", text), ("matrix.svg", to_svg(matrix))):
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            f.write(content)
+    print(
+        f"matrix: {os.path.join(out, 'matrix.md')}, {os.path.join(out, 'matrix.svg')}",
+        file=sys.stderr,
+    )

@@ -57,7 +57,7 @@ def migrate_entry(entry: Mapping[str, Any]) -> Mapping[str, Any]:
     if new is None:
         return entry
     old = entry["check"]
-    return {**entry, "check": new, "id": new + entry["id"][len(old):]}
+    return {**entry, "check": new, "id": new + entry["id"][len(old) :]}
 
 
 def migrate_report(report: Mapping[str, Any]) -> dict[str, Any]:

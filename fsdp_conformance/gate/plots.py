@@ -1,8 +1,8 @@
 """Memory timelines as a PNG: per-layer sawtooth against the monolithic/naive saturation.
 
 Needs matplotlib (a dependency; the checks never import this module). ``fsdp-conformance run``
-writes the report's timelines next to the report by default (``cli.write_plot``); the memory
-benchmark draws its own.
+writes the report's timelines next to the report by default (``gate.outputs.write_plot``); the
+memory benchmark draws its own.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any
 from fsdp_conformance.sizes import MiB
 
 #: Legend names of the wrappings the memory checks measure.
-_WRAPPING_NAMES = {"per_layer": "per-layer wrapping",
-                   "monolithic": "monolithic (root unit only; sampled at its hooks)"}
+_WRAPPING_NAMES = {
+    "per_layer": "per-layer wrapping",
+    "monolithic": "monolithic (root unit only; sampled at its hooks)",
+}
 
 
 def _name(label: str) -> str:
@@ -56,24 +58,49 @@ def _draw(
     for label, events in timelines.items():
         ys = [e["bytes"] / MiB for e in events]
         color = "tab:blue" if events is reference else next(others, None)
-        ax.step(_xs(events, reference), ys, where="post", label=_name(label), color=color,
-                linewidth=1.6, marker="." if len(ys) < 12 else None)
+        ax.step(
+            _xs(events, reference),
+            ys,
+            where="post",
+            label=_name(label),
+            color=color,
+            linewidth=1.6,
+            marker="." if len(ys) < 12 else None,
+        )
         if peaks and label in peaks:
             # the peak can fall between two hook samples (inside a unit's forward or backward)
-            ax.axhline(peaks[label] / MiB, color=color, linestyle=":", linewidth=1.2,
-                       label=f"{_name(label)}: measured peak {peaks[label] / MiB:.1f} MiB")
+            ax.axhline(
+                peaks[label] / MiB,
+                color=color,
+                linestyle=":",
+                linewidth=1.2,
+                label=f"{_name(label)}: measured peak {peaks[label] / MiB:.1f} MiB",
+            )
     if limit_bytes:
-        ax.axhline(limit_bytes / MiB, color="tab:red", linestyle="--", linewidth=1.2,
-                   label=f"per-layer bound + tolerance {limit_bytes / MiB:.1f} MiB")
-    backward = next((i for i, e in enumerate(reference) if e.get("phase") == "pre_backward"),
-                    None)
+        ax.axhline(
+            limit_bytes / MiB,
+            color="tab:red",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"per-layer bound + tolerance {limit_bytes / MiB:.1f} MiB",
+        )
+    backward = next((i for i, e in enumerate(reference) if e.get("phase") == "pre_backward"), None)
     if backward:
         ax.axvline(backward, color="0.4", linewidth=0.8)
-        ax.annotate("forward | backward", xy=(backward, 0.0), xycoords=("data", "axes fraction"),
-                    xytext=(0, 6), textcoords="offset points", ha="center", fontsize="small",
-                    color="0.3", backgroundcolor="white")
-    ax.set_xlabel("hook sample, in step order (each unit's gather and release, forward then "
-                  "backward)")
+        ax.annotate(
+            "forward | backward",
+            xy=(backward, 0.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            fontsize="small",
+            color="0.3",
+            backgroundcolor="white",
+        )
+    ax.set_xlabel(
+        "hook sample, in step order (each unit's gather and release, forward then backward)"
+    )
     ax.set_ylabel("tensor memory, rank 0 (MiB)")
     ax.set_title(title, fontsize="medium")
     ax.set_ylim(bottom=0)
@@ -140,15 +167,25 @@ def report_panels(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         variant = [p for p in str(entry.get("variant", "")).split(",") if p]
         version = next((p.upper() for p in variant if p.startswith("fsdp")), None)
         model = ", ".join(p for p in variant if not p.startswith("fsdp"))
-        where = ", ".join(x for x in (
-            f"model {model}" if model else "", str(entry.get("lane", "")),
-            f"world size {entry['world_size']}" if entry.get("world_size") else "") if x)
+        where = ", ".join(
+            x
+            for x in (
+                f"model {model}" if model else "",
+                str(entry.get("lane", "")),
+                f"world size {entry['world_size']}" if entry.get("world_size") else "",
+            )
+            if x
+        )
         head = f"{version}: " if version else ""
         outcome = f": {entry['outcome']}" if entry.get("outcome") else ""
-        panels.append({
-            "timelines": timelines, "peaks": peaks, "limit_bytes": data.get("limit_bytes"),
-            "title": f"{head}{entry.get('check', entry.get('id', 'check'))} ({where}){outcome}",
-        })
+        panels.append(
+            {
+                "timelines": timelines,
+                "peaks": peaks,
+                "limit_bytes": data.get("limit_bytes"),
+                "title": f"{head}{entry.get('check', entry.get('id', 'check'))} ({where}){outcome}",
+            }
+        )
     return panels
 
 
@@ -160,11 +197,17 @@ def plot_report_timelines(report: Mapping[str, Any], path: str) -> str | None:
     plt = _pyplot()
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 4.2 * len(panels)), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels):
-        _draw(ax, panel["timelines"], limit_bytes=panel["limit_bytes"], peaks=panel["peaks"],
-              title=panel["title"])
+        _draw(
+            ax,
+            panel["timelines"],
+            limit_bytes=panel["limit_bytes"],
+            peaks=panel["peaks"],
+            title=panel["title"],
+        )
     torch_version = (report.get("environment") or {}).get("torch")
-    fig.suptitle("Memory during one training step" + (f", torch {torch_version}"
-                                                      if torch_version else ""),
-                 fontsize="large")
+    fig.suptitle(
+        "Memory during one training step" + (f", torch {torch_version}" if torch_version else ""),
+        fontsize="large",
+    )
     fig.tight_layout()
     return _save(fig, path)

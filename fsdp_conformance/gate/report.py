@@ -186,26 +186,36 @@ def load_report(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
     except FileNotFoundError:
-        raise ReportError(f"report {path!r} does not exist; give the path of a JSON report "
-                          "written by `fsdp-conformance run --json`") from None
+        raise ReportError(
+            f"report {path!r} does not exist; give the path of a JSON report "
+            "written by `fsdp-conformance run --json`"
+        ) from None
     except IsADirectoryError:
         inside = os.path.join(path, "report.json")
         hint = f" ({inside!r} is there)" if os.path.isfile(inside) else ""
-        raise ReportError(f"report {path!r} is a folder, not a file{hint}; give the path of "
-                          "the JSON report itself, e.g. fsdp-conformance-report/report.json"
-                          ) from None
+        raise ReportError(
+            f"report {path!r} is a folder, not a file{hint}; give the path of "
+            "the JSON report itself, e.g. fsdp-conformance-report/report.json"
+        ) from None
     except UnicodeDecodeError:
-        raise ReportError(f"report {path!r} is not text (not UTF-8); give the path of a JSON "
-                          "report written by `fsdp-conformance run`") from None
+        raise ReportError(
+            f"report {path!r} is not text (not UTF-8); give the path of a JSON "
+            "report written by `fsdp-conformance run`"
+        ) from None
     except OSError as exc:
-        raise ReportError(f"cannot read report {path!r} ({exc.strerror or exc}); check the path "
-                          "and its permissions") from None
+        raise ReportError(
+            f"cannot read report {path!r} ({exc.strerror or exc}); check the path "
+            "and its permissions"
+        ) from None
     except json.JSONDecodeError as exc:
-        raise ReportError(f"report {path!r} is not valid JSON ({exc}); was it written by "
-                          "`fsdp-conformance run`?") from None
+        raise ReportError(
+            f"report {path!r} is not valid JSON ({exc}); was it written by `fsdp-conformance run`?"
+        ) from None
     except RecursionError:
-        raise ReportError(f"report {path!r} is nested too deeply to be a report; was it written "
-                          "by `fsdp-conformance run`?") from None
+        raise ReportError(
+            f"report {path!r} is nested too deeply to be a report; was it written "
+            "by `fsdp-conformance run`?"
+        ) from None
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise ReportError(f"{path!r} is not an fsdp-conformance report (no schema {SCHEMA!r})")
     version = report.get("schema_version")
@@ -238,8 +248,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_scalar(value: Any) -> bool:
@@ -253,10 +262,21 @@ def _found(value: Any) -> str:
     text = json.dumps(value, allow_nan=True)
     if len(text) > 40:
         text = text[:37] + "..."
-    kind = ("null" if value is None else "a boolean" if isinstance(value, bool)
-            else "an integer" if isinstance(value, int) else "a number" if isinstance(value, float)
-            else "a string" if isinstance(value, str) else "a list" if isinstance(value, list)
-            else "an object")
+    kind = (
+        "null"
+        if value is None
+        else "a boolean"
+        if isinstance(value, bool)
+        else "an integer"
+        if isinstance(value, int)
+        else "a number"
+        if isinstance(value, float)
+        else "a string"
+        if isinstance(value, str)
+        else "a list"
+        if isinstance(value, list)
+        else "an object"
+    )
     return kind if value is None else f"{kind} ({text})"
 
 
@@ -278,38 +298,84 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "number|null": ("a finite number or null", lambda v: v is None or _is_number(v)),
     "object": ("an object", lambda v: isinstance(v, dict)),
     "list": ("a list", lambda v: isinstance(v, list)),
-    "strings": ("a list of strings",
-                lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-    "sizes": ("a list of integers >= 1",
-              lambda v: isinstance(v, list) and all(_is_int(x) and x >= 1 for x in v)),
+    "strings": (
+        "a list of strings",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    ),
+    "sizes": (
+        "a list of integers >= 1",
+        lambda v: isinstance(v, list) and all(_is_int(x) and x >= 1 for x in v),
+    ),
     "lane": ("one of cpu, gpu", lambda v: v in ("cpu", "gpu")),
     "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: isinstance(v, str) and v in OUTCOMES),
 }
 
 #: The documented fields (docs/report-schema.md) and their kinds. Fields not listed here are
 #: allowed: schema version 1 grows by adding fields.
-_TOP_FIELDS = {"tool_version": "string", "created": "string", "duration_s": "seconds",
-               "environment": "object", "settings": "object", "summary": "object",
-               "checks": "list"}
-_ENVIRONMENT_FIELDS = {"torch": "name", "torch_cuda": "string|null", "torch_git": "string|null",
-                       "python": "string", "platform": "string", "cuda_devices": "count",
-                       "cuda_device_name": "string|null", "backends": "strings"}
-_SETTINGS_FIELDS = {"world_sizes": "sizes", "backend": "string", "timeout": "number|null",
-                    "model": "string|null", "block_cls": "string|null",
-                    "min_params": "number|null", "input": "string|null"}
-_CHECK_FIELDS = {"id": "name", "check": "name", "claim": "name", "lane": "lane",
-                 "world_size": "positive", "variant": "string", "outcome": "outcome",
-                 "message": "string", "figures": "object", "data": "object",
-                 "seconds": "seconds", "warnings": "strings", "deprecations": "strings"}
+_TOP_FIELDS = {
+    "tool_version": "string",
+    "created": "string",
+    "duration_s": "seconds",
+    "environment": "object",
+    "settings": "object",
+    "summary": "object",
+    "checks": "list",
+}
+_ENVIRONMENT_FIELDS = {
+    "torch": "name",
+    "torch_cuda": "string|null",
+    "torch_git": "string|null",
+    "python": "string",
+    "platform": "string",
+    "cuda_devices": "count",
+    "cuda_device_name": "string|null",
+    "backends": "strings",
+}
+_SETTINGS_FIELDS = {
+    "world_sizes": "sizes",
+    "backend": "string",
+    "timeout": "number|null",
+    "model": "string|null",
+    "block_cls": "string|null",
+    "min_params": "number|null",
+    "input": "string|null",
+}
+_CHECK_FIELDS = {
+    "id": "name",
+    "check": "name",
+    "claim": "name",
+    "lane": "lane",
+    "world_size": "positive",
+    "variant": "string",
+    "outcome": "outcome",
+    "message": "string",
+    "figures": "object",
+    "data": "object",
+    "seconds": "seconds",
+    "warnings": "strings",
+    "deprecations": "strings",
+}
 #: ``data`` keys that hold a check's unit list (the units torch built), in order of preference.
 UNIT_DATA_KEYS = ("units", "actual", "plan")
-_UNIT_FIELDS = {"fqn": "string", "cls": "string", "numel": "count", "local_numel": "count|null",
-                "parent": "string|null", "params": "strings"}
+_UNIT_FIELDS = {
+    "fqn": "string",
+    "cls": "string",
+    "numel": "count",
+    "local_numel": "count|null",
+    "parent": "string|null",
+    "params": "strings",
+}
 #: ``data`` key of a check's recorded collectives: ``{step: [record, ...]}`` (or one list).
 COLLECTIVES_DATA_KEY = "collectives"
-_COLLECTIVE_FIELDS = {"op": "name", "unit": "string", "phase": "string",
-                      "in_dtype": "string|null", "out_dtype": "string|null",
-                      "in_bytes": "count", "out_bytes": "count"}
+_COLLECTIVE_FIELDS = {
+    "op": "name",
+    "unit": "string",
+    "phase": "string",
+    "in_dtype": "string|null",
+    "out_dtype": "string|null",
+    "in_bytes": "count",
+    "out_bytes": "count",
+}
 
 
 def collective_steps(entry: Mapping[str, Any]) -> dict[str, list[Any]] | None:
@@ -338,8 +404,11 @@ def _fields(obj: Mapping[str, Any], spec: Mapping[str, str], prefix: str) -> Non
 def validate_report(report: Mapping[str, Any]) -> None:
     """Raise ``_Damage`` at the first field that does not match the documented schema."""
     if not _is_int(report.get("schema_version")):
-        raise _Damage("schema_version", f"the integer {SCHEMA_VERSION}",
-                      _found(report.get("schema_version", _MISSING)))
+        raise _Damage(
+            "schema_version",
+            f"the integer {SCHEMA_VERSION}",
+            _found(report.get("schema_version", _MISSING)),
+        )
     _fields(report, _TOP_FIELDS, "")
     _fields(report["environment"], _ENVIRONMENT_FIELDS, "environment.")
     _fields(report["settings"], _SETTINGS_FIELDS, "settings.")
@@ -352,9 +421,12 @@ def validate_report(report: Mapping[str, Any]) -> None:
         _validate_entry(entry, where)
         if entry["id"] in first_at:
             # compare matches checks by id: a repeated id would silently hide one of them.
-            raise _Damage(f"{where}.id", "an id unique in the report",
-                          f"{_found(entry['id'])}, which appears twice (also "
-                          f"checks[{first_at[entry['id']]}])")
+            raise _Damage(
+                f"{where}.id",
+                "an id unique in the report",
+                f"{_found(entry['id'])}, which appears twice (also "
+                f"checks[{first_at[entry['id']]}])",
+            )
         first_at[entry["id"]] = i
         counts[entry["outcome"]] += 1
     summary = report["summary"]
@@ -363,28 +435,38 @@ def validate_report(report: Mapping[str, Any]) -> None:
             continue  # a report written before this outcome existed
         value = _field(summary, outcome, f"summary.{outcome}", "count")
         if value != counts[outcome]:
-            raise _Damage(f"summary.{outcome}",
-                          f"{counts[outcome]} (the checks with outcome {outcome!r})", _found(value))
+            raise _Damage(
+                f"summary.{outcome}",
+                f"{counts[outcome]} (the checks with outcome {outcome!r})",
+                _found(value),
+            )
 
 
 def _validate_entry(entry: Mapping[str, Any], where: str) -> None:
     _fields(entry, _CHECK_FIELDS, f"{where}.")
     variant = entry["variant"]
-    expected_id = (f"{entry['check']}[{entry['lane']},ws{entry['world_size']}"
-                   f"{',' + variant if variant else ''}]")
+    expected_id = (
+        f"{entry['check']}[{entry['lane']},ws{entry['world_size']}"
+        f"{',' + variant if variant else ''}]"
+    )
     if entry["id"] != expected_id:
-        raise _Damage(f"{where}.id", f"{expected_id!r} (from check, lane, world_size, variant)",
-                      _found(entry["id"]))
+        raise _Damage(
+            f"{where}.id",
+            f"{expected_id!r} (from check, lane, world_size, variant)",
+            _found(entry["id"]),
+        )
     for key, value in entry["figures"].items():
         # Flat: the table and compare read scalars and lists of scalars, nothing nested.
         if not (_is_scalar(value) or (isinstance(value, list) and all(map(_is_scalar, value)))):
-            raise _Damage(f"{where}.figures.{key}", "a number, string, boolean, null or a list "
-                          "of those", _found(value))
+            raise _Damage(
+                f"{where}.figures.{key}",
+                "a number, string, boolean, null or a list of those",
+                _found(value),
+            )
     warnings = set(entry["warnings"])
     for j, text in enumerate(entry["deprecations"]):
         if text not in warnings:
-            raise _Damage(f"{where}.deprecations[{j}]", "one of the entry's warnings",
-                          _found(text))
+            raise _Damage(f"{where}.deprecations[{j}]", "one of the entry's warnings", _found(text))
     for key in UNIT_DATA_KEYS:
         units = entry["data"].get(key)
         if isinstance(units, list) and all(isinstance(u, dict) and "fqn" in u for u in units):
@@ -400,8 +482,11 @@ def _validate_collectives(entry: Mapping[str, Any], path: str) -> None:
     # what compare reads as the collectives: every record's fields must be there, typed
     steps = collective_steps(entry)
     if steps is None:
-        raise _Damage(path, "an object of lists of collective records (or one list)",
-                      _found(entry["data"][COLLECTIVES_DATA_KEY]))
+        raise _Damage(
+            path,
+            "an object of lists of collective records (or one list)",
+            _found(entry["data"][COLLECTIVES_DATA_KEY]),
+        )
     for step, records in steps.items():
         at = f"{path}.{step}" if step else path
         for j, r in enumerate(records):
@@ -483,10 +568,12 @@ def format_markdown(
     lines = [
         f"## FSDP conformance: {status}",
         "",
-        (f"torch `{env['torch']}` ({build}), "
-         f"{env['cuda_devices']} CUDA device(s), python {env['python']}; "
-         f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors"
-         f"{_xfailed_count(s)} in {report['duration_s']:.1f}s."),
+        (
+            f"torch `{env['torch']}` ({build}), "
+            f"{env['cuda_devices']} CUDA device(s), python {env['python']}; "
+            f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped, {s['error']} errors"
+            f"{_xfailed_count(s)} in {report['duration_s']:.1f}s."
+        ),
         "",
         "| check | outcome | key figures |",
         "|---|---|---|",
@@ -499,19 +586,36 @@ def format_markdown(
         )
     if plot:
         target = plot.replace(os.sep, "/").replace(" ", "%20")
-        lines += ["", "### Memory timeline", "",
-                  f"![memory timeline, one panel per check]({target})", "",
-                  f"[{plot}]({target}): rank 0's memory at every unit hook during one step, "
-                  "per-layer wrapping against monolithic."]
+        lines += [
+            "",
+            "### Memory timeline",
+            "",
+            f"![memory timeline, one panel per check]({target})",
+            "",
+            f"[{plot}]({target}): rank 0's memory at every unit hook during one step, "
+            "per-layer wrapping against monolithic.",
+        ]
     elif plot_file:
-        lines += ["", f"Memory timeline plot: `{plot_file}` (written on the machine that ran "
-                  "the checks)."]
+        lines += [
+            "",
+            f"Memory timeline plot: `{plot_file}` (written on the machine that ran the checks).",
+        ]
     failures = [e for e in report["checks"] if e["outcome"] in ("failed", "error", "xfailed")]
     for e in failures:
-        title = (f"expected failure ({known_label(e.get('expected', {}).get('kind'))})"
-                 if e["outcome"] == "xfailed" else e["outcome"])
-        lines += ["", f"<details><summary>{e['id']}: {title}</summary>", "", "```",
-                  e["message"].strip(), "```", "</details>"]
+        title = (
+            f"expected failure ({known_label(e.get('expected', {}).get('kind'))})"
+            if e["outcome"] == "xfailed"
+            else e["outcome"]
+        )
+        lines += [
+            "",
+            f"<details><summary>{e['id']}: {title}</summary>",
+            "",
+            "```",
+            e["message"].strip(),
+            "```",
+            "</details>",
+        ]
     deprecations = sorted({d for e in report["checks"] for d in e.get("deprecations", [])})
     if deprecations:
         lines += ["", "### Deprecations torch emitted", ""] + [f"- {d}" for d in deprecations]

@@ -34,7 +34,9 @@ def variant_of(params: dict[str, Any]) -> str:
 
 
 def select_checks(
-    checks: Sequence[Check], spec: ModelSpec | None, pattern: str | None = None,
+    checks: Sequence[Check],
+    spec: ModelSpec | None,
+    pattern: str | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> list[tuple[Check, dict[str, Any]]]:
     """(check, params) pairs to run: reference params, or every model check on the user's spec.
@@ -51,8 +53,11 @@ def select_checks(
     chosen: list[tuple[Check, dict[str, Any]]] = []
     seen: set[tuple[str, str]] = set()
     for check in checks:
-        if pattern and pattern not in check.name and pattern not in (
-                legacy_name(check.name, check.params.get("version")) or ""):
+        if (
+            pattern
+            and pattern not in check.name
+            and pattern not in (legacy_name(check.name, check.params.get("version")) or "")
+        ):
             continue
         if check.opt_in and not given.keys() & set(check.opt_in):
             continue
@@ -132,16 +137,24 @@ def run_suite(
         # Checks whose ranks start fresh with variables of their own (allocator settings) fork
         # from a server of that environment: started now, it imports torch during the checks
         # before them instead of while the run waits.
-        for env in {tuple(sorted(c.env.items())) for lane, _, c, _ in plan
-                    if lane == "cpu" and c.env}:
+        for env in {
+            tuple(sorted(c.env.items())) for lane, _, c, _ in plan if lane == "cpu" and c.env
+        }:
             manager.prestart_fork_server(dict(env))
     start = time.perf_counter()
     try:
         for lane, ws, check, params in plan:
             variant = variant_of(params)
             progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
-            ranks = Ranks(manager, ws, lane=lane, backend=settings.backend_for(lane),
-                          timeout=settings.timeout, launcher=launcher, flag_style=flag_style)
+            ranks = Ranks(
+                manager,
+                ws,
+                lane=lane,
+                backend=settings.backend_for(lane),
+                timeout=settings.timeout,
+                launcher=launcher,
+                flag_style=flag_style,
+            )
             run = execute(ranks, check, **params)
             progress.finish(run)
             verdict = run.verdict
@@ -172,14 +185,18 @@ def run_suite(
 
 
 def planned_checks(
-    settings: Settings, lanes: Iterable[str], pattern: str | None = None,
-    checks: Sequence[Check] | None = None, options: Mapping[str, Any] | None = None,
+    settings: Settings,
+    lanes: Iterable[str],
+    pattern: str | None = None,
+    checks: Sequence[Check] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, int, Check, dict[str, Any]]]:
     """(lane, world size, check, params) in run order: each selected check at every world size
     of ``settings`` on every lane it runs on."""
     spec = user_spec(settings)
-    selected = select_checks(list(checks) if checks is not None else all_checks(), spec, pattern,
-                             options)
+    selected = select_checks(
+        list(checks) if checks is not None else all_checks(), spec, pattern, options
+    )
     return [
         (lane, ws, check, params)
         for lane in lanes

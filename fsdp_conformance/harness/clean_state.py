@@ -89,11 +89,13 @@ def _torch_flags() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]],
 
     def attr(space: Any, prefix: str, name: str) -> None:
         if hasattr(space, name):
-            flags.append((
-                f"{prefix}.{name}",
-                lambda: getattr(space, name),
-                lambda v: setattr(space, name, v),
-            ))
+            flags.append(
+                (
+                    f"{prefix}.{name}",
+                    lambda: getattr(space, name),
+                    lambda v: setattr(space, name, v),
+                )
+            )
 
     for name in ("enabled", "benchmark", "deterministic"):
         attr(b.cudnn, "torch.backends.cudnn", name)
@@ -113,11 +115,21 @@ def _torch_flags() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]],
         ("math_sdp_enabled", "enable_math_sdp"),
     ):
         if hasattr(b.cuda, getter) and hasattr(b.cuda, setter):
-            flags.append((f"torch.backends.cuda.{getter}()", getattr(b.cuda, getter),
-                          getattr(b.cuda, setter)))
+            flags.append(
+                (
+                    f"torch.backends.cuda.{getter}()",
+                    getattr(b.cuda, getter),
+                    getattr(b.cuda, setter),
+                )
+            )
     if hasattr(b, "mha") and hasattr(b.mha, "get_fastpath_enabled"):
-        flags.append(("torch.backends.mha.get_fastpath_enabled()",
-                      b.mha.get_fastpath_enabled, b.mha.set_fastpath_enabled))
+        flags.append(
+            (
+                "torch.backends.mha.get_fastpath_enabled()",
+                b.mha.get_fastpath_enabled,
+                b.mha.set_fastpath_enabled,
+            )
+        )
     return tuple(flags)
 
 
@@ -159,8 +171,10 @@ class _ProcessState:
         import torch
 
         self.threads = set(threading.enumerate())
-        self.sys_lists = [(name, getattr(sys, name), getattr(sys, name)[:])
-                          for name in ("path", "meta_path", "path_hooks")]
+        self.sys_lists = [
+            (name, getattr(sys, name), getattr(sys, name)[:])
+            for name in ("path", "meta_path", "path_hooks")
+        ]
         self.recursion_limit = sys.getrecursionlimit()
         self.switch_interval = sys.getswitchinterval()
         self.streams = (sys.stdin, sys.stdout, sys.stderr)
@@ -174,8 +188,11 @@ class _ProcessState:
         self.faulthandler = faulthandler.is_enabled()
         self.flags = [(name, get()) for name, get, _ in _torch_flags()]
         self.group = _default_group()
-        self.cuda_device = (torch.cuda.current_device()
-                            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        self.cuda_device = (
+            torch.cuda.current_device()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
 
     def restore(self) -> list[str]:
         # Interpreter state first, then process-wide settings, then torch's; what cannot be
@@ -239,8 +256,10 @@ class _ProcessState:
             except Exception:  # noqa: BLE001 - e.g. interop threads can be set once only
                 pass
             if get() != before:
-                lost.append(f"it changed {name} from {before!r} to {changed_to!r}, which "
-                            "torch cannot change back in this process")
+                lost.append(
+                    f"it changed {name} from {before!r} to {changed_to!r}, which "
+                    "torch cannot change back in this process"
+                )
         if self.cuda_device is not None and torch.cuda.current_device() != self.cuda_device:
             torch.cuda.set_device(self.cuda_device)
         return lost
@@ -250,12 +269,16 @@ class _ProcessState:
         if self.group is not None:
             group = _default_group()
             if group is None:
-                lost.append("it destroyed the default process group "
-                            "(torch.distributed.destroy_process_group()); checks run on the "
-                            "harness's group: leave it in place")
+                lost.append(
+                    "it destroyed the default process group "
+                    "(torch.distributed.destroy_process_group()); checks run on the "
+                    "harness's group: leave it in place"
+                )
             elif group is not self.group:
-                lost.append("it replaced the default process group (destroyed it and called "
-                            "init_process_group again); leave the harness's group in place")
+                lost.append(
+                    "it replaced the default process group (destroyed it and called "
+                    "init_process_group again); leave the harness's group in place"
+                )
         return lost
 
     def _restore_signals(self) -> None:
@@ -271,8 +294,11 @@ class _ProcessState:
                 faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
 
     def _live_threads(self) -> list[str]:
-        new = [t for t in threading.enumerate()
-               if t not in self.threads and not t.daemon and t is not threading.current_thread()]
+        new = [
+            t
+            for t in threading.enumerate()
+            if t not in self.threads and not t.daemon and t is not threading.current_thread()
+        ]
         deadline = time.monotonic() + THREAD_GRACE_S
         for t in new:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -280,8 +306,10 @@ class _ProcessState:
         if not alive:
             return []
         names = ", ".join(repr(n) for n in alive)
-        return [f"it started non-daemon thread(s) still running {THREAD_GRACE_S:g}s after it "
-                f"returned: {names}; stop and join them before returning (or make them daemons)"]
+        return [
+            f"it started non-daemon thread(s) still running {THREAD_GRACE_S:g}s after it "
+            f"returned: {names}; stop and join them before returning (or make them daemons)"
+        ]
 
 
 @contextlib.contextmanager
@@ -359,4 +387,3 @@ def _restore_namespace(space: Any, before: Mapping[str, Any]) -> None:
 
 
 _MISSING = object()
-

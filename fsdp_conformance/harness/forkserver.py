@@ -100,8 +100,9 @@ def preload_modules(modules: Mapping[str, Any] | None = None) -> list[str]:
 class ForkedProcess:
     """A rank forked by a :class:`ForkServer`, with ``subprocess.Popen``'s interface."""
 
-    def __init__(self, pid: int, exit_path: str, args: Sequence[str],
-                 server: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self, pid: int, exit_path: str, args: Sequence[str], server: subprocess.Popen[bytes]
+    ) -> None:
         self.pid = pid
         self._server = server
         self.args = list(args)
@@ -130,12 +131,16 @@ class ForkedProcess:
             except (OSError, ValueError):
                 if self._server.poll() is not None:
                     # The server is gone: its ranks die with it (their parent-death signal).
-                    self.exit_unknown = (f"its fork server (pid {self._server.pid}) ended "
-                                         f"first, {describe_exit(self._server.returncode)}")
+                    self.exit_unknown = (
+                        f"its fork server (pid {self._server.pid}) ended "
+                        f"first, {describe_exit(self._server.returncode)}"
+                    )
                     return -signal.SIGKILL
                 if time.monotonic() > deadline:
-                    self.exit_unknown = (f"its fork server (pid {self._server.pid}) did not "
-                                         f"report it within {EXIT_STATUS_WAIT_S:g} s")
+                    self.exit_unknown = (
+                        f"its fork server (pid {self._server.pid}) did not "
+                        f"report it within {EXIT_STATUS_WAIT_S:g} s"
+                    )
                     return -signal.SIGKILL
                 time.sleep(0.01)
 
@@ -167,8 +172,9 @@ class ForkedProcess:
 class ForkServer:
     """One server process that forks ranks with the environment it was started with."""
 
-    def __init__(self, env: Mapping[str, str], preload: Sequence[str], *,
-                 follow_parent: bool = True) -> None:
+    def __init__(
+        self, env: Mapping[str, str], preload: Sequence[str], *, follow_parent: bool = True
+    ) -> None:
         self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-forks-")
         self.log_path = os.path.join(self._dir, "server.log")
         ours, theirs = socket.socketpair()
@@ -179,8 +185,12 @@ class ForkServer:
         try:
             with open(self.log_path, "wb") as log_file:
                 self._proc = subprocess.Popen(
-                    self.args, stdin=subprocess.DEVNULL, stdout=log_file,
-                    stderr=subprocess.STDOUT, env=dict(env), pass_fds=[theirs.fileno()],
+                    self.args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env),
+                    pass_fds=[theirs.fileno()],
                 )
         finally:
             theirs.close()
@@ -219,8 +229,9 @@ class ForkServer:
         log_text = log_text or "(empty)"
         return f"the rank fork server (pid {self._proc.pid}) {what}; its log:\n{log_text}"
 
-    def spawn(self, spec: Mapping[str, Any], log_path: str, env: Mapping[str, str], *,
-              timeout: float) -> ForkedProcess:
+    def spawn(
+        self, spec: Mapping[str, Any], log_path: str, env: Mapping[str, str], *, timeout: float
+    ) -> ForkedProcess:
         """Fork one rank running the worker with ``spec``; its output goes to ``log_path``.
 
         ``env`` becomes the child's ``os.environ``: the server's own environment, but for the
@@ -302,8 +313,17 @@ def _register_exit_handler() -> None:
 #: ``OMP_NUM_THREADS`` is read by torch only at its import: every rank sets its intra-op thread
 #: count itself from the variable (:func:`~fsdp_conformance.harness.pool.rank_threads`).
 AFTER_FORK_PREFIXES = ("PYTEST_", "FSDP_CONFORMANCE_")
-AFTER_FORK_NAMES = ("PYTHONPATH", "HOME", "USERPROFILE", "PY_COLORS", "COLUMNS", "LINES",
-                    "TORCHINDUCTOR_CACHE_DIR", "GITHUB_STEP_SUMMARY", "OMP_NUM_THREADS")
+AFTER_FORK_NAMES = (
+    "PYTHONPATH",
+    "HOME",
+    "USERPROFILE",
+    "PY_COLORS",
+    "COLUMNS",
+    "LINES",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "GITHUB_STEP_SUMMARY",
+    "OMP_NUM_THREADS",
+)
 
 
 def _set_after_fork(name: str) -> bool:
@@ -334,8 +354,11 @@ class ForkServers:
                 while len(self._servers) >= MAX_SERVERS:
                     oldest = next(iter(self._servers))
                     self._servers.pop(oldest).close()
-                found = (ForkServer(env, preload_modules()) if self._preload is None
-                         else ForkServer(env, self._preload, follow_parent=False))
+                found = (
+                    ForkServer(env, preload_modules())
+                    if self._preload is None
+                    else ForkServer(env, self._preload, follow_parent=False)
+                )
             self._servers[key] = found
             return found
 

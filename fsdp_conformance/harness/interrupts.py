@@ -55,8 +55,9 @@ class InterruptHandler:
         # A later signal lands in the cleanup the first one started: let the cleanup finish.
 
 
-def install(signums: Sequence[int] = HANDLED, *, only_default: bool = False
-            ) -> tuple[InterruptHandler, dict[int, Any]] | None:
+def install(
+    signums: Sequence[int] = HANDLED, *, only_default: bool = False
+) -> tuple[InterruptHandler, dict[int, Any]] | None:
     """Install the handler; returns it and the previous handlers (None off the main thread).
 
     A signal the process was started with ignored (``nohup``, a background job) stays

@@ -82,8 +82,9 @@ def launch_device_index(local_rank: int, visible: int) -> int:
     return local_rank % visible
 
 
-def process_group_options(device_type: str, device_index: int | None,
-                          pg_timeout: float | None) -> dict[str, Any]:
+def process_group_options(
+    device_type: str, device_index: int | None, pg_timeout: float | None
+) -> dict[str, Any]:
     """``init_process_group``'s keyword arguments for the launch's group: its ``timeout``
     (``pg_timeout`` seconds; None: torch's default) and, on CUDA, ``device_id`` (this rank's
     device: NCCL binds the group to it and connects at once)."""
@@ -129,15 +130,23 @@ class CheckWatchdog:
     that holds the GIL (not torch's waits) is not caught; the process group's timeout applies.
     """
 
-    def __init__(self, what: str, rank: int, timeout: float, note: str = "",
-                 stream: Callable[[], contextlib.AbstractContextManager[TextIO]] = _stderr,
-                 end: Callable[[int], Any] = os._exit, grace: float = EXIT_GRACE_S) -> None:
+    def __init__(
+        self,
+        what: str,
+        rank: int,
+        timeout: float,
+        note: str = "",
+        stream: Callable[[], contextlib.AbstractContextManager[TextIO]] = _stderr,
+        end: Callable[[int], Any] = os._exit,
+        grace: float = EXIT_GRACE_S,
+    ) -> None:
         self.what, self.rank, self.timeout, self.note = what, rank, timeout, note
         self.grace = grace
         self._stream, self._end = stream, end
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name="fsdp-conformance-watchdog")
+        self._thread = threading.Thread(
+            target=self._watch, daemon=True, name="fsdp-conformance-watchdog"
+        )
 
     def __enter__(self) -> CheckWatchdog:
         self._thread.start()
@@ -162,7 +171,8 @@ class CheckWatchdog:
                 f"{self.timeout:g} s{self.note} on rank {self.rank} of the launch; every "
                 f"thread's stack follows, then this rank ends with exit status "
                 f"{HANG_EXIT_STATUS} (each rank writes its own; raise --fsdp-timeout / "
-                f"--timeout if the check needs longer)\n{stacks}")
+                f"--timeout if the check needs longer)\n{stacks}"
+            )
             out.flush()
         time.sleep(self.grace)
         self._end(HANG_EXIT_STATUS)
@@ -177,9 +187,13 @@ class LauncherRunner:
     (:class:`CheckWatchdog`).
     """
 
-    def __init__(self, backend: str | None = None, *, pg_timeout: float | None = None,
-                 hang_stream: Callable[[], contextlib.AbstractContextManager[TextIO]] = _stderr
-                 ) -> None:
+    def __init__(
+        self,
+        backend: str | None = None,
+        *,
+        pg_timeout: float | None = None,
+        hang_stream: Callable[[], contextlib.AbstractContextManager[TextIO]] = _stderr,
+    ) -> None:
         """``pg_timeout``: the timeout of the launch's process group, in seconds (the plugin
         passes ``pool.pg_timeout_for`` its check timeout); None keeps torch's default. Both it
         and the rank's device (``device_id``) apply only where this runner starts the group.
@@ -206,13 +220,19 @@ class LauncherRunner:
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             dist.init_process_group(
-                backend, init_method="env://",
-                **process_group_options(self.device_type, self.device_index, pg_timeout))
+                backend,
+                init_method="env://",
+                **process_group_options(self.device_type, self.device_index, pg_timeout),
+            )
             # Every rank leaves here together, so the first check's watchdogs are armed
             # together too (EXIT_GRACE_S); later checks start from the last one's exchange.
             dist.barrier()
         self.ctx = RankContext(
-            self.rank, self.world_size, self.local_rank, backend, self.device_type,
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            backend,
+            self.device_type,
             self.device_index,
         )
 
@@ -225,9 +245,11 @@ class LauncherRunner:
         a collective, so every rank runs the check or every rank skips it, with one reason.
         """
         if fresh:
-            return ("needs fresh rank processes, which an external launcher's ranks are not; "
-                    "run it without the launcher (`fsdp-conformance run` or `pytest` starts "
-                    "its own ranks)")
+            return (
+                "needs fresh rank processes, which an external launcher's ranks are not; "
+                "run it without the launcher (`fsdp-conformance run` or `pytest` starts "
+                "its own ranks)"
+            )
         if not env:
             return None
         started = startup_environ()
@@ -238,9 +260,11 @@ class LauncherRunner:
             return None
         wanted = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
         found = sorted({item for _, m in gathered for item in m})
-        return (f"needs {', '.join(found)} set before the ranks start (rank"
-                f"{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))} started "
-                f"without it); launch with `{wanted} torchrun ...` to run it")
+        return (
+            f"needs {', '.join(found)} set before the ranks start (rank"
+            f"{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))} started "
+            f"without it); launch with `{wanted} torchrun ...` to run it"
+        )
 
     def close(self) -> None:
         """End the launch's process group if this runner started it (the launcher itself ends
@@ -252,8 +276,12 @@ class LauncherRunner:
             dist.destroy_process_group()
 
     def run_outcomes(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-        timeout: float | None = None, note: str = "",
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        timeout: float | None = None,
+        note: str = "",
     ) -> list[RankOutcome]:
         """Every rank's outcome of ``fn``; past ``timeout`` seconds (None: no limit) the rank
         ends with its stacks (:class:`CheckWatchdog`; ``note`` says why the timeout was cut)."""
@@ -271,7 +299,8 @@ class LauncherRunner:
         # Ctrl-C during the check stops the session here (every rank got it from the terminal
         # or from torchrun), not as this rank's error followed by the next check.
         status, value, detail, caught = execute_check(
-            fn, self.ctx, args, kwargs, reraise_interrupts=True)
+            fn, self.ctx, args, kwargs, reraise_interrupts=True
+        )
         interrupted = interrupts.pending()
         if interrupted is not None:
             raise interrupted  # an interrupt the check itself swallowed: stop, not at the next
@@ -293,4 +322,3 @@ def startup_environ() -> dict[str, str]:
         return dict(os.environ)  # no procfs: the best we can see
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-

@@ -38,8 +38,12 @@ class PoolManager:
     deadline.
     """
 
-    def __init__(self, *, check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
-                 fork_servers: ForkServers | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
+        fork_servers: ForkServers | None = None,
+    ) -> None:
         self._pools: dict[tuple[int, str, str, tuple[int, ...] | None], RankPool] = {}
         self.check_timeout = check_timeout
         #: The process-group timeout of this manager's pools (longer for a longer check).
@@ -60,8 +64,13 @@ class PoolManager:
         return max(self.pg_timeout, pg_timeout_for(timeout))
 
     def pool(
-        self, world_size: int, backend: str, device_type: str, *,
-        start_timeout: float | None = None, pg_timeout: float | None = None,
+        self,
+        world_size: int,
+        backend: str,
+        device_type: str,
+        *,
+        start_timeout: float | None = None,
+        pg_timeout: float | None = None,
         devices: Sequence[int] | None = None,
     ) -> RankPool:
         """The warm pool of this key, started (or restarted) when it is missing, broken, dead
@@ -74,9 +83,15 @@ class PoolManager:
             pool.close(force=True)
             pool = None
         if pool is None:
-            pool = RankPool(world_size, backend, device_type, pg_timeout=needed,
-                            start_timeout=start_timeout, fork_servers=self.fork_servers,
-                            **_devices_option(devices))
+            pool = RankPool(
+                world_size,
+                backend,
+                device_type,
+                pg_timeout=needed,
+                start_timeout=start_timeout,
+                fork_servers=self.fork_servers,
+                **_devices_option(devices),
+            )
             self.pools_started += 1
             self._pools[key] = pool
         return pool
@@ -107,22 +122,48 @@ class PoolManager:
             # Fresh processes: for settings that must exist before the process starts
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
             pool = self._start_in_time(
-                lambda: RankPool(world_size, backend, device_type, env=env,
-                                 pg_timeout=pg_timeout, start_timeout=start_timeout,
-                                 fork_servers=self.fork_servers, **_devices_option(devices)),
-                start_timeout, bool(cut), deadline_note)
+                lambda: RankPool(
+                    world_size,
+                    backend,
+                    device_type,
+                    env=env,
+                    pg_timeout=pg_timeout,
+                    start_timeout=start_timeout,
+                    fork_servers=self.fork_servers,
+                    **_devices_option(devices),
+                ),
+                start_timeout,
+                bool(cut),
+                deadline_note,
+            )
             self.pools_started += 1
             try:
-                return pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
-                                         deadline_note=deadline_note)
+                return pool.run_outcomes(
+                    fn,
+                    args,
+                    kwargs,
+                    timeout=timeout,
+                    deadline=deadline,
+                    deadline_note=deadline_note,
+                )
             finally:
                 pool.close(force=pool.broken)
         pool = self._start_in_time(
-            lambda: self.pool(world_size, backend, device_type, start_timeout=start_timeout,
-                              pg_timeout=pg_timeout, devices=devices),
-            start_timeout, bool(cut), deadline_note)
-        outcomes = pool.run_outcomes(fn, args, kwargs, timeout=timeout, deadline=deadline,
-                                     deadline_note=deadline_note)
+            lambda: self.pool(
+                world_size,
+                backend,
+                device_type,
+                start_timeout=start_timeout,
+                pg_timeout=pg_timeout,
+                devices=devices,
+            ),
+            start_timeout,
+            bool(cut),
+            deadline_note,
+        )
+        outcomes = pool.run_outcomes(
+            fn, args, kwargs, timeout=timeout, deadline=deadline, deadline_note=deadline_note
+        )
         if pool.broken:
             pool.close(force=True)
             self._pools.pop(_pool_key(world_size, backend, device_type, devices), None)
@@ -152,10 +193,15 @@ class PoolManager:
             pool.close(force=force or pool.broken)
 
 
-def _pool_key(world_size: int, backend: str, device_type: str,
-              devices: Sequence[int] | None) -> tuple[int, str, str, tuple[int, ...] | None]:
-    return (world_size, backend, device_type,
-            None if devices is None or device_type != "cuda" else tuple(devices))
+def _pool_key(
+    world_size: int, backend: str, device_type: str, devices: Sequence[int] | None
+) -> tuple[int, str, str, tuple[int, ...] | None]:
+    return (
+        world_size,
+        backend,
+        device_type,
+        None if devices is None or device_type != "cuda" else tuple(devices),
+    )
 
 
 class _DevicesOption(TypedDict, total=False):

@@ -85,13 +85,16 @@ def crash_site(log_text: str) -> str | None:
     most recent first, after "Current thread" or "Thread").
     """
     lines = log_text.splitlines()
-    starts = [i for i, ln in enumerate(lines)
-              if ln.startswith(("Current thread", "Thread 0x")) and "most recent call first" in ln]
+    starts = [
+        i
+        for i, ln in enumerate(lines)
+        if ln.startswith(("Current thread", "Thread 0x")) and "most recent call first" in ln
+    ]
     if not starts:
         return None
     current = [i for i in starts if lines[i].startswith("Current thread")]
     frames = []
-    for ln in lines[(current or starts)[0] + 1:]:
+    for ln in lines[(current or starts)[0] + 1 :]:
         m = _FRAME.match(ln)
         if not m:
             break
@@ -126,4 +129,3 @@ def describe_exit(returncode: int | None) -> str:
     if returncode < 0:
         return f"killed by {_signal_name(-returncode)} (exit status {returncode})"
     return f"exited with code {returncode}"
-

@@ -78,8 +78,9 @@ NCCL_ERROR_HANDLING_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_
 NCCL_ASYNC_ERROR_HANDLING = "2"
 
 
-def rank_environment(extra_env: Mapping[str, str] | None = None,
-                     backend: str = "gloo") -> dict[str, str]:
+def rank_environment(
+    extra_env: Mapping[str, str] | None = None, backend: str = "gloo"
+) -> dict[str, str]:
     """The environment a pool's ranks start with: this process's, plus ``extra_env``.
 
     ``backend="nccl"`` adds ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (:data:`NCCL_ASYNC_ERROR_HANDLING`)
@@ -114,7 +115,8 @@ def control_address(folder: str) -> str:
         return f"\0fsdp-conformance-{os.getpid()}-{secrets.token_hex(8)}"
     raise HarnessError(
         f"the ranks' control socket {path!r} is {size} bytes long, over the {UNIX_PATH_MAX} a "
-        f"unix socket allows: set TMPDIR to a shorter folder (the pool's folder is made there)")
+        f"unix socket allows: set TMPDIR to a shorter folder (the pool's folder is made there)"
+    )
 
 
 def rank_threads(world_size: int, env: Mapping[str, str]) -> int:
@@ -138,8 +140,9 @@ def rank_threads(world_size: int, env: Mapping[str, str]) -> int:
     return max(1, usable_cores() // max(1, world_size))
 
 
-def prestart_fork_server(fork_servers: ForkServers | None = None,
-                         env: Mapping[str, str] | None = None) -> bool:
+def prestart_fork_server(
+    fork_servers: ForkServers | None = None, env: Mapping[str, str] | None = None
+) -> bool:
     """Start the fork server of this process's CPU pools (started with ``env`` added, as a
     check's fresh ranks are) now, without waiting for it.
 
@@ -197,7 +200,7 @@ class RankPool:
             # unguarded pool at its top level would start ranks from within each rank.
             raise HarnessError(
                 "a RankPool was started while a rank imported the parent's __main__ script; "
-                "start pools under `if __name__ == \"__main__\":` in that script"
+                'start pools under `if __name__ == "__main__":` in that script'
             )
         if world_size < 1:
             raise HarnessError(f"world_size must be >= 1, got {world_size}")
@@ -240,7 +243,8 @@ class RankPool:
                 self._spawn(procs, env, address, authkey, pg_timeout, deadline)
             except HarnessError as exc:  # the fork server's: which start failed, then why
                 raise HarnessError(
-                    f"could not start {self.world_size} {self.backend} ranks: {exc}") from None
+                    f"could not start {self.world_size} {self.backend} ranks: {exc}"
+                ) from None
             conns = self._accept(listener, procs, deadline)
             self._await_ready(conns, procs, deadline)
         except BaseException:
@@ -254,8 +258,15 @@ class RankPool:
             for rank, proc, log_path, stacks_path in procs
         ]
 
-    def _spawn(self, procs: list[tuple[int, RankProcess, str, str]], env: dict[str, str],
-               address: str, authkey: bytes, pg_timeout: float, deadline: float) -> None:
+    def _spawn(
+        self,
+        procs: list[tuple[int, RankProcess, str, str]],
+        env: dict[str, str],
+        address: str,
+        authkey: bytes,
+        pg_timeout: float,
+        deadline: float,
+    ) -> None:
         # Appends as it goes, so that the caller can kill the ranks already started.
         server = self._fork_servers.server(env) if self._fork_servers is not None else None
         for rank in range(self.world_size):
@@ -264,8 +275,14 @@ class RankPool:
             spec = self._rank_spec(rank, address, authkey, pg_timeout, stacks_path, env)
             if server is not None:
                 timeout = deadline - time.monotonic()
-                procs.append((rank, server.spawn(spec, log_path, env, timeout=timeout),
-                              log_path, stacks_path))
+                procs.append(
+                    (
+                        rank,
+                        server.spawn(spec, log_path, env, timeout=timeout),
+                        log_path,
+                        stacks_path,
+                    )
+                )
                 continue
             with open(log_path, "wb") as log_file:
                 proc = subprocess.Popen(
@@ -278,8 +295,15 @@ class RankPool:
                 )
             procs.append((rank, proc, log_path, stacks_path))
 
-    def _rank_spec(self, rank: int, address: str, authkey: bytes, pg_timeout: float,
-                   stacks_path: str, env: Mapping[str, str]) -> dict[str, Any]:
+    def _rank_spec(
+        self,
+        rank: int,
+        address: str,
+        authkey: bytes,
+        pg_timeout: float,
+        stacks_path: str,
+        env: Mapping[str, str],
+    ) -> dict[str, Any]:
         """What rank ``rank`` is started with (``worker.main``'s argument)."""
         spec: dict[str, Any] = {
             "address": address,
@@ -299,8 +323,9 @@ class RankPool:
             spec["devices"] = list(self.devices)  # the worker takes devices[rank]
         return spec
 
-    def _accept(self, listener: Listener, procs: list[Any],
-                deadline: float) -> dict[int, Connection]:
+    def _accept(
+        self, listener: Listener, procs: list[Any], deadline: float
+    ) -> dict[int, Connection]:
         conns: dict[int, Connection] = {}
         listener._listener._socket.settimeout(0.2)  # type: ignore[attr-defined]
         while len(conns) < self.world_size:
@@ -321,8 +346,7 @@ class RankPool:
             conns[hello["rank"]] = conn
         return conns
 
-    def _await_ready(self, conns: dict[int, Connection], procs: list[Any],
-                     deadline: float) -> None:
+    def _await_ready(self, conns: dict[int, Connection], procs: list[Any], deadline: float) -> None:
         # Every rank reports once its process group is up (or the error that stopped it).
         for rank, conn in conns.items():
             remaining = max(0.1, deadline - time.monotonic())
@@ -338,8 +362,11 @@ class RankPool:
                     dead.wait(2.0)
                 except subprocess.TimeoutExpired:
                     pass
-                raise HarnessError(self._start_failure(
-                    procs, f"rank {rank} exited while joining the process group")) from None
+                raise HarnessError(
+                    self._start_failure(
+                        procs, f"rank {rank} exited while joining the process group"
+                    )
+                ) from None
             if status != "ready":
                 raise HarnessError(f"rank {rank} could not join the process group:\n{detail}")
 
@@ -463,8 +490,10 @@ class RankPool:
                         f"timeout of {seconds(timeout)}{note}); its stacks:"
                     )
                 else:
-                    why = (f"no result after the check's timeout of {seconds(timeout)}{note}; "
-                           "its stacks:")
+                    why = (
+                        f"no result after the check's timeout of {seconds(timeout)}{note}; "
+                        "its stacks:"
+                    )
                 outcomes[r.rank] = RankOutcome(r.rank, "hung", detail=f"{why}\n{dumps[r.rank]}")
         if any(o.status not in ("ok", "skip") for o in outcomes.values()):
             self.broken = True
@@ -496,8 +525,9 @@ class RankPool:
             )
         got_id, status, value, detail, caught = message
         if got_id != task_id:  # an invariant of the protocol, not user input
-            return RankOutcome(r.rank, "error",
-                               detail=f"protocol error: task {got_id} != {task_id}")
+            return RankOutcome(
+                r.rank, "error", detail=f"protocol error: task {got_id} != {task_id}"
+            )
         return RankOutcome(r.rank, status, value=value, detail=detail, warnings=tuple(caught))
 
     def _dump_stacks(self, ranks: Sequence[_Rank]) -> dict[int, str]:
@@ -520,8 +550,9 @@ class RankPool:
         return dumps
 
 
-def checked_devices(world_size: int, device_type: str,
-                    devices: Sequence[int] | None) -> tuple[int, ...] | None:
+def checked_devices(
+    world_size: int, device_type: str, devices: Sequence[int] | None
+) -> tuple[int, ...] | None:
     """A pool's CUDA devices by rank (:class:`RankPool`'s ``devices``), or a
     :class:`HarnessError` where they cannot hold ``world_size`` ranks; None on CPU."""
     if devices is None or device_type != "cuda":
@@ -529,7 +560,8 @@ def checked_devices(world_size: int, device_type: str,
     if len(devices) < world_size:
         raise HarnessError(
             f"{world_size} CUDA ranks need {world_size} devices, given {len(devices)} "
-            f"({list(devices)})")
+            f"({list(devices)})"
+        )
     return tuple(devices[:world_size])
 
 

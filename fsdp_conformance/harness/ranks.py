@@ -94,8 +94,9 @@ def share_shortfall(world_size: int, visible: int, share: GpuShare, flag: str) -
     )
 
 
-def lane_unavailable(lane: str, world_size: int, flag_style: FlagStyle = "pytest",
-                     share: GpuShare = GpuShare()) -> str | None:
+def lane_unavailable(
+    lane: str, world_size: int, flag_style: FlagStyle = "pytest", share: GpuShare = GpuShare()
+) -> str | None:
     """Why this lane cannot run at this world size here, or None when it can.
 
     The one decision: the plugin's ``pytest_runtest_setup`` asks it for every test (before any
@@ -171,8 +172,7 @@ class Ranks:
         return dataclasses.replace(self, **changes)
 
     def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
-        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style,
-                                       self.gpu_share)
+        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style, self.gpu_share)
         if unavailable:
             raise CheckSkipped(unavailable)
         if self.launcher is not None:

@@ -55,9 +55,14 @@ class HarnessSession:
     see :meth:`exit`.
     """
 
-    def __init__(self, *, check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
-                 signals: Sequence[int] = interrupts.HANDLED, only_default: bool = False,
-                 owns_exit: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        check_timeout: float = DEFAULT_CHECK_TIMEOUT_S,
+        signals: Sequence[int] = interrupts.HANDLED,
+        only_default: bool = False,
+        owns_exit: bool = False,
+    ) -> None:
         self.check_timeout = check_timeout
         self.signals = tuple(signals)
         self.only_default = only_default
@@ -99,8 +104,12 @@ class HarnessSession:
     def __enter__(self) -> HarnessSession:
         return self.open()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     # -- signals -------------------------------------------------------------------------------
@@ -120,8 +129,11 @@ class HarnessSession:
         killed, every rank folder removed, later signals ignored. Returns the interruption
         (a plain ``KeyboardInterrupt`` counts as SIGINT), whose ``exit_code`` the run ends
         with."""
-        stopped = exc if isinstance(exc, interrupts.Interrupted) else (
-            interrupts.Interrupted(signal.SIGINT))
+        stopped = (
+            exc
+            if isinstance(exc, interrupts.Interrupted)
+            else (interrupts.Interrupted(signal.SIGINT))
+        )
         close_all_pools()
         interrupts.ignore_from_now_on(self.signals)
         return stopped
@@ -156,8 +168,9 @@ class HarnessSession:
         """Whether this process joined an external launcher's group (:meth:`launch`)."""
         return self._launcher is not None
 
-    def launch(self, backend: str, *, hang_stream: HangStream | None = None
-               ) -> LauncherRunner | None:
+    def launch(
+        self, backend: str, *, hang_stream: HangStream | None = None
+    ) -> LauncherRunner | None:
         """This rank's runner on the launch's process group where an external launcher
         (torchrun, srun) started the process; None where it did not.
 
@@ -170,9 +183,11 @@ class HarnessSession:
             if not launched_externally():
                 return None
             options: dict[str, Any] = {} if hang_stream is None else {"hang_stream": hang_stream}
-            self._launcher = LauncherRunner(None if backend == "auto" else backend,
-                                            pg_timeout=pg_timeout_for(self.check_timeout),
-                                            **options)
+            self._launcher = LauncherRunner(
+                None if backend == "auto" else backend,
+                pg_timeout=pg_timeout_for(self.check_timeout),
+                **options,
+            )
         return self._launcher
 
     def launch_exit_codes(self, code: int) -> list[int]:

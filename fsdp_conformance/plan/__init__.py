@@ -43,20 +43,28 @@ from fsdp_conformance.plan.report import format_comparison, format_plan, plan_re
 from fsdp_conformance.plan.verify import verify_fsdp2_shards
 
 
-def plan_command(choice: ModelChoice, settings: PlanSettings, world_size: int,
-                 devices: Sequence[int], *, verify: bool = True, compare: bool = False,
-                 world_sizes: Sequence[int] = CLAIM_WORLD_SIZES,
-                 max_world_size: int = MAX_WORLD_SIZE,
-                 full_tree: bool = False,
-                 reserve: DeviceReserve = DEFAULT_RESERVE) -> tuple[str, dict[str, Any]]:
+def plan_command(
+    choice: ModelChoice,
+    settings: PlanSettings,
+    world_size: int,
+    devices: Sequence[int],
+    *,
+    verify: bool = True,
+    compare: bool = False,
+    world_sizes: Sequence[int] = CLAIM_WORLD_SIZES,
+    max_world_size: int = MAX_WORLD_SIZE,
+    full_tree: bool = False,
+    reserve: DeviceReserve = DEFAULT_RESERVE,
+) -> tuple[str, dict[str, Any]]:
     """What ``fsdp-conformance plan`` prints: (text for people, data for tools: the ``--json``).
 
     ``compare``: the policies side by side at ``world_sizes``; otherwise the plan at
     ``world_size``, with the FSDP2 cross-check when ``verify`` and the version is fsdp2.
     """
     if compare:
-        data = compare_policies(choice, settings, world_sizes, devices,
-                                max_world_size=max_world_size, reserve=reserve)
+        data = compare_policies(
+            choice, settings, world_sizes, devices, max_world_size=max_world_size, reserve=reserve
+        )
         return format_comparison(data), data
     model = build_meta_model(choice)
     plan = plan_model(choice, settings, model)

@@ -35,7 +35,8 @@ from fsdp_conformance.units import UnitInfo
 #: profiled again): several policies, shard groups or offload choices planned on one model
 #: (:func:`compare_policies`, the HSDP and offload alternatives) cost one forward.
 _MODULE_PROFILES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ActivationProfile]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 #: The same profiles of reference models and presets, by spec for the whole process: their spec
 #: (a frozen config) names the model, its forward included, so another meta build of it (another
 #: plan or command in one process) costs its build and not another forward. A user's factory
@@ -57,18 +58,27 @@ def _profiles_of(model: Any, choice: ModelChoice) -> dict[tuple[Any, ...], Activ
 #: sequence and the attention kernel: :func:`profile_step_activations`), each set to one value
 #: in the cache key; a setting not named here keeps its own profile.
 _NOT_IN_FORWARD: dict[str, Any] = {
-    "policy": POLICIES[0], "checkpointing": "none", "version": "fsdp2", "param_dtype": "fp32",
-    "optimizer": "none", "shard_group_size": None, "cpu_offload": False}
+    "policy": POLICIES[0],
+    "checkpointing": "none",
+    "version": "fsdp2",
+    "param_dtype": "fp32",
+    "optimizer": "none",
+    "shard_group_size": None,
+    "cpu_offload": False,
+}
 
 
-def activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
-                         settings: PlanSettings) -> ActivationProfile:
+def activations_by_unit(
+    model: Any, choice: ModelChoice, units: Sequence[UnitInfo], settings: PlanSettings
+) -> ActivationProfile:
     """:func:`profile_step_activations` for ``units``, regrouped from the model's per-module
     profile. Exact: a tensor is counted for the innermost module running when it is made or
     saved, and a unit's share is that of the modules it owns (profile.profile_activations)."""
     modules = list(model.named_modules())
-    shape = (tuple((name, type(m)) for name, m in modules),
-             tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
+    shape = (
+        tuple((name, type(m)) for name, m in modules),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()),
+    )
     key = (choice.spec, choice.label, dataclasses.replace(settings, **_NOT_IN_FORWARD), shape)
     profiles = _profiles_of(model, choice)
     names = {id(m): name for name, m in modules}
@@ -82,10 +92,14 @@ def activations_by_unit(model: Any, choice: ModelChoice, units: Sequence[UnitInf
         saved[unit] += fine.saved_bytes[names[module_id]]
         produced[unit] += fine.produced_bytes[names[module_id]]
     return ActivationProfile(
-        input_bytes=fine.input_bytes, saved_bytes=saved, produced_bytes=produced,
+        input_bytes=fine.input_bytes,
+        saved_bytes=saved,
+        produced_bytes=produced,
         entry_bytes={u.fqn: fine.entry_bytes.get(u.fqn, 0) for u in units},
-        forward_flops={u.fqn: fine.forward_flops[u.fqn] for u in units
-                       if u.fqn in fine.forward_flops})
+        forward_flops={
+            u.fqn: fine.forward_flops[u.fqn] for u in units if u.fqn in fine.forward_flops
+        },
+    )
 
 
 #: How many blocks of a deep reference model or preset the forward on meta runs: the first, one
@@ -116,9 +130,14 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
     config = spec.config
     depth = getattr(config, "num_layers", None)
     layers = getattr(model, "layers", None)
-    if (not _named_by_spec(choice) or config is None or not isinstance(depth, int)
-            or depth <= PROFILED_BLOCKS or not isinstance(layers, torch.nn.ModuleList)
-            or len(layers) != depth):
+    if (
+        not _named_by_spec(choice)
+        or config is None
+        or not isinstance(depth, int)
+        or depth <= PROFILED_BLOCKS
+        or not isinstance(layers, torch.nn.ModuleList)
+        or len(layers) != depth
+    ):
         return whole()
     short_config = dataclasses.replace(config, num_layers=PROFILED_BLOCKS)
     short = dataclasses.replace(choice, spec=dataclasses.replace(spec, config=short_config))
@@ -145,12 +164,17 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
         saved_bytes={n: fine.saved_bytes[source(n)] for n in names},
         produced_bytes={n: fine.produced_bytes[source(n)] for n in names},
         entry_bytes={n: fine.entry_bytes[source(n)] for n in names},
-        forward_flops={n: fine.forward_flops[source(n)] + (more if n in ("", "layers") else 0)
-                       for n in names if source(n) in fine.forward_flops})
+        forward_flops={
+            n: fine.forward_flops[source(n)] + (more if n in ("", "layers") else 0)
+            for n in names
+            if source(n) in fine.forward_flops
+        },
+    )
 
 
-def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[UnitInfo],
-                             settings: PlanSettings) -> ActivationProfile:
+def profile_step_activations(
+    model: Any, choice: ModelChoice, units: Sequence[UnitInfo], settings: PlanSettings
+) -> ActivationProfile:
     """profile.profile_activations in the compute dtype, with the chosen attention kernel.
 
     Parameters (not buffers: FSDP's mixed precision leaves them alone) and float inputs are
@@ -159,11 +183,12 @@ def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[Un
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        settings.compute_dtype]
+        settings.compute_dtype
+    ]
     batch = meta_batch(model, choice, settings)
     batch = tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        batch)
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
+    )
     with _params_in(model, dtype), _attention(settings.attention):
         try:
             return profile_activations(model, batch, units)
@@ -174,7 +199,8 @@ def profile_step_activations(model: Any, choice: ModelChoice, units: Sequence[Un
                 f"the forward of {choice.label} on meta failed ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); planning needs a forward "
                 "that runs on meta tensors (no .item(), no data-dependent shapes); pass "
-                "--input pkg.module:builder if the default batch does not fit the model") from None
+                "--input pkg.module:builder if the default batch does not fit the model"
+            ) from None
 
 
 @contextlib.contextmanager
@@ -207,8 +233,10 @@ def _attention(kind: str) -> Iterator[None]:
     op = _compat.flash_attention_cpu_op() if kind == "flash" else None
     if op is None:
         if kind == "flash":
-            raise PlanError(f"torch {torch.__version__} has no fused attention op with a meta "
-                            "kernel; rerun with --attention math (saves seq x seq weights)")
+            raise PlanError(
+                f"torch {torch.__version__} has no fused attention op with a meta "
+                "kernel; rerun with --attention math (saves seq x seq weights)"
+            )
         yield
         return
 
@@ -224,9 +252,15 @@ def _attention(kind: str) -> Iterator[None]:
                 names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
                 kwargs.update(zip(names, rest))
                 if not kwargs.get("enable_gqa"):
-                    out = fused(q, k, v, dropout_p=kwargs.get("dropout_p", 0.0),
-                             is_causal=kwargs.get("is_causal", False),
-                             attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))
+                    out = fused(
+                        q,
+                        k,
+                        v,
+                        dropout_p=kwargs.get("dropout_p", 0.0),
+                        is_causal=kwargs.get("is_causal", False),
+                        attn_mask=kwargs.get("attn_mask"),
+                        scale=kwargs.get("scale"),
+                    )
                     return out[0]
             return func(*args, **kwargs)
 

@@ -63,10 +63,12 @@ class DeviceReserve(PlainData):
         return self.cuda_context + self.nccl + self.cublas_workspaces
 
     def describe(self) -> str:
-        return (f"{format_bytes(self.total, 'decimal')} kept free per device (CUDA context "
-                f"{format_bytes(self.cuda_context, 'decimal')}, NCCL "
-                f"{format_bytes(self.nccl, 'decimal')}, cuBLAS workspaces "
-                f"{format_bytes(self.cublas_workspaces, 'decimal')})")
+        return (
+            f"{format_bytes(self.total, 'decimal')} kept free per device (CUDA context "
+            f"{format_bytes(self.cuda_context, 'decimal')}, NCCL "
+            f"{format_bytes(self.nccl, 'decimal')}, cuBLAS workspaces "
+            f"{format_bytes(self.cublas_workspaces, 'decimal')})"
+        )
 
     @classmethod
     def of_total(cls, total: int) -> DeviceReserve:
@@ -85,12 +87,13 @@ MAX_WORLD_SIZE = 65536
 #: Terms of the bound that shrink with the world size; the rest is the per-rank floor.
 SHARDED_TERMS = ("sharded params", "sharded grads", "optimizer state")
 #: The bound's transient terms of the unit being gathered (its working set).
-UNIT_TERMS = ("unsharded params", "unsharded grads", "all-gather buffers",
-              "reduce-scatter buffers")
+UNIT_TERMS = ("unsharded params", "unsharded grads", "all-gather buffers", "reduce-scatter buffers")
 ACTIVATION_TERMS = ("input batch", "saved activations", "activation working set")
 #: The seeds' sentence, quoted by the claim table.
-SEEDS_CLAIM = ("a generic 70B parameter model requires approximately 140GB of system RAM just to "
-               "hold the float16 weights")
+SEEDS_CLAIM = (
+    "a generic 70B parameter model requires approximately 140GB of system RAM just to "
+    "hold the float16 weights"
+)
 
 
 # ============================================================================================
@@ -139,13 +142,18 @@ class ModelPlan:
 
     def step_config(self, world_size: int) -> StepConfig:
         s = self.settings
-        return StepConfig(world_size=world_size, version=s.version,
-                          param_bytes=DTYPE_BYTES[s.param_dtype],
-                          compute_bytes=DTYPE_BYTES[s.compute_dtype],
-                          optimizer=s.optimizer_name, buffer_bytes=self.buffer_bytes,
-                          activations=self.activations, checkpointed=self.checkpointed,
-                          shard_group=self._shard_group(world_size),
-                          offload=s.cpu_offload)
+        return StepConfig(
+            world_size=world_size,
+            version=s.version,
+            param_bytes=DTYPE_BYTES[s.param_dtype],
+            compute_bytes=DTYPE_BYTES[s.compute_dtype],
+            optimizer=s.optimizer_name,
+            buffer_bytes=self.buffer_bytes,
+            activations=self.activations,
+            checkpointed=self.checkpointed,
+            shard_group=self._shard_group(world_size),
+            offload=s.cpu_offload,
+        )
 
     def host_bytes(self, world_size: int) -> int:
         """Host memory per rank under CPU offload (0 without)."""
@@ -154,9 +162,11 @@ class ModelPlan:
     def _shard_group(self, world_size: int) -> int | None:
         group = self.settings.shard_group_size
         if group is not None and (group > world_size or world_size % group):
-            raise PlanError(f"world size {world_size:,} is not a multiple of the shard group "
-                            f"size {group:,} (HSDP: replicas x shard group); choose a world "
-                            f"size such as {group * max(1, world_size // group):,}")
+            raise PlanError(
+                f"world size {world_size:,} is not a multiple of the shard group "
+                f"size {group:,} (HSDP: replicas x shard group); choose a world "
+                f"size such as {group * max(1, world_size // group):,}"
+            )
         return group
 
     def with_settings(self, **changes: Any) -> ModelPlan:
@@ -192,10 +202,17 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
     activations = activations_by_unit(model, choice, units, settings)
     blocks = tuple(c.__name__ for c in built.blocks)
-    return ModelPlan(choice=choice, settings=settings, model_class=type(model).__name__,
-                     units=units, activations=activations, buffer_bytes=buffer_bytes,
-                     param_shapes=shapes, seconds=time.perf_counter() - start,
-                     block_names=blocks)
+    return ModelPlan(
+        choice=choice,
+        settings=settings,
+        model_class=type(model).__name__,
+        units=units,
+        activations=activations,
+        buffer_bytes=buffer_bytes,
+        param_shapes=shapes,
+        seconds=time.perf_counter() - start,
+        block_names=blocks,
+    )
 
 
 # ============================================================================================
@@ -212,8 +229,13 @@ def breakdown(bound: Bound) -> dict[str, int]:
     sharded = term_sum(bound, SHARDED_TERMS)
     unit = term_sum(bound, UNIT_TERMS)
     acts = term_sum(bound, ACTIVATION_TERMS)
-    return {"sharded_state": sharded, "unit_working_set": unit, "activations": acts,
-            "other": bound.total - sharded - unit - acts, "total": bound.total}
+    return {
+        "sharded_state": sharded,
+        "unit_working_set": unit,
+        "activations": acts,
+        "other": bound.total - sharded - unit - acts,
+        "total": bound.total,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +255,12 @@ class DevicesNeeded(PlainData):
     reason: str
 
 
-def devices_needed(plan: ModelPlan, device_bytes: int,
-                   max_world_size: int = MAX_WORLD_SIZE,
-                   reserve: DeviceReserve = DEFAULT_RESERVE) -> DevicesNeeded:
+def devices_needed(
+    plan: ModelPlan,
+    device_bytes: int,
+    max_world_size: int = MAX_WORLD_SIZE,
+    reserve: DeviceReserve = DEFAULT_RESERVE,
+) -> DevicesNeeded:
     """Smallest W in 1..max_world_size with ``estimate(W).total <= device_bytes - reserve``.
 
     Bisection: the estimate falls with W (sharded state ~ 1/W); the only terms that can rise
@@ -243,6 +268,7 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
     device. When even ``max_world_size`` does not fit, the floor (all but the sharded state)
     is what no number of devices can remove: say which part of it is too big.
     """
+
     def total(w: int) -> int:
         return plan.estimate(w).total
 
@@ -252,9 +278,15 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
     top = plan.estimate(max_world_size)
     floor = top.total - term_sum(top, SHARDED_TERMS)
     if top.total > usable:
-        return DevicesNeeded(device_bytes, reserve.total, None, top.total, floor, max_world_size,
-                             _never_fits_reason(plan, top, device_bytes, reserve,
-                                                max_world_size))
+        return DevicesNeeded(
+            device_bytes,
+            reserve.total,
+            None,
+            top.total,
+            floor,
+            max_world_size,
+            _never_fits_reason(plan, top, device_bytes, reserve, max_world_size),
+        )
     if total(1) <= usable:
         w = 1
     else:
@@ -264,17 +296,22 @@ def devices_needed(plan: ModelPlan, device_bytes: int,
             lo, hi = (lo, mid) if total(mid) <= usable else (mid, hi)
         w = hi
     at = plan.estimate(w)
-    reason = (f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, 'decimal')} per rank "
-              f"<= {format_bytes(usable, 'decimal')} ({_less_reserve(device_bytes, reserve)})"
-              + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})"
-                 if w > 1 else "")
-              + (f"; host memory {format_bytes(plan.host_bytes(w), 'decimal')} per rank (cpu "
-                 "offload)" if plan.settings.cpu_offload else ""))
+    reason = (
+        f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, 'decimal')} per rank "
+        f"<= {format_bytes(usable, 'decimal')} ({_less_reserve(device_bytes, reserve)})"
+        + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})" if w > 1 else "")
+        + (
+            f"; host memory {format_bytes(plan.host_bytes(w), 'decimal')} per rank (cpu offload)"
+            if plan.settings.cpu_offload
+            else ""
+        )
+    )
     return DevicesNeeded(device_bytes, reserve.total, w, at.total, floor, max_world_size, reason)
 
 
-def _hsdp_needed(plan: ModelPlan, device_bytes: int, max_world_size: int,
-                 reserve: DeviceReserve) -> DevicesNeeded:
+def _hsdp_needed(
+    plan: ModelPlan, device_bytes: int, max_world_size: int, reserve: DeviceReserve
+) -> DevicesNeeded:
     """Under HSDP the per-rank estimate follows the shard group, whatever the replicas: it fits
     at one shard group (and at every multiple of it) or at none; the smallest shard group that
     fits is full sharding's answer."""
@@ -282,76 +319,111 @@ def _hsdp_needed(plan: ModelPlan, device_bytes: int, max_world_size: int,
     at = plan.estimate(group)
     floor = at.total - term_sum(at, SHARDED_TERMS)
     usable = device_bytes - reserve.total
-    full = devices_needed(plan.with_settings(shard_group_size=None), device_bytes,
-                          max_world_size, reserve)
-    smallest = (f"the smallest shard group that fits is {full.world_size:,} ranks"
-                if full.world_size is not None else "no shard group fits (" + full.reason + ")")
+    full = devices_needed(
+        plan.with_settings(shard_group_size=None), device_bytes, max_world_size, reserve
+    )
+    smallest = (
+        f"the smallest shard group that fits is {full.world_size:,} ranks"
+        if full.world_size is not None
+        else "no shard group fits (" + full.reason + ")"
+    )
     if at.total <= usable:
-        reason = (f"shard groups of {group:,} ranks (HSDP): {format_bytes(at.total, 'decimal')} "
-                  f"per rank <= {format_bytes(usable, 'decimal')} "
-                  f"({_less_reserve(device_bytes, reserve)}) at any multiple of {group:,} ranks; "
-                  f"{smallest}")
+        reason = (
+            f"shard groups of {group:,} ranks (HSDP): {format_bytes(at.total, 'decimal')} "
+            f"per rank <= {format_bytes(usable, 'decimal')} "
+            f"({_less_reserve(device_bytes, reserve)}) at any multiple of {group:,} ranks; "
+            f"{smallest}"
+        )
         return DevicesNeeded(device_bytes, reserve.total, group, at.total, floor, group, reason)
-    reason = (f"never fits with shard groups of {group:,} ranks (HSDP): "
-              f"{format_bytes(at.total, 'decimal')} per rank > {format_bytes(usable, 'decimal')} "
-              f"({_less_reserve(device_bytes, reserve)}), and more replicas do not shrink it; "
-              f"fix: a larger shard group ({smallest})")
+    reason = (
+        f"never fits with shard groups of {group:,} ranks (HSDP): "
+        f"{format_bytes(at.total, 'decimal')} per rank > {format_bytes(usable, 'decimal')} "
+        f"({_less_reserve(device_bytes, reserve)}), and more replicas do not shrink it; "
+        f"fix: a larger shard group ({smallest})"
+    )
     return DevicesNeeded(device_bytes, reserve.total, None, at.total, floor, group, reason)
 
 
 def _less_reserve(device_bytes: int, reserve: DeviceReserve) -> str:
-    return (f"{format_bytes(device_bytes, 'decimal')} less the "
-            f"{format_bytes(reserve.total, 'decimal')} device reserve")
+    return (
+        f"{format_bytes(device_bytes, 'decimal')} less the "
+        f"{format_bytes(reserve.total, 'decimal')} device reserve"
+    )
 
 
-def _never_fits_reason(plan: ModelPlan, top: Bound, device_bytes: int,
-                       reserve: DeviceReserve, max_w: int) -> str:
+def _never_fits_reason(
+    plan: ModelPlan, top: Bound, device_bytes: int, reserve: DeviceReserve, max_w: int
+) -> str:
     device = device_bytes - reserve.total
     unit = term_sum(top, UNIT_TERMS)
     acts = term_sum(top, ACTIVATION_TERMS)
     floor = top.total - term_sum(top, SHARDED_TERMS)
     largest = max(plan.units, key=lambda u: u.numel)
     name = largest.fqn or f"{plan.model_class} (root)"
-    parts = (f"largest unit {name} gathered with its grads and collective buffers "
-             f"{format_bytes(unit, 'decimal')}, activations {format_bytes(acts, 'decimal')}")
+    parts = (
+        f"largest unit {name} gathered with its grads and collective buffers "
+        f"{format_bytes(unit, 'decimal')}, activations {format_bytes(acts, 'decimal')}"
+    )
     if unit > device:
         head = f"never fits: one unit's working set alone is {format_bytes(unit, 'decimal')}"
         fix = "a policy with smaller units"
     else:
-        head = (f"never fits: {format_bytes(floor, 'decimal')} per rank does not shrink with "
-                "more ranks")
-        fix = (("a smaller per-rank batch or sequence, or activation checkpointing "
+        head = (
+            f"never fits: {format_bytes(floor, 'decimal')} per rank does not shrink with more ranks"
+        )
+        fix = (
+            (
+                "a smaller per-rank batch or sequence, or activation checkpointing "
                 "(--activation-checkpointing full or every-K)"
                 if plan.settings.checkpointing != "full"
-                else "a smaller per-rank batch or sequence")
-               if acts > unit else "a policy with smaller units")
-    return (f"{head} ({parts}) > {format_bytes(max(device, 0), 'decimal')} "
-            f"({_less_reserve(device_bytes, reserve)}) even at {max_w:,} ranks; fix: {fix}")
+                else "a smaller per-rank batch or sequence"
+            )
+            if acts > unit
+            else "a policy with smaller units"
+        )
+    return (
+        f"{head} ({parts}) > {format_bytes(max(device, 0), 'decimal')} "
+        f"({_less_reserve(device_bytes, reserve)}) even at {max_w:,} ranks; fix: {fix}"
+    )
 
 
 #: Activation checkpointing choices, cheapest (least recompute) first.
 CHECKPOINTING_OPTIONS = ("none", "every-4", "every-3", "every-2", "full")
 
 
-def checkpointing_options(plan: ModelPlan, world_size: int, device_bytes: Sequence[int],
-                          max_world_size: int = MAX_WORLD_SIZE,
-                          reserve: DeviceReserve = DEFAULT_RESERVE) -> list[dict[str, Any]]:
+def checkpointing_options(
+    plan: ModelPlan,
+    world_size: int,
+    device_bytes: Sequence[int],
+    max_world_size: int = MAX_WORLD_SIZE,
+    reserve: DeviceReserve = DEFAULT_RESERVE,
+) -> list[dict[str, Any]]:
     """Each choice of :data:`CHECKPOINTING_OPTIONS` (and the plan's own): the estimate at
     ``world_size``, the recompute per step and the devices each device size needs."""
     names = dict.fromkeys((*CHECKPOINTING_OPTIONS, plan.settings.checkpointing))
     rows = []
     for name in names:
         option = plan.with_checkpointing(name)
-        rows.append({"checkpointing": name, "checkpointed_units": len(option.checkpointed),
-                     "estimate_bytes": option.estimate(world_size).total,
-                     "recompute_flops": option.recompute_flops,
-                     "devices_needed": [devices_needed(option, d, max_world_size, reserve)
-                                        .to_dict() for d in device_bytes]})
+        rows.append(
+            {
+                "checkpointing": name,
+                "checkpointed_units": len(option.checkpointed),
+                "estimate_bytes": option.estimate(world_size).total,
+                "recompute_flops": option.recompute_flops,
+                "devices_needed": [
+                    devices_needed(option, d, max_world_size, reserve).to_dict()
+                    for d in device_bytes
+                ],
+            }
+        )
     return rows
 
 
-def cheapest_fit(options: Sequence[dict[str, Any]], plan: ModelPlan | None = None,
-                 reserve: DeviceReserve = DEFAULT_RESERVE) -> list[dict[str, Any]]:
+def cheapest_fit(
+    options: Sequence[dict[str, Any]],
+    plan: ModelPlan | None = None,
+    reserve: DeviceReserve = DEFAULT_RESERVE,
+) -> list[dict[str, Any]]:
     """Per device size: the first option (least recompute) that fits at some world size, its
     smallest world size and the room left; given ``plan``, also the smallest HSDP shard group
     with the same per-rank estimate (that world size) and fewer ranks with the sharded state
@@ -360,29 +432,43 @@ def cheapest_fit(options: Sequence[dict[str, Any]], plan: ModelPlan | None = Non
     answers = []
     for i, device in enumerate(options[0]["devices_needed"]):
         fitting = [o for o in options if o["devices_needed"][i]["world_size"] is not None]
-        best = min(fitting, key=lambda o: (o["recompute_flops"] or 0,
-                                           o["devices_needed"][i]["world_size"]), default=None)
+        best = min(
+            fitting,
+            key=lambda o: (o["recompute_flops"] or 0, o["devices_needed"][i]["world_size"]),
+            default=None,
+        )
         if best is None:
             answers.append({"device_bytes": device["device_bytes"], "checkpointing": None})
             continue
         need = best["devices_needed"][i]
-        answers.append({"device_bytes": device["device_bytes"],
-                        "checkpointing": best["checkpointing"],
-                        "world_size": need["world_size"],
-                        "estimate_bytes": need["estimate_bytes"],
-                        "room_bytes": need["device_bytes"] - need["reserve_bytes"]
-                        - need["estimate_bytes"],
-                        "recompute_flops": best["recompute_flops"],
-                        "shard_group": (need["world_size"] if plan is not None
-                                        and plan.settings.shard_group_size is None else None),
-                        "offload": _offload_fit(plan, best["checkpointing"],
-                                                device["device_bytes"], need["world_size"],
-                                                reserve)})
+        answers.append(
+            {
+                "device_bytes": device["device_bytes"],
+                "checkpointing": best["checkpointing"],
+                "world_size": need["world_size"],
+                "estimate_bytes": need["estimate_bytes"],
+                "room_bytes": need["device_bytes"] - need["reserve_bytes"] - need["estimate_bytes"],
+                "recompute_flops": best["recompute_flops"],
+                "shard_group": (
+                    need["world_size"]
+                    if plan is not None and plan.settings.shard_group_size is None
+                    else None
+                ),
+                "offload": _offload_fit(
+                    plan, best["checkpointing"], device["device_bytes"], need["world_size"], reserve
+                ),
+            }
+        )
     return answers
 
 
-def _offload_fit(plan: ModelPlan | None, checkpointing: str, device_bytes: int,
-                 world_size: int, reserve: DeviceReserve) -> dict[str, int] | None:
+def _offload_fit(
+    plan: ModelPlan | None,
+    checkpointing: str,
+    device_bytes: int,
+    world_size: int,
+    reserve: DeviceReserve,
+) -> dict[str, int] | None:
     """With the same checkpointing and the sharded state offloaded to the host: the fewest
     ranks that fit, where that is fewer than ``world_size``, and the host bytes per rank then.
     Offload removes only what shrinks with more ranks, so it lowers the ranks needed, never the
@@ -401,10 +487,16 @@ def _offload_fit(plan: ModelPlan | None, checkpointing: str, device_bytes: int,
 # ============================================================================================
 
 
-def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: Sequence[int],
-                     device_bytes: Sequence[int], policies: Sequence[PolicyName] = POLICIES,
-                     max_world_size: int = MAX_WORLD_SIZE, model: Any = None,
-                     reserve: DeviceReserve = DEFAULT_RESERVE) -> dict[str, Any]:
+def compare_policies(
+    choice: ModelChoice,
+    settings: PlanSettings,
+    world_sizes: Sequence[int],
+    device_bytes: Sequence[int],
+    policies: Sequence[PolicyName] = POLICIES,
+    max_world_size: int = MAX_WORLD_SIZE,
+    model: Any = None,
+    reserve: DeviceReserve = DEFAULT_RESERVE,
+) -> dict[str, Any]:
     """The estimate per policy and world size, and the devices each policy needs. ``model``
     (a meta model of ``choice``) is reused when given, as by :func:`plan_model`."""
     model = build_meta_model(choice) if model is None else model
@@ -415,17 +507,32 @@ def compare_policies(choice: ModelChoice, settings: PlanSettings, world_sizes: S
         largest = max(plan.units, key=lambda u: u.numel)
         for w in world_sizes:
             b = plan.estimate(w)
-            rows.append({"policy": policy, "world_size": w, "units": len(plan.units),
-                         "largest_unit": largest.fqn, "largest_unit_params": largest.numel,
-                         **breakdown(b),
-                         "fits": {str(d): b.total <= d - reserve.total
-                                  for d in device_bytes}})
-        needed[policy] = [devices_needed(plan, d, max_world_size, reserve).to_dict()
-                          for d in device_bytes]
+            rows.append(
+                {
+                    "policy": policy,
+                    "world_size": w,
+                    "units": len(plan.units),
+                    "largest_unit": largest.fqn,
+                    "largest_unit_params": largest.numel,
+                    **breakdown(b),
+                    "fits": {str(d): b.total <= d - reserve.total for d in device_bytes},
+                }
+            )
+        needed[policy] = [
+            devices_needed(plan, d, max_world_size, reserve).to_dict() for d in device_bytes
+        ]
     total = next(iter(plans.values())).total_numel
-    return {"model": {"label": choice.label, "params": total},
-            "claim": {"text": SEEDS_CLAIM if choice.spec.config == LLAMA_PRESETS["70b"] else None,
-                      "fp16_weight_bytes": total * DTYPE_BYTES["fp16"]},
-            "settings": settings.to_dict(), "world_sizes": list(world_sizes),
-            "device_bytes": list(device_bytes), "reserve": reserve.to_dict(),
-            "reserve_text": reserve.describe(), "rows": rows, "devices_needed": needed}
+    return {
+        "model": {"label": choice.label, "params": total},
+        "claim": {
+            "text": SEEDS_CLAIM if choice.spec.config == LLAMA_PRESETS["70b"] else None,
+            "fp16_weight_bytes": total * DTYPE_BYTES["fp16"],
+        },
+        "settings": settings.to_dict(),
+        "world_sizes": list(world_sizes),
+        "device_bytes": list(device_bytes),
+        "reserve": reserve.to_dict(),
+        "reserve_text": reserve.describe(),
+        "rows": rows,
+        "devices_needed": needed,
+    }

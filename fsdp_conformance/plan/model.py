@@ -33,6 +33,7 @@ OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
 #: also saves the seq x seq attention weights.
 ATTENTION = ("flash", "math")
 
+
 class PlanError(ValueError):
     """Bad input to the planner; the message names the problem and the fix (exit code 2)."""
 
@@ -51,8 +52,10 @@ def checkpoint_every(checkpointing: str) -> int:
     head, _, k = checkpointing.partition("-")
     if head == "every" and k.isdigit() and int(k) >= 2:
         return int(k)
-    raise PlanError(f"activation checkpointing {checkpointing!r} is not one of none, full, "
-                    "every-K (K >= 2: blocks 0, K, 2K, ... checkpointed); e.g. every-2")
+    raise PlanError(
+        f"activation checkpointing {checkpointing!r} is not one of none, full, "
+        "every-K (K >= 2: blocks 0, K, 2K, ... checkpointed); e.g. every-2"
+    )
 
 
 def describe_checkpointing(checkpointing: str) -> str:
@@ -95,17 +98,24 @@ class PlanSettings:
         checkpoint_every(self.checkpointing)  # raises PlanError naming the accepted forms
         if self.shard_group_size is not None and self.shard_group_size < 1:
             raise PlanError(f"--shard-group-size must be >= 1, got {self.shard_group_size}")
-        for name, allowed in (("policy", POLICIES), ("version", ("fsdp1", "fsdp2")),
-                              ("param_dtype", tuple(DTYPE_BYTES)),
-                              ("compute_dtype", tuple(DTYPE_BYTES)),
-                              ("optimizer", OPTIMIZERS), ("attention", ATTENTION)):
+        for name, allowed in (
+            ("policy", POLICIES),
+            ("version", ("fsdp1", "fsdp2")),
+            ("param_dtype", tuple(DTYPE_BYTES)),
+            ("compute_dtype", tuple(DTYPE_BYTES)),
+            ("optimizer", OPTIMIZERS),
+            ("attention", ATTENTION),
+        ):
             if getattr(self, name) not in allowed:
-                raise PlanError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of "
-                                f"{', '.join(allowed)}")
+                raise PlanError(
+                    f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of "
+                    f"{', '.join(allowed)}"
+                )
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise PlanError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
 
     @property
     def optimizer_name(self) -> str | None:
@@ -113,15 +123,23 @@ class PlanSettings:
 
     def describe(self) -> str:
         opt = "no optimizer" if self.optimizer == "none" else f"{self.optimizer} state"
-        return (f"{self.version}; sharded params, grads and {opt} in {self.param_dtype}; "
-                f"gathered params, unsharded grads, collectives and activations in "
-                f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
-                f"{self.attention} attention"
-                + ("" if self.checkpointing == "none"
-                   else f", activation checkpointing {describe_checkpointing(self.checkpointing)}")
-                + ("" if self.shard_group_size is None
-                   else f", HSDP with shard groups of {self.shard_group_size} ranks")
-                + (", sharded state offloaded to the host" if self.cpu_offload else ""))
+        return (
+            f"{self.version}; sharded params, grads and {opt} in {self.param_dtype}; "
+            f"gathered params, unsharded grads, collectives and activations in "
+            f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
+            f"{self.attention} attention"
+            + (
+                ""
+                if self.checkpointing == "none"
+                else f", activation checkpointing {describe_checkpointing(self.checkpointing)}"
+            )
+            + (
+                ""
+                if self.shard_group_size is None
+                else f", HSDP with shard groups of {self.shard_group_size} ranks"
+            )
+            + (", sharded state offloaded to the host" if self.cpu_offload else "")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,30 +155,44 @@ class ModelChoice:
     full_scale: bool = False
 
 
-def choose_model(*, preset: str | None = None, reference: str | None = None,
-                 factory: str | None = None, block_cls: str | None = None,
-                 min_params: int | None = None, layers: int | None = None,
-                 dim: int | None = None, input_builder: str | None = None) -> ModelChoice:
+def choose_model(
+    *,
+    preset: str | None = None,
+    reference: str | None = None,
+    factory: str | None = None,
+    block_cls: str | None = None,
+    min_params: int | None = None,
+    layers: int | None = None,
+    dim: int | None = None,
+    input_builder: str | None = None,
+) -> ModelChoice:
     """A preset, a (small) reference model or the user's factory, with one clear error each."""
-    given = [n for n, v in (("--preset", preset), ("--reference", reference), ("--model", factory))
-             if v is not None]
+    given = [
+        n
+        for n, v in (("--preset", preset), ("--reference", reference), ("--model", factory))
+        if v is not None
+    ]
     if len(given) != 1:
         problem = "name one model, not " + " and ".join(given) if given else "no model given"
         raise PlanError(
             f"{problem}: "
             f"pass --preset ({', '.join(PRESETS)}), --reference NAME "
-            f"({', '.join(REFERENCE_MODELS)}) or --model pkg.module:factory --block-cls CLASS")
+            f"({', '.join(REFERENCE_MODELS)}) or --model pkg.module:factory --block-cls CLASS"
+        )
     if min_params is not None and min_params < 1:
         raise PlanError(f"--min-params must be >= 1, got {min_params}")
     if factory is None and (block_cls or input_builder):
         raise PlanError("--block-cls and --input go with --model pkg.module:factory")
     if preset is not None:
         if layers is not None or dim is not None:
-            raise PlanError("--layers and --dim change a --reference model; a preset has its "
-                            "own shape (use --reference llama --layers N --dim D instead)")
+            raise PlanError(
+                "--layers and --dim change a --reference model; a preset has its "
+                "own shape (use --reference llama --layers N --dim D instead)"
+            )
         if preset == "seeds":
-            spec = ModelSpec(reference="massive", config=ModelConfig.seeds_full_scale(),
-                             min_params=min_params)
+            spec = ModelSpec(
+                reference="massive", config=ModelConfig.seeds_full_scale(), min_params=min_params
+            )
             return ModelChoice(spec, "the seeds' MassiveModel at full scale", full_scale=True)
         if preset not in LLAMA_PRESETS:
             raise PlanError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -168,10 +200,11 @@ def choose_model(*, preset: str | None = None, reference: str | None = None,
         return ModelChoice(spec, f"Llama {preset} preset", full_scale=True)
     if reference is not None:
         if reference not in REFERENCE_MODELS:
-            raise PlanError(f"unknown reference model {reference!r}; choose one of "
-                            f"{', '.join(REFERENCE_MODELS)} (or --preset {', '.join(PRESETS)})")
-        config: ModelConfig | LlamaConfig = (LlamaConfig() if reference == "llama"
-                                             else ModelConfig())
+            raise PlanError(
+                f"unknown reference model {reference!r}; choose one of "
+                f"{', '.join(REFERENCE_MODELS)} (or --preset {', '.join(PRESETS)})"
+            )
+        config: ModelConfig | LlamaConfig = LlamaConfig() if reference == "llama" else ModelConfig()
         # Any: mypy's dataclasses.replace plugin checks **changes against every field of the
         # union's members (their field sets differ), so dict[str, int] reads as "Never".
         changes: dict[str, Any] = {
@@ -186,8 +219,13 @@ def choose_model(*, preset: str | None = None, reference: str | None = None,
     if layers is not None or dim is not None:
         raise PlanError("--layers and --dim change a --reference model, not a --model factory")
     blocks = tuple(b.strip() for b in block_cls.split(",") if b.strip()) if block_cls else None
-    spec = ModelSpec(reference=None, factory=factory, block_cls=blocks, min_params=min_params,
-                     input_builder=input_builder)
+    spec = ModelSpec(
+        reference=None,
+        factory=factory,
+        block_cls=blocks,
+        min_params=min_params,
+        input_builder=input_builder,
+    )
     return ModelChoice(spec, f"{factory}")
 
 
@@ -206,7 +244,8 @@ def _require_meta(model: Any, choice: ModelChoice) -> None:
         raise PlanError(
             f"{choice.label} builds tensors on {', '.join(sorted(where - {'meta'}))} even under "
             "torch.device('meta'); create parameters without an explicit device= in the factory "
-            "so planning allocates nothing")
+            "so planning allocates nothing"
+        )
 
 
 def meta_batch(model: Any, choice: ModelChoice, settings: PlanSettings) -> Any:
@@ -246,6 +285,9 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
         parts = [p for p in text.replace(" ", ",").split(",") if p]
         if all(p.lstrip("-").isdigit() for p in parts):
             raise PlanError(
-                f"--world-sizes {text!r} needs integers >= 1, e.g. 8,64,512,1024") from None
-        raise PlanError(f"--world-sizes {text!r} is not a comma-separated list of integers; "
-                        "write e.g. 8,64,512,1024") from None
+                f"--world-sizes {text!r} needs integers >= 1, e.g. 8,64,512,1024"
+            ) from None
+        raise PlanError(
+            f"--world-sizes {text!r} is not a comma-separated list of integers; "
+            "write e.g. 8,64,512,1024"
+        ) from None

@@ -39,8 +39,10 @@ def verify_fsdp2_shards(plan: ModelPlan, world_size: int, model: Any = None) -> 
     from fsdp_conformance.units import fsdp2_units, unit_differences
 
     if dist.is_available() and dist.is_initialized():
-        return {"skipped": "this process already has a default process group; the fake one "
-                           "needs its own (run the plan in a fresh process)"}
+        return {
+            "skipped": "this process already has a default process group; the fake one "
+            "needs its own (run the plan in a fresh process)"
+        }
     start = time.perf_counter()
     model = build_meta_model(plan.choice) if model is None else model
     store = _compat.fake_store_cls()()  # importing its module registers the "fake" backend
@@ -59,18 +61,30 @@ def verify_fsdp2_shards(plan: ModelPlan, world_size: int, model: Any = None) -> 
         got = by_fqn.get(u.fqn)
         padded = fsdp2_padded_local_numel(plan, u, world_size)
         local = got.local_numel if got is not None else None
-        rows.append({"fqn": u.fqn, "numel": u.numel, "local_numel": local,
-                     "padded_numel": padded, "ceil_numel": -(-u.numel // world_size)})
+        rows.append(
+            {
+                "fqn": u.fqn,
+                "numel": u.numel,
+                "local_numel": local,
+                "padded_numel": padded,
+                "ceil_numel": -(-u.numel // world_size),
+            }
+        )
         if local != padded:
             mismatched.append(u.fqn or "(root)")
     structure = unit_differences(plan.units, actual, compare=("cls", "numel"))
     ceil_total = sum(r["ceil_numel"] for r in rows)
     local_total = sum(r["local_numel"] or 0 for r in rows)
     return {
-        "world_size": world_size, "rank": 0, "seconds": time.perf_counter() - start,
-        "units": rows, "unit_differences": structure,
-        "matches": not mismatched and not structure, "mismatched": mismatched,
-        "local_numel": local_total, "ceil_numel": ceil_total,
+        "world_size": world_size,
+        "rank": 0,
+        "seconds": time.perf_counter() - start,
+        "units": rows,
+        "unit_differences": structure,
+        "matches": not mismatched and not structure,
+        "mismatched": mismatched,
+        "local_numel": local_total,
+        "ceil_numel": ceil_total,
         # What the padding adds per rank to every sharded-state term (params, grads, state).
         "padding_numel": local_total - ceil_total,
         "padding_bytes_per_state": (local_total - ceil_total)

@@ -25,6 +25,7 @@ from fsdp_conformance.claims.init.reports import (
     init_report,
     judge_weights,
     preflight,
+    preflight_failure,
     rank_errors,
 )
 from fsdp_conformance.harness import RankContext, skip_rank
@@ -50,14 +51,11 @@ def require_a_receiver(ctx: RankContext, what: str) -> None:
     size 1). On CPU FSDP1's refusal of ``sync_module_states`` is still a fact at any size.
     """
     if ctx.world_size == 1:
-        skip_rank(f"at world size 1 there is no other rank to receive rank 0's weights: "
-                  f"{what} cannot be told from its absence; run at world size >= 2 (two "
-                  "devices on the GPU lane)")
-
-
-def _failed(ctx: RankContext, error: str) -> InitReport:
-    return {"rank": ctx.rank, "error": error, "errors": [error] * ctx.world_size,
-            "device_type": ctx.device_type}
+        skip_rank(
+            f"at world size 1 there is no other rank to receive rank 0's weights: "
+            f"{what} cannot be told from its absence; run at world size >= 2 (two "
+            "devices on the GPU lane)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,16 +79,22 @@ def rank_sync_module_states(
         require_a_receiver(ctx, "sync_module_states")
     failed = preflight(spec)
     if failed:
-        return _failed(ctx, failed)
+        return preflight_failure(InitReport, ctx, failed)
     my_seed = seed + ctx.rank * rank_seed_offset
     built = build_on_meta(spec)
-    init = DeterministicParamInit(built.model, ctx.device, my_seed,
-                                  init=module_init_for(spec, built.model))
+    init = DeterministicParamInit(
+        built.model, ctx.device, my_seed, init=module_init_for(spec, built.model)
+    )
     error, refusal = None, None
     with FAULTS.inject(fault, ctx) as injected:
         try:
-            model = shard_fsdp1(built.model, ctx, built.policy("recommended"),
-                                param_init_fn=init, sync_module_states=True)
+            model = shard_fsdp1(
+                built.model,
+                ctx,
+                built.policy("recommended"),
+                param_init_fn=init,
+                sync_module_states=True,
+            )
         except ValueError as exc:
             if SYNC_REFUSAL_SNIPPET in str(exc):
                 refusal = str(exc)
@@ -98,16 +102,26 @@ def rank_sync_module_states(
                 error = describe_init_error(exc)
     errors = agree_on_failure(ctx, error or refusal)
     if any(errors):
-        return {"rank": ctx.rank, "device_type": ctx.device_type, "refusal": refusal,
-                "error": error, "errors": errors if error else None}
+        return {
+            "rank": ctx.rank,
+            "device_type": ctx.device_type,
+            "refusal": refusal,
+            "error": error,
+            "errors": errors if error else None,
+        }
     report = init_report(inspect_sharded(model, reference_model(spec, seed), ctx, "fsdp1"))
-    report.update({"device_type": ctx.device_type, "refusal": None, "error": None,
-                   "sync": "sync_off" not in injected})
+    report.update(
+        {
+            "device_type": ctx.device_type,
+            "refusal": None,
+            "error": None,
+            "sync": "sync_off" not in injected,
+        }
+    )
     return report
 
 
-def verdict_sync_module_states(values: Sequence[InitReport],
-                               params: Mapping[str, Any]) -> Verdict:
+def verdict_sync_module_states(values: Sequence[InitReport], params: Mapping[str, Any]) -> Verdict:
     """CPU: torch's refusal, on every rank, is the expected fact. GPU: rank 0's weights win."""
     if any(v.get("error") for v in values):
         error = rank_errors(values) or "a rank failed"
@@ -116,10 +130,18 @@ def verdict_sync_module_states(values: Sequence[InitReport],
         return _judge_on_cpu(values)
     verdict = judge_weights(values)
     if not verdict.passed:
-        return Verdict(False, "rank 0's weights did not reach every rank: " + verdict.message,
-                       verdict.figures, verdict.data)
-    return Verdict(True, "sync_module_states=True: rank 0's weights reached every rank; "
-                   + verdict.message, verdict.figures, verdict.data)
+        return Verdict(
+            False,
+            "rank 0's weights did not reach every rank: " + verdict.message,
+            verdict.figures,
+            verdict.data,
+        )
+    return Verdict(
+        True,
+        "sync_module_states=True: rank 0's weights reached every rank; " + verdict.message,
+        verdict.figures,
+        verdict.data,
+    )
 
 
 def _judge_on_cpu(values: Sequence[InitReport]) -> Verdict:
@@ -135,8 +157,12 @@ def _judge_on_cpu(values: Sequence[InitReport]) -> Verdict:
         )
     weights = judge_weights(values)
     if not values[0].get("sync", True):
-        return Verdict(False, "sync_module_states was off: nothing refused and nothing "
-                       f"synchronized; the weights: {weights.message}", {"refused": False})
+        return Verdict(
+            False,
+            "sync_module_states was off: nothing refused and nothing "
+            f"synchronized; the weights: {weights.message}",
+            {"refused": False},
+        )
     return Verdict(
         False,
         "torch no longer refuses sync_module_states=True on CPU (a change since 2.13: "
@@ -150,9 +176,14 @@ def _judge_on_cpu(values: Sequence[InitReport]) -> Verdict:
 # --------------------------------------------------------------------------------------------
 
 
-def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                         seed: int = 0, rank_seed_offset: int = 1000,
-                         fault: str | None = None) -> InitReport:
+def rank_broadcast_rank0(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    rank_seed_offset: int = 1000,
+    fault: str | None = None,
+) -> InitReport:
     """The CPU-capable equivalents of ``sync_module_states``: rank 0's weights to every rank.
 
     FSDP2: ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
@@ -165,7 +196,7 @@ def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, versi
     require_a_receiver(ctx, "the broadcast from rank 0")
     failed = preflight(spec)
     if failed:
-        return _failed(ctx, failed)
+        return preflight_failure(InitReport, ctx, failed)
     my_seed = seed + ctx.rank * rank_seed_offset
     mutated = None
     with FAULTS.inject(fault, ctx) as injected:
@@ -175,21 +206,27 @@ def rank_broadcast_rank0(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, versi
             model = materialize(ctx, spec, "fsdp2", "deterministic", my_seed)
             mutated = _load_rank0_state(ctx, spec, seed, model)
     report = init_report(inspect_sharded(model, reference_model(spec, seed), ctx, version))
-    report.update({"error": None, "version": version, "broadcast": "no_broadcast" not in injected,
-                   "dict_mutated": mutated})
+    report.update(
+        {
+            "error": None,
+            "version": version,
+            "broadcast": "no_broadcast" not in injected,
+            "dict_mutated": mutated,
+        }
+    )
     return report
 
 
 def _fsdp1_broadcasting(ctx: RankContext, spec: ModelSpec, seed: int) -> torch.nn.Module:
     """FSDP1 with a ``param_init_fn`` that broadcasts each module's state from rank 0."""
     built = build_on_meta(spec)
-    init = DeterministicParamInit(built.model, ctx.device, seed, broadcast_from=0,
-                                  init=module_init_for(spec, built.model))
+    init = DeterministicParamInit(
+        built.model, ctx.device, seed, broadcast_from=0, init=module_init_for(spec, built.model)
+    )
     return shard_fsdp1(built.model, ctx, built.policy("recommended"), param_init_fn=init)
 
 
-def _load_rank0_state(ctx: RankContext, spec: ModelSpec, seed: int,
-                      model: torch.nn.Module) -> bool:
+def _load_rank0_state(ctx: RankContext, spec: ModelSpec, seed: int, model: torch.nn.Module) -> bool:
     """FSDP2: rank 0's full state dict, broadcast by ``set_model_state_dict``; whether rank 0's
     dict was changed in place."""
     # Looked up at call time: the no_broadcast fault replaces it.
@@ -197,11 +234,11 @@ def _load_rank0_state(ctx: RankContext, spec: ModelSpec, seed: int,
 
     full: dict[str, torch.Tensor] = {}
     if ctx.rank == 0:
-        full = {k: v.to(ctx.device) for k, v in reference_model(spec, seed)
-                .state_dict().items()}
+        full = {k: v.to(ctx.device) for k, v in reference_model(spec, seed).state_dict().items()}
     before = {k: (id(v), v.data_ptr()) for k, v in full.items()}
     set_model_state_dict(
-        model, cast("dict[str, ValueType]", full),  # dict is invariant in its values
+        model,
+        cast("dict[str, ValueType]", full),  # dict is invariant in its values
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
     # Rank 0's dict is mutated in place (its values replaced by the model's own

@@ -34,8 +34,7 @@ class MetaBuildReport(Ranked):
     not_on_meta: list[str]
 
 
-def rank_meta_build(ctx: RankContext, spec: ModelSpec,
-                    fault: str | None = None) -> MetaBuildReport:
+def rank_meta_build(ctx: RankContext, spec: ModelSpec, fault: str | None = None) -> MetaBuildReport:
     """Build ``spec`` on meta and measure how much the process's peak memory grew.
 
     ``fault``: a negative control from :data:`~fsdp_conformance.claims.init.reports.FAULTS`
@@ -71,8 +70,12 @@ def verdict_meta_build(values: Sequence[MetaBuildReport], params: Mapping[str, A
     }
     real = [v for v in values if v["not_on_meta"]]
     if real:
-        return Verdict(False, f"rank {real[0]['rank']}: built with storage (not on meta): "
-                       f"{', '.join(real[0]['not_on_meta'])}", figures)
+        return Verdict(
+            False,
+            f"rank {real[0]['rank']}: built with storage (not on meta): "
+            f"{', '.join(real[0]['not_on_meta'])}",
+            figures,
+        )
     if worst["growth_bytes"] > allowed:
         return Verdict(
             False,
@@ -87,4 +90,3 @@ def verdict_meta_build(values: Sequence[MetaBuildReport], params: Mapping[str, A
         f"{worst['growth_bytes'] / MiB:,.2f} MiB at most (allowed {allowed / MiB:,.1f} MiB)",
         figures,
     )
-

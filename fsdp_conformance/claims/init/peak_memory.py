@@ -11,7 +11,13 @@ from typing import Any
 
 from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import FAULTS, Failure, failed_on_ranks, preflight
+from fsdp_conformance.claims.init.reports import (
+    FAULTS,
+    Failure,
+    failed_on_ranks,
+    preflight,
+    preflight_failure,
+)
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.meta_init import build_on_meta
 from fsdp_conformance.meta_materialize import materialize
@@ -65,8 +71,7 @@ def rank_peak_memory(
     """
     failed = preflight(spec)
     if failed:
-        return {"rank": ctx.rank, "error": failed, "errors": [failed] * ctx.world_size,
-                "device_type": ctx.device_type}
+        return preflight_failure(PeakReport, ctx, failed)
     built = build_on_meta(spec)
     meta = built.model
     units = plan_units(meta, built.policy(policy))
@@ -79,16 +84,25 @@ def rank_peak_memory(
     if version == "fsdp1":
         sharded = sum(math.ceil(u.numel / ctx.world_size) for u in units) * element
     else:
-        sharded = sum(
-            math.ceil(p.shape[0] / ctx.world_size) * (p.numel() // max(p.shape[0], 1))
-            if p.dim() else p.numel()
-            for p in meta.parameters()
-        ) * element
+        sharded = (
+            sum(
+                math.ceil(p.shape[0] / ctx.world_size) * (p.numel() // max(p.shape[0], 1))
+                if p.dim()
+                else p.numel()
+                for p in meta.parameters()
+            )
+            * element
+        )
     del meta, built
     # Warm-up on a tiny model: imports, the device mesh, gloo's buffers, the CUDA context and
     # first-call caches are the process's fixed costs, not the model's.
-    materialize(ctx, ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=8)),
-                version, "deterministic", seed)
+    materialize(
+        ctx,
+        ModelSpec(reference="massive", config=ModelConfig(num_layers=1, dim=8)),
+        version,
+        "deterministic",
+        seed,
+    )
     with FAULTS.inject(fault, ctx), host_or_cuda_peak(ctx) as reading:
         model = materialize(ctx, spec, version, "deterministic", seed, policy=policy)
     del model
@@ -119,11 +133,18 @@ def peak_memory_bound(value: PeakReport) -> tuple[float, str]:
     - a tolerance of PEAK_TOLERANCE_FRACTION of that plus PEAK_TOLERANCE_FIXED_MIB.
     """
     unit = value["largest_unit_bytes"]
-    bound, flatten = init_peak_bound(value["sharded_bytes"], unit, value["version"],
-                                     PEAK_TOLERANCE_FRACTION, PEAK_TOLERANCE_FIXED_MIB * MiB)
-    terms = (f"sharded {value['sharded_bytes'] / MiB:.1f} + unit {unit / MiB:.1f}"
-             + (f" + flat copy {flatten / MiB:.1f}" if flatten else "")
-             + f" MiB, +{PEAK_TOLERANCE_FRACTION:.0%} +{PEAK_TOLERANCE_FIXED_MIB:.0f} MiB")
+    bound, flatten = init_peak_bound(
+        value["sharded_bytes"],
+        unit,
+        value["version"],
+        PEAK_TOLERANCE_FRACTION,
+        PEAK_TOLERANCE_FIXED_MIB * MiB,
+    )
+    terms = (
+        f"sharded {value['sharded_bytes'] / MiB:.1f} + unit {unit / MiB:.1f}"
+        + (f" + flat copy {flatten / MiB:.1f}" if flatten else "")
+        + f" MiB, +{PEAK_TOLERANCE_FRACTION:.0%} +{PEAK_TOLERANCE_FIXED_MIB:.0f} MiB"
+    )
     return bound, terms
 
 
@@ -149,12 +170,25 @@ def verdict_peak_memory(values: Sequence[PeakReport], params: Mapping[str, Any])
     }
     note = ""
     if values[0]["device_type"] == "cpu" and not values[0]["mmap_threshold"]:
-        note = ("\n  (MALLOC_MMAP_THRESHOLD_ was not set in the rank processes: freed heap is "
-                "reused and the high-water mark is noise; run with the check's env)")
+        note = (
+            "\n  (MALLOC_MMAP_THRESHOLD_ was not set in the rank processes: freed heap is "
+            "reused and the high-water mark is noise; run with the check's env)"
+        )
     if over:
-        return Verdict(False, f"peak memory while materializing exceeds the bound on ranks "
-                       f"{over}: a rank held more than its shards plus one unit\n  "
-                       + "\n  ".join(rows) + note, figures, {"ranks": list(values)})
-    return Verdict(True, "peak memory while materializing within the bound on every rank:\n  "
-                   + "\n  ".join(rows) + note, figures, {"ranks": list(values)})
-
+        return Verdict(
+            False,
+            f"peak memory while materializing exceeds the bound on ranks "
+            f"{over}: a rank held more than its shards plus one unit\n  "
+            + "\n  ".join(rows)
+            + note,
+            figures,
+            {"ranks": list(values)},
+        )
+    return Verdict(
+        True,
+        "peak memory while materializing within the bound on every rank:\n  "
+        + "\n  ".join(rows)
+        + note,
+        figures,
+        {"ranks": list(values)},
+    )

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -52,8 +52,9 @@ SYNC_REFUSAL_SNIPPET = "requires them to be on GPU"
 
 def _seeded_by_rank(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
     # meta_init looks module_seed up at call time: every module's init draws from seed + rank.
-    return patched(meta_init, "module_seed",
-                   lambda original: lambda seed, fqn: original(seed + ctx.rank, fqn))
+    return patched(
+        meta_init, "module_seed", lambda original: lambda seed, fqn: original(seed + ctx.rank, fqn)
+    )
 
 
 def _on_device(ctx: RankContext) -> Any:
@@ -70,9 +71,12 @@ def _on_device(ctx: RankContext) -> Any:
 def _built_with_storage(ctx: RankContext) -> Iterator[None]:
     # Every ModelSpec.build lands on the compute device, and materialize (which looks
     # build_on_meta up at call time) takes the build as it is: meta_init's would refuse it.
-    with patched(ModelSpec, "build", _on_device(ctx)), \
-            patched(meta_materialize, "build_on_meta",
-                    lambda _: lambda spec: spec.instantiate(ctx.device)):
+    with (
+        patched(ModelSpec, "build", _on_device(ctx)),
+        patched(
+            meta_materialize, "build_on_meta", lambda _: lambda spec: spec.instantiate(ctx.device)
+        ),
+    ):
         yield
 
 
@@ -100,8 +104,10 @@ def _broadcast_left_out(ctx: RankContext) -> Iterator[None]:
     # full state dict with set_model_state_dict: both looked up at call time, both do nothing.
     import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
-    with patched(torch.distributed, "broadcast", lambda _: _sends_nothing), \
-            patched(dcp_state_dict, "set_model_state_dict", lambda _: _sends_nothing):
+    with (
+        patched(torch.distributed, "broadcast", lambda _: _sends_nothing),
+        patched(dcp_state_dict, "set_model_state_dict", lambda _: _sends_nothing),
+    ):
         yield
 
 
@@ -109,14 +115,17 @@ def _broadcast_left_out(ctx: RankContext) -> Iterator[None]:
 FAULTS = FaultTable(
     ranks_seeded_differently=Fault(
         "every rank seeds its modules' deterministic init with its own seed (seed + rank)",
-        _seeded_by_rank),
+        _seeded_by_rank,
+    ),
     eager_build=Fault(
         "the model is built with storage on the compute device instead of on meta",
-        _built_with_storage),
+        _built_with_storage,
+    ),
     sync_off=Fault("FSDP1 wraps without sync_module_states", _sync_left_off),
     no_broadcast=Fault(
         "rank 0's weights are never sent: the broadcast and set_model_state_dict do nothing",
-        _broadcast_left_out),
+        _broadcast_left_out,
+    ),
 )
 
 
@@ -131,6 +140,18 @@ class Failure(Ranked, total=False):
     error: str | None
     errors: list[str | None] | None
     device_type: str
+
+
+_Report = TypeVar("_Report", bound=Failure)
+
+
+def preflight_failure(report: type[_Report], ctx: RankContext, error: str) -> _Report:
+    """What a rank reports, as a ``report`` (a :class:`Failure` with optional keys only), when
+    the preflight stopped the check before any build: the same finding for every rank (each rank
+    ran the same preflight on the same spec)."""
+    return report(
+        rank=ctx.rank, error=error, errors=[error] * ctx.world_size, device_type=ctx.device_type
+    )
 
 
 class InitReport(ShardedReport, Failure, total=False):
@@ -278,8 +299,12 @@ def judge_no_meta(values: Sequence[InitReport]) -> Verdict:
     problems = [p for v in values for p in _no_meta_problems(v)]
     figures = {"ranks": len(values)}
     if problems:
-        return Verdict(False, "not every tensor is materialized and initialized:\n  "
-                       + "\n  ".join(problems), figures, {"ranks": list(values)})
+        return Verdict(
+            False,
+            "not every tensor is materialized and initialized:\n  " + "\n  ".join(problems),
+            figures,
+            {"ranks": list(values)},
+        )
     return Verdict(
         True,
         f"every parameter and buffer on {values[0]['device'].split(':')[0]} and equal to the "
@@ -302,8 +327,7 @@ def _weights_problems(v: InitReport) -> list[str]:
         )
     bad = v["full_mismatch"] + v["uninitialized"]
     if bad:
-        problems.append(f"rank {r}: gathered weights differ from the reference: "
-                        f"{listing(bad, 6)}")
+        problems.append(f"rank {r}: gathered weights differ from the reference: {listing(bad, 6)}")
     return problems
 
 

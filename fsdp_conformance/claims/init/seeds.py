@@ -22,7 +22,6 @@ def verdict_seeds_fn(values: Sequence[InitReport], params: Mapping[str, Any]) ->
     return judge_no_meta(values)
 
 
-def verdict_seeds_fn_to_empty(values: Sequence[InitReport],
-                              params: Mapping[str, Any]) -> Verdict:
+def verdict_seeds_fn_to_empty(values: Sequence[InitReport], params: Mapping[str, Any]) -> Verdict:
     """The seeds' function with ``to_empty`` first: what it still leaves uninitialized."""
     return judge_no_meta(values)

@@ -17,6 +17,7 @@ from fsdp_conformance.claims.init.reports import (
     Failure,
     failed_on_ranks,
     preflight,
+    preflight_failure,
 )
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.meta_init import full_state, reference_model
@@ -43,9 +44,14 @@ class TrainStepReport(Failure, total=False):
     dropout_disabled: list[str]
 
 
-def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                    seed: int = 0, lr: float = 0.1,
-                    fault: str | None = None) -> TrainStepReport:
+def rank_train_step(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    lr: float = 0.1,
+    fault: str | None = None,
+) -> TrainStepReport:
     """One SGD step after meta init, against the same step on the single-process reference.
 
     Every rank feeds the same batch, so the averaged gradient equals the reference's. Dropout
@@ -56,8 +62,7 @@ def rank_train_step(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
     """
     failed = preflight(spec)
     if failed:
-        return {"rank": ctx.rank, "error": failed, "errors": [failed] * ctx.world_size,
-                "device_type": ctx.device_type}
+        return preflight_failure(TrainStepReport, ctx, failed)
     with FAULTS.inject(fault, ctx):
         model = materialize(ctx, spec, version, "deterministic", seed)
     reference = reference_model(spec, seed, ctx.device)
@@ -115,13 +120,23 @@ def verdict_train_step(values: Sequence[TrainStepReport], params: Mapping[str, A
         if v["mismatch"]
     ]
     dropout = values[0].get("dropout_disabled") or []
-    note = (f"; dropout disabled for the comparison ({len(dropout)} dropout setting(s), e.g. "
-            f"{dropout[0]}: p = 0 on both models)" if dropout else "")
+    note = (
+        f"; dropout disabled for the comparison ({len(dropout)} dropout setting(s), e.g. "
+        f"{dropout[0]}: p = 0 on both models)"
+        if dropout
+        else ""
+    )
     if problems:
-        return Verdict(False, "the first training step after meta init does not match the "
-                       "reference" + note + ":\n  " + "\n  ".join(problems), figures)
-    return Verdict(True, f"step after meta init matches the reference on {len(values)} ranks "
-                   f"(loss {values[0]['loss']:.6g}; largest weight difference "
-                   f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'}){note}",
-                   figures)
-
+        return Verdict(
+            False,
+            "the first training step after meta init does not match the "
+            "reference" + note + ":\n  " + "\n  ".join(problems),
+            figures,
+        )
+    return Verdict(
+        True,
+        f"step after meta init matches the reference on {len(values)} ranks "
+        f"(loss {values[0]['loss']:.6g}; largest weight difference "
+        f"{worst['max_abs_diff']:.2g} at {worst['max_abs_diff_at'] or '-'}){note}",
+        figures,
+    )

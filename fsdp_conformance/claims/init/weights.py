@@ -71,8 +71,7 @@ def rank_weights(
             model = materialize(ctx, spec, version, method, seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
             with torch.no_grad():
-                call_model(model, spec.batch(unwrapped(model), batch_size=1,
-                                             device=ctx.device))
+                call_model(model, spec.batch(unwrapped(model), batch_size=1, device=ctx.device))
     except CheckSkipped:
         raise  # a capability this torch lacks (every rank alike): a skip, not the finding
     except Exception as exc:  # noqa: BLE001 - torch's refusal (or InitError) is the finding
@@ -98,8 +97,11 @@ def default_path_inapplicable(spec: ModelSpec) -> str | None:
     missing = without_reset_parameters(model)
     if contract == "reset_parameters" or not missing:
         return None
-    how = ("transformers' _init_weights" if contract == "transformers"
-           else f"the init function {spec.init_fn!r}")
+    how = (
+        "transformers' _init_weights"
+        if contract == "transformers"
+        else f"the init function {spec.init_fn!r}"
+    )
     return (
         f"FSDP1's default meta path (no param_init_fn) calls reset_parameters() on every module "
         f"that owns state, and {len(missing)} module(s) of {spec.name} have none "

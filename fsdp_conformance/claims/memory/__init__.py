@@ -49,36 +49,54 @@ CHECKS: tuple[Check, ...] = (
     variants(
         "memory.peak_within_bound",
         "per-layer wrapping: every rank's peak at or under the term-by-term per-layer bound",
-        rank_peak_within_bound, verdict_peak_within_bound, specs=(DEFAULT_SPEC,))
+        rank_peak_within_bound,
+        verdict_peak_within_bound,
+        specs=(DEFAULT_SPEC,),
+    )
     + variants(
         "memory.sawtooth",
         "the timeline rises by about one unit at each gather and falls back at each release",
-        rank_sawtooth, verdict_sawtooth, specs=(DEFAULT_SPEC,),
+        rank_sawtooth,
+        verdict_sawtooth,
+        specs=(DEFAULT_SPEC,),
         # Monolithic wrapping measured too, for the picture (reference models only).
-        compare_with="monolithic")
+        compare_with="monolithic",
+    )
     + variants(
         "memory.depth_invariance",
         "more layers add only sharded state per rank (per-layer); monolithic adds the full layers",
-        rank_depth_invariance, verdict_depth_invariance, specs=(DEFAULT_SPEC,))
+        rank_depth_invariance,
+        verdict_depth_invariance,
+        specs=(DEFAULT_SPEC,),
+    )
     + variants(
         "memory.meter_agrees",
         "torch's tracker agrees with ground truth (OS high-water mark / CUDA allocator) on a step",
-        rank_meter_agrees, verdict_meter_agrees, specs=(DEFAULT_SPEC,),
+        rank_meter_agrees,
+        verdict_meter_agrees,
+        specs=(DEFAULT_SPEC,),
         # The OS figure is valid only with the allocator setting: fresh ranks with it.
-        env=MALLOC_ENV)
+        env=MALLOC_ENV,
+    )
     + variants(
         "memory.mixed_precision_peak",
         "bf16 param_dtype (reduce dtype unset, and fp32): every rank's peak at or under the "
         "per-layer bound of the dtypes its collectives were observed to have",
-        rank_mixed_precision_peak, verdict_mixed_precision_peak, specs=(DEFAULT_SPEC,))
+        rank_mixed_precision_peak,
+        verdict_mixed_precision_peak,
+        specs=(DEFAULT_SPEC,),
+    )
     + variants(
         "memory.plan_estimate_matches",
         "the planning estimate (per-layer bound on meta) against every rank's measured peak of "
         "a real step: at most 10% above it, and not too loose",
-        rank_plan_estimate_matches, verdict_plan_estimate_matches, specs=(TRUST_SPEC,),
+        rank_plan_estimate_matches,
+        verdict_plan_estimate_matches,
+        specs=(TRUST_SPEC,),
         # The CUDA allocator adds cuBLAS workspaces and block rounding, which the estimate
         # does not model; at the small sizes this check runs they would dominate.
-        lanes=("cpu",))
+        lanes=("cpu",),
+    )
 )
 
 __all__ = ["CHECKS"]

@@ -59,8 +59,10 @@ def with_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     """
     if spec.reference is None:
         if spec.depth_setting() is None:
-            raise MemoryCheckError(f"depth invariance needs a model whose depth can be set; "
-                                   f"{spec.name!r}: {NO_SETTABLE_DEPTH}")
+            raise MemoryCheckError(
+                f"depth invariance needs a model whose depth can be set; "
+                f"{spec.name!r}: {NO_SETTABLE_DEPTH}"
+            )
         return dataclasses.replace(spec, depth=num_layers)
     config = spec.config if spec.config is not None else spec.build("meta").config
     if not isinstance(config, (ModelConfig, LlamaConfig)):
@@ -68,11 +70,16 @@ def with_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     return dataclasses.replace(spec, config=dataclasses.replace(config, num_layers=num_layers))
 
 
-def rank_depth_invariance(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
-                          version: str = "fsdp2", depths: Sequence[int] = DEFAULT_DEPTHS,
-                          reference: str = "monolithic", optimizer: str | None = None,
-                          batch_size: int = 2,
-                          fault: str | Sequence[str] | None = None) -> DepthResult:
+def rank_depth_invariance(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    depths: Sequence[int] = DEFAULT_DEPTHS,
+    reference: str = "monolithic",
+    optimizer: str | None = None,
+    batch_size: int = 2,
+    fault: str | Sequence[str] | None = None,
+) -> DepthResult:
     """Peaks at several depths for the user's per-layer step and the ``reference`` wrapping.
 
     ``reference`` is the wrapping the verdict expects to grow by whole layers (monolithic):
@@ -82,39 +89,60 @@ def rank_depth_invariance(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     with FAULTS.inject(fault, ctx):
         how = spec.depth_setting()  # the same answer on every rank: from the spec alone
         if how is None:
-            skip_rank(f"depth invariance needs a model whose depth can be set; {spec.name!r}: "
-                      f"{NO_SETTABLE_DEPTH}")
+            skip_rank(
+                f"depth invariance needs a model whose depth can be set; {spec.name!r}: "
+                f"{NO_SETTABLE_DEPTH}"
+            )
             assert how is not None  # skip_rank raised
         if len(set(depths)) < 3:
-            raise MemoryCheckError(f"depth invariance needs at least three depths, got "
-                                   f"{list(depths)}")
+            raise MemoryCheckError(
+                f"depth invariance needs at least three depths, got {list(depths)}"
+            )
         require_sharding(ctx, version)
         rows = []
         wrapping = PER_LAYER
         for depth in sorted(set(depths)):
             deep = with_depth(spec, depth)
-            units, config = plan_step(deep, ctx.world_size, version, optimizer=optimizer,
-                                      batch_size=batch_size)
+            units, config = plan_step(
+                deep, ctx.world_size, version, optimizer=optimizer, batch_size=batch_size
+            )
             bound = per_layer_bound(units, config)
-            row: dict[str, Any] = {"depth": depth, "bound": bound.to_dict(),
-                                   "layer_bytes": block_bytes(units, config), "units": len(units)}
-            step = measurement.per_layer_step(ctx, deep, version, optimizer=optimizer,
-                                              batch_size=batch_size, timeline=False)
+            row: dict[str, Any] = {
+                "depth": depth,
+                "bound": bound.to_dict(),
+                "layer_bytes": block_bytes(units, config),
+                "units": len(units),
+            }
+            step = measurement.per_layer_step(
+                ctx, deep, version, optimizer=optimizer, batch_size=batch_size, timeline=False
+            )
             wrapping = step["wrapping"]
             row[wrapping] = step["meters"][0]["peak"]
             if reference != wrapping:  # each wrapping measured once per depth
-                row[reference] = wrapped_step(ctx, deep, version, reference, optimizer=optimizer,
-                                              batch_size=batch_size,
-                                              timeline=False)["meters"][0]["peak"]
+                row[reference] = wrapped_step(
+                    ctx,
+                    deep,
+                    version,
+                    reference,
+                    optimizer=optimizer,
+                    batch_size=batch_size,
+                    timeline=False,
+                )["meters"][0]["peak"]
             rows.append(row)
-        return {"rank": ctx.rank, "rows": rows, "wrapping": wrapping, "reference": reference,
-                "depth_set_by": how}
+        return {
+            "rank": ctx.rank,
+            "rows": rows,
+            "wrapping": wrapping,
+            "reference": reference,
+            "depth_set_by": how,
+        }
 
 
 def sharded_state(bound: Bound) -> int:
     """What per-layer FSDP may add per layer: sharded params, grads and optimizer state."""
-    return sum(t.bytes for t in bound.terms
-               if t.scales_with_depth and t.name != "saved activations")
+    return sum(
+        t.bytes for t in bound.terms if t.scales_with_depth and t.name != "saved activations"
+    )
 
 
 def saved_activations(bound: Bound) -> int:
@@ -150,7 +178,8 @@ def verdict_depth_invariance(values: Sequence[DepthResult], params: Mapping[str,
                 f"rank {v['rank']}: the model did not get deeper: its per-layer plan has "
                 + ", ".join(f"{c} units at {row['depth']} layers" for c, row in zip(counts, rows))
                 + f" (depth set by {v.get('depth_set_by', 'its config')}); make the factory "
-                "build that many blocks")
+                "build that many blocks"
+            )
         bounds = [Bound.from_dict(row["bound"]) for row in rows]
         ws = [row[wrapping] - sharded_state(b) for row, b in zip(rows, bounds)]
         low = [w - saved_activations(b) for w, b in zip(ws, bounds)]
@@ -158,19 +187,30 @@ def verdict_depth_invariance(values: Sequence[DepthResult], params: Mapping[str,
         # Every pair of depths, both ways: the claim is "constant", so a shallow depth that
         # needs more is a failure too. (A late free on gloo's worker thread once made one
         # depth read ~1 MB high; frees now happen in program order, so it cannot.)
-        apart = [(i, j) for j in range(len(rows)) for i in range(len(rows))
-                 if i != j and low[j] > (1 + t) * ws[i]]
+        apart = [
+            (i, j)
+            for j in range(len(rows))
+            for i in range(len(rows))
+            if i != j and low[j] > (1 + t) * ws[i]
+        ]
         if apart:
             i, j = max(apart, key=lambda ij: low[ij[1]] - ws[ij[0]])
             steps = ", ".join(f"{row['depth']} layers: {mb(w)}" for row, w in zip(rows, ws))
-            how = ("grows with depth" if j > i else
-                   "is not constant over depth (larger at fewer layers)")
+            how = (
+                "grows with depth"
+                if j > i
+                else "is not constant over depth (larger at fewer layers)"
+            )
             problems.append(
                 f"rank {r}: the {wrapping} working set {how} ({steps}); at "
                 f"{rows[j]['depth']} layers at least {mb(low[j])} (saved activations "
-                f"discounted) > {mb(ws[i])} at {rows[i]['depth']} layers + {t:.0%}")
-        ref_ws = ([row[reference] - sharded_state(b) for row, b in zip(rows, bounds)]
-                  if reference != wrapping else ws)
+                f"discounted) > {mb(ws[i])} at {rows[i]['depth']} layers + {t:.0%}"
+            )
+        ref_ws = (
+            [row[reference] - sharded_state(b) for row, b in zip(rows, bounds)]
+            if reference != wrapping
+            else ws
+        )
         if reference != wrapping:
             for a, b, wa, wb in zip(rows, rows[1:], ref_ws, ref_ws[1:]):
                 added = (b["depth"] - a["depth"]) * b["layer_bytes"]
@@ -178,26 +218,50 @@ def verdict_depth_invariance(values: Sequence[DepthResult], params: Mapping[str,
                     problems.append(
                         f"rank {r}: the {reference} reference grew by only {mb(wb - wa)} from "
                         f"{a['depth']} to {b['depth']} layers, expected at least the added layers' "
-                        f"{mb(added)}: the measurement cannot tell the wrappings apart")
-        tables[r] = [(row["depth"], row[wrapping], sharded_state(b), w, row[reference], rw)
-                     for row, b, w, rw in zip(rows, bounds, ws, ref_ws)]
-    shown = next((v["rank"] for v in values if any(p.startswith(f"rank {v['rank']}:")
-                                                   for p in problems)), values[0]["rank"])
+                        f"{mb(added)}: the measurement cannot tell the wrappings apart"
+                    )
+        tables[r] = [
+            (row["depth"], row[wrapping], sharded_state(b), w, row[reference], rw)
+            for row, b, w, rw in zip(rows, bounds, ws, ref_ws)
+        ]
+    shown = next(
+        (v["rank"] for v in values if any(p.startswith(f"rank {v['rank']}:") for p in problems)),
+        values[0]["rank"],
+    )
     table = tables[shown]
-    lines = [f"rank {shown}:",
-             f"{'layers':>6}  {'peak':>10}  {'sharded':>10}  {'working set':>11}  "
-             f"{'monolithic peak':>15}  {'its working set':>15}"]
-    lines += [f"{d:>6}  {mb(p):>10}  {mb(s):>10}  {mb(w):>11}  {mb(m):>15}  {mb(mw):>15}"
-              for d, p, s, w, m, mw in table]
-    figures = {"depths": [row[0] for row in table], "working_set_bytes": [row[3] for row in table],
-               "peak_bytes": table[-1][1]}
-    depths = (f"depths {', '.join(str(d) for d in figures['depths'])} (set by "
-              f"{values[0].get('depth_set_by', 'its config')})")
+    lines = [
+        f"rank {shown}:",
+        f"{'layers':>6}  {'peak':>10}  {'sharded':>10}  {'working set':>11}  "
+        f"{'monolithic peak':>15}  {'its working set':>15}",
+    ]
+    lines += [
+        f"{d:>6}  {mb(p):>10}  {mb(s):>10}  {mb(w):>11}  {mb(m):>15}  {mb(mw):>15}"
+        for d, p, s, w, m, mw in table
+    ]
+    figures = {
+        "depths": [row[0] for row in table],
+        "working_set_bytes": [row[3] for row in table],
+        "peak_bytes": table[-1][1],
+    }
+    depths = (
+        f"depths {', '.join(str(d) for d in figures['depths'])} (set by "
+        f"{values[0].get('depth_set_by', 'its config')})"
+    )
     data = {"rows_by_rank": {v["rank"]: v["rows"] for v in values}}
     if problems:
-        return Verdict(False, f"{label}: depth invariance fails at {depths}:\n"
-                       + "\n".join(problems)
-                       + "\n" + "\n".join(lines), figures, data)
-    return Verdict(True, f"{label}: working set constant within {t:.0%} over "
-                   f"{depths} on all {len(values)} ranks\n" + "\n".join(lines),
-                   figures, data)
+        return Verdict(
+            False,
+            f"{label}: depth invariance fails at {depths}:\n"
+            + "\n".join(problems)
+            + "\n"
+            + "\n".join(lines),
+            figures,
+            data,
+        )
+    return Verdict(
+        True,
+        f"{label}: working set constant within {t:.0%} over "
+        f"{depths} on all {len(values)} ranks\n" + "\n".join(lines),
+        figures,
+        data,
+    )

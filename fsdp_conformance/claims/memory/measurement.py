@@ -64,8 +64,7 @@ class StepResult(TypedDict):
     checkpointed: list[str]
 
 
-def per_layer_step(ctx: RankContext, spec: ModelSpec, version: str,
-                   **options: Any) -> StepResult:
+def per_layer_step(ctx: RankContext, spec: ModelSpec, version: str, **options: Any) -> StepResult:
     """The user's training step: ``spec`` wrapped per layer, measured (``options``: of
     :func:`~fsdp_conformance.step.measure_step`).
 
@@ -74,8 +73,9 @@ def per_layer_step(ctx: RankContext, spec: ModelSpec, version: str,
     return wrapped_step(ctx, spec, version, PER_LAYER, **options)
 
 
-def wrapped_step(ctx: RankContext, spec: ModelSpec, version: str, wrapping: str,
-                 **options: Any) -> StepResult:
+def wrapped_step(
+    ctx: RankContext, spec: ModelSpec, version: str, wrapping: str, **options: Any
+) -> StepResult:
     """One measured step of ``spec`` wrapped as ``wrapping`` (a label of ``policies.WRAPPINGS``)."""
     return cast(StepResult, measure_step(ctx, spec, version, wrapping, **options))
 
@@ -95,28 +95,38 @@ def _wraps_as(label: str) -> FaultEffect:
 
     def effect(ctx: RankContext) -> Any:
         return patched(_this_module(), "per_layer_step", lambda _: step)
+
     return effect
 
 
 def _tracker_entered_for_the_step(ctx: RankContext) -> Any:
-    return patched(_this_module(), "per_layer_step",
-                   lambda fn: with_default(fn, "track_construction", False))
+    return patched(
+        _this_module(), "per_layer_step", lambda fn: with_default(fn, "track_construction", False)
+    )
 
 
 #: The memory claim's negative controls, each a step the user's code could take instead of the
 #: per-layer one: the seeds' naive wrappings, per-layer without resharding, and a tracker that
 #: never saw the model built.
 FAULTS = FaultTable(
-    monolithic=Fault("the user wraps the whole model as one unit (the seeds' root-only "
-                     "wrapping)", _wraps_as("monolithic")),
-    top_level=Fault("the user wraps only the root's direct children (the seeds' top-level "
-                    "wrapping)", _wraps_as("top_level")),
-    no_reshard=Fault("the user wraps per layer but never reshards after forward (FSDP1 "
-                     "SHARD_GRAD_OP, FSDP2 reshard_after_forward=False)",
-                     _wraps_as("no_reshard")),
+    monolithic=Fault(
+        "the user wraps the whole model as one unit (the seeds' root-only wrapping)",
+        _wraps_as("monolithic"),
+    ),
+    top_level=Fault(
+        "the user wraps only the root's direct children (the seeds' top-level wrapping)",
+        _wraps_as("top_level"),
+    ),
+    no_reshard=Fault(
+        "the user wraps per layer but never reshards after forward (FSDP1 "
+        "SHARD_GRAD_OP, FSDP2 reshard_after_forward=False)",
+        _wraps_as("no_reshard"),
+    ),
     untracked_construction=Fault(
         "torch's tracker is entered only for the step: it never sees FSDP1 allocate its flat "
-        "parameters and gather buffers", _tracker_entered_for_the_step),
+        "parameters and gather buffers",
+        _tracker_entered_for_the_step,
+    ),
 )
 
 
@@ -135,9 +145,11 @@ def require_sharding(ctx: RankContext, version: str) -> None:
     (it gathers into separate unsharded parameters), so it is measured at world size 1.
     """
     if version == "fsdp1" and ctx.world_size == 1:
-        skip_rank("FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
-                  "NO_SHARD): nothing is gathered or released, so the per-layer memory claims "
-                  "cannot be told apart from monolithic wrapping; run at world size >= 2")
+        skip_rank(
+            "FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
+            "NO_SHARD): nothing is gathered or released, so the per-layer memory claims "
+            "cannot be told apart from monolithic wrapping; run at world size >= 2"
+        )
 
 
 def block_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:

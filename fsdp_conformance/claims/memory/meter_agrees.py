@@ -37,9 +37,13 @@ METER_TOLERANCE = 0.05
 MeterResult = StepResult
 
 
-def rank_meter_agrees(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
-                      version: str = "fsdp2", batch_size: int = 2,
-                      fault: str | Sequence[str] | None = None) -> MeterResult:
+def rank_meter_agrees(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    batch_size: int = 2,
+    fault: str | Sequence[str] | None = None,
+) -> MeterResult:
     """The tracker and the ground truth (OS on CPU, CUDA allocator on GPU) on the same step.
 
     The tracker is the meter the other checks read on this lane: on CPU ``FSDPMemTracker``
@@ -51,10 +55,13 @@ def rank_meter_agrees(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
         truth = "cuda" if ctx.device_type == "cuda" else "os"
         meter = "auto" if truth == "os" else "tracker"
         if meter == "auto" and choose_meter(ctx, "auto", version) == truth:
-            skip_rank(f"torch {torch_version_string()} moved its memory trackers: the {truth} "
-                      "figure is the only meter, there is no tracker to cross-check")
-        result = measurement.per_layer_step(ctx, spec, version, meter=meter, also=truth,
-                                            batch_size=batch_size, timeline=False)
+            skip_rank(
+                f"torch {torch_version_string()} moved its memory trackers: the {truth} "
+                "figure is the only meter, there is no tracker to cross-check"
+            )
+        result = measurement.per_layer_step(
+            ctx, spec, version, meter=meter, also=truth, batch_size=batch_size, timeline=False
+        )
         # A step the ground truth cannot resolve makes any tracker figure "agree": skip it, on
         # every rank alike (the smallest rank's step decides, so no rank skips alone).
         import torch
@@ -64,10 +71,12 @@ def rank_meter_agrees(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
         smallest = torch.tensor([int(seen)], dtype=torch.int64, device=ctx.device)
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         if smallest.item() <= METER_RESOLUTION_BYTES:
-            skip_rank(f"the step of {spec.name} adds {mb(smallest.item())} by the "
-                      f"{truth} figure, within the meters' resolution "
-                      f"({mb(METER_RESOLUTION_BYTES)}): tracker and truth cannot be compared; "
-                      "use a larger config of the model or batch")
+            skip_rank(
+                f"the step of {spec.name} adds {mb(smallest.item())} by the "
+                f"{truth} figure, within the meters' resolution "
+                f"({mb(METER_RESOLUTION_BYTES)}): tracker and truth cannot be compared; "
+                "use a larger config of the model or batch"
+            )
         return result
 
 
@@ -83,21 +92,37 @@ def verdict_meter_agrees(values: Sequence[MeterResult], params: Mapping[str, Any
         ratios.append(round(ratio, 3))
         if want <= METER_RESOLUTION_BYTES:
             # Within the resolution any tracker figure, 0 included, would "agree": no verdict.
-            problems.append(f"rank {v['rank']}: {truth['source']} saw the step add only "
-                            f"{mb(want)}, below the meters' resolution "
-                            f"({mb(METER_RESOLUTION_BYTES)}): the tracker's {mb(got)} cannot "
-                            "be judged; use a larger config of the model or batch")
+            problems.append(
+                f"rank {v['rank']}: {truth['source']} saw the step add only "
+                f"{mb(want)}, below the meters' resolution "
+                f"({mb(METER_RESOLUTION_BYTES)}): the tracker's {mb(got)} cannot "
+                "be judged; use a larger config of the model or batch"
+            )
         elif abs(got - want) > max(t * want, METER_RESOLUTION_BYTES):
-            problems.append(f"rank {v['rank']}: {tracker['source']} saw the step add {mb(got)}, "
-                            f"{truth['source']} {mb(want)} (ratio {ratio:.3f}, tolerance {t:.0%} "
-                            f"or {mb(METER_RESOLUTION_BYTES)}, whichever is larger)")
+            problems.append(
+                f"rank {v['rank']}: {tracker['source']} saw the step add {mb(got)}, "
+                f"{truth['source']} {mb(want)} (ratio {ratio:.3f}, tolerance {t:.0%} "
+                f"or {mb(METER_RESOLUTION_BYTES)}, whichever is larger)"
+            )
         problems += meter_floor_problems(v["rank"], v["meters"], v.get("param_bytes"))
     truth_src = values[0]["meters"][1]["source"]
-    figures = {"tracker_over_truth": ratios, "truth": truth_src,
-               "tracker": values[0]["meters"][0]["source"]}
+    figures = {
+        "tracker_over_truth": ratios,
+        "truth": truth_src,
+        "tracker": values[0]["meters"][0]["source"],
+    }
     if problems:
-        return Verdict(False, f"{label}: the tracker disagrees with the {truth_src} "
-                       "figure:\n" + "\n".join(problems), figures, {})
-    return Verdict(True, f"{label}: {figures['tracker']} within {t:.0%} of the "
-                   f"{truth_src} figure, and every meter at least the parameter shards, on "
-                   f"all ranks (ratios {ratios})", figures, {})
+        return Verdict(
+            False,
+            f"{label}: the tracker disagrees with the {truth_src} figure:\n" + "\n".join(problems),
+            figures,
+            {},
+        )
+    return Verdict(
+        True,
+        f"{label}: {figures['tracker']} within {t:.0%} of the "
+        f"{truth_src} figure, and every meter at least the parameter shards, on "
+        f"all ranks (ratios {ratios})",
+        figures,
+        {},
+    )

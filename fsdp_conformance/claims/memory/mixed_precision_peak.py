@@ -59,14 +59,19 @@ class MixedResult(TypedDict):
 #: The mixed-precision cases of ``memory.mixed_precision_peak``: (label, param dtype, reduce
 #: dtype). The first leaves the reduce dtype to torch, as a user writes it.
 MIXED_CASES: tuple[tuple[str, str, str | None], ...] = (
-    ("reduce_unset", "bf16", None), ("reduce_fp32", "bf16", "fp32"))
+    ("reduce_unset", "bf16", None),
+    ("reduce_fp32", "bf16", "fp32"),
+)
 
 
-def rank_mixed_precision_peak(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
-                              version: str = "fsdp2",
-                              cases: Sequence[tuple[str, str, str | None]] = MIXED_CASES,
-                              batch_size: int = 2,
-                              fault: str | Sequence[str] | None = None) -> MixedResult:
+def rank_mixed_precision_peak(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    cases: Sequence[tuple[str, str, str | None]] = MIXED_CASES,
+    batch_size: int = 2,
+    fault: str | Sequence[str] | None = None,
+) -> MixedResult:
     """Per mixed-precision case: one measured step with its collectives recorded, and the plan.
 
     The bound is not computed here: the verdict derives it from the dtypes the step's
@@ -78,21 +83,38 @@ def rank_mixed_precision_peak(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
         if ctx.world_size == 1:
             # torch 2.13's FSDP2 copies shards into the unsharded parameters on a mesh of one
             # (``_fsdp_param_group``, "world_size == 1"): no collective, so no dtype to observe.
-            skip_rank("at world size 1 FSDP2 issues no all-gather or reduce-scatter: there is "
-                      "no observed dtype to derive the bound from; run at world size >= 2")
+            skip_rank(
+                "at world size 1 FSDP2 issues no all-gather or reduce-scatter: there is "
+                "no observed dtype to derive the bound from; run at world size >= 2"
+            )
         units, config = plan_step(spec, ctx.world_size, version, batch_size=batch_size)
-        out: MixedResult = {"rank": ctx.rank, "plan": [u.to_dict() for u in units],
-                            "config": config_data(config), "cases": {}}
+        out: MixedResult = {
+            "rank": ctx.rank,
+            "plan": [u.to_dict() for u in units],
+            "config": config_data(config),
+            "cases": {},
+        }
         for label, param_dtype, reduce_dtype in cases:
-            m = measurement.per_layer_step(ctx, spec, version, batch_size=batch_size,
-                                           timeline=False, param_dtype=param_dtype,
-                                           reduce_dtype=reduce_dtype, record=True)
+            m = measurement.per_layer_step(
+                ctx,
+                spec,
+                version,
+                batch_size=batch_size,
+                timeline=False,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                record=True,
+            )
             # With record=True the step's data also has its collectives (not every step's).
             recorded = cast(Mapping[str, Any], m)
-            out["cases"][label] = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
-                                   "meter": m["meters"][0], "param_bytes": m["param_bytes"],
-                                   "collectives": recorded["collective_records"],
-                                   "unit_sizes": recorded["collective_unit_sizes"]}
+            out["cases"][label] = {
+                "param_dtype": param_dtype,
+                "reduce_dtype": reduce_dtype,
+                "meter": m["meters"][0],
+                "param_bytes": m["param_bytes"],
+                "collectives": recorded["collective_records"],
+                "unit_sizes": recorded["collective_unit_sizes"],
+            }
         return out
 
 
@@ -104,19 +126,23 @@ def config_data(config: StepConfig) -> dict[str, Any]:
 def config_from(data: Mapping[str, Any]) -> StepConfig:
     """The :class:`~fsdp_conformance.bound.StepConfig` of :func:`config_data`'s data."""
     acts = data.get("activations")
-    return StepConfig(**{**data, "activations": None if acts is None
-                         else ActivationProfile(**acts)})
+    return StepConfig(
+        **{**data, "activations": None if acts is None else ActivationProfile(**acts)}
+    )
 
 
 def observed_dtypes(records: Sequence[Mapping[str, Any]]) -> dict[str, str | None]:
     """The all-gather output and reduce-scatter input dtypes of one step's collectives
     (``a|b`` when they differ between collectives, None when none was issued)."""
+
     def of(op: str, side: str) -> str | None:
         seen = sorted({r[side] for r in records if r["op"] == op and r[side]})
         return "|".join(seen) if seen else None
 
-    return {"all_gather_dtype": of("all_gather", "out_dtype"),
-            "reduce_scatter_dtype": of("reduce_scatter", "in_dtype")}
+    return {
+        "all_gather_dtype": of("all_gather", "out_dtype"),
+        "reduce_scatter_dtype": of("reduce_scatter", "in_dtype"),
+    }
 
 
 def _itemsize(dtype: str | None) -> int | None:
@@ -129,8 +155,9 @@ def _itemsize(dtype: str | None) -> int | None:
     return value.itemsize if isinstance(value, torch.dtype) else None
 
 
-def dtype_size_problems(records: Sequence[Mapping[str, Any]],
-                        sizes: Mapping[str, Sequence[int]]) -> list[str]:
+def dtype_size_problems(
+    records: Sequence[Mapping[str, Any]], sizes: Mapping[str, Sequence[int]]
+) -> list[str]:
     """Collectives whose bytes are not their unit's numel x the bytes of the dtype recorded.
 
     The bound takes its bytes per element from the recorded dtypes; this ties each dtype to the
@@ -147,14 +174,17 @@ def dtype_size_problems(records: Sequence[Mapping[str, Any]],
         item = _itemsize(dtype)
         numels = sorted({n for u in r["unit"].split("|") for n in sizes.get(u, ())})
         if item is None or not numels:
-            problems.append(f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): "
-                            f"{side}put dtype {dtype}, unit sizes {numels or 'unknown'}: its "
-                            "bytes per element cannot be read")
+            problems.append(
+                f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): "
+                f"{side}put dtype {dtype}, unit sizes {numels or 'unknown'}: its "
+                "bytes per element cannot be read"
+            )
         elif nbytes not in {n * item for n in numels}:
             problems.append(
                 f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): {nbytes:,} B "
                 f"{side}put, not its numel ({' or '.join(f'{n:,}' for n in numels)}) x {item} B "
-                f"of the recorded {dtype} ({nbytes / numels[0]:.3g} B per element)")
+                f"of the recorded {dtype} ({nbytes / numels[0]:.3g} B per element)"
+            )
     return problems
 
 
@@ -168,8 +198,9 @@ def observed_step_config(config: StepConfig, dtypes: Mapping[str, str | None]) -
     return dataclasses.replace(config, compute_bytes=gather, reduce_bytes=reduce)
 
 
-def verdict_mixed_precision_peak(values: Sequence[MixedResult],
-                                 params: Mapping[str, Any]) -> Verdict:
+def verdict_mixed_precision_peak(
+    values: Sequence[MixedResult], params: Mapping[str, Any]
+) -> Verdict:
     """Per case, every rank's peak at or under the per-layer bound of the dtypes it observed.
 
     The bound's unsharded-parameter and all-gather terms take the bytes per element of the
@@ -188,15 +219,18 @@ def verdict_mixed_precision_peak(values: Sequence[MixedResult],
             dtypes_by_rank[r] = dtypes
             meter = case["meter"]
             peaks[r] = meter["peak"]
-            problems += [f"{label}: {line}" for line in
-                         meter_floor_problems(r, [meter], case.get("param_bytes"))]
+            problems += [
+                f"{label}: {line}"
+                for line in meter_floor_problems(r, [meter], case.get("param_bytes"))
+            ]
             mismatched = dtype_size_problems(case["collectives"], case["unit_sizes"])
             if mismatched:
-                problems.append(f"{label}: rank {r}: the recorded dtypes do not describe the "
-                                f"bytes moved; no bound is derived from them:\n    "
-                                + "\n    ".join(mismatched[:4])
-                                + (f"\n    ... and {len(mismatched) - 4} more"
-                                   if len(mismatched) > 4 else ""))
+                problems.append(
+                    f"{label}: rank {r}: the recorded dtypes do not describe the "
+                    f"bytes moved; no bound is derived from them:\n    "
+                    + "\n    ".join(mismatched[:4])
+                    + (f"\n    ... and {len(mismatched) - 4} more" if len(mismatched) > 4 else "")
+                )
                 continue
             try:
                 config = observed_step_config(config_from(v["config"]), dtypes)
@@ -204,7 +238,8 @@ def verdict_mixed_precision_peak(values: Sequence[MixedResult],
                 problems.append(
                     f"{label}: rank {r}: no bound can be derived: the step issued all-gather "
                     f"output dtype(s) {dtypes['all_gather_dtype']} and reduce-scatter input "
-                    f"dtype(s) {dtypes['reduce_scatter_dtype']} (one of each expected)")
+                    f"dtype(s) {dtypes['reduce_scatter_dtype']} (one of each expected)"
+                )
                 continue
             bound = per_layer_bound([UnitInfo.from_dict(u) for u in v["plan"]], config)
             bounds[r] = bound
@@ -215,12 +250,15 @@ def verdict_mixed_precision_peak(values: Sequence[MixedResult],
                     f"(all-gather {dtypes['all_gather_dtype']}, reduce-scatter "
                     f"{dtypes['reduce_scatter_dtype']}), over by "
                     f"{mb(meter['peak'] - bound.limit)}; measured by {meter['source']}\n"
-                    + bound.format())
+                    + bound.format()
+                )
         first = values[0]["rank"]
         dtypes0 = dtypes_by_rank[first]
         if any(d != dtypes0 for d in dtypes_by_rank.values()):
-            problems.append(f"{label}: the ranks observed different dtypes: "
-                            + "; ".join(f"rank {r} {d}" for r, d in dtypes_by_rank.items()))
+            problems.append(
+                f"{label}: the ranks observed different dtypes: "
+                + "; ".join(f"rank {r} {d}" for r, d in dtypes_by_rank.items())
+            )
         peak = max(peaks.values())
         case0 = values[0]["cases"][label]
         # Peak, bound and the observed dtypes first: the run's table shows the first figures.
@@ -235,16 +273,26 @@ def verdict_mixed_precision_peak(values: Sequence[MixedResult],
         if bounds:
             figures[f"{label}.limit_bytes"] = b.limit
             data["bounds"][label] = b.to_dict()
-            summary.append(f"{label} (all-gather {dtypes0['all_gather_dtype']}, reduce-scatter "
-                           f"{dtypes0['reduce_scatter_dtype']}): peak {mb(peak)}, bound "
-                           f"{mb(b.total)}")
+            summary.append(
+                f"{label} (all-gather {dtypes0['all_gather_dtype']}, reduce-scatter "
+                f"{dtypes0['reduce_scatter_dtype']}): peak {mb(peak)}, bound "
+                f"{mb(b.total)}"
+            )
         figures[f"{label}.source"] = case0["meter"]["source"]
         data["collectives"][label] = case0["collectives"]
         data["peaks"][label] = peaks
     head = f"{check_label(params)}, bf16 mixed precision"
     if problems:
-        return Verdict(False, f"{head}: peak not within the bound of the observed dtypes:\n"
-                       + "\n".join(problems), figures, data)
-    return Verdict(True, f"{head}: on all {len(values)} ranks, every peak at or under the "
-                   f"per-layer bound of the dtypes its collectives had: " + "; ".join(summary),
-                   figures, data)
+        return Verdict(
+            False,
+            f"{head}: peak not within the bound of the observed dtypes:\n" + "\n".join(problems),
+            figures,
+            data,
+        )
+    return Verdict(
+        True,
+        f"{head}: on all {len(values)} ranks, every peak at or under the "
+        f"per-layer bound of the dtypes its collectives had: " + "; ".join(summary),
+        figures,
+        data,
+    )

@@ -40,10 +40,15 @@ class PeakResult(StepResult):
     compare: dict[str, Any] | None
 
 
-def rank_peak_within_bound(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
-                           version: str = "fsdp2", optimizer: str | None = None,
-                           batch_size: int = 2, compare_with: str | None = None,
-                           fault: str | Sequence[str] | None = None) -> PeakResult:
+def rank_peak_within_bound(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    optimizer: str | None = None,
+    batch_size: int = 2,
+    compare_with: str | None = None,
+    fault: str | Sequence[str] | None = None,
+) -> PeakResult:
     """One measured step plus the per-layer bound for this model and world size.
 
     ``compare_with`` (e.g. "monolithic") also measures that wrapping's timeline, for the
@@ -52,18 +57,28 @@ def rank_peak_within_bound(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC,
     """
     with FAULTS.inject(fault, ctx):
         require_sharding(ctx, version)
-        units, config = plan_step(spec, ctx.world_size, version, optimizer=optimizer,
-                                  batch_size=batch_size)
-        step = measurement.per_layer_step(ctx, spec, version, optimizer=optimizer,
-                                          batch_size=batch_size)
-        result: PeakResult = {**step, "bound": per_layer_bound(units, config).to_dict(),
-                              "plan": [u.to_dict() for u in units],
-                              "compute_bytes": config.compute_bytes, "compare": None}
+        units, config = plan_step(
+            spec, ctx.world_size, version, optimizer=optimizer, batch_size=batch_size
+        )
+        step = measurement.per_layer_step(
+            ctx, spec, version, optimizer=optimizer, batch_size=batch_size
+        )
+        result: PeakResult = {
+            **step,
+            "bound": per_layer_bound(units, config).to_dict(),
+            "plan": [u.to_dict() for u in units],
+            "compute_bytes": config.compute_bytes,
+            "compare": None,
+        }
         if compare_with and spec.reference is not None and compare_with != step["wrapping"]:
-            other = wrapped_step(ctx, spec, version, compare_with, optimizer=optimizer,
-                                 batch_size=batch_size)
-            result["compare"] = {"wrapping": compare_with, "timeline": other["timeline"],
-                                 "peak": other["meters"][0]["peak"]}
+            other = wrapped_step(
+                ctx, spec, version, compare_with, optimizer=optimizer, batch_size=batch_size
+            )
+            result["compare"] = {
+                "wrapping": compare_with,
+                "timeline": other["timeline"],
+                "peak": other["meters"][0]["peak"],
+            }
         return result
 
 
@@ -78,34 +93,65 @@ def verdict_peak_within_bound(values: Sequence[PeakResult], params: Mapping[str,
     over = [(r, p, b, m) for r, p, b, m in rows if p > b.limit]
     # Under the bound proves nothing from a meter blind to the rank's own shards (one reading 0
     # would pass): each rank's meter must see at least its parameter shards.
-    blind = [line for v in values
-             for line in meter_floor_problems(v["rank"], v["meters"][:1], v.get("param_bytes"))]
+    blind = [
+        line
+        for v in values
+        for line in meter_floor_problems(v["rank"], v["meters"][:1], v.get("param_bytes"))
+    ]
     bound = rows[0][2]
     peak = max(p for _, p, _, _ in rows)
-    figures = {"peak_bytes": peak, "bound_bytes": bound.total, "limit_bytes": bound.limit,
-               "peak_over_bound": round(peak / bound.total, 3), "source": rows[0][3]["source"]}
-    data = {"bound": bound.to_dict(), "peaks": {r: p for r, p, _, _ in rows},
-            "breakdown": {r: m["breakdown"] for r, _, _, m in rows}}
+    figures = {
+        "peak_bytes": peak,
+        "bound_bytes": bound.total,
+        "limit_bytes": bound.limit,
+        "peak_over_bound": round(peak / bound.total, 3),
+        "source": rows[0][3]["source"],
+    }
+    data = {
+        "bound": bound.to_dict(),
+        "peaks": {r: p for r, p, _, _ in rows},
+        "breakdown": {r: m["breakdown"] for r, _, _, m in rows},
+    }
     if blind:
-        return Verdict(False, f"{label}: the peak cannot be judged, the meter reads less "
-                       "than the parameter shards:\n  " + "\n  ".join(blind), figures, data)
+        return Verdict(
+            False,
+            f"{label}: the peak cannot be judged, the meter reads less "
+            "than the parameter shards:\n  " + "\n  ".join(blind),
+            figures,
+            data,
+        )
     if not over:
-        return Verdict(True, f"{label}: peak {mb(peak)} on the highest rank, at or under "
-                       f"the per-layer bound {mb(bound.total)} (limit {mb(bound.limit)}) on "
-                       f"all {len(rows)} ranks", figures, data)
-    lines = [f"{label}: peak exceeds the per-layer bound on rank(s) "
-             f"{', '.join(str(r) for r, *_ in over)}"]
+        return Verdict(
+            True,
+            f"{label}: peak {mb(peak)} on the highest rank, at or under "
+            f"the per-layer bound {mb(bound.total)} (limit {mb(bound.limit)}) on "
+            f"all {len(rows)} ranks",
+            figures,
+            data,
+        )
+    lines = [
+        f"{label}: peak exceeds the per-layer bound on rank(s) "
+        f"{', '.join(str(r) for r, *_ in over)}"
+    ]
     for r, p, b, m in over:
-        lines.append(f"  rank {r}: peak {mb(p)} > limit {mb(b.limit)} (bound {mb(b.total)} + "
-                     f"{b.tolerance:.0%}), over by {mb(p - b.limit)} ({p / b.total:.2f}x the "
-                     f"bound); measured by {m['source']}")
+        lines.append(
+            f"  rank {r}: peak {mb(p)} > limit {mb(b.limit)} (bound {mb(b.total)} + "
+            f"{b.tolerance:.0%}), over by {mb(p - b.limit)} ({p / b.total:.2f}x the "
+            f"bound); measured by {m['source']}"
+        )
         if m["breakdown"]:
-            parts = ", ".join(f"{k} {mb(x)}" for k, x in sorted(m["breakdown"].items(),
-                                                                 key=lambda kv: -kv[1]))
+            parts = ", ".join(
+                f"{k} {mb(x)}" for k, x in sorted(m["breakdown"].items(), key=lambda kv: -kv[1])
+            )
             lines.append(f"    at the peak: {parts}")
-    lines += ["expected (per-layer bound, term by term):", bound.format(), "",
-              format_unit_tree([UnitInfo.from_dict(u) for u in values[0]["plan"]],
-                               "expected units (per-layer plan):"), "",
-              format_unit_tree([UnitInfo.from_dict(u) for u in values[0]["units"]],
-                               "actual units:")]
+    lines += [
+        "expected (per-layer bound, term by term):",
+        bound.format(),
+        "",
+        format_unit_tree(
+            [UnitInfo.from_dict(u) for u in values[0]["plan"]], "expected units (per-layer plan):"
+        ),
+        "",
+        format_unit_tree([UnitInfo.from_dict(u) for u in values[0]["units"]], "actual units:"),
+    ]
     return Verdict(False, "\n".join(lines), figures, data)

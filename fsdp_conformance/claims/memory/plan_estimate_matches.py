@@ -58,15 +58,31 @@ def default_cases(spec: ModelSpec, version: str) -> list[dict[str, Any]]:
     ``param_dtype`` named, as a user writes it); on reference models also monolithic (it fits
     there) and activation checkpointing on every block (:data:`AC_SPEC`; every second block is
     in the tests' cases)."""
-    cases = [{"spec": spec, "version": version, "policy": "recommended", "optimizer": "none"},
-             {"spec": spec, "version": version, "policy": "recommended", "optimizer": "adamw"},
-             {"spec": spec, "version": version, "policy": "recommended", "optimizer": "none",
-              "compute_dtype": "bf16"}]
+    cases = [
+        {"spec": spec, "version": version, "policy": "recommended", "optimizer": "none"},
+        {"spec": spec, "version": version, "policy": "recommended", "optimizer": "adamw"},
+        {
+            "spec": spec,
+            "version": version,
+            "policy": "recommended",
+            "optimizer": "none",
+            "compute_dtype": "bf16",
+        },
+    ]
     if spec.reference is not None:
-        cases.append({"spec": spec, "version": version, "policy": "monolithic",
-                      "optimizer": "none"})
-        cases.append({"spec": AC_SPEC, "version": version, "policy": "recommended",
-                      "optimizer": "none", "batch_size": AC_BATCH, "checkpointing": "full"})
+        cases.append(
+            {"spec": spec, "version": version, "policy": "monolithic", "optimizer": "none"}
+        )
+        cases.append(
+            {
+                "spec": AC_SPEC,
+                "version": version,
+                "policy": "recommended",
+                "optimizer": "none",
+                "batch_size": AC_BATCH,
+                "checkpointing": "full",
+            }
+        )
     return cases
 
 
@@ -84,10 +100,13 @@ class TrustResult(TypedDict):
     peaks: list[MeasuredPeak]
 
 
-def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = TRUST_SPEC,
-                               version: str = "fsdp2",
-                               cases: Sequence[Mapping[str, Any]] | None = None,
-                               batch_size: int = 2) -> TrustResult:
+def rank_plan_estimate_matches(
+    ctx: RankContext,
+    spec: ModelSpec = TRUST_SPEC,
+    version: str = "fsdp2",
+    cases: Sequence[Mapping[str, Any]] | None = None,
+    batch_size: int = 2,
+) -> TrustResult:
     """The measured peak of one training step per case on this rank (step.measure_step)."""
     # The planner's policies that step.measure_step can measure, as its wrapping labels.
     measured = {p: label for p in POLICIES if (label := wrapping_label(p))}
@@ -95,17 +114,24 @@ def rank_plan_estimate_matches(ctx: RankContext, spec: ModelSpec = TRUST_SPEC,
     for case in cases if cases is not None else default_cases(spec, version):
         policy = case["policy"]
         if policy not in measured:
-            raise PlanError(f"policy {policy!r} cannot be measured; choose one of "
-                            f"{', '.join(measured)}")
+            raise PlanError(
+                f"policy {policy!r} cannot be measured; choose one of {', '.join(measured)}"
+            )
         opt = case.get("optimizer", "none")
-        m = measure_step(ctx, case["spec"], case["version"], measured[policy],
-                         optimizer=None if opt == "none" else opt,
-                         batch_size=case.get("batch_size", batch_size), timeline=False,
-                         param_dtype=_mixed_param_dtype(case),
-                         checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
-                         shard_group=case.get("shard_group"),
-                         seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
-                         offload=bool(case.get("offload")))
+        m = measure_step(
+            ctx,
+            case["spec"],
+            case["version"],
+            measured[policy],
+            optimizer=None if opt == "none" else opt,
+            batch_size=case.get("batch_size", batch_size),
+            timeline=False,
+            param_dtype=_mixed_param_dtype(case),
+            checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
+            shard_group=case.get("shard_group"),
+            seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
+            offload=bool(case.get("offload")),
+        )
         peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})
     return {"rank": ctx.rank, "peaks": peaks}
 
@@ -120,14 +146,19 @@ def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings
     """The plan settings of what measure_step runs: fp32 sharded state, the case's compute
     dtype (fp32 by default; bf16: mixed precision with only ``param_dtype`` named), its batch,
     seq 8."""
-    return PlanSettings(policy=case["policy"], version=case["version"], param_dtype="fp32",
-                        compute_dtype=case.get("compute_dtype", "fp32"),
-                        optimizer=case.get("optimizer", "none"),
-                        batch_size=case.get("batch_size", batch_size),
-                        seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
-                        attention="flash", checkpointing=case.get("checkpointing", "none"),
-                        shard_group_size=case.get("shard_group"),
-                        cpu_offload=bool(case.get("offload")))
+    return PlanSettings(
+        policy=case["policy"],
+        version=case["version"],
+        param_dtype="fp32",
+        compute_dtype=case.get("compute_dtype", "fp32"),
+        optimizer=case.get("optimizer", "none"),
+        batch_size=case.get("batch_size", batch_size),
+        seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
+        attention="flash",
+        checkpointing=case.get("checkpointing", "none"),
+        shard_group_size=case.get("shard_group"),
+        cpu_offload=bool(case.get("offload")),
+    )
 
 
 #: The term a CPU-offload case's estimate gets on a CPU device, where host and device are one
@@ -146,15 +177,29 @@ def estimate_for_case(case: Mapping[str, Any], world_size: int, batch_size: int 
     if not case.get("offload"):
         return bound
     host = plan.host_bytes(world_size)
-    return Bound((*bound.terms, BoundTerm(
-        HOST_TERM, host, f"sharded params, grads and optimizer state per rank, "
-        f"{format_bytes(host, 'decimal')}, in the same memory as the device's on CPU",
-        scales_with_depth=True)), bound.tolerance)
+    return Bound(
+        (
+            *bound.terms,
+            BoundTerm(
+                HOST_TERM,
+                host,
+                f"sharded params, grads and optimizer state per rank, "
+                f"{format_bytes(host, 'decimal')}, in the same memory as the device's on CPU",
+                scales_with_depth=True,
+            ),
+        ),
+        bound.tolerance,
+    )
 
 
-def compare_to_measurement(estimate: Bound, peaks_by_rank: Mapping[int, int], *,
-                           min_ratio: float, max_ratio: float = TRUST_MAX_RATIO,
-                           label: str = "") -> tuple[bool, list[str]]:
+def compare_to_measurement(
+    estimate: Bound,
+    peaks_by_rank: Mapping[int, int],
+    *,
+    min_ratio: float,
+    max_ratio: float = TRUST_MAX_RATIO,
+    label: str = "",
+) -> tuple[bool, list[str]]:
     """Every rank's measured peak within ``[min_ratio, max_ratio] x estimate``.
 
     Above: the estimate misses something (a term too small or absent): planning would call a
@@ -166,15 +211,19 @@ def compare_to_measurement(estimate: Bound, peaks_by_rank: Mapping[int, int], *,
         ratio = peak / estimate.total if estimate.total else float("inf")
         if ratio > max_ratio:
             ok = False
-            verdict = (f"ABOVE {max_ratio:.2f} x the estimate: the estimate misses "
-                       f"{format_bytes(peak - estimate.total, 'decimal')}")
+            verdict = (
+                f"ABOVE {max_ratio:.2f} x the estimate: the estimate misses "
+                f"{format_bytes(peak - estimate.total, 'decimal')}"
+            )
         elif ratio < min_ratio:
             ok = False
             verdict = f"BELOW {min_ratio:.2f} x the estimate: the estimate is too loose"
         else:
             verdict = "ok"
-        lines.append(f"{label}rank {rank}: measured {format_bytes(peak, 'decimal')}, estimate "
-                     f"{format_bytes(estimate.total, 'decimal')}, ratio {ratio:.3f}: {verdict}")
+        lines.append(
+            f"{label}rank {rank}: measured {format_bytes(peak, 'decimal')}, estimate "
+            f"{format_bytes(estimate.total, 'decimal')}, ratio {ratio:.3f}: {verdict}"
+        )
     return ok, lines
 
 
@@ -183,27 +232,35 @@ def _case_label(case: Mapping[str, Any]) -> str:
     cfg = spec.config
     shape = f" {cfg.num_layers}L d{cfg.dim}" if isinstance(cfg, (ModelConfig, LlamaConfig)) else ""
     ac = case.get("checkpointing", "none")
-    return (f"{spec.name}{shape} {case['version']} {case['policy']} "
-            f"opt={case.get('optimizer', 'none')}"
-            + (f" b{case['batch_size']}" if "batch_size" in case else "")
-            + (f" s{case['seq_len']}" if "seq_len" in case else "")
-            + ("" if ac == "none" else f" ac={ac}")
-            + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
-            + (" offload" if case.get("offload") else "")
-            + f" {case.get('compute_dtype', 'fp32')}: ")
+    return (
+        f"{spec.name}{shape} {case['version']} {case['policy']} "
+        f"opt={case.get('optimizer', 'none')}"
+        + (f" b{case['batch_size']}" if "batch_size" in case else "")
+        + (f" s{case['seq_len']}" if "seq_len" in case else "")
+        + ("" if ac == "none" else f" ac={ac}")
+        + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
+        + (" offload" if case.get("offload") else "")
+        + f" {case.get('compute_dtype', 'fp32')}: "
+    )
 
 
-def verdict_plan_estimate_matches(values: Sequence[TrustResult],
-                                  params: Mapping[str, Any]) -> Verdict:
+def verdict_plan_estimate_matches(
+    values: Sequence[TrustResult], params: Mapping[str, Any]
+) -> Verdict:
     """The planning estimate of each case within the tolerance of every rank's measured peak."""
-    cases = params.get("cases") or default_cases(params.get("spec", TRUST_SPEC),
-                                                 params.get("version", "fsdp2"))
-    return judge_estimates(values, cases, [
-        estimate_for_case(case, len(values), params.get("batch_size", 2)) for case in cases])
+    cases = params.get("cases") or default_cases(
+        params.get("spec", TRUST_SPEC), params.get("version", "fsdp2")
+    )
+    return judge_estimates(
+        values,
+        cases,
+        [estimate_for_case(case, len(values), params.get("batch_size", 2)) for case in cases],
+    )
 
 
-def judge_estimates(values: Sequence[TrustResult], cases: Sequence[Mapping[str, Any]],
-                    estimates: Sequence[Bound]) -> Verdict:
+def judge_estimates(
+    values: Sequence[TrustResult], cases: Sequence[Mapping[str, Any]], estimates: Sequence[Bound]
+) -> Verdict:
     """Every rank's measured peak of each case against ``estimates`` (one per case, in order).
 
     The verdict gives the planner's estimates; a negative control gives others (a term left
@@ -214,36 +271,57 @@ def judge_estimates(values: Sequence[TrustResult], cases: Sequence[Mapping[str, 
     for i, (case, bound) in enumerate(zip(cases, estimates, strict=True)):
         peaks = {v["rank"]: v["peaks"][i]["peak"] for v in values}
         ok, case_lines = compare_to_measurement(
-            bound, peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]], label=_case_label(case))
+            bound, peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]], label=_case_label(case)
+        )
         all_ok &= ok
         lines += case_lines
         ratios.append(round(max(peaks.values()) / bound.total, 3))
-        rows.append({"case": _case_label(case).rstrip(": "), "estimate": bound.total,
-                     "peaks": peaks, "terms": bound.to_dict()["terms"]})
+        rows.append(
+            {
+                "case": _case_label(case).rstrip(": "),
+                "estimate": bound.total,
+                "peaks": peaks,
+                "terms": bound.to_dict()["terms"],
+            }
+        )
     # Per case, in case order: what the report keeps and compare reads (the byte lists as
     # memory, the ratios as measurements the verdict judged, the labels and limits exactly).
-    figures = {"cases": len(cases), "min_ratio": min(ratios), "max_ratio": max(ratios),
-               "source": values[0]["peaks"][0]["source"],
-               "case_labels": [r["case"] for r in rows],
-               "estimate_bytes": [r["estimate"] for r in rows],
-               "peak_bytes": [max(r["peaks"].values()) for r in rows],
-               "ratios": ratios,
-               "min_allowed_ratios": [TRUST_MIN_RATIO[c["policy"]] for c in cases],
-               "max_allowed_ratio": TRUST_MAX_RATIO}
-    head = (f"planning estimate vs measured peak ({values[0]['peaks'][0]['source']}), "
-            f"{len(cases)} case(s) x {world_size} ranks; allowed ratio peak/estimate: "
-            f"{', '.join(f'{p} {r:.2f}' for p, r in TRUST_MIN_RATIO.items())} to "
-            f"{TRUST_MAX_RATIO:.2f} (above: the estimate misses a term, beyond the memory "
-            "checks' tolerance; below: it counts what is not there, beyond the loosest ratio "
-            "measured for the policy)")
+    figures = {
+        "cases": len(cases),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+        "source": values[0]["peaks"][0]["source"],
+        "case_labels": [r["case"] for r in rows],
+        "estimate_bytes": [r["estimate"] for r in rows],
+        "peak_bytes": [max(r["peaks"].values()) for r in rows],
+        "ratios": ratios,
+        "min_allowed_ratios": [TRUST_MIN_RATIO[c["policy"]] for c in cases],
+        "max_allowed_ratio": TRUST_MAX_RATIO,
+    }
+    head = (
+        f"planning estimate vs measured peak ({values[0]['peaks'][0]['source']}), "
+        f"{len(cases)} case(s) x {world_size} ranks; allowed ratio peak/estimate: "
+        f"{', '.join(f'{p} {r:.2f}' for p, r in TRUST_MIN_RATIO.items())} to "
+        f"{TRUST_MAX_RATIO:.2f} (above: the estimate misses a term, beyond the memory "
+        "checks' tolerance; below: it counts what is not there, beyond the loosest ratio "
+        "measured for the policy)"
+    )
     if all_ok:
         per_case = "; ".join(
             f"{r['case']}: estimate {format_bytes(r['estimate'], 'decimal')}, measured "
             f"{format_bytes(max(r['peaks'].values()), 'decimal')}, ratio {q:.3f}"
-            for r, q in zip(rows, ratios))
-        return Verdict(True, f"{head}: all within (ratios {min(ratios):.3f} to "
-                       f"{max(ratios):.3f}): {per_case}", figures, {"rows": rows})
+            for r, q in zip(rows, ratios)
+        )
+        return Verdict(
+            True,
+            f"{head}: all within (ratios {min(ratios):.3f} to {max(ratios):.3f}): {per_case}",
+            figures,
+            {"rows": rows},
+        )
     bad = [ln for ln in lines if not ln.endswith(": ok")]
-    return Verdict(False, f"{head}: {len(bad)} outside:\n" + "\n".join(bad)
-                   + "\nall cases:\n" + "\n".join(lines), figures, {"rows": rows})
-
+    return Verdict(
+        False,
+        f"{head}: {len(bad)} outside:\n" + "\n".join(bad) + "\nall cases:\n" + "\n".join(lines),
+        figures,
+        {"rows": rows},
+    )

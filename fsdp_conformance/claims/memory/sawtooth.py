@@ -39,21 +39,36 @@ class Tooth(TypedDict):
     fall: int
 
 
-def rank_sawtooth(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                  optimizer: str | None = None, batch_size: int = 2,
-                  compare_with: str | None = None,
-                  fault: str | Sequence[str] | None = None) -> PeakResult:
+def rank_sawtooth(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    optimizer: str | None = None,
+    batch_size: int = 2,
+    compare_with: str | None = None,
+    fault: str | Sequence[str] | None = None,
+) -> PeakResult:
     """:func:`rank_peak_within_bound` for the sawtooth, skipped (on every rank alike) when units
     are tiny."""
-    units, config = plan_step(spec, ctx.world_size, version, optimizer=optimizer,
-                              batch_size=batch_size)
+    units, config = plan_step(
+        spec, ctx.world_size, version, optimizer=optimizer, batch_size=batch_size
+    )
     largest = block_bytes(units, config)
     if largest < SAWTOOTH_MIN_UNIT_BYTES:
-        skip_rank(f"the largest unit of {spec.name} is {largest / 1024:.0f} KiB unsharded, under "
-                  f"{SAWTOOTH_MIN_UNIT_BYTES // 1024} KiB: a gather that small cannot be told "
-                  "apart from activations in the timeline; use a larger config of the model")
-    return rank_peak_within_bound(ctx, spec, version, optimizer=optimizer,
-                                  batch_size=batch_size, compare_with=compare_with, fault=fault)
+        skip_rank(
+            f"the largest unit of {spec.name} is {largest / 1024:.0f} KiB unsharded, under "
+            f"{SAWTOOTH_MIN_UNIT_BYTES // 1024} KiB: a gather that small cannot be told "
+            "apart from activations in the timeline; use a larger config of the model"
+        )
+    return rank_peak_within_bound(
+        ctx,
+        spec,
+        version,
+        optimizer=optimizer,
+        batch_size=batch_size,
+        compare_with=compare_with,
+        fault=fault,
+    )
 
 
 def sawtooth_teeth(timeline: Sequence[Mapping[str, Any]]) -> list[Tooth]:
@@ -97,41 +112,57 @@ def verdict_sawtooth(values: Sequence[PeakResult], params: Mapping[str, Any]) ->
         r = v["rank"]
         if len(nonroot) < 2:
             whole = next((x["rise"] for x in teeth if x["unit"] == ROOT), 0)
-            problems.append(f"rank {r}: no sawtooth: {len(nonroot)} non-root unit(s) ran in "
-                            f"forward; the root gathered {mb(whole)} at once")
+            problems.append(
+                f"rank {r}: no sawtooth: {len(nonroot)} non-root unit(s) ran in "
+                f"forward; the root gathered {mb(whole)} at once"
+            )
         for x in teeth:
             if x["rise"] > (1 + t) * 2 * plan_max:
                 problems.append(
                     f"rank {r}: unit {x['unit'] or '(root)'} gathered {mb(x['rise'])} at once, "
                     f"more than the current + prefetched unit of the per-layer plan "
-                    f"(2 x {mb(plan_max)} + {t:.0%})")
+                    f"(2 x {mb(plan_max)} + {t:.0%})"
+                )
             if x["unit"] != ROOT and x["fall"] < (1 - t) * own.get(x["unit"], 0):
                 problems.append(
                     f"rank {r}: unit {x['unit']} kept its parameters after forward: released "
                     f"{mb(x['fall'])}, expected about {mb(own[x['unit']])} (its unsharded size, "
-                    f"-{t:.0%})")
+                    f"-{t:.0%})"
+                )
         summary.append((r, nonroot))
     first = values[0]
     label = check_label(params, first["wrapping"])
-    data: dict[str, Any] = {"timeline": first["timeline"],
-                            "teeth": sawtooth_teeth(first["timeline"]),
-                            "wrapping": first["wrapping"], "limit_bytes": first["bound"]["limit"],
-                            "peak_bytes": first["meters"][0]["peak"],
-                            "timelines_by_rank": {v["rank"]: v["timeline"] for v in values}}
+    data: dict[str, Any] = {
+        "timeline": first["timeline"],
+        "teeth": sawtooth_teeth(first["timeline"]),
+        "wrapping": first["wrapping"],
+        "limit_bytes": first["bound"]["limit"],
+        "peak_bytes": first["meters"][0]["peak"],
+        "timelines_by_rank": {v["rank"]: v["timeline"] for v in values},
+    }
     if first["compare"] is not None:
         data["compare"] = first["compare"]
     teeth0 = summary[0][1]
-    figures = {"teeth": len(teeth0),
-               "max_rise_bytes": max((x["rise"] for x in teeth0), default=0),
-               "min_fall_bytes": min((x["fall"] for x in teeth0), default=0)}
+    figures = {
+        "teeth": len(teeth0),
+        "max_rise_bytes": max((x["rise"] for x in teeth0), default=0),
+        "min_fall_bytes": min((x["fall"] for x in teeth0), default=0),
+    }
     if problems:
         lines = [f"{label}: the timeline is not a per-unit sawtooth:", *problems[:12]]
         if len(problems) > 12:
             lines.append(f"... and {len(problems) - 12} more")
         lines.append("forward teeth on rank 0 (unit: rise / fall):")
-        lines += [f"  {x['unit'] or '(root)'}: +{mb(x['rise'])} / -{mb(x['fall'])}"
-                  for x in sawtooth_teeth(first["timeline"])]
+        lines += [
+            f"  {x['unit'] or '(root)'}: +{mb(x['rise'])} / -{mb(x['fall'])}"
+            for x in sawtooth_teeth(first["timeline"])
+        ]
         return Verdict(False, "\n".join(lines), figures, data)
-    return Verdict(True, f"{label}: sawtooth on all {len(values)} ranks: "
-                   f"{len(teeth0)} units each rise by at most {mb(figures['max_rise_bytes'])} and "
-                   f"release their own parameters", figures, data)
+    return Verdict(
+        True,
+        f"{label}: sawtooth on all {len(values)} ranks: "
+        f"{len(teeth0)} units each rise by at most {mb(figures['max_rise_bytes'])} and "
+        f"release their own parameters",
+        figures,
+        data,
+    )

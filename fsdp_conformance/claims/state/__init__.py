@@ -21,55 +21,89 @@ from fsdp_conformance.claims.state.round_trip import rank_round_trip, verdict_ro
 from fsdp_conformance.claims.state.state_dicts import DEFAULT_SPEC
 from fsdp_conformance.claims.state.summon import rank_summon, verdict_summon
 
-CHECKS: tuple[Check, ...] = variants(
-    "state.round_trip",
-    {"fsdp1": "FULL (rank 0 only and not), SHARDED and LOCAL state dicts: got and loaded into "
-              "another sharded model, equal to the reference bitwise",
-     "fsdp2": "get/set_model_state_dict full (rank 0 with broadcast, every rank) and sharded: "
-              "got and loaded into another sharded model, equal to the reference bitwise"},
-    rank_round_trip, verdict_round_trip, specs=(DEFAULT_SPEC,),
-) + variants(
-    "state.resume",
-    {"fsdp1": "FSDP.optim_state_dict / optim_state_dict_to_load with FULL and SHARDED model "
-              "state after two AdamW steps: the resumed step equals the unbroken run bitwise",
-     "fsdp2": "get/set_optimizer_state_dict and get/set_model_state_dict, full and sharded, "
-              "after two AdamW steps: the resumed step equals the unbroken run bitwise"},
-    rank_resume, verdict_resume, specs=(DEFAULT_SPEC,),
-) + variants(
-    "state.dcp",
-    {"fsdp1": "SHARDED_STATE_DICT saved with torch.distributed.checkpoint (real files), loaded "
-              "into FSDP1, FSDP2 and one unsharded process: equal to the reference bitwise",
-     "fsdp2": "get_model_state_dict saved with torch.distributed.checkpoint (real files), "
-              "loaded into FSDP2, FSDP1 and one unsharded process: equal to the reference "
-              "bitwise"},
-    rank_dcp, verdict_dcp, specs=(DEFAULT_SPEC,),
-) + variants(
-    "state.reshard",
-    {"fsdp1": "SHARDED_STATE_DICT saved with torch.distributed.checkpoint by half the ranks (a "
-              "process group of their own), loaded by every rank into FSDP1 and FSDP2: equal "
-              "to the reference bitwise",
-     "fsdp2": "get_model_state_dict saved with torch.distributed.checkpoint by half the ranks "
-              "(a mesh of their own), loaded by every rank into FSDP2 and FSDP1: equal to the "
-              "reference bitwise"},
-    rank_reshard, verdict_reshard, specs=(DEFAULT_SPEC,),
-) + variants(
-    "state.checkpoint",
-    "a checkpoint saved by one run (run --save-checkpoint DIR) loaded by another, on another "
-    "torch (--load-checkpoint DIR) into FSDP1, FSDP2 and one process: the saved values, bitwise "
-    "(only in runs given one of the two flags)",
-    rank_checkpoint, verdict_checkpoint, specs=(DEFAULT_SPEC,),
-    opt_in=("save_to", "load_from"), save_to=None, load_from=None,
-) + variants(
-    "state.summon",
-    "FSDP1 summon_full_params (writeback on and off, rank0_only, with_grads): whole parameters "
-    "equal to the reference inside, a change inside kept only with writeback, whole gradients "
-    "equal to a single-process backward",
-    rank_summon, verdict_summon, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
-) + variants(
-    "state.summon.rank0_discard",
-    "FSDP1 summon_full_params(rank0_only=True, writeback=False): a change made inside on every "
-    "rank is discarded after the context, as the docstring says (a known defect on the torch "
-    "versions in expectations.toml)",
-    rank_summon, verdict_summon, versions=("fsdp1",), specs=(DEFAULT_SPEC,),
-    cases=("rank0_only_write",),
+CHECKS: tuple[Check, ...] = (
+    variants(
+        "state.round_trip",
+        {
+            "fsdp1": "FULL (rank 0 only and not), SHARDED and LOCAL state dicts: got and loaded into "
+            "another sharded model, equal to the reference bitwise",
+            "fsdp2": "get/set_model_state_dict full (rank 0 with broadcast, every rank) and sharded: "
+            "got and loaded into another sharded model, equal to the reference bitwise",
+        },
+        rank_round_trip,
+        verdict_round_trip,
+        specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "state.resume",
+        {
+            "fsdp1": "FSDP.optim_state_dict / optim_state_dict_to_load with FULL and SHARDED model "
+            "state after two AdamW steps: the resumed step equals the unbroken run bitwise",
+            "fsdp2": "get/set_optimizer_state_dict and get/set_model_state_dict, full and sharded, "
+            "after two AdamW steps: the resumed step equals the unbroken run bitwise",
+        },
+        rank_resume,
+        verdict_resume,
+        specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "state.dcp",
+        {
+            "fsdp1": "SHARDED_STATE_DICT saved with torch.distributed.checkpoint (real files), loaded "
+            "into FSDP1, FSDP2 and one unsharded process: equal to the reference bitwise",
+            "fsdp2": "get_model_state_dict saved with torch.distributed.checkpoint (real files), "
+            "loaded into FSDP2, FSDP1 and one unsharded process: equal to the reference "
+            "bitwise",
+        },
+        rank_dcp,
+        verdict_dcp,
+        specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "state.reshard",
+        {
+            "fsdp1": "SHARDED_STATE_DICT saved with torch.distributed.checkpoint by half the ranks (a "
+            "process group of their own), loaded by every rank into FSDP1 and FSDP2: equal "
+            "to the reference bitwise",
+            "fsdp2": "get_model_state_dict saved with torch.distributed.checkpoint by half the ranks "
+            "(a mesh of their own), loaded by every rank into FSDP2 and FSDP1: equal to the "
+            "reference bitwise",
+        },
+        rank_reshard,
+        verdict_reshard,
+        specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "state.checkpoint",
+        "a checkpoint saved by one run (run --save-checkpoint DIR) loaded by another, on another "
+        "torch (--load-checkpoint DIR) into FSDP1, FSDP2 and one process: the saved values, bitwise "
+        "(only in runs given one of the two flags)",
+        rank_checkpoint,
+        verdict_checkpoint,
+        specs=(DEFAULT_SPEC,),
+        opt_in=("save_to", "load_from"),
+        save_to=None,
+        load_from=None,
+    )
+    + variants(
+        "state.summon",
+        "FSDP1 summon_full_params (writeback on and off, rank0_only, with_grads): whole parameters "
+        "equal to the reference inside, a change inside kept only with writeback, whole gradients "
+        "equal to a single-process backward",
+        rank_summon,
+        verdict_summon,
+        versions=("fsdp1",),
+        specs=(DEFAULT_SPEC,),
+    )
+    + variants(
+        "state.summon.rank0_discard",
+        "FSDP1 summon_full_params(rank0_only=True, writeback=False): a change made inside on every "
+        "rank is discarded after the context, as the docstring says (a known defect on the torch "
+        "versions in expectations.toml)",
+        rank_summon,
+        verdict_summon,
+        versions=("fsdp1",),
+        specs=(DEFAULT_SPEC,),
+        cases=("rank0_only_write",),
+    )
 )

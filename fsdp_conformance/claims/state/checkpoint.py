@@ -88,8 +88,10 @@ def _prepare_folder(path: str) -> str:
 
     if os.path.isdir(path) and os.listdir(path):
         if not os.path.exists(os.path.join(path, MANIFEST)):
-            return (f"{path} holds files that are not a checkpoint of this suite; give "
-                    "--save-checkpoint an empty folder or one an earlier save wrote")
+            return (
+                f"{path} holds files that are not a checkpoint of this suite; give "
+                "--save-checkpoint an empty folder or one an earlier save wrote"
+            )
         shutil.rmtree(path)
     os.makedirs(path, exist_ok=True)
     return ""
@@ -107,13 +109,20 @@ def _read_manifest(path: str, root: str, version: str, spec: ModelSpec) -> Manif
         raise CheckSkipped(
             f"no checkpoint of {version} {spec.name} in {root} ({path} has no {MANIFEST}): "
             f"run `fsdp-conformance run --save-checkpoint {root}` with the same model on the "
-            "torch to load from first") from None
+            "torch to load from first"
+        ) from None
     return manifest
 
 
-def rank_checkpoint(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                    seed: int = 0, save_to: str | None = None, load_from: str | None = None,
-                    fault: str | Sequence[str] | None = None) -> CheckpointResult:
+def rank_checkpoint(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    save_to: str | None = None,
+    load_from: str | None = None,
+    fault: str | Sequence[str] | None = None,
+) -> CheckpointResult:
     """``load_from``: the checkpoint an earlier run (another torch, maybe another world size)
     saved for this variant, loaded into each of :data:`DCP_TARGETS`; the digests of each and
     the saver's manifest. ``save_to``: the sharded model saved with
@@ -131,12 +140,10 @@ def rank_checkpoint(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: s
             manifest = _read_manifest(path, load_from, version, spec)
             out["load"] = {
                 "manifest": manifest,
-                "loaded": {t: load_checkpoint(ctx, spec, t, path, seed + 1)
-                           for t in DCP_TARGETS},
+                "loaded": {t: load_checkpoint(ctx, spec, t, path, seed + 1) for t in DCP_TARGETS},
             }
         if save_to is not None:
-            out["save"] = _save(ctx, spec, version, seed, checkpoint_folder(save_to, version,
-                                                                            spec))
+            out["save"] = _save(ctx, spec, version, seed, checkpoint_folder(save_to, version, spec))
     return out
 
 
@@ -154,21 +161,27 @@ def _save(ctx: RankContext, spec: ModelSpec, version: str, seed: int, path: str)
     saved = digests(get_state(source, version, "full"))
     save_checkpoint(source, version, path)
     if ctx.rank == 0:
-        manifest: Manifest = {"torch": torch.__version__, "version": version,
-                              "model": spec.name, "world_size": ctx.world_size, "seed": seed,
-                              "digests": saved}
+        manifest: Manifest = {
+            "torch": torch.__version__,
+            "version": version,
+            "model": spec.name,
+            "world_size": ctx.world_size,
+            "seed": seed,
+            "digests": saved,
+        }
         with open(os.path.join(path, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
     dist.barrier()
     # Read back into every target a later load uses: the same work (and warnings) on both
     # sides of an upgrade gate, so compare shows only what differs.
-    return {"path": path, "files": files_in(path),
-            "read_back": {t: load_checkpoint(ctx, spec, t, path, seed + 1)
-                          for t in DCP_TARGETS}}
+    return {
+        "path": path,
+        "files": files_in(path),
+        "read_back": {t: load_checkpoint(ctx, spec, t, path, seed + 1) for t in DCP_TARGETS},
+    }
 
 
-def verdict_checkpoint(values: Sequence[CheckpointResult],
-                       params: Mapping[str, Any]) -> Verdict:
+def verdict_checkpoint(values: Sequence[CheckpointResult], params: Mapping[str, Any]) -> Verdict:
     """Load: every target, on every rank, equals the values the saving run recorded, bitwise.
     Save: the checkpoint read back into every target on every rank equals the single-process
     reference. The figures are the checkpoint's torch and world size, the same on both sides of
@@ -183,27 +196,36 @@ def verdict_checkpoint(values: Sequence[CheckpointResult],
         manifest = values[0]["load"]["manifest"]
         expected = {k: list(d) for k, d in manifest["digests"].items()}
         lines, failed = judge_targets(
-            expected, [(v["rank"], v["load"]["loaded"]) for v in values],
+            expected,
+            [(v["rank"], v["load"]["loaded"]) for v in values],
             DCP_TARGETS,
-            lambda t: f"loaded into {t} ({where(t, len(values), 'one process, no_dist')})")
+            lambda t: f"loaded into {t} ({where(t, len(values), 'one process, no_dist')})",
+        )
         tree += lines
         bad += [f"load:{t}" for t in failed]
-        heads.append(f"loaded the checkpoint torch {manifest['torch']} saved at world size "
-                     f"{manifest['world_size']} under {manifest['version']}, on torch "
-                     f"{torch.__version__}, against the values it saved, bitwise")
-        figures.update(checkpoint_torch=manifest["torch"],
-                       checkpoint_world_size=manifest["world_size"])
+        heads.append(
+            f"loaded the checkpoint torch {manifest['torch']} saved at world size "
+            f"{manifest['world_size']} under {manifest['version']}, on torch "
+            f"{torch.__version__}, against the values it saved, bitwise"
+        )
+        figures.update(
+            checkpoint_torch=manifest["torch"], checkpoint_world_size=manifest["world_size"]
+        )
     if "save" in values[0]:
         lines, failed = judge_targets(
             reference_digests(spec, params.get("seed", 0)),
-            [(v["rank"], v["save"]["read_back"]) for v in values], DCP_TARGETS,
-            lambda t: f"saved, read back into {t}")
+            [(v["rank"], v["save"]["read_back"]) for v in values],
+            DCP_TARGETS,
+            lambda t: f"saved, read back into {t}",
+        )
         tree += lines
         bad += [f"save:{t}" for t in failed]
         files = values[0]["save"]["files"]
-        heads.append(f"saved to {values[0]['save']['path']} ({len(files)} files) at world size "
-                     f"{len(values)} on torch {torch.__version__}, read back against the "
-                     "reference, bitwise")
+        heads.append(
+            f"saved to {values[0]['save']['path']} ({len(files)} files) at world size "
+            f"{len(values)} on torch {torch.__version__}, read back against the "
+            "reference, bitwise"
+        )
         figures.setdefault("checkpoint_torch", torch.__version__)
         figures.setdefault("checkpoint_world_size", len(values))
     figures["failed"] = sorted(set(bad))

@@ -40,8 +40,13 @@ class DcpResult(TypedDict):
     loaded: dict[str, Digests]
 
 
-def rank_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-             seed: int = 0, fault: str | Sequence[str] | None = None) -> DcpResult:
+def rank_dcp(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    fault: str | Sequence[str] | None = None,
+) -> DcpResult:
     """Save the sharded model with ``torch.distributed.checkpoint`` into a folder every rank
     writes to, then load it into each of :data:`DCP_TARGETS`; every target's digests.
     ``fault``: the negative controls of :data:`~fsdp_conformance.claims.state.faults.FAULTS`
@@ -52,8 +57,9 @@ def rank_dcp(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "f
         source = build_sharded(ctx, spec, version, seed)
         save_checkpoint(source, version, path)
         files = files_in(path)
-        loaded = {target: load_checkpoint(ctx, spec, target, path, seed + 1)
-                  for target in DCP_TARGETS}
+        loaded = {
+            target: load_checkpoint(ctx, spec, target, path, seed + 1) for target in DCP_TARGETS
+        }
     return {"rank": ctx.rank, "version": version, "files": files, "loaded": loaded}
 
 
@@ -65,12 +71,21 @@ def verdict_dcp(values: Sequence[DcpResult], params: Mapping[str, Any]) -> Verdi
     expected = reference_digests(spec, params.get("seed", 0))
     one_process = "one process, no_dist: world size 1"
     tree, bad = judge_targets(
-        expected, [(v["rank"], v["loaded"]) for v in values], DCP_TARGETS,
-        lambda t: f"loaded into {t} ({where(t, len(values), one_process)})")
+        expected,
+        [(v["rank"], v["loaded"]) for v in values],
+        DCP_TARGETS,
+        lambda t: f"loaded into {t} ({where(t, len(values), one_process)})",
+    )
     files = values[0]["files"]
-    figures = {"targets": list(DCP_TARGETS), "files": len(files), "tensors": len(expected),
-               "failed_targets": sorted(set(bad))}
-    head = (f"{version} {spec.name}: sharded state saved with torch.distributed.checkpoint at "
-            f"world size {len(values)} ({len(files)} files), loaded into each target, against "
-            "the single-process reference, bitwise")
+    figures = {
+        "targets": list(DCP_TARGETS),
+        "files": len(files),
+        "tensors": len(expected),
+        "failed_targets": sorted(set(bad)),
+    }
+    head = (
+        f"{version} {spec.name}: sharded state saved with torch.distributed.checkpoint at "
+        f"world size {len(values)} ({len(files)} files), loaded into each target, against "
+        "the single-process reference, bitwise"
+    )
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"files": files})

@@ -58,6 +58,7 @@ def _value_changed_before_loading(ctx: RankContext) -> contextlib.AbstractContex
             if kind in FULL or ctx.rank == 0:
                 perturb_values(state)
             load(model, version, kind, state)
+
         return changed
 
     return patched(round_trip, "set_state", make)
@@ -83,8 +84,10 @@ def _load_model_only(model: nn.Module, optim: torch.optim.Optimizer, path: str) 
 def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
     from fsdp_conformance.claims.state import resume
 
-    with patched(resume, "set_optim_state", lambda _: _not_loaded), \
-            patched(resume, "load_train_state", lambda _: _load_model_only):
+    with (
+        patched(resume, "set_optim_state", lambda _: _not_loaded),
+        patched(resume, "load_train_state", lambda _: _load_model_only),
+    ):
         yield
 
 
@@ -100,6 +103,7 @@ def _wrong_shards_written(ctx: RankContext) -> contextlib.AbstractContextManager
                 # own (DCP then waits for ranks that do not save).
                 perturb_values(state_dict, every=True)
             return save(state_dict, *args, **kwargs)
+
         return written
 
     return patched(state_dict_saver, "save", make)
@@ -115,6 +119,7 @@ def _wrong_value_read(ctx: RankContext) -> contextlib.AbstractContextManager[Any
             if ctx.rank == 0:
                 perturb_values(state_dict)
             return out
+
         return read
 
     return patched(state_dict_loader, "load", make)
@@ -122,17 +127,21 @@ def _wrong_value_read(ctx: RankContext) -> contextlib.AbstractContextManager[Any
 
 def _summoned_with(option: str) -> FaultEffect:
     """An effect: ``summon.summon_options`` with ``option`` False in every case that sets it."""
+
     def effect(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
         from fsdp_conformance.claims.state import summon
 
-        def make(options: Callable[[str, nn.Module], dict[str, Any]]
-                 ) -> Callable[[str, nn.Module], dict[str, Any]]:
+        def make(
+            options: Callable[[str, nn.Module], dict[str, Any]],
+        ) -> Callable[[str, nn.Module], dict[str, Any]]:
             def without(case: str, model: nn.Module) -> dict[str, Any]:
                 given = options(case, model)
                 return {**given, option: False} if option in given else given
+
             return without
 
         return patched(summon, "summon_options", make)
+
     return effect
 
 
@@ -141,21 +150,30 @@ FAULTS = FaultTable(
     value_changed_before_loading=Fault(
         "one value of each state dict changed before it is loaded: in a full dict on every rank "
         "that holds one, in a sharded or local dict in rank 0's shard (state.round_trip)",
-        _value_changed_before_loading),
+        _value_changed_before_loading,
+    ),
     optimizer_not_loaded=Fault(
         "the optimizer's state not loaded into the resumed run, from a state dict or from the "
-        "checkpoint files (state.resume)", _optimizer_not_loaded),
+        "checkpoint files (state.resume)",
+        _optimizer_not_loaded,
+    ),
     wrong_shards_written=Fault(
         "rank 0 writes its shards of a torch.distributed.checkpoint with one value of each "
         "tensor changed (state.dcp, state.reshard, state.checkpoint's save)",
-        _wrong_shards_written),
+        _wrong_shards_written,
+    ),
     wrong_value_read=Fault(
         "rank 0's torch.distributed.checkpoint load reads one wrong value (state.checkpoint's "
-        "load)", _wrong_value_read),
+        "load)",
+        _wrong_value_read,
+    ),
     writeback_ignored=Fault(
         "summon_full_params called with writeback=False in the case that asks for writeback "
-        "(state.summon)", _summoned_with("writeback")),
+        "(state.summon)",
+        _summoned_with("writeback"),
+    ),
     grads_not_summoned=Fault(
         "summon_full_params called without with_grads=True after the backward (state.summon)",
-        _summoned_with("with_grads")),
+        _summoned_with("with_grads"),
+    ),
 )

@@ -49,8 +49,13 @@ def saving_ranks(world_size: int) -> int:
     return max(1, world_size // 2)
 
 
-def rank_reshard(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                 seed: int = 0, fault: str | Sequence[str] | None = None) -> ReshardResult:
+def rank_reshard(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    fault: str | Sequence[str] | None = None,
+) -> ReshardResult:
     """The first :func:`saving_ranks` ranks shard the model on a process group of their own and
     save it with ``torch.distributed.checkpoint`` (that group's world size); then every rank
     loads it into each of :data:`RESHARD_TARGETS` at the whole world size; every target's
@@ -64,17 +69,21 @@ def rank_reshard(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str 
     group = dist.new_group(ranks=list(range(savers)))  # every rank calls it, as c10d requires
     try:
         with FAULTS.inject(fault, ctx), shared_folder(ctx, "fsdp-conformance-reshard-") as path:
-            files, loaded = _save_on_group_and_load(ctx, spec, version, seed, group, savers,
-                                                    path)
+            files, loaded = _save_on_group_and_load(ctx, spec, version, seed, group, savers, path)
     finally:
         dist.destroy_process_group(group)
-    return {"rank": ctx.rank, "version": version, "saved_by": savers, "files": files,
-            "loaded": loaded}
+    return {
+        "rank": ctx.rank,
+        "version": version,
+        "saved_by": savers,
+        "files": files,
+        "loaded": loaded,
+    }
 
 
-def _save_on_group_and_load(ctx: RankContext, spec: ModelSpec, version: str, seed: int,
-                            group: Any, savers: int,
-                            path: str) -> tuple[list[str], dict[str, Digests]]:
+def _save_on_group_and_load(
+    ctx: RankContext, spec: ModelSpec, version: str, seed: int, group: Any, savers: int, path: str
+) -> tuple[list[str], dict[str, Digests]]:
     import torch.distributed as dist
 
     if ctx.rank < savers:
@@ -88,8 +97,9 @@ def _save_on_group_and_load(ctx: RankContext, spec: ModelSpec, version: str, see
         save_checkpoint(source, version, path, process_group=group)
     dist.barrier()
     files = files_in(path)
-    return files, {target: load_checkpoint(ctx, spec, target, path, seed + 1)
-                   for target in RESHARD_TARGETS}
+    return files, {
+        target: load_checkpoint(ctx, spec, target, path, seed + 1) for target in RESHARD_TARGETS
+    }
 
 
 def verdict_reshard(values: Sequence[ReshardResult], params: Mapping[str, Any]) -> Verdict:
@@ -99,14 +109,23 @@ def verdict_reshard(values: Sequence[ReshardResult], params: Mapping[str, Any]) 
     version = params.get("version", "fsdp2")
     expected = reference_digests(spec, params.get("seed", 0))
     saved_by = values[0]["saved_by"]
-    tree, bad = judge_targets(expected, [(v["rank"], v["loaded"]) for v in values],
-                              RESHARD_TARGETS,
-                              lambda t: f"loaded into {t} at world size {len(values)}")
+    tree, bad = judge_targets(
+        expected,
+        [(v["rank"], v["loaded"]) for v in values],
+        RESHARD_TARGETS,
+        lambda t: f"loaded into {t} at world size {len(values)}",
+    )
     files = values[0]["files"]
-    figures = {"saved_world_size": saved_by, "loaded_world_size": len(values),
-               "targets": list(RESHARD_TARGETS), "failed_targets": sorted(set(bad))}
-    head = (f"{version} {spec.name}: sharded state saved with torch.distributed.checkpoint by "
-            f"{saved_by} rank(s) on a group of their own ({len(files)} files), loaded at world "
-            f"size {len(values)} into each FSDP version, against the single-process reference, "
-            "bitwise")
+    figures = {
+        "saved_world_size": saved_by,
+        "loaded_world_size": len(values),
+        "targets": list(RESHARD_TARGETS),
+        "failed_targets": sorted(set(bad)),
+    }
+    head = (
+        f"{version} {spec.name}: sharded state saved with torch.distributed.checkpoint by "
+        f"{saved_by} rank(s) on a group of their own ({len(files)} files), loaded at world "
+        f"size {len(values)} into each FSDP version, against the single-process reference, "
+        "bitwise"
+    )
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"files": files})

@@ -33,8 +33,10 @@ from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.sharding import check_fsdp_version
 
 #: The kinds of model and optimizer state dict a resumed run is loaded from, per version.
-RESUME_KINDS: dict[str, tuple[str, ...]] = {"fsdp1": ("full", "full_rank0_only", "sharded", "dcp"),
-                                            "fsdp2": ("full_rank0", "full", "sharded", "dcp")}
+RESUME_KINDS: dict[str, tuple[str, ...]] = {
+    "fsdp1": ("full", "full_rank0_only", "sharded", "dcp"),
+    "fsdp2": ("full_rank0", "full", "sharded", "dcp"),
+}
 #: The model state dict a resume kind pairs with its optimizer state dict, where they differ:
 #: FSDP1 loads a full model dict on every rank only, so its rank-0-only optimizer dict (which
 #: ``optim_state_dict_to_load`` broadcasts from rank 0) goes with the every-rank model dict.
@@ -81,19 +83,21 @@ def _fsdp1_optim_type(model: nn.Module, kind: str) -> Iterator[None]:
 
     if kind in ("full", "full_rank0_only"):
         offload = offload_to_cpu(model)
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=offload),
-                                  FullOptimStateDictConfig(
-                                      offload_to_cpu=offload,
-                                      rank0_only=kind == "full_rank0_only")):
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=offload),
+            FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=kind == "full_rank0_only"),
+        ):
             yield
     else:
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             yield
 
 
-def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str,
-                    kind: str) -> dict[str, Any]:
+def get_optim_state(
+    model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str
+) -> dict[str, Any]:
     """The optimizer's state dict of ``kind``, as torch hands it to a user."""
     if version == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -105,8 +109,9 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str
     return dict(get_optimizer_state_dict(model, optim, options=fsdp2_options(kind)))
 
 
-def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str,
-                    state: dict[str, Any]) -> None:
+def set_optim_state(
+    model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str, state: dict[str, Any]
+) -> None:
     """Load an optimizer state dict of ``kind`` into ``optim``."""
     if version == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -143,8 +148,7 @@ def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) 
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
-                seed: int) -> float:
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
     """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
     from fsdp_conformance.models import call_model, default_loss
 
@@ -156,17 +160,26 @@ def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
     return float(loss.detach())
 
 
-def _resumed_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any,
-                  version: str) -> StepResult:
+def _resumed_step(
+    model: nn.Module, optim: torch.optim.Optimizer, batch: Any, version: str
+) -> StepResult:
     """The step after the save, under :data:`STEP_SEED`: its loss (and its exact bits) and the
     digests of the model's full state after it."""
     loss = _train_step(model, optim, batch, STEP_SEED)
-    return {"loss": loss, "loss_hex": loss.hex(),
-            "digests": digests(get_state(model, version, "full"))}
+    return {
+        "loss": loss,
+        "loss_hex": loss.hex(),
+        "digests": digests(get_state(model, version, "full")),
+    }
 
 
-def rank_resume(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                seed: int = 0, fault: str | Sequence[str] | None = None) -> ResumeResult:
+def rank_resume(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    fault: str | Sequence[str] | None = None,
+) -> ResumeResult:
     """Train :data:`STEPS_BEFORE` AdamW steps, take the model's and the optimizer's state dicts
     of each kind, load them into a model and optimizer built under another seed, and take one
     more step on both: the resumed run must equal the unbroken one (loss and every tensor,
@@ -184,9 +197,14 @@ def _resume(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> Resum
     batch = spec.batch(source, 2, ctx.device)
     for step in range(STEPS_BEFORE):
         _train_step(source, optim, batch, STEP_SEED + 1 + step)
-    saved = {kind: (snapshot(get_state(source, version, RESUME_MODEL_KIND.get(kind, kind))),
-                    snapshot(get_optim_state(source, optim, version, kind)))
-             for kind in RESUME_KINDS[version] if kind != "dcp"}
+    saved = {
+        kind: (
+            snapshot(get_state(source, version, RESUME_MODEL_KIND.get(kind, kind))),
+            snapshot(get_optim_state(source, optim, version, kind)),
+        )
+        for kind in RESUME_KINDS[version]
+        if kind != "dcp"
+    }
     kinds: dict[str, StepResult] = {}
     with shared_folder(ctx, "fsdp-conformance-resume-") as path:
         save_train_state(source, optim, path)  # files: the dcp kind's snapshot
@@ -221,23 +239,34 @@ def verdict_resume(values: Sequence[ResumeResult], params: Mapping[str, Any]) ->
             unbroken, resumed = value["unbroken"], value["kinds"][kind]
             lines = []
             if resumed["loss_hex"] != unbroken["loss_hex"]:
-                lines.append(f"loss of the resumed step: expected {unbroken['loss']:.9g} "
-                             f"(unbroken run), got {resumed['loss']:.9g}")
-            lines += [f"after the resumed step: {d}"
-                      for d in differences(unbroken["digests"], resumed["digests"])]
+                lines.append(
+                    f"loss of the resumed step: expected {unbroken['loss']:.9g} "
+                    f"(unbroken run), got {resumed['loss']:.9g}"
+                )
+            lines += [
+                f"after the resumed step: {d}"
+                for d in differences(unbroken["digests"], resumed["digests"])
+            ]
             entries = resumed.get("optim_entries")
-            if kind in RANK0_ONLY and entries is not None and (
-                    (entries > 0) != (value["rank"] == 0)):
-                lines.append(f"the rank-0-only optimizer getter handed this rank state for "
-                             f"{entries} parameter(s)" + (" (expected some)" if value["rank"] == 0
-                                                         else " (expected none)"))
+            if (
+                kind in RANK0_ONLY
+                and entries is not None
+                and ((entries > 0) != (value["rank"] == 0))
+            ):
+                lines.append(
+                    f"the rank-0-only optimizer getter handed this rank state for "
+                    f"{entries} parameter(s)"
+                    + (" (expected some)" if value["rank"] == 0 else " (expected none)")
+                )
             if lines:
                 wrong[value["rank"]] = lines
         tree += section(kind, "resumed run equals the unbroken one", wrong)
         bad += [kind] if wrong else []
     losses = {str(v["rank"]): v["unbroken"]["loss"] for v in values}
     figures = {"kinds": kinds, "steps_before": STEPS_BEFORE, "failed_kinds": sorted(set(bad))}
-    head = (f"{version} {spec.name}: AdamW, {STEPS_BEFORE} steps, model and optimizer state "
-            f"saved ({', '.join(kinds)}), loaded into a fresh model, one more step against the "
-            f"unbroken run, bitwise, on all {len(values)} ranks")
+    head = (
+        f"{version} {spec.name}: AdamW, {STEPS_BEFORE} steps, model and optimizer state "
+        f"saved ({', '.join(kinds)}), loaded into a fresh model, one more step against the "
+        f"unbroken run, bitwise, on all {len(values)} ranks"
+    )
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"unbroken_loss": losses})

@@ -68,8 +68,13 @@ class RoundTripResult(TypedDict):
     kinds: dict[str, KindResult]
 
 
-def rank_round_trip(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp2",
-                    seed: int = 0, fault: str | Sequence[str] | None = None) -> RoundTripResult:
+def rank_round_trip(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp2",
+    seed: int = 0,
+    fault: str | Sequence[str] | None = None,
+) -> RoundTripResult:
     """Every state-dict kind of ``version``: got from one sharded model, loaded into another.
 
     ``fault``: the negative controls of :data:`~fsdp_conformance.claims.state.faults.FAULTS`
@@ -98,15 +103,16 @@ def _judge_rank(value: RoundTripResult, expected: Digests) -> dict[str, list[str
     for kind, entry in value["kinds"].items():
         lines = []
         if kind in RANK0_ONLY and rank != 0 and entry["got"]["entries"]:
-            lines.append(f"rank {rank} got {entry['got']['entries']} entries from a rank-0-only "
-                         "getter (expected none)")
+            lines.append(
+                f"rank {rank} got {entry['got']['entries']} entries from a rank-0-only "
+                "getter (expected none)"
+            )
         if "got_digests" in entry:
             lines += [f"as got: {d}" for d in differences(expected, entry["got_digests"])]
         elif kind in FULL and (kind not in RANK0_ONLY or rank == 0):
             lines.append(f"rank {rank} got an empty full state dict")
         if "loaded_digests" in entry:
-            lines += [f"after loading: {d}"
-                      for d in differences(expected, entry["loaded_digests"])]
+            lines += [f"after loading: {d}" for d in differences(expected, entry["loaded_digests"])]
         problems[kind] = lines
     return problems
 
@@ -128,6 +134,8 @@ def verdict_round_trip(values: Sequence[RoundTripResult], params: Mapping[str, A
         bad += [kind] if wrong else []
     got = {kind: values[0]["kinds"][kind]["got"] for kind in kinds}
     figures = {"kinds": kinds, "tensors": len(expected), "failed_kinds": sorted(set(bad))}
-    head = (f"{version} {spec.name}: {len(kinds)} state-dict kind(s), {len(expected)} tensors, "
-            f"against the single-process reference, bitwise, on all {len(values)} ranks")
+    head = (
+        f"{version} {spec.name}: {len(kinds)} state-dict kind(s), {len(expected)} tensors, "
+        f"against the single-process reference, bitwise, on all {len(values)} ranks"
+    )
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"got_rank0": got})

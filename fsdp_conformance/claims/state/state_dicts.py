@@ -64,8 +64,9 @@ def build(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.
     return spec.build(device)
 
 
-def build_sharded(ctx: RankContext, spec: ModelSpec, version: str, seed: int,
-                  **options: Any) -> nn.Module:
+def build_sharded(
+    ctx: RankContext, spec: ModelSpec, version: str, seed: int, **options: Any
+) -> nn.Module:
     """The model built under ``seed`` on the compute device and sharded as a user shards it
     (``options``: :func:`~fsdp_conformance.sharding.shard`'s, a process group or mesh say)."""
     torch.manual_seed(seed)
@@ -86,13 +87,16 @@ def _fsdp1_type(model: nn.Module, kind: str) -> Iterator[None]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if kind in ("full", "full_rank0_only"):
-        config = FullStateDictConfig(offload_to_cpu=offload_to_cpu(model),
-                                     rank0_only=kind == "full_rank0_only")
+        config = FullStateDictConfig(
+            offload_to_cpu=offload_to_cpu(model), rank0_only=kind == "full_rank0_only"
+        )
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             yield
     else:
-        which = {"sharded": StateDictType.SHARDED_STATE_DICT,
-                 "local": StateDictType.LOCAL_STATE_DICT}[kind]
+        which = {
+            "sharded": StateDictType.SHARDED_STATE_DICT,
+            "local": StateDictType.LOCAL_STATE_DICT,
+        }[kind]
         with FSDP.state_dict_type(model, which):
             yield
 
@@ -102,8 +106,9 @@ def fsdp2_options(kind: str, *, loading: bool = False) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     if kind == "full_rank0":
-        return StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                broadcast_from_rank0=loading)
+        return StateDictOptions(
+            full_state_dict=True, cpu_offload=True, broadcast_from_rank0=loading
+        )
     if kind == "full":
         return StateDictOptions(full_state_dict=True)
     return StateDictOptions()
@@ -133,8 +138,7 @@ def set_state(model: nn.Module, version: str, kind: str, state: dict[str, Any]) 
 def describe(state: Mapping[str, Any]) -> Description:
     """What a getter returned: entries, tensor types and devices (observed, for the report)."""
     types = sorted({type(v).__name__ for v in state.values()})
-    devices = sorted({str(t.device) for v in state.values()
-                      if (t := local_tensor(v)) is not None})
+    devices = sorted({str(t.device) for v in state.values() if (t := local_tensor(v)) is not None})
     return {"entries": len(state), "types": types, "devices": devices}
 
 
@@ -143,8 +147,12 @@ def digests(state: Mapping[str, Any]) -> Digests:
     out = {}
     for key, value in state.items():
         t = value.detach().to("cpu", copy=True).contiguous()  # the sum as the reference's
-        out[key] = [str(t.dtype), list(t.shape), sha256_of(t),
-                    float(t.double().sum()) if t.is_floating_point() else int(t.sum())]
+        out[key] = [
+            str(t.dtype),
+            list(t.shape),
+            sha256_of(t),
+            float(t.double().sum()) if t.is_floating_point() else int(t.sum()),
+        ]
     return out
 
 
@@ -186,19 +194,24 @@ def shared_folder(ctx: RankContext, prefix: str) -> Iterator[str]:
 # ============================================================================================
 
 
-def save_checkpoint(model: nn.Module, version: str, path: str, *,
-                    process_group: Any = None) -> None:
+def save_checkpoint(
+    model: nn.Module, version: str, path: str, *, process_group: Any = None
+) -> None:
     """The model's sharded state dict written with ``torch.distributed.checkpoint`` to ``path``
     (``FileSystemWriter``: real files), by ``process_group``'s ranks (default: every rank)."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    save(get_state(model, version, "sharded"), storage_writer=FileSystemWriter(path),
-         process_group=process_group)
+    save(
+        get_state(model, version, "sharded"),
+        storage_writer=FileSystemWriter(path),
+        process_group=process_group,
+    )
 
 
-def load_checkpoint(ctx: RankContext, spec: ModelSpec, target: str, path: str,
-                    seed: int) -> Digests:
+def load_checkpoint(
+    ctx: RankContext, spec: ModelSpec, target: str, path: str, seed: int
+) -> Digests:
     """A model built under another seed, loaded from the checkpoint at ``path``: sharded with
     ``target`` ("fsdp1", "fsdp2"), or unsharded in this process alone; its full state's
     digests."""
@@ -252,13 +265,13 @@ def differences(expected: Mapping[str, Digest], actual: Mapping[str, Digest]) ->
             lines.append(f"{key}: not in the reference's state dict")
         elif actual[key][:3] != expected[key][:3]:
             e, a = expected[key], actual[key]
-            lines.append(f"{key}: expected {e[0]} {e[1]} sum {e[3]:.9g}, "
-                         f"got {a[0]} {a[1]} sum {a[3]:.9g}")
+            lines.append(
+                f"{key}: expected {e[0]} {e[1]} sum {e[3]:.9g}, got {a[0]} {a[1]} sum {a[3]:.9g}"
+            )
     return lines
 
 
-def section(label: str, ok: str, wrong: Mapping[int, Sequence[str]],
-            limit: int = 8) -> list[str]:
+def section(label: str, ok: str, wrong: Mapping[int, Sequence[str]], limit: int = 8) -> list[str]:
     """One line per kind (``ok`` or the ranks it is wrong on), then each wrong rank's lines."""
     ranks = ", ".join(map(str, sorted(wrong)))
     lines = [f"  {label}: " + (ok if not wrong else f"WRONG on rank(s) {ranks}")]
@@ -269,17 +282,21 @@ def section(label: str, ok: str, wrong: Mapping[int, Sequence[str]],
     return lines
 
 
-def judge_targets(expected: Mapping[str, Digest],
-                  loaded: Sequence[tuple[int, Mapping[str, Digests]]], targets: Sequence[str],
-                  label: Callable[[str], str]) -> tuple[list[str], list[str]]:
+def judge_targets(
+    expected: Mapping[str, Digest],
+    loaded: Sequence[tuple[int, Mapping[str, Digests]]],
+    targets: Sequence[str],
+    label: Callable[[str], str],
+) -> tuple[list[str], list[str]]:
     """Per target, every rank's digests of the model loaded into it (``loaded``: (rank, digests
     by target)) against ``expected``: the tree's section per target and the targets wrong on
     any rank."""
     tree: list[str] = []
     bad: list[str] = []
     for target in targets:
-        wrong = {rank: d for rank, by_target in loaded
-                 if (d := differences(expected, by_target[target]))}
+        wrong = {
+            rank: d for rank, by_target in loaded if (d := differences(expected, by_target[target]))
+        }
         tree += section(label(target), "ok", wrong)
         bad += [target] if wrong else []
     return tree, bad

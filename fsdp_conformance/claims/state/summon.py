@@ -89,13 +89,21 @@ def summon_options(case: str, model: nn.Module) -> dict[str, Any]:
     if case == SUMMON_GRADS:
         return {"with_grads": True, "writeback": False}
     writeback, rank0_only, _ = SUMMON_CASES[case]
-    return {"writeback": writeback, "rank0_only": rank0_only,
-            "offload_to_cpu": offload_to_cpu(model)}
+    return {
+        "writeback": writeback,
+        "rank0_only": rank0_only,
+        "offload_to_cpu": offload_to_cpu(model),
+    }
 
 
-def rank_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str = "fsdp1",
-                seed: int = 0, cases: Sequence[str] = SUMMON_DEFAULT_CASES,
-                fault: str | Sequence[str] | None = None) -> SummonResult:
+def rank_summon(
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    version: str = "fsdp1",
+    seed: int = 0,
+    cases: Sequence[str] = SUMMON_DEFAULT_CASES,
+    fault: str | Sequence[str] | None = None,
+) -> SummonResult:
     """Per case of :data:`SUMMON_CASES` in ``cases``: the full parameters a rank sees inside
     ``FSDP.summon_full_params`` (their digests, where it holds them whole), then, where the
     case writes, one parameter changed inside on every rank, and the model's full state after
@@ -113,8 +121,11 @@ def rank_summon(ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, version: str =
     out: dict[str, SummonCase | SummonedGrads] = {}
     with FAULTS.inject(fault, ctx):
         for label in cases:
-            out[label] = (_summoned_grads(ctx, spec, seed) if label == SUMMON_GRADS
-                          else _summoned_params(ctx, spec, seed, label))
+            out[label] = (
+                _summoned_grads(ctx, spec, seed)
+                if label == SUMMON_GRADS
+                else _summoned_params(ctx, spec, seed, label)
+            )
     return {"rank": ctx.rank, "cases": out}
 
 
@@ -167,8 +178,12 @@ def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int) -> SummonedGra
                 continue
             diffs[key] = float((grad.detach().float() - want[key].float()).abs().max())
     scale = max((float(g.abs().max()) for g in want.values()), default=0.0)
-    return {"grad_diffs": diffs, "missing": sorted(missing), "scale": scale,
-            "with_grads": bool(options.get("with_grads", False))}
+    return {
+        "grad_diffs": diffs,
+        "missing": sorted(missing),
+        "scale": scale,
+        "with_grads": bool(options.get("with_grads", False)),
+    }
 
 
 def _judge_summoned_grads(values: Sequence[SummonResult]) -> tuple[dict[int, list[str]], str]:
@@ -178,22 +193,27 @@ def _judge_summoned_grads(values: Sequence[SummonResult]) -> tuple[dict[int, lis
     for rank, case in grads:
         limit = SUMMON_GRAD_RTOL * case["scale"]
         lines = [f"{name}: no whole gradient inside the context" for name in case["missing"]]
-        lines += [f"{name}: gradient differs from the reference's by {d:.3g} > {limit:.3g}"
-                  for name, d in sorted(case["grad_diffs"].items()) if d > limit]
+        lines += [
+            f"{name}: gradient differs from the reference's by {d:.3g} > {limit:.3g}"
+            for name, d in sorted(case["grad_diffs"].items())
+            if d > limit
+        ]
         if not case["with_grads"]:
             lines.insert(0, "summoned without with_grads=True (the negative control)")
         if lines:
             wrong[rank] = lines
-    worst = max((max(case["grad_diffs"].values(), default=0.0) for _, case in grads),
-                default=0.0)
-    ok = (f"every gradient whole inside and equal to a single-process backward of the same "
-          f"batch (largest difference {worst:.3g}, allowed {SUMMON_GRAD_RTOL:g} of the largest "
-          "gradient)")
+    worst = max((max(case["grad_diffs"].values(), default=0.0) for _, case in grads), default=0.0)
+    ok = (
+        f"every gradient whole inside and equal to a single-process backward of the same "
+        f"batch (largest difference {worst:.3g}, allowed {SUMMON_GRAD_RTOL:g} of the largest "
+        "gradient)"
+    )
     return wrong, ok
 
 
-def _judge_summon_case(label: str, values: Sequence[SummonResult], reference: nn.Module,
-                       expected: Digests) -> tuple[dict[int, list[str]], str]:
+def _judge_summon_case(
+    label: str, values: Sequence[SummonResult], reference: nn.Module, expected: Digests
+) -> tuple[dict[int, list[str]], str]:
     """A :data:`SUMMON_CASES` case: each rank's problems, and the line for none."""
     writeback, rank0_only, _ = SUMMON_CASES[label]
     wrong: dict[int, list[str]] = {}
@@ -210,8 +230,7 @@ def _judge_summon_case(label: str, values: Sequence[SummonResult], reference: nn
         name = case["changed"]
         if writeback and name is not None:
             with torch.no_grad():
-                changed = dict(reference.named_parameters())[clean_fqn(name)].detach() \
-                    + WRITE_DELTA
+                changed = dict(reference.named_parameters())[clean_fqn(name)].detach() + WRITE_DELTA
             want[clean_fqn(name)] = digests({"x": changed})["x"]
         lines += [f"after the context: {d}" for d in differences(want, case["after"])]
         if lines:
@@ -230,11 +249,16 @@ def verdict_summon(values: Sequence[SummonResult], params: Mapping[str, Any]) ->
     bad: list[str] = []
     cases = list(values[0]["cases"])
     for label in cases:
-        wrong, ok = (_judge_summoned_grads(values) if label == SUMMON_GRADS
-                     else _judge_summon_case(label, values, reference, expected))
+        wrong, ok = (
+            _judge_summoned_grads(values)
+            if label == SUMMON_GRADS
+            else _judge_summon_case(label, values, reference, expected)
+        )
         tree += section(label, ok, wrong)
         bad += [label] if wrong else []
     figures = {"cases": cases, "failed_cases": bad}
-    head = (f"fsdp1 {spec.name}: summon_full_params, {len(cases)} case(s), against the "
-            f"single-process reference, bitwise, on all {len(values)} ranks")
+    head = (
+        f"fsdp1 {spec.name}: summon_full_params, {len(cases)} case(s), against the "
+        f"single-process reference, bitwise, on all {len(values)} ranks"
+    )
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures)

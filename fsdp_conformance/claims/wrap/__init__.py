@@ -52,12 +52,27 @@ def _unit_checks(version: str, spec: ModelSpec) -> tuple[Check, ...]:
     """The three unit checks on one reference model, with the recommended policy."""
     on: dict[str, Any] = {"versions": (version,), "specs": (spec,), "policy": "recommended"}
     return (
-        variants("wrap.units.exact", "each block exactly one unit, oversized modules outside "
-                 "blocks wrapped, nothing else", rank_units, verdict_units_exact, **on)
-        + variants("wrap.units.plan", "the plan (no process group) equals the actual units on "
-                   "every rank", rank_units, verdict_units_plan, **on)
-        + variants("wrap.units.accounting", "unit numels add up, tied weights in one unit, "
-                   "shard sizes on every rank", rank_units, verdict_units_accounting, **on)
+        variants(
+            "wrap.units.exact",
+            "each block exactly one unit, oversized modules outside blocks wrapped, nothing else",
+            rank_units,
+            verdict_units_exact,
+            **on,
+        )
+        + variants(
+            "wrap.units.plan",
+            "the plan (no process group) equals the actual units on every rank",
+            rank_units,
+            verdict_units_plan,
+            **on,
+        )
+        + variants(
+            "wrap.units.accounting",
+            "unit numels add up, tied weights in one unit, shard sizes on every rank",
+            rank_units,
+            verdict_units_accounting,
+            **on,
+        )
     )
 
 
@@ -66,38 +81,83 @@ def _version_checks(version: str) -> tuple[Check, ...]:
     # have always listed the wrap checks in.
     one = (version,)
     return (
-        _unit_checks(version, _REF) + _unit_checks(version, _TIED)
-        + variants("wrap.train.fp32", "fp32 training steps under FSDP equal a single-process "
-                   "reference", rank_train, verdict_train, versions=one, specs=(_REF,),
-                   precision="fp32")
-        + variants("wrap.train.bf16", "bf16 training steps under FSDP equal a single-process "
-                   "reference", rank_train, verdict_train, versions=one, specs=(_REF,),
-                   precision="bf16")
-        + variants("wrap.mixed", "embedding NO_SHARD fp32, blocks FULL_SHARD bf16 (second seed)",
-                   rank_mixed, verdict_mixed, versions=one, specs=(_EMB,))
-        + variants("wrap.prefetch.forward", "with one unit per block, unit k+1 is gathered "
-                   "before block k ends", rank_prefetch, verdict_prefetch_forward, versions=one,
-                   specs=(_REF,))
-        + variants("wrap.prefetch.backward", "in backward, unit k-1 is gathered before block "
-                   "k's backward ends", rank_prefetch, verdict_prefetch_backward, versions=one,
-                   specs=(_REF,))
-        + variants("wrap.prefetch.coarse", "with a single coarse unit there is nothing to "
-                   "prefetch", rank_prefetch, verdict_prefetch_coarse, versions=one,
-                   specs=(_REF,), policy="monolithic")
+        _unit_checks(version, _REF)
+        + _unit_checks(version, _TIED)
+        + variants(
+            "wrap.train.fp32",
+            "fp32 training steps under FSDP equal a single-process reference",
+            rank_train,
+            verdict_train,
+            versions=one,
+            specs=(_REF,),
+            precision="fp32",
+        )
+        + variants(
+            "wrap.train.bf16",
+            "bf16 training steps under FSDP equal a single-process reference",
+            rank_train,
+            verdict_train,
+            versions=one,
+            specs=(_REF,),
+            precision="bf16",
+        )
+        + variants(
+            "wrap.mixed",
+            "embedding NO_SHARD fp32, blocks FULL_SHARD bf16 (second seed)",
+            rank_mixed,
+            verdict_mixed,
+            versions=one,
+            specs=(_EMB,),
+        )
+        + variants(
+            "wrap.prefetch.forward",
+            "with one unit per block, unit k+1 is gathered before block k ends",
+            rank_prefetch,
+            verdict_prefetch_forward,
+            versions=one,
+            specs=(_REF,),
+        )
+        + variants(
+            "wrap.prefetch.backward",
+            "in backward, unit k-1 is gathered before block k's backward ends",
+            rank_prefetch,
+            verdict_prefetch_backward,
+            versions=one,
+            specs=(_REF,),
+        )
+        + variants(
+            "wrap.prefetch.coarse",
+            "with a single coarse unit there is nothing to prefetch",
+            rank_prefetch,
+            verdict_prefetch_coarse,
+            versions=one,
+            specs=(_REF,),
+            policy="monolithic",
+        )
     )
 
 
 def _builder_check(builder: str) -> tuple[Check, ...]:
-    return variants(f"wrap.builders.{builder}",
-                    f"torch's {builder} policy builder gives its documented units",
-                    rank_builders, verdict_builders, versions=None, builder=builder)
+    return variants(
+        f"wrap.builders.{builder}",
+        f"torch's {builder} policy builder gives its documented units",
+        rank_builders,
+        verdict_builders,
+        versions=None,
+        builder=builder,
+    )
 
 
 #: Every wrap check with its reference parameters (the CLI swaps in the user's spec).
 CHECKS: tuple[Check, ...] = (
-    _version_checks("fsdp1") + _version_checks("fsdp2")
-    + _builder_check("transformer") + _builder_check("size") + _builder_check("lambda")
-    + _builder_check("or") + _builder_check("module_wrap") + _builder_check("custom")
+    _version_checks("fsdp1")
+    + _version_checks("fsdp2")
+    + _builder_check("transformer")
+    + _builder_check("size")
+    + _builder_check("lambda")
+    + _builder_check("or")
+    + _builder_check("module_wrap")
+    + _builder_check("custom")
 )
 
 __all__ = ["CHECKS"]

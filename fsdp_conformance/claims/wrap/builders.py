@@ -30,8 +30,13 @@ from fsdp_conformance.units import actual_units, format_unit_mismatch, unit_diff
 BUILDERS = ("transformer", "size", "lambda", "or", "module_wrap", "custom")
 
 
-def builder_policy(builder: str, model: nn.Module, blocks: tuple[type[nn.Module], ...],
-                   min_params: int, head: nn.Module) -> Any:
+def builder_policy(
+    builder: str,
+    model: nn.Module,
+    blocks: tuple[type[nn.Module], ...],
+    min_params: int,
+    head: nn.Module,
+) -> Any:
     """The auto-wrap policy ``builder`` makes, as a user calls it (the head by identity)."""
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import (
@@ -68,7 +73,10 @@ def builder_policy(builder: str, model: nn.Module, blocks: tuple[type[nn.Module]
 
 
 def documented_unit_modules(
-    builder: str, model: nn.Module, blocks: tuple[type[nn.Module], ...], min_params: int,
+    builder: str,
+    model: nn.Module,
+    blocks: tuple[type[nn.Module], ...],
+    min_params: int,
     head: nn.Module,
 ) -> tuple[list[str], dict[str, str]]:
     """What torch's documentation says each builder wraps (FQNs), and per-unit strategies.
@@ -111,19 +119,27 @@ def documented_unit_modules(
 def _applied_instead(other: str) -> Any:
     @contextlib.contextmanager
     def effect(ctx: RankContext) -> Iterator[None]:
-        with patched(sys.modules[__name__], "builder_policy",
-                     lambda made: lambda builder, *args: made(other, *args)):
+        with patched(
+            sys.modules[__name__],
+            "builder_policy",
+            lambda made: lambda builder, *args: made(other, *args),
+        ):
             yield
+
     return effect
 
 
 #: ``<builder>_applied``: that builder's policy is applied while the named builder's documented
 #: result is expected (a verdict that does not read torch's units would pass).
-FAULTS = FaultTable(**{
-    f"{other}_applied": Fault(f"torch's {other} builder is applied, whatever builder is named",
-                              _applied_instead(other))
-    for other in BUILDERS
-})
+FAULTS = FaultTable(
+    **{
+        f"{other}_applied": Fault(
+            f"torch's {other} builder is applied, whatever builder is named",
+            _applied_instead(other),
+        )
+        for other in BUILDERS
+    }
+)
 
 
 class BuildersResult(RankUnits):
@@ -136,7 +152,10 @@ class BuildersResult(RankUnits):
 
 
 def rank_builders(
-    ctx: RankContext, builder: str, reference: str = "massive", head: str = "head",
+    ctx: RankContext,
+    builder: str,
+    reference: str = "massive",
+    head: str = "head",
     fault: str | Sequence[str] | None = None,
 ) -> BuildersResult:
     """Shard a small reference model with FSDP1 under one of torch's builders; report its units
@@ -147,17 +166,20 @@ def rank_builders(
         built = build(ModelSpec(reference=reference), ctx)
         model, blocks, min_params = built.model, built.blocks, built.size_threshold
         head_module = model.get_submodule(head)
-        fqns, strategies = documented_unit_modules(builder, model, blocks, min_params,
-                                                   head_module)
+        fqns, strategies = documented_unit_modules(builder, model, blocks, min_params, head_module)
         documented = units_for_modules(model, [model.get_submodule(f) for f in fqns])
-        sharded = shard(model, ctx, "fsdp1",
-                        builder_policy(builder, model, blocks, min_params, head_module))
+        sharded = shard(
+            model, ctx, "fsdp1", builder_policy(builder, model, blocks, min_params, head_module)
+        )
         actual = actual_units(sharded)
         return {
-            "rank": ctx.rank, "world_size": ctx.world_size, "builder": builder,
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "builder": builder,
             "documented": [u.to_dict() for u in documented],
             "actual": [u.to_dict() for u in actual],
-            "documented_strategies": strategies, "strategies": fsdp1_strategies(sharded),
+            "documented_strategies": strategies,
+            "strategies": fsdp1_strategies(sharded),
         }
 
 
@@ -172,11 +194,26 @@ def verdict_builders(values: Sequence[BuildersResult], params: Mapping[str, Any]
                 diffs.append(f"~ unit {fqn}: sharding strategy expected {want}, got {got}")
             unit = next((u for u in actual if u.fqn == fqn), None)
             if unit is not None and want == "NO_SHARD" and unit.local_numel != unit.numel:
-                diffs.append(f"~ unit {fqn}: NO_SHARD but rank {v['rank']} holds "
-                             f"{unit.local_numel:,} of {unit.numel:,}")
+                diffs.append(
+                    f"~ unit {fqn}: NO_SHARD but rank {v['rank']} holds "
+                    f"{unit.local_numel:,} of {unit.numel:,}"
+                )
         if diffs:
-            return Verdict(False, format_unit_mismatch(
-                f"rank {v['rank']}: builder {v['builder']!r} vs its documented result",
-                documented, actual, diffs), {"units": len(actual)}, {"actual": v["actual"]})
-    return Verdict(True, f"builder {values[0]['builder']!r}: {len(values[0]['actual'])} units as "
-                   "documented on every rank", {"units": len(values[0]["actual"])}, {})
+            return Verdict(
+                False,
+                format_unit_mismatch(
+                    f"rank {v['rank']}: builder {v['builder']!r} vs its documented result",
+                    documented,
+                    actual,
+                    diffs,
+                ),
+                {"units": len(actual)},
+                {"actual": v["actual"]},
+            )
+    return Verdict(
+        True,
+        f"builder {values[0]['builder']!r}: {len(values[0]['actual'])} units as "
+        "documented on every rank",
+        {"units": len(values[0]["actual"])},
+        {},
+    )

@@ -57,19 +57,32 @@ def _this_module() -> Any:
 
 @contextlib.contextmanager
 def _no_forward_prefetch(ctx: RankContext) -> Iterator[None]:
-    with patched(_this_module(), "prefetch_options",
-                 lambda options: lambda version: {**options(version), "forward_prefetch": False}
-                 if version == "fsdp1" else options(version)), \
-            patched(_this_module(), "prefetch_forward", lambda ask: lambda unit_blocks: None):
+    with (
+        patched(
+            _this_module(),
+            "prefetch_options",
+            lambda options: (
+                lambda version: (
+                    {**options(version), "forward_prefetch": False}
+                    if version == "fsdp1"
+                    else options(version)
+                )
+            ),
+        ),
+        patched(_this_module(), "prefetch_forward", lambda ask: lambda unit_blocks: None),
+    ):
         yield
 
 
 def _without_backward(options: Callable[[str], dict[str, Any]]) -> Callable[[str], Any]:
     def no_backward(version: str) -> dict[str, Any]:
         if version != "fsdp1":
-            raise ValueError("FSDP2 has no public switch to turn backward prefetch off; "
-                             "use version='fsdp1' for that control")
+            raise ValueError(
+                "FSDP2 has no public switch to turn backward prefetch off; "
+                "use version='fsdp1' for that control"
+            )
         return {**options(version), "backward_prefetch": None}
+
     return no_backward
 
 
@@ -81,10 +94,13 @@ FAULTS = FaultTable(
     no_forward_prefetch=Fault(
         "forward prefetch left off (FSDP1 forward_prefetch=False; FSDP2 no "
         "set_modules_to_forward_prefetch): the next unit is gathered only when its block starts",
-        _no_forward_prefetch),
+        _no_forward_prefetch,
+    ),
     no_backward_prefetch=Fault(
         "backward prefetch left off (FSDP1 backward_prefetch=None; FSDP2 has no switch and "
-        "refuses it)", _no_backward_prefetch),
+        "refuses it)",
+        _no_backward_prefetch,
+    ),
 )
 
 # --------------------------------------------------------------------------------------------
@@ -140,6 +156,7 @@ class _BackwardMark(torch.autograd.Function):
 def _mark_blocks(blocks: Sequence[tuple[str, nn.Module]], events: list[tuple[str, Any]]) -> None:
     """Hooks that append each block's forward start and end, and backward start and end."""
     for i, (_, block) in enumerate(blocks):
+
         def pre(mod: nn.Module, args: tuple[Any, ...], i: int = i) -> Any:
             events.append(("fwd_start", i))
             x = args[0] if args else None
@@ -164,8 +181,11 @@ def _fsdp1_handle_keys(sharded: nn.Module) -> dict[int, str]:
     """FSDP1 unit names by the identity of their flat-parameter handle."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return {id(_compat.fsdp1_handle(m)): clean_fqn(n) for n, m in sharded.named_modules()
-            if isinstance(m, FSDP) and _compat.fsdp1_handle(m) is not None}
+    return {
+        id(_compat.fsdp1_handle(m)): clean_fqn(n)
+        for n, m in sharded.named_modules()
+        if isinstance(m, FSDP) and _compat.fsdp1_handle(m) is not None
+    }
 
 
 def _fsdp2_group_keys(sharded: nn.Module) -> dict[int, str]:
@@ -178,8 +198,13 @@ def _fsdp2_group_keys(sharded: nn.Module) -> dict[int, str]:
     return keys
 
 
-def _record_runs(sharded: nn.Module, batch: Any, events: list[tuple[str, Any]],
-                 keys: Mapping[int, str], iterations: int) -> list[list[tuple[str, Any]]]:
+def _record_runs(
+    sharded: nn.Module,
+    batch: Any,
+    events: list[tuple[str, Any]],
+    keys: Mapping[int, str],
+    iterations: int,
+) -> list[list[tuple[str, Any]]]:
     """One event list per training iteration, gathers named by their unit."""
     runs = []
     for _ in range(iterations):
@@ -188,8 +213,9 @@ def _record_runs(sharded: nn.Module, batch: Any, events: list[tuple[str, Any]],
             out = call_model(sharded, batch)
             events.append(("fwd_done", None))
             default_loss(out).backward()
-        runs.append([(kind, keys.get(key, "?") if kind == "gather" else key)
-                     for kind, key in events])
+        runs.append(
+            [(kind, keys.get(key, "?") if kind == "gather" else key) for kind, key in events]
+        )
     return runs
 
 
@@ -208,8 +234,13 @@ class PrefetchResult(TypedDict):
     runs: list[list[tuple[str, Any]]]
 
 
-def _shard_prefetching(model: nn.Module, ctx: RankContext, version: str, policy_obj: Any,
-                       blocks: Sequence[tuple[str, nn.Module]]) -> tuple[nn.Module, dict[int, str]]:
+def _shard_prefetching(
+    model: nn.Module,
+    ctx: RankContext,
+    version: str,
+    policy_obj: Any,
+    blocks: Sequence[tuple[str, nn.Module]],
+) -> tuple[nn.Module, dict[int, str]]:
     """``model`` sharded with prefetch on, and its units by the key ``record_unshards`` sees."""
     sharded = shard_with_policy(model, ctx, version, policy_obj, **prefetch_options(version))
     if version == "fsdp1":
@@ -236,25 +267,32 @@ def rank_prefetch(
     with FAULTS.inject(fault, ctx):
         check_fsdp_version(version)
         if version == "fsdp1" and ctx.world_size == 1:
-            skip_rank("FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy "
-                      "to NO_SHARD): units are never gathered, so there is no prefetch to "
-                      "observe; run at world size >= 2 (FSDP2 still gathers at one rank)")
+            skip_rank(
+                "FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy "
+                "to NO_SHARD): units are never gathered, so there is no prefetch to "
+                "observe; run at world size >= 2 (FSDP2 still gathers at one rank)"
+            )
         built = build(spec, ctx)
         model = built.model
         blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, built.blocks)]
         if len(blocks) < 2:
             # Same model on every rank, so every rank skips alike; with one block there is no
             # next unit, and the order verdicts would have nothing to examine.
-            skip_rank(f"prefetch needs at least two blocks to observe an order; the model has "
-                      f"{len(blocks)}: use a config with two or more blocks")
+            skip_rank(
+                f"prefetch needs at least two blocks to observe an order; the model has "
+                f"{len(blocks)}: use a config with two or more blocks"
+            )
         events: list[tuple[str, Any]] = []
         _mark_blocks(blocks, events)
         sharded, keys = _shard_prefetching(model, ctx, version, built.policy(policy), blocks)
         batch = built.batch(batch_size=2, device=ctx.device)
         runs = _record_runs(sharded, batch, events, keys, iterations)
         return {
-            "rank": ctx.rank, "version": version, "blocks": [n for n, _ in blocks],
-            "units": [u.fqn for u in actual_units(sharded) if u.numel > 0], "runs": runs,
+            "rank": ctx.rank,
+            "version": version,
+            "blocks": [n for n, _ in blocks],
+            "units": [u.fqn for u in actual_units(sharded) if u.numel > 0],
+            "runs": runs,
         }
 
 
@@ -294,16 +332,21 @@ def _order_problems(v: PrefetchResult, direction: str) -> list[str]:
     blocks, units = v["blocks"], v["units"]
     owners = [_block_unit(b, units) for b in blocks]
     if len(set(owners)) < len(blocks):
-        return [f"rank {v['rank']}: blocks share units ({len(set(owners))} units for "
-                f"{len(blocks)} blocks): there is no next unit to prefetch"]
+        return [
+            f"rank {v['rank']}: blocks share units ({len(set(owners))} units for "
+            f"{len(blocks)} blocks): there is no next unit to prefetch"
+        ]
     if len(blocks) < 2:
         # No block pair to examine: passing here would prove nothing.
-        return [f"rank {v['rank']}: fewer than two blocks ({len(blocks)}): no next unit whose "
-                "gather order could be checked"]
+        return [
+            f"rank {v['rank']}: fewer than two blocks ({len(blocks)}): no next unit whose "
+            "gather order could be checked"
+        ]
     problems = []
     done = run.index(("fwd_done", None))
     pairs = (
-        [(k, k + 1, ("fwd_end", k)) for k in range(len(blocks) - 1)] if direction == "forward"
+        [(k, k + 1, ("fwd_end", k)) for k in range(len(blocks) - 1)]
+        if direction == "forward"
         else [(k, k - 1, ("bwd_end", k)) for k in range(len(blocks) - 1, 0, -1)]
     )
     for k, nxt, end_event in pairs:
@@ -313,8 +356,10 @@ def _order_problems(v: PrefetchResult, direction: str) -> list[str]:
         end = run.index(end_event)
         window = run[:end] if direction == "forward" else run[done:end]
         if ("gather", owners[nxt]) not in window:
-            problems.append(f"rank {v['rank']}: unit {owners[nxt]} was not gathered before "
-                            f"block {blocks[k]} finished its {direction}")
+            problems.append(
+                f"rank {v['rank']}: unit {owners[nxt]} was not gathered before "
+                f"block {blocks[k]} finished its {direction}"
+            )
     return problems
 
 
@@ -322,28 +367,43 @@ def _judge_gather_order(values: Sequence[PrefetchResult], direction: str) -> Ver
     """The forward or backward prefetch verdict: :func:`_order_problems` on every rank."""
     problems = [line for v in values for line in _order_problems(v, direction)]
     if problems:
-        return Verdict(False, f"{direction} prefetch not in effect ({values[0]['version']}):\n  "
-                       + "\n  ".join(problems[:6]) + "\n  timeline (rank 0, last iteration): "
-                       + _timeline(values[0]["runs"][-1]), {}, {"runs": values[0]["runs"]})
-    return Verdict(True, f"{direction} prefetch in effect on every rank: each next block's unit "
-                   f"gathered before the current block finished", {},
-                   {"runs": values[0]["runs"]})
+        return Verdict(
+            False,
+            f"{direction} prefetch not in effect ({values[0]['version']}):\n  "
+            + "\n  ".join(problems[:6])
+            + "\n  timeline (rank 0, last iteration): "
+            + _timeline(values[0]["runs"][-1]),
+            {},
+            {"runs": values[0]["runs"]},
+        )
+    return Verdict(
+        True,
+        f"{direction} prefetch in effect on every rank: each next block's unit "
+        f"gathered before the current block finished",
+        {},
+        {"runs": values[0]["runs"]},
+    )
 
 
-def verdict_prefetch_coarse(
-    values: Sequence[PrefetchResult], params: Mapping[str, Any]
-) -> Verdict:
+def verdict_prefetch_coarse(values: Sequence[PrefetchResult], params: Mapping[str, Any]) -> Verdict:
     """With one coarse unit, one all-gather per iteration and none while blocks run."""
     problems = []
     for v in values:
         for it, run in enumerate(v["runs"]):
             gathers = [u for kind, u in run if kind == "gather"]
             if len(v["units"]) != 1 or len(set(gathers)) != 1:
-                problems.append(f"rank {v['rank']}, iteration {it}: {len(v['units'])} units, "
-                                f"gathered {sorted(set(gathers))}: not a single coarse unit")
+                problems.append(
+                    f"rank {v['rank']}, iteration {it}: {len(v['units'])} units, "
+                    f"gathered {sorted(set(gathers))}: not a single coarse unit"
+                )
                 break
     if problems:
-        return Verdict(False, "expected one coarse unit with nothing to prefetch:\n  "
-                       + "\n  ".join(problems[:4]), {}, {})
-    return Verdict(True, "one coarse unit: a single all-gather per iteration, nothing to "
-                   "prefetch", {}, {})
+        return Verdict(
+            False,
+            "expected one coarse unit with nothing to prefetch:\n  " + "\n  ".join(problems[:4]),
+            {},
+            {},
+        )
+    return Verdict(
+        True, "one coarse unit: a single all-gather per iteration, nothing to prefetch", {}, {}
+    )

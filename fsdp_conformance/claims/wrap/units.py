@@ -177,8 +177,13 @@ def seeds_full_scale_plan(
         model = MassiveModel(ModelConfig.seeds_full_scale())
     blocks = (DecoderLayer,)
     policy_obj = policies.policy(policy, model, blocks, SEED_MIN_PARAMS)
-    verdict = judge_plan(model, policy_obj, blocks, SEED_MIN_PARAMS,
-                         f"policy {policy!r} at dim 4096, 8 layers, threshold 2e7")
+    verdict = judge_plan(
+        model,
+        policy_obj,
+        blocks,
+        SEED_MIN_PARAMS,
+        f"policy {policy!r} at dim 4096, 8 layers, threshold 2e7",
+    )
     return plan_units(model, policy_obj), verdict
 
 
@@ -207,18 +212,22 @@ def _this_module() -> Any:
 
 @contextlib.contextmanager
 def _seeds_applied(ctx: RankContext) -> Iterator[None]:
-    with patched(_this_module(), "applied_policy",
-                 lambda applied: lambda built, name: applied(built, "seeds")):
+    with patched(
+        _this_module(),
+        "applied_policy",
+        lambda applied: lambda built, name: applied(built, "seeds"),
+    ):
         yield
 
 
 def _unmanaged_first_param(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    def shard_leaving_one(model: nn.Module, ctx: RankContext, version: str, policy_obj: Any,
-                          **kwargs: Any) -> nn.Module:
+    def shard_leaving_one(
+        model: nn.Module, ctx: RankContext, version: str, policy_obj: Any, **kwargs: Any
+    ) -> nn.Module:
         first = next(planned_unit_modules(model, policy_obj)[0].parameters())
-        ignored = ({"ignored_states": [first]} if version == "fsdp1"
-                   else {"ignored_params": {first}})
+        ignored = {"ignored_states": [first]} if version == "fsdp1" else {"ignored_params": {first}}
         return shard(model, ctx, version, policy_obj, **ignored, **kwargs)
+
     return shard_leaving_one
 
 
@@ -231,12 +240,13 @@ def _unmanaged_parameter(ctx: RankContext) -> Iterator[None]:
 #: The units are read from torch's state, not from the plan or the modules the suite sharded.
 FAULTS = FaultTable(
     seeds_applied=Fault(
-        "the seeds' policy is applied while the planned one is reported as the plan",
-        _seeds_applied),
+        "the seeds' policy is applied while the planned one is reported as the plan", _seeds_applied
+    ),
     unmanaged_parameter=Fault(
         "FSDP is told to leave the first planned unit's first parameter alone (FSDP2 "
         "ignored_params, FSDP1 ignored_states): it stays plain and replicated, in no unit",
-        _unmanaged_parameter),
+        _unmanaged_parameter,
+    ),
 )
 
 
@@ -311,9 +321,7 @@ def _told_once(by_story: Mapping[str, Sequence[int]]) -> list[str]:
 
 def _rank_disagreement(values: Sequence[UnitsResult], key: str) -> str | None:
     """Ranks must agree on the unit structure (fqn, class, numel, parent)."""
-    shapes = [
-        [(u.fqn, u.cls, u.numel, u.parent) for u in units_of(v, key)] for v in values
-    ]
+    shapes = [[(u.fqn, u.cls, u.numel, u.parent) for u in units_of(v, key)] for v in values]
     for v, s in zip(values[1:], shapes[1:]):
         if s != shapes[0]:
             return (
@@ -335,8 +343,9 @@ def _management_problems(values: Sequence[UnitsResult]) -> list[str]:
         tied = {n: set(g) for g in v.get("shared", []) for n in g}
         for name in v.get("param_shapes", {}):
             if name not in covered and not tied.get(name, set()) & covered:
-                by_story.setdefault(f"parameter {name} is in no unit ({v['version']} did not "
-                                    "take it)", []).append(v["rank"])
+                by_story.setdefault(
+                    f"parameter {name} is in no unit ({v['version']} did not take it)", []
+                ).append(v["rank"])
         for line in v.get("management", []):
             by_story.setdefault(line, []).append(v["rank"])
     return _told_once(by_story)
@@ -350,21 +359,27 @@ def verdict_units_exact(values: Sequence[UnitsResult], params: Mapping[str, Any]
         diffs = unit_set_differences(expected, actual)
         if diffs:
             story = format_unit_mismatch(
-                f"{v['version']}, policy {params.get('policy')!r}", expected, actual, diffs)
+                f"{v['version']}, policy {params.get('policy')!r}", expected, actual, diffs
+            )
             by_story.setdefault(story, []).append(v["rank"])
     failures = [f"ranks {', '.join(map(str, r))}: {story}" for story, r in by_story.items()]
     managed = _management_problems(values)
     if managed:
-        failures.append("parameters not managed as one sharded unit each:\n  "
-                        + "\n  ".join(managed))
+        failures.append(
+            "parameters not managed as one sharded unit each:\n  " + "\n  ".join(managed)
+        )
     disagreement = _rank_disagreement(values, "actual")
     if disagreement:
         failures.append(disagreement)
     actual0 = units_of(values[0], "actual")
     data = {"actual": values[0]["actual"], "expected": values[0]["expected"]}
     if failures:
-        return Verdict(False, "unit set differs from the claim\n" + "\n\n".join(failures),
-                       unit_figures(actual0), data)
+        return Verdict(
+            False,
+            "unit set differs from the claim\n" + "\n\n".join(failures),
+            unit_figures(actual0),
+            data,
+        )
     return Verdict(
         True,
         f"{len(actual0)} units, each block exactly one unit, on all {len(values)} ranks",
@@ -382,14 +397,26 @@ def verdict_units_plan(values: Sequence[UnitsResult], params: Mapping[str, Any])
         if diffs or managed:
             diffs += [f"! {line}" for line in managed]
             what = f"rank {v['rank']}: plan vs actual ({v['version']})"
-            return Verdict(False, format_unit_mismatch(what, plan, actual, diffs),
-                           {"units": len(actual)}, {"plan": v["plan"], "actual": v["actual"]})
-    return Verdict(True, f"plan equals actual ({len(values[0]['plan'])} units) on every rank",
-                   {"units": len(values[0]["plan"])}, {"plan": values[0]["plan"]})
+            return Verdict(
+                False,
+                format_unit_mismatch(what, plan, actual, diffs),
+                {"units": len(actual)},
+                {"plan": v["plan"], "actual": v["actual"]},
+            )
+    return Verdict(
+        True,
+        f"plan equals actual ({len(values[0]['plan'])} units) on every rank",
+        {"units": len(values[0]["plan"])},
+        {"plan": values[0]["plan"]},
+    )
 
 
 def expected_local_numel(
-    unit: UnitInfo, rank: int, world_size: int, version: str, strategy: str,
+    unit: UnitInfo,
+    rank: int,
+    world_size: int,
+    version: str,
+    strategy: str,
     shapes: Mapping[str, Sequence[int]],
 ) -> int:
     """The local shard numel a unit should have on ``rank``.
@@ -424,31 +451,38 @@ def _unit_count_problems(values: Sequence[UnitsResult]) -> list[str]:
         units = units_of(v, "actual")
         rank_total = sum(u.numel for u in units)
         if rank_total != v["model_numel"]:
-            why = ("more: a weight is counted in two units" if rank_total > v["model_numel"]
-                   else "fewer: parameters are outside every unit")
+            why = (
+                "more: a weight is counted in two units"
+                if rank_total > v["model_numel"]
+                else "fewer: parameters are outside every unit"
+            )
             by_story.setdefault(
-                f"units hold {rank_total:,} parameters, the model has {v['model_numel']:,} "
-                f"({why})", []).append(v["rank"])
+                f"units hold {rank_total:,} parameters, the model has {v['model_numel']:,} ({why})",
+                [],
+            ).append(v["rank"])
         for group in v["shared"]:
             holding = sorted({u.fqn or "(root)" for u in units if set(u.params) & set(group)})
             if len(holding) != 1:
                 by_story.setdefault(
                     f"tied weight {' = '.join(group)} is in {len(holding)} units "
-                    f"({', '.join(holding) or 'none'}): it must be in exactly one", []
+                    f"({', '.join(holding) or 'none'}): it must be in exactly one",
+                    [],
                 ).append(v["rank"])
     return _told_once(by_story)
 
 
-def _shard_problems(values: Sequence[UnitsResult],
-                    shard_rows: list[tuple[int, str, int]]) -> list[str]:
+def _shard_problems(
+    values: Sequence[UnitsResult], shard_rows: list[tuple[int, str, int]]
+) -> list[str]:
     """Every rank's local shard of every unit against :func:`expected_local_numel`; fills
     ``shard_rows`` with (rank, unit, local numel)."""
     problems = []
     for v in values:
         for u in units_of(v, "actual"):
             strategy = v["strategies"].get(u.fqn, "FULL_SHARD")
-            want = expected_local_numel(u, v["rank"], v["world_size"], v["version"], strategy,
-                                        v["param_shapes"])
+            want = expected_local_numel(
+                u, v["rank"], v["world_size"], v["version"], strategy, v["param_shapes"]
+            )
             if u.local_numel != want:
                 problems.append(
                     f"rank {v['rank']}: unit {u.fqn or '(root)'} holds a local shard of "
@@ -461,9 +495,7 @@ def _shard_problems(values: Sequence[UnitsResult],
     return problems
 
 
-def verdict_units_accounting(
-    values: Sequence[UnitsResult], params: Mapping[str, Any]
-) -> Verdict:
+def verdict_units_accounting(values: Sequence[UnitsResult], params: Mapping[str, Any]) -> Verdict:
     """Numels add up; each tied weight in one unit; every rank's shard sizes as expected."""
     v0 = values[0]
     actual0 = units_of(v0, "actual")
@@ -474,13 +506,25 @@ def verdict_units_accounting(
     for u in actual0:
         held = sum(n for _, fqn, n in shard_rows if fqn == u.fqn)
         if held < u.numel and not problems:
-            problems.append(f"unit {u.fqn or '(root)'}: the ranks' shards hold {held:,} < "
-                            f"{u.numel:,} elements")
+            problems.append(
+                f"unit {u.fqn or '(root)'}: the ranks' shards hold {held:,} < {u.numel:,} elements"
+            )
     padding = sum(n for *_, n in shard_rows) - total
     figures = {"model_numel": v0["model_numel"], "units_numel": total, "padding": padding}
     if problems:
-        return Verdict(False, "parameter accounting failed:\n  " + "\n  ".join(problems)
-                       + "\n\n" + format_unit_tree(actual0, "actual units (rank 0):"), figures,
-                       {"actual": v0["actual"]})
-    return Verdict(True, f"{total:,} parameters in {len(actual0)} units; shards on every rank "
-                   f"as expected ({padding:,} padding elements in all)", figures, {})
+        return Verdict(
+            False,
+            "parameter accounting failed:\n  "
+            + "\n  ".join(problems)
+            + "\n\n"
+            + format_unit_tree(actual0, "actual units (rank 0):"),
+            figures,
+            {"actual": v0["actual"]},
+        )
+    return Verdict(
+        True,
+        f"{total:,} parameters in {len(actual0)} units; shards on every rank "
+        f"as expected ({padding:,} padding elements in all)",
+        figures,
+        {},
+    )

@@ -70,8 +70,11 @@ def fsdp1_strategies(sharded: nn.Module) -> dict[str, str]:
     """Each FSDP1 unit's sharding strategy, by unit name."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return {clean_fqn(n): _compat.fsdp1_sharding_strategy(m)
-            for n, m in sharded.named_modules() if isinstance(m, FSDP)}
+    return {
+        clean_fqn(n): _compat.fsdp1_sharding_strategy(m)
+        for n, m in sharded.named_modules()
+        if isinstance(m, FSDP)
+    }
 
 
 def units_of(value: Mapping[str, Any], key: str) -> list[UnitInfo]:
@@ -91,12 +94,14 @@ def record_compute_dtypes(model: nn.Module, seen: dict[str, tuple[str, str]]) ->
     for raw_name, module in model.named_modules():
         weight = dict(module.named_parameters(recurse=False)).get("weight")
         if isinstance(module, (nn.Linear, nn.Embedding)) or (
-                weight is not None and weight.dim() >= 2):
+            weight is not None and weight.dim() >= 2
+        ):
             name = clean_fqn(raw_name)  # FSDP1 inserts its wrapper into the module names
 
             def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
                 if name not in seen and args and isinstance(args[0], torch.Tensor):
                     seen[name] = (str(args[0].dtype), str(mod.weight.dtype))
+
             handles.append(module.register_forward_pre_hook(pre))
     try:
         yield
