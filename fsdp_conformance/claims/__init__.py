@@ -1,8 +1,11 @@
-"""The claims: one module per claim, each with its rank functions, verdicts and ``CHECKS``.
+"""The claims: a folder per claim with a module per check family (a small claim may be one
+module), each family with its rank functions, verdicts and negative controls, and the claim's
+``CHECKS`` in its ``__init__``.
 
-A claim module imports the check contract (:mod:`~fsdp_conformance.claims.check`) and the
-shared building blocks beside this folder, never another claim. A new claim goes in a module of
-its own here and in :data:`CLAIM_MODULES`.
+A claim imports the check contract (:mod:`~fsdp_conformance.claims.check`), its own folder and
+the shared building blocks beside this folder, never another claim. A new claim goes in a folder
+of its own here and in :data:`CLAIM_MODULES`, the one list of claims that ``run``, the reports,
+the tests and the docs read (docs/architecture.md, "Where a new piece goes").
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import importlib
 
 from fsdp_conformance.claims.check import Check
 
-#: Claim modules that contribute checks, in report order.
+#: The claims that contribute checks, in report order.
 CLAIM_MODULES = (
     "fsdp_conformance.claims.wrap",
     "fsdp_conformance.claims.init",
