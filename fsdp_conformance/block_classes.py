@@ -16,7 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_conformance import hf
-from fsdp_conformance.policies import PolicyError
+from fsdp_conformance.policies import PolicyError, shared_parameter_groups
 from fsdp_conformance.reference_models import REFERENCE_MODELS
 
 
@@ -132,17 +132,35 @@ def no_split_modules(model: nn.Module) -> list[str]:
     return sorted({str(n) for n in names})
 
 
+def _listed_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[nn.Module], ...]:
+    """The model's module classes named in ``names``, in first-seen order."""
+    return tuple(dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names))
+
+
 def no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module], ...]:
     """A transformers model's blocks: its ``_no_split_modules`` classes found in the model.
 
     As accelerate's FSDP plugin does when no layer class is given; a listed name the model does
     not contain (``_no_split_modules`` is gathered over a model family's submodels) is skipped
-    as long as one is found.
+    as long as one is found. A listed class that would split a tied weight (:func:`split_ties`:
+    BERT's ``BertEmbeddings``) is left out as long as another is left, and
+    :func:`tie_safe_note` says so; when every listed class would, a :class:`PolicyError` names
+    the ties.
     """
     names = no_split_modules(model)
-    found = dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names)
+    found = _listed_classes(model, names)
     if found:
-        return tuple(found)
+        splits = split_ties(model, found)
+        safe = tuple(cls for cls in found if cls not in splits)
+        if safe:
+            return safe
+        raise PolicyError(
+            f"no block class given for {name!r}, and every class its transformers model "
+            f"{type(model).__name__} lists in _no_split_modules would split a tied weight ("
+            + "; ".join(_split_words(cls, pair) for cls, pair in splits.items())
+            + "): FSDP cannot shard one tensor in two units; pass --fsdp-block-cls with the "
+            "class of its transformer block, one that holds every alias of a tied weight or none"
+        )
     listed = ", ".join(names) if names else "no class"
     raise PolicyError(
         f"no block class given for {name!r}, and its transformers model "
@@ -151,4 +169,66 @@ def no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module]
         + "; pass --fsdp-block-cls with the class of its transformer block (one of: "
         + ", ".join(module_classes(model))
         + ")"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Tied weights: block classes that would split one tensor between two FSDP units
+# --------------------------------------------------------------------------------------------
+
+
+def split_ties(
+    model: nn.Module, classes: Sequence[type[nn.Module]]
+) -> dict[type[nn.Module], tuple[str, str]]:
+    """The block classes of ``classes`` that would split a tied weight, each with one pair
+    (an alias inside one of its instances, an alias of the same tensor outside that instance).
+
+    Each instance of a block class is an FSDP unit; a tensor with an alias inside the unit and
+    one outside it would be in two units. On BERT's masked LM (``BertEmbeddings`` of its
+    ``_no_split_modules`` holds the word embedding, tied to the decoder outside it) FSDP2
+    refuses it ("shared with a parameter already managed by another FSDP group") and FSDP1's
+    training step breaks (issue 33: 10 failed, 18 errors). The groups are
+    :func:`fsdp_conformance.policies.shared_parameter_groups`.
+    """
+    groups = shared_parameter_groups(model)
+    if not groups:
+        return {}
+    wanted = tuple(classes)
+    splits: dict[type[nn.Module], tuple[str, str]] = {}
+    for prefix, module in model.named_modules():
+        cls = type(module)
+        if not prefix or not isinstance(module, wanted) or cls in splits:
+            continue
+        for group in groups:
+            inside = [n for n in group if n.startswith(prefix + ".")]
+            outside = [n for n in group if not n.startswith(prefix + ".")]
+            if inside and outside:
+                splits[cls] = (inside[0], outside[0])
+                break
+    return splits
+
+
+def _split_words(cls: type[nn.Module], pair: tuple[str, str]) -> str:
+    return f"{cls.__name__} holds {pair[0]}, the same tensor as {pair[1]} outside it"
+
+
+def tie_safe_note(model: nn.Module, flag: str = "--fsdp-block-cls") -> str | None:
+    """What the default block classes of a transformers model left out to keep its tied
+    weights whole (:func:`no_split_block_classes`), in one line; None when nothing was.
+
+    ``flag`` is the block-class flag as the front end in use spells it.
+    """
+    listed = _listed_classes(model, no_split_modules(model))
+    splits = split_ties(model, listed)
+    safe = [cls.__name__ for cls in listed if cls not in splits]
+    if not splits or not safe:
+        return None
+    return (
+        f"the default block classes of {type(model).__name__} (its _no_split_modules: "
+        f"{', '.join(c.__name__ for c in listed)}) would split a tied weight: "
+        + "; ".join(_split_words(cls, pair) for cls, pair in splits.items())
+        + f"; FSDP cannot shard one tensor in two units, so the run goes on with "
+        f"{flag} {','.join(safe)}, the classes that keep every tie whole (pass it to choose "
+        "them yourself; wrapping _no_split_modules as it is, as accelerate's FSDP plugin "
+        "does, splits the tie)"
     )
