@@ -73,10 +73,18 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
     from fsdp_conformance.gate.report import environment_summary
 
     spec = user_model.user_spec(settings)
-    if spec is not None:
-        user_model.validate_user_model(spec, lanes, settings.world_sizes)
     options = checkpoint_options(args)
     selected = suite.select_checks(all_checks(), spec, args.checks, options)
+    if spec is not None:  # the preflight: one line and exit 2 on bad input, before any rank
+        notes = user_model.validate_user_model(
+            spec,
+            lanes,
+            settings.world_sizes,
+            flag_style="cli",
+            depth_rebuild=any(c.name == "memory.depth_invariance" for c, _ in selected),
+        )
+        for note in notes:
+            print(f"fsdp-conformance run: note: {note}", file=sys.stderr)
     if not selected:
         # Before running anything: an empty report would pass any gate downstream.
         raise UsageError(

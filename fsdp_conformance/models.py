@@ -78,12 +78,29 @@ def make_batch(
     g = torch.Generator().manual_seed(seed)
     inner = _inside_fsdp1(model)
     if hf.is_pretrained(inner):
+        _require_token_ids(inner)
         return hf.default_inputs(inner, batch_size, seq_len, device, g)
     first = _first_input_module(model)
     if isinstance(first, nn.Embedding):
         shape: tuple[int, ...] = (batch_size, seq_len)
         return torch.randint(0, first.num_embeddings, shape, generator=g).to(device)
     return torch.randn(batch_size, seq_len, first.in_features, generator=g).to(device)
+
+
+def _require_token_ids(model: nn.Module) -> None:
+    """A transformers model's default input is token ids: refuse one whose forward's main
+    input is something else (ViT's ``pixel_values``, Whisper's ``input_features``) or whose
+    config has no ``vocab_size``, naming the input its forward wants."""
+    wants = str(getattr(model, "main_input_name", "input_ids") or "input_ids")
+    has_vocab = isinstance(getattr(model.config, "vocab_size", None), int)
+    if wants == "input_ids" and has_vocab:
+        return
+    why = "" if has_vocab else f" ({type(model.config).__name__} has no vocab_size)"
+    raise NoDefaultBatch(
+        f"cannot make a default batch for {type(model).__name__}: the default input is token "
+        f"ids below config.vocab_size, and its forward's main input is {wants}{why}",
+        wants,
+    )
 
 
 def _inside_fsdp1(model: nn.Module) -> nn.Module:
@@ -127,10 +144,9 @@ def _first_input_module(model: nn.Module) -> nn.Embedding | nn.Linear:
     for module in model.modules():
         if isinstance(module, (nn.Embedding, nn.Linear)):
             return module
-    raise ModelSpecError(
+    raise NoDefaultBatch(
         f"cannot build a default batch for {type(model).__name__}: it has no nn.Embedding or "
-        "nn.Linear; pass an input builder "
-        "(--fsdp-input pkg.module:builder, called as builder(model, batch_size, device))"
+        "nn.Linear"
     )
 
 
@@ -141,6 +157,27 @@ def _first_input_module(model: nn.Module) -> nn.Embedding | nn.Linear:
 
 class ModelSpecError(ValueError):
     """The model specification cannot be used; the message names the problem and the fix."""
+
+
+class NoDefaultBatch(ModelSpecError):
+    """No default batch fits the model: ``problem`` says why, ``wants`` names the input its
+    forward takes (None when unknown); the message adds the fix, an input builder."""
+
+    def __init__(self, problem: str, wants: str | None = None) -> None:
+        super().__init__(f"{problem}; {builder_fix('--fsdp-input', *([wants] if wants else []))}")
+        self.problem = problem
+        self.wants = wants
+
+
+def builder_fix(flag: str, *wants: str) -> str:
+    """The fix for a model the default batch does not fit, ``flag`` the input flag as the front
+    end in use spells it; ``wants``: the inputs to name in the example."""
+    named = ", ".join(f"{name!r}: ..." for name in wants)
+    example = f", returning e.g. {{{named}}}" if wants else ""
+    return (
+        f"pass an input builder ({flag} pkg.module:builder, called as builder(model, "
+        f"batch_size, device){example}; a mapping it returns is passed as keyword arguments)"
+    )
 
 
 def import_from_cwd(module_path: str) -> Any:

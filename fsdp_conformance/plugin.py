@@ -44,6 +44,8 @@ STARTED_KEY = pytest.StashKey[float]()
 #: Set on a test whose timeout marker is the plugin's outer guard, not the user's.
 OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
+#: The preflight's notes on the user's model (one line each), for the header.
+NOTES_KEY = pytest.StashKey[list[str]]()
 
 
 @contextlib.contextmanager
@@ -102,7 +104,7 @@ def pytest_configure(config: pytest.Config) -> None:
     ).open()
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if settings.model:
-        _validate_user_model(settings)
+        config.stash[NOTES_KEY] = _validate_user_model(settings)
         _collect_model_tests(config)
 
 
@@ -115,8 +117,9 @@ def _collect_model_tests(config: pytest.Config) -> None:
         config.args.append(path)
 
 
-def _validate_user_model(settings: Settings) -> None:
-    """Bad --fsdp-model input is one usage error naming the problem and the fix."""
+def _validate_user_model(settings: Settings) -> list[str]:
+    """Bad --fsdp-model input is one usage error naming the problem and the fix (the
+    preflight); the notes the session goes on with, for the header."""
     from fsdp_conformance.models import ModelSpecError
     from fsdp_conformance.policies import PolicyError
     from fsdp_conformance.user_model import user_spec, validate_user_model
@@ -124,9 +127,10 @@ def _validate_user_model(settings: Settings) -> None:
     try:
         spec = user_spec(settings)
         if spec is not None:
-            validate_user_model(spec, ["cpu"], settings.world_sizes)
+            return validate_user_model(spec, ["cpu"], settings.world_sizes)
     except (ModelSpecError, PolicyError) as exc:
         raise pytest.UsageError(f"--fsdp-model: {exc}") from None
+    return []
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -160,7 +164,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     from fsdp_conformance.gate.report import environment_summary
 
     settings = config.stash[SETTINGS_KEY]
-    return [f"fsdp-conformance: {environment_summary(settings)}"]
+    notes = [f"fsdp-conformance: note: {n}" for n in config.stash.get(NOTES_KEY, [])]
+    return [f"fsdp-conformance: {environment_summary(settings)}", *notes]
 
 
 def _world_sizes(

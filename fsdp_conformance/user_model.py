@@ -1,15 +1,37 @@
-"""The user's model (``--model``): its spec from the settings, and early checks before any rank.
+"""The user's model (``--model``): its spec from the settings, and the preflight before any rank.
 
 Shared by ``fsdp-conformance run`` and the pytest plugin (``--fsdp-model``), so bad input is one
-message in both, before a rank pool starts.
+message in both, before a rank pool starts: :func:`validate_user_model` builds the model on meta,
+resolves its block classes (keeping tied weights whole), checks its plan and size, makes one
+batch and runs the forward on meta with it, and rebuilds the model at another depth as the
+depth check will. Never run for the reference models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import inspect
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from fsdp_conformance.models import ModelSpec, ModelSpecError, load_object
-from fsdp_conformance.settings import Settings
+import torch
+from torch import nn
+
+from fsdp_conformance import hf
+from fsdp_conformance.block_classes import tie_safe_note
+from fsdp_conformance.models import (
+    DEPTH_KEYWORDS,
+    BuiltModel,
+    ModelSpec,
+    ModelSpecError,
+    NoDefaultBatch,
+    builder_fix,
+    call_model,
+    depth_keyword,
+    load_object,
+)
+from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle, Settings
 
 
 def user_spec(settings: Settings) -> ModelSpec | None:
@@ -34,16 +56,40 @@ def user_spec(settings: Settings) -> ModelSpec | None:
 CPU_BYTES_PER_PARAM = 16
 #: Fraction of the available memory the checks may plan to use.
 MEMORY_HEADROOM = 0.8
+#: The depth the preflight rebuilds the model at: the deepest of ``memory.depth_invariance``'s
+#: depths (2, 4, 8; ``tests/test_preflight.py`` holds the two equal), where a config field of
+#: one entry per layer kept at the factory's depth runs out first.
+REBUILD_DEPTH = 8
+#: The batch the preflight makes: as the checks make theirs, on the CPU.
+PREFLIGHT_BATCH = 2
 
 
-def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequence[int]) -> None:
-    """Fail early, in one line each: import path, factory, block class, empty policy, size."""
+def validate_user_model(
+    spec: ModelSpec,
+    lanes: Sequence[str],
+    world_sizes: Sequence[int],
+    *,
+    flag_style: FlagStyle = "pytest",
+    depth_rebuild: bool = True,
+) -> list[str]:
+    """Fail early, in one line each: import path, factory (built on meta), block class, empty
+    policy, size, one batch through the forward on meta, the depth rebuild.
+
+    Returns the notes the run goes on with, one line each (the default block classes that keep
+    a tie whole); ``flag_style`` spells the flags in the messages as the front end does;
+    ``depth_rebuild``: whether a selected check rebuilds the model at other depths.
+    """
     from fsdp_conformance.policies import validate_plan
 
-    built = spec.instantiate("meta")
+    built = _build_on_meta(spec)
     model = built.model
     if spec.init_fn:  # a bad path is one line here, not a finding from every init check
         load_object(spec.init_fn, "init function")
+    notes = []
+    if not spec.block_cls and hf.is_pretrained(model):
+        note = tie_safe_note(model, _flag("block_cls", flag_style))
+        if note:
+            notes.append(note)
     blocks = built.blocks
     threshold = built.size_threshold
     # Without --block-cls only a transformers model gets this far: its _no_split_modules.
@@ -54,6 +100,43 @@ def validate_user_model(spec: ModelSpec, lanes: Sequence[str], world_sizes: Sequ
         detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}{given}, "
         f"threshold {threshold:,}; check --fsdp-block-cls names the model's block class",
     )
+    _check_size(spec, model, lanes, world_sizes)
+    _check_batch(built, flag_style)
+    if depth_rebuild:
+        _check_depth_rebuild(spec, model)
+    return notes
+
+
+def _flag(name: str, flag_style: FlagStyle) -> str:
+    return OPTIONS_BY_NAME[name].flag_in(flag_style)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _build_on_meta(spec: ModelSpec) -> BuiltModel:
+    """The model built on meta, or one line naming the factory, the meta device and torch's
+    reason (the factory's own errors: a wrong path, a non-module, stay as they are)."""
+    try:
+        return spec.instantiate("meta")
+    except ModelSpecError as exc:
+        cause = exc.__cause__
+        if cause is None:
+            raise
+        raise ModelSpecError(
+            f"model factory {spec.factory!r} raised {_reason(cause)} when built on the meta "
+            "device (under `with torch.device('meta')`, where the suite builds every model "
+            "first: meta init and planning); fix the factory (it is called with no arguments) "
+            "so that it builds there too"
+        ) from None
+
+
+def _check_size(
+    spec: ModelSpec, model: nn.Module, lanes: Sequence[str], world_sizes: Sequence[int]
+) -> None:
     numel = sum(p.numel() for p in model.parameters())
     need = numel * CPU_BYTES_PER_PARAM * max(world_sizes)
     available = _available_host_bytes()
@@ -75,3 +158,191 @@ def _available_host_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# One batch, through the forward on meta
+# --------------------------------------------------------------------------------------------
+
+
+def _check_batch(built: BuiltModel, flag_style: FlagStyle) -> None:
+    """One batch made as the checks make it (on the CPU, from the model on meta), bound to the
+    forward's signature, and run through the forward on meta.
+
+    Refused, in one line naming the input the forward wants, only where the data says the input
+    is at fault: no batch could be made, the forward's signature does not take it, or the
+    forward raised a TypeError or ValueError naming one of its inputs the batch does not give.
+    Any other failure on meta (a meta kernel torch lacks, such as MoE's grouped matmul in
+    fp32) is left to the checks, which run the forward on real tensors.
+    """
+    spec, model = built.spec, built.model
+
+    def fix(names: Sequence[str]) -> str:
+        if spec.input_builder:
+            return (
+                f"make input builder {spec.input_builder!r} return what the forward takes (a "
+                "mapping is passed as keyword arguments)"
+            )
+        return builder_fix(_flag("input", flag_style), *names)
+
+    batch = _make_batch(built, flag_style)
+    what = _describe_batch(batch, spec)
+    signature = _signature(model)
+    if signature is not None:
+        try:
+            if isinstance(batch, Mapping):
+                signature.bind(**batch)
+            else:
+                signature.bind(batch)
+        except TypeError as exc:
+            raise ModelSpecError(
+                f"the forward of {type(model).__name__} does not take {what}: {exc}; "
+                f"{_needs(signature)}; {fix(_required(signature))}"
+            ) from None
+    try:
+        with torch.no_grad():
+            call_model(model, _on_meta(batch))
+    except Exception as exc:  # judged below: what is not the input's goes on to the checks
+        missing = _missing_inputs(exc, model, signature, batch)
+        if not missing:
+            return  # a meta kernel torch lacks, or the model's own error: the checks will say
+        raise ModelSpecError(
+            f"the forward of {type(model).__name__} on {what} raised {_reason(exc)}; it needs "
+            f"{', '.join(missing)}, which the batch does not give; {fix(missing)}"
+        ) from None
+
+
+def _make_batch(built: BuiltModel, flag_style: FlagStyle) -> Any:
+    spec, model = built.spec, built.model
+    try:
+        return built.batch(batch_size=PREFLIGHT_BATCH, device="cpu")
+    except NoDefaultBatch as exc:
+        wants = [exc.wants] if exc.wants else []
+        raise ModelSpecError(
+            f"{exc.problem}; {builder_fix(_flag('input', flag_style), *wants)}"
+        ) from None
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        if spec.input_builder:
+            raise ModelSpecError(
+                f"input builder {spec.input_builder!r} raised {_reason(exc)}; fix the builder "
+                f"(called as builder(model, {PREFLIGHT_BATCH}, 'cpu'), the model built on the "
+                "meta device)"
+            ) from None
+        raise ModelSpecError(
+            f"cannot make a default batch for {type(model).__name__}: {_reason(exc)}; "
+            f"{builder_fix(_flag('input', flag_style))}"
+        ) from None
+
+
+def _describe_batch(batch: Any, spec: ModelSpec) -> str:
+    source = (
+        f"the batch of input builder {spec.input_builder!r}"
+        if spec.input_builder
+        else "the default batch"
+    )
+    if isinstance(batch, torch.Tensor):
+        kind = "token ids" if not batch.is_floating_point() else "features"
+        return f"{source} (one tensor of {kind}, shape {tuple(batch.shape)})"
+    if isinstance(batch, Mapping):
+        return f"{source} (keywords {', '.join(map(str, batch))})"
+    return f"{source} (one {type(batch).__name__}, passed as one positional argument)"
+
+
+def _signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward of C code or a callable object without one
+        return None
+
+
+def _inputs(signature: inspect.Signature | None) -> list[inspect.Parameter]:
+    if signature is None:
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p for p in signature.parameters.values() if p.kind not in variadic]
+
+
+def _required(signature: inspect.Signature) -> list[str]:
+    return [p.name for p in _inputs(signature) if p.default is inspect.Parameter.empty]
+
+
+def _needs(signature: inspect.Signature) -> str:
+    parts = []
+    for p in _inputs(signature):
+        if p.default is inspect.Parameter.empty:
+            keyword = p.kind is inspect.Parameter.KEYWORD_ONLY
+            parts.append(f"{p.name} (keyword-only)" if keyword else p.name)
+    if not parts:
+        return "its forward has no required input"
+    return f"its forward needs {', '.join(parts)}"
+
+
+def _on_meta(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to("meta")
+    if isinstance(batch, Mapping):
+        return {k: _on_meta(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_on_meta(v) for v in batch)
+    return batch
+
+
+def _missing_inputs(
+    exc: BaseException, model: nn.Module, signature: inspect.Signature | None, batch: Any
+) -> list[str]:
+    """The inputs the failed forward needed and the batch did not give, where the data says so:
+    a transformers model's ``main_input_name`` missing from the batch (ViT's ``pixel_values``:
+    its forward then fails on None), or, for a TypeError or ValueError, the forward's inputs
+    its message names. Empty otherwise: nothing blames the input."""
+    params = _inputs(signature)
+    if isinstance(batch, Mapping):
+        given = set(map(str, batch))
+    else:  # one positional argument: the forward's first input
+        given = {params[0].name} if params else set()
+    main = getattr(model, "main_input_name", None) if hf.is_pretrained(model) else None
+    if isinstance(main, str) and main not in given:
+        return [main]
+    if not isinstance(exc, (TypeError, ValueError)):
+        return []
+    message = str(exc)
+    return [
+        p.name
+        for p in params
+        if p.name not in given and re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", message)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# The depth rebuild
+# --------------------------------------------------------------------------------------------
+
+
+def _check_depth_rebuild(spec: ModelSpec, model: nn.Module) -> None:
+    """Build the model once on meta at :data:`REBUILD_DEPTH` layers, as ``memory.
+    depth_invariance`` will: through the factory's depth keyword (its failure is the
+    factory's), else the suite's own rebuild from a copy of its transformers config (its failure
+    is the suite's, never the factory's). A model whose depth cannot be set is left to that
+    check, which skips and says how to make it settable."""
+    assert spec.factory is not None
+    keyword = depth_keyword(load_object(spec.factory, "model factory"))
+    if keyword is None and hf.config_depth(model) is None:
+        return
+    try:
+        dataclasses.replace(spec, depth=REBUILD_DEPTH).build("meta")
+    except ModelSpecError as exc:
+        if keyword is not None:
+            raise ModelSpecError(
+                f"{exc}; memory.depth_invariance builds the model at 2, 4 and {REBUILD_DEPTH} "
+                f"layers through its {keyword}= keyword"
+            ) from None
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        raise ModelSpecError(
+            f"the suite's own rebuild of {type(model).__name__} at {REBUILD_DEPTH} layers "
+            f"failed: {_reason(cause)} (memory.depth_invariance rebuilds a transformers model "
+            "from a copy of its config with num_hidden_layers set; the factory is not called "
+            "and not at fault); give the factory a depth keyword ("
+            + ", ".join(f"{k}=" for k in DEPTH_KEYWORDS)
+            + ") and the suite builds each depth through it instead"
+        ) from None
