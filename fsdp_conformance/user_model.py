@@ -171,9 +171,9 @@ def _check_batch(built: BuiltModel, flag_style: FlagStyle) -> None:
 
     Refused, in one line naming the input the forward wants, only where the data says the input
     is at fault: no batch could be made, the forward's signature does not take it, or the
-    forward raised a TypeError or ValueError naming one of its inputs the batch does not give.
-    Any other failure on meta (a meta kernel torch lacks, such as MoE's grouped matmul in
-    fp32) is left to the checks, which run the forward on real tensors.
+    forward failed on meta without an input it needs (:func:`_missing_inputs`). Any other
+    failure on meta (a meta kernel torch lacks, such as Mixtral's grouped matmul in fp32, or the
+    model's own error) is left to the checks, which run the forward on real tensors.
     """
     spec, model = built.spec, built.model
 

@@ -17,7 +17,6 @@ factory" for the suite's own rebuild.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from torch import nn
 from fsdp_conformance import cli, hf_models, user_model
 from fsdp_conformance.block_classes import no_split_block_classes, split_ties
 from fsdp_conformance.claims.memory.depth_invariance import DEFAULT_DEPTHS
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models import ModelSpec, call_model
 from fsdp_conformance.policies import PolicyError
 from fsdp_conformance.settings import OPTIONS
 
@@ -356,15 +355,21 @@ def test_a_factory_that_cannot_build_on_meta_names_the_meta_device(
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factory", ["mixtral", "broken_net"])
+@pytest.mark.parametrize(("factory", "block_cls"), [("mixtral", None), ("broken_net", ("Block",))])
 def test_a_forward_failing_on_meta_for_another_reason_is_left_to_the_checks(
-    factory: str,
+    factory: str, block_cls: tuple[str, ...] | None
 ) -> None:
     """Mixtral's forward fails on meta (a meta kernel torch lacks), BrokenNet's everywhere (its
     own error, which the checks report as errors: tests/test_cli.py): neither is the input's."""
-    spec = ModelSpec(reference=None, factory=f"{HERE}:{factory}", block_cls=("Block",))
-    if factory == "mixtral":
-        spec = ModelSpec(reference=None, factory=f"{HERE}:{factory}")
+    spec = ModelSpec(reference=None, factory=f"{HERE}:{factory}", block_cls=block_cls)
+    built = spec.instantiate("meta")
+    batch = built.batch()  # the default batch: token ids (Mixtral), features (BrokenNet)
+    if isinstance(batch, dict):
+        batch = {k: v.to("meta") for k, v in batch.items()}
+    else:
+        batch = batch.to("meta")
+    with pytest.raises(RuntimeError), torch.no_grad():  # the forward does fail on meta
+        call_model(built.model, batch)
     assert user_model.validate_user_model(spec, ["cpu"], [2]) == []
 
 
@@ -383,12 +388,10 @@ def test_the_rebuild_depth_is_the_depth_checks_deepest() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _plugin_args(*args: str) -> Sequence[str]:
-    return ["-p", "no:cacheprovider", "--co", "-q", *args]
-
-
 def test_the_plugin_refuses_the_same_input_with_its_own_flag(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_inprocess(*_plugin_args("--fsdp-model", f"{HERE}:vit"))
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "--co", "--fsdp-model", f"{HERE}:vit"
+    )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
