@@ -475,7 +475,7 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
 def test_run_exits_1_when_the_user_models_forward_breaks(
     warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = main(
+    code, out, err = main(
         [
             "run",
             "--model",
@@ -495,8 +495,13 @@ def test_run_exits_1_when_the_user_models_forward_breaks(
     assert [(e["id"], e["outcome"]) for e in report["checks"]] == [
         (f"wrap.train.fp32[cpu,ws2,{v},{RANK_MODELS}:broken]", "error") for v in ("fsdp1", "fsdp2")
     ]
-    assert all("forward is broken on purpose" in e["message"] for e in report["checks"])
-    assert "RuntimeError: forward is broken on purpose" in out  # the table's reason column
+    # one line naming where it was raised (the user's forward, not torch's module call) and the
+    # ranks; every rank's traceback kept in the report
+    line = "ranks 0, 1: RuntimeError in test_cli.py:forward: forward is broken on purpose"
+    assert [e["message"] for e in report["checks"]] == [line, line]
+    assert all("Traceback (most recent call last)" in e["traceback"] for e in report["checks"])
+    assert f"ERROR    {line}" in out  # the table's reason column, whole
+    assert "Traceback" not in out + err and f"      {line}" in err  # the progress: one line
 
 
 def _report_timeline(ctx: Any) -> dict[str, Any]:

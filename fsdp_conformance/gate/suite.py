@@ -96,9 +96,13 @@ class Progress:
         self.done += 1
         out = self.out
         out.write(f"{run.outcome} ({run.seconds:.2f}s)\n")
-        if run.outcome in ("failed", "error"):
+        if run.outcome == "failed":
             for line in run.detail.strip().splitlines()[:40]:
                 out.write(f"      {line}\n")
+        elif run.outcome in ("error", "skipped"):  # one line, whole
+            out.write(f"      {' '.join(run.detail.split())}\n")
+            if run.traceback:
+                out.write("      (its traceback: the report, this check's 'traceback')\n")
         out.flush()
 
 
@@ -171,6 +175,7 @@ def run_suite(
                 seconds=run.seconds,
                 warnings=run.warnings,
                 expected=run.expected,
+                traceback=run.traceback,
             )
             entries.append(entry)
             if on_run is not None:
