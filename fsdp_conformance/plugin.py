@@ -103,16 +103,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if settings.model:
         _validate_user_model(settings)
-        _collect_model_tests(config)
 
 
-def _collect_model_tests(config: pytest.Config) -> None:
-    """With --fsdp-model, the conformance checks (model_tests.py) join the collection."""
+def _model_test_items(session: pytest.Session, items: list[pytest.Item]) -> list[pytest.Item]:
+    """With --fsdp-model, the conformance checks (model_tests.py's one test, parametrized):
+    collected here, from whatever folder pytest runs in, never as a path argument (a path
+    inside a folder pytest also collects, such as an editable clone of this suite, is not
+    collected again from its argument, and one outside the rootdir has no file part in its node
+    id). Their node ids start with the module's path relative to the rootdir, else
+    ``fsdp_conformance/model_tests.py``. None where the session collected that module itself
+    (its path given, or ``--pyargs fsdp_conformance.model_tests``)."""
+    from pathlib import Path
+
     import fsdp_conformance.model_tests as model_tests
 
-    path = os.path.abspath(model_tests.__file__)
-    if path not in config.args:
-        config.args.append(path)
+    path = Path(model_tests.__file__).resolve()
+    if any(Path(item.path).resolve() == path for item in items):
+        return []
+    try:
+        nodeid = path.relative_to(session.config.rootpath.resolve()).as_posix()
+    except ValueError:
+        nodeid = f"{model_tests.__name__.replace('.', '/')}.py"
+    module = pytest.Module.from_parent(session, path=path, nodeid=nodeid)
+    return list(session.genitems(module))
 
 
 def _validate_user_model(settings: Settings) -> None:
@@ -223,6 +236,8 @@ def pytest_collection_modifyitems(
 ) -> None:
     settings = config.stash[SETTINGS_KEY]
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
+    if settings.model:
+        items += _model_test_items(session, items)
     _refuse_process_tests_marked_cpu(items)
     for item in items:
         if not any(item.get_closest_marker(lane) for lane in (*LANES, PROCESS)):
