@@ -401,6 +401,7 @@ def _clone_of_the_suite(
         if (REPOSITORY / name).exists():  # (tests/conftest.py: not on main before issue 33)
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPOSITORY / name, clone / name)
+    (clone / "tests").mkdir(parents=True, exist_ok=True)
     (clone / "tests" / "test_suite_own.py").write_text("def test_suite_own():\n    pass\n")
     if installed:
         import fsdp_conformance.model_tests as model_tests
