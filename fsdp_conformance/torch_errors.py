@@ -129,20 +129,21 @@ def _split_tie(match: re.Match[str], params: Mapping[str, Any]) -> str:
 
 def _fsdp1_input_dtype(match: re.Match[str], params: Mapping[str, Any]) -> str:
     return (
-        f"a unit's inputs are not in its parameters' dtype ({match[0]}): FSDP1 casts a unit's "
-        "inputs only with MixedPrecision(cast_forward_inputs=True) (FSDP2 casts them by "
-        "default), and a model that casts its inputs to a weight's dtype reads that weight "
-        "while it is still the fp32 shard; fix: MixedPrecision(..., cast_forward_inputs=True)"
+        f"a unit's inputs are not in its parameters' dtype ({match[0]}): FSDP1 casts the "
+        "inputs of the root unit only, unless MixedPrecision(cast_forward_inputs=True) (FSDP2 "
+        "casts each unit's inputs by default); a model that casts its inputs to a weight's dtype "
+        "reads that weight while it is still the fp32 shard, and one that computes in fp32 "
+        "between units hands fp32 on; fix: MixedPrecision(..., cast_forward_inputs=True)"
     )
 
 
 def _dcp_param_groups(match: re.Match[str], params: Mapping[str, Any]) -> str:
+    saved = "FSDP1's" if params.get("version") == "fsdp1" else "the"
     return (
         f"torch behaviour, not a fault of the model: torch.distributed.checkpoint's strict load "
-        f"asks for {match['key']!r}, which the checkpoint saved from FSDP1's optimizer state "
-        "dict does not hold; it reproduces with torch's public APIs alone (FSDP1, "
-        "get_optimizer_state_dict, dcp.save, dcp.load), so a resume of this model's optimizer "
-        "through DCP with FSDP1 fails in torch"
+        f"asks for {match['key']!r}, which the checkpoint saved from {saved} optimizer state "
+        "dict does not hold (seen on ViT with FSDP1 through torch's public APIs alone: "
+        "get_optimizer_state_dict, dcp.save, dcp.load; the same steps resume Phi-3)"
     )
 
 

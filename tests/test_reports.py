@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from fsdp_conformance import _files, torch_errors
-from fsdp_conformance.claims.check import Check, Verdict, execute
+from fsdp_conformance.claims.check import Check, Verdict, execute, run_check
 from fsdp_conformance.gate import compare
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.compare import Difference, compare_reports
 from fsdp_conformance.gate.report import ReportError
-from fsdp_conformance.harness import RankOutcome, Ranks
+from fsdp_conformance.harness import RankFailure, RankOutcome, Ranks
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.settings import Settings
 
@@ -1111,3 +1111,61 @@ def test_a_torch_error_on_the_ranks_becomes_one_line_with_the_fix_and_the_traceb
         traceback=run.traceback,
     )
     assert e["message"] == run.detail and e["traceback"] == run.traceback
+    # the pytest path: the failure starts with the same line, every rank's story below it
+    with pytest.raises(RankFailure) as info:
+        run_check(ranks, check, spec=TIED_SPEC)
+    assert str(info.value).splitlines()[0] == run.detail
+    assert "Traceback (most recent call last)" in str(info.value)
+
+
+class Patches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 8, 2, 2)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixels)
+
+
+class TinyViT(torch.nn.Module):
+    """An image model whose root casts the pixels to its patch weight's dtype (ViT's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = Patches()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = pixels.to(self.patches.proj.weight.dtype)
+        return self.head(self.patches(pixels).mean((2, 3)))
+
+
+def rank_fsdp1_input_dtype(ctx: Any, version: str) -> None:
+    """FSDP1 in bf16 on :class:`TinyViT`, its patches a unit: the root reads the patch weight
+    while it is the fp32 shard, and the conv gets fp32 pixels (torch's error, for real)."""
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from fsdp_conformance.sharding import shard_fsdp1
+
+    model = shard_fsdp1(
+        TinyViT(),
+        ctx,
+        ModuleWrapPolicy({Patches}),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    )
+    model(torch.randn(2, 3, 4, 4))
+
+
+def test_fsdp1_s_input_dtype_error_on_the_ranks_names_cast_forward_inputs(ranks: Ranks) -> None:
+    check = Check("wrap.input_dtype", "torch's error", rank_fsdp1_input_dtype, verdict_split_tie)
+    run = execute(ranks, check, version="fsdp1")
+    assert run.outcome == "error"
+    assert "\n" not in run.detail
+    assert run.detail.startswith(
+        f"ranks {', '.join(map(str, range(ranks.world_size)))}: RuntimeError in "
+        "FullyShardedDataParallel.forward (torch/nn/modules/conv.py:_conv_forward): a unit's "
+        "inputs are not in its parameters' dtype (Input type (float) and bias type "
+        "(c10::BFloat16) should be the same)"
+    ), run.detail
+    assert run.detail.endswith("fix: MixedPrecision(..., cast_forward_inputs=True)")
