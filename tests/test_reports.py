@@ -786,7 +786,7 @@ def test_every_non_pass_has_its_whole_reason_in_the_summary_and_on_the_console()
     assert LONG_SKIP in table and "..." not in table
     # the error: one line, and where its traceback is (the report file and the check's id)
     assert f"💥 error | {ERROR_LINE} |" in md and f"ERROR    {ERROR_LINE}" in table
-    pointer = "out/report.json, check 'wrap.train.fp32[cpu,ws2,fsdp1,massive]' (its 'traceback')"
+    pointer = "traceback of wrap.train.fp32[cpu,ws2,fsdp1,massive]: out/report.json (the check's 'traceback')"
     assert pointer in md and pointer in table
     assert "Traceback" not in md and "Traceback" not in table
     # the failure keeps its message (expected against actual) in the summary

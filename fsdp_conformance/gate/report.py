@@ -546,10 +546,10 @@ def reason(entry: Mapping[str, Any]) -> str:
 
 
 def traceback_pointer(entry: Mapping[str, Any], report_path: str | None) -> str:
-    """Where an error's whole story is: the report file and the check's id."""
+    """Where an error's whole story is: the check's id, the report file and the field."""
     where = report_path or "the JSON report"
     field = "traceback" if "traceback" in entry else "message"
-    return f"{where}, check {entry['id']!r} (its {field!r})"
+    return f"traceback of {entry['id']}: {where} (the check's {field!r})"
 
 
 def expected_line(entry: Mapping[str, Any]) -> str:
@@ -579,7 +579,7 @@ def format_table(report: Mapping[str, Any], report_path: str | None = None) -> s
     lines.insert(1, "-" * min(120, max(len(line) for line in lines)))
     for e in report["checks"]:  # the notes, then the counts last
         if e["outcome"] == "error":
-            lines.append(f"traceback of {e['id']}: {traceback_pointer(e, report_path)}")
+            lines.append(traceback_pointer(e, report_path))
         elif e["outcome"] == "xfailed":
             lines.append(f"expected failure {expected_line(e)}")
     s = report["summary"]
@@ -606,8 +606,8 @@ def format_markdown(
     """The summary. ``plot``: the timeline PNG relative to the summary's folder, shown inline;
     ``plot_file``: its path on this machine, named (where a link could not resolve, such as
     the CI job page). Neither: the summary says nothing about a picture. Every non-pass's row
-    holds its reason; a failure's message follows in full, an error's one line with where its
-    traceback is (``report_path``), an expected failure's one line.
+    holds its reason; a failure's message follows in full, then where each error's traceback is
+    (``report_path``), and each expected failure in one line.
     """
     env, s = report["environment"], report["summary"]
     status = "PASS" if s["failed"] == 0 and s["error"] == 0 else "FAIL"
@@ -652,9 +652,8 @@ def format_markdown(
         if e["outcome"] == "failed":
             lines += ["", f"<details><summary>{e['id']}: failed</summary>", "", "```"]
             lines += [e["message"].strip(), "```", "</details>"]
-        elif e["outcome"] == "error":
-            lines += ["", f"- `{e['id']}`: error: {reason(e)}"]
-            lines.append(f"  (traceback: {traceback_pointer(e, report_path)})")
+        elif e["outcome"] == "error":  # its one line is its row's reason
+            lines += ["", f"- {traceback_pointer(e, report_path)}"]
         elif e["outcome"] == "xfailed":
             lines += ["", f"- {expected_line(e)}"]
     deprecations = sorted({d for e in report["checks"] for d in e.get("deprecations", [])})
