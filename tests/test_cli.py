@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import cli, plugin, user_model
-from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.check import Check, CheckRun, Verdict
 from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.harness import PoolManager
@@ -1388,3 +1388,25 @@ def test_unwritable_report_folder_is_exit_2_before_anything_runs(
         ["run", "--out", str(tmp_path / "ok"), "--markdown", str(blocker / "summary.md")], capsys
     )
     assert_one_line_error(code, out, err, "run", "cannot write the report to", "--markdown")
+
+
+def test_progress_shows_a_skip_s_reason_whole_and_an_error_as_one_line_and_a_pointer() -> None:
+    stream = io.StringIO()
+    progress = suite.Progress(2, stream, report_path="out/report.json")
+    reason = "memory.sawtooth: below the meters' resolution at this width; " * 3
+    progress.start("memory.sawtooth [cpu, ws2, fsdp1,pkg:build]")
+    progress.finish(CheckRun("memory.sawtooth", "skipped", None, reason.strip(), 0.5))
+    story = "check failed on 2 ranks\nTraceback (most recent call last):\n" + "  frame\n" * 60
+    progress.start("wrap.train.fp32 [cpu, ws2, fsdp2,pkg:build]")
+    progress.finish(
+        CheckRun(
+            "wrap.train.fp32", "error", None, "ranks 0, 1: ValueError in x: y", 1.0, (), None, story
+        )
+    )
+    assert stream.getvalue().splitlines() == [
+        "[1/2] memory.sawtooth [cpu, ws2, fsdp1,pkg:build] ... skipped (0.50s)",
+        f"      {reason.strip()}",
+        "[2/2] wrap.train.fp32 [cpu, ws2, fsdp2,pkg:build] ... error (1.00s)",
+        "      ranks 0, 1: ValueError in x: y",
+        "      (its traceback: out/report.json, this check's 'traceback')",
+    ]

@@ -142,7 +142,13 @@ def run_launched(
             log.write(header + "\n")
             log.flush()
         report = suite.run_suite(
-            settings, lanes, pattern=pattern, stream=log, launcher=launcher, options=options
+            settings,
+            lanes,
+            pattern=pattern,
+            stream=log,
+            launcher=launcher,
+            options=options,
+            report_path=json_path,
         )
         if log is None:
             code = write_outputs(report, json_path, md_path, plot=plot, rank_logs=rank_logs)
