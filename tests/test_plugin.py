@@ -20,6 +20,7 @@ import pytest
 # after it, and torch cannot be imported a second time (the model checks' sessions import them).
 import fsdp_conformance.claims
 import fsdp_conformance.user_model  # noqa: F401
+from fsdp_conformance import plugin
 from fsdp_conformance.harness import cuda_device_count
 
 LANES = """
@@ -410,7 +411,10 @@ def _clone_of_the_suite(
         package.mkdir()
         (package / "__init__.py").write_text("")
         shutil.copy(model_tests.__file__, package / "model_tests.py")
+        # the module's file as an editable install of the clone has it (main's plugin read it
+        # from the module, this one from beside itself)
         monkeypatch.setattr(model_tests, "__file__", str(package / "model_tests.py"))
+        monkeypatch.setattr(plugin, "MODEL_TESTS_PATH", package / "model_tests.py", raising=False)
     return clone
 
 
@@ -433,6 +437,28 @@ def test_the_model_checks_have_node_ids_with_a_file_part(
             for v in ("fsdp1", "fsdp2")
         ),
     ]
+    # the reference suite by --pyargs (the README's command): pytest collects the module itself
+    reference = user_repository.runpytest_inprocess(
+        "--co", "-q", "-m", "cpu", "-k", "wrap.units.exact", "--pyargs", plugin.MODEL_TESTS
+    )
+    assert _collected(reference) == [
+        f"fsdp_conformance/model_tests.py::test_conformance[wrap.units.exact[{v},{m}]-ws2-cpu]"
+        for v in ("fsdp1", "fsdp2")
+        for m in ("massive", "tied")
+    ]
+    # both: the module once
+    both = user_repository.runpytest_inprocess(
+        *MODEL_ARGS,
+        "--co",
+        "-q",
+        "-m",
+        "cpu",
+        "-k",
+        "wrap.units.exact",
+        "--pyargs",
+        plugin.MODEL_TESTS,
+    )
+    assert _collected(both) == _collected(result)[1:]
 
 
 @pytest.mark.process
