@@ -219,10 +219,12 @@ def failure_line(outcomes: Sequence[RankOutcome], params: Mapping[str, Any]) -> 
         if o.status == "error":
             error = parse_traceback(o.detail)
             text = explain(error, params) if error else _first_line(o.detail) or "raised"
-        else:
+        else:  # died, hung, never reported, left state behind; skipped alone
             text = STATUS_TITLE.get(o.status, o.status)
+            why = re.sub(r"(; its (log ends|stacks))?:$", "", _first_line(o.detail))
+            text += f" ({why})" if why else ""
             if o.status == "skip":
-                text += f" ({_first_line(o.detail)}) while other ranks did not"
+                text += " while other ranks did not"
         groups.setdefault(text, []).append(o.rank)
     parts = [
         f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {text}"

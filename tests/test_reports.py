@@ -1033,10 +1033,22 @@ def test_an_unknown_error_names_the_innermost_torch_frame_and_torch_s_message() 
         ],
         "RuntimeError: shapes do not match\nsecond line of the message",
     )
-    outcomes = [*rank_story(text, (1,)), RankOutcome(0, "ok"), RankOutcome(2, "died")]
+    died = (
+        "killed by SIGSEGV (exit status -11) inside torch: torch.distributed.x.y, line 3 before "
+        "reporting; its log ends:\nlog line"
+    )
+    hung = "no result after the check's timeout of 120s; its stacks:\nThread 0x1"
+    outcomes = [
+        *rank_story(text, (1,)),
+        RankOutcome(0, "ok"),
+        RankOutcome(2, "died", detail=died),
+        RankOutcome(3, "hung", detail=hung),
+    ]
     assert torch_errors.failure_line(outcomes, {}) == (
         "rank 1: RuntimeError in torch/distributed/tensor/_api.py:full_tensor: shapes do not "
-        "match; rank 2: died"
+        "match; rank 2: died (killed by SIGSEGV (exit status -11) inside torch: "
+        "torch.distributed.x.y, line 3 before reporting); rank 3: did not finish (no result "
+        "after the check's timeout of 120s)"
     )
     # raised outside torch (the suite's own step, the user's forward called by torch): there
     own = traceback_of(
