@@ -1,10 +1,11 @@
 """Known torch errors and their fixes: a rank's traceback read as one line a user can act on.
 
 A check whose ranks raised ends as an ``error``; the ranks' tracebacks are 60 to 200 lines deep
-in torch. :func:`failure_line` turns them into one line naming the exception, the API it came
-from (the innermost torch frame, ``torch/distributed/fsdp/...py:function``; the innermost frame
-where no torch frame is there), the ranks that raised it and, for an error of
-:data:`KNOWN_ERRORS`, what it means and the fix. The tracebacks themselves stay in the report.
+in torch. :func:`failure_line` turns them into one line naming the exception, where it was
+raised (the innermost frame: ``torch/distributed/fsdp/...py:function`` where torch raised it;
+the user's forward where that raised, not torch's module call around it), the ranks that raised
+it and, for an error of :data:`KNOWN_ERRORS`, the public API, what it means and the fix. The
+tracebacks themselves stay in the report.
 
 Each entry of :data:`KNOWN_ERRORS` matches on stable parts of torch's text (the exception type,
 a fragment of its message, a torch file its traceback passes through), never on line numbers;
@@ -199,8 +200,8 @@ def known_error(error: RaisedError) -> KnownError | None:
 
 
 def explain(error: RaisedError, params: Mapping[str, Any]) -> str:
-    """``ValueError in <api>: <what it means and the fix>`` (a known error), else
-    ``<Type> in <innermost torch frame>: <torch's message>``."""
+    """``ValueError in <api> (<innermost frame>): <what it means and the fix>`` (a known
+    error), else ``<Type> in <innermost frame>: <its message>``."""
     entry = known_error(error)
     if entry is None:
         return f"{error.name} in {error.api()}: {error.message or '(no message)'}"
@@ -239,7 +240,8 @@ def _first_line(text: str) -> str:
 
 def tie_keeping_block_classes(spec: Any) -> list[str] | None:
     """The names of ``spec``'s block classes that hold no tie split between a block and the
-    rest of the model (built on meta), or None when none is left or the model cannot be built."""
+    rest of the model (built on meta), or None when none is left or the model cannot be built
+    (a line about an error must not raise one of its own)."""
     from fsdp_conformance.models import ModelSpec, ModelSpecError
     from fsdp_conformance.policies import PolicyError
 
@@ -248,7 +250,7 @@ def tie_keeping_block_classes(spec: Any) -> list[str] | None:
     try:
         built = spec.instantiate("meta")
         blocks = built.blocks
-    except (ModelSpecError, PolicyError):
+    except (ModelSpecError, PolicyError, RuntimeError, ValueError, TypeError):
         return None
     model = built.model
     names: dict[int, list[str]] = {}

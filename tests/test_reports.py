@@ -1075,6 +1075,18 @@ def test_the_classes_that_keep_a_tie_whole_are_the_block_classes_without_the_spl
     whole = dataclasses.replace(TIED_SPEC, block_cls=("Layer",))
     assert torch_errors.tie_keeping_block_classes(whole) == ["Layer"]
     assert torch_errors.tie_keeping_block_classes(None) is None
+    # a model that cannot be built again: the line still comes, with the fix in words
+    broken = dataclasses.replace(TIED_SPEC, factory=f"{__name__}:build_nothing")
+    assert torch_errors.tie_keeping_block_classes(broken) is None
+    line = torch_errors.failure_line(rank_story(SPLIT_TIE), {"spec": broken})
+    assert line.endswith(
+        "pass --block-cls with block classes that hold both names of every tied parameter, "
+        "or neither"
+    )
+
+
+def build_nothing() -> torch.nn.Module:
+    raise RuntimeError("the factory cannot build twice")
 
 
 def rank_split_tie(ctx: Any, spec: ModelSpec) -> None:

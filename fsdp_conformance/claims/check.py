@@ -258,7 +258,11 @@ def error_line(failure: RankFailure, params: Mapping[str, Any]) -> str:
     for a known torch error, the fix (:mod:`fsdp_conformance.torch_errors`); the ranks that
     died or hung. Without outcomes (a failure raised by hand), its message's first line."""
     if failure.outcomes:
-        return failure_line(failure.outcomes, params)
+        try:
+            return failure_line(failure.outcomes, params)
+        except Exception as exc:  # noqa: BLE001 - the outcome stands; only its line is lost
+            head = next((ln for ln in str(failure).splitlines() if ln.strip()), "ranks failed")
+            return f"{head} (its one line could not be made: {type(exc).__name__}: {exc})"
     return next((ln for ln in str(failure).splitlines() if ln.strip()), "ranks failed")
 
 
