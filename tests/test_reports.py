@@ -795,8 +795,8 @@ def test_every_non_pass_has_its_whole_reason_in_the_summary_and_on_the_console()
     assert "keeps the shard's change" not in md + table
     xfail_lines = [line for line in table.splitlines() if "expected failure state.summon" in line]
     assert xfail_lines == [
-        "expected failure state.summon.rank0_discard[cpu,ws2,fsdp1,massive]: expected failure "
-        "(known torch defect) of torch >=2.13, <2.16, on any model "
+        "expected failure state.summon.rank0_discard[cpu,ws2,fsdp1,massive]: known torch "
+        "defect of torch >=2.13, <2.16, on any model "
         "(https://example.org/defect); its reason is in the report's 'expected'"
     ]
 

@@ -552,14 +552,13 @@ def traceback_pointer(entry: Mapping[str, Any], report_path: str | None) -> str:
     return f"traceback of {entry['id']}: {where} (the check's {field!r})"
 
 
-def expected_line(entry: Mapping[str, Any]) -> str:
-    """An expected failure in one line: a known torch defect fails so on any model, so its
-    reason (a paragraph) stays in the report."""
+def expected_note(entry: Mapping[str, Any]) -> str:
+    """An expected failure's one line after its kind: a known torch defect fails so on any
+    model, so its reason (a paragraph) stays in the report."""
     expected = entry.get("expected", {})
     return (
-        f"{entry['id']}: expected failure ({known_label(expected.get('kind'))}) of torch "
-        f"{expected.get('torch', '?')}, on any model ({expected.get('link', '')}); its reason "
-        "is in the report's 'expected'"
+        f"of torch {expected.get('torch', '?')}, on any model ({expected.get('link', '')}); "
+        "its reason is in the report's 'expected'"
     )
 
 
@@ -581,7 +580,8 @@ def format_table(report: Mapping[str, Any], report_path: str | None = None) -> s
         if e["outcome"] == "error":
             lines.append(traceback_pointer(e, report_path))
         elif e["outcome"] == "xfailed":
-            lines.append(f"expected failure {expected_line(e)}")
+            label = known_label(e.get("expected", {}).get("kind"))
+            lines.append(f"expected failure {e['id']}: {label} {expected_note(e)}")
     s = report["summary"]
     lines.append("")
     lines.append(
@@ -655,7 +655,8 @@ def format_markdown(
         elif e["outcome"] == "error":  # its one line is its row's reason
             lines += ["", f"- {traceback_pointer(e, report_path)}"]
         elif e["outcome"] == "xfailed":
-            lines += ["", f"- {expected_line(e)}"]
+            label = known_label(e.get("expected", {}).get("kind"))
+            lines += ["", f"- {e['id']}: expected failure ({label}) {expected_note(e)}"]
     deprecations = sorted({d for e in report["checks"] for d in e.get("deprecations", [])})
     if deprecations:
         lines += ["", "### Deprecations torch emitted", ""] + [f"- {d}" for d in deprecations]
