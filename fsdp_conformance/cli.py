@@ -120,7 +120,12 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
         )
     print(f"fsdp-conformance: {environment_summary(settings)}", file=sys.stderr)
     report = suite.run_suite(
-        settings, lanes, pattern=args.checks, options=options, pools=harness.pools
+        settings,
+        lanes,
+        pattern=args.checks,
+        options=options,
+        pools=harness.pools,
+        report_path=json_path,
     )
     return outputs.write_outputs(report, json_path, md_path, plot=args.plot)
 

@@ -12,7 +12,8 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
 import pytest
 
@@ -46,6 +47,10 @@ OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
 #: The preflight's notes on the user's model (one line each), for the header.
 NOTES_KEY = pytest.StashKey[list[str]]()
+#: The module of the conformance checks as pytest tests, and its file (beside this one; read by
+#: path: importing it imports the claims, hence torch, which a session collects only with them).
+MODEL_TESTS = "fsdp_conformance.model_tests"
+MODEL_TESTS_PATH = Path(__file__).with_name("model_tests.py").resolve()
 
 
 @contextlib.contextmanager
@@ -105,16 +110,38 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if settings.model:
         config.stash[NOTES_KEY] = _validate_user_model(settings)
-        _collect_model_tests(config)
 
 
-def _collect_model_tests(config: pytest.Config) -> None:
-    """With --fsdp-model, the conformance checks (model_tests.py) join the collection."""
-    import fsdp_conformance.model_tests as model_tests
+def _model_tests_module(parent: pytest.Collector, path: Path) -> pytest.Module:
+    """model_tests.py as a module node whose id has a file part: its path relative to the
+    rootdir, else ``fsdp_conformance/model_tests.py`` (pytest's own id for a file outside the
+    rootdir given as an argument, or by ``--pyargs``, is empty: ``::test_conformance[...]``)."""
+    try:
+        nodeid = path.resolve().relative_to(parent.config.rootpath.resolve()).as_posix()
+    except ValueError:
+        nodeid = f"{MODEL_TESTS.replace('.', '/')}.py"
+    return pytest.Module.from_parent(parent, path=path, nodeid=nodeid)
 
-    path = os.path.abspath(model_tests.__file__)
-    if path not in config.args:
-        config.args.append(path)
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    """model_tests.py collected by pytest itself (its path or ``--pyargs`` given): its node
+    ids get their file part too."""
+    if module_path.resolve() != MODEL_TESTS_PATH:
+        return None
+    return _model_tests_module(parent, module_path)
+
+
+def _model_test_items(session: pytest.Session, items: list[pytest.Item]) -> list[pytest.Item]:
+    """With --fsdp-model, the conformance checks (model_tests.py's one test, parametrized):
+    collected here, from whatever folder pytest runs in, never as a path argument (a path
+    inside a folder pytest also collects, such as an editable clone of this suite, is not
+    collected again from its argument). None where the session collected that module itself
+    (its path given, or ``--pyargs fsdp_conformance.model_tests``)."""
+    path = MODEL_TESTS_PATH
+    if any(Path(item.path).resolve() == path for item in items):
+        return []
+    return list(session.genitems(_model_tests_module(session, path)))
 
 
 def _validate_user_model(settings: Settings) -> list[str]:
@@ -228,6 +255,8 @@ def pytest_collection_modifyitems(
 ) -> None:
     settings = config.stash[SETTINGS_KEY]
     outer = settings.timeout * OUTER_TIMEOUT_CHECKS + OUTER_TIMEOUT_MARGIN_S
+    if settings.model:
+        items += _model_test_items(session, items)
     _refuse_process_tests_marked_cpu(items)
     for item in items:
         if not any(item.get_closest_marker(lane) for lane in (*LANES, PROCESS)):

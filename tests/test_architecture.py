@@ -49,6 +49,7 @@ LAYERS: dict[str, str] = {
     "capabilities": "blocks",
     "faults": "blocks",
     "tensors": "blocks",
+    "torch_errors": "blocks",
     "meta_init": "blocks",
     "meta_materialize": "blocks",
     "plan": "plan",

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import cli, plugin, user_model
-from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.check import Check, CheckRun, Verdict
 from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.harness import PoolManager
@@ -394,11 +394,17 @@ def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_s
     report = suite.run_suite(Settings(), ["cpu"], checks=[CRASHING, PASSING], stream=stream)
     crashed, after = report["checks"]
     assert crashed["outcome"] == "error" and after["outcome"] == "passed", report["checks"]
-    assert "rank 1 died" in crashed["message"]
+    # one line (issue 33: the rank, its death, the torch function), every rank's story kept
+    assert crashed["message"].startswith(
+        "rank 1: died (killed by SIGSEGV (exit status -11) inside torch: "
+        "torch.utils._pytree.tree_map (crashed in torch.utils._pytree."
+    ), crashed["message"]
+    assert "\n" not in crashed["message"]
+    assert "rank 1 died" in crashed["traceback"]
     assert (
         "--- rank 1: died ---\nkilled by SIGSEGV (exit status -11) inside torch: "
         "torch.utils._pytree.tree_map (crashed in torch.utils._pytree."
-    ) in crashed["message"]
+    ) in crashed["traceback"]
     assert report["summary"] == {"passed": 1, "failed": 0, "skipped": 0, "error": 1, "xfailed": 0}
 
 
@@ -475,7 +481,7 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
 def test_run_exits_1_when_the_user_models_forward_breaks(
     warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = main(
+    code, out, err = main(
         [
             "run",
             "--model",
@@ -495,8 +501,13 @@ def test_run_exits_1_when_the_user_models_forward_breaks(
     assert [(e["id"], e["outcome"]) for e in report["checks"]] == [
         (f"wrap.train.fp32[cpu,ws2,{v},{RANK_MODELS}:broken]", "error") for v in ("fsdp1", "fsdp2")
     ]
-    assert all("forward is broken on purpose" in e["message"] for e in report["checks"])
-    assert "RuntimeError: forward is broken on purpose" in out  # the table's reason column
+    # one line naming where it was raised (the user's forward, not torch's module call) and the
+    # ranks; every rank's traceback kept in the report
+    line = "ranks 0, 1: RuntimeError in test_cli.py:forward: forward is broken on purpose"
+    assert [e["message"] for e in report["checks"]] == [line, line]
+    assert all("Traceback (most recent call last)" in e["traceback"] for e in report["checks"])
+    assert f"ERROR    {line}" in out  # the table's reason column, whole
+    assert "Traceback" not in out + err and f"      {line}" in err  # the progress: one line
 
 
 def _report_timeline(ctx: Any) -> dict[str, Any]:
@@ -1383,3 +1394,25 @@ def test_unwritable_report_folder_is_exit_2_before_anything_runs(
         ["run", "--out", str(tmp_path / "ok"), "--markdown", str(blocker / "summary.md")], capsys
     )
     assert_one_line_error(code, out, err, "run", "cannot write the report to", "--markdown")
+
+
+def test_progress_shows_a_skip_s_reason_whole_and_an_error_as_one_line_and_a_pointer() -> None:
+    stream = io.StringIO()
+    progress = suite.Progress(2, stream, report_path="out/report.json")
+    reason = "memory.sawtooth: below the meters' resolution at this width; " * 3
+    progress.start("memory.sawtooth [cpu, ws2, fsdp1,pkg:build]")
+    progress.finish(CheckRun("memory.sawtooth", "skipped", None, reason.strip(), 0.5))
+    story = "check failed on 2 ranks\nTraceback (most recent call last):\n" + "  frame\n" * 60
+    progress.start("wrap.train.fp32 [cpu, ws2, fsdp2,pkg:build]")
+    progress.finish(
+        CheckRun(
+            "wrap.train.fp32", "error", None, "ranks 0, 1: ValueError in x: y", 1.0, (), None, story
+        )
+    )
+    assert stream.getvalue().splitlines() == [
+        "[1/2] memory.sawtooth [cpu, ws2, fsdp1,pkg:build] ... skipped (0.50s)",
+        f"      {reason.strip()}",
+        "[2/2] wrap.train.fp32 [cpu, ws2, fsdp2,pkg:build] ... error (1.00s)",
+        "      ranks 0, 1: ValueError in x: y",
+        "      (its traceback: out/report.json, this check's 'traceback')",
+    ]

@@ -332,8 +332,11 @@ def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
     report = run.report  # written by rank 0, whose own part of the check passed
     (entry,) = [e for e in report["checks"] if e["outcome"] == "error"]
     assert entry["check"] == injected_checks.FAILING_ON_RANK1
-    assert "failed on 2 ranks: rank 0 passed, rank 1 raised" in entry["message"]
-    assert "RuntimeError: failure injected on rank 1" in entry["message"]
+    # one line (issue 33), every rank's story in the entry's traceback
+    assert entry["message"].startswith("rank 1: RuntimeError in "), entry["message"]
+    assert entry["message"].endswith(": failure injected on rank 1"), entry["message"]
+    assert "failed on 2 ranks: rank 0 passed, rank 1 raised" in entry["traceback"]
+    assert "RuntimeError: failure injected on rank 1" in entry["traceback"]
     assert run.rank1_log[-1] == "exit 1 (the worst of every rank's: rank 0 1, rank 1 1)"
     assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
 

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
+# Imported before any inner session: an in-process session's newly imported modules are dropped
+# after it, and torch cannot be imported a second time (the model checks' sessions import them).
+import fsdp_conformance.claims
+import fsdp_conformance.user_model  # noqa: F401
+from fsdp_conformance import plugin
 from fsdp_conformance.harness import cuda_device_count
 
 LANES = """
@@ -357,3 +364,131 @@ def test_without_a_users_timeout_checks_fit_inside_the_outer_guard(
             "stack dump and teardown"
         ]
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The model's checks: node ids with a file part, collected from any folder; a clone of the
+# suite inside a user's project is not the project's tests (issue 33, item 6)
+# --------------------------------------------------------------------------------------------
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+USER_FILES = {
+    "fsdpc_plugin_model": (
+        "from torch import nn\n\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))\n"
+    ),
+    "test_users_own": "def test_users_own():\n    pass\n",
+}
+MODEL_ARGS = ("--fsdp-model", "fsdpc_plugin_model:build", "--fsdp-block-cls", "Linear")
+
+
+@pytest.fixture
+def user_repository(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A user's project: a model module and a test of the user's own, importable by the inner
+    sessions."""
+    pytester.makepyfile(**USER_FILES)
+    pytester.syspathinsert()
+    return pytester
+
+
+def _clone_of_the_suite(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *, installed: bool
+) -> Path:
+    """A clone of this repository in ``project``'s folder: its pytest configuration, its
+    conftests and a test of its own; ``installed``: the package imported from the clone (an
+    editable install of it), so model_tests.py lies inside the folder pytest runs in."""
+    clone = project.path / "fsdp-conformance"
+    for name in ("pyproject.toml", "conftest.py", "tests/conftest.py"):
+        if (REPOSITORY / name).exists():  # (tests/conftest.py: not on main before issue 33)
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPOSITORY / name, clone / name)
+    (clone / "tests").mkdir(parents=True, exist_ok=True)
+    (clone / "tests" / "test_suite_own.py").write_text("def test_suite_own():\n    pass\n")
+    if installed:
+        import fsdp_conformance.model_tests as model_tests
+
+        package = clone / "fsdp_conformance"
+        package.mkdir()
+        (package / "__init__.py").write_text("")
+        shutil.copy(model_tests.__file__, package / "model_tests.py")
+        # the module's file as an editable install of the clone has it (main's plugin read it
+        # from the module, this one from beside itself)
+        monkeypatch.setattr(model_tests, "__file__", str(package / "model_tests.py"))
+        monkeypatch.setattr(plugin, "MODEL_TESTS_PATH", package / "model_tests.py", raising=False)
+    return clone
+
+
+def _collected(result: pytest.RunResult) -> list[str]:
+    return [line for line in result.stdout.lines if "::" in line]
+
+
+@pytest.mark.process
+def test_the_model_checks_have_node_ids_with_a_file_part(
+    user_repository: pytest.Pytester,
+) -> None:
+    result = user_repository.runpytest_inprocess(
+        *MODEL_ARGS, "--co", "-q", "-m", "cpu", "-k", "wrap.units.exact or users_own"
+    )
+    assert _collected(result) == [
+        "test_users_own.py::test_users_own",
+        *(
+            "fsdp_conformance/model_tests.py::test_conformance[wrap.units.exact"
+            f"[{v},fsdpc_plugin_model:build]-ws2-cpu]"
+            for v in ("fsdp1", "fsdp2")
+        ),
+    ]
+    # the reference suite by --pyargs (the README's command): pytest collects the module itself
+    reference = user_repository.runpytest_inprocess(
+        "--co", "-q", "-m", "cpu", "-k", "wrap.units.exact", "--pyargs", plugin.MODEL_TESTS
+    )
+    assert _collected(reference) == [
+        f"fsdp_conformance/model_tests.py::test_conformance[wrap.units.exact[{v},{m}]-ws2-cpu]"
+        for v in ("fsdp1", "fsdp2")
+        for m in ("massive", "tied")
+    ]
+    # both: the module once
+    both = user_repository.runpytest_inprocess(
+        *MODEL_ARGS,
+        "--co",
+        "-q",
+        "-m",
+        "cpu",
+        "-k",
+        "wrap.units.exact",
+        "--pyargs",
+        plugin.MODEL_TESTS,
+    )
+    assert _collected(both) == _collected(result)[1:]
+
+
+@pytest.mark.process
+def test_from_a_folder_holding_a_clone_of_the_suite_the_model_checks_are_collected(
+    user_repository: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clone_of_the_suite(user_repository, monkeypatch, installed=True)
+    result = user_repository.runpytest_inprocess(
+        *MODEL_ARGS, "--co", "-q", "-m", "cpu", "-k", "wrap.units.exact or own"
+    )
+    assert _collected(result) == [
+        "test_users_own.py::test_users_own",
+        *(
+            "fsdp-conformance/fsdp_conformance/model_tests.py::test_conformance[wrap.units.exact"
+            f"[{v},fsdpc_plugin_model:build]-ws2-cpu]"
+            for v in ("fsdp1", "fsdp2")
+        ),
+    ]
+
+
+@pytest.mark.process
+def test_a_clone_of_the_suite_in_a_users_project_is_not_collected_as_the_projects_tests(
+    user_repository: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    user_repository.makepyprojecttoml(
+        "[tool.pytest.ini_options]\naddopts = '-p no:cacheprovider'\n"
+    )
+    _clone_of_the_suite(user_repository, monkeypatch, installed=False)
+    result = user_repository.runpytest_inprocess("--co", "-q")
+    assert _collected(result) == ["test_users_own.py::test_users_own"]
+    # the control: the clone's tests, asked for, are collected (the clone is their rootdir)
+    result = user_repository.runpytest_inprocess("--co", "-q", "fsdp-conformance/tests")
+    assert _collected(result) == ["tests/test_suite_own.py::test_suite_own"]

@@ -1,7 +1,9 @@
 """Reports: entries, the JSON report and its atomic write, the human formats, and compare.
 
-Everything here is built by hand with ``check_entry``/``build_report``: no ranks, no suite run.
-The CLI end to end (real runs, real reports) is in test_cli.py.
+Everything here is built by hand with ``check_entry``/``build_report``: no suite run. The
+translation of torch's errors (:mod:`fsdp_conformance.torch_errors`) is tested on the texts
+torch raises, and once on ranks where torch raises it for real. The CLI end to end (real runs,
+real reports) is in test_cli.py.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import _files
+from fsdp_conformance import _files, torch_errors
+from fsdp_conformance.claims.check import Check, Verdict, execute, run_check
 from fsdp_conformance.gate import compare
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.compare import Difference, compare_reports
 from fsdp_conformance.gate.report import ReportError
+from fsdp_conformance.harness import RankFailure, RankOutcome, Ranks
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.settings import Settings
 
 pytestmark = pytest.mark.cpu
@@ -737,3 +742,454 @@ def test_differences_print_regressions_first_with_their_check_ids() -> None:
         "  [REGRESSION] b.two[cpu,ws2,fsdp1,massive]: outcome: passed -> failed: boom",
         "  [change] a.one[cpu,ws2,fsdp1,massive]: outcome: failed -> passed",
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Every non-pass's reason, read by a user (issue 33, item 6)
+# --------------------------------------------------------------------------------------------
+
+LONG_SKIP = (
+    "memory.sawtooth: the model's per-layer rise (3.1 KiB) is below the meter's resolution "
+    "(64.0 KiB) at this width; nothing to measure (pass a wider model or a larger batch)"
+)
+ERROR_LINE = (
+    "ranks 0, 1: ValueError in fully_shard (FSDP2's lazy init) (torch/distributed/fsdp/"
+    "_fully_shard/_fsdp_state.py:_validate_no_duplicate_params): parameter 'decoder.weight' "
+    "is tied to a parameter in another FSDP unit; pass --block-cls Layer"
+)
+STORY = (
+    "check 'rank_train' failed on 2 ranks: rank 0 raised, rank 1 raised\n--- rank 0: raised ---\n"
+    "Traceback (most recent call last):\n" + '  File "x.py", line 1, in f\n' * 80 + "ValueError: x"
+)
+
+
+def non_passes() -> dict[str, Any]:
+    error = entry("wrap.train.fp32", "error", message=ERROR_LINE)
+    error["traceback"] = STORY
+    xfail = xfailed("state.summon.rank0_discard")
+    xfail["expected"]["reason"] = "FSDP1 summon_full_params keeps the shard's change. " * 12
+    return report(
+        entry(),
+        entry("memory.sawtooth", "skipped", message=LONG_SKIP),
+        entry("wrap.units.exact", "failed", variant="fsdp2,massive", message="units differ\n- a"),
+        error,
+        xfail,
+    )
+
+
+def test_every_non_pass_has_its_whole_reason_in_the_summary_and_on_the_console() -> None:
+    r = non_passes()
+    md = gate_report.format_markdown(r, report_path="out/report.json")
+    table = gate_report.format_table(r, "out/report.json")
+    # the skip's row holds its reason, whole (it was empty in summary.md and cut at 100 columns)
+    assert f"| `memory.sawtooth[cpu,ws2,fsdp1,massive]` | ⏭️ skipped | {LONG_SKIP} |" in md
+    assert LONG_SKIP in table and "..." not in table
+    # the error: one line, and where its traceback is (the report file and the check's id)
+    assert f"💥 error | {ERROR_LINE} |" in md and f"ERROR    {ERROR_LINE}" in table
+    pointer = "traceback of wrap.train.fp32[cpu,ws2,fsdp1,massive]: out/report.json (the check's 'traceback')"
+    assert pointer in md and pointer in table
+    assert "Traceback" not in md and "Traceback" not in table
+    # the failure keeps its message (expected against actual) in the summary
+    assert "<details><summary>wrap.units.exact[cpu,ws2,fsdp2,massive]: failed</summary>" in md
+    # the expected failure (a torch defect on any model): one line, its paragraph in the report
+    assert "keeps the shard's change" not in md + table
+    xfail_lines = [line for line in table.splitlines() if "expected failure state.summon" in line]
+    assert xfail_lines == [
+        "expected failure state.summon.rank0_discard[cpu,ws2,fsdp1,massive]: known torch "
+        "defect of torch >=2.13, <2.16, on any model "
+        "(https://example.org/defect); its reason is in the report's 'expected'"
+    ]
+
+
+def test_a_pipe_in_a_reason_does_not_break_the_summary_table() -> None:
+    md = gate_report.format_markdown(report(entry("a.b", "skipped", message="needs a | b")))
+    assert "| `a.b[cpu,ws2,fsdp1,massive]` | ⏭️ skipped | needs a \\| b |" in md
+
+
+def test_an_error_traceback_is_kept_in_the_report_and_validated(tmp_path: Path) -> None:
+    r = non_passes()
+    path = _write(tmp_path / "r.json", r)
+    assert gate_report.load_report(path)["checks"][3]["traceback"] == STORY
+    r["checks"][3]["traceback"] = ["not", "text"]  # the control: a damaged traceback
+    with pytest.raises(ReportError, match=r"checks\[3\]\.traceback: expected a string"):
+        gate_report.load_report(_write(tmp_path / "r.json", r))
+
+
+def test_a_report_of_an_older_version_still_loads_formats_and_compares() -> None:
+    golden = Path(__file__).parent / "data" / "report-main-597df7e.json"
+    old = gate_report.load_report(str(golden))
+    table = gate_report.format_table(old, str(golden))
+    md = gate_report.format_markdown(old, report_path=str(golden))
+    assert len(table.splitlines()) == len(old["checks"]) + 4 + old["summary"]["error"] + (
+        old["summary"].get("xfailed", 0)
+    )
+    assert md.startswith("## FSDP conformance:")
+    assert compare.comparability(old, old) is None and compare_reports(old, old) == []
+
+
+# --------------------------------------------------------------------------------------------
+# torch's exceptions translated (issue 33, item 4): one test per known error, the generic form
+# --------------------------------------------------------------------------------------------
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+
+
+def traceback_of(frames: Sequence[tuple[str, str]], last: str) -> str:
+    """A traceback's text as Python prints it: (path, function) frames, then the exception."""
+    body = "".join(
+        f'  File "{path}", line {n + 10}, in {func}\n    code()\n    ^^^^^^\n'
+        for n, (path, func) in enumerate(frames)
+    )
+    return f"Traceback (most recent call last):\n{body}{last}\n"
+
+
+def rank_story(text: str, ranks: Sequence[int] = (0, 1)) -> list[RankOutcome]:
+    return [RankOutcome(r, "error", detail=text) for r in ranks]
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class Embeddings(torch.nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.word = torch.nn.Embedding(vocab, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.word(ids))
+
+
+class TiedEncoder(torch.nn.Module):
+    """An encoder whose decoder is tied to the embedding, outside the embedding block (BERT's
+    masked-LM layout): ``Embeddings`` as a block class splits the tie."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embeddings = Embeddings(vocab, dim)
+        self.layers = torch.nn.ModuleList(Layer(dim) for _ in range(2))
+        self.decoder = torch.nn.Linear(dim, vocab)
+        self.decoder.weight = self.embeddings.word.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.decoder(x)
+
+
+def build_tied_encoder() -> TiedEncoder:
+    return TiedEncoder()
+
+
+TIED_SPEC = ModelSpec(
+    reference=None, factory=f"{__name__}:build_tied_encoder", block_cls=("Embeddings", "Layer")
+)
+
+SPLIT_TIE = traceback_of(
+    [
+        ("/home/u/train.py", "forward"),
+        (f"{TORCH}/distributed/fsdp/_fully_shard/_fsdp_state.py", "_root_pre_forward"),
+        (f"{TORCH}/distributed/fsdp/_fully_shard/_fsdp_state.py", "_lazy_init"),
+        (f"{TORCH}/distributed/fsdp/_fully_shard/_fsdp_state.py", "_validate_no_duplicate_params"),
+    ],
+    "ValueError: Parameter 'decoder.weight' is shared with a parameter already managed by "
+    "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to "
+    "place them in the same FSDP group.",
+)
+#: FSDP1 with MixedPrecision(param_dtype=bf16) on a model whose root casts its input to the
+#: dtype of a nested unit's weight (read while it is the fp32 shard): torch 2.13's text.
+FSDP1_CONV = traceback_of(
+    [
+        (f"{TORCH}/distributed/fsdp/fully_sharded_data_parallel.py", "forward"),
+        ("/home/u/vit.py", "forward"),
+        (f"{TORCH}/distributed/fsdp/fully_sharded_data_parallel.py", "forward"),
+        (f"{TORCH}/nn/modules/conv.py", "forward"),
+        (f"{TORCH}/nn/modules/conv.py", "_conv_forward"),
+    ],
+    "RuntimeError: Input type (float) and bias type (c10::BFloat16) should be the same",
+)
+FSDP1_LINEAR = traceback_of(
+    [
+        (f"{TORCH}/distributed/fsdp/fully_sharded_data_parallel.py", "forward"),
+        (f"{TORCH}/nn/modules/linear.py", "forward"),
+    ],
+    "RuntimeError: mat1 and mat2 must have the same dtype, but got Float and BFloat16",
+)
+DCP_PARAM_GROUPS = traceback_of(
+    [
+        ("/home/u/resume.py", "resume"),
+        (f"{TORCH}/distributed/checkpoint/state_dict_loader.py", "load"),
+        (f"{TORCH}/distributed/checkpoint/default_planner.py", "create_default_local_load_plan"),
+    ],
+    "RuntimeError: Missing key in checkpoint state_dict: optim.param_groups.",
+)
+# The same, as DCP raises it from its collective plan: every rank's traceback in one exception.
+DCP_WRAPPED = (
+    traceback_of(
+        [(f"{TORCH}/distributed/checkpoint/utils.py", "reduce_scatter")],
+        "torch.distributed.checkpoint.api.CheckpointException: CheckpointException "
+        "ranks:dict_keys([0])",
+    )
+    + "Traceback (most recent call last): (RANK 0)\n"
+    + f'  File "{TORCH}/distributed/checkpoint/default_planner.py", line 495, in '
+    "create_default_local_load_plan\n"
+    + "RuntimeError: Missing key in checkpoint state_dict: optim.param_groups.\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "params", "entry_name", "says"),
+    [
+        (
+            SPLIT_TIE,
+            {"version": "fsdp2", "spec": TIED_SPEC},
+            "fsdp2-split-tie",
+            [
+                "ranks 0, 1: ValueError in fully_shard (FSDP2's lazy init) (torch/distributed/"
+                "fsdp/_fully_shard/_fsdp_state.py:_validate_no_duplicate_params): parameter "
+                "'decoder.weight' is tied to a parameter in another FSDP unit",
+                "pass --block-cls Layer (--fsdp-block-cls under pytest)",
+            ],
+        ),
+        (
+            FSDP1_CONV,
+            {"version": "fsdp1"},
+            "fsdp1-input-dtype",
+            [
+                "RuntimeError in FullyShardedDataParallel.forward "
+                "(torch/nn/modules/conv.py:_conv_forward)",
+                "(Input type (float) and bias type (c10::BFloat16) should be the same)",
+                "fix: MixedPrecision(..., cast_forward_inputs=True)",
+            ],
+        ),
+        (
+            FSDP1_LINEAR,
+            {"version": "fsdp1"},
+            "fsdp1-input-dtype",
+            ["mat1 and mat2 must have the same dtype", "cast_forward_inputs=True"],
+        ),
+        (
+            DCP_PARAM_GROUPS,
+            {"version": "fsdp1"},
+            "fsdp1-dcp-optim-param-groups",
+            [
+                "RuntimeError in torch.distributed.checkpoint.load",
+                "torch behaviour, not a fault of the model",
+                "asks for 'optim.param_groups'",
+            ],
+        ),
+        (DCP_WRAPPED, {}, "fsdp1-dcp-optim-param-groups", ["torch behaviour"]),
+    ],
+    ids=["fsdp2-split-tie", "fsdp1-conv", "fsdp1-linear", "dcp", "dcp-wrapped"],
+)
+def test_a_known_torch_error_is_one_line_naming_the_api_the_ranks_and_the_fix(
+    text: str, params: Mapping[str, Any], entry_name: str, says: Sequence[str]
+) -> None:
+    error = torch_errors.parse_traceback(text)
+    assert error is not None
+    known = torch_errors.known_error(error)
+    assert known is not None and known.name == entry_name
+    line = torch_errors.failure_line(rank_story(text), params)
+    assert "\n" not in line
+    for part in says:
+        assert part in line, line
+
+
+def test_every_known_error_has_its_test() -> None:
+    tested = {"fsdp2-split-tie", "fsdp1-input-dtype", "fsdp1-dcp-optim-param-groups"}
+    assert {e.name for e in torch_errors.KNOWN_ERRORS} == tested
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        # the same messages, not through the API the entry is about: not that cause
+        (
+            FSDP1_CONV.replace("distributed/fsdp/fully_sharded_data_parallel", "nn/parallel/x"),
+            "no FSDP1",
+        ),
+        (SPLIT_TIE.replace("ValueError", "RuntimeError"), "another exception type"),
+        (SPLIT_TIE.replace("is shared with", "is sharded with"), "another message"),
+    ],
+)
+def test_a_near_miss_is_not_taken_for_a_known_error(text: str, why: str) -> None:
+    error = torch_errors.parse_traceback(text)
+    assert error is not None and torch_errors.known_error(error) is None, why
+
+
+def test_an_unknown_error_names_the_innermost_torch_frame_and_torch_s_message() -> None:
+    text = traceback_of(
+        [
+            ("/home/u/model.py", "forward"),
+            (f"{TORCH}/distributed/fsdp/_fully_shard/_fsdp_param.py", "init_unsharded_param"),
+            (f"{TORCH}/distributed/tensor/_api.py", "full_tensor"),
+        ],
+        "RuntimeError: shapes do not match\nsecond line of the message",
+    )
+    died = (
+        "killed by SIGSEGV (exit status -11) inside torch: torch.distributed.x.y, line 3 before "
+        "reporting; its log ends:\nlog line"
+    )
+    hung = "no result after the check's timeout of 120s; its stacks:\nThread 0x1"
+    outcomes = [
+        *rank_story(text, (1,)),
+        RankOutcome(0, "ok"),
+        RankOutcome(2, "died", detail=died),
+        RankOutcome(3, "hung", detail=hung),
+    ]
+    assert torch_errors.failure_line(outcomes, {}) == (
+        "rank 1: RuntimeError in torch/distributed/tensor/_api.py:full_tensor: shapes do not "
+        "match; rank 2: died (killed by SIGSEGV (exit status -11) inside torch: "
+        "torch.distributed.x.y, line 3 before reporting); rank 3: did not finish (no result "
+        "after the check's timeout of 120s)"
+    )
+    # raised outside torch (the suite's own step, the user's forward called by torch): there
+    own = traceback_of(
+        [
+            ("/site/fsdp_conformance/claims/wrap/train.py", "rank_train"),
+            (f"{TORCH}/nn/modules/module.py", "_call_impl"),
+            ("/site/fsdp_conformance/claims/wrap/train.py", "rank_train"),
+        ],
+        "KeyError: 'lm_head'",
+    )
+    assert torch_errors.failure_line(rank_story(own, (0,)), {}) == (
+        "rank 0: KeyError in fsdp_conformance/claims/wrap/train.py:rank_train: 'lm_head'"
+    )
+    # a rank's text that is no traceback (a harness message): its first line
+    harness = [RankOutcome(0, "error", detail="protocol error: task 3 != 2\nmore")]
+    assert torch_errors.failure_line(harness, {}) == "rank 0: protocol error: task 3 != 2"
+
+
+def test_the_classes_that_keep_a_tie_whole_are_the_block_classes_without_the_splitting_one() -> (
+    None
+):
+    assert torch_errors.tie_keeping_block_classes(TIED_SPEC) == ["Layer"]
+    # the control: block classes that split no tie are all kept
+    whole = dataclasses.replace(TIED_SPEC, block_cls=("Layer",))
+    assert torch_errors.tie_keeping_block_classes(whole) == ["Layer"]
+    assert torch_errors.tie_keeping_block_classes(None) is None
+    # a model that cannot be built again: the line still comes, with the fix in words
+    broken = dataclasses.replace(TIED_SPEC, factory=f"{__name__}:build_nothing")
+    assert torch_errors.tie_keeping_block_classes(broken) is None
+    line = torch_errors.failure_line(rank_story(SPLIT_TIE), {"spec": broken})
+    assert line.endswith(
+        "pass --block-cls with block classes that hold both names of every tied parameter, "
+        "or neither"
+    )
+
+
+def build_nothing() -> torch.nn.Module:
+    raise RuntimeError("the factory cannot build twice")
+
+
+def rank_split_tie(ctx: Any, spec: ModelSpec) -> None:
+    """FSDP2 on the tied encoder with ``Embeddings`` a unit of its own: torch refuses the split
+    tie at the first forward (the error the check's outcome reads)."""
+    from fsdp_conformance.sharding import shard_fsdp2_modules
+
+    built = spec.instantiate()
+    units = [m for m in built.model.modules() if isinstance(m, built.blocks)]
+    model = shard_fsdp2_modules(built.model, ctx, units)
+    model(torch.zeros(2, 4, dtype=torch.long))
+
+
+def verdict_split_tie(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
+    return Verdict(True, "no rank raised")
+
+
+def test_a_torch_error_on_the_ranks_becomes_one_line_with_the_fix_and_the_traceback_is_kept(
+    ranks: Ranks,
+) -> None:
+    check = Check("wrap.split_tie", "torch's error", rank_split_tie, verdict_split_tie)
+    run = execute(ranks, check, spec=TIED_SPEC)
+    assert run.outcome == "error"
+    assert run.detail == (
+        f"ranks {', '.join(map(str, range(ranks.world_size)))}: ValueError in fully_shard "
+        "(FSDP2's lazy init) (torch/distributed/fsdp/_fully_shard/_fsdp_state.py:"
+        "_validate_no_duplicate_params): parameter 'embeddings.word.weight' is tied to a parameter in "
+        "another FSDP unit: the block classes split a tie, and FSDP2 refuses a parameter "
+        "managed by two units; pass --block-cls Layer (--fsdp-block-cls under pytest): those "
+        "block classes keep every tie inside one unit"
+    )
+    assert "Traceback (most recent call last)" in run.traceback
+    assert "_validate_no_duplicate_params" in run.traceback
+    e = gate_report.check_entry(
+        check=check.name,
+        claim=check.claim,
+        lane=ranks.lane,
+        world_size=ranks.world_size,
+        variant="fsdp2",
+        outcome=run.outcome,
+        message=run.detail,
+        figures={},
+        data={},
+        seconds=run.seconds,
+        warnings=run.warnings,
+        traceback=run.traceback,
+    )
+    assert e["message"] == run.detail and e["traceback"] == run.traceback
+    # the pytest path: the failure starts with the same line, every rank's story below it
+    with pytest.raises(RankFailure) as info:
+        run_check(ranks, check, spec=TIED_SPEC)
+    assert str(info.value).splitlines()[0] == run.detail
+    assert "Traceback (most recent call last)" in str(info.value)
+
+
+class Patches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 8, 2, 2)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixels)
+
+
+class TinyViT(torch.nn.Module):
+    """An image model whose root casts the pixels to its patch weight's dtype (ViT's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = Patches()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = pixels.to(self.patches.proj.weight.dtype)
+        return self.head(self.patches(pixels).mean((2, 3)))
+
+
+def rank_fsdp1_input_dtype(ctx: Any, version: str) -> None:
+    """FSDP1 in bf16 on :class:`TinyViT`, its patches a unit: the root reads the patch weight
+    while it is the fp32 shard, and the conv gets fp32 pixels (torch's error, for real)."""
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from fsdp_conformance.sharding import shard_fsdp1
+
+    model = shard_fsdp1(
+        TinyViT(),
+        ctx,
+        ModuleWrapPolicy({Patches}),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    )
+    model(torch.randn(2, 3, 4, 4))
+
+
+def test_fsdp1_s_input_dtype_error_on_the_ranks_names_cast_forward_inputs(ranks: Ranks) -> None:
+    check = Check("wrap.input_dtype", "torch's error", rank_fsdp1_input_dtype, verdict_split_tie)
+    run = execute(ranks, check, version="fsdp1")
+    assert run.outcome == "error"
+    assert "\n" not in run.detail
+    assert run.detail.startswith(
+        f"ranks {', '.join(map(str, range(ranks.world_size)))}: RuntimeError in "
+        "FullyShardedDataParallel.forward (torch/nn/modules/conv.py:_conv_forward): a unit's "
+        "inputs are not in its parameters' dtype (Input type (float) and bias type "
+        "(c10::BFloat16) should be the same)"
+    ), run.detail
+    assert run.detail.endswith("fix: MixedPrecision(..., cast_forward_inputs=True)")

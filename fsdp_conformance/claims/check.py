@@ -24,8 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_conformance import expectations
 from fsdp_conformance.expectations import Expectation
-from fsdp_conformance.harness import CheckSkipped, RankFailure, Ranks, resolve_outcomes
+from fsdp_conformance.harness import (
+    CheckSkipped,
+    RankFailure,
+    Ranks,
+    resolve_outcomes,
+    traceback_text,
+)
 from fsdp_conformance.harness.protocol import function_name
+from fsdp_conformance.torch_errors import failure_line
 
 if TYPE_CHECKING:
     from fsdp_conformance.models import ModelSpec
@@ -140,6 +147,8 @@ class CheckRun:
     warnings: tuple[str, ...] = ()
     #: The expectation that covers this check on this torch (its fields), failed or not.
     expected: Mapping[str, str] | None = None
+    #: An error's whole story (every rank's traceback); ``detail`` is then its one line.
+    traceback: str = ""
 
 
 def _judge(
@@ -187,8 +196,10 @@ def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
         ranks.skip(str(exc))
         raise  # a skip callable that returns: still a skip
     except RankFailure as exc:
-        _xfail_if_expected(ranks, check, params, str(exc))
-        raise
+        # one line first (the torch API, the ranks, the fix where known), then the ranks' story
+        told = RankFailure(f"{error_line(exc, params)}\n{exc}", exc.outcomes)
+        _xfail_if_expected(ranks, check, params, str(told))
+        raise told from None
     if not verdict.passed:
         _xfail_if_expected(ranks, check, params, verdict.message)
     return verdict
@@ -208,6 +219,7 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     may be fixed."""
     start = time.perf_counter()
     params = {**check.params, **overrides}
+    story = ""  # an error's whole story; its detail is one line
     try:
         verdict: Verdict | None
         verdict, caught = _judge(ranks, check, params)
@@ -215,9 +227,10 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     except CheckSkipped as exc:
         return CheckRun(check.name, SKIPPED, None, str(exc), time.perf_counter() - start)
     except RankFailure as exc:
-        verdict, caught, outcome, detail = None, (), ERROR, str(exc)
+        verdict, caught, outcome, detail, story = None, (), ERROR, error_line(exc, params), str(exc)
     except Exception as exc:  # noqa: BLE001 - a verdict or harness error is an error outcome
-        verdict, caught, outcome, detail = None, (), ERROR, f"{type(exc).__name__}: {exc}"
+        verdict, caught, outcome, story = None, (), ERROR, traceback_text(exc)
+        detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
     expected = expectation_for(ranks, check, params)
     if expected is not None:
         if outcome == PASSED:
@@ -236,7 +249,21 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
         time.perf_counter() - start,
         caught,
         expected.as_data() if expected is not None else None,
+        story,
     )
+
+
+def error_line(failure: RankFailure, params: Mapping[str, Any]) -> str:
+    """A rank failure in one line: each error with the torch API that raised it, its ranks and,
+    for a known torch error, the fix (:mod:`fsdp_conformance.torch_errors`); the ranks that
+    died or hung. Without outcomes (a failure raised by hand), its message's first line."""
+    if failure.outcomes:
+        try:
+            return failure_line(failure.outcomes, params)
+        except Exception as exc:  # noqa: BLE001 - the outcome stands; only its line is lost
+            head = next((ln for ln in str(failure).splitlines() if ln.strip()), "ranks failed")
+            return f"{head} (its one line could not be made: {type(exc).__name__}: {exc})"
+    return next((ln for ln in str(failure).splitlines() if ln.strip()), "ranks failed")
 
 
 def all_equal(values: Sequence[Any]) -> bool:

@@ -45,20 +45,20 @@ def write_outputs(
         # next to summary.md, which links it: the pair can be moved or uploaded together
         plot_path = write_plot(report, os.path.dirname(md_path), explicit=plot is True)
     plot_link = os.path.basename(plot_path) if plot_path else None
-    markdown = format_markdown(report, plot=plot_link)
+    markdown = format_markdown(report, plot=plot_link, report_path=json_path)
     write_atomic(md_path, markdown)
     if os.environ.get("GITHUB_STEP_SUMMARY"):
         try:
             with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:
                 # the job page cannot show a file of the runner: name it instead of linking it
-                f.write(format_markdown(report, plot_file=plot_path))
+                f.write(format_markdown(report, plot_file=plot_path, report_path=json_path))
         except OSError as exc:  # the report is written already: say so, do not lose the run
             print(
                 f"fsdp-conformance run: warning: could not append to $GITHUB_STEP_SUMMARY "
                 f"({exc}); the summary is in {md_path}",
                 file=sys.stderr,
             )
-    print(format_table(report))
+    print(format_table(report, json_path))
     print(f"report: {json_path}\nsummary: {md_path}")
     if plot_path:
         print(f"plot: {plot_path}")
@@ -142,12 +142,18 @@ def run_launched(
             log.write(header + "\n")
             log.flush()
         report = suite.run_suite(
-            settings, lanes, pattern=pattern, stream=log, launcher=launcher, options=options
+            settings,
+            lanes,
+            pattern=pattern,
+            stream=log,
+            launcher=launcher,
+            options=options,
+            report_path=json_path,
         )
         if log is None:
             code = write_outputs(report, json_path, md_path, plot=plot, rank_logs=rank_logs)
         else:
-            log.write(format_table(report) + "\n")
+            log.write(format_table(report, json_path) + "\n")
             log.write(f"rank 0 writes the report: {json_path}\n")
             code = exit_code(report)
         codes = harness.launch_exit_codes(code)

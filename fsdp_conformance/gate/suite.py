@@ -82,6 +82,8 @@ class Progress:
     #: None: ``sys.stderr`` as it is when a line is written (so capture and redirection apply).
     stream: TextIO | None = None
     done: int = 0
+    #: Where the report will be written (an error's line says its traceback is there).
+    report_path: str | None = None
 
     @property
     def out(self) -> TextIO:
@@ -96,9 +98,14 @@ class Progress:
         self.done += 1
         out = self.out
         out.write(f"{run.outcome} ({run.seconds:.2f}s)\n")
-        if run.outcome in ("failed", "error"):
+        if run.outcome == "failed":
             for line in run.detail.strip().splitlines()[:40]:
                 out.write(f"      {line}\n")
+        elif run.outcome in ("error", "skipped"):  # one line, whole
+            out.write(f"      {' '.join(run.detail.split())}\n")
+            if run.traceback:
+                where = self.report_path or "the report"
+                out.write(f"      (its traceback: {where}, this check's 'traceback')\n")
         out.flush()
 
 
@@ -114,6 +121,7 @@ def run_suite(
     pools: PoolManager | None = None,
     flag_style: FlagStyle = "cli",
     options: Mapping[str, Any] | None = None,
+    report_path: str | None = None,
 ) -> dict[str, Any]:
     """Run the selected checks on every lane and world size; return the report (plain data).
 
@@ -123,10 +131,11 @@ def run_suite(
     manager made here, closed at the end of the run (killed at once if it is interrupted). A
     lane this machine cannot run is reported skipped, with the reason
     (:meth:`Ranks.run_outcomes` decides it), its flags spelled as ``flag_style``'s front end
-    does. ``options``: opt-in parameters (:func:`select_checks`).
+    does. ``options``: opt-in parameters (:func:`select_checks`). ``report_path``: where the
+    report will be written, named in the progress below an error.
     """
     plan = planned_checks(settings, lanes, pattern, checks, options)
-    progress = Progress(len(plan), stream)
+    progress = Progress(len(plan), stream, report_path=report_path)
     entries: list[dict[str, Any]] = []
     # The pools' timeouts follow the settings through each check: every Ranks below carries
     # settings.timeout, and the manager starts each pool with a process-group timeout past it
@@ -171,6 +180,7 @@ def run_suite(
                 seconds=run.seconds,
                 warnings=run.warnings,
                 expected=run.expected,
+                traceback=run.traceback,
             )
             entries.append(entry)
             if on_run is not None:

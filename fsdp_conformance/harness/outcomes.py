@@ -11,7 +11,12 @@ from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome
 
 
 class RankFailure(AssertionError):
-    """One or more ranks failed a check: the message holds every rank's story."""
+    """One or more ranks failed a check: the message holds every rank's story, ``outcomes``
+    every rank's outcome (for a reader that tells the story in one line)."""
+
+    def __init__(self, message: str, outcomes: Sequence[RankOutcome] = ()) -> None:
+        super().__init__(message)
+        self.outcomes = tuple(outcomes)
 
 
 class HarnessError(RuntimeError):
@@ -27,7 +32,7 @@ def resolve_outcomes(check_name: str, outcomes: Sequence[RankOutcome]) -> list[A
     if statuses == {"skip"}:
         reasons = sorted({o.detail for o in outcomes})
         raise CheckSkipped("; ".join(reasons))
-    raise RankFailure(format_failure(check_name, outcomes))
+    raise RankFailure(format_failure(check_name, outcomes), outcomes)
 
 
 STATUS_TITLE = {
