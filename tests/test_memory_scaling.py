@@ -245,3 +245,29 @@ def test_meter_check_agrees_at_the_scaled_width_and_still_catches_a_blind_tracke
     )
     assert not blind.passed
     assert "the tracker disagrees with the os figure" in blind.message
+
+
+@pytest.mark.cpu
+def test_a_wider_copy_keeps_what_the_config_computes_and_what_it_maps() -> None:
+    import transformers
+
+    from fsdp_conformance.claims.memory.scaling import rebuild_with_width
+
+    # Falcon's head_dim is a property without a setter (hidden_size / heads): it follows.
+    falcon = transformers.FalconConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    with torch.device("meta"):
+        wide = rebuild_with_width(transformers.FalconForCausalLM(falcon), 96)
+    config: Any = wide.config
+    assert (config.hidden_size, config.head_dim) == (96, 24)
+    # T5 maps head_dim to d_kv (d_kv x heads == d_model here): the attention widens with it.
+    t5 = transformers.T5Config(
+        vocab_size=256, d_model=64, d_ff=128, d_kv=16, num_layers=1, num_heads=4
+    )
+    with torch.device("meta"):
+        wide = rebuild_with_width(transformers.T5ForConditionalGeneration(t5), 80)
+    config = wide.config
+    assert (config.d_model, config.d_ff, config.d_kv) == (80, 160, 20)
+    q = wide.get_submodule("encoder.block.0.layer.0.SelfAttention.q")
+    assert tuple(q.weight.shape) == (80, 80)

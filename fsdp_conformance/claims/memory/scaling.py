@@ -192,7 +192,14 @@ def _width_fields(config: Any, width: int) -> dict[str, list[int]]:
     head_dim = getattr(config, "head_dim", None)
     if isinstance(head_dim, int) and head_dim * _heads(config) == old:
         out["head_dim"] = [head_dim, width // _heads(config)]
-    return out
+    # A field computed from the others (Falcon's head_dim: a property without a setter)
+    # follows hidden_size by itself.
+    return {name: pair for name, pair in out.items() if _settable(config, name)}
+
+
+def _settable(config: Any, name: str) -> bool:
+    attr = getattr(type(config), name, None)
+    return not (isinstance(attr, property) and attr.fset is None)
 
 
 def rebuild_with_width(model: nn.Module, width: int) -> nn.Module:
