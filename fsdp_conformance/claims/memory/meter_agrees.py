@@ -134,8 +134,8 @@ def verdict_meter_agrees(values: Sequence[MeterResult], params: Mapping[str, Any
         )
     return Verdict(
         True,
-        f"{label}: {figures['tracker']} within {t:.0%} of the "
-        f"{truth_src} figure, and every meter at least the parameter shards, on "
+        f"{label}: {figures['tracker']} within {t:.0%} or {mb(METER_RESOLUTION_BYTES)} "
+        f"(whichever is larger) of the {truth_src} figure, and every meter at least the parameter shards, on "
         f"all ranks (ratios {ratios})",
         figures,
         data,
