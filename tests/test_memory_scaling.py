@@ -128,6 +128,11 @@ def test_sawtooth_of_a_small_transformers_model_is_measured_at_a_scaled_width(
     assert f"measured at a scaled size: config.hidden_size 64 -> {width}" in verdict.message
     assert "the largest unit of fsdp_conformance.hf_models:llama is 144 KiB" in verdict.message
     assert verdict.figures["teeth"] >= 2 and verdict.data["timeline"]
+    # The summary's table shows it: the first of the key figures.
+    assert next(iter(verdict.figures.items())) == (
+        "measured_at",
+        f"config.hidden_size {width} (scaled from 64)",
+    )
     # The plot names the size it shows.
     entry = {
         "check": "memory.sawtooth",
@@ -240,6 +245,7 @@ def test_meter_check_agrees_at_the_scaled_width_and_still_catches_a_blind_tracke
     assert verdict.passed, verdict.message
     assert "measured at a scaled size: config.hidden_size 64 -> " in verdict.message
     assert verdict.data["scaled"]["what"] == "width"
+    assert verdict.figures["measured_at"].startswith("config.hidden_size ")
     blind = run_check(
         ranks.configured(skip=None), METER["fsdp1"], spec=spec, fault="untracked_construction"
     )

@@ -21,7 +21,7 @@ from fsdp_conformance.claims.memory.measurement import (
     check_label,
     mb,
 )
-from fsdp_conformance.claims.memory.scaling import Scaling, describe, for_meter
+from fsdp_conformance.claims.memory.scaling import Scaling, describe, for_meter, measured_at
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import (
     METER_RESOLUTION_BYTES,
@@ -119,7 +119,8 @@ def verdict_meter_agrees(values: Sequence[MeterResult], params: Mapping[str, Any
             )
         problems += meter_floor_problems(v["rank"], v["meters"], v.get("param_bytes"))
     truth_src = values[0]["meters"][1]["source"]
-    figures = {
+    figures: dict[str, Any] = {
+        **measured_at(scaled),
         "tracker_over_truth": ratios,
         "truth": truth_src,
         "tracker": values[0]["meters"][0]["source"],

@@ -23,6 +23,7 @@ from fsdp_conformance.claims.memory.scaling import (
     Scaling,
     describe,
     for_sawtooth,
+    measured_at,
 )
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import ModelSpec
@@ -152,7 +153,8 @@ def verdict_sawtooth(values: Sequence[SawtoothResult], params: Mapping[str, Any]
     if scaled:
         data["scaled"] = scaled
     teeth0 = summary[0][1]
-    figures = {
+    figures: dict[str, Any] = {
+        **measured_at(scaled),
         "teeth": len(teeth0),
         "max_rise_bytes": max((x["rise"] for x in teeth0), default=0),
         "min_fall_bytes": min((x["fall"] for x in teeth0), default=0),

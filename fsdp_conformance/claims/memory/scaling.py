@@ -106,6 +106,14 @@ def describe(s: Scaling) -> str:
     )
 
 
+def measured_at(s: Scaling | None) -> dict[str, str]:
+    """The key figure a verdict leads with (the summary's table shows its first figures):
+    ``{"measured_at": "config.hidden_size 88 (scaled from 64)"}``, empty when not scaled."""
+    if not s:
+        return {}
+    return {"measured_at": f"{s['setting']} {s['after']} (scaled from {s['before']})"}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScaledSpec(ModelSpec):
     """The user's model at another width: the factory's width keyword, or a copy of its
