@@ -143,7 +143,10 @@ def test_sawtooth_of_a_small_transformers_model_is_measured_at_a_scaled_width(
         "data": dict(verdict.data),
     }
     (panel,) = report_panels({"checks": [entry]})
-    assert f"at config.hidden_size {width} (scaled from 64)" in panel["title"]
+    assert panel["title"] == (
+        f"{version.upper()}: memory.sawtooth (model {spec.name}, cpu, world size 2, "
+        f"at config.hidden_size {width} (scaled from 64)): passed"
+    )
 
     # Negative control: the user's code wrapping the whole model as one unit, on the same
     # scaled model, is no sawtooth.

@@ -148,6 +148,8 @@ def plot_timelines(
     return _save(fig, path)
 
 
+_VERSIONS = ("fsdp1", "fsdp2")
+
 #: The check whose timeline a run's panel shows first; another check's timeline of the same
 #: run (``memory.peak_within_bound``'s step) is drawn only where that one has none (skipped).
 _PANEL_CHECK = "memory.sawtooth"
@@ -188,8 +190,10 @@ def report_panels(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             if compare.get("peak"):
                 peaks[other] = compare["peak"]
         variant = [p for p in str(entry.get("variant", "")).split(",") if p]
-        version = next((p.upper() for p in variant if p.startswith("fsdp")), None)
-        model = ", ".join(p for p in variant if not p.startswith("fsdp"))
+        # The FSDP version exactly: a model's import path may start with "fsdp" too
+        # (fsdp_conformance.hf_models:llama).
+        version = next((p.upper() for p in variant if p in _VERSIONS), None)
+        model = ", ".join(p for p in variant if p not in _VERSIONS)
         where = ", ".join(
             x
             for x in (
