@@ -48,6 +48,7 @@ from fsdp_conformance.claims.memory.measurement import block_bytes, mb
 from fsdp_conformance.harness import CheckSkipped, RankContext
 from fsdp_conformance.meters import METER_RESOLUTION_BYTES
 from fsdp_conformance.models import ModelSpec, ModelSpecError, depth_keyword, load_object
+from fsdp_conformance.user_model import CPU_BYTES_PER_PARAM, MEMORY_HEADROOM
 
 #: Below this unsharded size of the largest unit, a unit's gather cannot be told apart from the
 #: activations and allocator rounding between two hooks: the sawtooth is not measurable.
@@ -74,9 +75,6 @@ HF_WIDTH_FIELDS = (
 #: of its own batch size.
 MAX_WIDTH_FACTOR = 16
 MAX_BATCH_FACTOR = 32
-#: Host bytes per parameter and rank a scaled model may need (``user_model``'s estimate).
-_CPU_BYTES_PER_PARAM = 16
-_MEMORY_HEADROOM = 0.8
 
 #: ScaledSpec.width_keyword of a transformers model whose config is scaled.
 CONFIG = "config"
@@ -273,8 +271,8 @@ class Room:
 
     def fits(self, spec: ModelSpec) -> bool:
         numel = sum(p.numel() for p in spec.build("meta").parameters())
-        need = numel * _CPU_BYTES_PER_PARAM * self.world_size
-        return not self.available or need <= _MEMORY_HEADROOM * self.available
+        need = numel * CPU_BYTES_PER_PARAM * self.world_size
+        return not self.available or need <= MEMORY_HEADROOM * self.available
 
 
 def room_of(ctx: RankContext) -> Room:
