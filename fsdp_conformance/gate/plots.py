@@ -148,13 +148,38 @@ def plot_timelines(
     return _save(fig, path)
 
 
+_VERSIONS = ("fsdp1", "fsdp2")
+
+#: The check whose timeline a run's panel shows first; another check's timeline of the same
+#: run (``memory.peak_within_bound``'s step) is drawn only where that one has none (skipped).
+_PANEL_CHECK = "memory.sawtooth"
+
+
+def _run_key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (entry.get("lane"), entry.get("world_size"), str(entry.get("variant", "")))
+
+
+def _scaled_note(data: Mapping[str, Any]) -> str:
+    """`` at config.hidden_size 88 (scaled from 64)`` for a step measured at a scaled size."""
+    s = data.get("scaled")
+    if not s:
+        return ""
+    return (
+        f", at {s.get('setting', s.get('what'))} {s.get('after')} (scaled from {s.get('before')})"
+    )
+
+
 def report_panels(report: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One panel per check entry with a timeline (the sawtooth checks: FSDP1, FSDP2, ...)."""
+    """One panel per run with a timeline (per lane, world size and variant: FSDP1, FSDP2,
+    ...): the sawtooth check's, else the timeline another memory check measured."""
+    entries = [e for e in report.get("checks", ()) if (e.get("data") or {}).get("timeline")]
+    drawn = {_run_key(e) for e in entries if e.get("check") == _PANEL_CHECK}
     panels = []
-    for entry in report.get("checks", ()):
-        data = entry.get("data") or {}
-        if not data.get("timeline"):
+    for entry in entries:
+        data = entry["data"]
+        if entry.get("check") != _PANEL_CHECK and _run_key(entry) in drawn:
             continue
+        drawn.add(_run_key(entry))
         label = data.get("wrapping", "measured")
         timelines = {label: data["timeline"]}
         peaks = {label: data["peak_bytes"]} if data.get("peak_bytes") else {}
@@ -165,8 +190,10 @@ def report_panels(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             if compare.get("peak"):
                 peaks[other] = compare["peak"]
         variant = [p for p in str(entry.get("variant", "")).split(",") if p]
-        version = next((p.upper() for p in variant if p.startswith("fsdp")), None)
-        model = ", ".join(p for p in variant if not p.startswith("fsdp"))
+        # The FSDP version exactly: a model's import path may start with "fsdp" too
+        # (fsdp_conformance.hf_models:llama).
+        version = next((p.upper() for p in variant if p in _VERSIONS), None)
+        model = ", ".join(p for p in variant if p not in _VERSIONS)
         where = ", ".join(
             x
             for x in (
@@ -183,7 +210,8 @@ def report_panels(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "timelines": timelines,
                 "peaks": peaks,
                 "limit_bytes": data.get("limit_bytes"),
-                "title": f"{head}{entry.get('check', entry.get('id', 'check'))} ({where}){outcome}",
+                "title": f"{head}{entry.get('check', entry.get('id', 'check'))} "
+                f"({where}{_scaled_note(data)}){outcome}",
             }
         )
     return panels

@@ -21,6 +21,7 @@ from fsdp_conformance.claims.memory.measurement import (
     check_label,
     mb,
 )
+from fsdp_conformance.claims.memory.scaling import Scaling, describe, for_meter, measured_at
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import (
     METER_RESOLUTION_BYTES,
@@ -33,8 +34,12 @@ from fsdp_conformance.models import ModelSpec
 #: Tracker vs OS (or CUDA allocator) step increase, relative.
 METER_TOLERANCE = 0.05
 
-#: One step read by the tracker (``meters[0]``) and by the ground truth (``meters[1]``).
-MeterResult = StepResult
+
+class MeterResult(StepResult):
+    """One step read by the tracker (``meters[0]``) and by the ground truth (``meters[1]``)."""
+
+    #: None: the model as configured; else what was scaled (:mod:`.scaling`) to resolve.
+    scaled: Scaling | None
 
 
 def rank_meter_agrees(
@@ -49,7 +54,9 @@ def rank_meter_agrees(
     The tracker is the meter the other checks read on this lane: on CPU ``FSDPMemTracker``
     for FSDP2 (the source of its figures), ``MemTracker`` for FSDP1; on GPU, where the
     allocator itself is the figure, ``MemTracker``. ``fault``: negative controls of
-    :data:`~fsdp_conformance.claims.memory.measurement.FAULTS`.
+    :data:`~fsdp_conformance.claims.memory.measurement.FAULTS`. A user's model whose step is
+    estimated below the meters' resolution is measured at its smallest width (else batch
+    size) that resolves (:func:`~.scaling.for_meter`).
     """
     with FAULTS.inject(fault, ctx):
         truth = "cuda" if ctx.device_type == "cuda" else "os"
@@ -59,9 +66,11 @@ def rank_meter_agrees(
                 f"torch {torch_version_string()} moved its memory trackers: the {truth} "
                 "figure is the only meter, there is no tracker to cross-check"
             )
-        result = measurement.per_layer_step(
+        spec, batch_size, scaled = for_meter(ctx, spec, version, batch_size)
+        step = measurement.per_layer_step(
             ctx, spec, version, meter=meter, also=truth, batch_size=batch_size, timeline=False
         )
+        result: MeterResult = {**step, "scaled": scaled}
         # A step the ground truth cannot resolve makes any tracker figure "agree": skip it, on
         # every rank alike (the smallest rank's step decides, so no rank skips alone).
         import torch
@@ -76,6 +85,7 @@ def rank_meter_agrees(
                 f"{truth} figure, within the meters' resolution "
                 f"({mb(METER_RESOLUTION_BYTES)}): tracker and truth cannot be compared; "
                 "use a larger config of the model or batch"
+                + (f" (it was {describe(scaled)})" if scaled else "")
             )
         return result
 
@@ -84,6 +94,9 @@ def verdict_meter_agrees(values: Sequence[MeterResult], params: Mapping[str, Any
     """The tracker's step increase (peak - start) within the tolerance of the ground truth's."""
     t = params.get("tolerance", METER_TOLERANCE)
     label = check_label(params, values[0].get("wrapping", PER_LAYER))
+    scaled = values[0].get("scaled")
+    if scaled:  # the same on every rank: chosen from the spec and the ranks' agreed memory
+        label = f"{label} ({describe(scaled)})"
     problems, ratios = [], []
     for v in values:
         tracker, truth = v["meters"][0], v["meters"][1]
@@ -106,23 +119,25 @@ def verdict_meter_agrees(values: Sequence[MeterResult], params: Mapping[str, Any
             )
         problems += meter_floor_problems(v["rank"], v["meters"], v.get("param_bytes"))
     truth_src = values[0]["meters"][1]["source"]
-    figures = {
+    figures: dict[str, Any] = {
+        **measured_at(scaled),
         "tracker_over_truth": ratios,
         "truth": truth_src,
         "tracker": values[0]["meters"][0]["source"],
     }
+    data = {"scaled": scaled} if scaled else {}
     if problems:
         return Verdict(
             False,
             f"{label}: the tracker disagrees with the {truth_src} figure:\n" + "\n".join(problems),
             figures,
-            {},
+            data,
         )
     return Verdict(
         True,
-        f"{label}: {figures['tracker']} within {t:.0%} of the "
-        f"{truth_src} figure, and every meter at least the parameter shards, on "
+        f"{label}: {figures['tracker']} within {t:.0%} or {mb(METER_RESOLUTION_BYTES)} "
+        f"(whichever is larger) of the {truth_src} figure, and every meter at least the parameter shards, on "
         f"all ranks (ratios {ratios})",
         figures,
-        {},
+        data,
     )

@@ -107,11 +107,20 @@ def verdict_peak_within_bound(values: Sequence[PeakResult], params: Mapping[str,
         "peak_over_bound": round(peak / bound.total, 3),
         "source": rows[0][3]["source"],
     }
-    data = {
+    data: dict[str, Any] = {
         "bound": bound.to_dict(),
         "peaks": {r: p for r, p, _, _ in rows},
         "breakdown": {r: m["breakdown"] for r, _, _, m in rows},
     }
+    if values[0]["timeline"]:
+        # The picture's data where no sawtooth panel of the same run draws this step (a
+        # sawtooth that skipped): gate/plots.py draws one panel per run, the sawtooth's first.
+        data.update(
+            timeline=values[0]["timeline"],
+            wrapping=values[0]["wrapping"],
+            limit_bytes=bound.limit,
+            peak_bytes=values[0]["meters"][0]["peak"],
+        )
     if blind:
         return Verdict(
             False,

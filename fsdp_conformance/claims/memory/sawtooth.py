@@ -14,21 +14,32 @@ from typing import Any, TypedDict
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.memory.measurement import (
     DEFAULT_SPEC,
-    block_bytes,
     check_label,
     mb,
 )
 from fsdp_conformance.claims.memory.peak_within_bound import PeakResult, rank_peak_within_bound
-from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.claims.memory.scaling import (
+    SAWTOOTH_MIN_UNIT_BYTES,
+    Scaling,
+    describe,
+    for_sawtooth,
+    measured_at,
+)
+from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.profile import plan_step
 from fsdp_conformance.units import ROOT
 
 #: A unit's gather (and release) must be within this fraction of its unsharded bytes.
 SAWTOOTH_TOLERANCE = 0.25
-#: Below this unsharded size of the largest unit, a unit's gather cannot be told apart from the
-#: activations and allocator rounding between two hooks: the sawtooth is not measurable.
-SAWTOOTH_MIN_UNIT_BYTES = 256 * 1024
+
+__all__ = ["SAWTOOTH_MIN_UNIT_BYTES", "SawtoothResult", "rank_sawtooth", "verdict_sawtooth"]
+
+
+class SawtoothResult(PeakResult):
+    """The per-layer step of :func:`rank_peak_within_bound`, and the size it was measured at."""
+
+    #: None: the model as configured; else what was scaled (:mod:`.scaling`) to resolve.
+    scaled: Scaling | None
 
 
 class Tooth(TypedDict):
@@ -47,28 +58,22 @@ def rank_sawtooth(
     batch_size: int = 2,
     compare_with: str | None = None,
     fault: str | Sequence[str] | None = None,
-) -> PeakResult:
-    """:func:`rank_peak_within_bound` for the sawtooth, skipped (on every rank alike) when units
-    are tiny."""
-    units, config = plan_step(
-        spec, ctx.world_size, version, optimizer=optimizer, batch_size=batch_size
-    )
-    largest = block_bytes(units, config)
-    if largest < SAWTOOTH_MIN_UNIT_BYTES:
-        skip_rank(
-            f"the largest unit of {spec.name} is {largest / 1024:.0f} KiB unsharded, under "
-            f"{SAWTOOTH_MIN_UNIT_BYTES // 1024} KiB: a gather that small cannot be told "
-            "apart from activations in the timeline; use a larger config of the model"
-        )
-    return rank_peak_within_bound(
+) -> SawtoothResult:
+    """:func:`rank_peak_within_bound` for the sawtooth, at a size whose units the timeline
+    resolves: a user's model below it is measured at its smallest width that does
+    (:func:`~.scaling.for_sawtooth`), and skipped (on every rank alike) only when its width
+    cannot be set."""
+    measured, scaled = for_sawtooth(ctx, spec)
+    step = rank_peak_within_bound(
         ctx,
-        spec,
+        measured,
         version,
         optimizer=optimizer,
         batch_size=batch_size,
         compare_with=compare_with,
         fault=fault,
     )
+    return {**step, "scaled": scaled}
 
 
 def sawtooth_teeth(timeline: Sequence[Mapping[str, Any]]) -> list[Tooth]:
@@ -92,7 +97,7 @@ def sawtooth_teeth(timeline: Sequence[Mapping[str, Any]]) -> list[Tooth]:
     return teeth
 
 
-def verdict_sawtooth(values: Sequence[PeakResult], params: Mapping[str, Any]) -> Verdict:
+def verdict_sawtooth(values: Sequence[SawtoothResult], params: Mapping[str, Any]) -> Verdict:
     """Each unit's gather rises by about one unit and its release falls back, on every rank.
 
     Rise: at most the current plus the prefetched unit of the per-layer plan (FSDP2 prefetches
@@ -132,6 +137,9 @@ def verdict_sawtooth(values: Sequence[PeakResult], params: Mapping[str, Any]) ->
         summary.append((r, nonroot))
     first = values[0]
     label = check_label(params, first["wrapping"])
+    scaled = first.get("scaled")
+    if scaled:  # the same on every rank: chosen from the spec alone
+        label = f"{label} ({describe(scaled)})"
     data: dict[str, Any] = {
         "timeline": first["timeline"],
         "teeth": sawtooth_teeth(first["timeline"]),
@@ -142,8 +150,11 @@ def verdict_sawtooth(values: Sequence[PeakResult], params: Mapping[str, Any]) ->
     }
     if first["compare"] is not None:
         data["compare"] = first["compare"]
+    if scaled:
+        data["scaled"] = scaled
     teeth0 = summary[0][1]
-    figures = {
+    figures: dict[str, Any] = {
+        **measured_at(scaled),
         "teeth": len(teeth0),
         "max_rise_bytes": max((x["rise"] for x in teeth0), default=0),
         "min_fall_bytes": min((x["fall"] for x in teeth0), default=0),

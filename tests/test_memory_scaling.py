@@ -1,0 +1,282 @@
+"""Memory claims at a resolvable scale (issue 33, item 5).
+
+A user's model at a small width (hidden 64) is below what the sawtooth and the meter
+cross-check resolve; instead of skipping, the checks measure the user's model scaled to the
+smallest size that resolves (``claims/memory/scaling.py``) and say so. Negative controls: the
+monolithic fault on the scaled model still breaks the sawtooth; a tracker blind to FSDP1's
+construction still disagrees with the OS figure at the scaled size; a model whose width cannot
+be set skips, naming what it would need.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.claims.check import run_check
+from fsdp_conformance.claims.memory import CHECKS
+from fsdp_conformance.claims.memory.scaling import (
+    METER_ESTIMATE_MARGIN,
+    SAWTOOTH_MIN_UNIT_BYTES,
+    ScaledSpec,
+    for_meter,
+    step_estimate,
+    unit_bytes,
+)
+from fsdp_conformance.gate.plots import report_panels
+from fsdp_conformance.harness import CheckSkipped, Ranks
+from fsdp_conformance.meters import METER_RESOLUTION_BYTES
+from fsdp_conformance.models import ModelSpec
+
+HF = "fsdp_conformance.hf_models"
+SAWTOOTH = {c.params["version"]: c for c in CHECKS if c.name == "memory.sawtooth"}
+PEAK = {c.params["version"]: c for c in CHECKS if c.name == "memory.peak_within_bound"}
+METER = {c.params["version"]: c for c in CHECKS if c.name == "memory.meter_agrees"}
+
+
+# ------------------------------------------------------------------------------------------
+# Factories the ranks import by path (this module)
+# ------------------------------------------------------------------------------------------
+
+
+class WideBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """Two blocks between an input and an output linear."""
+
+    def __init__(self, width: int, num_layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(WideBlock(width) for _ in range(num_layers))
+        self.out = nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return cast(torch.Tensor, self.out(x))
+
+
+def fixed_stack() -> nn.Module:
+    """Width 32, nothing to set it with: neither a width keyword nor a transformers config."""
+    return Stack(32)
+
+
+def fixed_wide() -> nn.Module:
+    """Width 256, not settable: units that resolve, a step whose activations grow with the
+    batch."""
+    return Stack(256)
+
+
+def keyword_stack(hidden_size: int = 32, num_layers: int = 2) -> nn.Module:
+    """Width 32 by default, settable through its ``hidden_size=`` keyword."""
+    return Stack(hidden_size, num_layers)
+
+
+def _spec(factory: str, **kwargs: Any) -> ModelSpec:
+    return ModelSpec(reference=None, factory=factory, **kwargs)
+
+
+def _ctx(world_size: int = 2) -> Any:
+    """What the sizing reads of a rank (one process: no group to agree with)."""
+    return types.SimpleNamespace(world_size=world_size, device="cpu", rank=0)
+
+
+# ------------------------------------------------------------------------------------------
+# The sawtooth
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("version", ["fsdp1", "fsdp2"])
+def test_sawtooth_of_a_small_transformers_model_is_measured_at_a_scaled_width(
+    ranks: Ranks, version: str
+) -> None:
+    # hf_models.llama: hidden 64, 2 layers; its largest unit is 144 KiB (under 256 KiB), so on
+    # main the sawtooth skipped ("use a larger config of the model").
+    spec = _spec(f"{HF}:llama")
+    check = SAWTOOTH[version]
+    verdict = run_check(ranks.configured(skip=None), check, spec=spec)
+    assert verdict.passed, verdict.message
+    scaled = verdict.data["scaled"]
+    assert (scaled["what"], scaled["setting"], scaled["before"]) == (
+        "width",
+        "config.hidden_size",
+        64,
+    )
+    # The smallest width that resolves, in steps keeping every head's width even (4 heads).
+    width = scaled["after"]
+    assert width > 64 and width % 8 == 0
+    bigger = ScaledSpec(**_fields(spec), width=width, width_keyword="config")
+    smaller = ScaledSpec(**_fields(spec), width=width - 8, width_keyword="config")
+    assert unit_bytes(bigger) >= SAWTOOTH_MIN_UNIT_BYTES > unit_bytes(smaller)
+    assert scaled["also"]["intermediate_size"] == [128, 2 * width]
+    assert scaled["also"]["head_dim"] == [16, width // 4]
+    assert f"measured at a scaled size: config.hidden_size 64 -> {width}" in verdict.message
+    assert "the largest unit of fsdp_conformance.hf_models:llama is 144 KiB" in verdict.message
+    assert verdict.figures["teeth"] >= 2 and verdict.data["timeline"]
+    # The summary's table shows it: the first of the key figures.
+    assert next(iter(verdict.figures.items())) == (
+        "measured_at",
+        f"config.hidden_size {width} (scaled from 64)",
+    )
+    # The plot names the size it shows.
+    entry = {
+        "check": "memory.sawtooth",
+        "lane": "cpu",
+        "world_size": 2,
+        "variant": f"{version},{spec.name}",
+        "outcome": "passed",
+        "data": dict(verdict.data),
+    }
+    (panel,) = report_panels({"checks": [entry]})
+    assert panel["title"] == (
+        f"{version.upper()}: memory.sawtooth (model {spec.name}, cpu, world size 2, "
+        f"at config.hidden_size {width} (scaled from 64)): passed"
+    )
+
+    # Negative control: the user's code wrapping the whole model as one unit, on the same
+    # scaled model, is no sawtooth.
+    broken = run_check(ranks.configured(skip=None), check, spec=spec, fault="monolithic")
+    assert not broken.passed
+    assert "the timeline is not a per-unit sawtooth" in broken.message
+    assert f"config.hidden_size 64 -> {width}" in broken.message
+
+
+def _fields(spec: ModelSpec) -> dict[str, Any]:
+    return {n: getattr(spec, n) for n in ModelSpec.__dataclass_fields__}
+
+
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+def test_sawtooth_scales_a_factory_through_its_width_keyword(ranks: Ranks) -> None:
+    spec = _spec(f"{__name__}:keyword_stack", block_cls=("WideBlock",))
+    verdict = run_check(ranks.configured(skip=None), SAWTOOTH["fsdp2"], spec=spec)
+    assert verdict.passed, verdict.message
+    scaled = verdict.data["scaled"]
+    # Multiples of the default width (what divided 32 divides them): 4 x 32 x 32 fp32 per unit
+    # at 32 (16 KiB), 256 KiB needs 4x the width.
+    assert (scaled["setting"], scaled["before"], scaled["after"]) == (
+        "the factory's hidden_size= keyword",
+        32,
+        128,
+    )
+    assert "the factory's hidden_size= keyword 32 -> 128" in verdict.message
+
+
+@pytest.mark.cpu
+@pytest.mark.world_size(2)
+def test_a_model_whose_width_cannot_be_set_skips_the_sawtooth_naming_what_it_needs(
+    ranks: Ranks,
+) -> None:
+    spec = _spec(f"{__name__}:fixed_stack", block_cls=("WideBlock",))
+    with pytest.raises(CheckSkipped) as skipped:
+        run_check(ranks.configured(skip=None), SAWTOOTH["fsdp2"], spec=spec)
+    reason = str(skipped.value)
+    assert "the largest unit of" in reason and "it cannot be scaled" in reason
+    assert "give the factory a width keyword (hidden_size=, d_model=" in reason
+    assert "or make it return a transformers model whose config has hidden_size" in reason
+    # The run still measured a timeline (peak_within_bound's step): the plot draws it.
+    peak = run_check(ranks, PEAK["fsdp2"], spec=spec)
+    entries = [
+        {"check": name, "lane": "cpu", "world_size": 2, "variant": "fsdp2,x", "data": data}
+        for name, data in (("memory.peak_within_bound", dict(peak.data)), ("memory.sawtooth", {}))
+    ]
+    (panel,) = report_panels({"checks": entries})
+    assert panel["timelines"]["per_layer"] == peak.data["timeline"]
+    # Beside a sawtooth panel of the same run the step is not drawn twice.
+    entries[1]["data"] = dict(peak.data)
+    assert len(report_panels({"checks": entries})) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# The meter cross-check
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_meter_size_is_the_smallest_width_estimated_to_resolve_else_the_batch() -> None:
+    target = METER_ESTIMATE_MARGIN * METER_RESOLUTION_BYTES
+    spec = _spec(f"{HF}:llama")
+    assert step_estimate(spec, 2, "fsdp2", 2) < target  # skipped on main: about 1.9 MB
+    measured, batch, scaled = for_meter(_ctx(), spec, "fsdp2", 2)
+    assert batch == 2 and scaled is not None and scaled["setting"] == "config.hidden_size"
+    assert isinstance(measured, ScaledSpec)
+    width = measured.width
+    smaller = ScaledSpec(**_fields(spec), width=width - 8, width_keyword="config")
+    assert step_estimate(measured, 2, "fsdp2", 2) >= target > step_estimate(smaller, 2, "fsdp2", 2)
+    # No width to set: the batch grows instead, and the reason says why not the width.
+    fixed = _spec(f"{__name__}:fixed_wide", block_cls=("WideBlock",))
+    same, batch, scaled = for_meter(_ctx(), fixed, "fsdp2", 2)
+    assert same == fixed and scaled is not None
+    assert (scaled["what"], scaled["before"], scaled["after"]) == ("batch", 2, batch)
+    assert (
+        step_estimate(fixed, 2, "fsdp2", batch)
+        >= target
+        > step_estimate(fixed, 2, "fsdp2", batch - 1)
+    )
+    assert "its width cannot be set" in scaled["why"]
+    # Nothing resolves within 32x the batch: a skip naming what the model would need.
+    tiny = _spec(f"{__name__}:fixed_stack", block_cls=("WideBlock",))
+    with pytest.raises(CheckSkipped, match="give the factory a width keyword .* at 32x the batch"):
+        for_meter(_ctx(), tiny, "fsdp2", 2)
+    # The reference models are the suite's own: measured as configured.
+    reference = next(iter(METER.values())).params["spec"]
+    assert for_meter(_ctx(), reference, "fsdp2", 2) == (reference, 2, None)
+
+
+@pytest.mark.process  # two meter steps in fresh ranks with the allocator setting: ~35 s
+@pytest.mark.world_size(2)
+def test_meter_check_agrees_at_the_scaled_width_and_still_catches_a_blind_tracker(
+    ranks: Ranks,
+) -> None:
+    spec = _spec(f"{HF}:llama")
+    verdict = run_check(ranks.configured(skip=None), METER["fsdp1"], spec=spec)
+    assert verdict.passed, verdict.message
+    assert "measured at a scaled size: config.hidden_size 64 -> " in verdict.message
+    assert verdict.data["scaled"]["what"] == "width"
+    assert verdict.figures["measured_at"].startswith("config.hidden_size ")
+    blind = run_check(
+        ranks.configured(skip=None), METER["fsdp1"], spec=spec, fault="untracked_construction"
+    )
+    assert not blind.passed
+    assert "the tracker disagrees with the os figure" in blind.message
+
+
+@pytest.mark.cpu
+def test_a_wider_copy_keeps_what_the_config_computes_and_what_it_maps() -> None:
+    import transformers
+
+    from fsdp_conformance.claims.memory.scaling import rebuild_with_width
+
+    # Falcon's head_dim is a property without a setter (hidden_size / heads): it follows.
+    falcon = transformers.FalconConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    with torch.device("meta"):
+        wide = rebuild_with_width(transformers.FalconForCausalLM(falcon), 96)
+    config: Any = wide.config
+    assert (config.hidden_size, config.head_dim) == (96, 24)
+    # T5 maps head_dim to d_kv (d_kv x heads == d_model here): the attention widens with it.
+    t5 = transformers.T5Config(
+        vocab_size=256, d_model=64, d_ff=128, d_kv=16, num_layers=1, num_heads=4
+    )
+    with torch.device("meta"):
+        wide = rebuild_with_width(transformers.T5ForConditionalGeneration(t5), 80)
+    config = wide.config
+    assert (config.d_model, config.d_ff, config.d_kv) == (80, 160, 20)
+    q = wide.get_submodule("encoder.block.0.layer.0.SelfAttention.q")
+    assert tuple(q.weight.shape) == (80, 80)
