@@ -149,6 +149,7 @@ FOLDERS: dict[str, set[str]] = {
     "claims": {"check", "defaults"},
     "claims/memory": {
         "measurement",
+        "scaling",
         "peak_within_bound",
         "sawtooth",
         "depth_invariance",
