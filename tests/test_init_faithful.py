@@ -318,3 +318,27 @@ def test_a_class_whose_reset_parameters_disagrees_with_its_init_is_named() -> No
     verdict = faithful.judge_comparisons([report], "reset_parameters", spec)
     assert not verdict.passed
     assert verdict.message.endswith(", or define reset_parameters() on Scale doing what it does")
+
+
+def self_seeded_nano_gpt() -> nn.Module:
+    """A factory that seeds itself (common in scripts): every tensor the same for every seed."""
+    torch.manual_seed(1234)
+    return NanoGPT()
+
+
+def test_a_factory_that_seeds_itself_is_judged_by_distribution() -> None:
+    # Its weights are seed-independent but random: compared by distribution, so a faithful
+    # --init-fn passes (no false alarm) and the default init still fails, with the hint.
+    def spec(init_fn: str | None) -> ModelSpec:
+        factory = f"{__name__}:self_seeded_nano_gpt"
+        return ModelSpec(reference=None, factory=factory, block_cls=("Block",), init_fn=init_fn)
+
+    good = judged(spec(f"{__name__}:faithful_init"))
+    assert good["mismatches"] == [] and good["by_distribution"] == 10
+    bad = judged(spec(None))
+    assert "wte.weight" in {m["name"] for m in bad["mismatches"]}
+    verdict = faithful.judge_comparisons([bad], "reset_parameters", spec(None))
+    assert "(the same for every seed as built)" in verdict.message
+    assert "are the same for every seed as built but not constant: if the factory loads" in (
+        verdict.message
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 import torch.nn as nn
@@ -132,45 +132,73 @@ def _ratio(meta: float, built: float) -> str:
     return f"{meta / built:.3g}x"
 
 
-def judge_tensor(a: TensorStats, b: TensorStats, meta: TensorStats) -> str | None:
-    """Whether ``meta`` (one draw of the meta init) is a draw of the factory's distribution,
-    of which ``a`` and ``b`` are two draws (seeds ``s`` and ``s + 1``); None, or what differs.
+class Deviation(NamedTuple):
+    """One statistic of the meta draw against the factory's: how far, one standard error, and
+    the bound (``Z`` standard errors plus the slack)."""
 
-    Three statistics, each within ``Z`` standard errors plus a slack:
+    deviation: float
+    se: float
+    bound: float
 
-    * the std, on a log scale: the standard error of a sample std over ``n`` iid elements is
-      ``sqrt((kurtosis - 1) / (4 n))`` relatively (the largest kurtosis of the three draws),
-      or the seed-to-seed spread the two factory draws show, when larger; plus ``REL_TOL``;
-    * the mean: ``std / sqrt(n)`` (or the factory draws' spread), plus ``REL_TOL`` stds;
-    * the fraction of exact zeros: binomial, plus ``ZEROS_TOL``.
+
+def deviations(a: TensorStats, b: TensorStats, meta: TensorStats) -> dict[str, Deviation]:
+    """The std (log scale), the mean and the exact-zero fraction of ``meta`` (one draw of the
+    meta init) against the factory's, of which ``a`` and ``b`` are two draws (seeds ``s`` and
+    ``s + 1``); for tensors with a spread in every draw (``judge_tensor`` handles the rest).
+
+    * std, on a log scale: the standard error of a sample std over ``n`` iid elements is
+      ``sqrt((kurtosis - 1) / (4 n))`` relatively (the largest kurtosis of the three draws), or
+      the seed-to-seed spread the two factory draws show, when larger; slack ``REL_TOL``;
+    * mean: ``std / sqrt(n)`` (or the two factory draws' spread); slack ``REL_TOL`` stds;
+    * fraction of exact zeros: binomial; slack ``ZEROS_TOL``.
+
+    One meta draw against the mean of two factory draws: each standard error times
+    ``sqrt(1 + 1/2)``.
     """
     n = a["numel"]
+    pair = math.sqrt(1.5)
     built_std = math.sqrt((a["std"] ** 2 + b["std"] ** 2) / 2)
-    built_mean = (a["mean"] + b["mean"]) / 2
+    kurtosis = max(a["kurtosis"], b["kurtosis"], meta["kurtosis"], 1.5)
+    se_log = pair * max(
+        math.sqrt((kurtosis - 1) / (4 * n)), abs(math.log(a["std"] / b["std"])) / math.sqrt(2)
+    )
+    scale = max(built_std, meta["std"])
+    se_mean = pair * max(scale / math.sqrt(n), abs(a["mean"] - b["mean"]) / math.sqrt(2))
+    built_zeros = (a["zeros"] + b["zeros"]) / 2
+    p = min(max(built_zeros, meta["zeros"], 1 / n), 1 - 1 / n)
+    se_zeros = pair * math.sqrt(p * (1 - p) / n)
+    return {
+        "std": Deviation(
+            abs(math.log(meta["std"] / built_std)), se_log, Z * se_log + math.log1p(REL_TOL)
+        ),
+        "mean": Deviation(
+            abs(meta["mean"] - (a["mean"] + b["mean"]) / 2), se_mean, Z * se_mean + REL_TOL * scale
+        ),
+        "zeros": Deviation(abs(meta["zeros"] - built_zeros), se_zeros, Z * se_zeros + ZEROS_TOL),
+    }
+
+
+def judge_tensor(a: TensorStats, b: TensorStats, meta: TensorStats) -> str | None:
+    """Whether ``meta`` is a draw of the factory's distribution (:func:`deviations`, each
+    within its bound); None, or what differs, with both figures."""
+    built_std = math.sqrt((a["std"] ** 2 + b["std"] ** 2) / 2)
     if built_std == 0 or meta["std"] == 0:
         if built_std == meta["std"]:
-            return None  # constant in every draw: the mean, below, is all there is
+            return None  # constant in every draw, the constant depending on the seed
         return f"std {meta['std']:.4g} after meta init vs {built_std:.4g} as built" + (
             " (constant after meta init)" if meta["std"] == 0 else " (constant as built)"
         )
-    kurtosis = max(a["kurtosis"], b["kurtosis"], meta["kurtosis"], 1.5)
-    se_log = max(
-        math.sqrt((kurtosis - 1) / (4 * n)), abs(math.log(a["std"] / b["std"])) / math.sqrt(2)
-    )
-    # One meta draw against the mean of two factory draws: variance se^2 (1 + 1/2).
-    if abs(math.log(meta["std"] / built_std)) > Z * se_log * math.sqrt(1.5) + math.log1p(REL_TOL):
+    found = deviations(a, b, meta)
+    if found["std"].deviation > found["std"].bound:
         return (
             f"std {meta['std']:.4g} after meta init vs {built_std:.4g} as built "
             f"({_ratio(meta['std'], built_std)})"
         )
-    scale = max(built_std, meta["std"])
-    se_mean = max(scale / math.sqrt(n), abs(a["mean"] - b["mean"]) / math.sqrt(2))
-    if abs(meta["mean"] - built_mean) > Z * se_mean * math.sqrt(1.5) + REL_TOL * scale:
+    if found["mean"].deviation > found["mean"].bound:
+        built_mean = (a["mean"] + b["mean"]) / 2
         return f"mean {meta['mean']:.4g} after meta init vs {built_mean:.4g} as built"
-    built_zeros = (a["zeros"] + b["zeros"]) / 2
-    p = min(max(built_zeros, meta["zeros"], 1 / n), 1 - 1 / n) if n > 1 else 0.5
-    se_zeros = math.sqrt(p * (1 - p) / n)
-    if abs(meta["zeros"] - built_zeros) > Z * se_zeros * math.sqrt(1.5) + ZEROS_TOL:
+    if found["zeros"].deviation > found["zeros"].bound:
+        built_zeros = (a["zeros"] + b["zeros"]) / 2
         return (
             f"{meta['zeros']:.1%} exact zeros after meta init vs {built_zeros:.1%} as built "
             f"(std {meta['std']:.4g} vs {built_std:.4g})"
@@ -246,25 +274,47 @@ def compare_with_factory(spec: ModelSpec, seed: int) -> Comparison:
     for name, meta in canonical_state(reference).items():
         module, cls = where[name]
         built = first.get(name)
-        finding: str | None
         if built is None or built.shape != meta.shape or built.dtype != meta.dtype:
             was = "not in the factory's model" if built is None else _kind(built) + " as built"
-            finding, built = f"{was}, {_kind(meta)} after meta init", None
-        elif name in seed_free:
-            out["by_value"] += 1
-            finding = compare_by_value(built, meta)
-        elif built.numel() < 2 or name not in second:
+            detail = f"{was}, {_kind(meta)} after meta init"
+            out["mismatches"].append(_mismatch(name, module, cls, detail, None, meta))
+            continue
+        how, finding = judge_one(built, second.get(name), name in seed_free, meta)
+        if how == "unjudged":
             out["unjudged"].append(name)
             continue
-        else:
-            out["by_distribution"] += 1
-            finding = judge_tensor(tensor_stats(built), second[name], tensor_stats(meta))
+        out["by_value" if how == "value" else "by_distribution"] += 1
         if finding:
             out["mismatches"].append(
                 _mismatch(name, module, cls, finding, built, meta, deterministic=name in seed_free)
             )
     out["checked"] = out["by_value"] + out["by_distribution"] + len(out["unjudged"])
     return out
+
+
+def judge_one(
+    built: torch.Tensor, second: TensorStats | None, seed_free: bool, meta: torch.Tensor
+) -> tuple[str, str | None]:
+    """How one tensor is compared (``value``, ``distribution``, ``unjudged``) and what differs.
+
+    Seed-independent as built (``seed_free``: equal for seeds ``s`` and ``s + 1``): by value
+    when constant (zeros, ones) or not floating; a non-constant floating one (a computed table
+    such as ``inv_freq``, or the weights of a factory that seeds itself or loads a checkpoint)
+    by value when equal, else by distribution (one factory draw). Random as built: by
+    distribution (:func:`judge_tensor`), except a single element (unjudged).
+    """
+    if seed_free:
+        finding = compare_by_value(built, meta)
+        if finding is None or not built.is_floating_point():
+            return "value", finding
+        stats = tensor_stats(built)
+        if stats["std"] == 0 or built.numel() < 2:
+            return "value", finding
+        differs = judge_tensor(stats, stats, tensor_stats(meta))
+        return "distribution", differs and differs + " (the same for every seed as built)"
+    if second is None or built.numel() < 2:
+        return "unjudged", None
+    return "distribution", judge_tensor(tensor_stats(built), second, tensor_stats(meta))
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -344,11 +394,32 @@ def rank_weights_faithful(
 
 def fix_for(contract: str, spec: ModelSpec, mismatches: Sequence[Mismatch]) -> str:
     """What the user changes so that meta init gives their model's values."""
+    return "fix: " + _loaded_hint(mismatches) + _fix_for_contract(contract, spec, mismatches)
+
+
+def _loaded_hint(mismatches: Sequence[Mismatch]) -> str:
+    """Tensors the same for every seed as built and not constant: a checkpoint the factory
+    loads (or a computed table)."""
+    loaded = [
+        m["name"]
+        for m in mismatches
+        if m["deterministic"] and m["built"] is not None and m["built"]["std"] > 0
+    ]
+    if not loaded:
+        return ""
+    return (
+        f"{listing(loaded, 3)} are the same for every seed as built but not constant: if the "
+        "factory loads weights, meta init cannot recreate them (load them after sharding: "
+        "set_model_state_dict with broadcast_from_rank0=True); else "
+    )
+
+
+def _fix_for_contract(contract: str, spec: ModelSpec, mismatches: Sequence[Mismatch]) -> str:
     named = ", ".join(sorted({m["cls"] for m in mismatches}))
     if contract == "init_fn":
         return (
-            f"fix: the init function {spec.init_fn!r} must give each module's own tensors what "
-            f"the model's factory gives them ({named})"
+            f"the init function {spec.init_fn!r} must give each module's own tensors what the "
+            f"model's factory gives them ({named})"
         )
     per_module = (
         "name an --init-fn pkg.module:fn (--fsdp-init-fn under pytest, init_fn in "
@@ -357,13 +428,13 @@ def fix_for(contract: str, spec: ModelSpec, mismatches: Sequence[Mismatch]) -> s
     )
     if contract == "transformers":
         return (
-            "fix: transformers' _init_weights does not reproduce the model as built: override "
+            "transformers' _init_weights does not reproduce the model as built: override "
             f"_init_weights on the model class for {named}, or {per_module}"
         )
     own = sorted({m["cls"] for m in mismatches if not m["torch_class"]})
     text = (
-        f"fix: the model's construction overrides the reset_parameters() of {named} (an init "
-        f"in __init__, as nanoGPT's _init_weights): {per_module}"
+        f"the model's construction overrides the reset_parameters() of {named} (an init in "
+        f"__init__, as nanoGPT's _init_weights): {per_module}"
     )
     if own:
         text += f", or define reset_parameters() on {', '.join(own)} doing what it does"
