@@ -342,3 +342,16 @@ def test_a_factory_that_seeds_itself_is_judged_by_distribution() -> None:
     assert "are the same for every seed as built but not constant: if the factory loads" in (
         verdict.message
     )
+
+
+def test_a_model_too_large_to_build_twice_on_this_host_is_skipped_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert faithful.fits_in_host_memory(NANO, 2) is None  # 0.4 MiB: fits anywhere
+    monkeypatch.setattr(faithful, "_available_host_bytes", lambda: 2**20)  # 1 MiB available
+    reason = faithful.fits_in_host_memory(NANO, 2)
+    assert reason is not None
+    assert reason.startswith(
+        f"building {__name__}:nano_gpt as its factory does (twice, on CPU, on each of 2 ranks)"
+    )
+    assert reason.endswith("run it on a smaller config of the model")
