@@ -355,3 +355,22 @@ def test_a_model_too_large_to_build_twice_on_this_host_is_skipped_with_the_reaso
         f"building {__name__}:nano_gpt as its factory does (twice, on CPU, on each of 2 ranks)"
     )
     assert reason.endswith("run it on a smaller config of the model")
+
+
+def test_statistics_over_chunks_equal_those_over_the_whole_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Chunks keep a large embedding's float64 temporaries at 32 MiB; here 1,000 elements.
+    monkeypatch.setattr(faithful, "CHUNK", 1000)
+    x = torch.randn(12345, generator=torch.Generator().manual_seed(0)) * 0.02 + 0.1
+    x[:100] = 0
+    stats = faithful.tensor_stats(x)
+    d = x.double()
+    centred = d - d.mean()
+    var = float(centred.square().mean())
+    assert stats["numel"] == 12345 and stats["zeros"] == 100 / 12345
+    assert math.isclose(stats["mean"], float(d.mean()), rel_tol=1e-12)
+    assert math.isclose(stats["std"], math.sqrt(var), rel_tol=1e-12)
+    assert math.isclose(stats["kurtosis"], float(centred.pow(4).mean()) / var**2, rel_tol=1e-9)
+    assert faithful.compare_by_value(x, x.clone()) is None
+    assert faithful.compare_by_value(x, x * 1.001) is not None  # 1e-3 relative: past rtol 1e-5
