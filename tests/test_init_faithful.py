@@ -374,3 +374,17 @@ def test_statistics_over_chunks_equal_those_over_the_whole_tensor(
     assert math.isclose(stats["kurtosis"], float(centred.pow(4).mean()) / var**2, rel_tol=1e-9)
     assert faithful.compare_by_value(x, x.clone()) is None
     assert faithful.compare_by_value(x, x * 1.001) is not None  # 1e-3 relative: past rtol 1e-5
+
+
+@pytest.mark.world_size(2)
+def test_fsdp1_default_path_says_it_does_not_use_the_init_fn(ranks: Ranks) -> None:
+    (default_path,) = [c for c in init.CHECKS if c.name == "init.weights.default_path"]
+    verdict = run_check(ranks, default_path, spec=NANO_FAITHFUL)
+    assert verdict.passed, verdict.message  # the path itself is checked as it is
+    assert verdict.message.endswith(
+        f"; note: FSDP1's default path calls reset_parameters(), not the init function "
+        f"'{__name__}:faithful_init' that initializes this model: its values are not the "
+        "model's unless reset_parameters() gives the same (pass the init as param_init_fn "
+        "instead)"
+    )
+    assert "note:" not in run_check(ranks, default_path, spec=NANO).message
