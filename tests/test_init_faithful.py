@@ -388,3 +388,21 @@ def test_fsdp1_default_path_says_it_does_not_use_the_init_fn(ranks: Ranks) -> No
         "instead)"
     )
     assert "note:" not in run_check(ranks, default_path, spec=NANO).message
+
+
+def meta_only() -> nn.Module:
+    """A factory that builds on meta and refuses a CPU build (as a too-large model would)."""
+    if not torch.empty(0).is_meta:
+        raise RuntimeError("out of host memory (simulated)")
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+
+@pytest.mark.world_size(2)
+def test_a_factory_failing_on_cpu_is_one_line_not_a_traceback(ranks: Ranks) -> None:
+    spec = ModelSpec(reference=None, factory=f"{__name__}:meta_only", block_cls=("Linear",))
+    verdict = run_check(ranks, check(), spec=spec)
+    assert not verdict.passed
+    assert verdict.message == (
+        f"all ranks: model factory '{__name__}:meta_only' raised RuntimeError: out of host "
+        "memory (simulated); fix the factory (it is called with no arguments)"
+    )

@@ -29,6 +29,8 @@ from fsdp_conformance.claims.init.reports import (
     DEFAULT_SPEC,
     FAULTS,
     Failure,
+    agree_on_failure,
+    describe_init_error,
     failed_on_ranks,
     preflight,
     preflight_failure,
@@ -398,14 +400,21 @@ def rank_weights_faithful(
     init contract, not of sharding; ``init.weights`` proves the shards equal the reference.
     ``fault``: a negative control applied to the meta init (``one_tensor_rescaled``).
     """
-    reason = fits_in_host_memory(spec, ctx.world_size)
-    if reason:
-        skip_rank(reason)
     failed = preflight(spec)
     if failed:
         return preflight_failure(FaithfulReport, ctx, failed)
-    with FAULTS.inject(fault, ctx):
-        comparison = compare_with_factory(spec, seed)
+    reason = fits_in_host_memory(spec, ctx.world_size)
+    if reason:
+        skip_rank(reason)
+    error = None
+    try:
+        with FAULTS.inject(fault, ctx):
+            comparison = compare_with_factory(spec, seed)
+    except Exception as exc:  # noqa: BLE001 - the factory's CPU build failing is the finding
+        error = describe_init_error(exc)
+    errors = agree_on_failure(ctx, error)
+    if any(errors):
+        return {"rank": ctx.rank, "error": error, "errors": errors}
     return {
         "rank": ctx.rank,
         "error": None,

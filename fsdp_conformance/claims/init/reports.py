@@ -32,7 +32,7 @@ from fsdp_conformance.meta_init import (
     reference_model,
 )
 from fsdp_conformance.meta_materialize import Ranked, ShardedReport
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models import ModelSpec, ModelSpecError
 from fsdp_conformance.reference_models import LlamaConfig
 from fsdp_conformance.tensors import listing
 
@@ -230,8 +230,8 @@ _FINDINGS = (
 
 def describe_init_error(exc: BaseException) -> str:
     """One line a person can act on, instead of a traceback from inside torch."""
-    if isinstance(exc, InitError):
-        return str(exc)  # ours: already names the module and the fix
+    if isinstance(exc, (InitError, ModelSpecError)):
+        return str(exc)  # ours: already names the module (or the factory) and the fix
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     msg = f"{type(exc).__name__}: {first}"
     for needles, text in _FINDINGS:
