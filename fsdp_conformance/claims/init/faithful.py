@@ -118,12 +118,12 @@ CHUNK = 1 << 22
 
 
 def _flat_chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``t``'s elements (a complex tensor's real and imaginary parts) as float64 chunks."""
+    """``t``'s elements (a complex tensor's real and imaginary parts) as float64 CPU chunks."""
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     for start in range(0, flat.numel(), CHUNK):
-        yield flat[start : start + CHUNK].to(torch.float64)
+        yield flat[start : start + CHUNK].to("cpu", torch.float64)  # a factory may move it
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:
@@ -252,7 +252,7 @@ def compare_by_value(built: torch.Tensor, meta: torch.Tensor) -> str | None:
             for m, b in zip(_flat_chunks(meta), _flat_chunks(built), strict=True)
         )
     else:
-        same = torch.equal(meta, built)
+        same = torch.equal(meta.cpu(), built.cpu())
     if same:
         return None
     return (
