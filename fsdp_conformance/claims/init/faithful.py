@@ -75,14 +75,14 @@ class Mismatch(TypedDict):
     """One tensor whose meta init differs from the factory's."""
 
     name: str
-    #: ``fqn (Class)`` of the module that initializes it.
+    #: FQN of the module that initializes it (a tie's first holder), and that module's class.
     module: str
     cls: str
     #: Whether the class is torch's own (``torch.nn.Linear``): no reset_parameters() to edit.
     torch_class: bool
     #: What differs, in words with both figures.
     detail: str
-    #: Seed-independent as built (compared by value) or random (compared by distribution).
+    #: The same for seeds ``s`` and ``s + 1`` as built (else random as built).
     deterministic: bool
     built: TensorStats | None
     meta: TensorStats | None
