@@ -456,6 +456,19 @@ def to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.Mo
     return model
 
 
+def factory_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """``spec``'s model as its factory builds it for the user: on CPU, after
+    ``torch.manual_seed(seed)`` (the global CPU generator restored afterwards).
+
+    What a meta init must reproduce (``init.weights.faithful``): values where the factory's
+    output does not depend on the seed, the distribution elsewhere (the meta path draws each
+    module from its own generator, a different RNG order by design).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return spec.build("cpu")
+
+
 def reference_digest(spec: ModelSpec, seed: int) -> str:
     """The digest every sharded init of ``spec`` with ``seed`` must reproduce."""
     return state_digest(canonical_state(reference_model(spec, seed)))

@@ -5,7 +5,8 @@ The library it checks is two blocks: :mod:`fsdp_conformance.meta_init` (build on
 contracts, the deterministic init and its single-process reference) and
 :mod:`fsdp_conformance.meta_materialize` (shard, ``to_empty`` and materialize by method, then
 inspect). One module per check family here: :mod:`.meta_build`, :mod:`.weights` (``no_meta``,
-``weights``, ``weights.default_path``), :mod:`.broadcast` (``sync_module_states``,
+``weights``, ``weights.default_path``), :mod:`.faithful` (``weights.faithful``: the reference
+against the model as its factory builds it), :mod:`.broadcast` (``sync_module_states``,
 ``broadcast_rank0``), :mod:`.train_step`, :mod:`.peak_memory`, :mod:`.seeds`; what they share
 (the default model, the negative controls' :data:`~.reports.FAULTS`, the reports and how they
 are judged) is :mod:`.reports`.
@@ -26,6 +27,7 @@ from fsdp_conformance.claims.init.broadcast import (
     verdict_broadcast_rank0,
     verdict_sync_module_states,
 )
+from fsdp_conformance.claims.init.faithful import rank_weights_faithful, verdict_weights_faithful
 from fsdp_conformance.claims.init.meta_build import rank_meta_build, verdict_meta_build
 from fsdp_conformance.claims.init.peak_memory import (
     MEMORY_SPEC,
@@ -79,6 +81,16 @@ CHECKS: tuple[Check, ...] = (
         versions=("fsdp1",),
         specs=(DEFAULT_SPEC,),
         method="reset_parameters",
+    )
+    + variants(
+        "init.weights.faithful",
+        "the meta init's weights are the model's own: the factory's model (seeded, on CPU) "
+        "against the reference, by value where the factory's values do not depend on the seed, "
+        "by distribution elsewhere",
+        rank_weights_faithful,
+        verdict_weights_faithful,
+        versions=None,
+        specs=(DEFAULT_SPEC,),
     )
     + variants(
         "init.sync_module_states",

@@ -32,7 +32,7 @@ from fsdp_conformance.meta_init import (
     reference_model,
 )
 from fsdp_conformance.meta_materialize import Ranked, ShardedReport
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models import ModelSpec, ModelSpecError
 from fsdp_conformance.reference_models import LlamaConfig
 from fsdp_conformance.tensors import listing
 
@@ -111,6 +111,26 @@ def _broadcast_left_out(ctx: RankContext) -> Iterator[None]:
         yield
 
 
+def _one_tensor_rescaled(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    # meta_init looks full_module_state up at call time: the first module whose init draws a
+    # random floating tensor gets that tensor at three times its scale (an --init-fn with one
+    # std wrong). Every other tensor keeps its values.
+    done: list[str] = []
+
+    def make(original: Any) -> Any:
+        def full(module: Any, fqn: str, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+            state: dict[str, torch.Tensor] = original(module, fqn, *args, **kwargs)
+            for name, t in state.items():
+                if not done and t.is_floating_point() and t.numel() > 1 and float(t.std()) > 0:
+                    t.mul_(3)
+                    done.append(f"{fqn}.{name}")
+            return state
+
+        return full
+
+    return patched(meta_init, "full_module_state", make)
+
+
 #: The init claim's negative controls (``fault=`` of the rank functions that take one).
 FAULTS = FaultTable(
     ranks_seeded_differently=Fault(
@@ -125,6 +145,10 @@ FAULTS = FaultTable(
     no_broadcast=Fault(
         "rank 0's weights are never sent: the broadcast and set_model_state_dict do nothing",
         _broadcast_left_out,
+    ),
+    one_tensor_rescaled=Fault(
+        "the meta init gives one random tensor (the first it draws) three times its scale",
+        _one_tensor_rescaled,
     ),
 )
 
@@ -206,8 +230,8 @@ _FINDINGS = (
 
 def describe_init_error(exc: BaseException) -> str:
     """One line a person can act on, instead of a traceback from inside torch."""
-    if isinstance(exc, InitError):
-        return str(exc)  # ours: already names the module and the fix
+    if isinstance(exc, (InitError, ModelSpecError)):
+        return str(exc)  # ours: already names the module (or the factory) and the fix
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     msg = f"{type(exc).__name__}: {first}"
     for needles, text in _FINDINGS:

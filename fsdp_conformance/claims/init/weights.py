@@ -9,6 +9,7 @@ checks (:mod:`~fsdp_conformance.claims.init.seeds`) run the same rank function.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,5 +118,21 @@ def verdict_no_meta(values: Sequence[InitReport], params: Mapping[str, Any]) -> 
 
 
 def verdict_weights(values: Sequence[InitReport], params: Mapping[str, Any]) -> Verdict:
-    """Local shards = slices of the reference; gathered = the reference; on every rank."""
-    return judge_weights(values)
+    """Local shards = slices of the reference; gathered = the reference; on every rank.
+
+    FSDP1's default path (``method="reset_parameters"``) on a model named with ``--init-fn``:
+    the path is checked as it is, and the verdict says that its values are reset_parameters()'s,
+    not the init function's (the model's init, which init.weights.faithful compares).
+    """
+    verdict = judge_weights(values)
+    spec = params.get("spec")
+    if params.get("method") != "reset_parameters" or not isinstance(spec, ModelSpec):
+        return verdict
+    if not spec.init_fn:
+        return verdict
+    note = (
+        f"; note: FSDP1's default path calls reset_parameters(), not the init function "
+        f"{spec.init_fn!r} that initializes this model: its values are not the model's unless "
+        "reset_parameters() gives the same (pass the init as param_init_fn instead)"
+    )
+    return dataclasses.replace(verdict, message=verdict.message + note)
