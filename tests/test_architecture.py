@@ -160,6 +160,7 @@ FOLDERS: dict[str, set[str]] = {
     "claims/wrap": {"units", "builders", "train", "mixed", "prefetch", "wrapping"},
     "claims/init": {
         "meta_build",
+        "faithful",
         "weights",
         "seeds",
         "broadcast",
