@@ -1,0 +1,48 @@
+"""Hand-written models of what real models contain, for the verdict tests of issue 33
+(tests/test_wrapping_verdicts.py, tests/test_state.py): an attention key bias whose true gradient
+is zero beside a small but real update, and several ties per module (a weight and a bias)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KeyBiasBlock(nn.Module):
+    """Pre-norm softmax attention with biased projections: the key bias adds, per query, one
+    constant to every score, which softmax ignores, so its true gradient is zero (ViT, BERT)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+        self.out = nn.Linear(dim, dim)
+        nn.init.zeros_(self.key.bias)  # as BERT and ViT initialize it: its update is then noise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        scores = self.query(h) @ self.key(h).transpose(-1, -2) / h.shape[-1] ** 0.5
+        return x + self.out(scores.softmax(-1) @ self.value(h))
+
+
+class KeyBiasModel(nn.Module):
+    """Token embedding, :class:`KeyBiasBlock` blocks, a head; and ``offset``, one element added
+    to the logits at 1e-3: the model's smallest tensor, its update small (about 1e-3 of the
+    largest) but far above rounding."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(KeyBiasBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+        self.offset = nn.Parameter(torch.ones(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) + 1e-3 * self.offset
+
+
+def key_bias_model() -> nn.Module:
+    return KeyBiasModel()
