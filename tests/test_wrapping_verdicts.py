@@ -4,6 +4,7 @@ update that is lost still fails, and a cause is named only where the figures sup
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from fsdp_conformance.claims.wrap.train import (
     verdict_train,
 )
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models import ModelSpec, ModelSpecError
 
 VERSIONS = ("fsdp1", "fsdp2")
 KEY_BIAS = ModelSpec(
@@ -142,3 +143,40 @@ def test_a_zero_gradient_key_bias_passes_and_a_lost_small_update_fails(ranks: Ra
         assert "permuted shard" not in verdict.message
         assert verdict.figures["loss_rel_diff"] < 1e-5  # only the update shows it
         assert verdict.figures["max_param_diff"] < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Depth: config fields with one entry per layer are rebuilt at the new depth
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_per_layer_config_list_is_rebuilt_at_the_new_depth() -> None:
+    pytest.importorskip("transformers", reason="Gemma-2 is a transformers model")
+    # Before: layer_types kept its 2 entries, and the 5-layer model raised an IndexError,
+    # reported as "fix the factory (it is called with no arguments)".
+    spec = ModelSpec(reference=None, factory="tests.verdict_models:gemma2_two_layers", depth=5)
+    model: Any = spec.build()
+    assert len(model.model.layers) == 5
+    from fsdp_conformance.hf import per_layer_fields
+
+    assert per_layer_fields(model.config, 5) == ["layer_types"]
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2 + [
+        "sliding_attention"
+    ]
+    assert model(torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)
+    fewer: Any = dataclasses.replace(spec, depth=1).build()
+    assert fewer.config.layer_types == ["sliding_attention"]
+
+
+def test_a_rebuild_the_suite_cannot_make_is_not_blamed_on_the_factory() -> None:
+    pytest.importorskip("transformers", reason="Gemma-2 is a transformers model")
+    spec = ModelSpec(reference=None, factory="tests.verdict_models:gemma2_unpatterned", depth=4)
+    with pytest.raises(ModelSpecError) as caught:
+        spec.build()
+    said = str(caught.value)
+    assert "the suite could not rebuild" in said and "fix the factory" not in said, said
+    assert "config.layer_types has one entry per layer (3" in said
+    assert "give the factory a depth keyword (num_layers=" in said
+    # A whole number of its periods continues it: 6 layers are the pattern twice.
+    six: Any = dataclasses.replace(spec, depth=6).build("meta")
+    assert six.config.layer_types == ["full_attention", "full_attention", "sliding_attention"] * 2

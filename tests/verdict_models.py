@@ -46,3 +46,31 @@ class KeyBiasModel(nn.Module):
 
 def key_bias_model() -> nn.Module:
     return KeyBiasModel()
+
+
+def _gemma2(layers: int, layer_types: list[str] | None = None) -> nn.Module:
+    import transformers
+
+    config = transformers.Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        layer_types=layer_types,
+    )
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def gemma2_two_layers() -> nn.Module:
+    """Gemma-2 at 2 layers: ``config.layer_types`` has one entry per layer (sliding, full)."""
+    return _gemma2(2)
+
+
+def gemma2_unpatterned() -> nn.Module:
+    """Gemma-2 at 3 layers with per-layer types that no longer depth continues (full, full,
+    sliding): the suite's rebuild at 4 layers cannot guess the fourth."""
+    return _gemma2(3, ["full_attention", "full_attention", "sliding_attention"])
