@@ -74,3 +74,56 @@ def gemma2_unpatterned() -> nn.Module:
     """Gemma-2 at 3 layers with per-layer types that no longer depth continues (full, full,
     sliding): the suite's rebuild at 4 layers cannot guess the fourth."""
     return _gemma2(3, ["full_attention", "full_attention", "sliding_attention"])
+
+
+class Block(nn.Module):
+    """A residual MLP block."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class PredictionHead(nn.Module):
+    """BERT's ``cls.predictions``: a transform, then a decoder whose weight is the embedding's
+    and whose bias is this module's own ``bias`` (``decoder.bias is bias``)."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        vocab, dim = embed.weight.shape
+        self.transform = nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+        self.decoder = nn.Linear(dim, vocab)
+        self.decoder.weight = embed.weight
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x))
+
+
+class TwoTiesModel(nn.Module):
+    """Two ties in one module, a weight and a bias (BERT's masked-LM head): ``head.decoder``
+    holds the embedding's weight and ``head``'s bias. ``embed.weight``, the first parameter by
+    name, is tied; ``embed_norm`` consumes the embedding's output outside the blocks (Bloom's
+    ``word_embeddings_layernorm``)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.embed_norm = nn.LayerNorm(dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = PredictionHead(self.embed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_norm(self.embed(ids))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def two_ties_model() -> nn.Module:
+    return TwoTiesModel()
