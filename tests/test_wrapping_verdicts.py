@@ -4,12 +4,20 @@ update that is lost still fails, and a cause is named only where the figures sup
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
+from fsdp_conformance.claims.wrap.mixed import (
+    outermost,
+    output_consumers,
+    rank_mixed,
+    tied_partners,
+    verdict_mixed,
+)
 from fsdp_conformance.claims.wrap.parity import compare_updates
 from fsdp_conformance.claims.wrap.train import (
     FP32_UPDATE_RTOL,
@@ -180,3 +188,60 @@ def test_a_rebuild_the_suite_cannot_make_is_not_blamed_on_the_factory() -> None:
     # A whole number of its periods continues it: 6 layers are the pattern twice.
     six: Any = dataclasses.replace(spec, depth=6).build("meta")
     assert six.config.layer_types == ["full_attention", "full_attention", "sliding_attention"] * 2
+
+
+# --------------------------------------------------------------------------------------------
+# wrap.mixed: ties followed through, and the modules that consume the fp32 unit's output
+# --------------------------------------------------------------------------------------------
+
+TWO_TIES = ModelSpec(
+    reference=None, factory="tests.verdict_models:two_ties_model", block_cls=("Block",)
+)
+EMBED_NORM = ModelSpec(
+    reference=None, factory="tests.verdict_models:embed_norm_model", block_cls=("Block",)
+)
+
+
+def test_ties_are_followed_through_and_consumers_of_the_fp32_unit_are_found() -> None:
+    from tests.verdict_models import Block, two_ties_model
+
+    model = two_ties_model()
+    # BERT's second tie: head.decoder holds the embedding's weight and head's bias.
+    assert tied_partners(model, model.get_submodule("embed")) == ["head", "head.decoder"]
+    assert outermost(["embed", "head", "head.decoder"]) == ["embed", "head"]
+    unit = [model.get_submodule("embed"), model.get_submodule("head")]
+    ids = torch.randint(0, 64, (2, 8))
+    # Bloom's word_embeddings_layernorm: the head's transform consumes block outputs, not it.
+    assert output_consumers(model, unit, (Block,), ids) == ["embed_norm"]
+
+
+@pytest.mark.world_size(2)
+def test_mixed_keeps_every_tie_in_one_unit_and_its_consumers_in_fp32(ranks: Ranks) -> None:
+    # Before: FSDP2 raised "Parameter 'head.decoder.bias' is shared with a parameter already
+    # managed by another FSDP group" (BERT: cls.predictions.decoder.bias), and with that
+    # fixed, "mixed dtype (CPU)" in embed_norm, left bf16 in the root (Bloom).
+    params = {"spec": TWO_TIES, "version": "fsdp2"}
+    values = ranks.run(rank_mixed, **params)
+    verdict = verdict_mixed(values, params)
+    assert verdict.passed, verdict.message
+    for v in values:
+        assert set(v["tied"]) == {"head", "head.decoder"}
+        assert all(t == {"same_unit": True, "still_tied": True} for t in v["tied"].values())
+        assert v["consumers"] == ["embed_norm"]
+        assert v["compute_dtypes"]["embed_norm"] == ("torch.float32", "torch.float32")
+    # Negative controls on the same values: the bias tie split, the consumer left sharded.
+    split = copy.deepcopy(values)
+    split[1]["tied"]["head"]["still_tied"] = False
+    verdict = verdict_mixed(split, params)
+    assert not verdict.passed
+    assert "rank 1: after sharding, head no longer holds" in verdict.message
+    sharded = copy.deepcopy(values)
+    sharded[0]["strategies"]["embed_norm"] = "FULL_SHARD"
+    verdict = verdict_mixed(sharded, params)
+    assert "rank 0: unit embed_norm is FULL_SHARD, expected NO_SHARD" in verdict.message
+    # FSDP1 (no tie to skip for): the consumer is an fp32 NO_SHARD unit of its own.
+    params = {"spec": EMBED_NORM, "version": "fsdp1"}
+    values = ranks.run(rank_mixed, **params)
+    verdict = verdict_mixed(values, params)
+    assert verdict.passed, verdict.message
+    assert all(v["strategies"]["embed_norm"] == "NO_SHARD" for v in values)

@@ -92,14 +92,15 @@ class PredictionHead(nn.Module):
     """BERT's ``cls.predictions``: a transform, then a decoder whose weight is the embedding's
     and whose bias is this module's own ``bias`` (``decoder.bias is bias``)."""
 
-    def __init__(self, embed: nn.Embedding) -> None:
+    def __init__(self, embed: nn.Embedding, tied: bool = True) -> None:
         super().__init__()
         vocab, dim = embed.weight.shape
         self.transform = nn.Linear(dim, dim)
         self.bias = nn.Parameter(torch.zeros(vocab))
         self.decoder = nn.Linear(dim, vocab)
-        self.decoder.weight = embed.weight
-        self.decoder.bias = self.bias
+        if tied:
+            self.decoder.weight = embed.weight
+            self.decoder.bias = self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.transform(x))
@@ -109,14 +110,14 @@ class TwoTiesModel(nn.Module):
     """Two ties in one module, a weight and a bias (BERT's masked-LM head): ``head.decoder``
     holds the embedding's weight and ``head``'s bias. ``embed.weight``, the first parameter by
     name, is tied; ``embed_norm`` consumes the embedding's output outside the blocks (Bloom's
-    ``word_embeddings_layernorm``)."""
+    ``word_embeddings_layernorm``). ``tied=False``: no tie, the consumer alone."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, tied: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.embed_norm = nn.LayerNorm(dim)
         self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = PredictionHead(self.embed)
+        self.head = PredictionHead(self.embed, tied)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_norm(self.embed(ids))
@@ -127,3 +128,8 @@ class TwoTiesModel(nn.Module):
 
 def two_ties_model() -> nn.Module:
     return TwoTiesModel()
+
+
+def embed_norm_model() -> nn.Module:
+    """:class:`TwoTiesModel` without its ties: a LayerNorm consumes the embedding's output."""
+    return TwoTiesModel(tied=False)
