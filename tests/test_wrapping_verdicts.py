@@ -129,6 +129,16 @@ def test_the_message_names_a_cause_only_where_the_figures_support_it() -> None:
     assert "the difference is in the direction" in turned.message
 
 
+def test_at_one_rank_no_factor_names_a_reduction() -> None:
+    # Before: "1.00x ... = the world size (1): gradients summed across ranks, not averaged" for
+    # a run that matched in scale: at one rank the sum is the mean.
+    from fsdp_conformance.claims.wrap.train import update_diagnosis
+
+    said = update_diagnosis(1.0, 1)
+    assert "summed" not in said and "averaged twice" not in said, said
+    assert "the same scale: the difference is in the direction" in said
+
+
 @pytest.mark.world_size(2)
 def test_a_zero_gradient_key_bias_passes_and_a_lost_small_update_fails(ranks: Ranks) -> None:
     # Before: failed on both versions, "blocks.0.key.bias's update differs from the
