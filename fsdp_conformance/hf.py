@@ -74,16 +74,72 @@ def config_depth(model: nn.Module) -> int | None:
     return depth if isinstance(depth, int) and not isinstance(depth, bool) else None
 
 
+class DepthRebuildError(ValueError):
+    """The suite's own rebuild of a transformers model at another depth cannot be made (a
+    per-layer config field it cannot extend): the model's factory is not at fault."""
+
+
+def per_layer_fields(config: Any, depth: int) -> list[str]:
+    """The config fields that hold one entry per layer at ``depth`` layers: lists or tuples of
+    that length whose name says they are about layers (Gemma-2's ``layer_types``, SmolLM3's
+    ``no_rope_layers``). A length alone would also match an ``eos_token_id`` list of three at
+    depth three."""
+    return sorted(
+        k
+        for k, v in vars(config).items()
+        if isinstance(v, (list, tuple)) and len(v) == depth and "layer" in k.lower()
+    )
+
+
+def _regenerated(config: Any, field: str, depth: int) -> Any:
+    """What the config class itself makes of ``field`` left unset at ``depth`` layers, or None
+    when it makes nothing (or refuses)."""
+    try:
+        fresh = type(config).from_dict({**config.to_dict(), field: None})
+        fresh.num_hidden_layers = depth
+        again = type(config).from_dict({**fresh.to_dict(), field: None})
+    except Exception:  # noqa: BLE001 - a config class that needs the field: no default to use
+        return None
+    return getattr(again, field, None)
+
+
+def _at_depth(config: Any, field: str, old: int, depth: int) -> list[Any]:
+    """``field``'s per-layer list at ``depth`` layers: the config's own default for it when the
+    present value is that default at ``old`` layers; else the value's repeating pattern, when
+    ``depth`` continues it (fewer layers: the first ``depth`` entries); else
+    :class:`DepthRebuildError`."""
+    value = list(getattr(config, field))
+    default_old = _regenerated(config, field, old)
+    if default_old is not None and list(default_old) == value:
+        default_new = _regenerated(config, field, depth)
+        if default_new is not None and len(default_new) == depth:
+            return list(default_new)
+    period = next(p for p in range(1, old + 1) if value == (value[:p] * old)[:old])
+    if depth > old and depth % period and period == old:
+        raise DepthRebuildError(
+            f"config.{field} has one entry per layer ({old}: {value}) with no repeating pattern "
+            f"that {depth} layers continue"
+        )
+    return (value[:period] * (depth // period + 1))[:depth]
+
+
 def rebuild_with_depth(model: nn.Module, depth: int) -> nn.Module:
     """The same transformers model class, built from a copy of its config at ``depth`` layers.
 
     Only the config carries over: what a factory did to the model after building it (tying,
-    freezing) is not repeated, which is why a factory's own depth keyword is preferred.
+    freezing) is not repeated, which is why a factory's own depth keyword is preferred. Fields
+    with one entry per layer (:func:`per_layer_fields`) are rebuilt at the new depth
+    (:func:`_at_depth`): Gemma-2's ``layer_types`` kept at 4 entries for 8 layers made its
+    model raise an ``IndexError``. Raises :class:`DepthRebuildError` when a field cannot be.
     """
     import copy
 
     config: Any = copy.deepcopy(model.config)
+    old = int(config.num_hidden_layers)
+    fields = {f: _at_depth(config, f, old, depth) for f in per_layer_fields(config, old)}
     config.num_hidden_layers = depth
+    for field, value in fields.items():
+        setattr(config, field, value)
     rebuilt: nn.Module = type(model)(config)
     return rebuilt
 

@@ -312,7 +312,19 @@ class ModelSpec:
             raise ModelSpecError(
                 f"cannot build {self.factory!r} at {depth} layers: " + NO_SETTABLE_DEPTH
             )
-        return hf.rebuild_with_depth(model, depth)
+        # The factory built its model; what follows is the suite's own step: its failure is
+        # never the factory's (Gemma-2's per-layer layer_types once raised an IndexError here,
+        # reported as "fix the factory").
+        try:
+            return hf.rebuild_with_depth(model, depth)
+        except Exception as exc:
+            raise ModelSpecError(
+                f"the suite could not rebuild {self.factory!r}'s {type(model).__name__} at "
+                f"{depth} layers from a copy of its config (the factory itself built the model "
+                f"fine): {type(exc).__name__}: {exc}; give the factory a depth keyword ("
+                + ", ".join(f"{k}=" for k in DEPTH_KEYWORDS)
+                + ") so that it builds the model at a given depth itself"
+            ) from exc
 
     def depth_setting(self) -> str | None:
         """How this model's depth is set, in words for a report, or None when it cannot be.

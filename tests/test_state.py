@@ -280,6 +280,39 @@ def test_a_writeback_that_does_not_write_back_fails_that_case_only(ranks: Ranks)
     assert "after the context:" in verdict.message
 
 
+TWO_TIES = ModelSpec(
+    reference=None, factory="tests.verdict_models:two_ties_model", block_cls=("Block",)
+)
+
+
+def test_aliases_name_every_tie_of_a_module_weights_and_biases() -> None:
+    from tests.verdict_models import two_ties_model
+
+    tied = state_dicts.aliases(two_ties_model())
+    assert tied["embed.weight"] == ["embed.weight", "head.decoder.weight"]
+    assert tied["head.decoder.bias"] == ["head.bias", "head.decoder.bias"]
+    assert tied["head.transform.weight"] == ["head.transform.weight"]
+
+
+def test_summon_changes_a_tied_parameter_under_every_alias(ranks: Ranks) -> None:
+    # Before: the first parameter by name (embed.weight) is tied, FSDP1 changed both aliases,
+    # and the check expected only that name to change: "head.decoder.weight: expected sum ...,
+    # got ..." (a tied Llama and Gemma-2 failed so on lm_head.weight).
+    params = {**SUMMON.params, "spec": TWO_TIES, "cases": ("writeback",)}
+    values = ranks.run(SUMMON.rank_fn, **params)
+    verdict = SUMMON.verdict(values, params)
+    assert verdict.passed, verdict.message
+    assert all(v["cases"]["writeback"]["changed"] == "embed.weight" for v in values)
+    # The negative control, on the same values: one alias left as it was (a split tie) fails.
+    reference = state_dicts.build(TWO_TIES, 0)
+    before = state_dicts.digests(reference.state_dict())["head.decoder.weight"]
+    split = copy.deepcopy(values)
+    split[1]["cases"]["writeback"]["after"]["head.decoder.weight"] = before
+    verdict = SUMMON.verdict(split, params)
+    assert not verdict.passed and verdict.figures["failed_cases"] == ["writeback"]
+    assert "after the context: head.decoder.weight: expected" in verdict.message
+
+
 (RANK0_DISCARD,) = by_version("state.summon.rank0_discard").values()
 
 

@@ -142,6 +142,17 @@ def describe(state: Mapping[str, Any]) -> Description:
     return {"entries": len(state), "types": types, "devices": devices}
 
 
+def aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every parameter name of ``model`` -> every name of the same tensor, itself included (a
+    tied weight or bias has several: GPT-2's head and embedding, BERT's decoder bias and
+    ``cls.predictions.bias``). A check that changes a parameter expects the change under each of
+    them: FSDP changes the one tensor, so every alias shows it."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {name: group for group in names.values() for name in group}
+
+
 def digests(state: Mapping[str, Any]) -> Digests:
     """Per tensor of a full state dict: dtype, shape, SHA-256 of its bytes, and its sum."""
     out = {}

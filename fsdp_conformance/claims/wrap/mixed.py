@@ -92,15 +92,114 @@ def _embedding_fqn(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> str
 
 
 def tied_partners(model: nn.Module, emb: nn.Module) -> list[str]:
-    """Modules outside ``emb``'s subtree that hold one of its parameters directly (a tied
-    output head), by name."""
-    own = {id(p) for p in emb.parameters()}
+    """Modules outside ``emb``'s subtree that share a parameter with the embedding's unit, ties
+    followed through (a tied output head, and what shares the head's other parameters: BERT's
+    ``cls.predictions.decoder`` holds the embedding's weight and ``cls.predictions``'s bias),
+    by name, in the model's order."""
     inside = {id(m) for m in emb.modules()}
-    return [
-        n
-        for n, m in model.named_modules()
-        if id(m) not in inside and any(id(p) in own for p in m.parameters(recurse=False))
+    held = {id(p) for p in emb.parameters()}
+    named: list[tuple[str, nn.Module]] = list(model.named_modules())
+    found: set[str] = set()
+    grew = True
+    while grew:
+        grew = False
+        for n, m in named:
+            if id(m) in inside or n in found:
+                continue
+            if any(id(p) in held for p in m.parameters(recurse=False)):
+                found.add(n)
+                held.update(id(p) for p in m.parameters(recurse=False))
+                grew = True
+    return [n for n, _ in named if n in found]
+
+
+def tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Every tensor held under more than one (module, attribute), as those pairs."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for fqn, m in model.named_modules():
+        for attr, p in m.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((fqn, attr))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def outermost(names: Sequence[str]) -> list[str]:
+    """``names`` without those inside another of them (FSDP2 takes a module's subtree)."""
+    return [n for n in names if not any(o != n and n.startswith(o + ".") for o in names)]
+
+
+def output_consumers(
+    model: nn.Module, unit: Sequence[nn.Module], blocks: tuple[type[nn.Module], ...], batch: Any
+) -> list[str]:
+    """Modules outside the blocks and ``unit`` with parameters of their own whose forward takes a
+    floating tensor computed from ``unit``'s output without passing through a block (Bloom's
+    ``word_embeddings_layernorm``), observed on one forward of ``model``: the autograd graph of
+    each such input, walked back, reaches a ``unit`` output before any block output."""
+    sources: set[Any] = set()
+    stops: set[Any] = set()
+    found: dict[str, None] = {}
+
+    def mark(into: set[Any]) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            into.update(t.grad_fn for t in _tensors(out) if t.grad_fn is not None)
+
+        return hook
+
+    def check(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            inputs = [t for t in _tensors((args, kwargs)) if t.grad_fn is not None]
+            if any(_reaches(t.grad_fn, sources, stops) for t in inputs):
+                found[name] = None
+
+        return hook
+
+    skip = {
+        id(s)
+        for m in [*unit, *(b for b in model.modules() if isinstance(b, blocks))]
+        for s in m.modules()
+    }
+    handles = [u.register_forward_hook(mark(sources)) for u in unit]
+    handles += [
+        b.register_forward_hook(mark(stops)) for b in model.modules() if isinstance(b, blocks)
     ]
+    for name, m in model.named_modules():
+        if id(m) in skip or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        if any(id(s) in skip for s in m.modules()):  # a parent of the unit or of a block
+            continue
+        handles.append(m.register_forward_pre_hook(check(name), with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            call_model(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(found)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The floating tensors in ``value`` (nested tuples, lists, mappings, model outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if torch.is_floating_point(value) else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _reaches(node: Any, sources: set[Any], stops: set[Any]) -> bool:
+    """Whether the autograd graph from ``node`` reaches a node of ``sources`` without passing
+    one of ``stops``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen or n in stops:
+            continue
+        if n in sources:
+            return True
+        seen.add(n)
+        todo.extend(nxt for nxt, _ in n.next_functions)
+    return False
 
 
 def _skip_untiable(
@@ -159,17 +258,28 @@ def _common_ancestor(fqns: Sequence[str]) -> str:
     return ".".join(common)
 
 
-def _tie_report(sharded: nn.Module, emb: nn.Module, tied: Sequence[str]) -> dict[str, Any]:
-    """Per tied module, read from what torch built: whether it is in the embedding's FSDP2
-    unit (the same param group) and still holds the embedding's parameter object."""
-    group = _compat.fsdp2_param_group(emb)
-    own = {id(p) for p in emb.parameters()}
+def _tie_report(
+    sharded: nn.Module, emb: nn.Module, tied: Sequence[str], groups: Sequence[Sequence[Any]]
+) -> dict[str, Any]:
+    """Per tied module, read from what torch built: whether every tensor it shares is managed by
+    the embedding's FSDP2 unit (its state's param groups), and whether each of them is still one
+    object under all its holders after sharding."""
+    state = _compat.fsdp2_state(emb)
+    managed = (
+        {id(p) for group in _compat.fsdp2_managed_params(state) for p, _ in group}
+        if state is not None
+        else set()
+    )
+
+    def held(fqn: str, attr: str) -> Any:
+        return getattr(sharded.get_submodule(fqn), attr)
+
     out = {}
     for t in tied:
-        partner = sharded.get_submodule(t)
+        mine = [g for g in groups if any(f == t for f, _ in g)]
         out[t] = {
-            "same_unit": group is not None and _compat.fsdp2_param_group(partner) is group,
-            "still_tied": any(id(p) in own for p in partner.parameters(recurse=False)),
+            "same_unit": all(id(held(f, a)) in managed for g in mine for f, a in g if f == t),
+            "still_tied": all(len({id(held(f, a)) for f, a in g}) == 1 for g in mine),
         }
     return out
 
@@ -208,18 +318,24 @@ def _shard_mixed(
     version: str,
     emb: nn.Module,
     tied: Sequence[str],
+    consumers: Sequence[str],
     blocks: tuple[type[nn.Module], ...],
 ) -> nn.Module:
-    """FSDP1: ``CustomPolicy`` whose function returns the embedding's overrides. FSDP2:
-    ``fully_shard`` per unit, the embedding (with the modules tied to it: FSDP2 takes several
-    modules as one unit) first."""
+    """FSDP1: ``CustomPolicy`` whose function returns the embedding's overrides for the
+    embedding and each consumer of its output. FSDP2: ``fully_shard`` per unit, the embedding
+    (with the modules tied to it: FSDP2 takes several modules as one unit) first, then each
+    consumer with the embedding's options, then the blocks and the root."""
+    fp32 = [model.get_submodule(n) for n in consumers]
     if version == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision
         from torch.distributed.fsdp.wrap import CustomPolicy
 
         override = embedding_options(ctx, version)
-        policy = CustomPolicy(lambda m: (override or True) if m is emb else isinstance(m, blocks))
+        own = {id(m) for m in [emb, *fp32]}
+        policy = CustomPolicy(
+            lambda m: (override or True) if id(m) in own else isinstance(m, blocks)
+        )
         return FSDP(
             model,
             auto_wrap_policy=policy,
@@ -231,8 +347,11 @@ def _shard_mixed(
                 cast_forward_inputs=True,
             ),
         )
-    emb_unit = [emb, *(model.get_submodule(n) for n in tied)]
-    _compat.fully_shard()(emb_unit if tied else emb, **embedding_options(ctx, version))
+    options = embedding_options(ctx, version)
+    emb_unit = [emb, *(model.get_submodule(n) for n in outermost(tied))]
+    _compat.fully_shard()(emb_unit if tied else emb, **options)
+    for m in fp32:
+        _compat.fully_shard()(m, **options)
     return shard_fsdp2_modules(
         model, ctx, [m for m in model.modules() if isinstance(m, blocks)], **_bf16_fsdp2()
     )
@@ -247,6 +366,11 @@ class MixedResult(TypedDict):
     embedding: str
     blocks: list[str]
     tied: dict[str, dict[str, bool]]
+    #: Modules outside the blocks that consume the embedding's fp32 output (own fp32 units).
+    consumers: list[str]
+    #: The units held to the embedding's expectations: itself, its tied modules' outermost,
+    #: and the consumers.
+    fp32_units: list[str]
     units: list[dict[str, Any]]
     strategies: dict[str, str]
     compute_dtypes: dict[str, tuple[str, str]]
@@ -284,13 +408,16 @@ def rank_mixed(
         block_names = [n for n, m in model.named_modules() if isinstance(m, blocks)]
         tied = tied_partners(model, emb)
         _skip_untiable(model, emb_name, tied, blocks, version)
-        sharded = _shard_mixed(model, ctx, version, emb, tied, blocks)
+        groups = tie_groups(model)
+        batch = built.batch(batch_size=2, device=ctx.device)
+        unit = [emb, *(model.get_submodule(n) for n in outermost(tied))]
+        consumers = output_consumers(model, unit, blocks, batch)
+        sharded = _shard_mixed(model, ctx, version, emb, tied, consumers, blocks)
         strategies = (
             fsdp1_strategies(sharded) if version == "fsdp1" else fsdp2_unit_strategies(sharded)
         )
         seen: dict[str, tuple[str, str]] = {}
-        batch = built.batch(batch_size=2, device=ctx.device)
-        with record_compute_dtypes(model, seen):
+        with record_compute_dtypes(model, seen, also=consumers):
             default_loss(call_model(sharded, batch)).backward()
         stored = {}
         for u in actual_units(sharded):
@@ -303,7 +430,9 @@ def rank_mixed(
             "version": version,
             "embedding": emb_name,
             "blocks": block_names,
-            "tied": _tie_report(sharded, emb, tied),
+            "tied": _tie_report(sharded, emb, tied, groups),
+            "consumers": consumers,
+            "fp32_units": [emb_name, *outermost(tied), *consumers],
             "units": [u.to_dict() for u in actual_units(sharded)],
             "strategies": strategies,
             "compute_dtypes": seen,
@@ -340,7 +469,8 @@ def _rank_problems(v: MixedResult) -> list[str]:
     def compute_of(unit: str, seen: Mapping[str, Any] = v["compute_dtypes"]) -> set[str]:
         return {w for n, (_, w) in seen.items() if n == unit or n.startswith(unit + ".")}
 
-    want = {u: ("NO_SHARD", "torch.float32") for u in (v["embedding"], *v.get("tied", {}))}
+    fp32 = v.get("fp32_units", [v["embedding"], *v.get("tied", {})])
+    want = {u: ("NO_SHARD", "torch.float32") for u in fp32}
     want.update({b: ("FULL_SHARD", "torch.bfloat16") for b in v["blocks"]})
     for fqn, (strategy, dtype) in want.items():
         u = units.get(fqn)
@@ -383,6 +513,9 @@ def verdict_mixed(values: Sequence[MixedResult], params: Mapping[str, Any]) -> V
         )
     tied = values[0].get("tied", {})
     with_tied = f" (one unit with the tied {', '.join(tied)})" if tied else ""
+    consumers = values[0].get("consumers", [])
+    if consumers:
+        with_tied += f", the consumers of its output ({', '.join(consumers)}) fp32 units too,"
     return Verdict(
         True,
         f"embedding {values[0]['embedding']}{with_tied} NO_SHARD fp32, "

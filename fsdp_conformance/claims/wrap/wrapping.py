@@ -83,26 +83,36 @@ def units_of(value: Mapping[str, Any], key: str) -> list[UnitInfo]:
 
 
 @contextlib.contextmanager
-def record_compute_dtypes(model: nn.Module, seen: dict[str, tuple[str, str]]) -> Iterator[None]:
+def record_compute_dtypes(
+    model: nn.Module, seen: dict[str, tuple[str, str]], also: Sequence[str] = ()
+) -> Iterator[None]:
     """Record, per module with a matrix ``weight`` of its own (Linear, Embedding, and the like:
-    GPT-2's ``Conv1D``), the (input, weight) dtypes its forward actually sees.
+    GPT-2's ``Conv1D``), the (input, weight) dtypes its forward actually sees; and for the
+    modules named in ``also`` (a LayerNorm the mixed configuration puts in an fp32 unit), the
+    (input, first own parameter) dtypes.
 
     Registered on the original modules: under FSDP their ``weight`` during forward is the
     unsharded (and, with mixed precision, cast) parameter, so this is the compute dtype.
     """
     handles = []
     for raw_name, module in model.named_modules():
-        weight = dict(module.named_parameters(recurse=False)).get("weight")
+        name = clean_fqn(raw_name)  # FSDP1 inserts its wrapper into the module names
+        own = dict(module.named_parameters(recurse=False))
+        weight = own.get("weight")
         if isinstance(module, (nn.Linear, nn.Embedding)) or (
             weight is not None and weight.dim() >= 2
         ):
-            name = clean_fqn(raw_name)  # FSDP1 inserts its wrapper into the module names
+            attr = "weight"
+        elif name in also and own:
+            attr = next(iter(own))
+        else:
+            continue
 
-            def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-                if name not in seen and args and isinstance(args[0], torch.Tensor):
-                    seen[name] = (str(args[0].dtype), str(mod.weight.dtype))
+        def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name, attr: str = attr) -> None:
+            if name not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[name] = (str(args[0].dtype), str(getattr(mod, attr).dtype))
 
-            handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_pre_hook(pre))
     try:
         yield
     finally:
