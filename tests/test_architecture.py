@@ -157,7 +157,7 @@ FOLDERS: dict[str, set[str]] = {
         "mixed_precision_peak",
         "plan_estimate_matches",
     },
-    "claims/wrap": {"units", "builders", "train", "mixed", "prefetch", "wrapping"},
+    "claims/wrap": {"units", "builders", "train", "parity", "mixed", "prefetch", "wrapping"},
     "claims/init": {
         "meta_build",
         "faithful",
