@@ -251,7 +251,11 @@ def _attention(kind: str) -> Iterator[None]:
                 q, k, v, *rest = args
                 names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
                 kwargs.update(zip(names, rest))
-                if not kwargs.get("enable_gqa"):
+                mask = kwargs.get("attn_mask")
+                # A mask that needs a gradient (T5's learned position bias) is one the fused
+                # kernel cannot differentiate: torch runs the unfused path for it, and so do we.
+                learned_mask = isinstance(mask, torch.Tensor) and mask.requires_grad
+                if not kwargs.get("enable_gqa") and not learned_mask:
                     out = fused(
                         q,
                         k,
@@ -262,6 +266,7 @@ def _attention(kind: str) -> Iterator[None]:
                         scale=kwargs.get("scale"),
                     )
                     return out[0]
+                return func(q, k, v, **kwargs)
             return func(*args, **kwargs)
 
     with FusedOnMeta():

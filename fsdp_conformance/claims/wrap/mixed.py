@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -460,6 +460,19 @@ def _tie_problems(v: MixedResult) -> list[str]:
     return problems
 
 
+def _computes_through_a_tie(
+    fqn: str, fp32: Sequence[str], compute_of: Callable[[str], set[str]]
+) -> bool:
+    """An fp32 unit whose modules never run a forward of their own (T5's ``shared``: its weight
+    is tied to ``encoder.embed_tokens`` and ``decoder.embed_tokens``, which run instead)
+    computes nothing to observe: its weight computes through the tied units, which are judged
+    themselves. Only when another fp32 unit was observed computing, and only in fp32."""
+    if compute_of(fqn):
+        return False
+    ran = [compute_of(u) for u in fp32 if u != fqn and compute_of(u)]
+    return bool(ran) and all(seen == {"torch.float32"} for seen in ran)
+
+
 def _rank_problems(v: MixedResult) -> list[str]:
     """One rank's units against what the configuration wants of each."""
     problems = _tie_problems(v)
@@ -486,7 +499,7 @@ def _rank_problems(v: MixedResult) -> list[str]:
                 f"rank {rank}: unit {fqn} holds {u.local_numel:,} of "
                 f"{u.numel:,} elements locally ({strategy} expected)"
             )
-        if compute_of(fqn) != {dtype}:
+        if compute_of(fqn) != {dtype} and not _computes_through_a_tie(fqn, fp32, compute_of):
             problems.append(
                 f"rank {rank}: unit {fqn} computed with weights in "
                 f"{sorted(compute_of(fqn))}, expected {dtype}"
