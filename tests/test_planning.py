@@ -298,6 +298,39 @@ def test_activations_follow_the_compute_dtype_and_the_attention_kernel() -> None
     assert 0.9 * weights <= math_ - fp32 <= weights
 
 
+def test_a_learned_attention_mask_runs_unfused_on_meta_as_torch_runs_it() -> None:
+    # T5 adds a learned position bias to the attention scores: a mask that needs a gradient,
+    # which the fused CPU kernel cannot differentiate. The planner's "flash" mode leaves such a
+    # call to the unfused path (as torch does when it trains): the same saved tensors as "math".
+    # Negative control: a mask without a gradient still takes the fused kernel.
+    import torch
+    import torch.nn.functional as F
+
+    from fsdp_conformance.plan import activations
+
+    q = torch.empty(1, 4, 128, 16, device="meta", requires_grad=True)
+    learned = torch.empty(1, 4, 128, 128, device="meta", requires_grad=True)
+    fixed = torch.empty(1, 4, 128, 128, device="meta")
+
+    def saved(mask: torch.Tensor, kind: str) -> list[tuple[int, ...]]:
+        shapes: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            shapes.append(tuple(t.shape))
+            return t
+
+        with (
+            activations._attention(kind),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        assert out.shape == (1, 4, 128, 16)
+        return shapes
+
+    assert saved(learned, "flash") == saved(learned, "math")
+    assert saved(fixed, "flash") != saved(fixed, "math")
+
+
 # ------------------------------------------------------------------------------------------
 # The command line: one clear line on bad input; the FSDP2 cross-check in a subprocess
 # ------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fsdp_conformance.claims.wrap.mixed import (
+    _computes_through_a_tie,
     outermost,
     output_consumers,
     rank_mixed,
@@ -255,3 +256,22 @@ def test_mixed_keeps_every_tie_in_one_unit_and_its_consumers_in_fp32(ranks: Rank
     verdict = verdict_mixed(values, params)
     assert verdict.passed, verdict.message
     assert all(v["strategies"]["embed_norm"] == "NO_SHARD" for v in values)
+
+
+def test_an_fp32_unit_that_never_runs_is_judged_through_the_tied_units_that_do() -> None:
+    # T5: `shared` holds the tied embedding weight, but only encoder.embed_tokens and
+    # decoder.embed_tokens run a forward. `shared` computed nothing, and is not failed for it
+    # while a tied fp32 unit was seen computing in fp32.
+    fp32 = ["shared", "encoder.embed_tokens", "decoder.embed_tokens"]
+    seen = {"encoder.embed_tokens": {"torch.float32"}, "decoder.embed_tokens": {"torch.float32"}}
+
+    def compute_of(unit: str) -> set[str]:
+        return seen.get(unit, set())
+
+    assert _computes_through_a_tie("shared", fp32, compute_of)
+    # Negative controls: a unit that did run is judged on what it computed; nothing else ran;
+    # the units that ran computed in bf16.
+    assert not _computes_through_a_tie("encoder.embed_tokens", fp32, compute_of)
+    assert not _computes_through_a_tie("shared", ["shared"], compute_of)
+    seen["encoder.embed_tokens"] = {"torch.bfloat16"}
+    assert not _computes_through_a_tie("shared", fp32, compute_of)
