@@ -86,3 +86,145 @@ def mixtral(num_layers: int = 2) -> transformers.PreTrainedModel:
 
 #: The reference factories by name (the tests and docs iterate over them).
 FACTORIES = {"llama": llama, "gpt2": gpt2, "mixtral": mixtral}
+
+
+# ---------------------------------------------------------------------------------------------
+# More architectures, for the whole run on models no reference test names (ci/architectures.sh)
+# ---------------------------------------------------------------------------------------------
+
+
+def _untyped(**config: Any) -> dict[str, Any]:
+    return config
+
+
+def _layers(num_layers: int, **config: Any) -> dict[str, Any]:
+    # pad_token_id inside the small vocabulary: some configs default to a large one.
+    return _small(num_hidden_layers=num_layers, num_attention_heads=HEADS, pad_token_id=0, **config)
+
+
+def bert(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """An encoder with a masked-LM head: the word embedding tied to the decoder, and the
+    decoder's bias tied to the head's (two ties)."""
+    config = transformers.BertConfig(
+        **_layers(num_layers, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN),
+        max_position_embeddings=64,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def t5(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """An encoder-decoder: one embedding shared by encoder, decoder and head, a learned
+    relative position bias added to the attention scores."""
+    config = transformers.T5Config(
+        **_small(
+            d_model=HIDDEN,
+            d_ff=2 * HIDDEN,
+            d_kv=HIDDEN // HEADS,
+            num_heads=HEADS,
+            num_layers=num_layers,
+            pad_token_id=0,
+            decoder_start_token_id=0,
+        )
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def bloom(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A tied decoder with a LayerNorm right after the embedding (outside the blocks)."""
+    config = transformers.BloomConfig(
+        **_small(hidden_size=HIDDEN, n_layer=num_layers, n_head=HEADS)
+    )
+    return transformers.BloomForCausalLM(config)
+
+
+def falcon(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A tied decoder with parallel attention and MLP."""
+    config = transformers.FalconConfig(**_layers(num_layers, hidden_size=HIDDEN))
+    return transformers.FalconForCausalLM(config)
+
+
+def phi3(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A decoder with fused QKV and gate-up projections."""
+    config = transformers.Phi3Config(
+        **_layers(
+            num_layers, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS
+        )
+    )
+    return transformers.Phi3ForCausalLM(config)
+
+
+def gemma2(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A tied decoder whose config lists each layer's attention type (``layer_types``)."""
+    config = transformers.Gemma2Config(
+        **_layers(
+            num_layers,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_key_value_heads=HEADS // 2,
+            head_dim=HIDDEN // HEADS,
+        )
+    )
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def qwen2_moe(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A mixture of experts with a shared expert beside 4 routed ones (2 per token)."""
+    config = transformers.Qwen2MoeConfig(
+        **_layers(
+            num_layers,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            moe_intermediate_size=HIDDEN,
+            shared_expert_intermediate_size=HIDDEN,
+            num_key_value_heads=HEADS // 2,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def gpt_neox(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A decoder with untied embeddings and partial rotary embeddings."""
+    config = transformers.GPTNeoXConfig(
+        **_layers(num_layers, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN)
+    )
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def vit(num_layers: int = 2) -> transformers.PreTrainedModel:
+    """A vision transformer classifying 32 x 32 images in 8 x 8 patches (its input:
+    :func:`vit_pixels`, ``--input fsdp_conformance.hf_models:vit_pixels``)."""
+    config = transformers.ViTConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=num_layers,
+        num_attention_heads=HEADS,
+        image_size=32,
+        patch_size=8,
+        **_untyped(num_labels=10),  # a PretrainedConfig keyword its typed signature leaves out
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def vit_pixels(model: Any, batch_size: int, device: Any) -> dict[str, Any]:
+    """:func:`vit`'s input: a batch of random images, the same on every rank."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=generator).to(device)}
+
+
+#: More architectures by name, each with the input builder its forward needs (None: token ids):
+#: decoders, tied decoders, an encoder, an encoder-decoder, a vision model, a mixture of experts.
+ARCHITECTURES: dict[str, tuple[Any, str | None]] = {
+    "bert": (bert, None),
+    "t5": (t5, None),
+    "bloom": (bloom, None),
+    "falcon": (falcon, None),
+    "phi3": (phi3, None),
+    "gemma2": (gemma2, None),
+    "qwen2_moe": (qwen2_moe, None),
+    "gpt_neox": (gpt_neox, None),
+    "vit": (vit, "fsdp_conformance.hf_models:vit_pixels"),
+}
