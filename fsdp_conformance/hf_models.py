@@ -102,7 +102,7 @@ def _layers(num_layers: int, **config: Any) -> dict[str, Any]:
     return _small(num_hidden_layers=num_layers, num_attention_heads=HEADS, pad_token_id=0, **config)
 
 
-def bert(num_layers: int = 2) -> transformers.PreTrainedModel:
+def bert(num_layers: int = 4) -> transformers.PreTrainedModel:
     """An encoder with a masked-LM head: the word embedding tied to the decoder, and the
     decoder's bias tied to the head's (two ties)."""
     config = transformers.BertConfig(
@@ -112,7 +112,7 @@ def bert(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.BertForMaskedLM(config)
 
 
-def t5(num_layers: int = 2) -> transformers.PreTrainedModel:
+def t5(num_layers: int = 4) -> transformers.PreTrainedModel:
     """An encoder-decoder: one embedding shared by encoder, decoder and head, a learned
     relative position bias added to the attention scores."""
     config = transformers.T5Config(
@@ -129,7 +129,7 @@ def t5(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.T5ForConditionalGeneration(config)
 
 
-def bloom(num_layers: int = 2) -> transformers.PreTrainedModel:
+def bloom(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A tied decoder with a LayerNorm right after the embedding (outside the blocks)."""
     config = transformers.BloomConfig(
         **_small(hidden_size=HIDDEN, n_layer=num_layers, n_head=HEADS)
@@ -137,13 +137,13 @@ def bloom(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.BloomForCausalLM(config)
 
 
-def falcon(num_layers: int = 2) -> transformers.PreTrainedModel:
+def falcon(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A tied decoder with parallel attention and MLP."""
     config = transformers.FalconConfig(**_layers(num_layers, hidden_size=HIDDEN))
     return transformers.FalconForCausalLM(config)
 
 
-def phi3(num_layers: int = 2) -> transformers.PreTrainedModel:
+def phi3(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A decoder with fused QKV and gate-up projections."""
     config = transformers.Phi3Config(
         **_layers(
@@ -153,7 +153,7 @@ def phi3(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.Phi3ForCausalLM(config)
 
 
-def gemma2(num_layers: int = 2) -> transformers.PreTrainedModel:
+def gemma2(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A tied decoder whose config lists each layer's attention type (``layer_types``)."""
     config = transformers.Gemma2Config(
         **_layers(
@@ -167,7 +167,7 @@ def gemma2(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.Gemma2ForCausalLM(config)
 
 
-def qwen2_moe(num_layers: int = 2) -> transformers.PreTrainedModel:
+def qwen2_moe(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A mixture of experts with a shared expert beside 4 routed ones (2 per token)."""
     config = transformers.Qwen2MoeConfig(
         **_layers(
@@ -184,7 +184,7 @@ def qwen2_moe(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.Qwen2MoeForCausalLM(config)
 
 
-def gpt_neox(num_layers: int = 2) -> transformers.PreTrainedModel:
+def gpt_neox(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A decoder with untied embeddings and partial rotary embeddings."""
     config = transformers.GPTNeoXConfig(
         **_layers(num_layers, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN)
@@ -192,7 +192,7 @@ def gpt_neox(num_layers: int = 2) -> transformers.PreTrainedModel:
     return transformers.GPTNeoXForCausalLM(config)
 
 
-def vit(num_layers: int = 2) -> transformers.PreTrainedModel:
+def vit(num_layers: int = 4) -> transformers.PreTrainedModel:
     """A vision transformer classifying 32 x 32 images in 8 x 8 patches (its input:
     :func:`vit_pixels`, ``--input fsdp_conformance.hf_models:vit_pixels``)."""
     config = transformers.ViTConfig(
@@ -217,6 +217,9 @@ def vit_pixels(model: Any, batch_size: int, device: Any) -> dict[str, Any]:
 
 #: More architectures by name, each with the input builder its forward needs (None: token ids):
 #: decoders, tied decoders, an encoder, an encoder-decoder, a vision model, a mixture of experts.
+#: Four layers by default (the reference three have two, for the CPU lane's budget): at two,
+#: the planner's loose activation working-set term outweighs Phi-3's sharded state and its
+#: trust check reads the estimate as too loose (ratio 0.448 against 0.45; docs/planning.md).
 ARCHITECTURES: dict[str, tuple[Any, str | None]] = {
     "bert": (bert, None),
     "t5": (t5, None),
