@@ -133,3 +133,44 @@ def two_ties_model() -> nn.Module:
 def embed_norm_model() -> nn.Module:
     """:class:`TwoTiesModel` without its ties: a LayerNorm consumes the embedding's output."""
     return TwoTiesModel(tied=False)
+
+
+class ContextBlock(nn.Module):
+    """A block that reads, besides its input, a ``context`` computed once outside the blocks
+    and passed to every block (T5: the encoder's output into each decoder block's
+    cross-attention, block 0's position bias into every block), through two projections (a key
+    and a value): the context's gradient is a sum over uses, two in each block."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.query, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim, bias=False)  # a key bias's true gradient is zero
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        scores = self.query(x) @ self.key(context).transpose(-1, -2) / x.shape[-1] ** 0.5
+        x = x + scores.softmax(-1) @ self.value(context)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class ContextModel(nn.Module):
+    """Token embedding, a context projection in the root, :class:`ContextBlock` blocks each
+    taking the context as a keyword argument, a head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.context = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(ContextBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        context = self.context(x)
+        for block in self.blocks:
+            x = block(x, context=context)
+        return self.head(x)
+
+
+def context_model() -> nn.Module:
+    return ContextModel()

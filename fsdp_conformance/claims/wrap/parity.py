@@ -12,14 +12,22 @@ judged against that floor instead of its own update: a difference beyond roundin
 A diagnosis is stated only where the figures support it: the update factor of the whole model
 (least squares; the world size when gradients were summed) and of the worst tensor (0 when its
 update never reached it).
+
+The bf16 reference (:class:`MixedPrecisionReference`) repeats FSDP's mixed-precision arithmetic
+in one process (docs/wrapping.md, "bf16 parity").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.models import call_model, default_loss
 
 #: How close (relative) an update factor must be to a named cause for the message to name it.
 FACTOR_MATCH_RTOL = 0.02
@@ -136,3 +144,159 @@ def tensor_diagnosis(name: str, share: float, tensor_factor: float | None) -> st
     if update_lost(tensor_factor):
         said += ": no update reached it (its gradient lost, or the tensor never stepped)"
     return said
+
+
+# --------------------------------------------------------------------------------------------
+# The bf16 reference: FSDP's mixed-precision arithmetic in one process
+# --------------------------------------------------------------------------------------------
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``value`` (nested tuples, lists, mappings) cast to ``dtype``: what
+    FSDP's ``_cast_forward_inputs`` does to a unit's arguments."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if torch.is_floating_point(value) else value
+    if isinstance(value, Mapping):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
+
+
+class _UnitInputs(torch.autograd.Function):
+    """The identity on a unit's grad-requiring arguments, as FSDP2's
+    ``RegisterPostBackwardFunction`` (torch 2.13, ``_fsdp_param_group``): one node for all of
+    them, so the gradient of an argument used twice inside the unit is summed there first, and
+    only that sum is added to the gradients of the argument's other uses. In bf16 the grouping
+    rounds differently from a plain graph (docs/wrapping.md, "bf16 parity")."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+def _unit_inputs(arguments: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``arguments`` (args, kwargs) with every tensor that needs a gradient passed through one
+    :class:`_UnitInputs` node (in grad mode only, as FSDP2)."""
+    needing = [
+        t for t in _compat.tree_leaves(arguments) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if not needing or not torch.is_grad_enabled():
+        return arguments
+    replaced = iter(_UnitInputs.apply(*needing))  # type: ignore[no-untyped-call]
+    swapped: tuple[Any, Any] = _compat.tree_map(
+        lambda t: next(replaced) if isinstance(t, torch.Tensor) and t.requires_grad else t,
+        arguments,
+    )
+    return swapped
+
+
+def gradient_divide_factors(version: str, world_size: int) -> tuple[float, float]:
+    """(pre, post) division of the gradient around the bf16 reduction, as torch 2.13 does it.
+
+    FSDP1 (``_init_utils``, ``DefaultState._get_gradient_predivide_factor``): the gradient is
+    divided by the smallest power of two ``f`` with ``f >= world_size / f`` before the
+    reduce-scatter (a sum) and by ``world_size / f`` after it. FSDP2
+    (``_fsdp_collectives._get_gradient_divide_factors``): for a bf16 or fp32 reduce dtype and no
+    ``gradient_divide_factor``, one ``ReduceOp.AVG`` reduce-scatter: the sum divided by the
+    world size.
+    """
+    if version == "fsdp2":
+        return 1.0, float(world_size)
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre
+
+
+class MixedPrecisionReference:
+    """The single-process reference computing as FSDP's bf16 mixed precision does.
+
+    FSDP (both versions, torch 2.13; docs/wrapping.md, "bf16 parity") keeps fp32 master
+    weights, casts a bf16 copy for forward and backward, casts floating inputs to bf16 at the
+    root (FSDP1, ``cast_root_forward_inputs``) or at every unit (FSDP2, ``cast_forward_inputs``,
+    then one identity autograd node over the unit's arguments that need a gradient:
+    :class:`_UnitInputs`), FSDP1 also casts floating buffers (``buffer_dtype``), reduces each
+    rank's bf16 gradient in bf16 divided by :func:`gradient_divide_factors`, casts the reduced
+    gradient to fp32 and steps on the fp32 master. The reference repeats each of these steps
+    for every rank's slice of the batch in this one process. The ranks' bf16 gradients are
+    summed in the order gloo's ring reduce-scatter sums them (measured on torch 2.13: the chunk
+    that rank ``k`` receives is ``((g[k-1] + g[k-2]) + ...) + g[k]``, ranks modulo the world
+    size, rounded to bf16 after each addition), element by element according to ``owners``
+    (``train.element_owners``).
+    """
+
+    def __init__(
+        self,
+        master: nn.Module,
+        version: str,
+        unit_names: Sequence[str],
+        owners: Mapping[str, torch.Tensor],
+    ) -> None:
+        self.master, self.version, self.owners = master, version, owners
+        self.low = copy.deepcopy(master)
+        for p in self.low.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        if version == "fsdp1":
+            for b in self.low.buffers():
+                if torch.is_floating_point(b):
+                    b.data = b.data.to(torch.bfloat16)
+        modules = dict(self.low.named_modules())
+        if version == "fsdp1":
+            modules[""].register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        else:
+            for name in dict.fromkeys(["", *unit_names]):
+                modules[name].register_forward_pre_hook(self._fsdp2_unit_inputs, with_kwargs=True)
+
+    @staticmethod
+    def _cast_inputs(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        return _cast_floats(args, torch.bfloat16), _cast_floats(kwargs, torch.bfloat16)
+
+    @staticmethod
+    def _fsdp2_unit_inputs(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """What FSDP2's pre-forward does to a unit's arguments: cast (``cast_forward_inputs``),
+        then every one that needs a gradient through one identity autograd node
+        (``_register_post_backward_hook``), which sums each argument's gradient within the unit
+        before it meets the gradients of its other uses (:class:`_UnitInputs`)."""
+        return _unit_inputs(
+            (_cast_floats(args, torch.bfloat16), _cast_floats(kwargs, torch.bfloat16))
+        )
+
+    def step(self, slices: Sequence[Any], lr: float) -> float:
+        """One step on the ranks' ``slices``; returns the mean of their losses (what the
+        FSDP side reports)."""
+        with torch.no_grad():
+            for low, master in zip(self.low.parameters(), self.master.parameters()):
+                low.copy_(master)
+        grads: list[list[torch.Tensor | None]] = []
+        losses = []
+        for rows in slices:
+            loss = default_loss(call_model(self.low, rows))
+            loss.backward()
+            losses.append(float(loss))
+            grads.append([p.grad for p in self.low.parameters()])
+            self.low.zero_grad(set_to_none=True)
+        world = len(slices)
+        pre, post = gradient_divide_factors(self.version, world)
+        with torch.no_grad():
+            for i, (name, master) in enumerate(self.master.named_parameters()):
+                if any(g[i] is None for g in grads):
+                    continue
+                owner = self.owners[name]
+                reduced = torch.zeros_like(master, dtype=torch.bfloat16)
+                for k in owner.unique().tolist():
+                    order = [(k - 1 - j) % world for j in range(world)]  # k-1, k-2, ..., k
+                    total = grads[order[0]][i] / pre
+                    for r in order[1:]:
+                        total = total + grads[r][i] / pre
+                    reduced = torch.where(owner == k, total, reduced)
+                master.add_((reduced / post).float(), alpha=-lr)
+        return sum(losses) / len(losses)

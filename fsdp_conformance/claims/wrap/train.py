@@ -1,6 +1,6 @@
 """``wrap.train.fp32`` / ``wrap.train.bf16``: a few SGD steps under FSDP equal a single-process
 reference (bf16: compute really in bf16, parameters kept in fp32, the reference computing as
-FSDP's mixed precision does: :class:`MixedPrecisionReference`).
+FSDP's mixed precision does: :class:`parity.MixedPrecisionReference`).
 
 The user's code is the module-level steps :func:`rank_train` calls by name: sharding
 (``shard_with_policy``), the mixed-precision options (:func:`mixed_precision_kwargs`) and the
@@ -22,6 +22,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.wrap.parity import (
+    MixedPrecisionReference,
     compare_updates,
     tensor_diagnosis,
     update_diagnosis,
@@ -265,109 +266,6 @@ def _full_params(sharded: nn.Module, version: str) -> dict[str, torch.Tensor]:
         n: (p.full_tensor() if isinstance(p, dtensor) else p).detach().float().clone()
         for n, p in sharded.named_parameters()
     }
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``value`` (nested tuples, lists, mappings) cast to ``dtype``: what
-    FSDP's ``_cast_forward_inputs`` does to a unit's arguments."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if torch.is_floating_point(value) else value
-    if isinstance(value, Mapping):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    return value
-
-
-def gradient_divide_factors(version: str, world_size: int) -> tuple[float, float]:
-    """(pre, post) division of the gradient around the bf16 reduction, as torch 2.13 does it.
-
-    FSDP1 (``_init_utils``, ``DefaultState._get_gradient_predivide_factor``): the gradient is
-    divided by the smallest power of two ``f`` with ``f >= world_size / f`` before the
-    reduce-scatter (a sum) and by ``world_size / f`` after it. FSDP2
-    (``_fsdp_collectives._get_gradient_divide_factors``): for a bf16 or fp32 reduce dtype and no
-    ``gradient_divide_factor``, one ``ReduceOp.AVG`` reduce-scatter: the sum divided by the
-    world size.
-    """
-    if version == "fsdp2":
-        return 1.0, float(world_size)
-    pre = 1
-    while world_size % pre == 0 and world_size / pre > pre:
-        pre *= 2
-    return float(pre), world_size / pre
-
-
-class MixedPrecisionReference:
-    """The single-process reference computing as FSDP's bf16 mixed precision does.
-
-    FSDP (both versions, torch 2.13; docs/wrapping.md, "bf16 parity") keeps fp32 master
-    weights, casts a bf16 copy for forward and backward, casts floating inputs to bf16 at the
-    root (FSDP1, ``cast_root_forward_inputs``) or at every unit (FSDP2, ``cast_forward_inputs``),
-    FSDP1 also casts floating buffers (``buffer_dtype``), reduces each rank's bf16 gradient in
-    bf16 divided by :func:`gradient_divide_factors`, casts the reduced gradient to fp32 and
-    steps on the fp32 master. The reference repeats each of these steps for every rank's slice
-    of the batch in this one process. The ranks' bf16 gradients are summed in the order gloo's
-    ring reduce-scatter sums them (measured on torch 2.13: the chunk that rank ``k`` receives is
-    ``((g[k-1] + g[k-2]) + ...) + g[k]``, ranks modulo the world size, rounded to bf16 after
-    each addition), element by element according to ``owners`` (:func:`element_owners`).
-    """
-
-    def __init__(
-        self,
-        master: nn.Module,
-        version: str,
-        unit_names: Sequence[str],
-        owners: Mapping[str, torch.Tensor],
-    ) -> None:
-        self.master, self.version, self.owners = master, version, owners
-        self.low = copy.deepcopy(master)
-        for p in self.low.parameters():
-            p.data = p.data.to(torch.bfloat16)
-        if version == "fsdp1":
-            for b in self.low.buffers():
-                if torch.is_floating_point(b):
-                    b.data = b.data.to(torch.bfloat16)
-        modules = dict(self.low.named_modules())
-        casting = [""] if version == "fsdp1" else ["", *unit_names]
-        for name in dict.fromkeys(casting):
-            modules[name].register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-
-    @staticmethod
-    def _cast_inputs(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, Any]:
-        return _cast_floats(args, torch.bfloat16), _cast_floats(kwargs, torch.bfloat16)
-
-    def step(self, slices: Sequence[Any], lr: float) -> float:
-        """One step on the ranks' ``slices``; returns the mean of their losses (what the
-        FSDP side reports)."""
-        with torch.no_grad():
-            for low, master in zip(self.low.parameters(), self.master.parameters()):
-                low.copy_(master)
-        grads: list[list[torch.Tensor | None]] = []
-        losses = []
-        for rows in slices:
-            loss = default_loss(call_model(self.low, rows))
-            loss.backward()
-            losses.append(float(loss))
-            grads.append([p.grad for p in self.low.parameters()])
-            self.low.zero_grad(set_to_none=True)
-        world = len(slices)
-        pre, post = gradient_divide_factors(self.version, world)
-        with torch.no_grad():
-            for i, (name, master) in enumerate(self.master.named_parameters()):
-                if any(g[i] is None for g in grads):
-                    continue
-                owner = self.owners[name]
-                reduced = torch.zeros_like(master, dtype=torch.bfloat16)
-                for k in owner.unique().tolist():
-                    order = [(k - 1 - j) % world for j in range(world)]  # k-1, k-2, ..., k
-                    total = grads[order[0]][i] / pre
-                    for r in order[1:]:
-                        total = total + grads[r][i] / pre
-                    reduced = torch.where(owner == k, total, reduced)
-                master.add_((reduced / post).float(), alpha=-lr)
-        return sum(losses) / len(losses)
 
 
 def _reference_step(
