@@ -258,7 +258,6 @@ def test_mixed_keeps_every_tie_in_one_unit_and_its_consumers_in_fp32(ranks: Rank
     assert all(v["strategies"]["embed_norm"] == "NO_SHARD" for v in values)
 
 
-<<<<<<< HEAD
 def test_an_fp32_unit_that_never_runs_is_judged_through_the_tied_units_that_do() -> None:
     # T5: `shared` holds the tied embedding weight, but only encoder.embed_tokens and
     # decoder.embed_tokens run a forward. `shared` computed nothing, and is not failed for it
@@ -276,7 +275,8 @@ def test_an_fp32_unit_that_never_runs_is_judged_through_the_tied_units_that_do()
     assert not _computes_through_a_tie("shared", ["shared"], compute_of)
     seen["encoder.embed_tokens"] = {"torch.bfloat16"}
     assert not _computes_through_a_tie("shared", fp32, compute_of)
-=======
+
+
 # --------------------------------------------------------------------------------------------
 # bf16 parity: a tensor computed outside the blocks and used by several blocks (T5)
 # --------------------------------------------------------------------------------------------
@@ -310,4 +310,3 @@ def test_bf16_reference_sums_a_shared_input_gradient_per_unit_as_fsdp2_does(
     verdict = verdict_train(ranks.run(rank_train, **broken), broken)
     assert not verdict.passed, verdict.message
     assert "'s update differs from the reference's by" in verdict.message
->>>>>>> t5bf16
