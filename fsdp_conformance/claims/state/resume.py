@@ -28,7 +28,7 @@ from fsdp_conformance.claims.state.state_dicts import (
     shared_folder,
     snapshot,
 )
-from fsdp_conformance.harness import RankContext
+from fsdp_conformance.harness import CheckSkipped, RankContext
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.sharding import check_fsdp_version
 
@@ -63,13 +63,25 @@ class StepResult(_Step, total=False):
     optim_entries: int
 
 
-class ResumeResult(TypedDict):
-    """:func:`rank_resume`'s result on one rank."""
-
+class _Resume(TypedDict):
     rank: int
     version: str
     unbroken: StepResult
     kinds: dict[str, StepResult]
+
+
+class ResumeResult(_Resume, total=False):
+    """:func:`rank_resume`'s result on one rank: ``rank``, ``version``, ``unbroken``, ``kinds``."""
+
+    #: FSDP1: the parameters some rank holds no shard of (:func:`shardless_parameters`).
+    shardless: list[str]
+    #: ``state.resume.dcp_shardless``: the error ``dcp.load`` raised on this rank, one line.
+    dcp_failure: str
+
+
+#: The check that resumes from ``torch.distributed.checkpoint`` files a model where some rank
+#: holds no shard of a parameter (FSDP1): ``state.resume`` leaves its dcp kind to it there.
+DCP_SHARDLESS_CHECK = "state.resume.dcp_shardless"
 
 
 @contextlib.contextmanager
@@ -148,6 +160,37 @@ def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) 
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
+def shardless_parameters(model: nn.Module, version: str) -> list[str]:
+    """FSDP1: the parameters that some rank holds no shard of in the sharded state dict that
+    ``get_state_dict`` hands DCP (FSDP1 chunks each tensor's first dimension across the ranks:
+    one with fewer rows than ranks, a ``Linear(d, 1)`` gate or a ``(1, n, d)`` position
+    embedding, leaves a rank a ShardedTensor without local shards), every rank's, sorted. FSDP2
+    (DTensors, every rank a shard, maybe empty): none."""
+    if version != "fsdp1":
+        return []
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    mine = []
+    for name, value in get_model_state_dict(model).items():
+        local_shards = getattr(value, "local_shards", None)  # a ShardedTensor's
+        if callable(local_shards) and not local_shards():
+            mine.append(name)
+    every: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted({name for names in every for name in names or ()})
+
+
+def _dcp_failure(exc: BaseException) -> str:
+    """The error ``dcp.load`` raised, one line: the planner's missing key where it says one."""
+    import re
+
+    missing = re.search(r"Missing key in checkpoint state_dict: ([\w.]*\w)", str(exc))
+    if missing:
+        return f"RuntimeError: Missing key in checkpoint state_dict: {missing[1]}"
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
 def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
     """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
     from fsdp_conformance.models import call_model, default_loss
@@ -179,20 +222,41 @@ def rank_resume(
     version: str = "fsdp2",
     seed: int = 0,
     fault: str | Sequence[str] | None = None,
+    dcp_shardless: bool = False,
 ) -> ResumeResult:
     """Train :data:`STEPS_BEFORE` AdamW steps, take the model's and the optimizer's state dicts
     of each kind, load them into a model and optimizer built under another seed, and take one
     more step on both: the resumed run must equal the unbroken one (loss and every tensor,
     bitwise). ``fault``: the negative controls of
     :data:`~fsdp_conformance.claims.state.faults.FAULTS` (``optimizer_not_loaded``).
+
+    FSDP1, a model where some rank holds no shard of a parameter (:func:`shardless_parameters`):
+    the dcp kind is left to :data:`DCP_SHARDLESS_CHECK` (``dcp_shardless``), which resumes from
+    the files alone and records the error ``dcp.load`` raises (torch 2.13: its planner, missing
+    those parameters' keys on that rank, reads the files as a pre-2.4 checkpoint and asks for
+    ``optim.param_groups`` whole); it skips a model without such a parameter.
     """
     check_fsdp_version(version)
     with FAULTS.inject(fault, ctx):
-        return _resume(ctx, spec, version, seed)
+        return _resume(ctx, spec, version, seed, dcp_shardless)
 
 
-def _resume(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> ResumeResult:
+def _resume(
+    ctx: RankContext, spec: ModelSpec, version: str, seed: int, dcp_shardless: bool
+) -> ResumeResult:
     source = build_sharded(ctx, spec, version, seed)
+    shardless = shardless_parameters(source, version)
+    if dcp_shardless and not shardless:
+        raise CheckSkipped(
+            f"every rank holds a shard of every parameter of {spec.name} under {version}: the "
+            "condition of this check (a parameter with fewer rows than ranks) does not arise; "
+            "state.resume's dcp kind resumed this model"
+        )
+    run = (
+        ["dcp"]
+        if dcp_shardless
+        else [k for k in RESUME_KINDS[version] if k != "dcp" or not shardless]
+    )
     optim = torch.optim.AdamW(source.parameters(), lr=1e-2)
     batch = spec.batch(source, 2, ctx.device)
     for step in range(STEPS_BEFORE):
@@ -202,18 +266,29 @@ def _resume(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> Resum
             snapshot(get_state(source, version, RESUME_MODEL_KIND.get(kind, kind))),
             snapshot(get_optim_state(source, optim, version, kind)),
         )
-        for kind in RESUME_KINDS[version]
+        for kind in run
         if kind != "dcp"
     }
     kinds: dict[str, StepResult] = {}
+    failure: dict[str, str] = {}
     with shared_folder(ctx, "fsdp-conformance-resume-") as path:
-        save_train_state(source, optim, path)  # files: the dcp kind's snapshot
+        if "dcp" in run:
+            save_train_state(source, optim, path)  # files: the dcp kind's snapshot
         unbroken = _resumed_step(source, optim, batch, version)
-        for kind in RESUME_KINDS[version]:
+        for kind in run:
             target = build_sharded(ctx, spec, version, seed + 1)
             target_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
             # The user's resume: load_train_state and set_optim_state are a fault's steps.
-            if kind == "dcp":
+            if kind == "dcp" and dcp_shardless:
+                from torch.distributed.checkpoint.api import CheckpointException
+
+                try:
+                    load_train_state(target, target_optim, path)
+                # The finding: what dcp.load raised (a CheckpointException is a BaseException).
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001
+                    failure["dcp_failure"] = _dcp_failure(exc)
+                    continue
+            elif kind == "dcp":
                 load_train_state(target, target_optim, path)
             else:
                 model_state, optim_state = saved[kind]
@@ -222,7 +297,16 @@ def _resume(ctx: RankContext, spec: ModelSpec, version: str, seed: int) -> Resum
             kinds[kind] = _resumed_step(target, target_optim, batch, version)
             if kind in saved:  # observed: how much optimizer state the getter handed this rank
                 kinds[kind]["optim_entries"] = len(saved[kind][1].get("state", {}))
-    return {"rank": ctx.rank, "version": version, "unbroken": unbroken, "kinds": kinds}
+    result: ResumeResult = {
+        "rank": ctx.rank,
+        "version": version,
+        "unbroken": unbroken,
+        "kinds": kinds,
+        "shardless": shardless,
+    }
+    if failure:
+        result["dcp_failure"] = failure["dcp_failure"]
+    return result
 
 
 def verdict_resume(values: Sequence[ResumeResult], params: Mapping[str, Any]) -> Verdict:
@@ -263,10 +347,53 @@ def verdict_resume(values: Sequence[ResumeResult], params: Mapping[str, Any]) ->
         tree += section(kind, "resumed run equals the unbroken one", wrong)
         bad += [kind] if wrong else []
     losses = {str(v["rank"]): v["unbroken"]["loss"] for v in values}
-    figures = {"kinds": kinds, "steps_before": STEPS_BEFORE, "failed_kinds": sorted(set(bad))}
+    figures: dict[str, Any] = {
+        "kinds": kinds,
+        "steps_before": STEPS_BEFORE,
+        "failed_kinds": sorted(set(bad)),
+    }
     head = (
         f"{version} {spec.name}: AdamW, {STEPS_BEFORE} steps, model and optimizer state "
         f"saved ({', '.join(kinds)}), loaded into a fresh model, one more step against the "
         f"unbroken run, bitwise, on all {len(values)} ranks"
     )
+    shardless = values[0].get("shardless", [])
+    if shardless and "dcp" in RESUME_KINDS[version] and "dcp" not in kinds:
+        figures["dcp_left_to"] = DCP_SHARDLESS_CHECK
+        head += (
+            f" (dcp left to {DCP_SHARDLESS_CHECK}: some rank holds no shard of "
+            f"{_names(shardless)}, fewer rows than ranks)"
+        )
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures, {"unbroken_loss": losses})
+
+
+def _names(names: Sequence[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def verdict_resume_dcp_shardless(
+    values: Sequence[ResumeResult], params: Mapping[str, Any]
+) -> Verdict:
+    """:data:`DCP_SHARDLESS_CHECK`: the resume from the checkpoint files loaded on every rank
+    and the resumed step equals the unbroken run's (:func:`verdict_resume`); a load that raised
+    fails in one line naming torch's behaviour, the condition and this torch."""
+    failed = {v["rank"]: v["dcp_failure"] for v in values if "dcp_failure" in v}
+    if not failed:
+        return verdict_resume(values, params)
+    shardless = values[0].get("shardless", [])
+    error = sorted(set(failed.values()))[0]
+    planner = "optim.param_groups" in error
+    line = (
+        "FSDP1 + DCP optimizer resume fails when a rank holds no shard of a parameter "
+        f"({_names(shardless)}: fewer rows than ranks): "
+        + (
+            "dcp.load's planner, missing those keys on that rank, reads the files as a "
+            "pre-2.4 checkpoint and asks for 'optim.param_groups' whole"
+            if planner
+            else "dcp.load raised"
+        )
+        + f" ({error}, ranks {', '.join(map(str, sorted(failed)))}): torch {torch.__version__}"
+    )
+    figures = {"shardless": list(shardless), "failed_ranks": sorted(failed), "error": error}
+    return Verdict(False, line, figures, {})
