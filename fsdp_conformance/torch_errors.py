@@ -141,10 +141,11 @@ def _fsdp1_input_dtype(match: re.Match[str], params: Mapping[str, Any]) -> str:
 def _dcp_param_groups(match: re.Match[str], params: Mapping[str, Any]) -> str:
     saved = "FSDP1's" if params.get("version") == "fsdp1" else "the"
     return (
-        f"torch behaviour, not a fault of the model: torch.distributed.checkpoint's strict load "
-        f"asks for {match['key']!r}, which the checkpoint saved from {saved} optimizer state "
-        "dict does not hold (seen on ViT with FSDP1 through torch's public APIs alone: "
-        "get_optimizer_state_dict, dcp.save, dcp.load; the same steps resume Phi-3)"
+        f"torch behaviour, not a fault of the model: torch.distributed.checkpoint's load asks "
+        f"for {match['key']!r} whole, though {saved} optimizer state dict was saved field by "
+        "field: when a rank holds no shard of a parameter with fewer rows than ranks (ViT's "
+        "class token, Qwen2-MoE's shared-expert gate), dcp.load's planner misses those keys on "
+        "that rank and reads the files as a pre-2.4 checkpoint (docs/state.md)"
     )
 
 
