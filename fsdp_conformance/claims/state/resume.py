@@ -248,8 +248,8 @@ def _resume(
     shardless = shardless_parameters(source, version)
     if dcp_shardless and not shardless:
         raise CheckSkipped(
-            f"every rank holds a shard of every parameter of {spec.name} under {version}: the "
-            "condition of this check (a parameter with fewer rows than ranks) does not arise; "
+            f"every rank holds a shard of every parameter of {spec.name} under {version}, so "
+            "this check does not apply (it needs a parameter with fewer rows than ranks); "
             "state.resume's dcp kind resumed this model"
         )
     run = (
