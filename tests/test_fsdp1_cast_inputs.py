@@ -169,3 +169,18 @@ def test_only_fsdp1s_input_dtype_error_is_recognised() -> None:
     message = "Input type (float) and bias type (c10::BFloat16) should be the same"
     assert fsdp1_input_dtype_error(raise_in(RuntimeError(message))) is None
     assert fsdp1_input_dtype_error(raise_in(RuntimeError("shapes cannot be multiplied"))) is None
+
+
+@pytest.mark.world_size(2)
+def test_the_memory_checks_measure_the_retried_step_within_their_bound(ranks: Ranks) -> None:
+    from fsdp_conformance.claims.memory.mixed_precision_peak import (
+        rank_mixed_precision_peak,
+        verdict_mixed_precision_peak,
+    )
+
+    params = {"spec": CASTING, "version": "fsdp1", "cases": (("reduce_unset", "bf16", None),)}
+    verdict = verdict_mixed_precision_peak(ranks.run(rank_mixed_precision_peak, **params), params)
+    assert verdict.passed, verdict.message
+    assert verdict.figures["cast_forward_inputs"] is True
+    assert verdict.data["input_casts"]["reduce_unset"]["fix"] == INPUT_CASTS_FIX
+    assert "FSDP1's MixedPrecision defaults could not run this model" in verdict.message

@@ -197,7 +197,9 @@ def _smallest_frozen(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module
 
 def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
     return patched(
-        _this_module(), "mixed_precision_kwargs", lambda kwargs: lambda version, precision: {}
+        _this_module(),
+        "mixed_precision_kwargs",
+        lambda kwargs: lambda version, precision, cast_forward_inputs=False: {},
     )
 
 
