@@ -7,8 +7,10 @@ chosen module bottom-up, then on the root. Both paths take a :class:`RankContext
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import gc
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict, TypeVar
 
 import torch
 import torch.nn as nn
@@ -98,12 +100,17 @@ def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:
 
 
 def param_dtype_kwargs(
-    version: str, param_dtype: str | None, reduce_dtype: str | None = None
+    version: str,
+    param_dtype: str | None,
+    reduce_dtype: str | None = None,
+    cast_forward_inputs: bool = False,
 ) -> dict[str, Any]:
     """Mixed precision as a user writes it with only the compute dtype named: FSDP1
     ``MixedPrecision(param_dtype=...)``, FSDP2 ``MixedPrecisionPolicy(param_dtype=...)``, every
     other field left to torch (reduce dtype, buffers, input casts). ``None``: no policy.
-    ``reduce_dtype``: that field named too (``None`` leaves it to torch)."""
+    ``reduce_dtype``: that field named too (``None`` leaves it to torch).
+    ``cast_forward_inputs``: FSDP1's ``cast_forward_inputs=True`` (:func:`with_fsdp1_input_casts`
+    asks for it after FSDP1's defaults could not run the model; FSDP2 casts by default)."""
     if param_dtype is None:
         return {}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -116,9 +123,86 @@ def param_dtype_kwargs(
     if check_fsdp_version(version) == "fsdp1":
         from torch.distributed.fsdp import MixedPrecision
 
+        if cast_forward_inputs:
+            named["cast_forward_inputs"] = True
         return {"mixed_precision": MixedPrecision(**named)}
     mp = _compat.mixed_precision_policy_cls()
     return {"mp_policy": mp(**named)}
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP1's input casts: observed, not configured
+# --------------------------------------------------------------------------------------------
+
+_Result = TypeVar("_Result")
+
+
+class InputCasts(TypedDict):
+    """Why a check's FSDP1 mixed-precision run was judged with ``cast_forward_inputs=True``."""
+
+    #: torch's one line, as FSDP1's defaults raised it (``RuntimeError: Input type ...``).
+    torch_error: str
+    #: What the run used instead, as a user writes it.
+    fix: str
+
+
+#: The fix :func:`with_fsdp1_input_casts` applies, in the user's words.
+INPUT_CASTS_FIX = "MixedPrecision(..., cast_forward_inputs=True)"
+
+
+def fsdp1_input_dtype_error(exc: BaseException) -> str | None:
+    """torch's one line when ``exc`` is FSDP1's known input-dtype error (the
+    ``fsdp1-input-dtype`` entry of :data:`fsdp_conformance.torch_errors.KNOWN_ERRORS`: a unit
+    handed inputs not in its parameters' dtype, raised under ``FullyShardedDataParallel``'s
+    forward), else None."""
+    from fsdp_conformance import torch_errors
+
+    error = torch_errors.parse_traceback("".join(traceback.format_exception(exc)))
+    if error is None:
+        return None
+    entry = torch_errors.known_error(error)
+    if entry is None or entry.name != "fsdp1-input-dtype":
+        return None
+    return f"{error.name}: {error.message}"
+
+
+def with_fsdp1_input_casts(
+    version: str, mixed: bool, run: Callable[[bool], _Result]
+) -> tuple[_Result, InputCasts | None]:
+    """``run(False)``: the check with mixed precision as users write it (torch's defaults);
+    with it, None. Where (and only where) that is FSDP1 in mixed precision and torch raised
+    FSDP1's known input-dtype error (:func:`fsdp1_input_dtype_error`), ``run(True)``: the check
+    again with ``cast_forward_inputs=True``, judged on that run, with torch's line and the fix.
+
+    FSDP1's ``MixedPrecision`` casts the root unit's inputs only unless
+    ``cast_forward_inputs=True``; a model that casts its input to a weight's dtype inside the
+    root unit (ViT's patch embedding) reads the fp32 shard there and hands the bf16 unit fp32
+    input. FSDP2 casts every unit's inputs by default. Any other error is raised as it was.
+    Every rank raises the error at the same forward (the same model and batch shape on each),
+    so every rank retries and the collectives stay matched. The failed run's model is freed
+    (``gc.collect``) before the retry, so a memory check measures the retry alone.
+    """
+    try:
+        return run(False), None
+    except RuntimeError as exc:
+        line = fsdp1_input_dtype_error(exc) if mixed and version == "fsdp1" else None
+        if line is None:
+            raise
+        casts: InputCasts = {"torch_error": line, "fix": INPUT_CASTS_FIX}
+    gc.collect()
+    return run(True), casts
+
+
+def input_casts_note(casts: InputCasts | None) -> str:
+    """The sentence a verdict adds when its FSDP1 run needed the input casts; '' otherwise."""
+    if casts is None:
+        return ""
+    return (
+        f"; FSDP1's MixedPrecision defaults could not run this model ({casts['torch_error']}): "
+        "its root casts an input to a weight's dtype while that weight is still the fp32 shard, "
+        "and FSDP1 casts only the root unit's inputs; judged on a run with the fix, "
+        f"{casts['fix']} (FSDP2 casts each unit's inputs by default)"
+    )
 
 
 def offload_kwargs(ctx: RankContext, version: str, offload: bool) -> dict[str, Any]:

@@ -200,6 +200,26 @@ def _zero_grad(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
 
 
 def measure_step(
+    ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", **options: Any
+) -> dict[str, Any]:
+    """One measured step (:func:`_measure_once`, whose ``options`` it takes) with mixed
+    precision as users write it; where FSDP1's defaults cannot run the model (its input-dtype
+    error, e.g. ViT), the step measured again with ``cast_forward_inputs=True``
+    (:func:`~fsdp_conformance.sharding.with_fsdp1_input_casts`: the failed run's model is freed
+    first), said under ``"input_casts"`` (None: the defaults ran, the only run)."""
+    from fsdp_conformance.sharding import with_fsdp1_input_casts
+
+    def once(cast_forward_inputs: bool) -> dict[str, Any]:
+        return _measure_once(
+            ctx, spec, version, wrapping, cast_forward_inputs=cast_forward_inputs, **options
+        )
+
+    out, casts = with_fsdp1_input_casts(version, options.get("param_dtype") is not None, once)
+    out["input_casts"] = casts
+    return out
+
+
+def _measure_once(
     ctx: RankContext,
     spec: ModelSpec,
     version: str,
@@ -218,6 +238,7 @@ def measure_step(
     shard_group: int | None = None,
     seq_len: int = 8,
     offload: bool = False,
+    cast_forward_inputs: bool = False,
 ) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
@@ -236,7 +257,8 @@ def measure_step(
     ``shard_group``: HSDP with shard groups of that many ranks
     (:func:`~fsdp_conformance.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
     ``offload``: CPU offload of the sharded state
-    (:func:`~fsdp_conformance.sharding.offload_kwargs`).
+    (:func:`~fsdp_conformance.sharding.offload_kwargs`). ``cast_forward_inputs``: FSDP1's
+    per-unit input casts (only :func:`measure_step`'s retry asks for them).
     """
 
     from fsdp_conformance.sharding import (
@@ -279,7 +301,7 @@ def measure_step(
             version,
             policy,
             **reshard_kwargs(version, wrap.reshard_after_forward),
-            **param_dtype_kwargs(version, param_dtype, reduce_dtype),
+            **param_dtype_kwargs(version, param_dtype, reduce_dtype, cast_forward_inputs),
             **hsdp_kwargs(ctx, version, shard_group),
             **offload_kwargs(ctx, version, offload),
         )

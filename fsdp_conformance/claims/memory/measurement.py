@@ -25,6 +25,7 @@ from fsdp_conformance.faults import Fault, FaultEffect, FaultTable, patched, wit
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_models import ModelConfig
+from fsdp_conformance.sharding import InputCasts
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 from fsdp_conformance.units import ROOT, UnitInfo
@@ -62,6 +63,9 @@ class StepResult(TypedDict):
     units: list[dict[str, Any]]
     collectives: dict[str, int]
     checkpointed: list[str]
+    #: None: mixed precision ran as users write it. Else FSDP1's defaults raised its input-dtype
+    #: error and the step measured is the one with ``cast_forward_inputs=True``.
+    input_casts: InputCasts | None
 
 
 def per_layer_step(ctx: RankContext, spec: ModelSpec, version: str, **options: Any) -> StepResult:

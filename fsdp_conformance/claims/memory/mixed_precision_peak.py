@@ -28,6 +28,7 @@ from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.meters import meter_floor_problems
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.profile import plan_step
+from fsdp_conformance.sharding import InputCasts, input_casts_note
 from fsdp_conformance.units import UnitInfo
 
 
@@ -43,6 +44,9 @@ class MixedCase(TypedDict):
     collectives: list[dict[str, Any]]
     #: Each unit's possible collective numels, by unit FQN.
     unit_sizes: dict[str, list[int]]
+    #: None: the case ran as users write it. Else FSDP1's defaults raised its input-dtype error
+    #: and the step measured is the one with ``cast_forward_inputs=True`` (``step.measure_step``).
+    input_casts: InputCasts | None
 
 
 class MixedResult(TypedDict):
@@ -114,6 +118,7 @@ def rank_mixed_precision_peak(
                 "param_bytes": m["param_bytes"],
                 "collectives": recorded["collective_records"],
                 "unit_sizes": recorded["collective_unit_sizes"],
+                "input_casts": m["input_casts"],
             }
         return out
 
@@ -281,7 +286,16 @@ def verdict_mixed_precision_peak(
         figures[f"{label}.source"] = case0["meter"]["source"]
         data["collectives"][label] = case0["collectives"]
         data["peaks"][label] = peaks
-    head = f"{check_label(params)}, bf16 mixed precision"
+        if case0.get("input_casts") is not None:  # FSDP1's defaults could not run the model
+            figures["cast_forward_inputs"] = True
+            data.setdefault("input_casts", {})[label] = case0["input_casts"]
+    casts = data.get("input_casts", {})
+    note = (
+        f"; case(s) {', '.join(casts)}: {input_casts_note(next(iter(casts.values())))[2:]}"
+        if casts
+        else ""
+    )
+    head = f"{check_label(params)}, bf16 mixed precision{note}"
     if problems:
         return Verdict(
             False,

@@ -28,6 +28,7 @@ from fsdp_conformance.plan.model import (
 )
 from fsdp_conformance.policies import wrapping_label
 from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
+from fsdp_conformance.sharding import InputCasts, input_casts_note
 from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.step import measure_step
 
@@ -91,6 +92,9 @@ class MeasuredPeak(TypedDict):
 
     peak: int
     source: str
+    #: None: the case ran as users write it. Else FSDP1's defaults raised its input-dtype error
+    #: and the peak is of the step with ``cast_forward_inputs=True`` (``step.measure_step``).
+    input_casts: InputCasts | None
 
 
 class TrustResult(TypedDict):
@@ -132,7 +136,13 @@ def rank_plan_estimate_matches(
             seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
             offload=bool(case.get("offload")),
         )
-        peaks.append({"peak": m["meters"][0]["peak"], "source": m["meters"][0]["source"]})
+        peaks.append(
+            {
+                "peak": m["meters"][0]["peak"],
+                "source": m["meters"][0]["source"],
+                "input_casts": m["input_casts"],
+            }
+        )
     return {"rank": ctx.rank, "peaks": peaks}
 
 
@@ -298,6 +308,21 @@ def judge_estimates(
         "min_allowed_ratios": [TRUST_MIN_RATIO[c["policy"]] for c in cases],
         "max_allowed_ratio": TRUST_MAX_RATIO,
     }
+    data: dict[str, Any] = {"rows": rows}
+    # The cases whose FSDP1 step needed the input casts (step.measure_step): said, not hidden.
+    casts = {
+        r["case"]: c
+        for i, r in enumerate(rows)
+        if (c := values[0]["peaks"][i].get("input_casts")) is not None
+    }
+    if casts:
+        figures["cast_forward_inputs"] = True
+        data["input_casts"] = casts
+    note = (
+        f"; case(s) {', '.join(casts)}: {input_casts_note(next(iter(casts.values())))[2:]}"
+        if casts
+        else ""
+    )
     head = (
         f"planning estimate vs measured peak ({values[0]['peaks'][0]['source']}), "
         f"{len(cases)} case(s) x {world_size} ranks; allowed ratio peak/estimate: "
@@ -314,14 +339,17 @@ def judge_estimates(
         )
         return Verdict(
             True,
-            f"{head}: all within (ratios {min(ratios):.3f} to {max(ratios):.3f}): {per_case}",
+            f"{head}: all within (ratios {min(ratios):.3f} to {max(ratios):.3f}): {per_case}{note}",
             figures,
-            {"rows": rows},
+            data,
         )
     bad = [ln for ln in lines if not ln.endswith(": ok")]
     return Verdict(
         False,
-        f"{head}: {len(bad)} outside:\n" + "\n".join(bad) + "\nall cases:\n" + "\n".join(lines),
+        f"{head}{note}: {len(bad)} outside:\n"
+        + "\n".join(bad)
+        + "\nall cases:\n"
+        + "\n".join(lines),
         figures,
-        {"rows": rows},
+        data,
     )

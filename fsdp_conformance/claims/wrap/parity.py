@@ -218,7 +218,9 @@ class MixedPrecisionReference:
 
     FSDP (both versions, torch 2.13; docs/wrapping.md, "bf16 parity") keeps fp32 master
     weights, casts a bf16 copy for forward and backward, casts floating inputs to bf16 at the
-    root (FSDP1, ``cast_root_forward_inputs``) or at every unit (FSDP2, ``cast_forward_inputs``,
+    root (FSDP1, ``cast_root_forward_inputs``; at every unit too with ``cast_forward_inputs``,
+    the FSDP1 run ``sharding.with_fsdp1_input_casts`` retries) or at every unit (FSDP2,
+    ``cast_forward_inputs``,
     then one identity autograd node over the unit's arguments that need a gradient:
     :class:`_UnitInputs`), FSDP1 also casts floating buffers (``buffer_dtype``), reduces each
     rank's bf16 gradient in bf16 divided by :func:`gradient_divide_factors`, casts the reduced
@@ -236,6 +238,7 @@ class MixedPrecisionReference:
         version: str,
         unit_names: Sequence[str],
         owners: Mapping[str, torch.Tensor],
+        cast_forward_inputs: bool = False,
     ) -> None:
         self.master, self.version, self.owners = master, version, owners
         self.low = copy.deepcopy(master)
@@ -246,11 +249,13 @@ class MixedPrecisionReference:
                 if torch.is_floating_point(b):
                     b.data = b.data.to(torch.bfloat16)
         modules = dict(self.low.named_modules())
-        if version == "fsdp1":
-            modules[""].register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        else:
-            for name in dict.fromkeys(["", *unit_names]):
-                modules[name].register_forward_pre_hook(self._fsdp2_unit_inputs, with_kwargs=True)
+        # FSDP1 casts the root unit's inputs (``cast_root_forward_inputs``), every unit's with
+        # ``cast_forward_inputs=True`` (``_pre_forward``: a cast, no identity node); FSDP2 casts
+        # every unit's and passes them through one identity node.
+        hook = self._fsdp2_unit_inputs if version == "fsdp2" else self._cast_inputs
+        cast_units = version == "fsdp2" or cast_forward_inputs
+        for name in dict.fromkeys(["", *unit_names] if cast_units else [""]):
+            modules[name].register_forward_pre_hook(hook, with_kwargs=True)
 
     @staticmethod
     def _cast_inputs(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
@@ -33,7 +34,13 @@ from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import BuiltModel, ModelSpec, batch_rows, call_model, default_loss
 from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh
+from fsdp_conformance.sharding import (
+    InputCasts,
+    check_fsdp_version,
+    device_mesh,
+    input_casts_note,
+    with_fsdp1_input_casts,
+)
 from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.tensors import listing, local_shard
 from fsdp_conformance.units import clean_fqn, planned_unit_modules
@@ -72,19 +79,24 @@ NEGLIGIBLE_UPDATE = 1e-5
 # --------------------------------------------------------------------------------------------
 
 
-def mixed_precision_kwargs(version: str, precision: str) -> dict[str, Any]:
+def mixed_precision_kwargs(
+    version: str, precision: str, cast_forward_inputs: bool = False
+) -> dict[str, Any]:
     """The FSDP keyword arguments of ``precision``: bf16 parameters, reduction (and FSDP1
-    buffers); none for fp32."""
+    buffers); none for fp32. ``cast_forward_inputs``: FSDP1's per-unit input casts, asked for
+    only after FSDP1's defaults raised its input-dtype error
+    (``sharding.with_fsdp1_input_casts``)."""
     if precision != "bf16":
         return {}
     if version == "fsdp1":
         from torch.distributed.fsdp import MixedPrecision
 
-        return {
-            "mixed_precision": MixedPrecision(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
-            )
-        }
+        mp1 = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
+        )
+        if cast_forward_inputs:  # MixedPrecision's other fields as users leave them
+            mp1 = dataclasses.replace(mp1, cast_forward_inputs=True)
+        return {"mixed_precision": mp1}
     mp = _compat.mixed_precision_policy_cls()
     return {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
 
@@ -185,7 +197,9 @@ def _smallest_frozen(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module
 
 def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
     return patched(
-        _this_module(), "mixed_precision_kwargs", lambda kwargs: lambda version, precision: {}
+        _this_module(),
+        "mixed_precision_kwargs",
+        lambda kwargs: lambda version, precision, cast_forward_inputs=False: {},
     )
 
 
@@ -359,6 +373,72 @@ class TrainResult(TypedDict):
     compute_dtypes: dict[str, tuple[str, str]]
     dropout_disabled: list[str]
     backend: str
+    #: None: the run used mixed precision as users write it. Else FSDP1's defaults raised its
+    #: input-dtype error and the run judged is the one with ``cast_forward_inputs=True``.
+    input_casts: InputCasts | None
+
+
+#: What one training run hands back: the sharded model, the compute dtypes seen, the losses of
+#: the sharded model and of the reference per step.
+_Trained = tuple[nn.Module, dict[str, tuple[str, str]], list[float], list[float]]
+
+
+def _restore(reference: nn.Module, initial: Mapping[str, torch.Tensor]) -> None:
+    """The reference's parameters back to ``initial`` and its gradients cleared."""
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(initial[n])
+    reference.zero_grad(set_to_none=True)
+
+
+def _train_steps(
+    ctx: RankContext,
+    spec: ModelSpec,
+    models: tuple[nn.Module, nn.Module],
+    batch: Any,
+    setup: tuple[str, PolicyName, str, bool],
+    schedule: tuple[int, float, int],
+) -> _Trained:
+    """``models``' second (the reference's copy) sharded as ``setup`` says (version, policy,
+    precision, FSDP1's ``cast_forward_inputs``) and trained ``schedule``'s steps (steps, lr,
+    per-rank batch) beside the first, the reference."""
+    reference, model = models
+    version, policy, precision, cast_forward_inputs = setup
+    steps, lr, per_rank_batch = schedule
+    mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
+    policy_obj = BuiltModel(spec, model).policy(policy)  # the copy's modules: the one sharded
+    module_names = {id(m): n for n, m in model.named_modules()}
+    unit_names = [module_names[id(u)] for u in planned_unit_modules(model, policy_obj)]
+    sharded = shard_with_policy(
+        model,
+        ctx,
+        version,
+        policy_obj,
+        **mixed_precision_kwargs(version, precision, cast_forward_inputs),
+    )
+    mixed = (
+        MixedPrecisionReference(
+            reference,
+            version,
+            unit_names,
+            element_owners(sharded, version, ctx.rank),
+            cast_forward_inputs=cast_forward_inputs,
+        )
+        if precision == "bf16"
+        else None
+    )
+    seen: dict[str, tuple[str, str]] = {}
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        with record_compute_dtypes(model, seen):
+            loss = default_loss(call_model(sharded, mine))
+        loss.backward()
+        optimizer_step(sharded, lr)
+        losses.append(float(loss))
+        ref_losses.append(
+            _reference_step(reference, mixed, batch, per_rank_batch, ctx.world_size, lr)
+        )
+    return sharded, seen, losses, ref_losses
 
 
 def rank_train(
@@ -386,36 +466,30 @@ def rank_train(
         # Like with like: both sides without dropout (step.disable_dropout says why not eval()).
         dropout = disable_dropout(reference)
         model = copy.deepcopy(reference)
+        # FSDP1 in bf16 may need a second run (sharding.with_fsdp1_input_casts): its own copy,
+        # taken now, as the first.
+        spare = copy.deepcopy(model) if version == "fsdp1" and precision == "bf16" else None
         initial = {
             n: p.detach().float().clone()
             for n, p in reference.named_parameters(remove_duplicate=False)  # every alias
         }
         batch = _comparable_batch(spec, reference, per_rank_batch * ctx.world_size, ctx, dropout)
-        mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
-        policy_obj = BuiltModel(spec, model).policy(policy)  # the copy's modules: the one sharded
-        module_names = {id(m): n for n, m in model.named_modules()}
-        unit_names = [module_names[id(u)] for u in planned_unit_modules(model, policy_obj)]
-        sharded = shard_with_policy(
-            model, ctx, version, policy_obj, **mixed_precision_kwargs(version, precision)
-        )
-        mixed = (
-            MixedPrecisionReference(
-                reference, version, unit_names, element_owners(sharded, version, ctx.rank)
+
+        def attempt(cast_forward_inputs: bool) -> _Trained:
+            if cast_forward_inputs:  # the failed run may have stepped the reference: undo it
+                _restore(reference, initial)
+            return _train_steps(
+                ctx,
+                spec,
+                (reference, spare if cast_forward_inputs and spare is not None else model),
+                batch,
+                (version, policy, precision, cast_forward_inputs),
+                (steps, lr, per_rank_batch),
             )
-            if precision == "bf16"
-            else None
+
+        (sharded, seen, losses, ref_losses), casts = with_fsdp1_input_casts(
+            version, precision == "bf16", attempt
         )
-        seen: dict[str, tuple[str, str]] = {}
-        losses, ref_losses = [], []
-        for _ in range(steps):
-            with record_compute_dtypes(model, seen):
-                loss = default_loss(call_model(sharded, mine))
-            loss.backward()
-            optimizer_step(sharded, lr)
-            losses.append(float(loss))
-            ref_losses.append(
-                _reference_step(reference, mixed, batch, per_rank_batch, ctx.world_size, lr)
-            )
         stored = sorted({str(p.dtype) for p in sharded.parameters()})
         compared = compare_updates(
             _full_params(sharded, version),
@@ -442,6 +516,7 @@ def rank_train(
             "compute_dtypes": seen,
             "dropout_disabled": dropout,
             "backend": ctx.backend,
+            "input_casts": casts,
         }
 
 
@@ -543,6 +618,11 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
         "dropout_disabled": len(dropout),
         "below_rounding": len(values[0].get("below_rounding", [])),
     }
+    data: dict[str, Any] = {"dropout_disabled": dropout}
+    casts = values[0].get("input_casts")
+    if casts is not None:  # FSDP1's defaults could not run the model: judged with the fix
+        figures["cast_forward_inputs"] = True
+        data["input_casts"] = casts
     # Said in both outcomes: the comparison was of the model without its dropout, and of the
     # tensors whose update is rounding against a floor (parity.compare_updates).
     note = (
@@ -556,6 +636,7 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
             f"; {len(rounding)} tensor(s) whose update is at rounding level, judged against "
             f"the floor rather than their own update ({listing(rounding)})"
         )
+    note += input_casts_note(casts)
     if problems:
         return Verdict(
             False,
@@ -570,5 +651,5 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
         f" <= {loss_rtol:.1e}, params {worst_param:.1e} <= {param_atol:.0e}, update "
         f"rel {worst_update:.1e} <= {update_rtol:.1e}){note}",
         figures,
-        {"dropout_disabled": dropout},
+        data,
     )
