@@ -251,6 +251,50 @@ class LoRAModel(_EmbedLayersHead):
 
 
 # --------------------------------------------------------------------------------------------
+# Odd sizes and persistent buffers: what the training-loop checks shard and save
+# --------------------------------------------------------------------------------------------
+
+#: The odd model's shape: no width divides by 2 or 4 (every shard uneven at world sizes 2 and 4).
+ODD_CONFIG = ModelConfig(num_layers=2, dim=13, hidden_dim=27, vocab_size=31)
+
+
+class OddModel(nn.Module):
+    """Uneven shards and persistent buffers: no dimension divides by 2 or 4, a one-element
+    gain (fewer elements than ranks: some ranks hold none of it), batch norm's running
+    statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) and a registered
+    persistent buffer (``scale``) that the forward reads.
+
+    ``embed``, then the seeds' ``DecoderLayer`` blocks, then batch norm over the features, the
+    scale and the gain, then ``head`` (above the size threshold: its own unit).
+    """
+
+    scale: torch.Tensor  # registered in __init__; typed for mypy
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        super().__init__()
+        config = config or ODD_CONFIG
+        self.config = config
+        self.embed = nn.Linear(config.dim, config.dim)
+        self.layers = _stack(DecoderLayer, config)
+        self.norm = nn.BatchNorm1d(config.dim)
+        self.gain = nn.Parameter(torch.empty(1))
+        self.register_buffer("scale", torch.empty(config.dim))
+        self.head = nn.Linear(config.dim, config.vocab)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.gain.fill_(1.0)
+            self.scale.copy_(torch.linspace(0.5, 1.5, self.config.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _run(self.layers, self.embed(x))
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        out: torch.Tensor = self.head(x * self.scale * self.gain)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
 # A Llama-style model: norms, grouped-query attention, rotary non-persistent buffer
 # --------------------------------------------------------------------------------------------
 
@@ -446,6 +490,13 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
             (LoRADecoderLayer,),
             "features",
             "frozen base with trainable adapters (mixed requires_grad)",
+        ),
+        ReferenceModel(
+            "odd",
+            OddModel,
+            (DecoderLayer,),
+            "features",
+            "odd sizes (uneven shards, a one-element gain) and persistent buffers",
         ),
         ReferenceModel(
             "llama",

@@ -21,6 +21,7 @@ CLAIM_MODULES = (
     "fsdp_conformance.claims.memory",
     "fsdp_conformance.claims.defaults",
     "fsdp_conformance.claims.state",
+    "fsdp_conformance.claims.loop",
 )
 
 

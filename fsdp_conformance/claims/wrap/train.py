@@ -34,6 +34,7 @@ from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import BuiltModel, ModelSpec, batch_rows, call_model, default_loss
 from fsdp_conformance.policies import PolicyName
+from fsdp_conformance.reference_step import full_params, sgd_step
 from fsdp_conformance.sharding import (
     InputCasts,
     check_fsdp_version,
@@ -43,7 +44,7 @@ from fsdp_conformance.sharding import (
 )
 from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.tensors import listing, local_shard
-from fsdp_conformance.units import clean_fqn, planned_unit_modules
+from fsdp_conformance.units import planned_unit_modules
 
 #: Tolerances of the training-parity checks (measured margins in docs/wrapping.md).
 FP32_ATOL = 1e-5  # max |param - reference| after the steps; fp32 reduction order only
@@ -99,16 +100,6 @@ def mixed_precision_kwargs(
         return {"mixed_precision": mp1}
     mp = _compat.mixed_precision_policy_cls()
     return {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
-
-
-def sgd_step(model: nn.Module, lr: float) -> None:
-    """Plain SGD, written out: the same arithmetic on sharded (DTensor / flat) and full
-    parameters, without torch.optim's first-use import cost on every rank."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
-                p.grad = None
 
 
 def optimizer_step(model: nn.Module, lr: float) -> None:
@@ -269,19 +260,6 @@ FAULTS = FaultTable(
 # --------------------------------------------------------------------------------------------
 
 
-def _full_params(sharded: nn.Module, version: str) -> dict[str, torch.Tensor]:
-    if version == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(sharded, writeback=False):
-            return {clean_fqn(n): p.detach().float().clone() for n, p in sharded.named_parameters()}
-    dtensor = _compat.dtensor_cls()
-    return {
-        n: (p.full_tensor() if isinstance(p, dtensor) else p).detach().float().clone()
-        for n, p in sharded.named_parameters()
-    }
-
-
 def _reference_step(
     reference: nn.Module,
     mixed: MixedPrecisionReference | None,
@@ -315,7 +293,7 @@ def element_owners(sharded: nn.Module, version: str, rank: int) -> dict[str, tor
         saved = [t.clone() for t in shards]
         for t in shards:
             t.fill_(rank)
-    owners = {n: v.round().long() for n, v in _full_params(sharded, version).items()}
+    owners = {n: v.round().long() for n, v in full_params(sharded, version).items()}
     with torch.no_grad():
         for t, s in zip(shards, saved):
             t.copy_(s)
@@ -492,7 +470,7 @@ def rank_train(
         )
         stored = sorted({str(p.dtype) for p in sharded.parameters()})
         compared = compare_updates(
-            _full_params(sharded, version),
+            full_params(sharded, version),
             dict(reference.named_parameters(remove_duplicate=False)),
             initial,
             NEGLIGIBLE_UPDATE,

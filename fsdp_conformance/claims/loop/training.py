@@ -1,0 +1,311 @@
+"""What the loop families share: the sharded model and its slice-wise reference built side by side
+from one spec, the user's sharding and optimizer steps, the collectives recorded per phase, the
+fields every family's result carries, and the parity verdict they all start from.
+
+A family's rank function builds a :class:`Pair`, runs its loop on the sharded model and the same
+loop on :attr:`Pair.reference` (a :class:`~fsdp_conformance.reference_step.SliceReference`),
+observes the update each optimizer step applied (:func:`observe_step`) and the collectives each
+phase issued, and returns plain data; :func:`parity_problems` judges what every family shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypedDict
+
+import torch
+from torch import nn
+
+from fsdp_conformance import _compat
+from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models import BuiltModel, ModelSpec
+from fsdp_conformance.policies import PolicyName
+from fsdp_conformance.reference_step import (
+    SliceReference,
+    TensorComparison,
+    compare_tensors,
+    comparison_problems,
+    full_params,
+    micro_batches,
+    norm_of,
+    reference_params,
+    updates,
+)
+from fsdp_conformance.sharding import check_fsdp_version, shard
+from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
+from fsdp_conformance.units import clean_fqn
+
+#: The learning rate of every loop's SGD step: large enough that an update stands well above the
+#: parameters' rounding (update / parameter ~ 1e-2 on the reference models).
+LR = 0.1
+#: The loops run in float64, both sides: what they test is the loop's logic (which gradients are
+#: reduced, how often, clipped by which norm, what is frozen), and at fp32 a tensor whose true
+#: gradient is zero (a bias right before batch norm) comes out at rounding level on each side
+#: differently: 2e-5 to 5e-5 of the largest update on the odd model, summed in another order
+#: by accumulation, above the floor a fixed share can keep without hiding real updates. In
+#: float64 rounding is 1e-16 and every such tensor sits far below the floor. fp32 and bf16
+#: arithmetic under FSDP is ``wrap.train``'s business.
+DTYPE = torch.float64
+#: Each rank's rows per micro-batch.
+PER_RANK = 2
+#: Parity: the worst tensor's ``max |update - reference update|`` over its own largest
+#: reference update (floored at ``reference_step.NEGLIGIBLE_SHARE`` of the set's). Only the
+#: order of float64 sums differs between the two sides (measured: docs/loop.md); every negative
+#: control moves it by 0.3 or more.
+UPDATE_RTOL = 1e-6
+#: A rank's loss against the reference's loss of the same slice: the same forward on the same
+#: parameters, so only rounding differs.
+LOSS_RTOL = 1e-10
+
+
+def in_dtype(batch: Any) -> Any:
+    """``batch`` with its floating-point tensors in :data:`DTYPE` (token ids stay integers)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(DTYPE) if batch.is_floating_point() else batch
+    if isinstance(batch, Mapping):
+        return {k: in_dtype(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(in_dtype(v) for v in batch)
+    return batch
+
+
+def shard_model(
+    model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any
+) -> nn.Module:
+    """The user's sharding call (faults patch it): FSDP1 ``FullyShardedDataParallel`` with the
+    policy, FSDP2 ``fully_shard`` on the units the policy chooses, then the root."""
+    return shard(model, ctx, version, policy, **kwargs)
+
+
+def apply_sgd(model: nn.Module, lr: float) -> None:
+    """The user's optimizer step (SGD written out, on whatever the parameters are: flat,
+    DTensor or plain); it leaves the gradients for the user's ``zero_grad``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+
+
+@dataclasses.dataclass
+class Pair:
+    """A sharded model and its reference, built from one seed, with the batches of a loop."""
+
+    ctx: RankContext
+    version: str
+    built: BuiltModel
+    sharded: nn.Module
+    reference: SliceReference
+    #: ``[micro][rank]``: each micro-batch's slices (the same on every rank).
+    batches: list[list[Any]]
+    #: The dropout switched off on both sides (names), for the verdict's note.
+    dropout: list[str]
+
+    @property
+    def mine(self) -> list[Any]:
+        """This rank's slice of each micro-batch."""
+        return [micro[self.ctx.rank] for micro in self.batches]
+
+    def sizes(self) -> dict[str, list[int]]:
+        return unit_sizes(self.sharded, self.version, self.ctx.world_size)
+
+
+def build_pair(
+    ctx: RankContext,
+    spec: ModelSpec,
+    version: str,
+    *,
+    micro: int = 1,
+    policy: PolicyName = "recommended",
+    prepare: Callable[[nn.Module], None] | None = None,
+    **shard_kwargs: Any,
+) -> Pair:
+    """``spec``'s model from seed 0 on every rank, ``prepare`` applied (a freeze list), a copy
+    sharded by :func:`shard_model` with ``policy`` and ``shard_kwargs``; the original is the
+    reference. Dropout is off on both (``step.disable_dropout``); a forward that still draws
+    random numbers skips the check on every rank, naming why."""
+    check_fsdp_version(version)
+    torch.manual_seed(0)
+    built = spec.instantiate(ctx.device)
+    model = built.model.to(DTYPE)
+    if prepare is not None:
+        prepare(model)
+    dropout = disable_dropout(model)
+    rows = micro * ctx.world_size * PER_RANK
+    batch = in_dtype(built.batch(batch_size=rows, device=ctx.device))
+    randomness = forward_randomness(model, batch)
+    if randomness > DETERMINISM_RTOL:
+        skip_rank(
+            f"{type(model).__name__}'s forward in training mode still draws random numbers "
+            f"after dropout was disabled: two calls differ by {randomness:.1e} (relative), so "
+            "a sharded loop cannot be compared with the single-process reference"
+        )
+    batches = micro_batches(batch, micro, ctx.world_size, PER_RANK)
+    policy_obj = built.policy(policy)
+    sharded = shard_model(copy.deepcopy(model), ctx, version, policy_obj, **shard_kwargs)
+    return Pair(
+        ctx, version, built, sharded, SliceReference(model, ctx.world_size), batches, dropout
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Observing a step
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def phases(pair: Pair) -> Iterator[CollectiveRecorder]:
+    """Records every collective of the block; set ``recorder.phase`` as the loop goes."""
+    with record_collectives(pair.sizes()) as recorder:
+        yield recorder
+
+
+def reduced_units(recorder: CollectiveRecorder) -> dict[str, list[str]]:
+    """Per phase, the units whose gradients a reduce-scatter or an all-reduce carried (FSDP1's
+    NO_SHARD all-reduces), in issue order; phases without any are present and empty only if
+    the caller named them (``ensure_phases``)."""
+    out: dict[str, list[str]] = {}
+    for r in recorder.records:
+        if r["op"] in ("reduce_scatter", "all_reduce") and r["phase"].startswith("micro"):
+            out.setdefault(r["phase"], []).append(r["unit"])
+    return out
+
+
+def ensure_phases(reduced: dict[str, list[str]], names: Sequence[str]) -> dict[str, list[str]]:
+    return {name: reduced.get(name, []) for name in names}
+
+
+def trainable_units(pair: Pair) -> list[str]:
+    """The units holding a parameter that requires a gradient, by the collectives' unit names
+    (``""`` the root): FSDP1 a unit's flat parameter; FSDP2 each parameter goes to the unit of
+    the longest FQN prefix."""
+    units = set(pair.sizes())
+    out: set[str] = set()
+    if pair.version == "fsdp1":
+        for name, module in pair.sharded.named_modules():
+            flat = _compat.fsdp1_flat_param(module)
+            if flat is not None and flat.requires_grad and clean_fqn(name) in units:
+                out.add(clean_fqn(name))
+        return sorted(out)
+    for name, param in pair.sharded.named_parameters():
+        if not param.requires_grad:
+            continue
+        owners = [u for u in units if not u or name == u or name.startswith(u + ".")]
+        if owners:
+            out.add(max(owners, key=len))
+    return sorted(out)
+
+
+def match_units(reduced: Sequence[str], expected: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The collectives' unit names (``a|b`` where units of equal size cannot be told apart)
+    matched one to one against ``expected``: (expected units no collective served, collectives
+    that served no expected unit). Equal-size units share one candidate set, so assigning the
+    first free candidate, records with the fewest candidates first, is exact."""
+    free = list(expected)
+    unmatched = []
+    for name in sorted(reduced, key=lambda n: (n.count("|"), n)):
+        hit = next((u for u in name.split("|") if u in free), None)
+        if hit is None:
+            unmatched.append(name)
+        else:
+            free.remove(hit)
+    return free, unmatched
+
+
+class StepObservation(TypedDict):
+    """One optimizer step on both sides."""
+
+    update: TensorComparison
+    #: The L2 norm of the update divided by the learning rate (the gradient's norm, for SGD).
+    grad_norm: float
+    ref_grad_norm: float
+
+
+def observe_step(
+    pair: Pair,
+    before: Mapping[str, torch.Tensor],
+    ref_before: Mapping[str, torch.Tensor],
+    lr: float = LR,
+) -> StepObservation:
+    """The update each side applied since ``before`` / ``ref_before`` (full parameters)."""
+    got = updates(full_params(pair.sharded, pair.version, DTYPE), before)
+    ref = updates(reference_params(pair.reference.model, DTYPE), ref_before)
+    return {
+        "update": compare_tensors(got, ref),
+        "grad_norm": norm_of(got) / lr,
+        "ref_grad_norm": norm_of(ref) / lr,
+    }
+
+
+def snapshot(pair: Pair) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Both sides' full parameters now (call on every rank: FSDP gathers)."""
+    return (
+        full_params(pair.sharded, pair.version, DTYPE),
+        reference_params(pair.reference.model, DTYPE),
+    )
+
+
+class LoopResult(TypedDict):
+    """What every loop family reports from a rank; each family's result adds its own fields."""
+
+    rank: int
+    version: str
+    world_size: int
+    #: This rank's loss per forward, and the reference's loss of the same slice.
+    losses: list[float]
+    ref_losses: list[float]
+    #: One observation per optimizer step.
+    steps: list[StepObservation]
+    dropout_disabled: list[str]
+
+
+def loop_result(
+    pair: Pair, losses: list[float], ref_losses: list[float], steps: list[StepObservation]
+) -> LoopResult:
+    return {
+        "rank": pair.ctx.rank,
+        "version": pair.version,
+        "world_size": pair.ctx.world_size,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "steps": steps,
+        "dropout_disabled": pair.dropout,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# What every family's verdict starts from
+# --------------------------------------------------------------------------------------------
+
+
+def parity_problems(values: Sequence[LoopResult], rtol: float = UPDATE_RTOL) -> list[str]:
+    """Every rank's losses and every step's update against the reference."""
+    problems: list[str] = []
+    for v in values:
+        for i, (got, ref) in enumerate(zip(v["losses"], v["ref_losses"])):
+            rel = abs(got - ref) / max(abs(ref), 1e-12)
+            if rel > LOSS_RTOL:
+                problems.append(
+                    f"rank {v['rank']}: forward {i}: loss {got:.6g} vs the reference's "
+                    f"{ref:.6g} on the same slice (relative {rel:.1e} > {LOSS_RTOL:.0e})"
+                )
+                break
+        for i, step in enumerate(v["steps"]):
+            problems += comparison_problems(
+                f"rank {v['rank']}: step {i} update", step["update"], rtol
+            )
+    return problems
+
+
+def parity_figures(values: Sequence[LoopResult]) -> dict[str, Any]:
+    """The figures every family reports (and ``compare`` follows): the worst update difference,
+    the gradient norms per step (rank 0's: all ranks hold the same full update)."""
+    worst = max((s["update"]["max_rel"] for v in values for s in v["steps"]), default=0.0)
+    return {
+        "update_rel_diff": worst,
+        "grad_norms": [round(s["grad_norm"], 6) for s in values[0]["steps"]],
+        "steps": len(values[0]["steps"]),
+    }
