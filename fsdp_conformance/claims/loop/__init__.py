@@ -7,37 +7,74 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 * :mod:`~fsdp_conformance.claims.loop.accumulation`: ``loop.accumulation.no_sync`` /
   ``.synced``, gradient accumulation with synchronisation off for all but the last micro-batch,
   and on for every one into existing gradients.
+* :mod:`~fsdp_conformance.claims.loop.clipping`: ``loop.clipping.l2`` / ``.inf``, gradient
+  clipping by the global norm (FSDP1 the root's ``clip_grad_norm_``, FSDP2
+  ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients).
 """
 
 from __future__ import annotations
 
+import math
+
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.loop.accumulation import rank_accumulation, verdict_accumulation
+from fsdp_conformance.claims.loop.clipping import rank_clipping, verdict_clipping
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
 
 #: Every loop check with its reference parameters (the CLI swaps in the user's spec).
-CHECKS: tuple[Check, ...] = variants(
-    "loop.accumulation.no_sync",
-    {
-        "fsdp1": "accumulation under no_sync(): updates equal the reference, reduce-scatters "
-        "only in the last micro-batch",
-        "fsdp2": "accumulation under set_requires_gradient_sync(False): updates equal the "
-        "reference, reduce-scatters only in the last micro-batch",
-    },
-    rank_accumulation,
-    verdict_accumulation,
-    specs=(_REF,),
-    mode="no_sync",
-) + variants(
-    "loop.accumulation.synced",
-    "accumulation into existing gradients with synchronisation on: updates equal the "
-    "reference, one reduce-scatter per unit per micro-batch",
-    rank_accumulation,
-    verdict_accumulation,
-    specs=(_REF,),
-    mode="synced",
+CHECKS: tuple[Check, ...] = (
+    variants(
+        "loop.accumulation.no_sync",
+        {
+            "fsdp1": "accumulation under no_sync(): updates equal the reference, reduce-scatters "
+            "only in the last micro-batch",
+            "fsdp2": "accumulation under set_requires_gradient_sync(False): updates equal the "
+            "reference, reduce-scatters only in the last micro-batch",
+        },
+        rank_accumulation,
+        verdict_accumulation,
+        specs=(_REF,),
+        mode="no_sync",
+    )
+    + variants(
+        "loop.accumulation.synced",
+        "accumulation into existing gradients with synchronisation on: updates equal the "
+        "reference, one reduce-scatter per unit per micro-batch",
+        rank_accumulation,
+        verdict_accumulation,
+        specs=(_REF,),
+        mode="synced",
+    )
+    + variants(
+        "loop.clipping.l2",
+        {
+            "fsdp1": "clipping by the global L2 norm (the root's clip_grad_norm_): the norm is "
+            "identical on every rank and equals the reference's, updates equal the reference",
+            "fsdp2": "clipping by the global L2 norm (torch.nn.utils.clip_grad_norm_ on DTensor "
+            "gradients): the norm is identical on every rank and equals the reference's, updates "
+            "equal the reference",
+        },
+        rank_clipping,
+        verdict_clipping,
+        specs=(_REF,),
+        norm_type=2.0,
+    )
+    + variants(
+        "loop.clipping.inf",
+        {
+            "fsdp1": "clipping by the global inf norm (the root's clip_grad_norm_): the norm is "
+            "identical on every rank and equals the reference's, updates equal the reference",
+            "fsdp2": "clipping by the global inf norm (torch.nn.utils.clip_grad_norm_ on DTensor "
+            "gradients): the norm is identical on every rank and equals the reference's, updates "
+            "equal the reference",
+        },
+        rank_clipping,
+        verdict_clipping,
+        specs=(_REF,),
+        norm_type=math.inf,
+    )
 )
 
 __all__ = ["CHECKS"]
