@@ -140,6 +140,69 @@ class MassiveModel(_EmbedLayersHead):
 
 
 # --------------------------------------------------------------------------------------------
+# The size rule at its boundary
+# --------------------------------------------------------------------------------------------
+
+#: :class:`SizeBoundaryModel`'s size threshold: each of its ``AT`` modules has exactly this many
+#: parameters not yet wrapped when the size rule decides it, each of its ``BELOW`` modules one
+#: fewer.
+BOUNDARY_MIN_PARAMS = 169
+
+
+class Gated(nn.Module):
+    """``proj`` (large: a unit of its own under the size rule) times a ``width``-element gate:
+    once ``proj`` is wrapped, the gate is all the module has left that is not yet wrapped."""
+
+    def __init__(self, dim: int, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, width)
+        self.gate = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.gate.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(x) * self.gate
+        return out
+
+
+class SizeBoundaryModel(nn.Module):
+    """Siblings on either side of the size rule's boundary, :data:`BOUNDARY_MIN_PARAMS` (169),
+    at width 12:
+
+    * ``at``: ``Linear(12, 13)``, 13 x 12 + 13 = 169 parameters, exactly the threshold;
+    * ``below``: ``Linear(12, 14, bias=False)``, 14 x 12 = 168, one fewer;
+    * ``gated_at`` / ``gated_below``: :class:`Gated` with gates of 169 / 168 elements behind a
+      ``proj`` of 2,197 / 2,184 (a unit of its own): the threshold reached, or missed by one, by
+      what is left *after* a child was wrapped (torch's ``nonwrapped_numel``);
+    * ``layers``: one seeds' ``DecoderLayer(12, 24)`` (the recommended policy needs a block;
+      its MLP linears, 312 and 300, and its ``attn``, 156, are far from the threshold), and
+      ``head`` over the four siblings' outputs (1,095).
+    """
+
+    #: The modules at the threshold, and their siblings one parameter below it.
+    AT = ("at", "gated_at")
+    BELOW = ("below", "gated_below")
+
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(dim, 2 * dim)])
+        self.at = nn.Linear(dim, 13)
+        self.below = nn.Linear(dim, 14, bias=False)
+        self.gated_at = Gated(dim, BOUNDARY_MIN_PARAMS)
+        self.gated_below = Gated(dim, BOUNDARY_MIN_PARAMS - 1)
+        self.head = nn.Linear(13 + 14 + 2 * BOUNDARY_MIN_PARAMS - 1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _run(self.layers, x)
+        branches = (self.at, self.below, self.gated_at, self.gated_below)
+        out: torch.Tensor = self.head(torch.cat([b(x) for b in branches], dim=-1))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
 # The second seed's heterogeneous cases
 # --------------------------------------------------------------------------------------------
 
