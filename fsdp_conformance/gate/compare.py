@@ -4,7 +4,8 @@
 memory figures, a number or a list of numbers (compared with a relative tolerance and an
 absolute floor); keys ending in ``_dtype``/``_dtypes`` are dtypes (any change is a regression);
 ``units`` is a unit count; keys ending in ``_norm``/``_norms`` are numeric results, a number or a
-list of numbers (compared value by value with the relative tolerance :data:`NUMERIC_RTOL`: a
+list of numbers (compared value by value with the relative tolerance :data:`NUMERIC_RTOL`, or
+the larger one a check states in its figure ``numeric_rtol``, as the loop's float32 runs do: a
 move beyond it is a regression); keys ending in ``_digest``/``_digests`` are digests of values
 that must stay bitwise the same (compared exactly: a change is a regression); other floats are
 measurements compare leaves to the checks; any other changed figure (an init ``digest``, a
@@ -68,6 +69,11 @@ NUMERIC_SUFFIXES = ("_norm", "_norms")
 #: Figure keys that are digests of values that must stay bitwise the same: a change is a
 #: regression.
 DIGEST_SUFFIXES = ("_digest", "_digests")
+#: Digest figures that are reported as a change, not a regression: init's ``reference_digest``
+#: is the single-process model built from the seed on this torch; a torch whose initializers
+#: draw differently changes it (the same seed, other weights: reproducibility, said), while
+#: whether meta init equals that reference is init's own verdict on each side.
+CHANGE_ONLY_DIGESTS = ("reference_digest",)
 #: Unit fields compare looks at; a change in any of them is a changed unit structure.
 UNIT_FIELDS = ("cls", "numel", "parent", "local_numel", "params")
 #: Outcome order: a move to a lower rank is a regression (failed and error rank alike).
@@ -220,17 +226,23 @@ def _compare_entry(
             diffs.append(Difference(cid, "units", True, change))
     of, nf = old.get("figures") or {}, new.get("figures") or {}
     lists = old_units is not None and new_units is not None
+    # A check may state the tolerance of its own numeric results (a loop run in float32).
+    rtol = max(
+        [NUMERIC_RTOL] + [f["numeric_rtol"] for f in (of, nf) if _number(f.get("numeric_rtol"))]
+    )
     for key in sorted(of.keys() | nf.keys()):
         a, b = of.get(key), nf.get(key)
         if a != b:
-            diffs += _figure_change(cid, key, a, b, tol, floor, lists)
+            diffs += _figure_change(cid, key, a, b, (tol, floor, rtol), lists)
     return diffs + _collective_changes(cid, old, new) + _new_warnings(cid, old, new)
 
 
 def _figure_change(
-    cid: str, key: str, a: Any, b: Any, tol: float, floor: float, unit_lists: bool
+    cid: str, key: str, a: Any, b: Any, tolerances: tuple[float, float, float], unit_lists: bool
 ) -> list[Difference]:
-    """One changed figure, by the conventions of the module docstring."""
+    """One changed figure, by the conventions of the module docstring; ``tolerances``: memory's
+    relative tolerance and floor, the numeric results' relative tolerance."""
+    tol, floor, rtol = tolerances
     if _is_memory_key(key) and a is not None and b is not None:
         return _memory_change(cid, key, a, b, tol, floor)
     if key.endswith(("_dtype", "_dtypes")):
@@ -238,11 +250,11 @@ def _figure_change(
     if key == "units":
         # With both unit lists, the change is reported with them.
         return [] if unit_lists else [Difference(cid, "units", True, f"unit count {a} -> {b}")]
-    if key.endswith(NUMERIC_SUFFIXES + DIGEST_SUFFIXES):
+    if key.endswith(NUMERIC_SUFFIXES + DIGEST_SUFFIXES) and key not in CHANGE_ONLY_DIGESTS:
         if a is None or b is None:  # a figure the suite added or dropped: a change
             return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
         if key.endswith(NUMERIC_SUFFIXES):
-            return _numeric_change(cid, key, a, b)
+            return _numeric_change(cid, key, a, b, rtol)
         return [Difference(cid, "digest", True, f"{key}: {_changed_values(a, b)}")]
     if _is_measurement(a) or _is_measurement(b):
         return []  # measured floats (losses, ratios) move run to run; their checks judge them
@@ -263,9 +275,9 @@ def _same_number(x: float, y: float, rtol: float) -> bool:
     return abs(y - x) <= rtol * max(abs(x), abs(y))  # False with one NaN
 
 
-def _numeric_change(cid: str, key: str, a: Any, b: Any) -> list[Difference]:
+def _numeric_change(cid: str, key: str, a: Any, b: Any, rtol: float) -> list[Difference]:
     """A numeric result (a number, or a list of numbers compared value by value): each value
-    moved beyond :data:`NUMERIC_RTOL`, relative to the larger, is named; a regression."""
+    moved beyond ``rtol``, relative to the larger, is named; a regression."""
     if _number(a) and _number(b):
         pairs = [("", a, b)]
     elif (
@@ -283,7 +295,7 @@ def _numeric_change(cid: str, key: str, a: Any, b: Any) -> list[Difference]:
         ]
     moved = []
     for label, x, y in pairs:
-        if not _same_number(x, y, NUMERIC_RTOL):
+        if not _same_number(x, y, rtol):
             rel = (y - x) / abs(x) if x else math.inf
             moved.append(f"{label}{x!r} -> {y!r} ({rel:+.1e})")
     if not moved:
@@ -293,7 +305,7 @@ def _numeric_change(cid: str, key: str, a: Any, b: Any) -> list[Difference]:
             cid,
             "numeric",
             True,
-            f"{key}: {_items(moved)} (relative tolerance {NUMERIC_RTOL:.0e})",
+            f"{key}: {_items(moved)} (relative tolerance {rtol:.0e})",
         )
     ]
 
