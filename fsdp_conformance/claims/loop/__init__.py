@@ -7,37 +7,77 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 * :mod:`~fsdp_conformance.claims.loop.accumulation`: ``loop.accumulation.no_sync`` /
   ``.synced``, gradient accumulation with synchronisation off for all but the last micro-batch,
   and on for every one into existing gradients.
+* :mod:`~fsdp_conformance.claims.loop.frozen`: ``loop.frozen`` / ``.unused``, a freeze list
+  (a wholly frozen block, a unit mixing frozen and trainable parameters) and parameters a step
+  leaves unused (branches the input chooses).
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.loop.accumulation import rank_accumulation, verdict_accumulation
+from fsdp_conformance.claims.loop.frozen import (
+    BRANCH_MODEL,
+    rank_frozen,
+    rank_frozen_unused,
+    verdict_frozen,
+    verdict_frozen_unused,
+)
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
+_BRANCH = ModelSpec(reference=BRANCH_MODEL)
 
 #: Every loop check with its reference parameters (the CLI swaps in the user's spec).
-CHECKS: tuple[Check, ...] = variants(
-    "loop.accumulation.no_sync",
-    {
-        "fsdp1": "accumulation under no_sync(): updates equal the reference, reduce-scatters "
-        "only in the last micro-batch",
-        "fsdp2": "accumulation under set_requires_gradient_sync(False): updates equal the "
-        "reference, reduce-scatters only in the last micro-batch",
-    },
-    rank_accumulation,
-    verdict_accumulation,
-    specs=(_REF,),
-    mode="no_sync",
-) + variants(
-    "loop.accumulation.synced",
-    "accumulation into existing gradients with synchronisation on: updates equal the "
-    "reference, one reduce-scatter per unit per micro-batch",
-    rank_accumulation,
-    verdict_accumulation,
-    specs=(_REF,),
-    mode="synced",
+CHECKS: tuple[Check, ...] = (
+    variants(
+        "loop.accumulation.no_sync",
+        {
+            "fsdp1": "accumulation under no_sync(): updates equal the reference, reduce-scatters "
+            "only in the last micro-batch",
+            "fsdp2": "accumulation under set_requires_gradient_sync(False): updates equal the "
+            "reference, reduce-scatters only in the last micro-batch",
+        },
+        rank_accumulation,
+        verdict_accumulation,
+        specs=(_REF,),
+        mode="no_sync",
+    )
+    + variants(
+        "loop.accumulation.synced",
+        "accumulation into existing gradients with synchronisation on: updates equal the "
+        "reference, one reduce-scatter per unit per micro-batch",
+        rank_accumulation,
+        verdict_accumulation,
+        specs=(_REF,),
+        mode="synced",
+    )
+    + variants(
+        "loop.frozen",
+        {
+            "fsdp1": "a freeze list under use_orig_params=True (a wholly frozen block, a mixed "
+            "unit): frozen parameters bitwise unchanged, no reduce-scatter for a frozen unit, "
+            "updates equal the reference",
+            "fsdp2": "a freeze list (a wholly frozen block, a mixed unit): frozen parameters bitwise "
+            "unchanged, no reduce-scatter for a frozen unit, updates equal the reference",
+        },
+        rank_frozen,
+        verdict_frozen,
+        specs=(_REF,),
+    )
+    + variants(
+        "loop.frozen.unused",
+        {
+            "fsdp1": "parameters a step leaves unused (on one rank, on all, a unit not run) under "
+            "use_orig_params=True: no or zero gradients, updates equal the reference",
+            "fsdp2": "parameters a step leaves unused (on one rank, on all, a unit not run) with "
+            "set_reduce_scatter_unused_params(True): no or zero gradients, updates equal the "
+            "reference",
+        },
+        rank_frozen_unused,
+        verdict_frozen_unused,
+        specs=(_BRANCH,),
+    )
 )
 
 __all__ = ["CHECKS"]
