@@ -357,6 +357,49 @@ class OddModel(nn.Module):
         return out
 
 
+#: The branch model's shape: the odd model's widths, one block always run.
+BRANCH_CONFIG = ModelConfig(num_layers=1, dim=13, hidden_dim=27, vocab_size=31)
+#: The input features that choose the branch model's branches: a call takes a branch when its
+#: input's feature sums positive over the batch.
+ADAPTER_FEATURE = 0
+EXTRA_FEATURE = 1
+
+
+def _chooses(x: torch.Tensor, feature: int) -> bool:
+    return bool(x[..., feature].sum() > 0)
+
+
+class BranchModel(nn.Module):
+    """Parameters a step may leave unused: two branches its input chooses, as a mixture of
+    experts' router or a multi-modal model's "this batch has images" does.
+
+    ``embed``; ``adapter`` (a square linear without bias, in the root unit, which runs on every
+    call) added when the input's feature :data:`ADAPTER_FEATURE` sums positive; the seeds'
+    ``DecoderLayer`` ``layers``; ``extra`` (one more ``DecoderLayer``: units of its own) run
+    when feature :data:`EXTRA_FEATURE` sums positive; ``head``. No width divides by 2 or 4.
+    """
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        super().__init__()
+        config = config or BRANCH_CONFIG
+        self.config = config
+        self.embed = nn.Linear(config.dim, config.dim)
+        self.adapter = nn.Linear(config.dim, config.dim, bias=False)
+        self.layers = _stack(DecoderLayer, config)
+        self.extra = DecoderLayer(config.dim, config.hidden)
+        self.head = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if _chooses(x, ADAPTER_FEATURE):
+            h = h + self.adapter(h)
+        h = _run(self.layers, h)
+        if _chooses(x, EXTRA_FEATURE):
+            h = self.extra(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
 # --------------------------------------------------------------------------------------------
 # A Llama-style model: norms, grouped-query attention, rotary non-persistent buffer
 # --------------------------------------------------------------------------------------------
@@ -560,6 +603,13 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
             (DecoderLayer,),
             "features",
             "odd sizes (uneven shards, a one-element gain) and persistent buffers",
+        ),
+        ReferenceModel(
+            "branch",
+            BranchModel,
+            (DecoderLayer,),
+            "features",
+            "branches the input chooses: parameters unused in some steps, on some ranks",
         ),
         ReferenceModel(
             "llama",

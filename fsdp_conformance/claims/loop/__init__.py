@@ -10,6 +10,9 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 * :mod:`~fsdp_conformance.claims.loop.clipping`: ``loop.clipping.l2`` / ``.inf``, gradient
   clipping by the global norm (FSDP1 the root's ``clip_grad_norm_``, FSDP2
   ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients).
+* :mod:`~fsdp_conformance.claims.loop.frozen`: ``loop.frozen`` / ``.unused``, a freeze list
+  (a wholly frozen block, a unit mixing frozen and trainable parameters) and parameters a step
+  leaves unused (branches the input chooses).
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ import math
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.loop.accumulation import rank_accumulation, verdict_accumulation
 from fsdp_conformance.claims.loop.clipping import rank_clipping, verdict_clipping
+from fsdp_conformance.claims.loop.frozen import (
+    BRANCH_MODEL,
+    rank_frozen,
+    rank_frozen_unused,
+    verdict_frozen,
+    verdict_frozen_unused,
+)
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
+_BRANCH = ModelSpec(reference=BRANCH_MODEL)
 
 #: Every loop check with its reference parameters (the CLI swaps in the user's spec).
 CHECKS: tuple[Check, ...] = (
@@ -74,6 +85,32 @@ CHECKS: tuple[Check, ...] = (
         verdict_clipping,
         specs=(_REF,),
         norm_type=math.inf,
+    )
+    + variants(
+        "loop.frozen",
+        {
+            "fsdp1": "a freeze list under use_orig_params=True (a wholly frozen block, a mixed "
+            "unit): frozen parameters bitwise unchanged, no reduce-scatter for a frozen unit, "
+            "updates equal the reference",
+            "fsdp2": "a freeze list (a wholly frozen block, a mixed unit): frozen parameters bitwise "
+            "unchanged, no reduce-scatter for a frozen unit, updates equal the reference",
+        },
+        rank_frozen,
+        verdict_frozen,
+        specs=(_REF,),
+    )
+    + variants(
+        "loop.frozen.unused",
+        {
+            "fsdp1": "parameters a step leaves unused (on one rank, on all, a unit not run) under "
+            "use_orig_params=True: no or zero gradients, updates equal the reference",
+            "fsdp2": "parameters a step leaves unused (on one rank, on all, a unit not run) with "
+            "set_reduce_scatter_unused_params(True): no or zero gradients, updates equal the "
+            "reference",
+        },
+        rank_frozen_unused,
+        verdict_frozen_unused,
+        specs=(_BRANCH,),
     )
 )
 
