@@ -179,7 +179,7 @@ FOLDERS: dict[str, set[str]] = {
         "state_dicts",
         "faults",
     },
-    "claims/loop": {"training", "accumulation"},
+    "claims/loop": {"training", "accumulation", "clipping", "frozen"},
     "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {"suite", "outputs", "report", "compare", "plots"},
 }

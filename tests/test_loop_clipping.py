@@ -1,14 +1,14 @@
 """``loop.clipping.l2`` / ``loop.clipping.inf``: gradient clipping by the global norm, FSDP1 and
-FSDP2, against the slice-wise reference on the odd model (float64).
+FSDP2, against the slice-wise reference on the odd model (float32, as users clip).
 
-On torch 2.13 three of the four variants meet a torch defect (``expectations.toml``): FSDP1's
-``clip_grad_norm_`` refuses float64 gradients, and FSDP2's inf-norm clip raises on the rank that
-holds an empty shard (the odd model's one-element ``gain``) while the others wait in the norm's
-all-reduce. Each is run for real here: it must fail exactly where an expectation names it, and
-pass on any other torch. FSDP2's L2 clip is judged in full, its inf clip on a model where every
-rank holds part of every parameter, and the negative controls (``clipping.FAULTS``) run on both
-versions and both norm types; the verdict's rules are also failed one at a time on the clean
-run's values, in the parent.
+On torch 2.13 one variant meets a torch defect (``expectations.toml``): FSDP2's inf-norm clip
+raises on the rank that holds an empty shard (the odd model's one-element ``gain``) while the
+others wait in the norm's all-reduce. It is run for real here: it must fail exactly where an
+expectation names it, and pass on any other torch. The L2 clip is judged in full on both
+versions, the inf clip on FSDP1 and, for FSDP2, on a model where every rank holds part of every
+parameter; the negative controls (``clipping.FAULTS``) run on both versions and both norm
+types; the verdict's rules are also failed one at a time on the clean run's values, in the
+parent.
 """
 
 from __future__ import annotations
@@ -118,14 +118,30 @@ def test_fsdp2_l2_clip_norm_is_identical_on_every_rank_and_equals_the_reference(
     assert all(abs(r - 0.5) < 1e-5 for r in verdict.figures["clip_ratio"])
     # torch 2.13 returns the total norm as a replicated DTensor
     assert all(t == "DTensor(Replicate())" for t in verdict.data["returned"])
-    # the norm reduced across ranks by DTensor's functional all-reduce, one per clip, float64
+    # the norm reduced across ranks by DTensor's functional all-reduce, one per clip, float32
     for per_rank in verdict.data["clip_collectives"].values():
-        assert all(ops == ["all_reduce torch.float64 152B"] for ops in per_rank.values())
+        assert all(ops == ["all_reduce torch.float32 76B"] for ops in per_rank.values())
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_fsdp1_clip_norm_is_identical_on_every_rank_and_equals_the_reference(
+    ranks: Ranks, name: str
+) -> None:
+    verdict = run_check(ranks, CHECKS[name]["fsdp1"])
+    assert verdict.passed, verdict.message
+    assert all(abs(r - 0.5) < 1e-5 for r in verdict.figures["clip_ratio"])
+    assert verdict.figures["dtype"] == "torch.float32"
+    # FSDP1 reduces the norm itself: one all-reduce per clip (its returned norm a plain tensor)
+    assert all(t.startswith("Tensor(") for t in verdict.data["returned"])
+    for per_rank in verdict.data["clip_collectives"].values():
+        assert all([op.split()[0] for op in ops] == ["all_reduce"] for ops in per_rank.values()), (
+            per_rank
+        )
 
 
 def test_each_rule_of_the_verdict_fails_on_its_own(ranks: Ranks, shared_runs: dict) -> None:
     """Parent-side controls on the clean run's values: one rank's norm one ulp off (bitwise
-    across ranks), every norm 1e-9 off the reference, one rank's clip without an all-reduce."""
+    across ranks), every norm 1e-4 off the reference, one rank's clip without an all-reduce."""
     check = L2["fsdp2"]
     ulp = clean_l2(ranks, shared_runs)
     ulp[-1]["total_norms"][0] = math.nextafter(ulp[-1]["total_norms"][0], math.inf)
@@ -136,12 +152,10 @@ def test_each_rule_of_the_verdict_fails_on_its_own(ranks: Ranks, shared_runs: di
 
     off = clean_l2(ranks, shared_runs)
     for value in off:
-        value["total_norms"][1] *= 1 + 1e-9
+        value["total_norms"][1] *= 1 + 1e-4
     verdict = check.verdict(off, check.params)
     assert not verdict.passed and "across ranks" not in verdict.message
-    assert (
-        "step 1: total norm" in verdict.message and "(relative 1.0e-09 > 1e-10)" in verdict.message
-    )
+    assert "step 1: total norm" in verdict.message and "> 1e-05)" in verdict.message
 
     silent = clean_l2(ranks, shared_runs)
     silent[0]["clip_collectives"]["clip 1"] = []
@@ -161,7 +175,7 @@ def test_fsdp2_inf_clip_equals_the_reference_where_every_rank_holds_a_shard(rank
     # full_tensor() follows DTensor's own one for the clip coefficient
     assert all(t == "DTensor(Partial(max))" for t in verdict.data["returned"])
     for per_rank in verdict.data["clip_collectives"].values():
-        assert all(ops == ["all_reduce torch.float64 8B"] * 2 for ops in per_rank.values())
+        assert all(ops == ["all_reduce torch.float32 4B"] * 2 for ops in per_rank.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,12 +187,6 @@ def test_fsdp2_inf_clip_equals_the_reference_where_every_rank_holds_a_shard(rank
     ("check", "torch_error"),
     [
         pytest.param(
-            L2["fsdp1"],
-            "linalg.vector_norm: the dtype of the input (Double) should be convertible without "
-            "narrowing to the specified dtype (Float)",
-            id="fsdp1-float64",
-        ),
-        pytest.param(
             INF["fsdp2"],
             "_foreach_norm cannot compute the infinity norm on an empty tensor because the "
             "operation does not have an identity",
@@ -189,9 +197,9 @@ def test_fsdp2_inf_clip_equals_the_reference_where_every_rank_holds_a_shard(rank
 def test_a_clip_torch_cannot_run_fails_exactly_where_an_expectation_names_it(
     ranks: Ranks, check: Check, torch_error: str
 ) -> None:
-    """FSDP1's clip_grad_norm_ on float64 gradients raises on every rank; FSDP2's inf clip
-    raises on the ranks holding an empty shard of the one-element gain while rank 0 waits in
-    the norm's all-reduce. On any torch no expectation names, the check must pass."""
+    """FSDP2's inf clip raises on the ranks holding an empty shard of the one-element gain while
+    rank 0 waits in the norm's all-reduce. On any torch no expectation names, the check must
+    pass."""
     if expectation_for(ranks, check, check.params) is None:
         verdict = run_check(ranks.configured(xfail=None), check)
         assert verdict.passed, (

@@ -64,6 +64,11 @@ UPDATE_RTOL = {torch.float64: 1e-6, torch.float32: 1e-2}
 #: A rank's loss against the reference's loss of the same slice: the same forward on the same
 #: parameters, so only rounding differs.
 LOSS_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+#: The tolerance ``compare`` applies to the loop's numeric results (the ``*_norm(s)`` figures)
+#: between two runs, stated in each verdict's figures as ``numeric_rtol``: float64 results move
+#: by rounding only (1e-16, ``gate.compare.NUMERIC_RTOL``); float32 ones by a kernel's other
+#: summation order, ~1e-7 relative.
+NUMERIC_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 
 
 def in_dtype(batch: Any, dtype: torch.dtype) -> Any:
@@ -128,6 +133,7 @@ def build_pair(
     micro: int = 1,
     policy: PolicyName = "recommended",
     prepare: Callable[[nn.Module], None] | None = None,
+    dtype: torch.dtype = DTYPE,
     **shard_kwargs: Any,
 ) -> Pair:
     """``spec``'s model from seed 0 on every rank, ``prepare`` applied (a freeze list), a copy
@@ -142,7 +148,7 @@ def build_pair(
         prepare(model)
     dropout = disable_dropout(model)
     rows = micro * ctx.world_size * PER_RANK
-    batch, dtype, randomness, fallback = _in_loop_dtype(model, built.batch(rows, ctx.device))
+    batch, dtype, randomness, fallback = _in_loop_dtype(model, built.batch(rows, ctx.device), dtype)
     if randomness > DETERMINISM_RTOL:
         skip_rank(
             f"{type(model).__name__}'s forward in training mode still draws random numbers "
@@ -167,10 +173,16 @@ def build_pair(
     )
 
 
-def _in_loop_dtype(model: nn.Module, batch: Any) -> tuple[Any, torch.dtype, float, str]:
-    """The model and batch in :data:`DTYPE`, or in :data:`FALLBACK_DTYPE` where the model's
-    forward cannot run in it (why, in words); and the forward's randomness (a forward on a
-    copy, ``step.forward_randomness``, which is also what proves the dtype runs)."""
+def _in_loop_dtype(
+    model: nn.Module, batch: Any, dtype: torch.dtype
+) -> tuple[Any, torch.dtype, float, str]:
+    """The model and batch in ``dtype``; for :data:`DTYPE`, in :data:`FALLBACK_DTYPE` where the
+    model's forward cannot run in it (why, in words); and the forward's randomness (a forward
+    on a copy, ``step.forward_randomness``, which is also what proves the dtype runs)."""
+    if dtype != DTYPE:  # a family's own choice (clipping: the dtype FSDP1 clips in)
+        model.to(dtype)
+        chosen = in_dtype(batch, dtype)
+        return chosen, dtype, forward_randomness(model, chosen), ""
     model.to(DTYPE)
     wide = in_dtype(batch, DTYPE)
     try:
@@ -317,9 +329,14 @@ def loop_result(
 # --------------------------------------------------------------------------------------------
 
 
+def run_dtype(values: Sequence[LoopResult]) -> torch.dtype:
+    """The dtype the loop ran in (float64 unless it says float32)."""
+    return torch.float32 if values[0].get("dtype") == str(torch.float32) else DTYPE
+
+
 def tolerances(values: Sequence[LoopResult]) -> tuple[float, float]:
     """(update, loss) relative tolerances of the dtype the loop ran in."""
-    dtype = FALLBACK_DTYPE if values[0].get("dtype") == str(FALLBACK_DTYPE) else DTYPE
+    dtype = run_dtype(values)
     return UPDATE_RTOL[dtype], LOSS_RTOL[dtype]
 
 
@@ -361,11 +378,14 @@ def parity_note(values: Sequence[LoopResult]) -> str:
 def parity_figures(values: Sequence[LoopResult]) -> dict[str, Any]:
     """The figures every family reports (and ``compare`` follows): the worst update difference,
     the gradient norms per step (rank 0's: all ranks hold the same full update), unrounded:
-    compare holds a ``*_norms`` figure to 1e-9 relative (:mod:`fsdp_conformance.gate.compare`),
-    and a value rounded to six decimals could flip its last digit on a 1e-16 move."""
+    compare holds a ``*_norms`` figure to ``numeric_rtol`` (:data:`NUMERIC_RTOL` of the dtype,
+    :mod:`fsdp_conformance.gate.compare`), and a value rounded to six decimals could flip its
+    last digit on a 1e-16 move."""
     worst = max((s["update"]["max_rel"] for v in values for s in v["steps"]), default=0.0)
     return {
         "update_rel_diff": worst,
         "grad_norms": [s["grad_norm"] for s in values[0]["steps"]],
         "steps": len(values[0]["steps"]),
+        "dtype": values[0].get("dtype", str(DTYPE)),
+        "numeric_rtol": NUMERIC_RTOL[run_dtype(values)],
     }
