@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from fsdp_conformance import _compat
 from fsdp_conformance.harness import skip_rank
 
 
@@ -91,6 +92,30 @@ DCP_NO_DIST = Capability(
     "the no_dist argument of dcp.load",
     "present in 2.13.0; missing in 2.6.0 (versions between not measured)",
     _dcp_loads_without_a_group,
+)
+
+
+def _fully_shard_ignores_params() -> bool:
+    return "ignored_params" in inspect.signature(_compat.fully_shard()).parameters
+
+
+def _fsdp2_sets_gradient_divide_factor() -> bool:
+    return callable(getattr(_compat.fsdp_module_cls(), "set_gradient_divide_factor", None))
+
+
+#: FSDP2's ``fully_shard(..., ignored_params={...})``: parameters left local and unsharded.
+FSDP2_IGNORED_PARAMS = Capability(
+    "fully_shard(ignored_params=...)",
+    "the ignored_params argument of torch.distributed.fsdp.fully_shard",
+    "present in 2.13.0 (other versions not measured)",
+    _fully_shard_ignores_params,
+)
+#: FSDP2's ``FSDPModule.set_gradient_divide_factor``: the user's divisor of the reduced gradients.
+FSDP2_GRADIENT_DIVIDE_FACTOR = Capability(
+    "FSDPModule.set_gradient_divide_factor",
+    "torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor",
+    "present in 2.13.0 (other versions not measured)",
+    _fsdp2_sets_gradient_divide_factor,
 )
 
 

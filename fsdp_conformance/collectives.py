@@ -170,8 +170,9 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
     """Per unit FQN (``""`` the root): the numels a collective serving it can have.
 
     FSDP1: the flat parameter's unpadded and padded unsharded numel. FSDP2: the sum of the
-    unit's own parameters' numels, unpadded and padded per parameter. Units without parameters
-    issue no collective and are left out.
+    unit's own sharded parameters' numels (a parameter it leaves plain, ignored, is in none of
+    its collectives), unpadded and padded per parameter. Units without parameters issue no
+    collective and are left out.
     """
     out: dict[str, list[int]] = {}
     if version == "fsdp1":
@@ -196,6 +197,9 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
             for p in m2.parameters()
         }
         own = [p for p in module.parameters() if id(p) not in inner]
+        # A parameter fully_shard left plain (``ignored_params``) travels in none of the unit's
+        # collectives: only its DTensors do (a unit without any: the unpadded sizes below).
+        own = [p for p in own if isinstance(p, dtensor)] or own
         if not own:
             continue
         shapes = [tuple(p.shape) for p in own]

@@ -69,13 +69,13 @@ def test_frozen_parameters_stay_and_their_units_never_reduce(
     assert verdict.passed, verdict.message
     data = verdict.data
     assert data["frozen"] == ODD_FROZEN
-    assert data["frozen_units"] == ["layers.0", "layers.0.mlp.0", "layers.0.mlp.2"]
+    assert data["frozen_units"] == ["layers.0"]
     assert data["mixed_units"] == ["layers.1"]
     for value in values:  # observed on every rank: one reduction per unit that trains
         assert value["frozen_changed"] == [[]] * frozen.STEPS
         assert value["frozen_grads"] == [{}] * frozen.STEPS
         for units in value["reduced"].values():
-            assert len(units) == len(value["training_units"]) == 5, units
+            assert len(units) == len(value["training_units"]) == 3, units
     if version == "fsdp2":  # the mixed unit reduces its trainable parameters only, by name
         assert all("layers.1" in units for units in data["reduced"].values())
 
@@ -87,7 +87,7 @@ def test_frozen_parameters_turned_back_on_after_wrapping_fail(ranks: Ranks, vers
     assert "7 frozen parameter(s) changed" in verdict.message
     assert "differs from the reference" in verdict.message
     assert "gradient reduction(s) beyond one per unit that trains" in verdict.message
-    assert verdict.figures["reduced_per_step"] == 8
+    assert verdict.figures["reduced_per_step"] == 4
 
 
 def test_a_freeze_in_the_optimizer_only_fails_on_the_collectives(ranks: Ranks) -> None:

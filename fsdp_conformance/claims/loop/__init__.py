@@ -13,6 +13,13 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 * :mod:`~fsdp_conformance.claims.loop.frozen`: ``loop.frozen`` / ``.unused``, a freeze list
   (a wholly frozen block, a unit mixing frozen and trainable parameters) and parameters a step
   leaves unused (branches the input chooses).
+* :mod:`~fsdp_conformance.claims.loop.ignored`: ``loop.ignored``, a module kept out of FSDP
+  (FSDP1 ``ignored_modules``, FSDP2 ``ignored_params``) stays local, unsharded, unreduced and
+  in the state dict.
+* :mod:`~fsdp_conformance.claims.loop.entry_points`: ``loop.entry_points.two_forwards`` /
+  ``.non_root`` / ``.divide_factor``, the model entered other than once through its root:
+  two forwards before one backward, a block's own forward in the loss, the user's gradient
+  divide factor; the optimizer made after the first backward.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from fsdp_conformance.claims.loop.frozen import (
     verdict_frozen,
     verdict_frozen_unused,
 )
+from fsdp_conformance.claims.loop.entry_points import rank_entry_points, verdict_entry_points
+from fsdp_conformance.claims.loop.ignored import rank_ignored, verdict_ignored
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
@@ -111,6 +120,47 @@ CHECKS: tuple[Check, ...] = (
         rank_frozen_unused,
         verdict_frozen_unused,
         specs=(_BRANCH,),
+    )
+    + variants(
+        "loop.ignored",
+        {
+            "fsdp1": "a module in ignored_modules stays local and unsharded, its gradient this "
+            "rank's own (no collective carries it), its values in the full state dict",
+            "fsdp2": "a module's parameters in fully_shard(ignored_params=...) stay local and "
+            "unsharded, their gradient this rank's own (no collective carries them), their values "
+            "in get_model_state_dict",
+        },
+        rank_ignored,
+        verdict_ignored,
+        specs=(_REF,),
+    )
+    + variants(
+        "loop.entry_points.two_forwards",
+        "the root's forward on two inputs, summed losses, one backward; the optimizer made after "
+        "the first backward: updates equal the reference, every unit that trains reduced",
+        rank_entry_points,
+        verdict_entry_points,
+        specs=(_REF,),
+        what="two_forwards",
+    )
+    + variants(
+        "loop.entry_points.non_root",
+        "a block's own forward (an FSDP unit called outside the root's forward) in the loss beside "
+        "the root's: updates equal the reference, every unit that trains reduced",
+        rank_entry_points,
+        verdict_entry_points,
+        specs=(_REF,),
+        what="non_root",
+    )
+    + variants(
+        "loop.entry_points.divide_factor",
+        "set_gradient_divide_factor(2 x world size) on every FSDP module: the reduced gradients "
+        "are the ranks' sum over that factor (the reference's, its loss scaled by world / factor)",
+        rank_entry_points,
+        verdict_entry_points,
+        versions=("fsdp2",),
+        specs=(_REF,),
+        what="divide_factor",
     )
 )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -37,6 +38,7 @@ from fsdp_conformance.reference_step import (
 )
 from fsdp_conformance.sharding import check_fsdp_version, shard
 from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
+from fsdp_conformance.torch_errors import explain, parse_traceback
 from fsdp_conformance.units import clean_fqn
 
 #: The learning rate of every loop's SGD step: large enough that an update stands well above the
@@ -134,12 +136,14 @@ def build_pair(
     policy: PolicyName = "recommended",
     prepare: Callable[[nn.Module], None] | None = None,
     dtype: torch.dtype = DTYPE,
+    sharded_kwargs: Callable[[nn.Module], Mapping[str, Any]] | None = None,
     **shard_kwargs: Any,
 ) -> Pair:
     """``spec``'s model from seed 0 on every rank, ``prepare`` applied (a freeze list), a copy
-    sharded by :func:`shard_model` with ``policy`` and ``shard_kwargs``; the original is the
-    reference. Dropout is off on both (``step.disable_dropout``); a forward that still draws
-    random numbers skips the check on every rank, naming why."""
+    sharded by :func:`shard_model` with ``policy``, ``shard_kwargs`` and
+    ``sharded_kwargs(copy)`` (arguments naming the copy's own modules or parameters: an ignore
+    list); the original is the reference. Dropout is off on both (``step.disable_dropout``); a
+    forward that still draws random numbers skips the check on every rank, naming why."""
     check_fsdp_version(version)
     torch.manual_seed(0)
     built = spec.instantiate(ctx.device)
@@ -159,7 +163,8 @@ def build_pair(
     twin = copy.deepcopy(model)
     # A policy is bound to the modules it was built on (block membership, ties): the copy's.
     policy_obj = BuiltModel(spec, twin).policy(policy)
-    sharded = shard_model(twin, ctx, version, policy_obj, **shard_kwargs)
+    named = sharded_kwargs(twin) if sharded_kwargs is not None else {}
+    sharded = shard_model(twin, ctx, version, policy_obj, **shard_kwargs, **named)
     return Pair(
         ctx,
         version,
@@ -272,10 +277,27 @@ def observe_step(
     before: Mapping[str, torch.Tensor],
     ref_before: Mapping[str, torch.Tensor],
     lr: float = LR,
+    expected: Mapping[str, torch.Tensor] | None = None,
 ) -> StepObservation:
-    """The update each side applied since ``before`` / ``ref_before`` (full parameters)."""
-    got = updates(full_params(pair.sharded, pair.version, pair.dtype), before)
+    """The update each side applied since ``before`` / ``ref_before`` (full parameters);
+    ``expected``: updates that replace the reference's for those names (a per-rank reference
+    for what FSDP leaves local).
+
+    Then the reference takes the sharded model's parameters (``expected``'s names excepted),
+    so every step starts both sides from the same values and proves its own update. Why: a
+    tensor whose true gradient is zero (a bias right before batch norm) is rounding amplified
+    by cancellation, and once the two sides' parameters differ by one rounding it no longer
+    agrees at all: measured in float32 under clipping, 0.65 of its own scale at the second
+    step, bitwise equal at the first. The difference that carried over is at most the step's
+    tolerance, or the step failed."""
+    after = full_params(pair.sharded, pair.version, pair.dtype)
+    got = updates(after, before)
     ref = updates(reference_params(pair.reference.model, pair.dtype), ref_before)
+    ref.update(expected or {})
+    with torch.no_grad():
+        for name, param in pair.reference.model.named_parameters(remove_duplicate=False):
+            if name in after and name not in (expected or {}):
+                param.copy_(after[name])
     return {
         "update": compare_tensors(got, ref),
         "grad_norm": norm_of(got) / lr,
@@ -322,6 +344,17 @@ def loop_result(
         "dtype": str(pair.dtype),
         "fallback": pair.fallback,
     }
+
+
+def torch_raised(exc: BaseException) -> str | None:
+    """torch's one line (``RuntimeError in torch/...py:function: message``) when ``exc`` was
+    raised inside torch (its innermost frame), else None. A loop users write that torch refuses
+    is a finding a family's verdict reports as a failure; an error of the suite's own code stays
+    an error."""
+    error = parse_traceback("".join(traceback.format_exception(exc)))
+    if error is None or not error.frames or not error.frames[-1].in_torch:
+        return None
+    return explain(error, {})
 
 
 # --------------------------------------------------------------------------------------------
