@@ -7,37 +7,70 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 * :mod:`~fsdp_conformance.claims.loop.accumulation`: ``loop.accumulation.no_sync`` /
   ``.synced``, gradient accumulation with synchronisation off for all but the last micro-batch,
   and on for every one into existing gradients.
+* :mod:`~fsdp_conformance.claims.loop.uneven`: ``loop.uneven``, parameters whose dimension 0 does
+  not divide by the world size: the shards' sizes, the parameters read back every way a user
+  reads them, the steps.
+* :mod:`~fsdp_conformance.claims.loop.buffers`: ``loop.buffers``, persistent buffers through
+  training (per rank, never synchronised) and every state-dict kind, got and loaded.
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.loop.accumulation import rank_accumulation, verdict_accumulation
+from fsdp_conformance.claims.loop.buffers import rank_buffers, verdict_buffers
+from fsdp_conformance.claims.loop.uneven import rank_uneven, verdict_uneven
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
 
 #: Every loop check with its reference parameters (the CLI swaps in the user's spec).
-CHECKS: tuple[Check, ...] = variants(
-    "loop.accumulation.no_sync",
-    {
-        "fsdp1": "accumulation under no_sync(): updates equal the reference, reduce-scatters "
-        "only in the last micro-batch",
-        "fsdp2": "accumulation under set_requires_gradient_sync(False): updates equal the "
-        "reference, reduce-scatters only in the last micro-batch",
-    },
-    rank_accumulation,
-    verdict_accumulation,
-    specs=(_REF,),
-    mode="no_sync",
-) + variants(
-    "loop.accumulation.synced",
-    "accumulation into existing gradients with synchronisation on: updates equal the "
-    "reference, one reduce-scatter per unit per micro-batch",
-    rank_accumulation,
-    verdict_accumulation,
-    specs=(_REF,),
-    mode="synced",
+CHECKS: tuple[Check, ...] = (
+    variants(
+        "loop.accumulation.no_sync",
+        {
+            "fsdp1": "accumulation under no_sync(): updates equal the reference, reduce-scatters "
+            "only in the last micro-batch",
+            "fsdp2": "accumulation under set_requires_gradient_sync(False): updates equal the "
+            "reference, reduce-scatters only in the last micro-batch",
+        },
+        rank_accumulation,
+        verdict_accumulation,
+        specs=(_REF,),
+        mode="no_sync",
+    )
+    + variants(
+        "loop.accumulation.synced",
+        "accumulation into existing gradients with synchronisation on: updates equal the "
+        "reference, one reduce-scatter per unit per micro-batch",
+        rank_accumulation,
+        verdict_accumulation,
+        specs=(_REF,),
+        mode="synced",
+    )
+    + variants(
+        "loop.uneven",
+        {
+            "fsdp1": "uneven shards: each unit's flat parameter holds ceil(numel / world) elements, "
+            "padded; summon_full_params, the full and the sharded state dicts and every update "
+            "equal the reference",
+            "fsdp2": "uneven shards: each parameter's to_local() holds ceil(rows / world) rows (none "
+            "on some ranks); unshard(), the full and the sharded state dicts and every update equal "
+            "the reference",
+        },
+        rank_uneven,
+        verdict_uneven,
+        specs=(_REF,),
+    )
+    + variants(
+        "loop.buffers",
+        "persistent buffers after training equal the reference's per rank (never synchronised); "
+        "every state-dict kind carries each with this rank's value, and loading it into a fresh "
+        "sharded model restores it",
+        rank_buffers,
+        verdict_buffers,
+        specs=(_REF,),
+    )
 )
 
 __all__ = ["CHECKS"]
