@@ -120,16 +120,19 @@ def _whole(value: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
 def full_params(
     sharded: nn.Module, version: str, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """Every parameter whole, as ``dtype`` copies, by its clean FQN, on every rank (collectives:
-    call on all)."""
+    """Every parameter whole, as ``dtype`` copies, by its clean FQN (every alias of a tied one),
+    on every rank (collectives: call on all)."""
     if version == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(sharded, writeback=False):
             return {
-                clean_fqn(n): p.detach().to(dtype, copy=True) for n, p in sharded.named_parameters()
+                clean_fqn(n): p.detach().to(dtype, copy=True)
+                for n, p in sharded.named_parameters(remove_duplicate=False)
             }
-    return {clean_fqn(n): _whole(p, dtype) for n, p in sharded.named_parameters()}
+    return {
+        clean_fqn(n): _whole(p, dtype) for n, p in sharded.named_parameters(remove_duplicate=False)
+    }
 
 
 def full_grads(

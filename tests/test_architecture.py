@@ -42,6 +42,7 @@ LAYERS: dict[str, str] = {
     "meters": "blocks",
     "timeline": "blocks",
     "step": "blocks",
+    "reference_step": "blocks",
     "collectives": "blocks",
     "user_model": "blocks",
     "hf": "blocks",
@@ -178,6 +179,7 @@ FOLDERS: dict[str, set[str]] = {
         "state_dicts",
         "faults",
     },
+    "claims/loop": {"training", "accumulation"},
     "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {"suite", "outputs", "report", "compare", "plots"},
 }

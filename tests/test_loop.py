@@ -7,10 +7,14 @@ faults injected on the ranks (``claims/loop/<family>.py`` ``FAULTS``) that the c
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from fsdp_conformance.claims import loop
+from fsdp_conformance.claims.loop import training
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.harness import Ranks
+from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
 
@@ -69,3 +73,43 @@ def test_a_no_sync_that_does_not_switch_sync_off_fails_on_the_collectives(
     assert not verdict.passed
     assert "(no sync): " in verdict.message and "not expected here" in verdict.message
     assert "update" not in verdict.message, "the numbers agree; only the collectives differ"
+
+
+class Float32OnlyLayer(nn.Linear):
+    """A layer whose kernel exists only in float32 (as transformers' grouped-mm experts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError(
+                "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"
+            )
+        return super().forward(x)
+
+
+class Float32OnlyModel(nn.Module):
+    """Two blocks of that layer and a head (the blocks: ``Float32OnlyLayer``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Float32OnlyLayer(12, 12) for _ in range(2)])
+        self.head = nn.Linear(12, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def test_a_model_without_float64_runs_the_loop_in_float32_and_says_why(ranks: Ranks) -> None:
+    spec = ModelSpec(
+        reference=None,
+        factory=f"{__name__}:Float32OnlyModel",
+        block_cls=(f"{__name__}.Float32OnlyLayer",),
+    )
+    check = NO_SYNC["fsdp2"]
+    verdict = run_check(ranks, check, spec=spec)
+    assert verdict.passed, verdict.message
+    assert "in torch.float32, not float64" in verdict.message
+    assert "got Double" in verdict.message
+    assert verdict.figures["update_rel_diff"] <= training.UPDATE_RTOL[torch.float32]

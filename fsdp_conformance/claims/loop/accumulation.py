@@ -39,6 +39,7 @@ from fsdp_conformance.claims.loop.training import (
     match_units,
     observe_step,
     parity_figures,
+    parity_note,
     parity_problems,
     phases,
     reduced_units,
@@ -230,7 +231,7 @@ def verdict_accumulation(
     if problems:
         return Verdict(
             False,
-            f"gradient accumulation ({what}) differs from the reference:\n  "
+            f"gradient accumulation ({what}) differs from the reference{parity_note(values)}:\n  "
             + "\n  ".join(dict.fromkeys(problems)),
             figures,
             data,
@@ -239,7 +240,8 @@ def verdict_accumulation(
         True,
         f"{what}: every update equals the reference's (worst {figures['update_rel_diff']:.1e}); "
         f"{figures['reduced_per_step']} unit reductions per optimizer step, "
-        + ("in the last micro-batch only" if mode == "no_sync" else "one per unit per micro-batch"),
+        + ("in the last micro-batch only" if mode == "no_sync" else "one per unit per micro-batch")
+        + parity_note(values),
         figures,
         data,
     )
