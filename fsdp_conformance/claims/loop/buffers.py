@@ -32,14 +32,14 @@ from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.loop.training import (
-    DTYPE,
-    UPDATE_RTOL,
     LoopResult,
     Pair,
     build_pair,
     loop_result,
     parity_figures,
+    parity_note,
     parity_problems,
+    tolerances,
     train_plain,
 )
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -157,7 +157,7 @@ def _spread(buffers: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[s
     """``max |buffer - rank 0's|`` per name (a broadcast from rank 0: call on every rank)."""
     out = {}
     for name in names:
-        mine = buffers[name].detach().to(DTYPE, copy=True)
+        mine = buffers[name].detach().to(torch.float64, copy=True)
         first = mine.clone()
         dist.broadcast(first, src=0)
         out[name] = float((mine - first).abs().max()) if mine.numel() else 0.0
@@ -229,7 +229,7 @@ def rank_buffers(
             "live": compare_tensors(live, mine),
             "spread": _spread(live, [n for n in persistent if n in live]),
             "ref_spread": {
-                n: float((mine[n].to(DTYPE) - first[n].to(DTYPE)).abs().max())
+                n: float((mine[n].double() - first[n].double()).abs().max())
                 if mine[n].numel()
                 else 0.0
                 for n in persistent
@@ -245,16 +245,14 @@ def rank_buffers(
 # --------------------------------------------------------------------------------------------
 
 
-def _kind_problems(rank: int, kind: str, entry: KindBuffers) -> list[str]:
+def _kind_problems(rank: int, kind: str, entry: KindBuffers, rtol: float) -> list[str]:
     label = f"rank {rank}: {kind} state dict"
     problems = []
     if not entry["judged"] and entry["entries"]:
         problems.append(f"{label}: {entry['entries']} entries from a rank-0-only getter")
     if entry["got"]["missing"]:
         problems.append(f"{label}: lacks persistent buffer(s) {listing(entry['got']['missing'])}")
-    problems += comparison_problems(
-        f"{label}'s buffers", {**entry["got"], "missing": []}, UPDATE_RTOL
-    )
+    problems += comparison_problems(f"{label}'s buffers", {**entry["got"], "missing": []}, rtol)
     if entry["non_persistent"]:
         problems.append(
             f"{label}: carries non-persistent buffer(s) {listing(entry['non_persistent'])}, "
@@ -270,7 +268,7 @@ def _kind_problems(rank: int, kind: str, entry: KindBuffers) -> list[str]:
             f"rank {rank}: after loading the {kind} state dict into a fresh sharded model, its "
             f"buffers (expected rank {entry['loaded_from']}'s; {SENTINEL} where not restored)",
             entry["loaded"],
-            UPDATE_RTOL,
+            rtol,
         )
     return problems
 
@@ -288,6 +286,9 @@ def _buffer_figures(values: Sequence[BuffersResult]) -> dict[str, Any]:
         "reference_spread": max(ref_spread.values(), default=0.0),
         "differ_between_ranks": sorted(n for n, s in spread.items() if s > 0),
         "buffer_rel_diff": max(v["live"]["max_rel"] for v in values),
+        "broadcast_on_load": sorted(
+            {k for v in values for k, e in v["kinds"].items() if e["loaded_from"] != v["rank"]}
+        ),
     }
 
 
@@ -296,16 +297,17 @@ def verdict_buffers(values: Sequence[BuffersResult], params: Mapping[str, Any]) 
     carries each persistent buffer with that value and no non-persistent one, and each loaded
     kind restores them in a fresh sharded model."""
     problems = parity_problems(values)
+    rtol = tolerances(values)[0]
     failed: set[str] = set()
     for v in values:
         problems += comparison_problems(
             f"rank {v['rank']}: buffers after {STEPS} steps (against the reference's slice "
             f"{v['rank']})",
             v["live"],
-            UPDATE_RTOL,
+            rtol,
         )
         for kind, entry in v["kinds"].items():
-            found = _kind_problems(v["rank"], kind, entry)
+            found = _kind_problems(v["rank"], kind, entry, rtol)
             failed |= {kind} if found else set()
             problems += found
     figures = _buffer_figures(values)
@@ -313,7 +315,6 @@ def verdict_buffers(values: Sequence[BuffersResult], params: Mapping[str, Any]) 
     data = {
         "persistent": values[0]["persistent"],
         "spread": {v["rank"]: v["spread"] for v in values},
-        "loaded_from": {k: e["loaded_from"] for k, e in values[0]["kinds"].items()},
     }
     what = (
         f"{figures['persistent']} persistent buffer(s) after {STEPS} steps, "
@@ -322,7 +323,7 @@ def verdict_buffers(values: Sequence[BuffersResult], params: Mapping[str, Any]) 
     if problems:
         return Verdict(
             False,
-            f"buffers ({what}) differ from the reference:\n  "
+            f"buffers ({what}) differ from the reference{parity_note(values)}:\n  "
             + "\n  ".join(dict.fromkeys(problems)),
             figures,
             data,
@@ -345,7 +346,13 @@ def verdict_buffers(values: Sequence[BuffersResult], params: Mapping[str, Any]) 
             if figures["non_persistent"]
             else ""
         )
-        + "; loading each loaded kind into a fresh sharded model restores them",
+        + "; loading each loaded kind into a fresh sharded model restores them"
+        + (
+            f" ({listing(figures['broadcast_on_load'])}: rank 0's on every rank, broadcast)"
+            if figures["broadcast_on_load"]
+            else ""
+        )
+        + parity_note(values),
         figures,
         data,
     )

@@ -33,14 +33,14 @@ from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.loop import training
 from fsdp_conformance.claims.loop.training import (
-    DTYPE,
-    UPDATE_RTOL,
     LoopResult,
     Pair,
     build_pair,
     loop_result,
     parity_figures,
+    parity_note,
     parity_problems,
+    tolerances,
     train_plain,
 )
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -115,21 +115,24 @@ def flat_shards(model: nn.Module, version: str) -> dict[str, list[int]]:
     return out
 
 
-def unsharded_params(model: nn.Module, version: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Every parameter read while unsharded as users unshard it, and the names still sharded
-    then: FSDP1 ``summon_full_params``; FSDP2 ``unshard()`` on every FSDP module, the module's
-    parameters read as they then are, ``reshard()``."""
+def unsharded_params(
+    model: nn.Module, version: str, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every parameter (every alias of a tied one) read while unsharded as users unshard it,
+    ``dtype`` copies, and the names still sharded then: FSDP1 ``summon_full_params``; FSDP2
+    ``unshard()`` on every FSDP module, the module's parameters read as they then are,
+    ``reshard()``."""
     if version == "fsdp1":
-        return full_params(model, version, DTYPE), []
+        return full_params(model, version, dtype), []
     units = [m for m in model.modules() if isinstance(m, _compat.fsdp_module_cls())]
     for unit in units:
         unit.unshard()
     try:
         dtensor = _compat.dtensor_cls()
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))
         still = [clean_fqn(n) for n, p in params.items() if isinstance(p, dtensor)]
         got = {
-            clean_fqn(n): p.detach().to(DTYPE, copy=True)
+            clean_fqn(n): p.detach().to(dtype, copy=True)
             for n, p in params.items()
             if not isinstance(p, dtensor)
         }
@@ -155,7 +158,7 @@ def sharded_pieces(
         if piece is None:
             piece = ref.new_empty((0, *ref.shape[1:]))
         shapes[name] = list(piece.shape)
-        pieces[name] = piece.detach().to(DTYPE, copy=True)
+        pieces[name] = piece.detach().to(ref.dtype, copy=True)
         chunk = -(-ref.shape[0] // ctx.world_size) if ref.dim() else 0
         start = ctx.rank * chunk
         held = rows_held(ref.shape[0], ctx.world_size, ctx.rank) if ref.dim() else 0
@@ -229,14 +232,14 @@ def rank_uneven(
     """``STEPS`` plain steps with the shards observed before and the parameters read back after."""
     with FAULTS.inject(fault, ctx):
         pair: Pair = build_pair(ctx, spec, version, micro=STEPS)
-        reference = reference_params(pair.reference.model, DTYPE)
-        init, _ = unsharded_params(pair.sharded, version)
+        reference = reference_params(pair.reference.model, pair.dtype)
+        init, _ = unsharded_params(pair.sharded, version, pair.dtype)
         unsharded_init = compare_tensors(init, reference)
         losses, ref_losses, observed = train_plain(pair, STEPS)
-        reference = reference_params(pair.reference.model, DTYPE)
-        after, still = unsharded_params(pair.sharded, version)
+        reference = reference_params(pair.reference.model, pair.dtype)
+        after, still = unsharded_params(pair.sharded, version, pair.dtype)
         full = {
-            k: v.detach().to(DTYPE, copy=True)
+            k: v.detach().to(pair.dtype, copy=True)
             for k, v in get_state(pair.sharded, version, "full").items()
         }
         shapes, pieces = sharded_pieces(pair.sharded, version, reference, ctx)
@@ -285,7 +288,7 @@ def _size_problems(v: UnevenResult) -> list[str]:
     return problems
 
 
-def _value_problems(v: UnevenResult) -> list[str]:
+def _value_problems(v: UnevenResult, rtol: float) -> list[str]:
     rank, how = v["rank"], v["unsharded_by"]
     problems = []
     init = v["unsharded_init"]
@@ -300,7 +303,7 @@ def _value_problems(v: UnevenResult) -> list[str]:
             f"rank {rank}: still DTensors after unshard(): {listing(v['still_sharded'], 4)}"
         )
     for label, comparison in _read_back(v):
-        problems += comparison_problems(f"rank {rank}: {label}", comparison, UPDATE_RTOL)
+        problems += comparison_problems(f"rank {rank}: {label}", comparison, rtol)
     return problems
 
 
@@ -347,8 +350,9 @@ def verdict_uneven(values: Sequence[UnevenResult], params: Mapping[str, Any]) ->
     read unsharded, through the full state dict and through the sharded state dict's pieces are
     the reference's, and every loss and update equals the reference's."""
     problems = parity_problems(values)
+    rtol = tolerances(values)[0]
     for v in values:
-        problems += _size_problems(v) + _value_problems(v)
+        problems += _size_problems(v) + _value_problems(v, rtol)
     figures, data = _uneven_figures(values)
     world, how = figures["world_size"], values[0]["unsharded_by"]
     what = (
@@ -358,7 +362,7 @@ def verdict_uneven(values: Sequence[UnevenResult], params: Mapping[str, Any]) ->
     if problems:
         return Verdict(
             False,
-            f"uneven shards ({what}) differ from the reference:\n  "
+            f"uneven shards ({what}) differ from the reference{parity_note(values)}:\n  "
             + "\n  ".join(dict.fromkeys(problems)),
             figures,
             data,
@@ -371,7 +375,7 @@ def verdict_uneven(values: Sequence[UnevenResult], params: Mapping[str, Any]) ->
         + f"every rank's shards have the sizes the world size implies; after {STEPS} steps the "
         f"parameters read after {how}, the full state dict and the sharded state dict's pieces "
         f"equal the reference's (worst {figures['read_back_rel_diff']:.1e}), every update too "
-        f"(worst {figures['update_rel_diff']:.1e})",
+        f"(worst {figures['update_rel_diff']:.1e})" + parity_note(values),
         figures,
         data,
     )
