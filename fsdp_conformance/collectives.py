@@ -14,6 +14,12 @@ version pads (FSDP1 pads its flat parameter, FSDP2 each parameter's first dimens
 not used: a prefetched all-gather runs inside another unit's forward or backward, so "the unit
 running now" is not the unit served. Units of equal size cannot be told apart by size; their
 records name every candidate, ``a|b`` (the fingerprint models give every unit its own size).
+
+DTensor's collectives (a ``full_tensor()``, the redistribution an op on a partial DTensor needs:
+the norm ``clip_grad_norm_`` computes on FSDP2's gradients) are functional collectives
+(``_c10d_functional``) that DTensor issues inside its own dispatch, out of a mode's sight;
+``record_collectives(dtensor=True)`` lets DTensor run first, as torch's ``CommDebugMode`` does,
+and records them too.
 """
 
 from __future__ import annotations
@@ -33,9 +39,14 @@ from fsdp_conformance.units import clean_fqn
 KINDS = (
     ("reduce_scatter", "reduce_scatter"),
     ("allgather", "all_gather"),
+    ("all_gather", "all_gather"),  # the functional collectives' spelling
     ("allreduce", "all_reduce"),
+    ("all_reduce", "all_reduce"),
     ("broadcast", "broadcast"),
 )
+#: The namespace of the functional collectives (DTensor's): their input comes first and their
+#: output is the op's result.
+FUNCTIONAL = "_c10d_functional"
 #: The fields of one record (plain data; the report stores the list as it is).
 FIELDS = ("op", "unit", "phase", "in_dtype", "out_dtype", "in_bytes", "out_bytes")
 #: The unit of a collective whose size matches no unit.
@@ -85,11 +96,17 @@ class CollectiveRecorder:
         units = self._by_size.get(numel)
         return "|".join(units) if units else UNKNOWN_UNIT  # the root's FQN is ""
 
-    def add(self, op_name: str, args: Sequence[Any]) -> None:
+    def add(self, op_name: str, args: Sequence[Any], result: Any = None) -> None:
+        """One record of ``op_name`` called with ``args`` (a functional collective: and
+        ``result``, its output)."""
         kind = _kind(op_name)
         if kind is None or not args:
             return  # barriers, point-to-point, alltoall: not what FSDP's step issues
-        if kind in ("all_reduce", "broadcast"):
+        if op_name.startswith(FUNCTIONAL) and kind != "all_reduce":
+            # functional: (input, ...) -> output
+            inp, out = _tensors(args[0]), _tensors(result)
+            full = out if kind == "all_gather" else inp
+        elif kind in ("all_reduce", "broadcast"):
             out = _tensors(args[0])
             inp = out  # in place
             full = out
@@ -114,19 +131,28 @@ class CollectiveRecorder:
 
 @contextlib.contextmanager
 def record_collectives(
-    unit_sizes: Mapping[str, Sequence[int]] | None = None,
+    unit_sizes: Mapping[str, Sequence[int]] | None = None, *, dtensor: bool = False
 ) -> Iterator[CollectiveRecorder]:
-    """While inside, every ``c10d`` collective this process issues is recorded, in issue order."""
+    """While inside, every ``c10d`` collective this process issues is recorded, in issue order;
+    ``dtensor``: DTensor's functional collectives too (each op on a DTensor is left to DTensor
+    first, so that the mode sees the collectives it issues)."""
     dispatch_mode = _compat.torch_dispatch_mode_cls()
     recorder = CollectiveRecorder(unit_sizes)
+    dtensor_cls = _compat.dtensor_cls() if dtensor else None
 
     class _Recorder(dispatch_mode):  # type: ignore[misc,valid-type]
         def __torch_dispatch__(  # type: ignore[no-untyped-def]
             self, func, types, args=(), kwargs=None
         ):
-            if getattr(func, "namespace", None) == "c10d":
+            if dtensor_cls is not None and any(issubclass(t, dtensor_cls) for t in types):
+                return NotImplemented  # DTensor runs it and issues its collectives to this mode
+            namespace = getattr(func, "namespace", None)
+            if namespace == "c10d":
                 recorder.add(str(func), args)
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if namespace == FUNCTIONAL and dtensor_cls is not None:
+                recorder.add(str(func), args, out)
+            return out
 
     with _Recorder():
         yield recorder

@@ -17,11 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch.nn as nn
-from torch.distributed.fsdp.wrap import (
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
+from torch.distributed.fsdp import wrap as torch_wrap
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy, transformer_auto_wrap_policy
 
 from fsdp_conformance import _compat
 
@@ -89,6 +86,10 @@ def recommended_policy(
     ``size_based_auto_wrap_policy`` decides by the parameters not yet wrapped, except that a
     module is never wrapped on its own when it shares a parameter with a module outside its own
     subtree (the shared weight then stays in the enclosing unit, so it is never split).
+
+    The size rule is torch's function as torch's module holds it when the policy is built (not
+    a name bound at import), so the threshold is applied exactly as torch applies it:
+    ``nonwrapped_numel >= min_params`` (``wrap.builders.size_boundary`` checks the boundary).
     """
     blocks = tuple(block_classes)
     if not blocks:
@@ -96,7 +97,7 @@ def recommended_policy(
     inside_blocks = _modules_inside(model, blocks)
     splits_ties = _modules_splitting_shared_params(model)
     type_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
-    size_rule = functools.partial(size_based_auto_wrap_policy, min_num_params=min_params)
+    size_rule = functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=min_params)
 
     def size_outside_blocks(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         if recurse:

@@ -140,6 +140,69 @@ class MassiveModel(_EmbedLayersHead):
 
 
 # --------------------------------------------------------------------------------------------
+# The size rule at its boundary
+# --------------------------------------------------------------------------------------------
+
+#: :class:`SizeBoundaryModel`'s size threshold: each of its ``AT`` modules has exactly this many
+#: parameters not yet wrapped when the size rule decides it, each of its ``BELOW`` modules one
+#: fewer.
+BOUNDARY_MIN_PARAMS = 169
+
+
+class Gated(nn.Module):
+    """``proj`` (large: a unit of its own under the size rule) times a ``width``-element gate:
+    once ``proj`` is wrapped, the gate is all the module has left that is not yet wrapped."""
+
+    def __init__(self, dim: int, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, width)
+        self.gate = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.gate.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(x) * self.gate
+        return out
+
+
+class SizeBoundaryModel(nn.Module):
+    """Siblings on either side of the size rule's boundary, :data:`BOUNDARY_MIN_PARAMS` (169),
+    at width 12:
+
+    * ``at``: ``Linear(12, 13)``, 13 x 12 + 13 = 169 parameters, exactly the threshold;
+    * ``below``: ``Linear(12, 14, bias=False)``, 14 x 12 = 168, one fewer;
+    * ``gated_at`` / ``gated_below``: :class:`Gated` with gates of 169 / 168 elements behind a
+      ``proj`` of 2,197 / 2,184 (a unit of its own): the threshold reached, or missed by one, by
+      what is left *after* a child was wrapped (torch's ``nonwrapped_numel``);
+    * ``layers``: one seeds' ``DecoderLayer(12, 24)`` (the recommended policy needs a block;
+      its MLP linears, 312 and 300, and its ``attn``, 156, are far from the threshold), and
+      ``head`` over the four siblings' outputs (1,095).
+    """
+
+    #: The modules at the threshold, and their siblings one parameter below it.
+    AT = ("at", "gated_at")
+    BELOW = ("below", "gated_below")
+
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(dim, 2 * dim)])
+        self.at = nn.Linear(dim, 13)
+        self.below = nn.Linear(dim, 14, bias=False)
+        self.gated_at = Gated(dim, BOUNDARY_MIN_PARAMS)
+        self.gated_below = Gated(dim, BOUNDARY_MIN_PARAMS - 1)
+        self.head = nn.Linear(13 + 14 + 2 * BOUNDARY_MIN_PARAMS - 1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _run(self.layers, x)
+        branches = (self.at, self.below, self.gated_at, self.gated_below)
+        out: torch.Tensor = self.head(torch.cat([b(x) for b in branches], dim=-1))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
 # The second seed's heterogeneous cases
 # --------------------------------------------------------------------------------------------
 
@@ -291,6 +354,49 @@ class OddModel(nn.Module):
         x = _run(self.layers, self.embed(x))
         x = self.norm(x.transpose(1, 2)).transpose(1, 2)
         out: torch.Tensor = self.head(x * self.scale * self.gain)
+        return out
+
+
+#: The branch model's shape: the odd model's widths, one block always run.
+BRANCH_CONFIG = ModelConfig(num_layers=1, dim=13, hidden_dim=27, vocab_size=31)
+#: The input features that choose the branch model's branches: a call takes a branch when its
+#: input's feature sums positive over the batch.
+ADAPTER_FEATURE = 0
+EXTRA_FEATURE = 1
+
+
+def _chooses(x: torch.Tensor, feature: int) -> bool:
+    return bool(x[..., feature].sum() > 0)
+
+
+class BranchModel(nn.Module):
+    """Parameters a step may leave unused: two branches its input chooses, as a mixture of
+    experts' router or a multi-modal model's "this batch has images" does.
+
+    ``embed``; ``adapter`` (a square linear without bias, in the root unit, which runs on every
+    call) added when the input's feature :data:`ADAPTER_FEATURE` sums positive; the seeds'
+    ``DecoderLayer`` ``layers``; ``extra`` (one more ``DecoderLayer``: units of its own) run
+    when feature :data:`EXTRA_FEATURE` sums positive; ``head``. No width divides by 2 or 4.
+    """
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        super().__init__()
+        config = config or BRANCH_CONFIG
+        self.config = config
+        self.embed = nn.Linear(config.dim, config.dim)
+        self.adapter = nn.Linear(config.dim, config.dim, bias=False)
+        self.layers = _stack(DecoderLayer, config)
+        self.extra = DecoderLayer(config.dim, config.hidden)
+        self.head = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if _chooses(x, ADAPTER_FEATURE):
+            h = h + self.adapter(h)
+        h = _run(self.layers, h)
+        if _chooses(x, EXTRA_FEATURE):
+            h = self.extra(h)
+        out: torch.Tensor = self.head(h)
         return out
 
 
@@ -497,6 +603,13 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
             (DecoderLayer,),
             "features",
             "odd sizes (uneven shards, a one-element gain) and persistent buffers",
+        ),
+        ReferenceModel(
+            "branch",
+            BranchModel,
+            (DecoderLayer,),
+            "features",
+            "branches the input chooses: parameters unused in some steps, on some ranks",
         ),
         ReferenceModel(
             "llama",

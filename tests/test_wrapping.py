@@ -504,13 +504,15 @@ def test_accounting_verdict_checks_every_rank_not_rank_0_only() -> None:
 
 @pytest.mark.parametrize("family", ["units", "builders", "train", "mixed", "prefetch"])
 def test_each_fault_patches_a_step_for_its_duration_only(family: str) -> None:
-    """Every fault changes a step of its family's module (or torch.distributed) while injected
-    and restores it on exit: a warm rank serves the next check unchanged. A name the family
-    does not know is refused, not ignored."""
+    """Every fault changes a step of its family's module (or torch.distributed, torch's wrap
+    policies, the suite's policies) while injected and restores it on exit: a warm rank serves
+    the next check unchanged. A name the family does not know is refused, not ignored."""
     import importlib
 
     import torch.distributed as dist
+    from torch.distributed.fsdp import wrap as torch_wrap
 
+    from fsdp_conformance import policies
     from fsdp_conformance.harness import RankContext
 
     module = importlib.import_module(f"fsdp_conformance.claims.wrap.{family}")
@@ -520,6 +522,8 @@ def test_each_fault_patches_a_step_for_its_duration_only(family: str) -> None:
         return {
             **{f"{family}.{k}": v for k, v in vars(module).items()},
             **{f"dist.{k}": getattr(dist, k) for k in dir(dist) if "reduce_scatter" in k},
+            **{f"torch_wrap.{k}": v for k, v in vars(torch_wrap).items()},
+            **{f"policies.{k}": v for k, v in vars(policies).items()},
         }
 
     before = steps()

@@ -3,18 +3,42 @@
 ``figures`` conventions that compare understands: keys ending in ``_bytes`` (or ``_MiB``) are
 memory figures, a number or a list of numbers (compared with a relative tolerance and an
 absolute floor); keys ending in ``_dtype``/``_dtypes`` are dtypes (any change is a regression);
-``units`` is a unit count; floats are measurements compare leaves to the checks; any other
-changed figure (an init ``digest``, a count) is reported as a change. ``data["units"]``, else
-``data["actual"]``, else ``data["plan"]``, is the check's unit list (structure changes are
-regressions). ``data["collectives"]`` is the check's recorded collectives (a changed dtype or
-byte count, or a collective issued or no longer issued, is a regression; the same collectives in
-another order a difference).
+``units`` is a unit count; keys ending in ``_norm``/``_norms`` are numeric results, a number or a
+list of numbers (compared value by value with the relative tolerance :data:`NUMERIC_RTOL`, or
+the larger one a check states in its figure ``numeric_rtol``, as the loop's float32 runs do: a
+move beyond it is a regression); keys ending in ``_digest``/``_digests`` are digests of values
+that must stay bitwise the same (compared exactly: a change is a regression); other floats are
+measurements compare leaves to the checks; any other changed figure (an init ``digest``, a
+count) is reported as a change. ``data["units"]``, else ``data["actual"]``, else
+``data["plan"]``, is the check's unit list (structure changes are regressions).
+``data["collectives"]`` is the check's recorded collectives (a changed dtype or byte count, or a
+collective issued or no longer issued, is a regression; the same collectives in another order a
+difference).
+
+Numeric results and measurements differ in what moves them. A measurement (a loss or update
+difference against a reference, a memory ratio) moves run to run or with rounding; its check
+judges it against its own tolerance, so a measurement crossing it is already a failed outcome
+(the loop's ``update_rel_diff`` above ``UPDATE_RTOL``), and compare follows the outcome. A
+numeric result is what a check computes deterministically, so a move is torch computing
+something else: the loop claim's ``grad_norms`` (the gradient's norm per optimizer step) and
+clipping's ``total_norm`` run in float64 from seed 0 on both sides. Why 1e-9 relative: measured
+on torch 2.13.0 (the odd model, world size 2, both accumulation checks), two runs give the same
+bits, FSDP1 and FSDP2 the same bits, and two computations of the same gradient by other routes
+(the sharded step against the single-process reference, accumulation with and without
+synchronisation) agree to 1.1e-15 and 1.2e-16 relative: that is what a torch that sums in
+another order moves them by. A torch that computes something else moves them by far more than
+1e-9: a gradient summed instead of averaged by the world size (2x), a clipping coefficient
+applied or not (the loop's negative controls move the updates by 0.3 or more). 1e-9 sits six
+orders above rounding and leaves room for float64 sums over larger models. Such figures must be
+stored unrounded: a value rounded to six decimals can flip its last digit on a 1e-16 move.
+A figure only one report has (the suite added or dropped it) is a change, not a regression.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +59,21 @@ DEFAULT_MEMORY_TOLERANCE = 0.05
 #: compare's default absolute floor on memory moves: smaller ones are not reported (a move off a
 #: zero baseline has no relative size, and OS high-water marks resolve to about 1 MB).
 DEFAULT_MEMORY_FLOOR_BYTES = MiB
+#: compare's relative tolerance on numeric results (figures ending in :data:`NUMERIC_SUFFIXES`):
+#: six orders above the float64 rounding measured between routes to the same value (module
+#: docstring).
+NUMERIC_RTOL = 1e-9
+#: Figure keys that are numeric results (a number or a list of numbers): a move beyond
+#: :data:`NUMERIC_RTOL` is a regression.
+NUMERIC_SUFFIXES = ("_norm", "_norms")
+#: Figure keys that are digests of values that must stay bitwise the same: a change is a
+#: regression.
+DIGEST_SUFFIXES = ("_digest", "_digests")
+#: Digest figures that are reported as a change, not a regression: init's ``reference_digest``
+#: is the single-process model built from the seed on this torch; a torch whose initializers
+#: draw differently changes it (the same seed, other weights: reproducibility, said), while
+#: whether meta init equals that reference is init's own verdict on each side.
+CHANGE_ONLY_DIGESTS = ("reference_digest",)
 #: Unit fields compare looks at; a change in any of them is a changed unit structure.
 UNIT_FIELDS = ("cls", "numel", "parent", "local_numel", "params")
 #: Outcome order: a move to a lower rank is a regression (failed and error rank alike).
@@ -52,8 +91,8 @@ class Difference(PlainData):
     """One difference between two reports."""
 
     check_id: str
-    #: outcome | expectation | missing | added | units | memory | dtype | collectives | order |
-    #: warning | deprecation | figure | settings
+    #: outcome | expectation | missing | added | units | memory | dtype | numeric | digest |
+    #: collectives | order | warning | deprecation | figure | settings
     kind: str
     regression: bool
     text: str
@@ -72,10 +111,11 @@ def compare_reports(
     Regressions: a worse outcome (passed -> skipped/failed/error, skipped -> failed/error), a
     check missing from ``new``, a changed unit structure or unit count, a memory figure up by
     more than ``memory_tolerance`` (relative) and ``memory_floor_bytes`` (absolute), a changed
-    dtype figure, a recorded collective with another dtype or byte count, or issued in one
-    report only. Reported but not regressions: better outcomes, added checks, memory down,
-    other changed figures, the same collectives in another order, new warnings and
-    deprecations, different settings.
+    dtype figure, a numeric result moved beyond :data:`NUMERIC_RTOL`, a changed digest, a
+    recorded collective with another dtype or byte count, or issued in one report only.
+    Reported but not regressions: better outcomes, added checks, memory down, other changed
+    figures, the same collectives in another order, new warnings and deprecations, different
+    settings.
     """
     old_checks = {e["id"]: e for e in migrate_report(old)["checks"]}
     new_checks = {e["id"]: e for e in migrate_report(new)["checks"]}
@@ -185,22 +225,89 @@ def _compare_entry(
         if change:
             diffs.append(Difference(cid, "units", True, change))
     of, nf = old.get("figures") or {}, new.get("figures") or {}
+    lists = old_units is not None and new_units is not None
+    # A check may state the tolerance of its own numeric results (a loop run in float32).
+    rtol = max(
+        [NUMERIC_RTOL] + [f["numeric_rtol"] for f in (of, nf) if _number(f.get("numeric_rtol"))]
+    )
     for key in sorted(of.keys() | nf.keys()):
         a, b = of.get(key), nf.get(key)
-        if a == b:
-            continue
-        if _is_memory_key(key) and a is not None and b is not None:
-            diffs += _memory_change(cid, key, a, b, tol, floor)
-        elif key.endswith(("_dtype", "_dtypes")):
-            diffs.append(Difference(cid, "dtype", True, f"{key}: {a} -> {b}"))
-        elif key == "units":
-            if old_units is None or new_units is None:  # else reported with the unit lists
-                diffs.append(Difference(cid, "units", True, f"unit count {a} -> {b}"))
-        elif _is_measurement(a) or _is_measurement(b):
-            continue  # measured floats (losses, ratios) move run to run; their checks judge them
-        else:
-            diffs.append(Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}"))
+        if a != b:
+            diffs += _figure_change(cid, key, a, b, (tol, floor, rtol), lists)
     return diffs + _collective_changes(cid, old, new) + _new_warnings(cid, old, new)
+
+
+def _figure_change(
+    cid: str, key: str, a: Any, b: Any, tolerances: tuple[float, float, float], unit_lists: bool
+) -> list[Difference]:
+    """One changed figure, by the conventions of the module docstring; ``tolerances``: memory's
+    relative tolerance and floor, the numeric results' relative tolerance."""
+    tol, floor, rtol = tolerances
+    if _is_memory_key(key) and a is not None and b is not None:
+        return _memory_change(cid, key, a, b, tol, floor)
+    if key.endswith(("_dtype", "_dtypes")):
+        return [Difference(cid, "dtype", True, f"{key}: {a} -> {b}")]
+    if key == "units":
+        # With both unit lists, the change is reported with them.
+        return [] if unit_lists else [Difference(cid, "units", True, f"unit count {a} -> {b}")]
+    if key.endswith(NUMERIC_SUFFIXES + DIGEST_SUFFIXES) and key not in CHANGE_ONLY_DIGESTS:
+        if a is None or b is None:  # a figure the suite added or dropped: a change
+            return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
+        if key.endswith(NUMERIC_SUFFIXES):
+            return _numeric_change(cid, key, a, b, rtol)
+        return [Difference(cid, "digest", True, f"{key}: {_changed_values(a, b)}")]
+    if _is_measurement(a) or _is_measurement(b):
+        return []  # measured floats (losses, ratios) move run to run; their checks judge them
+    return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
+
+
+def _changed_values(a: Any, b: Any) -> str:
+    """``a -> b``, or for two lists of one length the positions that differ, ``[i] x -> y``."""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return _items([f"[{i}] {x!r} -> {y!r}" for i, (x, y) in enumerate(zip(a, b)) if x != y])
+    return f"{a!r} -> {b!r}"
+
+
+def _same_number(x: float, y: float, rtol: float) -> bool:
+    """Equal within ``rtol`` of the larger magnitude (two NaNs are the same result)."""
+    if x == y or (math.isnan(x) and math.isnan(y)):
+        return True
+    return abs(y - x) <= rtol * max(abs(x), abs(y))  # False with one NaN
+
+
+def _numeric_change(cid: str, key: str, a: Any, b: Any, rtol: float) -> list[Difference]:
+    """A numeric result (a number, or a list of numbers compared value by value): each value
+    moved beyond ``rtol``, relative to the larger, is named; a regression."""
+    if _number(a) and _number(b):
+        pairs = [("", a, b)]
+    elif (
+        isinstance(a, list)
+        and isinstance(b, list)
+        and len(a) == len(b)
+        and all(_number(x) for x in a + b)
+    ):
+        pairs = [(f"[{i}] ", x, y) for i, (x, y) in enumerate(zip(a, b))]
+    else:
+        return [
+            Difference(
+                cid, "numeric", True, f"{key}: {a!r} -> {b!r} (not comparable value by value)"
+            )
+        ]
+    moved = []
+    for label, x, y in pairs:
+        if not _same_number(x, y, rtol):
+            rel = (y - x) / abs(x) if x else math.inf
+            moved.append(f"{label}{x!r} -> {y!r} ({rel:+.1e})")
+    if not moved:
+        return []
+    return [
+        Difference(
+            cid,
+            "numeric",
+            True,
+            f"{key}: {_items(moved)} (relative tolerance {rtol:.0e})",
+        )
+    ]
 
 
 def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference:

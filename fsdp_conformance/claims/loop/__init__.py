@@ -7,6 +7,12 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 * :mod:`~fsdp_conformance.claims.loop.accumulation`: ``loop.accumulation.no_sync`` /
   ``.synced``, gradient accumulation with synchronisation off for all but the last micro-batch,
   and on for every one into existing gradients.
+* :mod:`~fsdp_conformance.claims.loop.clipping`: ``loop.clipping.l2`` / ``.inf``, gradient
+  clipping by the global norm (FSDP1 the root's ``clip_grad_norm_``, FSDP2
+  ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients).
+* :mod:`~fsdp_conformance.claims.loop.frozen`: ``loop.frozen`` / ``.unused``, a freeze list
+  (a wholly frozen block, a unit mixing frozen and trainable parameters) and parameters a step
+  leaves unused (branches the input chooses).
 * :mod:`~fsdp_conformance.claims.loop.uneven`: ``loop.uneven``, parameters whose dimension 0 does
   not divide by the world size: the shards' sizes, the parameters read back every way a user
   reads them, the steps.
@@ -16,13 +22,24 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
 
 from __future__ import annotations
 
+import math
+
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.loop.accumulation import rank_accumulation, verdict_accumulation
 from fsdp_conformance.claims.loop.buffers import rank_buffers, verdict_buffers
+from fsdp_conformance.claims.loop.clipping import rank_clipping, verdict_clipping
+from fsdp_conformance.claims.loop.frozen import (
+    BRANCH_MODEL,
+    rank_frozen,
+    rank_frozen_unused,
+    verdict_frozen,
+    verdict_frozen_unused,
+)
 from fsdp_conformance.claims.loop.uneven import rank_uneven, verdict_uneven
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
+_BRANCH = ModelSpec(reference=BRANCH_MODEL)
 
 #: Every loop check with its reference parameters (the CLI swaps in the user's spec).
 CHECKS: tuple[Check, ...] = (
@@ -47,6 +64,60 @@ CHECKS: tuple[Check, ...] = (
         verdict_accumulation,
         specs=(_REF,),
         mode="synced",
+    )
+    + variants(
+        "loop.clipping.l2",
+        {
+            "fsdp1": "clipping by the global L2 norm (the root's clip_grad_norm_): the norm is "
+            "identical on every rank and equals the reference's, updates equal the reference",
+            "fsdp2": "clipping by the global L2 norm (torch.nn.utils.clip_grad_norm_ on DTensor "
+            "gradients): the norm is identical on every rank and equals the reference's, updates "
+            "equal the reference",
+        },
+        rank_clipping,
+        verdict_clipping,
+        specs=(_REF,),
+        norm_type=2.0,
+    )
+    + variants(
+        "loop.clipping.inf",
+        {
+            "fsdp1": "clipping by the global inf norm (the root's clip_grad_norm_): the norm is "
+            "identical on every rank and equals the reference's, updates equal the reference",
+            "fsdp2": "clipping by the global inf norm (torch.nn.utils.clip_grad_norm_ on DTensor "
+            "gradients): the norm is identical on every rank and equals the reference's, updates "
+            "equal the reference",
+        },
+        rank_clipping,
+        verdict_clipping,
+        specs=(_REF,),
+        norm_type=math.inf,
+    )
+    + variants(
+        "loop.frozen",
+        {
+            "fsdp1": "a freeze list under use_orig_params=True (a wholly frozen block, a mixed "
+            "unit): frozen parameters bitwise unchanged, no reduce-scatter for a frozen unit, "
+            "updates equal the reference",
+            "fsdp2": "a freeze list (a wholly frozen block, a mixed unit): frozen parameters bitwise "
+            "unchanged, no reduce-scatter for a frozen unit, updates equal the reference",
+        },
+        rank_frozen,
+        verdict_frozen,
+        specs=(_REF,),
+    )
+    + variants(
+        "loop.frozen.unused",
+        {
+            "fsdp1": "parameters a step leaves unused (on one rank, on all, a unit not run) under "
+            "use_orig_params=True: no or zero gradients, updates equal the reference",
+            "fsdp2": "parameters a step leaves unused (on one rank, on all, a unit not run) with "
+            "set_reduce_scatter_unused_params(True): no or zero gradients, updates equal the "
+            "reference",
+        },
+        rank_frozen_unused,
+        verdict_frozen_unused,
+        specs=(_BRANCH,),
     )
     + variants(
         "loop.uneven",

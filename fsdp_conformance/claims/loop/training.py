@@ -384,10 +384,12 @@ def parity_note(values: Sequence[LoopResult]) -> str:
 
 def parity_figures(values: Sequence[LoopResult]) -> dict[str, Any]:
     """The figures every family reports (and ``compare`` follows): the worst update difference,
-    the gradient norms per step (rank 0's: all ranks hold the same full update)."""
+    the gradient norms per step (rank 0's: all ranks hold the same full update), unrounded:
+    compare holds a ``*_norms`` figure to 1e-9 relative (:mod:`fsdp_conformance.gate.compare`),
+    and a value rounded to six decimals could flip its last digit on a 1e-16 move."""
     worst = max((s["update"]["max_rel"] for v in values for s in v["steps"]), default=0.0)
     return {
         "update_rel_diff": worst,
-        "grad_norms": [round(s["grad_norm"], 6) for s in values[0]["steps"]],
+        "grad_norms": [s["grad_norm"] for s in values[0]["steps"]],
         "steps": len(values[0]["steps"]),
     }

@@ -12,7 +12,8 @@ One module per check family, each with its rank function, verdicts, result type 
   ``wrap.units.accounting`` (unit numels add up to the model's, tied weights in one unit, every
   rank's local shard has the expected size, padding accounted);
 * :mod:`~fsdp_conformance.claims.wrap.builders`: ``wrap.builders.<builder>``, torch's builders
-  give their documented result on a small model;
+  give their documented result on a small model; ``wrap.builders.size_boundary``, the size rule
+  at its boundary (exactly the threshold wrapped, one fewer not), torch's and the suite's;
 * :mod:`~fsdp_conformance.claims.wrap.train`: ``wrap.train.fp32`` / ``wrap.train.bf16``, a few
   steps under FSDP equal a single-process reference;
 * :mod:`~fsdp_conformance.claims.wrap.mixed`: ``wrap.mixed``, the second seed's configuration
@@ -26,7 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_conformance.claims.check import Check, variants
-from fsdp_conformance.claims.wrap.builders import rank_builders, verdict_builders
+from fsdp_conformance.claims.wrap.builders import (
+    rank_builders,
+    rank_builders_size_boundary,
+    verdict_builders,
+    verdict_builders_size_boundary,
+)
 from fsdp_conformance.claims.wrap.mixed import rank_mixed, verdict_mixed
 from fsdp_conformance.claims.wrap.prefetch import (
     rank_prefetch,
@@ -158,6 +164,13 @@ CHECKS: tuple[Check, ...] = (
     + _builder_check("or")
     + _builder_check("module_wrap")
     + _builder_check("custom")
+    + variants(
+        "wrap.builders.size_boundary",
+        "a module of exactly min_num_params not yet wrapped is a unit, one fewer is not "
+        "(torch's size builder and the recommended policy)",
+        rank_builders_size_boundary,
+        verdict_builders_size_boundary,
+    )
 )
 
 __all__ = ["CHECKS"]
