@@ -67,6 +67,13 @@ def fsdp1_unsharded_numel(flat_param: Any) -> int:
     return int(flat_param._unpadded_unsharded_size.numel())
 
 
+def fsdp1_shard_padding(flat_param: Any) -> int | None:
+    """The padding elements at the end of this rank's shard of an FSDP1 FlatParameter (private
+    ``_shard_numel_padded``), or None where this torch does not keep it."""
+    padded = getattr(flat_param, "_shard_numel_padded", None)
+    return None if padded is None else int(padded)
+
+
 def fsdp1_param_fqns(flat_param: Any) -> list[str]:
     """FQNs (relative to the unit's wrapped module) of the original parameters in a unit."""
     return list(flat_param._fqns)

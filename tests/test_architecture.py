@@ -179,7 +179,16 @@ FOLDERS: dict[str, set[str]] = {
         "state_dicts",
         "faults",
     },
-    "claims/loop": {"training", "accumulation", "clipping", "frozen"},
+    "claims/loop": {
+        "training",
+        "accumulation",
+        "clipping",
+        "frozen",
+        "ignored",
+        "entry_points",
+        "uneven",
+        "buffers",
+    },
     "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {"suite", "outputs", "report", "compare", "plots"},
 }

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.claims import loop
-from fsdp_conformance.claims.loop import training
 from fsdp_conformance.claims.check import Check, run_check
+from fsdp_conformance.claims.loop import training
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec
 

@@ -20,6 +20,11 @@ One module per check family; what they share is :mod:`~fsdp_conformance.claims.l
   ``.non_root`` / ``.divide_factor``, the model entered other than once through its root:
   two forwards before one backward, a block's own forward in the loss, the user's gradient
   divide factor; the optimizer made after the first backward.
+* :mod:`~fsdp_conformance.claims.loop.uneven`: ``loop.uneven``, parameters whose dimension 0 does
+  not divide by the world size: the shards' sizes, the parameters read back every way a user
+  reads them, the steps.
+* :mod:`~fsdp_conformance.claims.loop.buffers`: ``loop.buffers``, persistent buffers through
+  training (per rank, never synchronised) and every state-dict kind, got and loaded.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import math
 
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.loop.accumulation import rank_accumulation, verdict_accumulation
+from fsdp_conformance.claims.loop.buffers import rank_buffers, verdict_buffers
 from fsdp_conformance.claims.loop.clipping import rank_clipping, verdict_clipping
+from fsdp_conformance.claims.loop.entry_points import rank_entry_points, verdict_entry_points
 from fsdp_conformance.claims.loop.frozen import (
     BRANCH_MODEL,
     rank_frozen,
@@ -36,8 +43,8 @@ from fsdp_conformance.claims.loop.frozen import (
     verdict_frozen,
     verdict_frozen_unused,
 )
-from fsdp_conformance.claims.loop.entry_points import rank_entry_points, verdict_entry_points
 from fsdp_conformance.claims.loop.ignored import rank_ignored, verdict_ignored
+from fsdp_conformance.claims.loop.uneven import rank_uneven, verdict_uneven
 from fsdp_conformance.models import ModelSpec
 
 _REF = ModelSpec(reference="odd")
@@ -161,6 +168,29 @@ CHECKS: tuple[Check, ...] = (
         versions=("fsdp2",),
         specs=(_REF,),
         what="divide_factor",
+    )
+    + variants(
+        "loop.uneven",
+        {
+            "fsdp1": "uneven shards: each unit's flat parameter holds ceil(numel / world) elements, "
+            "padded; summon_full_params, the full and the sharded state dicts and every update "
+            "equal the reference",
+            "fsdp2": "uneven shards: each parameter's to_local() holds ceil(rows / world) rows (none "
+            "on some ranks); unshard(), the full and the sharded state dicts and every update equal "
+            "the reference",
+        },
+        rank_uneven,
+        verdict_uneven,
+        specs=(_REF,),
+    )
+    + variants(
+        "loop.buffers",
+        "persistent buffers after training equal the reference's per rank (never synchronised); "
+        "every state-dict kind carries each with this rank's value, and loading it into a fresh "
+        "sharded model restores it",
+        rank_buffers,
+        verdict_buffers,
+        specs=(_REF,),
     )
 )
 

@@ -32,6 +32,7 @@ from fsdp_conformance.reference_step import (
     comparison_problems,
     full_params,
     micro_batches,
+    model_loss,
     norm_of,
     reference_params,
     updates,
@@ -311,6 +312,29 @@ def snapshot(pair: Pair) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tenso
         full_params(pair.sharded, pair.version, pair.dtype),
         reference_params(pair.reference.model, pair.dtype),
     )
+
+
+def train_plain(
+    pair: Pair, steps: int, lr: float = LR
+) -> tuple[list[float], list[float], list[StepObservation]]:
+    """``steps`` plain optimizer steps on both sides, step ``s`` on micro-batch ``s`` (one
+    forward and backward, SGD, ``zero_grad``): this rank's losses, the reference's of the same
+    slices, and each step's observed update."""
+    losses: list[float] = []
+    ref_losses: list[float] = []
+    observed: list[StepObservation] = []
+    for step in range(steps):
+        before, ref_before = snapshot(pair)
+        loss = model_loss(pair.sharded, pair.mine[step])
+        loss.backward()
+        losses.append(float(loss))
+        ref_losses.append(pair.reference.forward_backward(pair.batches[step])[pair.ctx.rank])
+        for model in (pair.sharded, pair.reference.model):
+            apply_sgd(model, lr)
+        observed.append(observe_step(pair, before, ref_before, lr))
+        for model in (pair.sharded, pair.reference.model):
+            model.zero_grad(set_to_none=True)
+    return losses, ref_losses, observed
 
 
 class LoopResult(TypedDict):
