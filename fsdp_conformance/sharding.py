@@ -226,6 +226,22 @@ def offload_kwargs(ctx: RankContext, version: str, offload: bool) -> dict[str, A
     return {"offload_policy": policy() if ctx.device_type == "cuda" else policy(pin_memory=False)}
 
 
+def fsdp1_options(model: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[str, Any]:
+    """FSDP1 keyword arguments a plan needs: ``use_orig_params=True`` for mixed requires_grad.
+
+    With ``use_orig_params=False`` FSDP1 refuses to flatten a unit whose parameters mix
+    frozen and trainable ones ("Must flatten tensors with uniform requires_grad"), which is the
+    normal state of a LoRA block. FSDP2 has no flat parameter and needs nothing.
+    """
+    claimed: set[int] = set()
+    for module in [*unit_modules, model]:
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        if len({p.requires_grad for p in own}) > 1:
+            return {"use_orig_params": True}
+    return {}
+
+
 def shard(
     model: nn.Module, ctx: RankContext, version: str, policy: Any, **kwargs: Any
 ) -> nn.Module:

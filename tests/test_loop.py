@@ -12,8 +12,7 @@ from torch import nn
 
 from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check, run_check
-from fsdp_conformance.claims.loop import training
-from fsdp_conformance.harness import Ranks
+from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
@@ -75,41 +74,19 @@ def test_a_no_sync_that_does_not_switch_sync_off_fails_on_the_collectives(
     assert "update" not in verdict.message, "the numbers agree; only the collectives differ"
 
 
-class Float32OnlyLayer(nn.Linear):
-    """A layer whose kernel exists only in float32 (as transformers' grouped-mm experts)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float64:
-            raise RuntimeError(
-                "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"
-            )
-        return super().forward(x)
+class Bf16Layer(nn.Linear):
+    """A block of a model built in bf16 (pure bf16 training, no fp32 master weights)."""
 
 
-class Float32OnlyModel(nn.Module):
-    """Two blocks of that layer and a head (the blocks: ``Float32OnlyLayer``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Float32OnlyLayer(12, 12) for _ in range(2)])
-        self.head = nn.Linear(12, 7)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        out: torch.Tensor = self.head(x)
-        return out
+def bf16_model() -> nn.Module:
+    """Two bf16 blocks and a bf16 head."""
+    return nn.Sequential(Bf16Layer(12, 12), Bf16Layer(12, 12), nn.Linear(12, 7)).to(torch.bfloat16)
 
 
-def test_a_model_without_float64_runs_the_loop_in_float32_and_says_why(ranks: Ranks) -> None:
+def test_a_model_built_in_bf16_skips_naming_the_dtype_and_the_fix(ranks: Ranks) -> None:
     spec = ModelSpec(
-        reference=None,
-        factory=f"{__name__}:Float32OnlyModel",
-        block_cls=(f"{__name__}.Float32OnlyLayer",),
+        reference=None, factory=f"{__name__}:bf16_model", block_cls=(f"{__name__}.Bf16Layer",)
     )
-    check = NO_SYNC["fsdp2"]
-    verdict = run_check(ranks, check, spec=spec)
-    assert verdict.passed, verdict.message
-    assert "in torch.float32, not float64" in verdict.message
-    assert "got Double" in verdict.message
-    assert verdict.figures["update_rel_diff"] <= training.UPDATE_RTOL[torch.float32]
+    with pytest.raises(CheckSkipped) as skipped:
+        run_check(ranks.configured(skip=None), NO_SYNC["fsdp2"], spec=spec)
+    assert "builds its parameters in torch.bfloat16: build it in fp32" in str(skipped.value)

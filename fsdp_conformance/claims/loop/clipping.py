@@ -15,12 +15,11 @@ collectives the clip call issued (an all-reduce of the norm: FSDP1 by its own ca
 through DTensor, recorded with ``record_collectives(dtensor=True)``). The user's code is
 :func:`clip_step`, which the faults of :data:`FAULTS` patch.
 
-The loop runs in float32, not the loop claim's float64 (``training.DTYPE``): users clip in the
-dtype they train in, and FSDP1's ``clip_grad_norm_`` computes every local norm in float32
-(``vector_norm(grad, dtype=torch.float32)``), which refuses float64 gradients on torch 2.13
-("should be convertible without narrowing"; docs/loop/clipping.md). On torch 2.13 FSDP2's inf
-clip raises on a rank holding an empty shard: a known defect (``expectations.toml``, measured
-in ``tests/test_loop_clipping.py``).
+FSDP1's ``clip_grad_norm_`` computes every local norm in float32 (``vector_norm(grad,
+dtype=torch.float32)``), which refuses float64 gradients on torch 2.13 ("should be convertible
+without narrowing"; docs/loop/clipping.md): the loop runs in the model's own dtype, fp32 for the
+reference models. On torch 2.13 FSDP2's inf clip raises on a rank holding an empty shard: a
+known defect (``expectations.toml``, measured in ``tests/test_loop_clipping.py``).
 """
 
 from __future__ import annotations
@@ -57,8 +56,6 @@ from fsdp_conformance.reference_step import model_loss
 STEPS = 2
 #: ``max_norm`` as a share of the reference's true total norm: below it, so the clip acts.
 CLIP_SHARE = 0.5
-#: The dtype the clipping loop runs in (the module docstring says why).
-CLIP_DTYPE = torch.float32
 #: A rank's total norm against the reference's: the same gradients summed in another order, in
 #: float32. Measured 6e-8 to 1e-6 relative (FSDP1 and FSDP2, world size 2); the local-norm
 #: control moves it by 0.02 to 0.76.
@@ -207,7 +204,7 @@ def rank_clipping(
 ) -> ClippingResult:
     """``STEPS`` optimizer steps, each clipped to half the reference's norm, on both sides."""
     with FAULTS.inject(fault, ctx):
-        pair = build_pair(ctx, spec, version, micro=STEPS, dtype=CLIP_DTYPE)
+        pair = build_pair(ctx, spec, version, micro=STEPS)
         steps: list[dict[str, Any]] = []
         observed = []
         for step in range(STEPS):

@@ -142,13 +142,19 @@ def user_loss(model: nn.Module, part: Any, what: str, block: str) -> torch.Tenso
     return LOSSES[what](model, part, block)
 
 
-def set_divide_factor(model: nn.Module, factor: float) -> None:
+def set_divide_factor(model: nn.Module, factor: float, backend: str) -> None:
     """The user's ``set_gradient_divide_factor`` on every FSDP module (it acts on the module's
-    own parameter groups only)."""
+    own parameter groups only). On gloo also ``set_force_sum_reduction_for_comms(True)``: FSDP2
+    reduces fp32 and bf16 gradients under a factor other than the world size with
+    ``ReduceOp.PREMUL_SUM``, which gloo does not have (torch 2.13 raises "Cannot use
+    ReduceOp.PREMUL_SUM with Gloo" on every rank, measured); the sum-only reductions are what
+    FSDP2's own docstring offers for a backend that needs them. On NCCL, the factor alone."""
     fsdp_module = _compat.fsdp_module_cls()
     for module in model.modules():
         if isinstance(module, fsdp_module):
             module.set_gradient_divide_factor(factor)
+            if backend == "gloo" and hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -216,6 +222,8 @@ class EntryPointsResult(LoopResult):
     #: The block ``non_root`` called ("" for the others); the divide factor (0.0 unless set).
     block: str
     factor: float
+    #: The process group's backend (on gloo the divide factor comes with sum-only reductions).
+    backend: str
     #: Per phase (``micro <step>.forward`` / ``.backward``): collectives by op, and all-gathers
     #: by unit (the recorder's names: ``a|b`` for units of equal size).
     collectives: dict[str, dict[str, int]]
@@ -328,7 +336,7 @@ def rank_entry_points(
         else:
             block = ""
         if factor:
-            set_divide_factor(pair.sharded, factor)
+            set_divide_factor(pair.sharded, factor, ctx.backend)
         error = ""
         with phases(pair) as recorder:
             try:
@@ -347,6 +355,7 @@ def rank_entry_points(
             "what": what,
             "block": block,
             "factor": factor,
+            "backend": ctx.backend,
             "collectives": by_op,
             "gathers": gathers,
             "reduced": ensure_phases(reduced_units(recorder), names),
@@ -392,7 +401,10 @@ def _what(params: Mapping[str, Any], values: Sequence[EntryPointsResult]) -> str
         return "two forwards (the root on two inputs, summed losses) before one backward"
     if what == "non_root":
         return f"block {values[0]['block']!r} called on its own beside the root's forward"
-    return f"set_gradient_divide_factor({values[0]['factor']:g}) on every FSDP module"
+    force = " (with set_force_sum_reduction_for_comms(True): gloo has no PREMUL_SUM)"
+    return f"set_gradient_divide_factor({values[0]['factor']:g}) on every FSDP module" + (
+        force if values[0].get("backend") == "gloo" else ""
+    )
 
 
 def verdict_entry_points(values: Sequence[EntryPointsResult], params: Mapping[str, Any]) -> Verdict:

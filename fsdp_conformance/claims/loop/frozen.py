@@ -40,7 +40,6 @@ from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.loop import training
 from fsdp_conformance.claims.loop.training import (
-    DTYPE,
     LR,
     LoopResult,
     Pair,
@@ -87,6 +86,11 @@ def freeze_list(model: nn.Module, blocks: Sequence[type[nn.Module]]) -> list[str
     names = [f"{first}.{n}" for n, _ in whole.named_parameters()]
     names += [f"{second}.{n}" for n, _ in list(part.named_parameters())[:1]]
     return [clean_fqn(n) for n in names]
+
+
+def declared_frozen(model: nn.Module) -> list[str]:
+    """The parameters the model itself declares frozen (``requires_grad=False``), clean FQNs."""
+    return [clean_fqn(n) for n, p in model.named_parameters() if not p.requires_grad]
 
 
 def freeze(model: nn.Module, names: Collection[str]) -> None:
@@ -268,11 +272,15 @@ def _frozen_pair(ctx: RankContext, spec: ModelSpec, version: str) -> tuple[Pair,
     frozen: list[str] = []
 
     def prepare(model: nn.Module) -> None:
-        frozen.extend(freeze_list(model, spec.block_classes(model)))
+        # A model that declares frozen parameters (requires_grad=False, as a LoRA setup does)
+        # is trained as it declares them; one that declares none gets the freeze list.
+        declared = declared_frozen(model)
+        frozen.extend(declared or freeze_list(model, spec.block_classes(model)))
         if not frozen:
             skip_rank(
-                "loop.frozen freezes the first block and part of the second: the model has "
-                "fewer than two blocks of its block classes"
+                "loop.frozen trains the parameters a model declares frozen (requires_grad="
+                "False), or else freezes the first block and part of the second: the model "
+                "declares none and has fewer than two blocks of its block classes"
             )
         freeze(model, frozen)
 
@@ -316,7 +324,7 @@ def rank_frozen(
                 optimizer_step(ref_params)
                 recorder.phase = f"observe {step}"
                 observed.append(observe_step(pair, before, ref_before))
-                after = full_params(pair.sharded, version, DTYPE)
+                after = full_params(pair.sharded, version, pair.dtype)
                 changed.append([n for n in frozen if not torch.equal(after[n], before[n])])
                 zero_grad(pair.sharded)
                 pair.reference.model.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.sharding import shard
+from fsdp_conformance.sharding import fsdp1_options, shard
 from fsdp_conformance.units import UnitInfo, clean_fqn, planned_unit_modules
 
 #: Containers with no forward of their own: FSDP1 cannot gather around them, and torch's size
@@ -38,22 +38,6 @@ def build(spec: ModelSpec, ctx: RankContext, seed: int = 0) -> BuiltModel:
     """``spec``'s model from ``seed``: the same model on every rank."""
     torch.manual_seed(seed)
     return spec.instantiate(ctx.device)
-
-
-def fsdp1_options(model: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[str, Any]:
-    """FSDP1 keyword arguments a plan needs: ``use_orig_params=True`` for mixed requires_grad.
-
-    With ``use_orig_params=False`` FSDP1 refuses to flatten a unit whose parameters mix
-    frozen and trainable ones ("Must flatten tensors with uniform requires_grad"), which is the
-    normal state of a LoRA block. FSDP2 has no flat parameter and needs nothing.
-    """
-    claimed: set[int] = set()
-    for module in [*unit_modules, model]:
-        own = [p for p in module.parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in own)
-        if len({p.requires_grad for p in own}) > 1:
-            return {"use_orig_params": True}
-    return {}
 
 
 def shard_with_policy(
