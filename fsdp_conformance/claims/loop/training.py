@@ -35,6 +35,7 @@ from fsdp_conformance.reference_step import (
     model_loss,
     norm_of,
     reference_params,
+    update_resolution,
     updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, fsdp1_options, shard
@@ -283,7 +284,7 @@ def observe_step(
             if name in after and name not in (expected or {}):
                 param.copy_(after[name])
     return {
-        "update": compare_tensors(got, ref),
+        "update": compare_tensors(got, ref, resolution=update_resolution(after, before)),
         "grad_norm": norm_of(got) / lr,
         "ref_grad_norm": norm_of(ref) / lr,
     }
