@@ -43,6 +43,7 @@ LAYERS: dict[str, str] = {
     "timeline": "blocks",
     "step": "blocks",
     "reference_step": "blocks",
+    "state_dict_kinds": "blocks",
     "collectives": "blocks",
     "user_model": "blocks",
     "hf": "blocks",

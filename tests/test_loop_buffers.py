@@ -17,7 +17,7 @@ from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_models import LlamaConfig
-from fsdp_conformance.sharding import GET_ONLY, KINDS, RANK0_ONLY
+from fsdp_conformance.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY
 
 pytestmark = pytest.mark.cpu
 

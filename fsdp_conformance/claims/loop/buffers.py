@@ -51,7 +51,7 @@ from fsdp_conformance.reference_step import (
     comparison_problems,
     full_buffers,
 )
-from fsdp_conformance.sharding import GET_ONLY, KINDS, RANK0_ONLY, get_state, set_state
+from fsdp_conformance.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY, get_state, set_state
 from fsdp_conformance.tensors import listing, local_tensor
 from fsdp_conformance.units import clean_fqn
 

@@ -53,7 +53,7 @@ from fsdp_conformance.reference_step import (
     full_params,
     reference_params,
 )
-from fsdp_conformance.sharding import get_state
+from fsdp_conformance.state_dict_kinds import get_state
 from fsdp_conformance.tensors import listing, local_shard, local_tensor
 from fsdp_conformance.units import clean_fqn
 

@@ -23,14 +23,14 @@ from fsdp_conformance import capabilities
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_models import ModelConfig
-from fsdp_conformance.sharding import GET_ONLY as GET_ONLY
-from fsdp_conformance.sharding import KINDS as KINDS
-from fsdp_conformance.sharding import RANK0_ONLY as RANK0_ONLY
-from fsdp_conformance.sharding import fsdp2_options as fsdp2_options
-from fsdp_conformance.sharding import get_state as get_state
-from fsdp_conformance.sharding import offload_to_cpu as offload_to_cpu
-from fsdp_conformance.sharding import set_state as set_state
 from fsdp_conformance.sharding import shard
+from fsdp_conformance.state_dict_kinds import GET_ONLY as GET_ONLY
+from fsdp_conformance.state_dict_kinds import KINDS as KINDS
+from fsdp_conformance.state_dict_kinds import RANK0_ONLY as RANK0_ONLY
+from fsdp_conformance.state_dict_kinds import fsdp2_options as fsdp2_options
+from fsdp_conformance.state_dict_kinds import get_state as get_state
+from fsdp_conformance.state_dict_kinds import offload_to_cpu as offload_to_cpu
+from fsdp_conformance.state_dict_kinds import set_state as set_state
 from fsdp_conformance.tensors import local_tensor, sha256_of
 
 #: Kinds whose dict holds full tensors: compared with the reference as got, before any load.
