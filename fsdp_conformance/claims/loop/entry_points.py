@@ -414,7 +414,7 @@ def verdict_entry_points(values: Sequence[EntryPointsResult], params: Mapping[st
     errors = [f"rank {v['rank']}: {v['torch_error']}" for v in values if v["torch_error"]]
     figures = _figures(values)
     data = {
-        "collectives": values[0]["collectives"],
+        "collective_counts": values[0]["collectives"],
         "gathers": values[0]["gathers"],
         "reduced": values[0]["reduced"],
         "trainable_units": values[0]["trainable_units"],
