@@ -89,4 +89,6 @@ def test_a_model_built_in_bf16_skips_naming_the_dtype_and_the_fix(ranks: Ranks) 
     )
     with pytest.raises(CheckSkipped) as skipped:
         run_check(ranks.configured(skip=None), NO_SYNC["fsdp2"], spec=spec)
-    assert "builds its parameters in torch.bfloat16: build it in fp32" in str(skipped.value)
+    assert "builds its parameters in torch.bfloat16: pass a factory that builds it in fp32" in str(
+        skipped.value
+    )

@@ -245,8 +245,8 @@ def resolve_block(model: nn.Module, kinds: tuple[type[nn.Module], ...], block: s
         if kinds and isinstance(module, kinds):
             return clean_fqn(name)
     skip_rank(
-        f"{type(model).__name__} has no module {block!r} and no block of its block classes to "
-        "call on its own: name one with the check's 'block' parameter"
+        f"does not apply to {type(model).__name__}: it has no module {block!r} and no block of "
+        "its block classes to call on its own (pass --block-cls naming its block class)"
     )
     raise AssertionError("unreachable")  # skip_rank raises
 

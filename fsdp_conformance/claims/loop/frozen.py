@@ -278,9 +278,10 @@ def _frozen_pair(ctx: RankContext, spec: ModelSpec, version: str) -> tuple[Pair,
         frozen.extend(declared or freeze_list(model, spec.block_classes(model)))
         if not frozen:
             skip_rank(
-                "loop.frozen trains the parameters a model declares frozen (requires_grad="
-                "False), or else freezes the first block and part of the second: the model "
-                "declares none and has fewer than two blocks of its block classes"
+                "does not apply to this model: loop.frozen trains the parameters a model "
+                "declares frozen (requires_grad=False), or else freezes the first block and part "
+                "of the second; the model declares none and has fewer than two blocks of its "
+                "block classes"
             )
         freeze(model, frozen)
 
@@ -466,9 +467,9 @@ def rank_frozen_unused(
     """:data:`UNUSED_PLAN`'s steps on the branch model, sharded and on the reference."""
     if spec.reference != BRANCH_MODEL:
         skip_rank(
-            "loop.frozen.unused needs a model whose input chooses its branches (the reference "
-            f"model {BRANCH_MODEL!r}): another model cannot be made to leave a parameter unused "
-            "from outside"
+            "does not apply to this model: loop.frozen.unused needs a model whose input chooses "
+            f"its branches (the reference model {BRANCH_MODEL!r}); another model cannot be made "
+            "to leave a parameter unused from outside"
         )
     with FAULTS.inject(fault, ctx):
         steps = len(UNUSED_PLAN)

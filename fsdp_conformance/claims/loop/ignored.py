@@ -100,9 +100,9 @@ def ignored_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
     ]
     if not norms:
         skip_rank(
-            f"{type(model).__name__} has no module {name!r} with parameters and no "
-            "normalisation layer to ignore: name the module to ignore with the check's "
-            "'ignore' parameter"
+            f"does not apply to {type(model).__name__}: it has no module {name!r} with "
+            "parameters and no normalisation layer with parameters, which the check keeps out of "
+            "FSDP as users keep a small replicated module"
         )
     return norms[-1]
 

@@ -149,7 +149,9 @@ def build_pair(
         skip_rank(
             f"{type(model).__name__}'s forward in training mode still draws random numbers "
             f"after dropout was disabled: two calls differ by {randomness:.1e} (relative), so "
-            "a sharded loop cannot be compared with the single-process reference"
+            "a sharded loop cannot be compared with the single-process reference: set its "
+            "remaining randomness behind an nn.Dropout module or a float attribute named like "
+            "'*dropout*'"
         )
     batches = micro_batches(batch, micro, ctx.world_size, PER_RANK)
     twin = copy.deepcopy(model)
@@ -177,8 +179,8 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     skip_rank(
         f"the loop checks compare a sharded loop with the single-process reference at fp32 "
         f"or fp64 parameters; {type(model).__name__} builds its parameters in "
-        f"{', '.join(sorted(str(d) for d in found)) or 'no floating dtype'}: build it in fp32 "
-        "(bf16 compute under FSDP is wrap.train.bf16's)"
+        f"{', '.join(sorted(str(d) for d in found)) or 'no floating dtype'}: pass a factory "
+        "that builds it in fp32 (bf16 compute under FSDP is wrap.train.bf16's)"
     )
     raise AssertionError("unreachable")  # skip_rank raises
 
@@ -255,6 +257,8 @@ class StepObservation(TypedDict):
     #: The L2 norm of the update divided by the learning rate (the gradient's norm, for SGD).
     grad_norm: float
     ref_grad_norm: float
+    #: The L2 norm of the full parameters after the step (the sharded model's).
+    param_norm: float
 
 
 def observe_step(
@@ -287,6 +291,7 @@ def observe_step(
         "update": compare_tensors(got, ref, resolution=update_resolution(after, before)),
         "grad_norm": norm_of(got) / lr,
         "ref_grad_norm": norm_of(ref) / lr,
+        "param_norm": norm_of(after),
     }
 
 
@@ -409,7 +414,8 @@ def parity_note(values: Sequence[LoopResult]) -> str:
 
 def parity_figures(values: Sequence[LoopResult]) -> dict[str, Any]:
     """The figures every family reports (and ``compare`` follows): the worst update difference,
-    the gradient norms per step (rank 0's: all ranks hold the same full update), unrounded:
+    the gradient and parameter norms per step (rank 0's: all ranks hold the same full
+    parameters), unrounded:
     compare holds a ``*_norms`` figure to ``numeric_rtol`` (:data:`NUMERIC_RTOL` of the dtype,
     :mod:`fsdp_conformance.gate.compare`), and a value rounded to six decimals could flip its
     last digit on a 1e-16 move."""
@@ -417,6 +423,7 @@ def parity_figures(values: Sequence[LoopResult]) -> dict[str, Any]:
     return {
         "update_rel_diff": worst,
         "grad_norms": [s["grad_norm"] for s in values[0]["steps"]],
+        "param_norms": [s["param_norm"] for s in values[0]["steps"]],
         "steps": len(values[0]["steps"]),
         "dtype": values[0].get("dtype", str(DTYPE)),
         "numeric_rtol": NUMERIC_RTOL[run_dtype(values)],
