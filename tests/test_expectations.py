@@ -26,6 +26,7 @@ from fsdp_conformance.claims.check import (
 )
 from fsdp_conformance.expectations import Expectation, ExpectationsError, known_label
 from fsdp_conformance.harness import RankContext, Ranks
+from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
 
@@ -109,7 +110,11 @@ def test_the_file_is_read_as_toml_and_a_broken_one_is_named(tmp_path: Any) -> No
 
 
 def rank_expectation_probe(
-    ctx: RankContext, version: str = "fsdp1", fail: bool = True, broken: bool = False
+    ctx: RankContext,
+    version: str = "fsdp1",
+    fail: bool = True,
+    broken: bool = False,
+    spec: ModelSpec | None = None,
 ) -> dict[str, Any]:
     return {"rank": ctx.rank, "fail": fail}
 
@@ -166,6 +171,11 @@ def test_a_covered_check_that_passes_passes_and_says_the_defect_may_be_fixed(
     )[0]
     run = execute(ranks, passing)
     assert run.outcome == PASSED and "the defect may be fixed" in run.detail
+    # On the user's model (another spec) a pass says nothing about torch: the model may not
+    # meet the defect's conditions (loop.clipping.inf needs an empty shard); no such note.
+    run = execute(ranks, passing, spec=ModelSpec(reference="tied"))
+    assert run.outcome == PASSED and "may be fixed" not in run.detail, run.detail
+    assert run.expected == COVERING.as_data()
 
 
 def test_a_negative_control_of_a_covered_check_is_never_excused(
