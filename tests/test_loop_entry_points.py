@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check
@@ -137,3 +138,36 @@ def test_a_model_without_the_named_block_calls_its_first_block() -> None:
     assert entry_points.resolve_block(model, (Block,), "2") == "2"
     with pytest.raises(CheckSkipped, match="no module 'layers.0' and no block"):
         entry_points.resolve_block(model, (), "layers.0")
+
+
+class _Appending(nn.Module):
+    """A block handed a state it appends to (as a transformers layer appends its keys to the
+    ``Cache`` it is given): run twice on one state, it sees its own earlier call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        if cache:
+            raise RuntimeError(f"the cache holds {len(cache)} earlier keys")
+        cache.append(x)
+        out: torch.Tensor = self.lin(x)
+        return out
+
+
+class _WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Appending()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.block(x, cache=[])
+        return out
+
+
+def test_the_block_called_on_its_own_gets_the_state_the_root_gave_it() -> None:
+    """Without the copy, Bloom's, Falcon's and Gemma-2's first layer saw the root's keys twice."""
+    model = _WithCache()
+    loss = entry_points.non_root_loss(model, torch.ones(2, 4), "block")
+    assert loss.requires_grad

@@ -29,6 +29,7 @@ loops. The user's code is this module's steps (:func:`user_loss`, :func:`set_div
 from __future__ import annotations
 
 import collections
+import copy
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -88,7 +89,16 @@ def block_module(model: nn.Module, block: str) -> nn.Module:
 
 
 def _detached(tree: Any) -> Any:
-    return _compat.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+    """``tree`` with its tensors detached, copied as it is now: a block may be handed state it
+    changes when it runs (a transformers ``Cache`` the layer appends its keys to: called again
+    with the same object, Bloom's, Falcon's and Gemma-2's first layer saw 16 keys for a mask of
+    8), so the block's own call gets the state the root's call gave it. An object that cannot
+    be copied is passed as it is."""
+    detached = _compat.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+    try:
+        return copy.deepcopy(detached)
+    except Exception:  # noqa: BLE001 - an uncopyable object (a lock, a handle): pass it as is
+        return detached
 
 
 def captured_forward(
