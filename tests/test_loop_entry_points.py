@@ -140,6 +140,13 @@ def test_a_model_without_the_named_block_calls_its_first_block() -> None:
         entry_points.resolve_block(model, (), "layers.0")
 
 
+class _Cache:
+    """A state object (not a container torch's pytree looks into), like transformers' Cache."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
 class _Appending(nn.Module):
     """A block handed a state it appends to (as a transformers layer appends its keys to the
     ``Cache`` it is given): run twice on one state, it sees its own earlier call."""
@@ -148,10 +155,10 @@ class _Appending(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
-        if cache:
-            raise RuntimeError(f"the cache holds {len(cache)} earlier keys")
-        cache.append(x)
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        if cache.keys:
+            raise RuntimeError(f"the cache holds {len(cache.keys)} earlier keys")
+        cache.keys.append(x)
         out: torch.Tensor = self.lin(x)
         return out
 
@@ -162,7 +169,7 @@ class _WithCache(nn.Module):
         self.block = _Appending()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.block(x, cache=[])
+        out: torch.Tensor = self.block(x, cache=_Cache())
         return out
 
 
