@@ -35,6 +35,7 @@ from fsdp_conformance.claims.loop.training import (
     apply_sgd,
     build_pair,
     ensure_phases,
+    failed_verdict,
     loop_result,
     match_units,
     observe_step,
@@ -229,10 +230,10 @@ def verdict_accumulation(
         "synchronisation off for all but the last" if mode == "no_sync" else "synchronised"
     )
     if problems:
-        return Verdict(
-            False,
-            f"gradient accumulation ({what}) differs from the reference{parity_note(values)}:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            f"gradient accumulation ({what}) differs from the reference",
+            problems,
             figures,
             data,
         )

@@ -35,6 +35,7 @@ from fsdp_conformance.claims.loop.training import (
     LoopResult,
     Pair,
     build_pair,
+    failed_verdict,
     loop_result,
     parity_figures,
     parity_note,
@@ -321,10 +322,10 @@ def verdict_buffers(values: Sequence[BuffersResult], params: Mapping[str, Any]) 
         f"{len(figures['kinds'])} state-dict kinds ({', '.join(figures['kinds'])})"
     )
     if problems:
-        return Verdict(
-            False,
-            f"buffers ({what}) differ from the reference{parity_note(values)}:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            f"buffers ({what}) differ from the reference",
+            problems,
             figures,
             data,
         )

@@ -40,6 +40,7 @@ from fsdp_conformance.claims.loop.training import (
     Pair,
     apply_sgd,
     build_pair,
+    failed_verdict,
     loop_result,
     observe_step,
     parity_figures,
@@ -319,10 +320,10 @@ def verdict_clipping(values: Sequence[ClippingResult], params: Mapping[str, Any]
         f"{'inf' if math.isinf(norm_type) else f'L{norm_type:g}'} norm"
     )
     if problems:
-        return Verdict(
-            False,
-            f"gradient clipping ({what}) differs from the reference:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            f"gradient clipping ({what}) differs from the reference",
+            problems,
             figures,
             data,
         )

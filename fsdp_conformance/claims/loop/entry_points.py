@@ -46,6 +46,7 @@ from fsdp_conformance.claims.loop.training import (
     StepObservation,
     build_pair,
     ensure_phases,
+    failed_verdict,
     loop_result,
     match_units,
     observe_step,
@@ -445,11 +446,11 @@ def verdict_entry_points(values: Sequence[EntryPointsResult], params: Mapping[st
         f"reductions for {figures['units_that_train']} units that train"
     )
     if problems:
-        return Verdict(
-            False,
+        return failed_verdict(
+            values,
             f"{what}: differs from the reference (gradient norm "
-            f"{figures['grad_norm_ratio']:.3g} x the reference's; {counts})"
-            f"{parity_note(values)}:\n  " + "\n  ".join(dict.fromkeys(problems)),
+            f"{figures['grad_norm_ratio']:.3g} x the reference's; {counts})",
+            problems,
             figures,
             data,
         )

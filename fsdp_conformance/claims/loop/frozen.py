@@ -45,6 +45,7 @@ from fsdp_conformance.claims.loop.training import (
     Pair,
     build_pair,
     ensure_phases,
+    failed_verdict,
     loop_result,
     match_units,
     observe_step,
@@ -403,10 +404,10 @@ def verdict_frozen(values: Sequence[FrozenResult], params: Mapping[str, Any]) ->
         "reduced": first["reduced"],
     }
     if problems:
-        return Verdict(
-            False,
-            "training with frozen parameters differs from the reference or from a freeze:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            "training with frozen parameters differs from the reference or from a freeze",
+            problems,
             figures,
             data,
         )
@@ -567,10 +568,10 @@ def verdict_frozen_unused(values: Sequence[UnusedResult], params: Mapping[str, A
         "reduced_without_use": reduced_unused,
     }
     if problems:
-        return Verdict(
-            False,
-            "training with parameters unused in some steps differs from the reference:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            "training with parameters unused in some steps differs from the reference",
+            problems,
             figures,
             data,
         )

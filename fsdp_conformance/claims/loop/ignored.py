@@ -48,6 +48,7 @@ from fsdp_conformance.claims.loop.training import (
     Pair,
     apply_sgd,
     build_pair,
+    failed_verdict,
     loop_result,
     match_units,
     observe_step,
@@ -374,10 +375,10 @@ def verdict_ignored(values: Sequence[IgnoredResult], params: Mapping[str, Any]) 
         "trainable_units": values[0]["trainable_units"],
     }
     if problems:
-        return Verdict(
-            False,
-            f"module {module!r} ignored by FSDP: not left to the user{parity_note(values)}:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            f"module {module!r} ignored by FSDP: not left to the user",
+            problems,
             figures,
             data,
         )

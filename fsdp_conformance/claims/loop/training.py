@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import BuiltModel, ModelSpec
@@ -410,6 +411,19 @@ def parity_note(values: Sequence[LoopResult]) -> str:
     if dropout:
         return f"; dropout disabled for the comparison: {len(dropout)} modules"
     return ""
+
+
+def failed_verdict(
+    values: Sequence[LoopResult],
+    failed: str,
+    problems: Sequence[str],
+    figures: Mapping[str, Any],
+    data: Mapping[str, Any],
+) -> Verdict:
+    """A family's failed verdict: ``failed`` (what the loop was) with :func:`parity_note`, then
+    each distinct problem on a line of its own."""
+    lines = "\n  ".join(dict.fromkeys(problems))
+    return Verdict(False, f"{failed}{parity_note(values)}:\n  {lines}", figures, data)
 
 
 def parity_figures(values: Sequence[LoopResult]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from fsdp_conformance.claims.loop.training import (
     LoopResult,
     Pair,
     build_pair,
+    failed_verdict,
     loop_result,
     parity_figures,
     parity_note,
@@ -360,10 +361,10 @@ def verdict_uneven(values: Sequence[UnevenResult], params: Mapping[str, Any]) ->
         f"{figures['uneven_parameters']} with dimension 0 not divisible by {world}"
     )
     if problems:
-        return Verdict(
-            False,
-            f"uneven shards ({what}) differ from the reference{parity_note(values)}:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+        return failed_verdict(
+            values,
+            f"uneven shards ({what}) differ from the reference",
+            problems,
             figures,
             data,
         )
