@@ -18,7 +18,7 @@ one set against the other, each tensor on its own scale with a floor for roundin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -96,14 +96,22 @@ class SliceReference:
         return {clean_fqn(n): b.clone() for n, b in self._buffers[rank].items()}
 
 
-def sgd_step(model: nn.Module, lr: float) -> None:
-    """Plain SGD, written out: the same arithmetic on sharded (DTensor / flat) and full
-    parameters, without torch.optim's first-use import cost on every rank."""
+def sgd_update(params: Iterable[torch.Tensor], lr: float) -> None:
+    """Plain SGD, written out, on each parameter that has a gradient: the same arithmetic on
+    sharded (DTensor / flat) and full parameters, without torch.optim's first-use import cost
+    on every rank. The gradients stay for the caller's ``zero_grad``."""
     with torch.no_grad():
-        for p in model.parameters():
+        for p in params:
             if p.grad is not None:
                 p.add_(p.grad, alpha=-lr)
-                p.grad = None
+
+
+def sgd_step(model: nn.Module, lr: float) -> None:
+    """:func:`sgd_update` on every parameter of ``model``, then its gradients set to None."""
+    params = list(model.parameters())
+    sgd_update(params, lr)
+    for p in params:
+        p.grad = None
 
 
 # --------------------------------------------------------------------------------------------

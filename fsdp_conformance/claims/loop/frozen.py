@@ -59,7 +59,12 @@ from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_models import ADAPTER_FEATURE, EXTRA_FEATURE
-from fsdp_conformance.reference_step import full_params, model_loss, reference_grads
+from fsdp_conformance.reference_step import (
+    full_params,
+    model_loss,
+    reference_grads,
+    sgd_update,
+)
 from fsdp_conformance.units import clean_fqn
 
 #: Optimizer steps of ``loop.frozen`` (one micro-batch each).
@@ -109,10 +114,7 @@ def optimizer_params(model: nn.Module, frozen: Collection[str]) -> list[nn.Param
 
 def optimizer_step(params: Sequence[nn.Parameter], lr: float = LR) -> None:
     """The user's optimizer step: SGD on each parameter that has a gradient."""
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
+    sgd_update(params, lr)
 
 
 def zero_grad(model: nn.Module) -> None:

@@ -36,6 +36,7 @@ from fsdp_conformance.reference_step import (
     model_loss,
     norm_of,
     reference_params,
+    sgd_update,
     update_resolution,
     updates,
 )
@@ -88,10 +89,7 @@ def shard_model(
 def apply_sgd(model: nn.Module, lr: float) -> None:
     """The user's optimizer step (SGD written out, on whatever the parameters are: flat,
     DTensor or plain); it leaves the gradients for the user's ``zero_grad``."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
+    sgd_update(model.parameters(), lr)
 
 
 @dataclasses.dataclass
