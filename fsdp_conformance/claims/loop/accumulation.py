@@ -46,6 +46,7 @@ from fsdp_conformance.claims.loop.training import (
     reduced_units,
     snapshot,
     trainable_units,
+    unreduced,
 )
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext
@@ -198,10 +199,7 @@ def _collective_problems(v: AccumulationResult) -> list[str]:
         synced = v["mode"] == "synced" or phase.endswith(f".{MICRO - 1}")
         missing, unexpected = match_units(units, v["trainable_units"] if synced else [])
         if missing:
-            problems.append(
-                f"rank {v['rank']}: {phase} (synchronised): no reduction of the gradients of "
-                f"{len(missing)} unit(s) that train: {', '.join(repr(u) for u in missing[:4])}"
-            )
+            problems.append(unreduced(v["rank"], f"{phase} (synchronised)", missing))
         if unexpected:
             problems.append(
                 f"rank {v['rank']}: {phase} ({'synchronised' if synced else 'no sync'}): "

@@ -58,6 +58,7 @@ from fsdp_conformance.claims.loop.training import (
     snapshot,
     torch_raised,
     trainable_units,
+    unreduced,
 )
 from fsdp_conformance.collectives import CollectiveRecorder
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -385,10 +386,7 @@ def _collective_problems(v: EntryPointsResult) -> list[str]:
     for phase, units in v["reduced"].items():
         missing, _ = match_units(units, v["trainable_units"])
         if missing:
-            problems.append(
-                f"rank {v['rank']}: {phase}: no reduction of the gradients of {len(missing)} "
-                f"unit(s) that train: {', '.join(repr(u) for u in missing[:4])}"
-            )
+            problems.append(unreduced(v["rank"], phase, missing))
     return problems
 
 

@@ -53,6 +53,7 @@ from fsdp_conformance.claims.loop.training import (
     parity_problems,
     reduced_units,
     snapshot,
+    unreduced,
 )
 from fsdp_conformance.collectives import record_collectives
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -352,10 +353,7 @@ def _frozen_collective_problems(v: FrozenResult) -> list[str]:
     for phase, units in v["reduced"].items():
         missing, unexpected = match_units(units, v["training_units"])
         if missing:
-            problems.append(
-                f"rank {v['rank']}: {phase}: no gradient reduction for {len(missing)} unit(s) "
-                f"that train: {', '.join(repr(u) for u in missing[:4])}"
-            )
+            problems.append(unreduced(v["rank"], phase, missing))
         if unexpected:
             problems.append(
                 f"rank {v['rank']}: {phase}: {len(unexpected)} gradient reduction(s) beyond one "
@@ -530,11 +528,8 @@ def _unused_problems(v: UnusedResult) -> list[str]:
     for step, (phase, units) in enumerate(v["reduced"].items()):
         missing, _ = match_units(units, v["used_units"][step])
         if missing:
-            problems.append(
-                f"rank {v['rank']}: {phase} ({v['plan'][step]}): no gradient reduction for "
-                f"{len(missing)} unit(s) holding a used parameter: "
-                + ", ".join(repr(u) for u in missing[:4])
-            )
+            where = f"{phase} ({v['plan'][step]})"
+            problems.append(unreduced(v["rank"], where, missing, "holding a used parameter"))
     return problems
 
 

@@ -249,6 +249,14 @@ def match_units(reduced: Sequence[str], expected: Sequence[str]) -> tuple[list[s
     return free, unmatched
 
 
+def unreduced(rank: int, where: str, missing: Sequence[str], whose: str = "that train") -> str:
+    """The line for units whose gradients no collective reduced (``match_units``' first list)."""
+    return (
+        f"rank {rank}: {where}: no reduction of the gradients of {len(missing)} unit(s) "
+        f"{whose}: {', '.join(repr(u) for u in missing[:4])}"
+    )
+
+
 class StepObservation(TypedDict):
     """One optimizer step on both sides."""
 
