@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loop_runs import by_version
 from torch import nn
 
-from fsdp_conformance.claims import loop
-from fsdp_conformance.claims.check import Check, run_check
+from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
-
-
-def by_version(name: str) -> dict[str, Check]:
-    """The claim's check ``name``, one per FSDP version."""
-    return {c.params["version"]: c for c in loop.CHECKS if c.name == name}
 
 
 NO_SYNC = by_version("loop.accumulation.no_sync")

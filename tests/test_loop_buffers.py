@@ -11,8 +11,8 @@ import copy
 from typing import Any
 
 import pytest
+from loop_runs import by_version, clean_run
 
-from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models import ModelSpec
@@ -21,7 +21,7 @@ from fsdp_conformance.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY
 
 pytestmark = pytest.mark.cpu
 
-CHECK: dict[str, Check] = {c.params["version"]: c for c in loop.CHECKS if c.name == "loop.buffers"}
+CHECK: dict[str, Check] = by_version("loop.buffers")
 #: The odd model's persistent buffers: batch norm's statistics and the registered scale.
 PERSISTENT = ["scale", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
 
@@ -30,13 +30,6 @@ PERSISTENT = ["scale", "norm.running_mean", "norm.running_var", "norm.num_batche
 def shared_runs() -> dict[tuple[Any, ...], list[Any]]:
     """Every rank's values of one clean run per (device type, world size, version)."""
     return {}
-
-
-def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], list[Any]], version: str) -> list:
-    key = (ranks.device_type, ranks.world_size, version)
-    if key not in shared:
-        shared[key] = ranks.run(CHECK[version].rank_fn, **CHECK[version].params)
-    return shared[key]
 
 
 def judge(values: list, version: str) -> Verdict:
@@ -48,7 +41,7 @@ def judge(values: list, version: str) -> Verdict:
 def test_buffers_follow_each_rank_and_every_kind_carries_and_restores_them(
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
-    verdict = judge(clean_values(ranks, shared_runs, version), version)
+    verdict = judge(clean_run(ranks, shared_runs, CHECK[version]), version)
     assert verdict.passed, verdict.message
     assert verdict.data["persistent"] == PERSISTENT
     assert verdict.figures["kinds"] == list(KINDS[version])
@@ -87,7 +80,7 @@ def test_the_verdict_refuses_a_stale_value_a_non_persistent_buffer_and_a_rank0_d
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
     # Parent side, on the clean run's values.
-    values = copy.deepcopy(clean_values(ranks, shared_runs, version))
+    values = copy.deepcopy(clean_run(ranks, shared_runs, CHECK[version]))
     rank0_kind = next(k for k in KINDS[version] if k in RANK0_ONLY)
     values[1]["kinds"][rank0_kind]["entries"] = 3
     values[1]["kinds"]["sharded"]["non_persistent"] = ["rotary.inv_freq"]

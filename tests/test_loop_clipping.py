@@ -19,19 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from loop_runs import by_version
 from torch import nn
 
-from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check, expectation_for, run_check
 from fsdp_conformance.harness import RankFailure, Ranks
 from fsdp_conformance.models import ModelSpec
 
 pytestmark = pytest.mark.cpu
-
-
-def by_version(name: str) -> dict[str, Check]:
-    """The claim's check ``name``, one per FSDP version."""
-    return {c.params["version"]: c for c in loop.CHECKS if c.name == name}
 
 
 L2 = by_version("loop.clipping.l2")

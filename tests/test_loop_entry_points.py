@@ -11,19 +11,15 @@ from typing import Any
 
 import pytest
 import torch
+from loop_runs import by_version, clean_run
 from torch import nn
 
-from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check
 from fsdp_conformance.claims.loop import entry_points
 from fsdp_conformance.claims.loop.training import torch_raised
 from fsdp_conformance.harness import Ranks
 
 pytestmark = pytest.mark.cpu
-
-
-def by_version(name: str) -> dict[str, Check]:
-    return {c.params["version"]: c for c in loop.CHECKS if c.name == name}
 
 
 TWO = by_version("loop.entry_points.two_forwards")
@@ -39,14 +35,6 @@ def shared_runs() -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     return {}
 
 
-def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], Any], what: str, version: str) -> Any:
-    key = (ranks.device_type, ranks.world_size, what, version)
-    if key not in shared:
-        check = CHECKS[what][version]
-        shared[key] = ranks.run(check.rank_fn, **check.params)
-    return shared[key]
-
-
 def run_fault(ranks: Ranks, check: Check, fault: str) -> Any:
     return check.verdict(ranks.run(check.rank_fn, **{**check.params, "fault": fault}), check.params)
 
@@ -59,7 +47,7 @@ def test_divide_factor_is_fsdp2_only() -> None:
 def test_each_entry_point_equals_the_reference_with_every_unit_reduced(
     ranks: Ranks, shared_runs: dict, what: str, version: str
 ) -> None:
-    values = clean_values(ranks, shared_runs, what, version)
+    values = clean_run(ranks, shared_runs, CHECKS[what][version])
     check = CHECKS[what][version]
     verdict = check.verdict(values, check.params)
     assert verdict.passed, verdict.message
@@ -95,7 +83,7 @@ def test_a_divide_factor_not_applied_fails_with_twice_the_gradient(ranks: Ranks)
 def test_torch_refusing_the_loop_is_a_failure_naming_its_line(
     ranks: Ranks, shared_runs: dict
 ) -> None:
-    values = copy.deepcopy(clean_values(ranks, shared_runs, "two_forwards", "fsdp1"))
+    values = copy.deepcopy(clean_run(ranks, shared_runs, CHECKS["two_forwards"]["fsdp1"]))
     line = "RuntimeError in torch/autograd/graph.py:_engine_run_backward: something"
     values[-1]["torch_error"] = line
     verdict = TWO["fsdp1"].verdict(values, TWO["fsdp1"].params)
@@ -104,7 +92,7 @@ def test_torch_refusing_the_loop_is_a_failure_naming_its_line(
 
 
 def test_a_unit_never_reduced_fails(ranks: Ranks, shared_runs: dict) -> None:
-    values = copy.deepcopy(clean_values(ranks, shared_runs, "non_root", "fsdp2"))
+    values = copy.deepcopy(clean_run(ranks, shared_runs, CHECKS["non_root"]["fsdp2"]))
     values[0]["reduced"]["micro 1.backward"].remove("head")
     verdict = NON_ROOT["fsdp2"].verdict(values, NON_ROOT["fsdp2"].params)
     assert not verdict.passed

@@ -12,19 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from loop_runs import by_version, clean_run
 
-from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.claims.loop import frozen
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.reference_models import BranchModel
 
 pytestmark = pytest.mark.cpu
-
-
-def by_version(name: str) -> dict[str, Check]:
-    """The claim's check ``name``, one per FSDP version."""
-    return {c.params["version"]: c for c in loop.CHECKS if c.name == name}
 
 
 FROZEN = by_version("loop.frozen")
@@ -48,13 +43,6 @@ def shared_runs() -> dict[tuple[Any, ...], list[Any]]:
     return {}
 
 
-def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], list[Any]], check: Check) -> list[Any]:
-    key = (check.name, ranks.device_type, ranks.world_size, check.params["version"])
-    if key not in shared:
-        shared[key] = ranks.run(check.rank_fn, **check.params)
-    return shared[key]
-
-
 def faulted(ranks: Ranks, check: Check, fault: str) -> Verdict:
     return check.verdict(ranks.run(check.rank_fn, **{**check.params, "fault": fault}), check.params)
 
@@ -64,7 +52,7 @@ def test_frozen_parameters_stay_and_their_units_never_reduce(
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
     check = FROZEN[version]
-    values = clean_values(ranks, shared_runs, check)
+    values = clean_run(ranks, shared_runs, check)
     verdict = check.verdict(values, check.params)
     assert verdict.passed, verdict.message
     data = verdict.data
@@ -105,7 +93,7 @@ def test_unused_parameters_get_no_gradient_and_the_updates_equal_the_reference(
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
     check = UNUSED[version]
-    values = clean_values(ranks, shared_runs, check)
+    values = clean_run(ranks, shared_runs, check)
     verdict = check.verdict(values, check.params)
     assert verdict.passed, verdict.message
     for value in values:

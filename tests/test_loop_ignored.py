@@ -10,16 +10,16 @@ import inspect
 from typing import Any
 
 import pytest
+from loop_runs import by_version, clean_run
 
 from fsdp_conformance import capabilities
-from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check
 from fsdp_conformance.claims.loop import ignored
 from fsdp_conformance.harness import Ranks
 
 pytestmark = pytest.mark.cpu
 
-CHECK: dict[str, Check] = {c.params["version"]: c for c in loop.CHECKS if c.name == "loop.ignored"}
+CHECK: dict[str, Check] = by_version("loop.ignored")
 NORM = ["norm.weight", "norm.bias"]
 
 
@@ -29,18 +29,11 @@ def shared_runs() -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     return {}
 
 
-def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], Any], version: str) -> Any:
-    key = (ranks.device_type, ranks.world_size, version)
-    if key not in shared:
-        shared[key] = ranks.run(CHECK[version].rank_fn, **CHECK[version].params)
-    return shared[key]
-
-
 @pytest.mark.parametrize("version", sorted(CHECK))
 def test_an_ignored_module_stays_local_unreduced_and_in_the_state_dict(
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
-    values = clean_values(ranks, shared_runs, version)
+    values = clean_run(ranks, shared_runs, CHECK[version])
     verdict = CHECK[version].verdict(values, CHECK[version].params)
     assert verdict.passed, verdict.message
     assert verdict.data["ignored_module"] == "norm"
@@ -72,7 +65,7 @@ def test_an_ignore_list_not_passed_is_caught_naming_the_parameter(
 def test_a_rank_whose_state_dict_lacks_the_ignored_parameter_fails(
     ranks: Ranks, shared_runs: dict
 ) -> None:
-    values = copy.deepcopy(clean_values(ranks, shared_runs, "fsdp2"))
+    values = copy.deepcopy(clean_run(ranks, shared_runs, CHECK["fsdp2"]))
     values[-1]["params"]["norm.bias"]["state_dict_type"] = ""
     verdict = CHECK["fsdp2"].verdict(values, CHECK["fsdp2"].params)
     assert not verdict.passed

@@ -10,15 +10,15 @@ import copy
 from typing import Any
 
 import pytest
+from loop_runs import by_version, clean_run
 
-from fsdp_conformance.claims import loop
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.claims.loop import uneven
 from fsdp_conformance.harness import Ranks
 
 pytestmark = pytest.mark.cpu
 
-CHECK: dict[str, Check] = {c.params["version"]: c for c in loop.CHECKS if c.name == "loop.uneven"}
+CHECK: dict[str, Check] = by_version("loop.uneven")
 #: Every parameter of the odd model: no dimension 0 divides by 2 or 4.
 PARAMETERS = 19
 
@@ -28,13 +28,6 @@ def shared_runs() -> dict[tuple[Any, ...], list[Any]]:
     """Every rank's values of one clean run per (device type, world size, version): the
     positive test and the parent-side negative controls judge the same values."""
     return {}
-
-
-def clean_values(ranks: Ranks, shared: dict[tuple[Any, ...], list[Any]], version: str) -> list:
-    key = (ranks.device_type, ranks.world_size, version)
-    if key not in shared:
-        shared[key] = ranks.run(CHECK[version].rank_fn, **CHECK[version].params)
-    return shared[key]
 
 
 def judge(values: list, version: str) -> Verdict:
@@ -57,7 +50,7 @@ def test_the_world_size_implies_torch_chunk_sizes() -> None:
 def test_uneven_shards_have_the_implied_sizes_and_read_back_as_the_reference(
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
-    verdict = judge(clean_values(ranks, shared_runs, version), version)
+    verdict = judge(clean_run(ranks, shared_runs, CHECK[version]), version)
     assert verdict.passed, verdict.message
     assert verdict.figures["uneven_parameters"] == verdict.figures["parameters"] == PARAMETERS
     assert verdict.figures["steps"] == uneven.STEPS
@@ -80,7 +73,7 @@ def test_a_shard_of_the_wrong_size_fails_naming_the_parameter_or_unit(
     ranks: Ranks, shared_runs: dict, version: str
 ) -> None:
     # Parent side, on the clean run's values: one size as a wrong cut would leave it.
-    values = copy.deepcopy(clean_values(ranks, shared_runs, version))
+    values = copy.deepcopy(clean_run(ranks, shared_runs, CHECK[version]))
     if version == "fsdp2":
         values[1]["local_shapes"]["head.weight"] = [16, 13]
         expected = "rank 1: head.weight [31, 13]: local shard [16, 13], expected [15, 13]"
@@ -115,7 +108,7 @@ def test_a_shard_read_at_the_wrong_offset_fails_naming_the_parameter(
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("version", sorted(CHECK))
 def test_uneven_shards_at_world_size_4(ranks: Ranks, shared_runs: dict, version: str) -> None:
-    verdict = judge(clean_values(ranks, shared_runs, version), version)
+    verdict = judge(clean_run(ranks, shared_runs, CHECK[version]), version)
     assert verdict.passed, verdict.message
     assert verdict.figures["world_size"] == 4
     assert verdict.figures["uneven_parameters"] == PARAMETERS
