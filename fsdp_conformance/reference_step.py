@@ -11,7 +11,7 @@ synchronisation: rank ``r``'s buffers are the reference's slice-``r`` buffers. F
 without such modules this is one step on the whole batch.
 
 The sharded side, whole: :func:`full_params` (FSDP1 ``summon_full_params``, FSDP2
-``full_tensor``), :func:`full_grads` and :func:`full_buffers`; :func:`compare_tensors` judges
+``full_tensor``) and :func:`full_buffers`; :func:`compare_tensors` judges
 one set against the other, each tensor on its own scale with a floor for rounding-level ones.
 """
 
@@ -140,29 +140,6 @@ def full_params(
             }
     return {
         clean_fqn(n): _whole(p, dtype) for n, p in sharded.named_parameters(remove_duplicate=False)
-    }
-
-
-def full_grads(
-    sharded: nn.Module, version: str, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient whole (None where it has none), by clean FQN.
-
-    FSDP1 gathers gradients only for ``use_orig_params=True`` (``summon_full_params(
-    with_grads=True)``); on a flat-parameter model it raises torch's own error, which the caller
-    reports.
-    """
-    if version == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(sharded, writeback=False, with_grads=True):
-            return {
-                clean_fqn(n): None if p.grad is None else p.grad.detach().to(dtype, copy=True)
-                for n, p in sharded.named_parameters()
-            }
-    return {
-        clean_fqn(n): None if p.grad is None else _whole(p.grad, dtype)
-        for n, p in sharded.named_parameters()
     }
 
 
