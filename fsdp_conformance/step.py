@@ -456,3 +456,21 @@ def forward_randomness(model: torch.nn.Module, batch: Any) -> float:
             torch.manual_seed(seed)
             losses.append(float(default_loss(call_model(probe, batch))))
     return abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-12)
+
+
+def require_deterministic(
+    model: torch.nn.Module, batch: Any, dropout: Sequence[str], what: str
+) -> None:
+    """Skip on this rank (every rank alike: the same model and seeds) when ``model``'s forward
+    in training mode still draws random numbers after ``dropout`` (the names
+    :func:`disable_dropout` changed) was switched off; ``what`` cannot then be compared with
+    the single-process reference."""
+    randomness = forward_randomness(model, batch)
+    if randomness > DETERMINISM_RTOL:
+        skip_rank(
+            f"{type(model).__name__}'s forward in training mode still draws random numbers "
+            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
+            f"differ by {randomness:.1e} (relative), so {what} cannot be compared with "
+            "the single-process reference. Make the randomness switchable: an nn.Dropout "
+            "module, or a float attribute named like '*dropout*' read when self.training"
+        )

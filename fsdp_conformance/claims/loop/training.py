@@ -41,7 +41,7 @@ from fsdp_conformance.reference_step import (
     updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, fsdp1_options, shard
-from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
+from fsdp_conformance.step import disable_dropout, require_deterministic
 from fsdp_conformance.torch_errors import explain, parse_traceback
 from fsdp_conformance.units import clean_fqn, planned_unit_modules
 
@@ -143,15 +143,7 @@ def build_pair(
     rows = micro * ctx.world_size * PER_RANK
     dtype = _model_dtype(model)
     batch = built.batch(rows, ctx.device)
-    randomness = forward_randomness(model, batch)
-    if randomness > DETERMINISM_RTOL:
-        skip_rank(
-            f"{type(model).__name__}'s forward in training mode still draws random numbers "
-            f"after dropout was disabled: two calls differ by {randomness:.1e} (relative), so "
-            "a sharded loop cannot be compared with the single-process reference: set its "
-            "remaining randomness behind an nn.Dropout module or a float attribute named like "
-            "'*dropout*'"
-        )
+    require_deterministic(model, batch, dropout, "a sharded loop")
     batches = micro_batches(batch, micro, ctx.world_size, PER_RANK)
     twin = copy.deepcopy(model)
     # A policy is bound to the modules it was built on (block membership, ties): the copy's.

@@ -31,7 +31,7 @@ from fsdp_conformance.claims.wrap.parity import (
 )
 from fsdp_conformance.claims.wrap.wrapping import build, record_compute_dtypes, shard_with_policy
 from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import BuiltModel, ModelSpec, batch_rows, call_model, default_loss
 from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.reference_step import full_params, sgd_step
@@ -42,7 +42,7 @@ from fsdp_conformance.sharding import (
     input_casts_note,
     with_fsdp1_input_casts,
 )
-from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
+from fsdp_conformance.step import disable_dropout, require_deterministic
 from fsdp_conformance.tensors import listing, local_shard
 from fsdp_conformance.units import planned_unit_modules
 
@@ -305,16 +305,7 @@ def _comparable_batch(
 ) -> Any:
     """The global batch, once the reference is known to compute the same thing twice."""
     batch = spec.batch(reference, batch_size=batch_size, device=ctx.device)
-    randomness = forward_randomness(reference, batch)
-    if randomness > DETERMINISM_RTOL:
-        # The same model and seeds on every rank: every rank observes this alike and skips.
-        skip_rank(
-            f"{type(reference).__name__}'s forward in training mode still draws random numbers "
-            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
-            f"differ by {randomness:.1e} (relative), so a sharded step cannot be compared with "
-            "the single-process reference. Make the randomness switchable: an nn.Dropout "
-            "module, or a float attribute named like '*dropout*' read when self.training"
-        )
+    require_deterministic(reference, batch, dropout, "a sharded step")
     return batch
 
 
