@@ -83,12 +83,14 @@ STRATEGY_MEANING: dict[str, tuple[str, str]] = {
 Setting = tuple[bool | int | None, bool | int | None]
 
 
-def after_forward_settings(world_size: int) -> list[Setting]:
+def after_forward_settings(world_size: int, only: Sequence[str] = ()) -> list[Setting]:
     """``True`` and ``False`` on both, each on the root alone, and every divisor of the world
     size as an integer on both (1 and the world size are the boundary cases torch maps to
-    ``False`` and ``True``)."""
+    ``False`` and ``True``); ``only``: those of these names (:func:`setting_name`)."""
     divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
-    return [(True, True), (False, False), (True, None), (False, None)] + [(k, k) for k in divisors]
+    every: list[Setting] = [(True, True), (False, False), (True, None), (False, None)]
+    every += [(k, k) for k in divisors]
+    return [s for s in every if not only or setting_name(s) in only]
 
 
 def expected_after_forward(value: bool | int | None, root: bool, world_size: int) -> int:
@@ -252,6 +254,16 @@ def per_unit(recorder: CollectiveRecorder, phase: str) -> dict[str, dict[str, in
     return {op: dict(counts) for op, counts in out.items()}
 
 
+def gather_groups(recorder: CollectiveRecorder, phase: str) -> dict[str, list[int]]:
+    """Per unit name, the ranks each all-gather of ``phase`` spanned (its output's bytes over
+    its input's: FSDP gathers equal shards), sorted and distinct."""
+    out: dict[str, set[int]] = {}
+    for r in recorder.records:
+        if r["phase"] == phase and r["op"] == "all_gather" and r["in_bytes"]:
+            out.setdefault(r["unit"], set()).add(r["out_bytes"] // r["in_bytes"])
+    return {unit: sorted(groups) for unit, groups in out.items()}
+
+
 class SettingRun(TypedDict):
     """One setting trained on one rank."""
 
@@ -260,6 +272,8 @@ class SettingRun(TypedDict):
     held: list[dict[str, int]]
     #: Per step's backward: per collective kind, the records per unit name.
     backward: list[dict[str, dict[str, int]]]
+    #: Per step's backward: per unit name, the ranks its all-gathers spanned.
+    gather_groups: list[dict[str, list[int]]]
     losses: list[float]
     ref_losses: list[float]
     steps: list[TensorComparison]
@@ -304,6 +318,7 @@ def _train(ctx: RankContext, side: _Side, version: str, name: str) -> SettingRun
         "setting": name,
         "held": [],
         "backward": [],
+        "gather_groups": [],
         "losses": [],
         "ref_losses": [],
         "steps": [],
@@ -326,6 +341,7 @@ def _train(ctx: RankContext, side: _Side, version: str, name: str) -> SettingRun
             recorder.phase = "observe"
             run["steps"].append(_observe(side, version, before, ref_before))
         run["backward"] = [per_unit(recorder, f"backward {s}") for s in range(STEPS)]
+        run["gather_groups"] = [gather_groups(recorder, f"backward {s}") for s in range(STEPS)]
     return run
 
 
@@ -367,14 +383,16 @@ def rank_reshard_after_forward(
     ctx: RankContext,
     spec: ModelSpec,
     version: str = "fsdp2",
+    only: Sequence[str] = (),
     fault: str | Sequence[str] | None = None,
 ) -> ReshardResult:
-    """Every setting of :func:`after_forward_settings`, each on its own sharded model."""
+    """Every setting of :func:`after_forward_settings` (``only``: those named), each on its own
+    sharded model."""
     if check_fsdp_version(version) != "fsdp2":
         raise ValueError("reshard_after_forward is FSDP2's option; FSDP1's is sharding_strategy")
     with FAULTS.inject(fault, ctx):
         runs = []
-        for setting in after_forward_settings(ctx.world_size):
+        for setting in after_forward_settings(ctx.world_size, only):
 
             def fsdp2(model: nn.Module, policy: Any, s: Setting = setting) -> nn.Module:
                 return _shard_fsdp2(model, ctx, policy, s)
@@ -472,6 +490,21 @@ def _backward_problems(
                         f"{label}: backward {step}: {got} {op}(s) for unit {unit!r} (by size), "
                         f"expected {want}"
                     )
+    return problems + _group_problems(label, run, held)
+
+
+def _group_problems(label: str, run: SettingRun, held: Mapping[str, int]) -> list[str]:
+    """A unit resharded after forward to a group of k ranks is all-gathered in backward over
+    those k (an integer ``reshard_after_forward`` below the world size: the smaller mesh)."""
+    problems = []
+    for step, groups in enumerate(run["gather_groups"]):
+        for name, spans in groups.items():
+            want = {held.get(u, 0) for u in name.split("|")}
+            if set(spans) - want:
+                problems.append(
+                    f"{label}: backward {step}: unit {name!r} all-gathered over {spans} rank(s), "
+                    f"not the {sorted(want)} it was resharded to after forward"
+                )
     return problems
 
 
@@ -504,6 +537,7 @@ def _verdict(
         r["setting"]: {
             "held_after_forward": r["held"][0],
             "backward_all_gathers": r["backward"][0].get("all_gather", {}),
+            "backward_gather_groups": r["gather_groups"][0],
             "backward_reductions": {
                 op: r["backward"][0].get(op, {}) for op in ("reduce_scatter", "all_reduce")
             },
@@ -537,7 +571,7 @@ def verdict_reshard_after_forward(
     world = values[0]["world_size"]
     units = values[0]["units"]
     meanings = []
-    for setting in after_forward_settings(world):
+    for setting in after_forward_settings(world, params.get("only", ())):
         held = {
             u: expected_after_forward(setting[0] if u == "" else setting[1], u == "", world)
             for u in units
