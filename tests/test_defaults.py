@@ -167,9 +167,9 @@ def test_observers_name_what_the_collectives_show() -> None:
 
 
 def test_an_explicit_option_whose_meaning_moved_fails_naming_it() -> None:
-    # Parent side: torch 2.13's figures with an explicit reshard_after_forward=True on the root
-    # overridden to "keep" (its meaning before 2025, pytorch/pytorch#154704) and
-    # SHARD_GRAD_OP issuing FULL_SHARD's collectives.
+    # Parent side: torch 2.13's figures with the root kept unsharded after forward despite an
+    # explicit reshard_after_forward=True (its meaning changed in 2025: pytorch/pytorch#154704),
+    # and SHARD_GRAD_OP issuing FULL_SHARD's collectives.
     fsdp2 = {**EXPECTED["fsdp2"], "explicit_true.unsharded_after_forward": [""]}
     fsdp1 = {**EXPECTED["fsdp1"], "explicit_shard_grad_op.sharding": "FULL_SHARD"}
     for version, figures, key in (

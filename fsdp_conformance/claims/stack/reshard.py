@@ -38,7 +38,7 @@ from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext
+from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.reference_step import (
     SliceReference,
@@ -54,7 +54,7 @@ from fsdp_conformance.reference_step import (
     updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
-from fsdp_conformance.step import disable_dropout
+from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.units import clean_fqn, planned_unit_modules
 
 #: SGD steps per setting, each on its own micro-batch; the learning rate.
@@ -305,10 +305,23 @@ def _build(
     model = built.model
     disable_dropout(model)
     batch = built.batch(STEPS * ctx.world_size * PER_RANK, ctx.device)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1 or not dtypes <= set(UPDATE_RTOL):
+        skip_rank(
+            f"the reshard checks compare with the single-process reference at fp32 or fp64 "
+            f"parameters; {type(model).__name__} has {sorted(map(str, dtypes))}: pass a "
+            "factory that builds it in fp32"
+        )
+    if forward_randomness(model, batch) > DETERMINISM_RTOL:
+        skip_rank(
+            f"{type(model).__name__}'s forward still draws random numbers with dropout off, so "
+            "a sharded step cannot be compared with the reference: put that randomness behind "
+            "an nn.Dropout module"
+        )
     twin = copy.deepcopy(model)
     # A policy is bound to the modules it was built on: the copy's.
     sharded = shard_fn(twin, BuiltModel(spec, twin).policy("recommended"))
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = dtypes.pop()
     batches = micro_batches(batch, STEPS, ctx.world_size, PER_RANK)
     return _Side(sharded, SliceReference(model, ctx.world_size), batches, dtype)
 
@@ -379,6 +392,14 @@ def _result(ctx: RankContext, version: str, runs: list[SettingRun], side: _Side)
 # --------------------------------------------------------------------------------------------
 
 
+def _needs_two_ranks(ctx: RankContext) -> None:
+    if ctx.world_size < 2:
+        skip_rank(
+            "resharding has nothing to observe at world size 1 (every unit is whole on its one "
+            "rank, and FSDP1 runs NO_SHARD whatever the strategy); run at world size >= 2"
+        )
+
+
 def rank_reshard_after_forward(
     ctx: RankContext,
     spec: ModelSpec,
@@ -390,6 +411,7 @@ def rank_reshard_after_forward(
     sharded model."""
     if check_fsdp_version(version) != "fsdp2":
         raise ValueError("reshard_after_forward is FSDP2's option; FSDP1's is sharding_strategy")
+    _needs_two_ranks(ctx)
     with FAULTS.inject(fault, ctx):
         runs = []
         for setting in after_forward_settings(ctx.world_size, only):
@@ -411,6 +433,7 @@ def rank_reshard_strategies(
     """Every strategy of :data:`STRATEGY_MEANING`, each on its own sharded model."""
     if check_fsdp_version(version) != "fsdp1":
         raise ValueError("sharding_strategy is FSDP1's option; FSDP2's is reshard_after_forward")
+    _needs_two_ranks(ctx)
     with FAULTS.inject(fault, ctx):
         runs = []
         for strategy in STRATEGY_MEANING:
