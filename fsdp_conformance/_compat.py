@@ -79,6 +79,17 @@ def fsdp1_param_fqns(flat_param: Any) -> list[str]:
     return list(flat_param._fqns)
 
 
+def fsdp1_unsharded_allocated(flat_param: Any) -> bool | None:
+    """Whether FSDP1 holds a unit's gathered flat parameter now (the storage of its padded
+    unsharded ``_full_param_padded`` allocated: FSDP1 frees it when it reshards, keeps it when
+    a strategy does not reshard after forward); None where torch has no such tensor (NO_SHARD
+    never gathers, or a release that renamed it)."""
+    padded = getattr(flat_param, "_full_param_padded", None)
+    if not isinstance(padded, torch.Tensor):
+        return None
+    return padded.untyped_storage().size() > 0
+
+
 def fsdp1_sharding_strategy(unit: nn.Module) -> str:
     handle = getattr(unit, "_handle", None)
     strategy = getattr(handle, "_sharding_strategy", None) or getattr(

@@ -16,6 +16,7 @@ from fsdp_conformance.claims.defaults import (
     observe_backward_prefetch,
     observe_forward_prefetch,
     observe_sharding,
+    verdict_fingerprint,
 )
 from fsdp_conformance.collectives import UNKNOWN_UNIT
 from fsdp_conformance.gate import report as gate_report
@@ -163,3 +164,20 @@ def test_observers_name_what_the_collectives_show() -> None:
     ]
     assert observe_forward_prefetch(gathers, ends_after) == "not prefetched"
     assert observe_forward_prefetch(gathers, ends_before) == "prefetched"
+
+
+def test_an_explicit_option_whose_meaning_moved_fails_naming_it() -> None:
+    # Parent side: torch 2.13's figures with the root kept unsharded after forward despite an
+    # explicit reshard_after_forward=True (its meaning changed in 2025: pytorch/pytorch#154704),
+    # and SHARD_GRAD_OP issuing FULL_SHARD's collectives.
+    fsdp2 = {**EXPECTED["fsdp2"], "explicit_true.unsharded_after_forward": [""]}
+    fsdp1 = {**EXPECTED["fsdp1"], "explicit_shard_grad_op.sharding": "FULL_SHARD"}
+    for version, figures, key in (
+        ("fsdp2", fsdp2, "explicit_true.unsharded_after_forward"),
+        ("fsdp1", fsdp1, "explicit_shard_grad_op.sharding"),
+    ):
+        values = [{"rank": r, "figures": figures, "collectives": {}} for r in range(2)]
+        verdict = verdict_fingerprint(values, {"version": version})
+        assert not verdict.passed
+        assert verdict.message.splitlines()[0].endswith(f": {key}"), verdict.message
+        assert "(torch 2.13, the option as given)" in verdict.message

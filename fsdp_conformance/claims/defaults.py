@@ -51,6 +51,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "param_dtype_only.all_gather_dtype": BF16,
         "param_dtype_only.reduce_scatter_dtype": BF16,
         "param_dtype_only.output_dtype": BF16,
+        "explicit_shard_grad_op.sharding": "SHARD_GRAD_OP",
+        "explicit_no_shard.sharding": "NO_SHARD",
     },
     "fsdp2": {
         "defaults.unsharded_after_forward": [ROOT],
@@ -67,6 +69,13 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "reduce_dtype_only.reduce_scatter_dtype": BF16,
         "output_dtype_only.all_gather_dtype": FP32,
         "output_dtype_only.output_dtype": BF16,
+        # reshard_after_forward=True passed to every unit, the root's respected (the root
+        # resharded and gathered again in backward; its meaning changed in 2025:
+        # pytorch/pytorch#154704, #155319); the integer 1 means False (#147179).
+        "explicit_true.unsharded_after_forward": [],
+        "explicit_true.regathered_in_backward": sorted([ROOT, *LAYERS]),
+        "explicit_int_1.unsharded_after_forward": [*LAYERS, ROOT],
+        "explicit_int_1.regathered_in_backward": [],
     },
 }
 
@@ -316,19 +325,25 @@ def _fsdp1_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     mixed = _step(
         wrap(mixed_precision=fsdp.MixedPrecision(param_dtype=torch.bfloat16)), ctx, "fsdp1"
     )
+    explicit = {}
+    for strategy in ("SHARD_GRAD_OP", "NO_SHARD"):
+        # An explicit strategy, as a user writes it: what the collectives show it did.
+        case = f"explicit_{strategy.lower()}"
+        step = _step(wrap(sharding_strategy=fsdp.ShardingStrategy[strategy]), ctx, "fsdp1")
+        figures[f"{case}.sharding"] = observe_sharding(step["collectives"])
+        explicit[case] = step["collectives"]
     figures.update(
         _dtype_figures(
             "param_dtype_only", mixed, "all_gather_dtype", "reduce_scatter_dtype", "output_dtype"
         )
     )
-    return figures, {"defaults": records, "param_dtype_only": mixed["collectives"]}
+    return figures, {"defaults": records, "param_dtype_only": mixed["collectives"], **explicit}
 
 
 def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch.distributed.fsdp as fsdp
 
     mesh = device_mesh(ctx)
-    dtensor = _compat.dtensor_cls()
 
     def shard(root_only: bool = False, **options: Any) -> nn.Module:
         # Looked up at call time (a fault may replace it); older torch: through _compat.
@@ -345,21 +360,8 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
 
     figures: dict[str, Any] = {}
     model = shard()
-    unsharded: list[str] = []
-
-    def after_forward() -> None:
-        # A unit is unsharded while its registered parameters are plain tensors, not DTensors.
-        for unit in (*LAYERS, ROOT):
-            module = model.get_submodule("norm" if unit == ROOT else unit)
-            if not all(isinstance(p, dtensor) for p in module.parameters()):
-                unsharded.append(unit)
-
-    plain = _step(model, ctx, "fsdp2", after_forward=after_forward)
+    plain = _reshard_step(model, ctx, "defaults", figures)
     records = plain["collectives"]
-    figures["defaults.unsharded_after_forward"] = unsharded
-    figures["defaults.regathered_in_backward"] = sorted(
-        {r["unit"] for r in records if r["op"] == "all_gather" and r["phase"] == "backward"}
-    )
     figures["defaults.backward_prefetch"] = observe_backward_prefetch(records)
     figures.update(_dtype_figures("defaults", plain, "all_gather_dtype", "reduce_scatter_dtype"))
     figures["defaults.shards_on_compute_device"] = all(
@@ -392,7 +394,40 @@ def _fsdp2_cases(ctx: RankContext) -> tuple[dict[str, Any], dict[str, Any]]:
         step = _step(shard(root_only, mp_policy=policy(**fields)), ctx, "fsdp2")
         figures.update(_dtype_figures(case, step, *names))
         cases[case] = step["collectives"]
+    # Explicit options whose meaning moved upstream, passed to every unit (so that a changed
+    # default does not move them): True (the root's included), and the integer 1.
+    for case, value in (("explicit_true", True), ("explicit_int_1", 1)):
+        step = _reshard_step(shard(reshard_after_forward=value), ctx, case, figures)
+        cases[case] = step["collectives"]
     return figures, cases
+
+
+def _reshard_step(
+    model: nn.Module, ctx: RankContext, case: str, figures: dict[str, Any]
+) -> dict[str, Any]:
+    """One FSDP2 step on the tiny model; ``<case>.unsharded_after_forward`` (the units whose
+    registered parameters are plain tensors, not DTensors, once the forward returned) and
+    ``<case>.regathered_in_backward`` (the units all-gathered again in backward) go into
+    ``figures``."""
+    dtensor = _compat.dtensor_cls()
+    unsharded: list[str] = []
+
+    def after_forward() -> None:
+        for unit in (*LAYERS, ROOT):
+            module = model.get_submodule("norm" if unit == ROOT else unit)
+            if not all(isinstance(p, dtensor) for p in module.parameters()):
+                unsharded.append(unit)
+
+    step = _step(model, ctx, "fsdp2", after_forward=after_forward)
+    figures[f"{case}.unsharded_after_forward"] = unsharded
+    figures[f"{case}.regathered_in_backward"] = sorted(
+        {
+            r["unit"]
+            for r in step["collectives"]
+            if r["op"] == "all_gather" and r["phase"] == "backward"
+        }
+    )
+    return step
 
 
 class Fingerprint(TypedDict):
@@ -443,7 +478,9 @@ def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]
         got = observed.get(key)
         if got != want:
             problems.append(
-                f"{key}: expected {want!r} (torch 2.13, the option omitted), observed {got!r}"
+                f"{key}: expected {want!r} (torch 2.13, "
+                f"{'the option as given' if key.startswith('explicit_') else 'the option omitted'}"
+                f"), observed {got!r}"
             )
     figures = dict(observed)
     figures["collectives_recorded"] = sum(len(c) for c in first["collectives"].values())
