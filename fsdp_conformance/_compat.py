@@ -408,3 +408,11 @@ GUARDED_TORCH_MODULES = (
     "torch.distributed.device_mesh",
     "torch.distributed.tensor",
 )
+
+
+def amp_unscale_op_name() -> str | None:
+    """The name on ``torch`` of the fused check-and-unscale op ``GradScaler`` calls on each
+    device's gradients (``torch._amp_foreach_non_finite_check_and_unscale_``, looked up at call
+    time; DTensor all-reduces its found-inf), or None where this torch has none."""
+    name = "_amp_foreach_non_finite_check_and_unscale_"
+    return name if hasattr(torch, name) else None

@@ -203,13 +203,16 @@ def compare_tensors(
     ref: Mapping[str, torch.Tensor | None],
     names: Sequence[str] | None = None,
     resolution: Mapping[str, torch.Tensor] | None = None,
+    floor_share: float = NEGLIGIBLE_SHARE,
 ) -> TensorComparison:
     """``got`` against ``ref`` by name (``names``: only those, when given). ``resolution``: per
     tensor, elementwise, what a difference may be without meaning anything (an update observed
     as the difference of two stored parameters is known to their rounding:
-    :func:`update_resolution`); only the excess counts."""
+    :func:`update_resolution`); only the excess counts. ``floor_share``: the share of the set's
+    largest reference value below which a tensor is judged against that floor (a coarser
+    dtype's rounding needs a higher one)."""
     keys = list(names) if names is not None else sorted(ref)
-    floor = NEGLIGIBLE_SHARE * _scale({k: ref.get(k) for k in keys})
+    floor = floor_share * _scale({k: ref.get(k) for k in keys})
     out: TensorComparison = {
         "max_rel": 0.0,
         "worst": "",

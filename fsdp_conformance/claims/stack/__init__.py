@@ -1,17 +1,24 @@
 """The configurations users stack on FSDP, FSDP1 and FSDP2, each trained against the
-single-process reference (:class:`~fsdp_conformance.reference_step.SliceReference`), with what
-torch did observed.
+single-process reference on the same global batch
+(:class:`~fsdp_conformance.reference_step.SliceReference`), with what torch did observed.
+
+One module per check family:
 
 * :mod:`~fsdp_conformance.claims.stack.reshard`: ``stack.reshard.after_forward`` (FSDP2
   ``reshard_after_forward`` True, False and integers on the root and the blocks) and
   ``stack.reshard.strategies`` (FSDP1 ``sharding_strategy`` FULL_SHARD, SHARD_GRAD_OP,
   NO_SHARD): parity, the units kept unsharded after forward, the all-gathers in backward, the
   gradient reductions.
+* :mod:`~fsdp_conformance.claims.stack.loss_scaling`: ``stack.loss_scaling``, fp16 mixed
+  precision with loss scaling (FSDP1 ``ShardedGradScaler``, FSDP2 ``torch.amp.GradScaler``): a
+  step with an inf gradient on one rank skipped on every rank, the scale identical everywhere,
+  finite steps equal to a single-process scaler's.
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
+from fsdp_conformance.claims.stack.loss_scaling import rank_loss_scaling, verdict_loss_scaling
 from fsdp_conformance.claims.stack.reshard import (
     rank_reshard_after_forward,
     rank_reshard_strategies,
@@ -19,28 +26,56 @@ from fsdp_conformance.claims.stack.reshard import (
     verdict_reshard_strategies,
 )
 from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.reference_models import LlamaConfig
 
 _REF = ModelSpec(reference="odd")
 
-#: Every stack check with its reference parameters.
-CHECKS: tuple[Check, ...] = variants(
-    "stack.reshard.after_forward",
-    "fully_shard(reshard_after_forward=True / False / an integer) on the root and on the blocks: "
-    "each unit sharded after forward over the group the option documents, all-gathered in "
-    "backward only where resharded, updates equal the reference",
-    rank_reshard_after_forward,
-    verdict_reshard_after_forward,
-    versions=("fsdp2",),
-    specs=(_REF,),
-) + variants(
-    "stack.reshard.strategies",
-    "sharding_strategy FULL_SHARD / SHARD_GRAD_OP / NO_SHARD: the units kept unsharded after "
-    "forward, no all-gather in backward under SHARD_GRAD_OP, all-reduce instead of "
-    "reduce-scatter under NO_SHARD, updates equal the reference",
-    rank_reshard_strategies,
-    verdict_reshard_strategies,
-    versions=("fsdp1",),
-    specs=(_REF,),
+#: A small Llama (RMSNorm, grouped-query attention, rotary buffer; odd vocabulary and MLP
+#: widths: uneven shards). Not the odd model for loss scaling: its batch norm under FSDP2's fp16
+#: policy raises on CPU (docs/stack/loss_scaling.md).
+_LLAMA = ModelSpec(
+    reference="llama",
+    config=LlamaConfig(
+        num_layers=2, dim=12, num_heads=2, num_kv_heads=1, hidden_dim=27, vocab_size=61
+    ),
+)
+
+#: Every stack check with its reference parameters (the CLI swaps in the user's spec).
+CHECKS: tuple[Check, ...] = (
+    variants(
+        "stack.reshard.after_forward",
+        "fully_shard(reshard_after_forward=True / False / an integer) on the root and on the blocks: "
+        "each unit sharded after forward over the group the option documents, all-gathered in "
+        "backward only where resharded, updates equal the reference",
+        rank_reshard_after_forward,
+        verdict_reshard_after_forward,
+        versions=("fsdp2",),
+        specs=(_REF,),
+    )
+    + variants(
+        "stack.reshard.strategies",
+        "sharding_strategy FULL_SHARD / SHARD_GRAD_OP / NO_SHARD: the units kept unsharded after "
+        "forward, no all-gather in backward under SHARD_GRAD_OP, all-reduce instead of "
+        "reduce-scatter under NO_SHARD, updates equal the reference",
+        rank_reshard_strategies,
+        verdict_reshard_strategies,
+        versions=("fsdp1",),
+        specs=(_REF,),
+    )
+    + variants(
+        "stack.loss_scaling",
+        {
+            "fsdp1": "fp16 MixedPrecision with ShardedGradScaler: a step with an inf gradient on one "
+            "rank skipped on every rank, the scale identical everywhere and as scheduled, finite "
+            "updates equal a single-process GradScaler's (fp16 tolerance)",
+            "fsdp2": "fp16 MixedPrecisionPolicy with torch.amp.GradScaler: a step with an inf gradient "
+            "on one rank skipped on every rank, the scale identical everywhere and as scheduled, "
+            "finite updates equal a single-process GradScaler's (fp16 tolerance)",
+        },
+        rank_loss_scaling,
+        verdict_loss_scaling,
+        specs=(_LLAMA,),
+    )
 )
 
 __all__ = ["CHECKS"]
