@@ -190,6 +190,7 @@ FOLDERS: dict[str, set[str]] = {
         "uneven",
         "buffers",
     },
+    "claims/stack": {"meshes"},
     "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {"suite", "outputs", "report", "compare", "plots"},
 }

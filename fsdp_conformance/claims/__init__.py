@@ -22,6 +22,7 @@ CLAIM_MODULES = (
     "fsdp_conformance.claims.defaults",
     "fsdp_conformance.claims.state",
     "fsdp_conformance.claims.loop",
+    "fsdp_conformance.claims.stack",
 )
 
 
