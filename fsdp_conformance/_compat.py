@@ -379,6 +379,23 @@ def is_view(t: torch.Tensor) -> bool:
     return bool(t._is_view())
 
 
+def process_group_ranks(value: Any) -> list[int] | None:
+    """The global ranks of the process group a ``c10d`` op was called with, or None when
+    ``value`` is not one. Inside a dispatch mode the group arrives as a ``torch.ScriptObject``
+    (private: its ``_type()`` and ``ProcessGroup.unbox``); a torch that moved either records no
+    group (None) rather than failing the step."""
+    try:
+        if not isinstance(value, torch.ScriptObject):
+            return None
+        if "ProcessGroup" not in value._type().qualified_name():
+            return None
+        import torch.distributed as dist
+
+        return list(dist.get_process_group_ranks(dist.ProcessGroup.unbox(value)))
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def fsdp1_handle(unit: nn.Module) -> Any | None:
     """The ``FlatParamHandle`` of an FSDP1 unit (its identity keys the unit's all-gathers)."""
     return getattr(unit, "_handle", None)

@@ -84,9 +84,13 @@ class CollectiveRecorder:
     ``backward``, ``optimizer``).
     """
 
-    def __init__(self, unit_sizes: Mapping[str, Sequence[int]] | None = None) -> None:
+    def __init__(
+        self, unit_sizes: Mapping[str, Sequence[int]] | None = None, *, groups: bool = False
+    ) -> None:
         self.records: list[dict[str, Any]] = []
         self.phase = ""
+        #: Whether each record names the global ranks of its process group (``group``).
+        self.groups = groups
         self._by_size: dict[int, list[str]] = {}
         for fqn, sizes in (unit_sizes or {}).items():
             for size in set(sizes):
@@ -116,28 +120,35 @@ class CollectiveRecorder:
             full = out if kind == "all_gather" else inp
         in_dtype, in_bytes, _ = _side(inp)
         out_dtype, out_bytes, _ = _side(out)
-        self.records.append(
-            {
-                "op": kind,
-                "unit": self.unit_of(_side(full)[2]),
-                "phase": self.phase,
-                "in_dtype": in_dtype,
-                "out_dtype": out_dtype,
-                "in_bytes": in_bytes,
-                "out_bytes": out_bytes,
-            }
-        )
+        record: dict[str, Any] = {
+            "op": kind,
+            "unit": self.unit_of(_side(full)[2]),
+            "phase": self.phase,
+            "in_dtype": in_dtype,
+            "out_dtype": out_dtype,
+            "in_bytes": in_bytes,
+            "out_bytes": out_bytes,
+        }
+        if self.groups:
+            found = (_compat.process_group_ranks(a) for a in args)
+            record["group"] = next((g for g in found if g is not None), None)
+        self.records.append(record)
 
 
 @contextlib.contextmanager
 def record_collectives(
-    unit_sizes: Mapping[str, Sequence[int]] | None = None, *, dtensor: bool = False
+    unit_sizes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    dtensor: bool = False,
+    groups: bool = False,
 ) -> Iterator[CollectiveRecorder]:
     """While inside, every ``c10d`` collective this process issues is recorded, in issue order;
     ``dtensor``: DTensor's functional collectives too (each op on a DTensor is left to DTensor
-    first, so that the mode sees the collectives it issues)."""
+    first, so that the mode sees the collectives it issues); ``groups``: each record names the
+    global ranks of its process group (``group``; HSDP's reduce-scatter and all-reduce run on
+    different groups)."""
     dispatch_mode = _compat.torch_dispatch_mode_cls()
-    recorder = CollectiveRecorder(unit_sizes)
+    recorder = CollectiveRecorder(unit_sizes, groups=groups)
     dtensor_cls = _compat.dtensor_cls() if dtensor else None
 
     class _Recorder(dispatch_mode):  # type: ignore[misc,valid-type]

@@ -9,6 +9,9 @@ One module per check family:
   ``stack.reshard.strategies`` (FSDP1 ``sharding_strategy`` FULL_SHARD, SHARD_GRAD_OP,
   NO_SHARD): parity, the units kept unsharded after forward, the all-gathers in backward, the
   gradient reductions.
+* :mod:`~fsdp_conformance.claims.stack.meshes`: ``stack.meshes.hsdp`` / ``.replicated``, HSDP
+  on a 2-D device mesh (replicate x shard): parity, the replicas bitwise equal, the gradients
+  reduce-scattered on the shard group and all-reduced across the replicas.
 * :mod:`~fsdp_conformance.claims.stack.loss_scaling`: ``stack.loss_scaling``, fp16 mixed
   precision with loss scaling (FSDP1 ``ShardedGradScaler``, FSDP2 ``torch.amp.GradScaler``): a
   step with an inf gradient on one rank skipped on every rank, the scale identical everywhere,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.stack.loss_scaling import rank_loss_scaling, verdict_loss_scaling
+from fsdp_conformance.claims.stack.meshes import rank_meshes, verdict_meshes
 from fsdp_conformance.claims.stack.reshard import (
     rank_reshard_after_forward,
     rank_reshard_strategies,
@@ -61,6 +65,30 @@ CHECKS: tuple[Check, ...] = (
         verdict_reshard_strategies,
         versions=("fsdp1",),
         specs=(_REF,),
+    )
+    + variants(
+        "stack.meshes.hsdp",
+        {
+            "fsdp1": "HYBRID_SHARD and _HYBRID_SHARD_ZERO2 with a 2-D device_mesh (replicate x shard; "
+            "(1, world) too): updates equal the reference, replicas bitwise equal, gradients "
+            "reduce-scattered in the shard group and all-reduced across replicas",
+            "fsdp2": "fully_shard(mesh=...) on a 2-D mesh (replicate x shard; (1, world) too): updates "
+            "equal the reference, replicas bitwise equal, gradients reduce-scattered in the shard "
+            "group and all-reduced across replicas",
+        },
+        rank_meshes,
+        verdict_meshes,
+        specs=(_REF,),
+        layout="hsdp",
+    )
+    + variants(
+        "stack.meshes.replicated",
+        "HSDP on a (world, 1) mesh, every rank its own replica: updates equal the reference, the "
+        "replicas bitwise equal, every gradient all-reduced across the replicas",
+        rank_meshes,
+        verdict_meshes,
+        specs=(_REF,),
+        layout="replicated",
     )
     + variants(
         "stack.loss_scaling",
