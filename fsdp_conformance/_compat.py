@@ -433,3 +433,57 @@ def amp_unscale_op_name() -> str | None:
     time; DTensor all-reduces its found-inf), or None where this torch has none."""
     name = "_amp_foreach_non_finite_check_and_unscale_"
     return name if hasattr(torch, name) else None
+
+
+# -- torch.compile (Dynamo's counters and backends; inductor's C++ compiler) -------------------
+
+
+def dynamo_counters() -> dict[str, dict[str, int]] | None:
+    """A copy of Dynamo's process-wide event counters (``torch._dynamo.utils.counters``:
+    ``frames`` total/ok, ``stats`` unique_graphs/calls_captured, ``graph_break`` per reason),
+    or None where this torch has none. They only grow (``torch.compiler.reset`` leaves them):
+    read them before and after and take the difference."""
+    try:
+        counters = importlib.import_module("torch._dynamo.utils").counters
+    except (ImportError, AttributeError):
+        return None
+    return {str(k): {str(n): int(c) for n, c in v.items()} for k, v in counters.items()}
+
+
+def dynamo_backend(name: str) -> Callable[..., Any] | None:
+    """The compiler function a ``torch.compile(backend=name)`` resolves to
+    (``torch._dynamo.lookup_backend``), or None where this torch cannot look it up."""
+    try:
+        lookup = importlib.import_module("torch._dynamo").lookup_backend
+    except (ImportError, AttributeError):
+        return None
+    return lookup(name)
+
+
+def inductor_cpp_compilers() -> tuple[str, ...]:
+    """The C++ compilers inductor's CPU backend tries (``torch._inductor.config.cpp.cxx``, its
+    ``None`` meaning a conda-downloaded gcc dropped), falling back to ``$CXX`` or ``g++``."""
+    import os
+
+    try:
+        cxx = importlib.import_module("torch._inductor.config").cpp.cxx
+    except (ImportError, AttributeError):
+        cxx = (os.environ.get("CXX", "g++"),)
+    return tuple(str(c) for c in cxx if c)
+
+
+def inductor_shutdown() -> None:
+    """Stop inductor's compile workers (its process pools and the thread pool it keeps,
+    ``torch._inductor.async_compile``), so a rank returns with no thread of inductor's still
+    running; nothing where this torch has none of them."""
+    try:
+        module = importlib.import_module("torch._inductor.async_compile")
+    except ImportError:
+        return
+    shutdown = getattr(module, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
+    pool = getattr(getattr(module, "AsyncCompile", None), "pool", None)
+    if pool is not None and hasattr(pool, "cache_info") and pool.cache_info().currsize:
+        pool().shutdown(wait=True)
+        pool.cache_clear()

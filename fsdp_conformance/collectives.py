@@ -220,3 +220,50 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
             padded = unpadded
         out[name] = sorted({unpadded, padded})
     return out
+
+
+#: ``torch.distributed``'s Python functions FSDP calls, with the record kind each issues.
+DIST_FUNCTIONS = (
+    "all_gather_single",  # FSDP2's (torch 2.13)
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+)
+
+
+#: The tensor keywords of those functions, in their positional order (output, input).
+_TENSOR_KWARGS = ("output", "output_tensor", "tensor", "input", "input_tensor")
+
+
+@contextlib.contextmanager
+def record_collective_calls(
+    unit_sizes: Mapping[str, Sequence[int]] | None = None,
+) -> Iterator[CollectiveRecorder]:
+    """Like :func:`record_collectives`, but from ``torch.distributed``'s Python functions
+    (patched for the duration, looked up at call time by both FSDP versions) instead of a
+    dispatch mode: Dynamo compiles nothing while a dispatch mode is active (it runs the frame
+    eager), so a compiled model is observed through this one."""
+    import torch.distributed as dist
+
+    recorder = CollectiveRecorder(unit_sizes)
+    originals = {name: getattr(dist, name) for name in DIST_FUNCTIONS if hasattr(dist, name)}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            named = [kwargs[k] for k in _TENSOR_KWARGS if k in kwargs]
+            recorder.add(name, list(args) + named)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield recorder
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

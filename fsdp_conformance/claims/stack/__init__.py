@@ -16,11 +16,17 @@ One module per check family:
   precision with loss scaling (FSDP1 ``ShardedGradScaler``, FSDP2 ``torch.amp.GradScaler``): a
   step with an inf gradient on one rank skipped on every rank, the scale identical everywhere,
   finite steps equal to a single-process scaler's.
+* :mod:`~fsdp_conformance.claims.stack.compile`: ``stack.compile``, ``torch.compile`` as users
+  stack it (FSDP2 blocks compiled after ``fully_shard``, the root eager or compiled too; FSDP1
+  the wrapped model compiled): parity with the reference, the collectives per unit the same as
+  eager's, Dynamo's graphs and graph breaks counted; ``stack.compile.inductor`` the same with
+  inductor, in the GPU lane (its cold compile on CPU costs about 23 s a rank call).
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
+from fsdp_conformance.claims.stack.compile import rank_compile, verdict_compile
 from fsdp_conformance.claims.stack.loss_scaling import rank_loss_scaling, verdict_loss_scaling
 from fsdp_conformance.claims.stack.meshes import rank_meshes, verdict_meshes
 from fsdp_conformance.claims.stack.reshard import (
@@ -103,6 +109,30 @@ CHECKS: tuple[Check, ...] = (
         rank_loss_scaling,
         verdict_loss_scaling,
         specs=(_LLAMA,),
+    )
+    + variants(
+        "stack.compile",
+        {
+            "fsdp1": "torch.compile(fsdp_model, backend='aot_eager'), use_orig_params=True and not "
+            "passed: losses and updates equal the reference, the same collectives per unit as "
+            "eager, graphs compiled; graph breaks and graphs counted",
+            "fsdp2": "block.compile(backend='aot_eager') on every block after fully_shard, the root "
+            "eager and compiled: losses and updates equal the reference, the same collectives per "
+            "unit as eager, graphs compiled; graph breaks and graphs counted",
+        },
+        rank_compile,
+        verdict_compile,
+        specs=(_REF,),
+    )
+    + variants(
+        "stack.compile.inductor",
+        "stack.compile with backend='inductor' (Triton kernels on GPU): parity with the "
+        "reference, the same collectives per unit as eager, graphs compiled",
+        rank_compile,
+        verdict_compile,
+        specs=(_REF,),
+        lanes=("gpu",),
+        backend="inductor",
     )
 )
 

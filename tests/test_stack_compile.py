@@ -1,0 +1,107 @@
+"""``stack.compile``: torch.compile stacked on FSDP1 and FSDP2 as users write it, trained against
+the reference with the collectives and Dynamo's counts observed; and its negative controls,
+faults injected on the ranks (``claims/stack/compile.py`` ``FAULTS``). Inductor on CPU runs in
+the process lane (a cold compile costs about 23 s a rank call), on GPU in the GPU lane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fsdp_conformance.claims import stack
+from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.gate.compare import compare_reports
+from fsdp_conformance.harness import Ranks
+
+FSDP1 = next(
+    c for c in stack.CHECKS if c.name == "stack.compile" and c.params["version"] == "fsdp1"
+)
+FSDP2 = next(
+    c for c in stack.CHECKS if c.name == "stack.compile" and c.params["version"] == "fsdp2"
+)
+INDUCTOR = next(c for c in stack.CHECKS if c.name == "stack.compile.inductor")
+
+
+def judged(ranks: Ranks, check: Check, **params: Any) -> Verdict:
+    params = {**check.params, **params}
+    return check.verdict(ranks.run(check.rank_fn, **params), params)
+
+
+@pytest.mark.cpu
+def test_fsdp2_blocks_compiled_after_fully_shard_train_as_eager(ranks: Ranks) -> None:
+    # the root compiled too ("blocks and root") runs in `fsdp-conformance run` (about 1 s more)
+    verdict = judged(ranks, FSDP2, only=("blocks",))
+    assert verdict.passed, verdict.message
+    figures = verdict.figures
+    assert figures["blocks_frames"] > 0 and figures["blocks_graphs"] > 0, figures
+    assert figures["blocks_recompiles"] == 0, figures
+    # the collectives were observed, not just equal because empty
+    forward = verdict.data["blocks"]["collectives"][0]["forward"]
+    assert forward["all_gather"], forward
+
+
+@pytest.mark.cpu
+def test_fsdp1_compiled_model_trains_as_eager_and_without_orig_params_runs_eager(
+    ranks: Ranks,
+) -> None:
+    verdict = judged(ranks, FSDP1)
+    assert verdict.passed, verdict.message
+    figures = verdict.figures
+    assert figures["orig_params_graphs"] > 0, figures
+    # torch 2.13: no error; Dynamo graph-breaks on the FSDP1 module without use_orig_params
+    # and runs its forward eager, compiling only frames inside it (docs/stack/compile.md)
+    unset = verdict.data["use_orig_params not passed"]
+    assert unset["error"] or "FSDP with use_orig_params=False" in unset["break_reasons"], unset
+    assert verdict.data["use_orig_params=True"]["collectives"][0]["backward"]["reduce_scatter"]
+
+
+@pytest.mark.cpu
+def test_a_skipped_compile_fails_on_the_counts(ranks: Ranks) -> None:
+    verdict = judged(ranks, FSDP2, fault="compile_skipped", only=("blocks",))
+    assert not verdict.passed
+    assert "blocks: nothing was compiled: Dynamo compiled 0 frame(s) and 0 graph(s)" in (
+        verdict.message
+    )
+    assert "update" not in verdict.message, "eager is right: only the counts show it"
+
+
+@pytest.mark.cpu
+def test_a_perturbed_graph_fails_on_parity(ranks: Ranks) -> None:
+    verdict = judged(ranks, FSDP2, fault="graph_perturbed", only=("blocks",))
+    assert not verdict.passed
+    assert "blocks: compiled: step 0: loss" in verdict.message
+    assert "eager:" not in verdict.message
+
+
+def test_compare_shows_a_changed_graph_break_count() -> None:
+    def report(breaks: int) -> dict[str, Any]:
+        entry = {"outcome": "passed", "figures": {"orig_params_graph_breaks": breaks}}
+        entry = {"check": "stack.compile", "id": "stack.compile[fsdp1]", **entry}
+        return {"schema": 1, "settings": {}, "checks": [entry]}
+
+    diffs = compare_reports(report(3), report(4))
+    assert any(
+        "orig_params_graph_breaks: 3 -> 4" in d.text and d.kind == "figure" for d in diffs
+    ), diffs
+
+
+@pytest.mark.process
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13.0 inductor on CPU (gcc): step 0's update of layers.1.mlp.2.bias differs "
+    "from the reference by 1.9e-3 of its scale (> UPDATE_RTOL 1e-3) on both ranks; cause not "
+    "yet investigated (docs/stack/compile.md): not relaxed",
+)
+def test_inductor_on_cpu_trains_as_eager(ranks: Ranks) -> None:
+    # inductor's cold compile on CPU costs about 23 s a rank call: the process lane
+    verdict = judged(ranks, INDUCTOR, version="fsdp2", only=("blocks",))
+    assert verdict.passed, verdict.message
+    assert verdict.figures["blocks_graphs"] > 0
+
+
+@pytest.mark.gpu
+def test_inductor_on_gpu_trains_as_eager(ranks: Ranks) -> None:
+    for check in (c for c in stack.CHECKS if c.name == "stack.compile.inductor"):
+        verdict = judged(ranks, check)
+        assert verdict.passed, verdict.message
