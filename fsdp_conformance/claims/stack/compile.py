@@ -42,6 +42,7 @@ from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.reference_step import (
+    NEGLIGIBLE_SHARE,
     SliceReference,
     TensorComparison,
     compare_tensors,
@@ -66,6 +67,15 @@ PER_RANK = 2
 #: runs the same ATen ops as eager (measured: 0.0, bit for bit, docs/stack/compile.md).
 UPDATE_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}
 LOSS_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+#: Inductor generates its own kernels and sums in its own order, so a result is known to a few
+#: roundings of the values that flow through it, not bit for bit. A tensor whose true gradient is
+#: zero (``layers.1.mlp.2.bias`` of the odd model: batch norm follows it and removes any constant
+#: it adds) has an update that is rounding alone, 2.2e-5 of the step's largest on torch 2.13.0:
+#: inductor's differs from the reference's by 4.1e-8 of the largest update (a third of fp32's
+#: eps), 1.9e-3 of its own (docs/stack/compile.md). Under inductor a tensor below this share of
+#: the largest update is judged against that floor: 1e-3 x UPDATE_RTOL is 1e-6 of the largest,
+#: eight fp32 roundings. aot_eager runs eager's own kernels and keeps the loop's floor.
+REORDERED_SHARE = 1e-3
 
 #: Per FSDP version, the settings: (name, figure prefix, whether Dynamo must compile a graph).
 SETTINGS: dict[str, tuple[tuple[str, str, bool], ...]] = {
@@ -279,6 +289,7 @@ def _observe(
     dtype: torch.dtype,
     before: Mapping[str, torch.Tensor],
     ref_before: Mapping[str, torch.Tensor],
+    floor_share: float,
 ) -> TensorComparison:
     """The step's update against the reference's; then the reference takes the sharded side's
     parameters, so the next step starts both from the same values (docs/loop.md)."""
@@ -288,7 +299,12 @@ def _observe(
         for name, param in reference.model.named_parameters(remove_duplicate=False):
             if name in after:
                 param.copy_(after[name])
-    return compare_tensors(updates(after, before), ref, resolution=update_resolution(after, before))
+    return compare_tensors(
+        updates(after, before),
+        ref,
+        resolution=update_resolution(after, before),
+        floor_share=floor_share,
+    )
 
 
 def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backend: Any) -> SideRun:
@@ -301,6 +317,7 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backen
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     twin = copy.deepcopy(model)
     reference = SliceReference(model, ctx.world_size)
+    floor = REORDERED_SHARE if backend == "inductor" else NEGLIGIBLE_SHARE
     torch.compiler.reset()
     snapshots = [_compat.dynamo_counters()]
     run: SideRun = {
@@ -332,7 +349,7 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backen
                 sgd_step(reference.model, LR)
                 recorder.phase = "observe"
                 run["steps"].append(
-                    _observe(sharded, reference, version, dtype, before, ref_before)
+                    _observe(sharded, reference, version, dtype, before, ref_before, floor)
                 )
                 snapshots.append(_compat.dynamo_counters())
         run["collectives"] = _per_phase(recorder.records, STEPS)
