@@ -16,11 +16,17 @@ One module per check family:
   precision with loss scaling (FSDP1 ``ShardedGradScaler``, FSDP2 ``torch.amp.GradScaler``): a
   step with an inf gradient on one rank skipped on every rank, the scale identical everywhere,
   finite steps equal to a single-process scaler's.
+* :mod:`~fsdp_conformance.claims.stack.checkpointing`: ``stack.checkpointing`` (and FSDP1's
+  ``.reentrant_outside_unit``), activation checkpointing through ``apply_activation_checkpointing``
+  / ``checkpoint_wrapper`` before and after wrapping, reentrant and not: parity, the blocks
+  recomputed once per backward, one all-gather per unit per phase, state-dict and optimizer FQNs
+  those of the plain model.
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
+from fsdp_conformance.claims.stack.checkpointing import rank_checkpointing, verdict_checkpointing
 from fsdp_conformance.claims.stack.loss_scaling import rank_loss_scaling, verdict_loss_scaling
 from fsdp_conformance.claims.stack.meshes import rank_meshes, verdict_meshes
 from fsdp_conformance.claims.stack.reshard import (
@@ -103,6 +109,34 @@ CHECKS: tuple[Check, ...] = (
         rank_loss_scaling,
         verdict_loss_scaling,
         specs=(_LLAMA,),
+    )
+    + variants(
+        "stack.checkpointing",
+        {
+            "fsdp1": "apply_activation_checkpointing(checkpoint_wrapper, NO_REENTRANT / REENTRANT) "
+            "after FullyShardedDataParallel, and NO_REENTRANT before it: updates equal the "
+            "reference, every block recomputed once per backward, one all-gather per unit per "
+            "phase, full / sharded state-dict keys and optimizer FQNs those of the plain model",
+            "fsdp2": "checkpoint_wrapper (NO_REENTRANT / REENTRANT) on each block before "
+            "fully_shard: updates equal the reference, every block recomputed once per backward, "
+            "one all-gather per unit per phase, get_model_state_dict keys and "
+            "get_optimizer_state_dict FQNs those of the plain model",
+        },
+        rank_checkpointing,
+        verdict_checkpointing,
+        specs=(_REF,),
+        part="main",
+    )
+    + variants(
+        "stack.checkpointing.reentrant_outside_unit",
+        "apply_activation_checkpointing(REENTRANT) before FullyShardedDataParallel (the "
+        "checkpointed region holds the unit's hooks): updates equal the reference, one "
+        "all-gather per unit per phase, state-dict keys those of the plain model",
+        rank_checkpointing,
+        verdict_checkpointing,
+        versions=("fsdp1",),
+        specs=(_REF,),
+        part="reentrant_outside_unit",
     )
 )
 
