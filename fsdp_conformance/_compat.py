@@ -487,3 +487,39 @@ def inductor_shutdown() -> None:
     if pool is not None and hasattr(pool, "cache_info") and pool.cache_info().currsize:
         pool().shutdown(wait=True)
         pool.cache_clear()
+
+
+# -- Activation checkpointing (the public import users write has an underscore) ------------------
+
+#: ``apply_activation_checkpointing`` / ``checkpoint_wrapper`` / ``CheckpointImpl``: documented in
+#: torch's FSDP tutorials and used by torchtitan and accelerate, under a private module path.
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def checkpoint_wrapper_module() -> Any:
+    """The module holding ``apply_activation_checkpointing``, ``checkpoint_wrapper`` and
+    ``CheckpointImpl`` (looked up by name at each call, so a fault may patch it)."""
+    try:
+        return importlib.import_module(_CHECKPOINT_WRAPPER)
+    except ImportError as exc:
+        raise CompatError(
+            f"torch {torch.__version__} has no {_CHECKPOINT_WRAPPER} ({exc}); fsdp-conformance "
+            "needs an update for this torch: see fsdp_conformance/_compat.py"
+        ) from None
+
+
+def checkpoint_wrapped_prefix() -> str:
+    """The FQN component ``checkpoint_wrapper`` inserts (``_checkpoint_wrapped_module``)."""
+    return str(getattr(checkpoint_wrapper_module(), "_CHECKPOINT_WRAPPED_MODULE", ""))
+
+
+def dcp_checkpoint_prefix_owner() -> tuple[Any, str]:
+    """Where ``torch.distributed.checkpoint.state_dict`` keeps the prefix it strips from the
+    FQNs of a checkpoint-wrapped module: (its module, the attribute's name)."""
+    return importlib.import_module("torch.distributed.checkpoint.state_dict"), "_CHECKPOINT_PREFIX"
+
+
+def checkpoint_state_dict_hook_owner() -> tuple[type[Any], str]:
+    """Where ``checkpoint_wrapper`` keeps the state-dict post hook that strips its FQN
+    component from a model's keys: (the wrapper's base class, the static method's name)."""
+    return checkpoint_wrapper_module().ActivationWrapper, "_post_state_dict_hook"

@@ -21,11 +21,17 @@ One module per check family:
   the wrapped model compiled): parity with the reference, the collectives per unit the same as
   eager's, Dynamo's graphs and graph breaks counted; ``stack.compile.inductor`` the same with
   inductor, in the GPU lane (its cold compile on CPU costs about 23 s a rank call).
+* :mod:`~fsdp_conformance.claims.stack.checkpointing`: ``stack.checkpointing`` (and FSDP1's
+  ``.reentrant_outside_unit``), activation checkpointing through ``apply_activation_checkpointing``
+  / ``checkpoint_wrapper`` before and after wrapping, reentrant and not: parity, the blocks
+  recomputed once per backward, one all-gather per unit per phase, state-dict and optimizer FQNs
+  those of the plain model.
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
+from fsdp_conformance.claims.stack.checkpointing import rank_checkpointing, verdict_checkpointing
 from fsdp_conformance.claims.stack.compile import rank_compile, verdict_compile
 from fsdp_conformance.claims.stack.loss_scaling import rank_loss_scaling, verdict_loss_scaling
 from fsdp_conformance.claims.stack.meshes import rank_meshes, verdict_meshes
@@ -133,6 +139,34 @@ CHECKS: tuple[Check, ...] = (
         specs=(_REF,),
         lanes=("gpu",),
         backend="inductor",
+    )
+    + variants(
+        "stack.checkpointing",
+        {
+            "fsdp1": "apply_activation_checkpointing(checkpoint_wrapper, NO_REENTRANT / REENTRANT) "
+            "after FullyShardedDataParallel, and NO_REENTRANT before it: updates equal the "
+            "reference, every block recomputed once per backward, one all-gather per unit per "
+            "phase, full / sharded state-dict keys and optimizer FQNs those of the plain model",
+            "fsdp2": "checkpoint_wrapper (NO_REENTRANT / REENTRANT) on each block before "
+            "fully_shard: updates equal the reference, every block recomputed once per backward, "
+            "one all-gather per unit per phase, get_model_state_dict keys and "
+            "get_optimizer_state_dict FQNs those of the plain model",
+        },
+        rank_checkpointing,
+        verdict_checkpointing,
+        specs=(_REF,),
+        part="main",
+    )
+    + variants(
+        "stack.checkpointing.reentrant_outside_unit",
+        "apply_activation_checkpointing(REENTRANT) before FullyShardedDataParallel (the "
+        "checkpointed region holds the unit's hooks): updates equal the reference, one "
+        "all-gather per unit per phase, state-dict keys those of the plain model",
+        rank_checkpointing,
+        verdict_checkpointing,
+        versions=("fsdp1",),
+        specs=(_REF,),
+        part="reentrant_outside_unit",
     )
 )
 
