@@ -193,8 +193,11 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
                 continue
             fqn = clean_fqn(name)
             unpadded = _compat.fsdp1_unsharded_numel(flat)
-            # NO_SHARD all-reduces the unpadded flat parameter; the sharded strategies pad it
-            out[fqn] = sorted({unpadded, flat.numel() * world_size})
+            # NO_SHARD (a flat parameter kept whole) all-reduces it unpadded: a padded size
+            # (here twice the whole) would name the unit for another unit's collective (T5
+            # under NO_SHARD: one unit's all-reduce counted for two); sharded strategies pad it
+            sharded = flat.numel() != unpadded
+            out[fqn] = sorted({unpadded, flat.numel() * world_size} if sharded else {unpadded})
         return out
     fsdp_cls = _compat.fsdp_module_cls()
     dtensor = _compat.dtensor_cls()

@@ -62,11 +62,11 @@ def test_hsdp_trains_as_the_reference_with_replicas_equal(
         if "(2, 1)" in label:
             # every unit's gradient all-reduced across the world, no reduce-scatter (a one-rank
             # shard group)
-            assert issued == {"all_reduce [0, 1]": 8}, (label, issued)
+            assert issued == {"all_reduce [0, 1]": 4}, (label, issued)
         else:
             # every unit reduce-scattered across the world; torch also all-reduces on the
             # one-rank replicate group (a no-op)
-            assert issued == {"reduce_scatter [0, 1]": 8, "all_reduce [0]": 8}, (label, issued)
+            assert issued == {"reduce_scatter [0, 1]": 4, "all_reduce [0]": 4}, (label, issued)
     if check.params["version"] == "fsdp1":
         assert verdict.figures["meshes"] == [
             "mesh (1, 2) HYBRID_SHARD",
@@ -89,11 +89,11 @@ def test_fsdp1_on_a_replicate_only_mesh_fails_exactly_where_an_expectation_names
         return
     assert not verdict.passed
     for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-        assert verdict.data[f"mesh (2, 1) {strategy}"] == {"all_reduce [0]": 8}
+        assert verdict.data[f"mesh (2, 1) {strategy}"] == {"all_reduce [0]": 4}
         assert f"mesh (2, 1) {strategy}: step 0: the replicas diverged" in verdict.message
         assert (
             f"mesh (2, 1) {strategy}: rank 1: step 0 backward: 0 all-reduce(s) on group [0, 1] "
-            "for 8 units: the gradients were not reduced across the replicas"
+            "for 4 units: the gradients were not reduced across the replicas"
         ) in verdict.message
     assert verdict.figures["update_rel_diff"] >= 0.3
 
@@ -151,8 +151,8 @@ def test_a_2x2_mesh_trains_as_the_reference_and_reduces_on_both_groups(ranks: Ra
     # measured 6.6e-8 on torch 2.13.0 (the sums' order differs across two groups)
     assert verdict.figures["update_rel_diff"] <= 1e-6
     assert verdict.data == {
-        "mesh (2, 2) fully_shard": {"reduce_scatter [0, 1]": 8, "all_reduce [0, 2]": 8},
-        "mesh (1, 4) fully_shard": {"reduce_scatter [0, 1, 2, 3]": 8, "all_reduce [0]": 8},
+        "mesh (2, 2) fully_shard": {"reduce_scatter [0, 1]": 4, "all_reduce [0, 2]": 4},
+        "mesh (1, 4) fully_shard": {"reduce_scatter [0, 1, 2, 3]": 4, "all_reduce [0]": 4},
     }
     run = values[3]["runs"][0]
     assert (run["shard_group"], run["replicate_group"]) == ([2, 3], [1, 3])
@@ -160,6 +160,6 @@ def test_a_2x2_mesh_trains_as_the_reference_and_reduces_on_both_groups(ranks: Ra
     verdict = check.verdict(values, check.params)
     assert not verdict.passed
     assert verdict.message.endswith(
-        "mesh (2, 2) fully_shard: rank 3: step 0 backward: 0 all-reduce(s) on group [1, 3] for 8 "
+        "mesh (2, 2) fully_shard: rank 3: step 0 backward: 0 all-reduce(s) on group [1, 3] for 4 "
         "units: the gradients were not reduced across the replicas"
     )

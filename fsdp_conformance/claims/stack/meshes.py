@@ -37,7 +37,7 @@ from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.collectives import record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.reference_step import (
     SliceReference,
     TensorComparison,
@@ -205,7 +205,10 @@ def _train(
     )
     twin = copy.deepcopy(built.model)
     mesh = make_mesh(ctx, shape)
-    sharded = shard_with_mesh(twin, ctx, version, strategy, mesh, built.policy("recommended"))
+    # A policy is bound to the modules it was built on: the copy's (a tie-aware policy on the
+    # original would split the copy's ties).
+    policy = BuiltModel(spec, twin).policy("recommended")
+    sharded = shard_with_mesh(twin, ctx, version, strategy, mesh, policy)
     reference = SliceReference(built.model, ctx.world_size)
     shard_group, replicate_group = _groups(mesh)
     run: MeshRun = {
