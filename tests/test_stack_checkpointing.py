@@ -83,10 +83,10 @@ def test_dropped_checkpointing_fails_on_the_recompute_count(ranks: Ranks) -> Non
     )
     assert not verdict.passed
     assert (
-        "after_wrap NO_REENTRANT: backward 0: 0 module forward(s) block 'layers.0'"
+        "after_wrap NO_REENTRANT: backward 0: 0 forward(s) block 'layers.0'"
         in verdict.message
     )
-    assert "before_wrap NO_REENTRANT: backward 0: 0 module forward(s)" in verdict.message
+    assert "before_wrap NO_REENTRANT: backward 0: 0 forward(s)" in verdict.message
     assert "update" not in verdict.message, "the numbers agree; only the recompute is missing"
 
 
