@@ -256,20 +256,39 @@ def checkpoint_blocks(
     """Activation checkpointing on blocks 0, ``every``, 2 x ``every``, ... of a sharded model
     (``every`` 1: every block); returns their FQNs.
 
-    Each chosen block's forward runs under ``torch.utils.checkpoint.checkpoint`` with
-    ``use_reentrant=False``: what torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``)
-    does, through the public API, and "checkpoint around blocks" as FSDP2 users write it. FSDP's
-    hooks stay outside the checkpointed region (FSDP1's unit wraps the block; FSDP2's hooks are
-    on the block's ``__call__``, the checkpoint on its ``forward``), so the recompute in backward
-    runs on the parameters FSDP gathered for the block's backward.
+    Through torch's public APIs, as users apply it to a model already sharded, with FSDP's hooks
+    outside the checkpointed region (so the recompute in backward runs on the parameters FSDP
+    gathered for the block's backward):
+
+    * FSDP1: ``apply_activation_checkpointing`` with ``checkpoint_wrapper``
+      (``CheckpointImpl.NO_REENTRANT``) on the chosen blocks, after wrapping (accelerate's order):
+      each wrapper goes inside its FSDP unit.
+    * FSDP2 (and an unsharded model): each chosen block's ``forward`` runs under
+      ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, what ``checkpoint_wrapper``
+      runs; FSDP2's hooks are on the block's ``__call__``, the checkpoint on its ``forward``.
+      The wrapper module itself cannot go around an FSDP2 block once sharded: the recompute
+      would run FSDP2's hooks again (``stack.checkpointing`` applies it before ``fully_shard``,
+      torchtitan's order, and docs/stack/checkpointing.md says what that does).
     """
     import functools
 
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.utils.checkpoint import checkpoint
 
     kinds = tuple(block_classes)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
     chosen = blocks[::every] if every > 0 else []
+    if chosen and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        torch_ac = _compat.checkpoint_wrapper_module()
+        ids = {id(m) for _, m in chosen}
+        torch_ac.apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                torch_ac.checkpoint_wrapper, checkpoint_impl=torch_ac.CheckpointImpl.NO_REENTRANT
+            ),
+            check_fn=lambda m: id(m) in ids,
+        )
+        return [name for name, _ in chosen]
     for _, module in chosen:
         inner = module.forward
 
