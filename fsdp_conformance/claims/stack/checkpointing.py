@@ -117,15 +117,17 @@ def apply_checkpointing(model: nn.Module, blocks: tuple[type[nn.Module], ...], i
 
 
 def cache_off(model: nn.Module) -> None:
-    """``model.config.use_cache = False`` where the model has that setting (transformers), as
-    users training with checkpointing set it and as transformers' own gradient checkpointing
-    does ("use_cache=True is incompatible with gradient checkpointing"): a forward appending to
-    a key/value cache gives the recompute a cache already holding the first forward's entries
-    (measured: Bloom and Falcon raise on the doubled length, Phi-3's reentrant recompute trains
-    wrong weights)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None):
-        config.use_cache = False
+    """``config.use_cache = False`` on every module that has that setting (transformers: T5's
+    encoder and decoder stacks hold copies of the model's config), as users training with
+    checkpointing set it and as transformers' own gradient checkpointing does ("use_cache=True is
+    incompatible with gradient checkpointing"): a forward appending to a key/value cache gives
+    the recompute a cache already holding the first forward's entries (measured: Bloom and
+    Falcon raise on the doubled length, Phi-3's reentrant recompute trains wrong weights, T5's
+    decoder saves a different number of tensors in the recompute)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
 
 
 def _shard(
