@@ -82,10 +82,7 @@ def test_dropped_checkpointing_fails_on_the_recompute_count(ranks: Ranks) -> Non
         ("after_wrap NO_REENTRANT", "before_wrap NO_REENTRANT"),
     )
     assert not verdict.passed
-    assert (
-        "after_wrap NO_REENTRANT: backward 0: 0 forward(s) block 'layers.0'"
-        in verdict.message
-    )
+    assert "after_wrap NO_REENTRANT: backward 0: 0 forward(s) block 'layers.0'" in verdict.message
     assert "before_wrap NO_REENTRANT: backward 0: 0 forward(s)" in verdict.message
     assert "update" not in verdict.message, "the numbers agree; only the recompute is missing"
 
@@ -106,3 +103,24 @@ def test_a_recompute_that_differs_and_prefixed_fqns_fail(ranks: Ranks) -> None:
         )
         assert f"{setting}: optimizer state keys differ" in verdict.message
     assert "none: step" not in verdict.message
+
+
+def test_a_reentrant_block_torch_leaves_out_of_backward_is_named_with_the_fix(
+    ranks: Ranks, shared_runs: dict
+) -> None:
+    # ViT (measured): its first block, the embeddings, takes pixels that need no gradient; under
+    # REENTRANT torch warns and backward never reaches it. The clean values with torch's warning
+    # put on one rank's reentrant setting: the verdict names it and the fix.
+    import copy
+
+    check = MAIN["fsdp2"]
+    values = copy.deepcopy(clean_values(ranks, shared_runs, "fsdp2"))
+    run = next(r for r in values[1]["runs"] if r["setting"] == "before_shard REENTRANT")
+    run["lost_gradients"] = ["None of the inputs have requires_grad=True. Gradients will be None"]
+    verdict = check.verdict(values, check.params)
+    assert not verdict.passed
+    assert (
+        "rank 1: before_shard REENTRANT: torch warned in forward: 'None of the inputs have "
+        "requires_grad=True. Gradients will be None'"
+    ) in verdict.message
+    assert "use CheckpointImpl.NO_REENTRANT for it" in verdict.message

@@ -32,6 +32,7 @@ import collections
 import contextlib
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -286,6 +287,9 @@ class SettingRun(TypedDict):
     losses: list[float]
     ref_losses: list[float]
     steps: list[TensorComparison]
+    #: torch's warnings in the forwards that say gradients will be lost (reentrant
+    #: checkpointing of a block none of whose inputs requires grad), distinct.
+    lost_gradients: list[str]
     #: The model's state-dict keys per kind as torch returned them, sorted.
     model_keys: dict[str, list[str]]
     #: ``get_optimizer_state_dict``'s FQNs: its "state" keys and its first group's "params".
@@ -353,6 +357,7 @@ def _train(
         "losses": [],
         "ref_losses": [],
         "steps": [],
+        "lost_gradients": [],
         "model_keys": {},
         "optim_state": [],
         "optim_params": [],
@@ -363,7 +368,13 @@ def _train(
             before = _whole(side.sharded, version, side.dtype)
             ref_before = reference_params(side.reference.model, side.dtype)
             recorder.phase = forwards.phase = "forward"
-            loss = model_loss(side.sharded, side.batches[step][ctx.rank])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = model_loss(side.sharded, side.batches[step][ctx.rank])
+            for w in caught:
+                text = str(w.message).strip()
+                if "requires_grad=True" in text and text not in run["lost_gradients"]:
+                    run["lost_gradients"].append(text)
             recorder.phase = forwards.phase = "backward"
             loss.backward()
             recorder.phase = forwards.phase = ""
@@ -529,6 +540,12 @@ def verdict_checkpointing(
         dtype = torch.float64 if v["dtype"] == str(torch.float64) else torch.float32
         for setting in expected:
             run, label = ran[setting], f"rank {v['rank']}: {setting}"
+            problems += [
+                f"{label}: torch warned in forward: {text!r}: a block checkpointed with "
+                "REENTRANT whose inputs do not require grad is left out of backward (its "
+                "parameters get no gradient); use CheckpointImpl.NO_REENTRANT for it"
+                for text in run["lost_gradients"]
+            ]
             problems += _parity(label, run, dtype)
             problems += _recompute_problems(label, run)
             problems += _gather_problems(label, run, v["units"])
@@ -546,9 +563,7 @@ def verdict_checkpointing(
         for phase in ("forward", "backward"):
             gathers = r["collectives"][0].get(phase, {}).get("all_gather", {})
             figures[f"{tag}.{phase}_all_gathers"] = sum(gathers.values())
-        figures[f"{tag}.recomputed_forwards"] = sum(
-            r["forwards"][0].get("backward", {}).values()
-        )
+        figures[f"{tag}.recomputed_forwards"] = sum(r["forwards"][0].get("backward", {}).values())
     data = {
         s: {
             "all_gathers_per_unit": {
