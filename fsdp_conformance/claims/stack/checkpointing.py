@@ -126,7 +126,7 @@ def cache_off(model: nn.Module) -> None:
     Falcon raise on the doubled length, Phi-3's reentrant recompute trains wrong weights, T5's
     decoder saves a different number of tensors in the recompute)."""
     for module in model.modules():
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if getattr(config, "use_cache", None):
             config.use_cache = False
 
