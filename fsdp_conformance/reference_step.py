@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.harness import skip_rank
 from fsdp_conformance.models import batch_rows, call_model, default_loss
 from fsdp_conformance.units import clean_fqn
 
@@ -299,3 +300,108 @@ def norm_of(tensors: Mapping[str, torch.Tensor | None]) -> float:
     """The L2 norm of a set of tensors together (a figure ``compare`` can follow)."""
     total = sum(float(t.double().pow(2).sum()) for t in tensors.values() if t is not None)
     return math.sqrt(total)
+
+
+# --------------------------------------------------------------------------------------------
+# One training step against the reference (the loop's and the stack's checks)
+# --------------------------------------------------------------------------------------------
+
+#: The dtypes a sharded training step is compared with the reference in: the model's own, fp32
+#: as users build it (or fp64); a model in another dtype skips (:func:`parameter_dtype`).
+PARITY_DTYPES = (torch.float32, torch.float64)
+#: Parity: the worst tensor's ``max |update - reference update|`` over its own largest
+#: reference update (floored at :data:`NEGLIGIBLE_SHARE` of the set's). With both sides starting
+#: each step from the same parameters (:func:`observe_update`) only the order of sums differs:
+#: measured up to 8.5e-8 in fp32 on the odd model and 4.3e-6 on transformers' Mixtral
+#: (docs/loop.md); every negative control moves it by 0.3 or more.
+UPDATE_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+#: A rank's loss against the reference's loss of the same slice: the same forward on the same
+#: parameters, so only rounding differs.
+LOSS_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def parameter_dtype(model: nn.Module, checks: str, hint: str = "") -> torch.dtype:
+    """The dtype of ``model``'s floating-point parameters; one outside :data:`PARITY_DTYPES`
+    (or several) skips on this rank, naming ``checks`` (what cannot be compared), the dtypes
+    found and the fix (``hint``: what else covers that dtype)."""
+    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(found) == 1 and next(iter(found)) in PARITY_DTYPES:
+        return next(iter(found))
+    skip_rank(
+        f"the {checks} compare a sharded step with the single-process reference at fp32 or "
+        f"fp64 parameters; {type(model).__name__} builds its parameters in "
+        f"{', '.join(sorted(str(d) for d in found)) or 'no floating dtype'}: pass a factory "
+        f"that builds it in fp32{hint}"
+    )
+    raise AssertionError("unreachable")  # skip_rank raises
+
+
+class ObservedUpdate(TypedDict):
+    """One optimizer step seen on both sides: each side's update and their comparison."""
+
+    got: dict[str, torch.Tensor]
+    ref: dict[str, torch.Tensor]
+    comparison: TensorComparison
+
+
+def observe_update(
+    after: Mapping[str, torch.Tensor],
+    before: Mapping[str, torch.Tensor],
+    reference: nn.Module,
+    ref_before: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    expected: Mapping[str, torch.Tensor] | None = None,
+    floor_share: float = NEGLIGIBLE_SHARE,
+) -> ObservedUpdate:
+    """The update the sharded side applied (its full parameters ``after`` minus ``before``)
+    against the one ``reference`` applied since ``ref_before``; ``expected``: updates that
+    replace the reference's for those names (a per-rank reference for what FSDP leaves local).
+
+    Then ``reference`` takes the sharded side's parameters (``expected``'s names excepted), so
+    every step starts both sides from the same values and proves its own update. Why: a tensor
+    whose true gradient is zero (a bias right before batch norm) is rounding amplified by
+    cancellation, and once the two sides' parameters differ by one rounding it no longer agrees
+    at all: measured in float32 under clipping, 0.65 of its own scale at the second step,
+    bitwise equal at the first. The difference that carried over is at most the step's
+    tolerance, or the step failed. An update is known to its parameters' rounding
+    (:func:`update_resolution`); ``floor_share`` as :func:`compare_tensors`'s."""
+    got = updates(after, before)
+    ref = updates(reference_params(reference, dtype), ref_before)
+    ref.update(expected or {})
+    with torch.no_grad():
+        for name, param in reference.named_parameters(remove_duplicate=False):
+            if name in after and name not in (expected or {}):
+                param.copy_(after[name])
+    comparison = compare_tensors(
+        got, ref, resolution=update_resolution(after, before), floor_share=floor_share
+    )
+    return {"got": got, "ref": ref, "comparison": comparison}
+
+
+def loss_problems(
+    label: str,
+    losses: Sequence[float],
+    ref_losses: Sequence[float],
+    rtol: float,
+    what: str = "step",
+) -> list[str]:
+    """Each of a rank's losses against the reference's of the same slice beyond ``rtol``, one
+    line each (``what``: how a loss is counted, "step" or "forward")."""
+    out = []
+    for i, (got, ref) in enumerate(zip(losses, ref_losses)):
+        rel = abs(got - ref) / max(abs(ref), 1e-12)
+        if rel > rtol:
+            out.append(
+                f"{label}: {what} {i}: loss {got:.6g} vs the reference's {ref:.6g} on the same "
+                f"slice (relative {rel:.1e} > {rtol:.0e})"
+            )
+    return out
+
+
+def update_problems(label: str, steps: Sequence[TensorComparison], rtol: float) -> list[str]:
+    """Each step's update comparison beyond ``rtol`` (:func:`comparison_problems`)."""
+    return [
+        line
+        for i, step in enumerate(steps)
+        for line in comparison_problems(f"{label}: step {i} update", step, rtol)
+    ]

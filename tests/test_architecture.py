@@ -190,7 +190,7 @@ FOLDERS: dict[str, set[str]] = {
         "uneven",
         "buffers",
     },
-    "claims/stack": {"reshard", "loss_scaling", "meshes", "compile", "checkpointing"},
+    "claims/stack": {"training", "reshard", "loss_scaling", "meshes", "compile", "checkpointing"},
     "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {"suite", "outputs", "report", "compare", "plots"},
 }

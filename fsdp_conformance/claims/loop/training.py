@@ -23,22 +23,24 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
-from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.reference_step import (
+    LOSS_RTOL,
+    UPDATE_RTOL,
     SliceReference,
     TensorComparison,
-    compare_tensors,
-    comparison_problems,
     full_params,
+    loss_problems,
     micro_batches,
     model_loss,
     norm_of,
+    observe_update,
+    parameter_dtype,
     reference_params,
     sgd_update,
-    update_resolution,
-    updates,
+    update_problems,
 )
 from fsdp_conformance.sharding import check_fsdp_version, fsdp1_options, shard
 from fsdp_conformance.step import disable_dropout, require_deterministic
@@ -53,20 +55,11 @@ LR = 0.1
 #: factor, float64 ones without; FSDP1 clips in float32), so a loop proven in another dtype is
 #: not the loop users run. Rounding is kept out of the verdicts by starting every step from the
 #: same parameters on both sides (:func:`observe_step`). Parameters in another dtype (a model
-#: built in bf16) are outside these checks: they skip, naming why.
-DTYPES = (torch.float32, torch.float64)
+#: built in bf16) are outside these checks: they skip, naming why
+#: (``reference_step.parameter_dtype``).
 DTYPE = torch.float32
 #: Each rank's rows per micro-batch.
 PER_RANK = 2
-#: Parity: the worst tensor's ``max |update - reference update|`` over its own largest
-#: reference update (floored at ``reference_step.NEGLIGIBLE_SHARE`` of the set's). With both
-#: sides starting each step from the same parameters only the order of sums differs: measured
-#: up to 8.5e-8 in fp32 on the odd model and 4.3e-6 on transformers' Mixtral (docs/loop.md);
-#: every negative control moves it by 0.3 or more.
-UPDATE_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
-#: A rank's loss against the reference's loss of the same slice: the same forward on the same
-#: parameters, so only rounding differs.
-LOSS_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 #: The tolerance ``compare`` applies to the loop's numeric results (the ``*_norm(s)`` figures)
 #: between two runs, stated in each verdict's figures as ``numeric_rtol``: float64 results move
 #: by rounding only (1e-16, ``gate.compare.NUMERIC_RTOL``); float32 ones by a kernel's other
@@ -141,7 +134,7 @@ def build_pair(
         prepare(model)
     dropout = disable_dropout(model)
     rows = micro * ctx.world_size * PER_RANK
-    dtype = _model_dtype(model)
+    dtype = parameter_dtype(model, "loop checks", " (bf16 compute under FSDP is wrap.train.bf16's)")
     batch = built.batch(rows, ctx.device)
     require_deterministic(model, batch, dropout, "a sharded loop")
     batches = micro_batches(batch, micro, ctx.world_size, PER_RANK)
@@ -160,20 +153,6 @@ def build_pair(
         dropout,
         dtype,
     )
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's floating-point parameters; one outside :data:`DTYPES` skips."""
-    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(found) == 1 and next(iter(found)) in DTYPES:
-        return next(iter(found))
-    skip_rank(
-        f"the loop checks compare a sharded loop with the single-process reference at fp32 "
-        f"or fp64 parameters; {type(model).__name__} builds its parameters in "
-        f"{', '.join(sorted(str(d) for d in found)) or 'no floating dtype'}: pass a factory "
-        "that builds it in fp32 (bf16 compute under FSDP is wrap.train.bf16's)"
-    )
-    raise AssertionError("unreachable")  # skip_rank raises
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,29 +246,17 @@ def observe_step(
     lr: float = LR,
     expected: Mapping[str, torch.Tensor] | None = None,
 ) -> StepObservation:
-    """The update each side applied since ``before`` / ``ref_before`` (full parameters);
-    ``expected``: updates that replace the reference's for those names (a per-rank reference
-    for what FSDP leaves local).
-
-    Then the reference takes the sharded model's parameters (``expected``'s names excepted),
-    so every step starts both sides from the same values and proves its own update. Why: a
-    tensor whose true gradient is zero (a bias right before batch norm) is rounding amplified
-    by cancellation, and once the two sides' parameters differ by one rounding it no longer
-    agrees at all: measured in float32 under clipping, 0.65 of its own scale at the second
-    step, bitwise equal at the first. The difference that carried over is at most the step's
-    tolerance, or the step failed."""
+    """The update each side applied since ``before`` / ``ref_before`` (full parameters), and
+    the norms ``compare`` follows; ``expected``: updates that replace the reference's for those
+    names (a per-rank reference for what FSDP leaves local). The reference then takes the
+    sharded model's parameters, so every step starts both sides from the same values
+    (``reference_step.observe_update`` says why)."""
     after = full_params(pair.sharded, pair.version, pair.dtype)
-    got = updates(after, before)
-    ref = updates(reference_params(pair.reference.model, pair.dtype), ref_before)
-    ref.update(expected or {})
-    with torch.no_grad():
-        for name, param in pair.reference.model.named_parameters(remove_duplicate=False):
-            if name in after and name not in (expected or {}):
-                param.copy_(after[name])
+    seen = observe_update(after, before, pair.reference.model, ref_before, pair.dtype, expected)
     return {
-        "update": compare_tensors(got, ref, resolution=update_resolution(after, before)),
-        "grad_norm": norm_of(got) / lr,
-        "ref_grad_norm": norm_of(ref) / lr,
+        "update": seen["comparison"],
+        "grad_norm": norm_of(seen["got"]) / lr,
+        "ref_grad_norm": norm_of(seen["ref"]) / lr,
         "param_norm": norm_of(after),
     }
 
@@ -388,18 +355,9 @@ def parity_problems(values: Sequence[LoopResult]) -> list[str]:
     update_rtol, loss_rtol = tolerances(values)
     problems: list[str] = []
     for v in values:
-        for i, (got, ref) in enumerate(zip(v["losses"], v["ref_losses"])):
-            rel = abs(got - ref) / max(abs(ref), 1e-12)
-            if rel > loss_rtol:
-                problems.append(
-                    f"rank {v['rank']}: forward {i}: loss {got:.6g} vs the reference's "
-                    f"{ref:.6g} on the same slice (relative {rel:.1e} > {loss_rtol:.0e})"
-                )
-                break
-        for i, step in enumerate(v["steps"]):
-            problems += comparison_problems(
-                f"rank {v['rank']}: step {i} update", step["update"], update_rtol
-            )
+        label = f"rank {v['rank']}"
+        problems += loss_problems(label, v["losses"], v["ref_losses"], loss_rtol, "forward")[:1]
+        problems += update_problems(label, [s["update"] for s in v["steps"]], update_rtol)
     return problems
 
 

@@ -41,14 +41,14 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.stack.reshard import (
-    LOSS_RTOL,
+from fsdp_conformance.claims.stack.reshard import per_unit
+from fsdp_conformance.claims.stack.training import (
     LR,
     STEPS,
-    UPDATE_RTOL,
-    _build,
-    _Side,
-    per_unit,
+    Side,
+    build_side,
+    parity_problems,
+    run_dtype,
 )
 from fsdp_conformance.collectives import record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -56,14 +56,11 @@ from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.reference_step import (
     TensorComparison,
-    compare_tensors,
-    comparison_problems,
     full_params,
     model_loss,
+    observe_update,
     reference_params,
     sgd_step,
-    update_resolution,
-    updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
 from fsdp_conformance.state_dict_kinds import get_state
@@ -347,7 +344,7 @@ def _optimizer_fqns(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def _train(
-    ctx: RankContext, side: _Side, version: str, setting: str, blocks: tuple[type[nn.Module], ...]
+    ctx: RankContext, side: Side, version: str, setting: str, blocks: tuple[type[nn.Module], ...]
 ) -> SettingRun:
     forwards = _Forwards(side.sharded, blocks)
     run: SettingRun = {
@@ -386,12 +383,8 @@ def _train(
             sgd_step(side.sharded, LR)
             sgd_step(side.reference.model, LR)
             after = _whole(side.sharded, version, side.dtype)
-            ref = updates(reference_params(side.reference.model, side.dtype), ref_before)
-            with torch.no_grad():  # the next step starts both sides from the same parameters
-                for name, param in side.reference.model.named_parameters(remove_duplicate=False):
-                    param.copy_(after[name])
-            resolution = update_resolution(after, before)
-            run["steps"].append(compare_tensors(updates(after, before), ref, resolution=resolution))
+            seen = observe_update(after, before, side.reference.model, ref_before, side.dtype)
+            run["steps"].append(seen["comparison"])
     run["model_keys"] = _keys(side.sharded, version)
     run["optim_state"], run["optim_params"] = _optimizer_fqns(side.sharded)
     return run
@@ -423,7 +416,7 @@ def rank_checkpointing(
         runs = []
         for setting in chosen:
             found: list[Any] = []
-            side = _build(ctx, spec, _shard(ctx, spec, version, setting, found))
+            side = build_side(ctx, spec, _shard(ctx, spec, version, setting, found))
             runs.append(_train(ctx, side, version, setting, found[0]))
         plain = side.reference.model
         return {
@@ -441,17 +434,6 @@ def rank_checkpointing(
 # --------------------------------------------------------------------------------------------
 # The verdicts
 # --------------------------------------------------------------------------------------------
-
-
-def _parity(label: str, run: SettingRun, dtype: torch.dtype) -> list[str]:
-    out = [
-        f"{label}: step {i}: loss {got:.6g} vs the reference's {ref:.6g} on the same slice"
-        for i, (got, ref) in enumerate(zip(run["losses"], run["ref_losses"]))
-        if abs(got - ref) > LOSS_RTOL[dtype] * max(abs(ref), 1e-12)
-    ]
-    for i, step in enumerate(run["steps"]):
-        out += comparison_problems(f"{label}: step {i} update", step, UPDATE_RTOL[dtype])
-    return out
 
 
 def _key_problems(
@@ -537,7 +519,7 @@ def verdict_checkpointing(
         if BASELINE not in ran or any(s not in ran for s in expected):
             problems.append(f"rank {v['rank']}: ran {sorted(ran)}, not {list(expected)}")
             continue
-        dtype = torch.float64 if v["dtype"] == str(torch.float64) else torch.float32
+        dtype = run_dtype(v["dtype"])
         for setting in expected:
             run, label = ran[setting], f"rank {v['rank']}: {setting}"
             problems += [
@@ -546,7 +528,9 @@ def verdict_checkpointing(
                 "parameters get no gradient); use CheckpointImpl.NO_REENTRANT for it"
                 for text in run["lost_gradients"]
             ]
-            problems += _parity(label, run, dtype)
+            problems += parity_problems(
+                label, run["losses"], run["ref_losses"], run["steps"], dtype
+            )
             problems += _recompute_problems(label, run)
             problems += _gather_problems(label, run, v["units"])
             problems += _key_problems(label, run, v, ran[BASELINE])

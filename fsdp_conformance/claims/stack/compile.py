@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,36 +36,33 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.stack.training import (
+    LR,
+    STEPS,
+    build_side,
+    parity_problems,
+    run_dtype,
+)
 from fsdp_conformance.collectives import record_collective_calls, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import BuiltModel, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_step import (
     NEGLIGIBLE_SHARE,
-    SliceReference,
     TensorComparison,
-    compare_tensors,
-    comparison_problems,
     full_params,
-    micro_batches,
     model_loss,
+    observe_update,
     reference_params,
     sgd_step,
-    update_resolution,
-    updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
-from fsdp_conformance.step import disable_dropout
 from fsdp_conformance.units import planned_unit_modules
 
-#: SGD steps per side, each on its own micro-batch; the learning rate; each rank's rows.
-STEPS = 2
-LR = 0.1
-PER_RANK = 2
-#: Parity with the reference: the loop claim's tolerances (docs/loop.md), unchanged: aot_eager
-#: runs the same ATen ops as eager (measured: 0.0, bit for bit, docs/stack/compile.md).
-UPDATE_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}
-LOSS_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+# Parity with the reference: the loop claim's tolerances (``reference_step.UPDATE_RTOL`` /
+# ``LOSS_RTOL``, docs/loop.md), unchanged: aot_eager runs the same ATen ops as eager (measured:
+# 0.0, bit for bit, docs/stack/compile.md).
+
 #: Inductor generates its own kernels and sums in its own order, so a result is known to a few
 #: roundings of the values that flow through it, not bit for bit. A tensor whose true gradient is
 #: zero (``layers.1.mlp.2.bias`` of the odd model: batch norm follows it and removes any constant
@@ -282,41 +278,16 @@ def _per_phase(records: Sequence[Mapping[str, Any]], steps: int) -> list[dict[st
     ]
 
 
-def _observe(
-    sharded: nn.Module,
-    reference: SliceReference,
-    version: str,
-    dtype: torch.dtype,
-    before: Mapping[str, torch.Tensor],
-    ref_before: Mapping[str, torch.Tensor],
-    floor_share: float,
-) -> TensorComparison:
-    """The step's update against the reference's; then the reference takes the sharded side's
-    parameters, so the next step starts both from the same values (docs/loop.md)."""
-    after = full_params(sharded, version, dtype)
-    ref = updates(reference_params(reference.model, dtype), ref_before)
-    with torch.no_grad():
-        for name, param in reference.model.named_parameters(remove_duplicate=False):
-            if name in after:
-                param.copy_(after[name])
-    return compare_tensors(
-        updates(after, before),
-        ref,
-        resolution=update_resolution(after, before),
-        floor_share=floor_share,
-    )
-
-
 def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backend: Any) -> SideRun:
-    torch.manual_seed(0)
-    built = spec.instantiate(ctx.device)
-    model = built.model
-    disable_dropout(model)
-    batch = built.batch(STEPS * ctx.world_size * PER_RANK, ctx.device)
-    batches = micro_batches(batch, STEPS, ctx.world_size, PER_RANK)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    twin = copy.deepcopy(model)
-    reference = SliceReference(model, ctx.world_size)
+    calls: list[Any] = []
+
+    def shard(model: nn.Module, policy: Any) -> nn.Module:
+        sharded, call = _shard(ctx, version, setting, model, policy, backend)
+        calls.append(call)
+        return sharded
+
+    side = build_side(ctx, spec, shard)
+    sharded, call, reference, dtype = side.sharded, calls[0], side.reference, side.dtype
     floor = REORDERED_SHARE if backend == "inductor" else NEGLIGIBLE_SHARE
     torch.compiler.reset()
     snapshots = [_compat.dynamo_counters()]
@@ -330,27 +301,26 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backen
         "dtype": str(dtype),
     }
     try:
-        sharded, call = _shard(
-            ctx, version, setting, twin, BuiltModel(spec, twin).policy("recommended"), backend
-        )
         with record_collective_calls(unit_sizes(sharded, version, ctx.world_size)) as recorder:
             for step in range(STEPS):
                 recorder.phase = "observe"
                 before = full_params(sharded, version, dtype)
                 ref_before = reference_params(reference.model, dtype)
                 recorder.phase = f"forward {step}"
-                loss = model_loss(call, batches[step][ctx.rank])  # type: ignore[arg-type]
+                loss = model_loss(call, side.batches[step][ctx.rank])
                 recorder.phase = f"backward {step}"
                 loss.backward()
                 recorder.phase = "reference"
                 run["losses"].append(float(loss))
-                run["ref_losses"].append(reference.forward_backward(batches[step])[ctx.rank])
+                run["ref_losses"].append(reference.forward_backward(side.batches[step])[ctx.rank])
                 sgd_step(sharded, LR)
                 sgd_step(reference.model, LR)
                 recorder.phase = "observe"
-                run["steps"].append(
-                    _observe(sharded, reference, version, dtype, before, ref_before, floor)
+                after = full_params(sharded, version, dtype)
+                seen = observe_update(
+                    after, before, reference.model, ref_before, dtype, None, floor
                 )
+                run["steps"].append(seen["comparison"])
                 snapshots.append(_compat.dynamo_counters())
         run["collectives"] = _per_phase(recorder.records, STEPS)
     except Exception as exc:  # noqa: BLE001 - a raise under compile is a finding, reported
@@ -414,17 +384,7 @@ def rank_compile(
 
 
 def _parity(label: str, side: SideRun, dtype: torch.dtype) -> list[str]:
-    problems = []
-    for i, (got, ref) in enumerate(zip(side["losses"], side["ref_losses"])):
-        rel = abs(got - ref) / max(abs(ref), 1e-12)
-        if rel > LOSS_RTOL[dtype]:
-            problems.append(
-                f"{label}: step {i}: loss {got:.6g} vs the reference's {ref:.6g} on the same "
-                f"slice (relative {rel:.1e} > {LOSS_RTOL[dtype]:.0e})"
-            )
-    for i, step in enumerate(side["steps"]):
-        problems += comparison_problems(f"{label}: step {i} update", step, UPDATE_RTOL[dtype])
-    return problems
+    return parity_problems(label, side["losses"], side["ref_losses"], side["steps"], dtype)
 
 
 def _collective_problems(label: str, run: CompileRun) -> list[str]:
@@ -462,7 +422,7 @@ def _compiled_problems(label: str, side: SideRun, must: bool, counters: bool) ->
 
 
 def _run_problems(v: CompileResult, run: CompileRun, must: bool) -> list[str]:
-    dtype = torch.float64 if v["dtype"] == str(torch.float64) else torch.float32
+    dtype = run_dtype(v["dtype"])
     label = f"rank {v['rank']}: {run['setting']}"
     problems = []
     for side in ("eager", "compiled"):

@@ -24,7 +24,6 @@ negative control patches torch's ``all_reduce``.
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
@@ -34,40 +33,30 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.stack.training import (
+    LR,
+    STEPS,
+    build_side,
+    parity_problems,
+    run_dtype,
+)
 from fsdp_conformance.collectives import record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import BuiltModel, ModelSpec
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_step import (
-    SliceReference,
     TensorComparison,
-    compare_tensors,
-    comparison_problems,
     full_params,
-    micro_batches,
     model_loss,
+    observe_update,
     reference_params,
     sgd_step,
-    update_resolution,
-    updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, shard
-from fsdp_conformance.step import disable_dropout
 from fsdp_conformance.tensors import state_digest
 
-#: Optimizer steps per mesh, each rank's rows per step, and the SGD learning rate (an update
-#: ~1e-2 of the parameters: well above their rounding).
-STEPS = 2
-PER_RANK = 2
-LR = 0.1
 #: FSDP1's hybrid strategies, both run on every mesh (torch's ``ShardingStrategy`` names).
 FSDP1_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-#: Parity tolerances, those of the loop claim (docs/loop.md, "The comparison"): each step starts
-#: both sides from the same parameters, so only the order of sums differs. Update: the worst
-#: tensor's difference over its own largest reference update, 2 ulps of the parameters
-#: discounted (``update_resolution``); loss: a rank's against the reference's of its slice.
-UPDATE_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}
-LOSS_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 LAYOUTS = ("hsdp", "replicated")
 
 
@@ -181,35 +170,17 @@ def _groups(mesh: Any) -> tuple[list[int], list[int]]:
     )
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(found) == 1 and next(iter(found)) in UPDATE_RTOL:
-        return next(iter(found))
-    skip_rank(
-        f"stack.meshes compares HSDP with the single-process reference at fp32 or fp64 "
-        f"parameters; {type(model).__name__} builds them in "
-        f"{', '.join(sorted(map(str, found))) or 'no floating dtype'}: build it in fp32"
-    )
-    raise AssertionError("unreachable")  # skip_rank raises
-
-
 def _train(
     ctx: RankContext, spec: ModelSpec, version: str, strategy: str, shape: tuple[int, int]
 ) -> MeshRun:
-    torch.manual_seed(0)
-    built = spec.instantiate(ctx.device)
-    disable_dropout(built.model)
-    dtype = _model_dtype(built.model)
-    batches = micro_batches(
-        built.batch(STEPS * ctx.world_size * PER_RANK, ctx.device), STEPS, ctx.world_size, PER_RANK
-    )
-    twin = copy.deepcopy(built.model)
-    mesh = make_mesh(ctx, shape)
-    # A policy is bound to the modules it was built on: the copy's (a tie-aware policy on the
-    # original would split the copy's ties).
-    policy = BuiltModel(spec, twin).policy("recommended")
-    sharded = shard_with_mesh(twin, ctx, version, strategy, mesh, policy)
-    reference = SliceReference(built.model, ctx.world_size)
+    meshes: list[Any] = []
+
+    def shard_on_mesh(model: nn.Module, policy: Any) -> nn.Module:
+        meshes.append(make_mesh(ctx, shape))
+        return shard_with_mesh(model, ctx, version, strategy, meshes[0], policy)
+
+    side = build_side(ctx, spec, shard_on_mesh)
+    sharded, reference, dtype, mesh = side.sharded, side.reference, side.dtype, meshes[0]
     shard_group, replicate_group = _groups(mesh)
     run: MeshRun = {
         "mesh": list(shape),
@@ -226,8 +197,9 @@ def _train(
     }
     for step in range(STEPS):
         before = full_params(sharded, version, dtype)
+        ref_before = reference_params(reference.model, dtype)
         with record_collectives(groups=True) as recorder:
-            loss = model_loss(sharded, batches[step][ctx.rank])
+            loss = model_loss(sharded, side.batches[step][ctx.rank])
             loss.backward()
         run["reductions"].append(
             [
@@ -237,17 +209,13 @@ def _train(
             ]
         )
         run["losses"].append(float(loss))
-        run["ref_losses"].append(reference.forward_backward(batches[step])[ctx.rank])
+        run["ref_losses"].append(reference.forward_backward(side.batches[step])[ctx.rank])
         sgd_step(sharded, LR)
         sgd_step(reference.model, LR)
         after = full_params(sharded, version, dtype)
         run["digests"].append(state_digest(after))
-        ref = updates(reference_params(reference.model, dtype), before)
-        resolution = update_resolution(after, before)
-        run["updates"].append(compare_tensors(updates(after, before), ref, resolution=resolution))
-        with torch.no_grad():  # the next step starts both sides from the same parameters
-            for name, param in reference.model.named_parameters(remove_duplicate=False):
-                param.copy_(after[name])
+        seen = observe_update(after, before, reference.model, ref_before, dtype)
+        run["updates"].append(seen["comparison"])
     return run
 
 
@@ -286,18 +254,8 @@ def _label(run: MeshRun) -> str:
 
 
 def _parity_problems(rank: int, run: MeshRun, dtype: torch.dtype) -> list[str]:
-    problems = []
-    for i, (got, ref) in enumerate(zip(run["losses"], run["ref_losses"])):
-        rel = abs(got - ref) / max(abs(ref), 1e-12)
-        if rel > LOSS_RTOL[dtype]:
-            problems.append(
-                f"{_label(run)}: rank {rank}: step {i}: loss {got:.6g} vs the reference's "
-                f"{ref:.6g} on the same slice (relative {rel:.1e} > {LOSS_RTOL[dtype]:.0e})"
-            )
-    for i, comparison in enumerate(run["updates"]):
-        label = f"{_label(run)}: rank {rank}: step {i} update"
-        problems += comparison_problems(label, comparison, UPDATE_RTOL[dtype])
-    return problems
+    label = f"{_label(run)}: rank {rank}"
+    return parity_problems(label, run["losses"], run["ref_losses"], run["updates"], dtype)
 
 
 def _collective_problems(rank: int, run: MeshRun) -> list[str]:
@@ -347,7 +305,7 @@ def _replica_problems(values: Sequence[MeshesResult], index: int) -> list[str]:
 def verdict_meshes(values: Sequence[MeshesResult], params: Mapping[str, Any]) -> Verdict:
     """Every mesh and strategy: parity on every rank, the replicas bitwise equal after every
     step, the gradients reduced on the shard and replicate groups."""
-    dtype = torch.float64 if values[0]["dtype"] == str(torch.float64) else torch.float32
+    dtype = run_dtype(values[0]["dtype"])
     problems: list[str] = []
     for index in range(len(values[0]["runs"])):
         problems += _replica_problems(values, index)

@@ -24,8 +24,6 @@ The user's code is this module's :func:`fully_shard_unit` (FSDP2's call per unit
 from __future__ import annotations
 
 import collections
-import copy
-import dataclasses
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -36,38 +34,28 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.stack.training import (
+    LR,
+    STEPS,
+    Side,
+    build_side,
+    parity_problems,
+    run_dtype,
+)
 from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import BuiltModel, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_step import (
-    SliceReference,
     TensorComparison,
-    compare_tensors,
-    comparison_problems,
     full_params,
-    micro_batches,
     model_loss,
+    observe_update,
     reference_params,
     sgd_step,
-    update_resolution,
-    updates,
 )
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
-from fsdp_conformance.step import DETERMINISM_RTOL, disable_dropout, forward_randomness
 from fsdp_conformance.units import clean_fqn, planned_unit_modules
-
-#: SGD steps per setting, each on its own micro-batch; the learning rate.
-STEPS = 2
-LR = 0.1
-#: Each rank's rows per step.
-PER_RANK = 2
-#: Parity (the reference's update, each tensor on its own scale): the loop claim's tolerance in
-#: fp32 (docs/loop.md: measured up to 8.5e-8 on the odd model; the negative controls here move
-#: it by 0.3 or more, docs/stack/reshard.md).
-UPDATE_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}
-#: A rank's loss against the reference's loss of the same slice.
-LOSS_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 #: FSDP1's strategies as the check passes them, and what each must do: (the units kept
 #: unsharded after forward, "all" or only the "root"; the collective that reduces each unit's
@@ -289,44 +277,7 @@ class ReshardResult(TypedDict):
     runs: list[SettingRun]
 
 
-@dataclasses.dataclass
-class _Side:
-    sharded: nn.Module
-    reference: SliceReference
-    batches: list[list[Any]]
-    dtype: torch.dtype
-
-
-def _build(
-    ctx: RankContext, spec: ModelSpec, shard_fn: Callable[[nn.Module, Any], nn.Module]
-) -> _Side:
-    torch.manual_seed(0)
-    built = spec.instantiate(ctx.device)
-    model = built.model
-    disable_dropout(model)
-    batch = built.batch(STEPS * ctx.world_size * PER_RANK, ctx.device)
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(dtypes) != 1 or not dtypes <= set(UPDATE_RTOL):
-        skip_rank(
-            f"the reshard checks compare with the single-process reference at fp32 or fp64 "
-            f"parameters; {type(model).__name__} has {sorted(map(str, dtypes))}: pass a "
-            "factory that builds it in fp32"
-        )
-    if forward_randomness(model, batch) > DETERMINISM_RTOL:
-        skip_rank(
-            f"{type(model).__name__}'s forward still draws random numbers with dropout off, so "
-            "a sharded step cannot be compared with the reference: put that randomness behind "
-            "an nn.Dropout module"
-        )
-    twin = copy.deepcopy(model)
-    # A policy is bound to the modules it was built on: the copy's.
-    sharded = shard_fn(twin, BuiltModel(spec, twin).policy("recommended"))
-    dtype = dtypes.pop()
-    batches = micro_batches(batch, STEPS, ctx.world_size, PER_RANK)
-    return _Side(sharded, SliceReference(model, ctx.world_size), batches, dtype)
-
-
-def _train(ctx: RankContext, side: _Side, version: str, name: str) -> SettingRun:
+def _train(ctx: RankContext, side: Side, version: str, name: str) -> SettingRun:
     run: SettingRun = {
         "setting": name,
         "held": [],
@@ -352,31 +303,15 @@ def _train(ctx: RankContext, side: _Side, version: str, name: str) -> SettingRun
             sgd_step(side.sharded, LR)
             sgd_step(side.reference.model, LR)
             recorder.phase = "observe"
-            run["steps"].append(_observe(side, version, before, ref_before))
+            after = full_params(side.sharded, version, side.dtype)
+            seen = observe_update(after, before, side.reference.model, ref_before, side.dtype)
+            run["steps"].append(seen["comparison"])
         run["backward"] = [per_unit(recorder, f"backward {s}") for s in range(STEPS)]
         run["gather_groups"] = [gather_groups(recorder, f"backward {s}") for s in range(STEPS)]
     return run
 
 
-def _observe(
-    side: _Side,
-    version: str,
-    before: Mapping[str, torch.Tensor],
-    ref_before: Mapping[str, torch.Tensor],
-) -> TensorComparison:
-    """The step's update against the reference's; then the reference takes the sharded side's
-    parameters, so the next step starts both from the same values (docs/loop.md says why)."""
-    after = full_params(side.sharded, version, side.dtype)
-    got = updates(after, before)
-    ref = updates(reference_params(side.reference.model, side.dtype), ref_before)
-    with torch.no_grad():
-        for name, param in side.reference.model.named_parameters(remove_duplicate=False):
-            if name in after:
-                param.copy_(after[name])
-    return compare_tensors(got, ref, resolution=update_resolution(after, before))
-
-
-def _result(ctx: RankContext, version: str, runs: list[SettingRun], side: _Side) -> ReshardResult:
+def _result(ctx: RankContext, version: str, runs: list[SettingRun], side: Side) -> ReshardResult:
     return {
         "rank": ctx.rank,
         "version": version,
@@ -419,7 +354,7 @@ def rank_reshard_after_forward(
             def fsdp2(model: nn.Module, policy: Any, s: Setting = setting) -> nn.Module:
                 return _shard_fsdp2(model, ctx, policy, s)
 
-            side = _build(ctx, spec, fsdp2)
+            side = build_side(ctx, spec, fsdp2)
             runs.append(_train(ctx, side, version, setting_name(setting)))
         return _result(ctx, version, runs, side)
 
@@ -441,7 +376,7 @@ def rank_reshard_strategies(
             def fsdp1(model: nn.Module, policy: Any, s: str = strategy) -> nn.Module:
                 return wrap_fsdp1(model, ctx, policy, s)
 
-            side = _build(ctx, spec, fsdp1)
+            side = build_side(ctx, spec, fsdp1)
             runs.append(_train(ctx, side, version, strategy))
         return _result(ctx, version, runs, side)
 
@@ -452,19 +387,9 @@ def rank_reshard_strategies(
 
 
 def _parity_problems(v: ReshardResult, run: SettingRun) -> list[str]:
-    dtype = torch.float64 if v["dtype"] == str(torch.float64) else torch.float32
     label = f"rank {v['rank']}: {run['setting']}"
-    problems = []
-    for i, (got, ref) in enumerate(zip(run["losses"], run["ref_losses"])):
-        rel = abs(got - ref) / max(abs(ref), 1e-12)
-        if rel > LOSS_RTOL[dtype]:
-            problems.append(
-                f"{label}: step {i}: loss {got:.6g} vs the reference's {ref:.6g} on the same "
-                f"slice (relative {rel:.1e} > {LOSS_RTOL[dtype]:.0e})"
-            )
-    for i, step in enumerate(run["steps"]):
-        problems += comparison_problems(f"{label}: step {i} update", step, UPDATE_RTOL[dtype])
-    return problems
+    steps = run["steps"]
+    return parity_problems(label, run["losses"], run["ref_losses"], steps, run_dtype(v["dtype"]))
 
 
 def _expected(counts: Mapping[str, int], unit: str, per_unit: Mapping[str, int]) -> int:
