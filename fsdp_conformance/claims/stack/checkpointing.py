@@ -41,13 +41,13 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.stack.reshard import per_unit
 from fsdp_conformance.claims.stack.training import (
     LR,
     STEPS,
     Side,
     build_side,
     parity_problems,
+    per_unit,
     run_dtype,
 )
 from fsdp_conformance.collectives import record_collectives, unit_sizes

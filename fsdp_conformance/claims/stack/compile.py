@@ -41,6 +41,7 @@ from fsdp_conformance.claims.stack.training import (
     STEPS,
     build_side,
     parity_problems,
+    per_unit,
     run_dtype,
 )
 from fsdp_conformance.collectives import record_collective_calls, unit_sizes
@@ -266,18 +267,6 @@ class CompileResult(TypedDict):
     runs: list[CompileRun]
 
 
-def _per_phase(records: Sequence[Mapping[str, Any]], steps: int) -> list[dict[str, Any]]:
-    out: list[dict[str, dict[str, collections.Counter[str]]]] = [{} for _ in range(steps)]
-    for r in records:
-        phase, _, step = str(r["phase"]).partition(" ")
-        if phase in ("forward", "backward"):
-            ops = out[int(step)].setdefault(phase, {})
-            ops.setdefault(r["op"], collections.Counter())[r["unit"]] += 1
-    return [
-        {ph: {op: dict(c) for op, c in ops.items()} for ph, ops in step.items()} for step in out
-    ]
-
-
 def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backend: Any) -> SideRun:
     calls: list[Any] = []
 
@@ -322,7 +311,10 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, setting: str, backen
                 )
                 run["steps"].append(seen["comparison"])
                 snapshots.append(_compat.dynamo_counters())
-        run["collectives"] = _per_phase(recorder.records, STEPS)
+        run["collectives"] = [
+            {ph: per_unit(recorder, f"{ph} {step}") for ph in ("forward", "backward")}
+            for step in range(STEPS)
+        ]
     except Exception as exc:  # noqa: BLE001 - a raise under compile is a finding, reported
         run["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
     if backend is not None and len(snapshots) == STEPS + 1:

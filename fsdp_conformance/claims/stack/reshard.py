@@ -23,7 +23,6 @@ The user's code is this module's :func:`fully_shard_unit` (FSDP2's call per unit
 
 from __future__ import annotations
 
-import collections
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +39,7 @@ from fsdp_conformance.claims.stack.training import (
     Side,
     build_side,
     parity_problems,
+    per_unit,
     run_dtype,
 )
 from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
@@ -231,15 +231,6 @@ def held_after_forward(model: nn.Module, version: str, world_size: int) -> dict[
         if groups:
             out[name] = max(groups)
     return out
-
-
-def per_unit(recorder: CollectiveRecorder, phase: str) -> dict[str, dict[str, int]]:
-    """Per collective kind, the records of ``phase`` per unit name (``a|b``: equal sizes)."""
-    out: dict[str, collections.Counter[str]] = {}
-    for r in recorder.records:
-        if r["phase"] == phase:
-            out.setdefault(r["op"], collections.Counter())[r["unit"]] += 1
-    return {op: dict(counts) for op, counts in out.items()}
 
 
 def gather_groups(recorder: CollectiveRecorder, phase: str) -> dict[str, list[int]]:

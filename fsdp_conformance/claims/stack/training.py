@@ -9,6 +9,7 @@ step from the same parameters), with the loop claim's tolerances
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance.collectives import CollectiveRecorder
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models import BuiltModel, ModelSpec
 from fsdp_conformance.reference_step import (
@@ -69,6 +71,15 @@ def build_side(
     sharded = shard_fn(twin, BuiltModel(spec, twin).policy("recommended"))
     batches = micro_batches(batch, STEPS, ctx.world_size, PER_RANK)
     return Side(sharded, SliceReference(model, ctx.world_size), batches, dtype)
+
+
+def per_unit(recorder: CollectiveRecorder, phase: str) -> dict[str, dict[str, int]]:
+    """Per collective kind, the records of ``phase`` per unit name (``a|b``: equal sizes)."""
+    out: dict[str, collections.Counter[str]] = {}
+    for r in recorder.records:
+        if r["phase"] == phase:
+            out.setdefault(r["op"], collections.Counter())[r["unit"]] += 1
+    return {op: dict(counts) for op, counts in out.items()}
 
 
 def run_dtype(name: str) -> torch.dtype:
