@@ -336,6 +336,11 @@ def parameter_dtype(model: nn.Module, checks: str, hint: str = "") -> torch.dtyp
     raise AssertionError("unreachable")  # skip_rank raises
 
 
+def reported_dtype(name: str) -> torch.dtype:
+    """The parity dtype a rank reported as ``str(dtype)``: float32 unless it says float64."""
+    return torch.float64 if name == str(torch.float64) else torch.float32
+
+
 class ObservedUpdate(TypedDict):
     """One optimizer step seen on both sides: each side's update and their comparison."""
 

@@ -39,6 +39,7 @@ from fsdp_conformance.reference_step import (
     observe_update,
     parameter_dtype,
     reference_params,
+    reported_dtype,
     sgd_update,
     update_problems,
 )
@@ -341,7 +342,7 @@ def torch_raised(exc: BaseException) -> str | None:
 
 def run_dtype(values: Sequence[LoopResult]) -> torch.dtype:
     """The dtype the loop ran in (float32 unless it says float64)."""
-    return torch.float64 if values[0].get("dtype") == str(torch.float64) else DTYPE
+    return reported_dtype(str(values[0].get("dtype", DTYPE)))
 
 
 def tolerances(values: Sequence[LoopResult]) -> tuple[float, float]:

@@ -48,7 +48,6 @@ from fsdp_conformance.claims.stack.training import (
     build_side,
     parity_problems,
     per_unit,
-    run_dtype,
 )
 from fsdp_conformance.collectives import record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -60,6 +59,7 @@ from fsdp_conformance.reference_step import (
     model_loss,
     observe_update,
     reference_params,
+    reported_dtype,
     sgd_step,
 )
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
@@ -519,7 +519,7 @@ def verdict_checkpointing(
         if BASELINE not in ran or any(s not in ran for s in expected):
             problems.append(f"rank {v['rank']}: ran {sorted(ran)}, not {list(expected)}")
             continue
-        dtype = run_dtype(v["dtype"])
+        dtype = reported_dtype(v["dtype"])
         for setting in expected:
             run, label = ran[setting], f"rank {v['rank']}: {setting}"
             problems += [

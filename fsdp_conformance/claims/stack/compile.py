@@ -42,7 +42,6 @@ from fsdp_conformance.claims.stack.training import (
     build_side,
     parity_problems,
     per_unit,
-    run_dtype,
 )
 from fsdp_conformance.collectives import record_collective_calls, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -55,6 +54,7 @@ from fsdp_conformance.reference_step import (
     model_loss,
     observe_update,
     reference_params,
+    reported_dtype,
     sgd_step,
 )
 from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
@@ -414,7 +414,7 @@ def _compiled_problems(label: str, side: SideRun, must: bool, counters: bool) ->
 
 
 def _run_problems(v: CompileResult, run: CompileRun, must: bool) -> list[str]:
-    dtype = run_dtype(v["dtype"])
+    dtype = reported_dtype(v["dtype"])
     label = f"rank {v['rank']}: {run['setting']}"
     problems = []
     for side in ("eager", "compiled"):

@@ -38,7 +38,6 @@ from fsdp_conformance.claims.stack.training import (
     STEPS,
     build_side,
     parity_problems,
-    run_dtype,
 )
 from fsdp_conformance.collectives import record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -50,6 +49,7 @@ from fsdp_conformance.reference_step import (
     model_loss,
     observe_update,
     reference_params,
+    reported_dtype,
     sgd_step,
 )
 from fsdp_conformance.sharding import check_fsdp_version, shard
@@ -305,7 +305,7 @@ def _replica_problems(values: Sequence[MeshesResult], index: int) -> list[str]:
 def verdict_meshes(values: Sequence[MeshesResult], params: Mapping[str, Any]) -> Verdict:
     """Every mesh and strategy: parity on every rank, the replicas bitwise equal after every
     step, the gradients reduced on the shard and replicate groups."""
-    dtype = run_dtype(values[0]["dtype"])
+    dtype = reported_dtype(values[0]["dtype"])
     problems: list[str] = []
     for index in range(len(values[0]["runs"])):
         problems += _replica_problems(values, index)

@@ -40,7 +40,6 @@ from fsdp_conformance.claims.stack.training import (
     build_side,
     parity_problems,
     per_unit,
-    run_dtype,
 )
 from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched
@@ -52,6 +51,7 @@ from fsdp_conformance.reference_step import (
     model_loss,
     observe_update,
     reference_params,
+    reported_dtype,
     sgd_step,
 )
 from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
@@ -380,7 +380,9 @@ def rank_reshard_strategies(
 def _parity_problems(v: ReshardResult, run: SettingRun) -> list[str]:
     label = f"rank {v['rank']}: {run['setting']}"
     steps = run["steps"]
-    return parity_problems(label, run["losses"], run["ref_losses"], steps, run_dtype(v["dtype"]))
+    return parity_problems(
+        label, run["losses"], run["ref_losses"], steps, reported_dtype(v["dtype"])
+    )
 
 
 def _expected(counts: Mapping[str, int], unit: str, per_unit: Mapping[str, int]) -> int:

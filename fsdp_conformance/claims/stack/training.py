@@ -82,11 +82,6 @@ def per_unit(recorder: CollectiveRecorder, phase: str) -> dict[str, dict[str, in
     return {op: dict(counts) for op, counts in out.items()}
 
 
-def run_dtype(name: str) -> torch.dtype:
-    """The dtype a rank reported (``str(dtype)``) as a parity key."""
-    return torch.float64 if name == str(torch.float64) else torch.float32
-
-
 def parity_problems(
     label: str,
     losses: Sequence[float],
