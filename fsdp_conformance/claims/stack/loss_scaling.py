@@ -31,7 +31,6 @@ divided by the world size, the same two steps poisoned. The user's code is this 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,18 +41,16 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.stack.training import build_side
 from fsdp_conformance.faults import Fault, FaultTable, patched
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import BuiltModel, ModelSpec
+from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.reference_step import (
     TensorComparison,
-    compare_tensors,
     full_params,
-    micro_batches,
     model_loss,
+    observe_update,
     reference_params,
-    update_resolution,
-    updates,
 )
 from fsdp_conformance.sharding import (
     InputCasts,
@@ -63,11 +60,9 @@ from fsdp_conformance.sharding import (
     shard,
     with_fsdp1_input_casts,
 )
-from fsdp_conformance.step import disable_dropout
 
-#: Optimizer steps per run, and each rank's rows per step.
+#: Optimizer steps per run (each rank's rows per step: ``stack.training.PER_RANK``).
 STEPS = 6
-PER_RANK = 2
 #: The steps whose gradient is non-finite on one rank (``"loss"``: that rank's loss times inf;
 #: ``"shard"``: inf in one element of that rank's reduced gradient shard).
 INF_LOSS_STEP = 2
@@ -279,10 +274,7 @@ class _Reference:
         return losses[self.ctx.rank]
 
 
-def _build(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> tuple[Any, ...]:
-    torch.manual_seed(0)
-    built = spec.instantiate(ctx.device)
-    model = built.model
+def _fp32_only(model: nn.Module) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.float32}:
         skip_rank(
@@ -290,14 +282,16 @@ def _build(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> tupl
             f"builds its parameters in {', '.join(sorted(map(str, dtypes)))}: pass a factory "
             "that builds it in fp32"
         )
-    disable_dropout(model)
-    batch = built.batch(STEPS * ctx.world_size * PER_RANK, ctx.device)
-    batches = micro_batches(batch, STEPS, ctx.world_size, PER_RANK)
-    twin = copy.deepcopy(model)
-    policy = BuiltModel(spec, twin).policy("recommended")
-    mixed = param_dtype_kwargs(version, "fp16", cast_forward_inputs=casts)
-    sharded = shard(twin, ctx, version, policy, **mixed)
-    return sharded, _Reference(model, ctx), batches
+
+
+def _build(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> tuple[Any, ...]:
+    def fp16(model: nn.Module, policy: Any) -> nn.Module:
+        _fp32_only(model)
+        mixed = param_dtype_kwargs(version, "fp16", cast_forward_inputs=casts)
+        return shard(model, ctx, version, policy, **mixed)
+
+    side = build_side(ctx, spec, fp16, steps=STEPS)
+    return side.sharded, _Reference(side.reference.model, ctx), side.batches
 
 
 def _sharded_step(
@@ -333,26 +327,21 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> Loss
         poisoned_param = poisoned_param or name
         ref_loss = ref.step(batches[step], poisoned)
         after = full_params(sharded, version)
-        ref_after = reference_params(ref.model)
-        got, want = updates(after, before), updates(ref_after, ref_before)
+        seen = observe_update(
+            after, before, ref.model, ref_before, torch.float32, floor_share=FLOOR_SHARE
+        )
         records.append(
             {
                 "poisoned": poisoned,
                 "changed": _changed(sharded, local),
-                "ref_changed": any(bool(t.any()) for t in want.values()),
+                "ref_changed": any(bool(t.any()) for t in seen["ref"].values()),
                 "scale": float(scaler.get_scale()),
                 "ref_scale": float(ref.scaler.get_scale()),
-                "update": compare_tensors(
-                    got, want, resolution=update_resolution(after, before), floor_share=FLOOR_SHARE
-                ),
+                "update": seen["comparison"],
                 "loss": loss,
                 "ref_loss": ref_loss,
             }
         )
-        with torch.no_grad():  # each step starts both sides from the same parameters
-            for n, p in ref.model.named_parameters(remove_duplicate=False):
-                if n in after:
-                    p.copy_(after[n])
     final = full_params(sharded, version)
     return {
         "rank": ctx.rank,

@@ -54,9 +54,13 @@ class Side:
 
 
 def build_side(
-    ctx: RankContext, spec: ModelSpec, shard_fn: Callable[[nn.Module, Any], nn.Module]
+    ctx: RankContext,
+    spec: ModelSpec,
+    shard_fn: Callable[[nn.Module, Any], nn.Module],
+    steps: int = STEPS,
 ) -> Side:
-    """``spec``'s model from seed 0 with dropout off; a copy sharded by ``shard_fn(copy,
+    """``spec``'s model from seed 0 with dropout off, the batches of ``steps`` steps; a copy
+    sharded by ``shard_fn(copy,
     policy)`` (the recommended policy built on the copy: a policy is bound to the modules it
     was built on, ties included); the original is the reference. A model not in fp32 / fp64,
     or whose forward still draws random numbers, skips on every rank, naming why."""
@@ -65,11 +69,11 @@ def build_side(
     model = built.model
     dropout = disable_dropout(model)
     dtype = parameter_dtype(model, "stack checks")
-    batch = built.batch(STEPS * ctx.world_size * PER_RANK, ctx.device)
+    batch = built.batch(steps * ctx.world_size * PER_RANK, ctx.device)
     require_deterministic(model, batch, dropout, "a sharded step")
     twin = copy.deepcopy(model)
     sharded = shard_fn(twin, BuiltModel(spec, twin).policy("recommended"))
-    batches = micro_batches(batch, STEPS, ctx.world_size, PER_RANK)
+    batches = micro_batches(batch, steps, ctx.world_size, PER_RANK)
     return Side(sharded, SliceReference(model, ctx.world_size), batches, dtype)
 
 
