@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Times a pytest selection on this checkout and on an earlier commit, alternating (new, old, new,
+# Times a pytest selection (or an `fsdp-conformance` command) on this checkout and on an earlier
+# commit, alternating (new, old, new,
 # ...), and prints each run's wall and CPU seconds with the ratios new / old. This machine's
 # speed can drift by 1.5x or more within an hour, so figures taken at different times do not
 # compare code; runs taken in turn do. Before each run a fixed single-thread Python loop is timed
 # ("loop"), so that a drift shows in the output.
 #
 #   benchmarks/lane_side_by_side.sh REF [ROUNDS] [-- pytest args...]
+#   benchmarks/lane_side_by_side.sh REF [ROUNDS] -- --cli run --no-plot
 #
 # REF: the earlier commit (its tests and package run from a git worktree, put first on
 # PYTHONPATH, so the editable install of this checkout does not shadow it). ROUNDS (default 1):
 # how many old runs; there is one new run before each and one after the last. The pytest args
-# default to `-m cpu -q -p no:cacheprovider`. Example (this session's measurement):
+# default to `-m cpu -q -p no:cacheprovider`. `--cli ARGS...` times `python -m fsdp_conformance.cli
+# ARGS... --out DIR` instead (each run its own report folder): the `fsdp-conformance run` budget.
+# Example (this session's measurement):
 #
 #   benchmarks/lane_side_by_side.sh 537ccfe
 #
@@ -62,9 +66,11 @@ run() {  # run NAME DIR [PYTHONPATH]
     local name=$1 dir=$2 path=${3:-} times
     times="$work/$name.time"
     echo "== $name (loop $(loop) s)"
+    local command=(-m pytest "${args[@]}")
+    [[ ${args[0]} == --cli ]] && command=(-m fsdp_conformance.cli "${args[@]:1}" --out "$work/$name")
     (cd "$dir" && PYTHONPATH=$path /usr/bin/time -f "%e %U %S" -o "$times" \
-        "$python" -m pytest "${args[@]}" >"$work/$name.log" 2>&1) || failed=1
-    tail -n 1 "$work/$name.log"
+        "$python" "${command[@]}" >"$work/$name.log" 2>&1) || failed=1
+    grep -E "passed|failed|error" "$work/$name.log" | tail -n 1
     read -r w u s <"$times"
     wall[$name]=$w
     cpu[$name]=$(awk -v u="$u" -v s="$s" 'BEGIN { printf "%.1f", u + s }')
