@@ -1,10 +1,11 @@
 """``fsdp-conformance``: run the suite, compare two reports, plan at full scale.
 
     fsdp-conformance run [--lane cpu|gpu|all] [--model pkg.mod:factory --block-cls Block] ...
-    fsdp-conformance compare OLD.json NEW.json [--memory-tolerance 0.05] [--fail-on-change]
+    fsdp-conformance compare OLD.json NEW.json [--noise T] [--rollback R] [--markdown|--json]
+    fsdp-conformance noise R1.json R2.json [...] --out noise.json
     fsdp-conformance plan --preset 70b --world-size 1024 [--json]
 
-Exit codes: 0 all good; 1 a check failed (run) or a regression was found (compare);
+Exit codes: 0 all good; 1 a check failed (run) or the upgrade is not safe (compare);
 2 bad input (the message names the problem and the fix); 130 / 143 interrupted by SIGINT /
 SIGTERM (rank processes killed and their folders removed first).
 Under torchrun/srun, ``run`` runs on the launch's ranks: rank 0 prints and writes the report,
@@ -211,12 +212,56 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     if not floor_mib >= 0:
         raise UsageError(f"--memory-floor-mib must be >= 0 (in MiB), got {floor_mib}")
+    from fsdp_conformance.gate import noise, verdict
+
+    try:
+        table = noise.load_table(args.noise) if args.noise else None
+    except noise.NoiseError as exc:
+        raise UsageError(f"--noise {exc}") from None
+    rollback = load_report(args.rollback) if args.rollback else None
     diffs = compare.compare_reports(
-        old, new, memory_tolerance=tolerance, memory_floor_bytes=floor_mib * MiB
+        old,
+        new,
+        memory_tolerance=tolerance,
+        memory_floor_bytes=floor_mib * MiB,
+        noise=table,
+        rollback=rollback,
+        fail_on_deprecation=args.fail_on_deprecation,
     )
-    print(compare.render(old, new, diffs, (args.old, args.new), tolerance, floor_mib, args.json))
-    if any(d.regression for d in diffs) or (args.fail_on_change and diffs):
-        return EXIT_FAILED
+    if args.json:
+        options = {
+            "memory_tolerance": tolerance,
+            "memory_floor_mib": floor_mib,
+            "noise": args.noise,
+            "rollback": args.rollback,
+        }
+        out = verdict.to_json(old, new, diffs, (args.old, args.new), options, args.fail_on_change)
+    elif args.markdown:
+        out = verdict.format_markdown(old, new, diffs, args.fail_on_change)
+    else:
+        out = verdict.format_text(old, new, diffs, args.fail_on_change)
+    print(out)
+    return EXIT_OK if verdict.safe(diffs, args.fail_on_change) else EXIT_FAILED
+
+
+def cmd_noise(args: argparse.Namespace) -> int:
+    from fsdp_conformance._files import write_atomic
+    from fsdp_conformance.gate import noise
+    from fsdp_conformance.gate.report import load_report
+
+    reports = [load_report(path) for path in args.reports]
+    try:
+        table = noise.measure(reports, args.reports)
+    except noise.NoiseError as exc:
+        raise UsageError(str(exc)) from None
+    write_atomic(args.out, json.dumps(table, indent=1) + "\n")
+    figures = sum(len(v) for v in table["noise"].values())
+    noisy = sum(1 for v in table["noise"].values() for x in v.values() if x > 0)
+    print(
+        f"noise: {figures} measured figures of {len(table['noise'])} checks over "
+        f"{table['runs']} runs on torch {table['torch']}; {noisy} moved between runs; "
+        f"written to {args.out}"
+    )
     return EXIT_OK
 
 
@@ -340,7 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = cli_parser.build_parser()
     args = parser.parse_args(argv)
-    handlers = {"compare": cmd_compare, "matrix": cmd_matrix, "plan": cmd_plan}
+    handlers = {
+        "compare": cmd_compare,
+        "noise": cmd_noise,
+        "matrix": cmd_matrix,
+        "plan": cmd_plan,
+    }
     # SIGTERM (timeout, Kubernetes, CI cancellation) ends the run like Ctrl-C: ranks killed,
     # folders removed, exit 128+N; a second signal during that cleanup is ignored. The run's
     # fork servers end with it (not an outer session's); a launched run's process ends in

@@ -174,13 +174,50 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 1 on any difference, not only on regressions",
     )
-    compare.add_argument("--json", action="store_true", help="print the differences as JSON")
+    compare.add_argument(
+        "--noise",
+        default=None,
+        metavar="TABLE",
+        help="noise table of the current torch (`fsdp-conformance noise`), for figures whose "
+        "entry in OLD carries no noise: a measured figure moved beyond its noise is drift "
+        "(reports of the reference models carry theirs)",
+    )
+    compare.add_argument(
+        "--rollback",
+        default=None,
+        metavar="REPORT",
+        help="report of the current torch loading the checkpoints the candidate saved "
+        "(`run --load-checkpoint`): a checkpoint it cannot read is a rollback failure",
+    )
+    compare.add_argument(
+        "--fail-on-deprecation",
+        action="store_true",
+        help="a new deprecation blocks the upgrade (exit 1), not only said",
+    )
+    output = compare.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    output.add_argument("--markdown", action="store_true", help="print the verdict as Markdown")
     compare.add_argument(
         "--force",
         action="store_true",
         help="compare reports of different models (model, block class, size "
         "threshold, input) or with no check in common anyway; without it such "
         "reports are 'not comparable' (exit 2)",
+    )
+
+    noise = sub.add_parser(
+        "noise",
+        help="the noise of every measured figure, from repeated runs on one torch "
+        "(for compare --noise)",
+    )
+    noise.add_argument(
+        "reports",
+        nargs="+",
+        metavar="REPORT",
+        help="reports of two or more `fsdp-conformance run`s with the same settings on one torch",
+    )
+    noise.add_argument(
+        "--out", required=True, metavar="FILE", help="where to write the noise table (JSON)"
     )
 
     matrix = sub.add_parser(

@@ -315,7 +315,7 @@ def test_compare_a_real_report_with_itself_and_with_a_changed_unit(
     code, out, _ = main(["compare", old, str(new)], capsys)
     assert code == cli.EXIT_FAILED
     assert (
-        "[REGRESSION] wrap.units.exact[cpu,ws2,fsdp1,massive]: units: unit structure "
+        "[BLOCKS] wrap.units.exact[cpu,ws2,fsdp1,massive]: units: unit structure "
         "changed: ~ layers.1 numel: 37248 -> 37312"
     ) in out
 
@@ -917,12 +917,16 @@ def test_compare_exit_1_on_a_regression_and_lists_every_difference(
     code, out, _ = main(["compare", old, new], capsys)
     assert code == cli.EXIT_FAILED
     assert out.splitlines() == [
-        "compare: torch 2.13.0 -> 2.14.1: 1 regression(s), 2 difference(s)",
+        "safe to upgrade: no (torch 2.13.0 -> 2.14.1)",
+        "  regressions 1, drift 0, known defects 0, deprecations 0, rollback 0, "
+        "fixed upstream 0, other changes 1",
+        "regressions:",
         (
-            "  [REGRESSION] memory.peak[cpu,ws2,fsdp2,massive]: memory: peak_bytes: 100.00 MiB -> "
+            "  [BLOCKS] memory.peak[cpu,ws2,fsdp2,massive]: memory: peak_bytes: 100.00 MiB -> "
             "106.00 MiB (+6.0%; tolerance 5%, floor 1.00 MiB)"
         ),
-        "  [change] wrap.mixed[cpu,ws2,fsdp2,massive]: outcome: failed -> passed",
+        "other changes:",
+        "  [said] wrap.mixed[cpu,ws2,fsdp2,massive]: outcome: failed -> passed",
     ]
 
 
@@ -932,7 +936,8 @@ def test_compare_memory_tolerance_flag_turns_the_move_into_no_regression(
     old, new, _ = pair
     code, out, _ = main(["compare", old, new, "--memory-tolerance", "0.1"], capsys)
     assert code == cli.EXIT_OK  # the remaining difference (fail -> pass) is not a regression
-    assert "0 regression(s), 1 difference(s)" in out
+    assert out.startswith("safe to upgrade: yes") and "regressions 0," in out
+    assert "other changes 1" in out
     code, out, _ = main(
         ["compare", old, new, "--memory-tolerance", "0.1", "--fail-on-change"], capsys
     )
@@ -948,10 +953,8 @@ def test_compare_identical_reports_exit_0_with_no_differences(
     for extra in ([], ["--fail-on-change"]):
         code, out, _ = main(["compare", old, same, *extra], capsys)
         assert code == cli.EXIT_OK
-        assert out.splitlines() == [
-            "compare: torch 2.13.0 -> 2.14.1: 0 regression(s), 0 difference(s)",
-            "no differences",
-        ]
+        assert out.splitlines()[0] == "safe to upgrade: yes (torch 2.13.0 -> 2.14.1)"
+        assert out.splitlines()[-1] == "no differences"
 
 
 def test_compare_json_output_parses_and_counts_regressions(
@@ -1228,8 +1231,9 @@ def test_compare_reports_of_different_models_are_not_comparable_unless_forced(
     code, out, err = main(["compare", old, new, "--force"], capsys)
     assert code == cli.EXIT_FAILED  # compared: every old check is missing from the new report
     assert "warning: the reports are not comparable" in err and "(--force)" in err
-    assert "2 regression(s)" in out.splitlines()[0]
-    assert "[REGRESSION] memory.peak[cpu,ws2,fsdp2,massive]: missing" in out
+    assert out.splitlines()[0].startswith("safe to upgrade: no")
+    assert "regressions 2," in out.splitlines()[1]
+    assert "[BLOCKS] memory.peak[cpu,ws2,fsdp2,massive]: missing" in out
 
 
 def test_compare_reports_with_no_check_in_common_are_not_comparable(
@@ -1257,7 +1261,7 @@ def test_compare_reports_with_no_check_in_common_are_not_comparable(
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     code, out, err = main(["compare", old, str(tmp_path / "partial.json")], capsys)
     assert code == cli.EXIT_FAILED, err
-    assert "[REGRESSION] memory.sawtooth[cpu,ws2,fsdp2,massive]: missing" in out
+    assert "[BLOCKS] memory.sawtooth[cpu,ws2,fsdp2,massive]: missing" in out
 
 
 @pytest.mark.parametrize("flag", ["--memory-tolerance", "--memory-floor-mib"])

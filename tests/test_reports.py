@@ -20,7 +20,7 @@ import torch
 
 from fsdp_conformance import _files, torch_errors
 from fsdp_conformance.claims.check import Check, Verdict, execute, run_check
-from fsdp_conformance.gate import compare
+from fsdp_conformance.gate import compare, verdict
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.compare import Difference, compare_reports
 from fsdp_conformance.gate.report import ReportError
@@ -369,9 +369,12 @@ def test_identical_reports_have_no_differences() -> None:
     )
     old, new = report(e, torch_version="2.13.0"), report(e, torch_version="2.14.1")
     assert compare_reports(old, new) == []
-    assert compare.format_differences(old, new, []) == (
-        "compare: torch 2.13.0 -> 2.14.1: 0 regression(s), 0 difference(s)\nno differences"
-    )
+    assert verdict.format_text(old, new, []).splitlines() == [
+        "safe to upgrade: yes (torch 2.13.0 -> 2.14.1)",
+        "  regressions 0, drift 0, known defects 0, deprecations 0, rollback 0, "
+        "fixed upstream 0, other changes 0",
+        "no differences",
+    ]
 
 
 def test_pass_to_fail_is_a_regression_with_the_reason() -> None:
@@ -452,9 +455,23 @@ def test_a_report_from_before_expected_failures_still_loads(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("old", "new", "kind", "regression", "says"),
     [
-        ("xfailed", "passed", "expectation", False, "fixed upstream? its expectation can go"),
-        ("passed", "xfailed", "expectation", False, "a known torch defect on the candidate"),
-        ("skipped", "xfailed", "expectation", False, "a known torch defect on the candidate"),
+        ("xfailed", "passed", "fixed", False, "fixed upstream? its expectation can go"),
+        # the user would hit the defect: the candidate is not safe
+        (
+            "passed",
+            "xfailed",
+            "known_defect",
+            True,
+            "the candidate has a known torch defect your checks hit",
+        ),
+        # the check never passed here: nothing the user had is lost
+        (
+            "skipped",
+            "xfailed",
+            "known_defect",
+            False,
+            "the candidate has a known torch defect your checks hit",
+        ),
         ("xfailed", "failed", "outcome", True, "xfailed -> failed"),
         ("xfailed", "error", "outcome", True, "xfailed -> error"),
         ("failed", "xfailed", "outcome", False, "failed -> xfailed"),
@@ -477,16 +494,18 @@ def test_compare_says_when_an_expected_failure_passes_and_when_no_expectation_co
 def test_a_documented_change_as_an_expected_failure_is_named_a_change_and_its_figures_still_count() -> (
     None
 ):
-    """defaults.fingerprint on 2.15 (kind "change"): the outcome move is not a regression and
-    says what it is; the dtype it moved is still a regression, so the gate still fails."""
+    """defaults.fingerprint on 2.15 (kind "change"): the outcome move is a known change the
+    user's checks hit, said as such; the dtype it moved is a regression too."""
     before = entry("defaults.fingerprint", figures={"reduce_scatter_dtype": "torch.bfloat16"})
     after = entry(
         "defaults.fingerprint", "xfailed", figures={"reduce_scatter_dtype": "torch.float32"}
     )
     after["expected"] = {**EXPECTED, "kind": "change"}
     diffs = compare_one(before, after)
-    assert kinds(diffs) == [("expectation", False), ("dtype", True)]
-    assert "passed -> xfailed: a known torch change on the candidate" in diffs[0].text
+    assert kinds(diffs) == [("known_defect", True), ("dtype", True)]
+    assert "passed -> xfailed: the candidate has a known torch change your checks hit" in (
+        diffs[0].text
+    )
     table = gate_report.format_table(report(after))
     assert "XFAILED  known torch change: " in table
 
@@ -657,9 +676,11 @@ def test_measured_floats_are_left_to_the_checks_and_other_figures_are_changes() 
         }
     )
     diffs = compare_one(old, new)
-    assert [(d.kind, d.regression, d.text) for d in diffs] == [
-        ("figure", False, "digest: 'b70745a46663be67' -> '8c4881791b91a717'")
-    ]
+    # No noise measured for the two floats: drift cannot be told from noise, and is said once.
+    assert [(d.kind, d.regression) for d in diffs] == [("figure", False), ("drift", False)]
+    assert diffs[0].text == "digest: 'b70745a46663be67' -> '8c4881791b91a717'"
+    assert "noise was never measured" in diffs[1].text
+    assert "loss" in diffs[1].text and "tracker_over_truth" in diffs[1].text
 
 
 # --------------------------------------------------------------------------------------------
@@ -677,8 +698,13 @@ def test_new_warning_and_new_deprecation_are_reported_as_changes() -> None:
         ]
     )
     diffs = compare_one(old, new)
+    cid = new["id"]
     assert [(d.kind, d.regression, d.text) for d in diffs] == [
-        ("deprecation", False, "new deprecation: FutureWarning: `NO_SHARD` is deprecated"),
+        (
+            "deprecation",
+            False,
+            f"NO_SHARD will break: FutureWarning: `NO_SHARD` is deprecated (called by {cid})",
+        ),
         ("warning", False, "new warning: UserWarning: returned a view tensor"),
     ]
 
@@ -736,11 +762,15 @@ def test_differences_print_regressions_first_with_their_check_ids() -> None:
     new = report(
         entry("a.one"), entry("b.two", outcome="failed", message="boom"), torch_version="2.14.1"
     )
-    text = compare.format_differences(old, new, compare_reports(old, new))
+    text = verdict.format_text(old, new, compare_reports(old, new))
     assert text.splitlines() == [
-        "compare: torch 2.13.0 -> 2.14.1: 1 regression(s), 2 difference(s)",
-        "  [REGRESSION] b.two[cpu,ws2,fsdp1,massive]: outcome: passed -> failed: boom",
-        "  [change] a.one[cpu,ws2,fsdp1,massive]: outcome: failed -> passed",
+        "safe to upgrade: no (torch 2.13.0 -> 2.14.1)",
+        "  regressions 1, drift 0, known defects 0, deprecations 0, rollback 0, "
+        "fixed upstream 0, other changes 1",
+        "regressions:",
+        "  [BLOCKS] b.two[cpu,ws2,fsdp1,massive]: outcome: passed -> failed: boom",
+        "other changes:",
+        "  [said] a.one[cpu,ws2,fsdp1,massive]: outcome: failed -> passed",
     ]
 
 

@@ -37,7 +37,6 @@ A figure only one report has (the suite added or dropped it) is a change, not a 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -46,6 +45,7 @@ from typing import Any
 from fsdp_conformance._files import PlainData
 from fsdp_conformance.expectations import known_label
 from fsdp_conformance.gate.migrate import migrate_report
+from fsdp_conformance.gate.noise import entry_noise, is_measured, is_memory_key, numbers
 from fsdp_conformance.gate.report import (
     DEPRECATION_CATEGORIES,
     UNIT_DATA_KEYS,
@@ -63,6 +63,15 @@ DEFAULT_MEMORY_FLOOR_BYTES = MiB
 #: six orders above the float64 rounding measured between routes to the same value (module
 #: docstring).
 NUMERIC_RTOL = 1e-9
+#: A measured figure is drift when it moves by more than this many times its noise (the largest
+#: spread of repeated runs on one torch, gate/noise.py): the spread of 2-3 runs underestimates
+#: the true one, 3x covers that (docs/upgrade-gate.md).
+DRIFT_K = 3.0
+#: The rounding floor of a measured float whose check states no ``numeric_rtol``: relative to
+#: the value (absolute for a difference against a reference, already relative). float32's
+#: summation-order scale (~1e-7 per operation, 1e-5 over a step: the loop's float32
+#: ``numeric_rtol``); a check in float64 or a lower precision states its own.
+DRIFT_RTOL = 1e-5
 #: Figure keys that are numeric results (a number or a list of numbers): a move beyond
 #: :data:`NUMERIC_RTOL` is a regression.
 NUMERIC_SUFFIXES = ("_norm", "_norms")
@@ -82,6 +91,7 @@ _OUTCOME_RANK = {"passed": 2, "skipped": 1, "xfailed": 1, "failed": 0, "error": 
 #: without stripping them the same warning would show up as "new" after any upgrade.
 _WARNING_NOISE = (
     re.compile(r"\s*\(Triggered internally at [^)]*\)\.?"),
+    re.compile(r"\s*\[called as [^\]]+\]$"),
     re.compile(r"\bat 0x[0-9a-fA-F]+"),
 )
 
@@ -91,8 +101,9 @@ class Difference(PlainData):
     """One difference between two reports."""
 
     check_id: str
-    #: outcome | expectation | missing | added | units | memory | dtype | numeric | digest |
-    #: collectives | order | warning | deprecation | figure | settings
+    #: outcome | known_defect | fixed | missing | added | units | memory | drift | dtype |
+    #: numeric | digest | collectives | order | warning | deprecation | rollback | figure |
+    #: settings (:data:`~fsdp_conformance.gate.verdict.CATEGORIES` groups them for the verdict)
     kind: str
     regression: bool
     text: str
@@ -103,6 +114,9 @@ def compare_reports(
     new: Mapping[str, Any],
     memory_tolerance: float = DEFAULT_MEMORY_TOLERANCE,
     memory_floor_bytes: float = DEFAULT_MEMORY_FLOOR_BYTES,
+    noise: Mapping[str, Any] | None = None,
+    rollback: Mapping[str, Any] | None = None,
+    fail_on_deprecation: bool = False,
 ) -> list[Difference]:
     """Every difference that matters for an upgrade, regressions flagged.
 
@@ -116,7 +130,16 @@ def compare_reports(
     Reported but not regressions: better outcomes, added checks, memory down, other changed
     figures, the same collectives in another order, new warnings and deprecations, different
     settings.
+
+    ``noise``: a noise table (:mod:`~fsdp_conformance.gate.noise`) for the figures whose entry
+    in ``old`` carries none: a measured figure moved beyond its noise is a ``drift``
+    (:func:`_drift`). A check going from passed to an expected failure is a regression
+    (``known_defect``: the candidate has a defect the user's checks hit); the reverse is
+    ``fixed`` upstream. ``rollback``: the report of the current torch loading the checkpoints
+    the candidate wrote (``run --load-checkpoint``): each checkpoint check it failed is a
+    ``rollback`` regression. ``fail_on_deprecation``: new deprecations are regressions too.
     """
+    context = _Context(memory_tolerance, memory_floor_bytes, noise)
     old_checks = {e["id"]: e for e in migrate_report(old)["checks"]}
     new_checks = {e["id"]: e for e in migrate_report(new)["checks"]}
     diffs = _compare_settings(old.get("settings") or {}, new.get("settings") or {})
@@ -130,31 +153,59 @@ def compare_reports(
         now = new_checks[cid]["outcome"]
         diffs.append(Difference(cid, "added", now in ("failed", "error"), f"new check (now {now})"))
     for cid in sorted(old_checks.keys() & new_checks.keys()):
-        diffs += _compare_entry(
-            cid, old_checks[cid], new_checks[cid], memory_tolerance, memory_floor_bytes
+        diffs += _compare_entry(cid, old_checks[cid], new_checks[cid], context)
+    if context.unmeasured:
+        diffs.append(
+            Difference(
+                f"{len(context.unmeasured)} checks",
+                "drift",
+                False,
+                "measured figures moved, but their noise was never measured, so drift cannot "
+                "be told from noise: "
+                + _items(sorted(context.unmeasured))
+                + "; measure it (`fsdp-conformance noise`, docs/upgrade-gate.md) and pass "
+                "--noise",
+            )
         )
-    return _group_warnings(diffs)
+    if rollback is not None:
+        diffs += rollback_differences(rollback)
+    return _group_warnings(diffs, fail_on_deprecation)
 
 
-def _group_warnings(diffs: Sequence[Difference]) -> list[Difference]:
-    """One difference per distinct new warning (or deprecation), naming every check that
-    raised it, where it was first seen: an upgrade's new warning is usually raised by many
-    checks, and one line each buried the differences that matter."""
+def _group_warnings(diffs: Sequence[Difference], fail_on_deprecation: bool) -> list[Difference]:
+    """One difference per distinct new warning, and per API a new deprecation names, listing
+    every check that raised it, where it was first seen: an upgrade's new warning is usually
+    raised by many checks, and one line each buried the differences that matter. A deprecation
+    is a regression with ``fail_on_deprecation``."""
     out: list[Difference] = []
-    groups: dict[tuple[str, str], list[str]] = {}
+    groups: dict[tuple[str, str], list[Difference]] = {}
     for d in diffs:
         if d.kind not in ("warning", "deprecation"):
             out.append(d)
             continue
-        key = (d.kind, d.text)
+        key = (d.kind, deprecated_api(d.text) if d.kind == "deprecation" else d.text)
         if key not in groups:
             groups[key] = []
             out.append(d)  # the placeholder keeps the first occurrence's position
-        groups[key].append(d.check_id)
+        groups[key].append(d)
     grouped = []
     for d in out:
-        cids = groups.get((d.kind, d.text)) if d.kind in ("warning", "deprecation") else None
-        if cids is None or len(cids) == 1:
+        if d.kind not in ("warning", "deprecation"):
+            grouped.append(d)
+            continue
+        members = groups[(d.kind, deprecated_api(d.text) if d.kind == "deprecation" else d.text)]
+        if d is not members[0]:
+            continue
+        cids = sorted({m.check_id for m in members})
+        texts = sorted({m.text for m in members})
+        blocking = d.kind == "deprecation" and fail_on_deprecation
+        if d.kind == "deprecation":
+            api = deprecated_api(d.text)
+            said = sorted({_CALLED_AS.sub("", t.split(": ", 1)[1]) for t in texts})
+            text = f"{api} will break: " + " | ".join(said) + f" (called by {', '.join(cids)})"
+            where = cids[0] if len(cids) == 1 else f"{len(cids)} checks"
+            grouped.append(Difference(where, d.kind, blocking, text))
+        elif len(cids) == 1:
             grouped.append(d)
         else:
             grouped.append(
@@ -163,6 +214,25 @@ def _group_warnings(diffs: Sequence[Difference]) -> list[Difference]:
                 )
             )
     return grouped
+
+
+#: The call a deprecation warning came through, as the worker records it (harness/worker.py):
+#: ``FutureWarning: ... [called as torch.x.f]``.
+_CALLED_AS = re.compile(r"\s*\[called as ([^\]]+)\]$")
+
+
+def deprecated_api(text: str) -> str:
+    """The API a deprecation names: the torch call it came through (recorded by the worker),
+    else the first name its message quotes in backticks, else its first dotted or called name,
+    else its message."""
+    found = _CALLED_AS.search(text)
+    if found:
+        return found.group(1)
+    message = text.split(": ", 2)[-1]
+    named = re.search(r"`([^`]+)`", message) or re.search(
+        r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?|[A-Za-z_]\w*\(\))", message
+    )
+    return named.group(1) if named else message
 
 
 #: Settings that define the model under test: reports that differ in one of them measured
@@ -207,8 +277,19 @@ def _compare_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Di
     ]
 
 
+@dataclasses.dataclass
+class _Context:
+    """What every entry's comparison shares: memory's tolerance and floor, the noise table, and
+    the measured figures that moved with no noise to judge them by (one summary line)."""
+
+    tol: float
+    floor: float
+    noise: Mapping[str, Any] | None
+    unmeasured: set[str] = dataclasses.field(default_factory=set)
+
+
 def _compare_entry(
-    cid: str, old: Mapping[str, Any], new: Mapping[str, Any], tol: float, floor: float
+    cid: str, old: Mapping[str, Any], new: Mapping[str, Any], context: _Context
 ) -> list[Difference]:
     diffs = []
     o, n = old["outcome"], new["outcome"]
@@ -230,21 +311,31 @@ def _compare_entry(
     rtol = max(
         [NUMERIC_RTOL] + [f["numeric_rtol"] for f in (of, nf) if _number(f.get("numeric_rtol"))]
     )
+    stated = any(_number(f.get("numeric_rtol")) for f in (of, nf))
     for key in sorted(of.keys() | nf.keys()):
         a, b = of.get(key), nf.get(key)
-        if a != b:
-            diffs += _figure_change(cid, key, a, b, (tol, floor, rtol), lists)
+        if a == b:
+            continue
+        if is_measured(key, a) and is_measured(key, b):
+            if n in ("failed", "error"):
+                continue  # the outcome is the regression, its measurements not a second one
+            spread = entry_noise(old, context.noise, key)
+            if is_memory_key(key):
+                diffs += _memory_change(cid, key, a, b, context.tol, context.floor, spread)
+            elif spread is None:
+                context.unmeasured.add(f"{cid} {key}")
+            else:
+                diffs += _drift(cid, key, a, b, spread, rtol if stated else DRIFT_RTOL)
+            continue
+        diffs += _figure_change(cid, key, a, b, rtol, lists)
     return diffs + _collective_changes(cid, old, new) + _new_warnings(cid, old, new)
 
 
 def _figure_change(
-    cid: str, key: str, a: Any, b: Any, tolerances: tuple[float, float, float], unit_lists: bool
+    cid: str, key: str, a: Any, b: Any, rtol: float, unit_lists: bool
 ) -> list[Difference]:
-    """One changed figure, by the conventions of the module docstring; ``tolerances``: memory's
-    relative tolerance and floor, the numeric results' relative tolerance."""
-    tol, floor, rtol = tolerances
-    if _is_memory_key(key) and a is not None and b is not None:
-        return _memory_change(cid, key, a, b, tol, floor)
+    """One changed figure that is not a measurement, by the conventions of the module
+    docstring; ``rtol``: the numeric results' relative tolerance."""
     if key.endswith(("_dtype", "_dtypes")):
         return [Difference(cid, "dtype", True, f"{key}: {a} -> {b}")]
     if key == "units":
@@ -256,9 +347,68 @@ def _figure_change(
         if key.endswith(NUMERIC_SUFFIXES):
             return _numeric_change(cid, key, a, b, rtol)
         return [Difference(cid, "digest", True, f"{key}: {_changed_values(a, b)}")]
-    if _is_measurement(a) or _is_measurement(b):
-        return []  # measured floats (losses, ratios) move run to run; their checks judge them
+    if key == "numeric_rtol" or _is_measurement(a) or _is_measurement(b):
+        return []  # a stated tolerance, or a figure the suite added or dropped
     return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
+
+
+def _resolution(value: float) -> float:
+    """The unit of the last digit a figure was stored with (``27.6`` -> 0.1): a move inside it
+    is the rounding of the stored figure, not a measurement."""
+    text = repr(float(value)).lower()
+    mantissa, _, exponent = text.partition("e")
+    digits = len(mantissa.split(".", 1)[1]) if "." in mantissa else 0
+    if mantissa.endswith(".0"):
+        digits = 0
+    return float(10.0 ** (int(exponent or 0) - digits))
+
+
+def is_error_figure(key: str) -> bool:
+    """A difference against a reference (``update_rel_diff``, ``max_param_diff``): growing is
+    moving away from the reference, shrinking is moving towards it."""
+    return key.endswith(("_diff", "_diffs"))
+
+
+def is_loss_figure(key: str) -> bool:
+    """A loss (``loss``, ``reference_loss``, ``losses``): what the step computed."""
+    return key in ("loss", "losses") or key.endswith(("_loss", "_losses"))
+
+
+def _drift(cid: str, key: str, a: Any, b: Any, spread: float, rtol: float) -> list[Difference]:
+    """A measured float (not memory) against its noise: each value moved by more than
+    :data:`DRIFT_K` times the noise, and more than the rounding floor (the stored resolution;
+    ``rtol``, relative to the value, or absolute for a difference against a reference, which is
+    already relative), is drift. A regression when the step computes something else: a
+    difference against the reference grown, a loss moved; another figure (a ratio) moved, or a
+    difference shrunk towards the reference, is drift reported, not a regression."""
+    xs, ys = numbers(a) or [], numbers(b) or []
+    if len(xs) != len(ys):
+        return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
+    moved, grew = [], False
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        scale = 1.0 if is_error_figure(key) else max(abs(x), abs(y))
+        floor = max(_resolution(x), _resolution(y), rtol * scale)
+        if math.isnan(x) != math.isnan(y) or abs(y - x) > max(DRIFT_K * spread, floor):
+            label = f"[{i}] " if len(xs) > 1 else ""
+            moved.append(f"{label}{x!r} -> {y!r}")
+            grew = grew or not y <= x  # a NaN is never better
+    if not moved:
+        return []
+    if is_error_figure(key):
+        regression = grew
+        how = "away from the reference" if grew else "towards the reference"
+    else:
+        regression = is_loss_figure(key)
+        how = "the step computes another loss" if regression else "moved"
+    return [
+        Difference(
+            cid,
+            "drift",
+            regression,
+            f"{key}: {_items(moved)} ({how}; noise {spread:.3g} over repeated runs, "
+            f"drift beyond {DRIFT_K}x it and the rounding floor {rtol:.0e})",
+        )
+    ]
 
 
 def _changed_values(a: Any, b: Any) -> str:
@@ -311,15 +461,16 @@ def _numeric_change(cid: str, key: str, a: Any, b: Any, rtol: float) -> list[Dif
 
 
 def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference:
-    """A move into or out of an expected failure (a known torch defect), not a regression: the
-    defect is fixed on the candidate (xfailed -> passed), or a known one on it (-> xfailed).
-    A failure no expectation covers stays a regression (the outcome rule)."""
+    """A move into or out of an expected failure (a known torch defect). Into it is a regression
+    (``known_defect``): the candidate has a defect the user's checks hit, and the user would hit
+    it too; out of it is ``fixed`` upstream (its expectation can go). A failure no expectation
+    covers stays a regression (the outcome rule)."""
     o, n = old["outcome"], new["outcome"]
     if o == "xfailed":
         why = (old.get("expected") or {}).get("link", "")
         return Difference(
             cid,
-            "expectation",
+            "fixed",
             False,
             f"xfailed -> {n}: the expected failure ({why}) no longer fails on the "
             "candidate: fixed upstream? its expectation can go",
@@ -327,11 +478,43 @@ def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
     expected = new.get("expected") or {}
     return Difference(
         cid,
-        "expectation",
-        False,
-        f"{o} -> xfailed: a {known_label(expected.get('kind'))} on the candidate: "
-        f"{expected.get('reason', '')} ({expected.get('link', '')})",
+        "known_defect",
+        o == "passed",
+        f"{o} -> xfailed: the candidate has a {known_label(expected.get('kind'))} your checks "
+        f"hit: {expected.get('reason', '')} ({expected.get('link', '')})",
     )
+
+
+def rollback_differences(report: Mapping[str, Any]) -> list[Difference]:
+    """The rollback report (the current torch loading the candidate's checkpoints, ``run
+    --load-checkpoint``): each checkpoint check that did not pass is a ``rollback`` regression,
+    in its message's first line; none run is said, as is every one passing."""
+    entries = [e for e in report["checks"] if e["check"].startswith("state.checkpoint")]
+    torch = report["environment"]["torch"]
+    if not entries:
+        return [
+            Difference(
+                "(rollback)",
+                "rollback",
+                True,
+                f"the rollback report (torch {torch}) holds no state.checkpoint check: run it "
+                "with --load-checkpoint DIR, DIR the candidate's --save-checkpoint",
+            )
+        ]
+    bad = [e for e in entries if e["outcome"] not in ("passed", "xfailed")]
+    if not bad:
+        return [
+            Difference(
+                "(rollback)",
+                "rollback",
+                False,
+                f"torch {torch} loads the checkpoints the candidate wrote ({len(entries)} checks)",
+            )
+        ]
+    return [
+        Difference(e["id"], "rollback", True, f"rollback: {first_line(e.get('message', ''))}")
+        for e in bad
+    ]
 
 
 #: Changed items listed in one difference line before "(+N more)".
@@ -479,11 +662,6 @@ def _is_measurement(value: Any) -> bool:
     return False
 
 
-def _is_memory_key(key: str) -> bool:
-    """Memory figures: ``*_bytes``, or ``*_MiB`` / ``*_mib`` (already in MiB)."""
-    return key.endswith("_bytes") or key.lower().endswith("_mib")
-
-
 def _mib(key: str, value: float) -> float:
     return value / MiB if key.endswith("_bytes") else value
 
@@ -493,35 +671,46 @@ def _number(value: Any) -> bool:
 
 
 def _memory_change(
-    cid: str, key: str, a: Any, b: Any, tol: float, floor_bytes: float
+    cid: str, key: str, a: Any, b: Any, tol: float, floor_bytes: float, spread: float | None
 ) -> list[Difference]:
-    """A memory figure (a number, or a list of numbers compared element by element)."""
-    if _number(a) and _number(b):
-        pairs = [(key, a, b)]
-    elif (
-        isinstance(a, list)
-        and isinstance(b, list)
-        and len(a) == len(b)
-        and all(_number(x) for x in a + b)
-    ):
-        pairs = [(f"{key}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
-    else:
+    """A memory figure (a number, or a list of numbers compared element by element): a rise
+    beyond the relative tolerance, the absolute floor and :data:`DRIFT_K` times its noise (where
+    measured) is a regression; a move beyond its noise inside the tolerance is drift, said."""
+    xs, ys = numbers(a), numbers(b)
+    if xs is None or ys is None or len(xs) != len(ys):
         return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
+    single = _number(a)
     floor = floor_bytes if key.endswith("_bytes") else floor_bytes / MiB
-    diffs = []
-    for label, x, y in pairs:
+    noise = DRIFT_K * spread if spread is not None else 0.0
+    diffs, drifted = [], []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        label = key if single else f"{key}[{i}]"
         # Both a relative and an absolute threshold: a move off a zero (or tiny) baseline is
         # infinite in relative terms, and OS high-water marks resolve to about 1 MB.
         rel = (y - x) / x if x else float("inf") if y > x else float("-inf")
-        if abs(y - x) <= floor or abs(rel) <= tol:
-            continue
+        values = f"{_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}"
+        beyond_noise = abs(y - x) > max(noise, _resolution(x), _resolution(y))
+        if abs(y - x) > floor and abs(rel) > tol and abs(y - x) > noise:
+            said = f"; noise {_mib(key, spread):.2f} MiB" if spread is not None else ""
+            diffs.append(
+                Difference(
+                    cid,
+                    "memory",
+                    y > x,
+                    f"{label}: {values}; tolerance {tol:.0%}, floor {floor_bytes / MiB:.2f} "
+                    f"MiB{said})",
+                )
+            )
+        elif spread is not None and beyond_noise:
+            drifted.append(f"{label}: {values})")
+    if drifted:
         diffs.append(
             Difference(
                 cid,
-                "memory",
-                y > x,
-                f"{label}: {_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}; tolerance "
-                f"{tol:.0%}, floor {floor_bytes / MiB:.2f} MiB)",
+                "drift",
+                False,
+                f"memory moved beyond its noise ({_mib(key, spread or 0.0):.2f} MiB over "
+                f"repeated runs), inside the tolerance: {_items(drifted)}",
             )
         )
     return diffs
@@ -558,45 +747,3 @@ def _unit_change(
     if not parts and [u["fqn"] for u in old_units] != [u["fqn"] for u in new_units]:
         parts.append("unit order: " + ", ".join(u["fqn"] or "(root)" for u in new_units))
     return "unit structure changed: " + "; ".join(parts) if parts else ""
-
-
-def format_differences(
-    old: Mapping[str, Any], new: Mapping[str, Any], diffs: Sequence[Difference]
-) -> str:
-    regressions = sum(d.regression for d in diffs)
-    head = (
-        f"compare: torch {old['environment']['torch']} -> {new['environment']['torch']}: "
-        f"{regressions} regression(s), {len(diffs)} difference(s)"
-    )
-    if not diffs:
-        return head + "\nno differences"
-    lines = [head]
-    for d in sorted(diffs, key=lambda d: not d.regression):  # regressions first, stable
-        mark = "REGRESSION" if d.regression else "change"
-        lines.append(f"  [{mark}] {d.check_id}: {d.kind}: {d.text}")
-    return "\n".join(lines)
-
-
-def render(
-    old: Mapping[str, Any],
-    new: Mapping[str, Any],
-    diffs: Sequence[Difference],
-    paths: tuple[str, str],
-    memory_tolerance: float,
-    memory_floor_mib: float,
-    as_json: bool,
-) -> str:
-    """What ``compare`` prints: the differences as text, or as JSON with both reports' torch."""
-    if not as_json:
-        return format_differences(old, new, diffs)
-    return json.dumps(
-        {
-            "old": {"path": paths[0], "torch": old["environment"]["torch"]},
-            "new": {"path": paths[1], "torch": new["environment"]["torch"]},
-            "memory_tolerance": memory_tolerance,
-            "memory_floor_mib": memory_floor_mib,
-            "regressions": sum(d.regression for d in diffs),
-            "differences": [d.to_dict() for d in diffs],
-        },
-        indent=2,
-    )

@@ -14,10 +14,13 @@ Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.m
          "outcome": "passed", "message": "...", "figures": {...}, "data": {...},
          "seconds": 0.12, "warnings": ["UserWarning: ..."], "deprecations": ["FutureWarning: ..."],
          "expected": {"check": "...", "torch": ">=2.13, <2.16", "reason": "...", "link": "..."},
+         "noise": {"update_rel_diff": 0.0},
          "traceback": "check 'x' failed on 2 ranks: ..."}
 
 ``xfailed``: a failure a known torch defect explains (``fsdp_conformance/expectations.toml``);
-``expected`` is on every entry an expectation covers, xfailed or passed. ``traceback``: on an
+``expected`` is on every entry an expectation covers, xfailed or passed. ``noise``: the spread
+of each measured figure over repeated runs on one torch (gate/noise.py), on the entries of the
+reference models' runs; absent where never measured. ``traceback``: on an
 error, every rank's story (its ``message`` is then one line); absent in reports before it.
       ]
     }
@@ -157,6 +160,12 @@ def build_report(
     settings_data = {
         k: _jsonable(v) for k, v in dataclasses.asdict(settings).items() if k != "sources"
     }
+    if settings.model is None:
+        # The reference models' measured figures carry their noise (gate/noise.py); a user's
+        # model has its own, measured by the gate (ci/upgrade-gate.sh).
+        from fsdp_conformance.gate.noise import annotate, reference_table
+
+        annotate([e for e in entries if isinstance(e, dict)], reference_table())
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import sys
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -68,12 +70,65 @@ class RankOutcome:
     status: str  # "ok" | "error" | "skip" | "died" | "hung" | "silent" | "leaked"
     value: Any = None
     detail: str = ""  # traceback, skip reason, death cause, or stack dump
-    #: Warnings the check emitted on this rank ("Category: message"), deprecations among them.
+    #: Warnings the check emitted on this rank (:func:`warning_text`), deprecations among them.
     warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+#: Warning categories that announce an API going away.
+DEPRECATION_CATEGORIES = ("DeprecationWarning", "FutureWarning", "PendingDeprecationWarning")
+#: Modules between the torch call and the warning that name no API of their own (decorators,
+#: the warning machinery, this module).
+_TRANSPARENT = frozenset({"warnings", "typing_extensions", "functools", "contextlib", __name__})
+
+
+def called_torch_api(frame: types.FrameType | None) -> str | None:
+    """The torch function the check's own code called that raised a warning, from the frame of
+    the warning machinery outward: the outermost torch frame below the first frame outside
+    torch (``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel.
+    state_dict_type``); None when the warning was raised outside torch."""
+    api = None
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module == "torch" or module.startswith("torch."):
+            code = frame.f_code
+            api = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+        elif module not in _TRANSPARENT and module.split(".", 1)[0] not in _TRANSPARENT:
+            return api  # the caller: the torch frames below it, or none
+        frame = frame.f_back
+    return api
+
+
+def warning_text(category: type[Warning], message: Warning | str, api: str | None) -> str:
+    """A warning as a rank reports it: ``Category: message``, and for a deprecation the torch
+    call it came through, ``... [called as torch.x.f]`` (compare groups deprecations by it)."""
+    text = f"{category.__name__}: {message}"
+    if api and category.__name__ in DEPRECATION_CATEGORIES:
+        text += f" [called as {api}]"
+    return text
+
+
+def recording_warnings(into: list[str]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that appends each warning's :func:`warning_text` to ``into``
+    (used inside ``warnings.catch_warnings``, which puts the original back)."""
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        api = None
+        if category.__name__ in DEPRECATION_CATEGORIES:
+            api = called_torch_api(sys._getframe(1))
+        into.append(warning_text(category, message, api))
+
+    return show
 
 
 def function_name(fn: Callable[..., Any]) -> str:

@@ -65,8 +65,10 @@ def execute_check(
     """
     caught: list[str] = []
     with clean_global_state() as unrestorable:
-        with warnings.catch_warnings(record=True) as records:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            # every warning, and for a deprecation the torch call it came through
+            warnings.showwarning = protocol.recording_warnings(caught)
             try:
                 value = fn(ctx, *args, **kwargs)
                 synchronize_device(ctx)  # an asynchronous CUDA/NCCL error is this check's
@@ -80,8 +82,6 @@ def execute_check(
                     value, status, detail = None, "skip", str(getattr(exc, "msg", exc))
                 else:
                     value, status, detail = None, "error", traceback_text(exc)
-        for w in records:
-            caught.append(f"{w.category.__name__}: {w.message}")
     if unrestorable:
         # The check that changed the state fails (a skip too: the pool must be rebuilt either
         # way), never the next, innocent one.
