@@ -1,32 +1,88 @@
 #!/usr/bin/env bash
-# The torch-upgrade gate: the same suite on two torch versions, two reports, one compare;
-# a checkpoint the current torch saves is loaded by the candidate.
-# Usage: ci/upgrade-gate.sh OLD_CONSTRAINT NEW_CONSTRAINT [extra args for `fsdp-conformance run`]
+# The torch-upgrade gate: the same suite, on your model and settings, on the current torch and
+# on the candidate; checkpoints carried both ways; one verdict (docs/upgrade-gate.md).
+#
+# Usage: ci/upgrade-gate.sh OLD_CONSTRAINT NEW_CONSTRAINT [run args ...]
 #   e.g. ci/upgrade-gate.sh ci/constraints-cpu.txt ci/constraints-torch-2.14.1.txt
-# Exit status: compare's (0 no regression, 1 regression, 2 bad input).
+#        ci/upgrade-gate.sh old.txt new.txt --model mypkg.model:build --block-cls Block
+# Environment:
+#   GATE_PROJECT      your project's folder (default: the folder you run the script from). It is
+#                     installed into both environments when it has a pyproject.toml or setup.py
+#                     (so --model can import it), and `run` runs there, so its
+#                     [tool.fsdp_conformance] table applies on both sides.
+#   GATE_NOISE_RUNS   runs of the current torch that measure the noise of every measured figure
+#                     (default 2; 1 skips it: drift is then judged only where a report carries
+#                     its noise, the reference models').
+#   GATE_LANE         the lane (default auto: the GPU lane too where the torch sees GPUs).
+#   GATE_OUT          where the reports go (default fsdp-conformance-report/gate in the project).
+# Steps: each side's environment; the current torch runs (GATE_NOISE_RUNS times) and saves its
+# checkpoints; the candidate runs, loading them and saving its own; the current torch loads the
+# candidate's (rollback); compare, verdict first, in text, Markdown and JSON.
+# Exit status: compare's (0 safe to upgrade, 1 not safe, 2 bad input).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+suite=$(cd "$(dirname "$0")/.." && pwd)
 old=${1:?give the constraints file of the current torch}
 new=${2:?give the constraints file of the candidate torch}
 shift 2
-out=fsdp-conformance-report/gate
+old=$(realpath "$old")
+new=$(realpath "$new")
+project=$(realpath "${GATE_PROJECT:-$PWD}")
+runs=${GATE_NOISE_RUNS:-2}
+lane=${GATE_LANE:-auto}
+out=$(realpath -m "${GATE_OUT:-$project/fsdp-conformance-report/gate}")
 mkdir -p "$out"
-# The current torch saves a distributed checkpoint of each variant (state.checkpoint), the
-# candidate loads it: the check has the same id on both sides, so compare shows its outcome.
-rm -rf "$out/checkpoint"
-declare -A checkpoint=([old]="--save-checkpoint" [new]="--load-checkpoint")
+rm -rf "$out/checkpoint-old" "$out/checkpoint-new"
+
 for side in old new; do
   constraints=${!side}
-  python3 -m venv ".venv-gate-$side"
-  ".venv-gate-$side/bin/pip" install -q -c "$constraints" -e ".[test]"
-  # A failing check must not stop the gate: compare reports it as a regression.
-  ".venv-gate-$side/bin/fsdp-conformance" run --lane cpu --out "$out/$side" \
-    "${checkpoint[$side]}" "$out/checkpoint" "$@" || true
+  venv="$out/.venv-$side"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q -c "$constraints" -e "$suite[test]"
+  if [[ "$project" != "$suite" && ( -f "$project/pyproject.toml" || -f "$project/setup.py" ) ]]; then
+    "$venv/bin/python" -m pip install -q -c "$constraints" -e "$project"
+  fi
 done
+
+conformance() {  # side, args...: fsdp-conformance in that side's environment
+  local side=$1
+  shift
+  "$out/.venv-$side/bin/python" -m fsdp_conformance.cli "$@"
+}
+
+gate_run() {  # side, out dir, run args...: a failing check must not stop the gate
+  local side=$1 dir=$2
+  shift 2
+  (cd "$project" && conformance "$side" run --lane "$lane" --no-plot --out "$dir" "$@") || true
+}
+
+# The current torch: its checkpoints for the candidate, and its noise.
+gate_run old "$out/old" --save-checkpoint "$out/checkpoint-old" "$@"
+noise_args=()
+if (( runs > 1 )); then
+  repeats=("$out/old/report.json")
+  for ((i = 2; i <= runs; i++)); do
+    gate_run old "$out/old-$i" "$@"
+    repeats+=("$out/old-$i/report.json")
+  done
+  if conformance old noise "${repeats[@]}" --out "$out/noise.json"; then
+    noise_args=(--noise "$out/noise.json")
+  else
+    echo "gate: the noise was not measured (above); drift is judged only where a report" \
+      "carries its noise" >&2
+  fi
+fi
+# The candidate: loads the current torch's checkpoints, saves its own.
+gate_run new "$out/new" --load-checkpoint "$out/checkpoint-old" \
+  --save-checkpoint "$out/checkpoint-new" "$@"
+# Rollback: the current torch loads what the candidate saved.
+gate_run old "$out/rollback" --checks state.checkpoint --load-checkpoint "$out/checkpoint-new" "$@"
+
+compare=(compare "$out/old/report.json" "$out/new/report.json" "${noise_args[@]}"
+  --rollback "$out/rollback/report.json")
 set +e
-.venv-gate-new/bin/fsdp-conformance compare "$out/old/report.json" "$out/new/report.json" \
-  | tee "$out/compare.txt"
+conformance new "${compare[@]}" | tee "$out/compare.txt"
 status=${PIPESTATUS[0]}
-.venv-gate-new/bin/fsdp-conformance compare --json "$out/old/report.json" \
-  "$out/new/report.json" > "$out/compare.json"
+conformance new "${compare[@]}" --markdown > "$out/compare.md"
+conformance new "${compare[@]}" --json > "$out/compare.json"
+echo "gate: $out/compare.txt, compare.md, compare.json"
 exit "$status"

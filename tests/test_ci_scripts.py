@@ -25,7 +25,7 @@ import pytest
 process = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("ci/gpu-check.sh", "ci/gpu-lane.sh", "ci/lint.sh")
+SCRIPTS = ("ci/gpu-check.sh", "ci/gpu-lane.sh", "ci/lint.sh", "ci/upgrade-gate.sh")
 
 STUB = r"""#!/usr/bin/env bash
 # Stand-in for python, pip and the tools the GPU scripts call: logs the call, then pretends.
@@ -399,3 +399,73 @@ def test_tox_lint_env_runs_the_lint_script_with_its_own_python() -> None:
     setenv = lint.get("setenv", fallback="")
     assert re.search(r"^\s*PYTHON\s*=\s*\{envpython\}\s*$", setenv, re.MULTILINE), setenv
     assert "lint" in lint.get("extras", fallback="").split(), "tox -e lint lacks the lint extra"
+
+
+# --------------------------------------------------------------------------------------------
+# ci/upgrade-gate.sh: both directions, the user's project, the noise, one verdict (issue 36)
+# --------------------------------------------------------------------------------------------
+
+
+def gate_calls(stubs: Stubs, project: Path) -> list[str]:
+    """The fsdp-conformance calls the gate made, with the gate folder written as GATE."""
+    gate = str(project / "fsdp-conformance-report" / "gate")
+    return [
+        c.split(" -m fsdp_conformance.cli ", 1)[1].replace(gate, "GATE")
+        for c in stubs.calls(" -m fsdp_conformance.cli ")
+    ]
+
+
+@process
+def test_upgrade_gate_runs_both_directions_on_the_users_project_with_its_noise(
+    stubs: Stubs, tmp_path: Path
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[tool.fsdp_conformance]\nblock_cls = 'Block'\n")
+    (tmp_path / "old.txt").write_text("torch==2.13.0\n")
+    (tmp_path / "new.txt").write_text("torch==2.15.0\n")
+    result = stubs.run(
+        "ci/upgrade-gate.sh",
+        {"GATE_PROJECT": str(project), "STUB_REPORT_RC": "1"},
+        str(tmp_path / "old.txt"),
+        str(tmp_path / "new.txt"),
+        "--model",
+        "mypkg.model:build",
+    )
+    # compare's status is the gate's: 1, not safe to upgrade
+    assert result.returncode == 1, result.stdout + result.stderr
+    # each side installs the suite and the user's project, with its own constraints
+    installs = stubs.calls(" -m pip install")
+    for side, pin in (("old", "old.txt"), ("new", "new.txt")):
+        mine = [c for c in installs if f".venv-{side}/" in c]
+        assert len(mine) == 2 and all(pin in c for c in mine), installs
+        assert mine[1].endswith(f"-e {project}"), mine
+    run = "run --lane auto --no-plot --out"
+    assert gate_calls(stubs, project) == [
+        f"{run} GATE/old --save-checkpoint GATE/checkpoint-old --model mypkg.model:build",
+        f"{run} GATE/old-2 --model mypkg.model:build",
+        "noise GATE/old/report.json GATE/old-2/report.json --out GATE/noise.json",
+        f"{run} GATE/new --load-checkpoint GATE/checkpoint-old --save-checkpoint "
+        "GATE/checkpoint-new --model mypkg.model:build",
+        f"{run} GATE/rollback --checks state.checkpoint --load-checkpoint GATE/checkpoint-new "
+        "--model mypkg.model:build",
+        *(
+            "compare GATE/old/report.json GATE/new/report.json "
+            f"--rollback GATE/rollback/report.json{fmt}"
+            for fmt in ("", " --markdown", " --json")
+        ),
+    ]
+    # the stand-in's noise command failed (exit 1): the gate went on without it, and said so
+    assert "the noise was not measured" in result.stderr
+    # with the noise measured, compare judges drift with it; safe: exit 0
+    stubs.log.write_text("")
+    result = stubs.run(
+        "ci/upgrade-gate.sh",
+        {"GATE_PROJECT": str(project)},
+        str(tmp_path / "old.txt"),
+        str(tmp_path / "new.txt"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    compares = [c for c in gate_calls(stubs, project) if c.startswith("compare ")]
+    assert len(compares) == 3 and all("--noise GATE/noise.json" in c for c in compares)
+

@@ -352,17 +352,6 @@ def _figure_change(
     return [Difference(cid, "figure", False, f"{key}: {a!r} -> {b!r}")]
 
 
-def _resolution(value: float) -> float:
-    """The unit of the last digit a figure was stored with (``27.6`` -> 0.1): a move inside it
-    is the rounding of the stored figure, not a measurement."""
-    text = repr(float(value)).lower()
-    mantissa, _, exponent = text.partition("e")
-    digits = len(mantissa.split(".", 1)[1]) if "." in mantissa else 0
-    if mantissa.endswith(".0"):
-        digits = 0
-    return float(10.0 ** (int(exponent or 0) - digits))
-
-
 def is_error_figure(key: str) -> bool:
     """A difference against a reference (``update_rel_diff``, ``max_param_diff``): growing is
     moving away from the reference, shrinking is moving towards it."""
@@ -376,9 +365,9 @@ def is_loss_figure(key: str) -> bool:
 
 def _drift(cid: str, key: str, a: Any, b: Any, spread: float, rtol: float) -> list[Difference]:
     """A measured float (not memory) against its noise: each value moved by more than
-    :data:`DRIFT_K` times the noise, and more than the rounding floor (the stored resolution;
-    ``rtol``, relative to the value, or absolute for a difference against a reference, which is
-    already relative), is drift. A regression when the step computes something else: a
+    :data:`DRIFT_K` times the noise, and more than the rounding floor (``rtol``, relative to the
+    value, or absolute for a difference against a reference, which is already relative), is
+    drift. A regression when the step computes something else: a
     difference against the reference grown, a loss moved; another figure (a ratio) moved, or a
     difference shrunk towards the reference, is drift reported, not a regression."""
     xs, ys = numbers(a) or [], numbers(b) or []
@@ -387,7 +376,7 @@ def _drift(cid: str, key: str, a: Any, b: Any, spread: float, rtol: float) -> li
     moved, grew = [], False
     for i, (x, y) in enumerate(zip(xs, ys)):
         scale = 1.0 if is_error_figure(key) else max(abs(x), abs(y))
-        floor = max(_resolution(x), _resolution(y), rtol * scale)
+        floor = rtol * scale
         if math.isnan(x) != math.isnan(y) or abs(y - x) > max(DRIFT_K * spread, floor):
             label = f"[{i}] " if len(xs) > 1 else ""
             moved.append(f"{label}{x!r} -> {y!r}")
@@ -512,7 +501,7 @@ def rollback_differences(report: Mapping[str, Any]) -> list[Difference]:
             )
         ]
     return [
-        Difference(e["id"], "rollback", True, f"rollback: {first_line(e.get('message', ''))}")
+        Difference(e["id"], "rollback", True, first_line(e.get("message", ""), width=None))
         for e in bad
     ]
 
@@ -689,7 +678,7 @@ def _memory_change(
         # infinite in relative terms, and OS high-water marks resolve to about 1 MB.
         rel = (y - x) / x if x else float("inf") if y > x else float("-inf")
         values = f"{_mib(key, x):.2f} MiB -> {_mib(key, y):.2f} MiB ({rel:+.1%}"
-        beyond_noise = abs(y - x) > max(noise, _resolution(x), _resolution(y))
+        beyond_noise = abs(y - x) > noise
         if abs(y - x) > floor and abs(rel) > tol and abs(y - x) > noise:
             said = f"; noise {_mib(key, spread):.2f} MiB" if spread is not None else ""
             diffs.append(
