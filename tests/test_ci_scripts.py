@@ -468,4 +468,3 @@ def test_upgrade_gate_runs_both_directions_on_the_users_project_with_its_noise(
     assert result.returncode == 0, result.stdout + result.stderr
     compares = [c for c in gate_calls(stubs, project) if c.startswith("compare ")]
     assert len(compares) == 3 and all("--noise GATE/noise.json" in c for c in compares)
-
