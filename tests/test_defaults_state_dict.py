@@ -16,7 +16,10 @@ from fsdp_conformance.claims.defaults.state_dict import (
     StateDictDefaults,
     verdict_state_dict,
 )
+from fsdp_conformance.gate import report as gate_report
+from fsdp_conformance.gate.compare import compare_reports
 from fsdp_conformance.harness import Ranks
+from fsdp_conformance.settings import Settings
 
 pytestmark = pytest.mark.cpu
 
@@ -38,6 +41,10 @@ MOVED: dict[str, dict[str, tuple[Any, Any]]] = {
         "get_model_state_dict.layout": ("sharded", "full"),
         "get_model_state_dict.shares_storage": (True, False),
         "get_optimizer_state_dict.layout": ("sharded", "full"),
+        "get_model_state_dict.submodule_keys": (
+            ["layers.1.bias", "layers.1.weight"],
+            ["bias", "weight"],
+        ),
         "set_model_state_dict.missing_key": ("raises RuntimeError", "returned []"),
         "torch_load.foreign_object": ("refused (UnpicklingError)", "read"),
     },
@@ -45,7 +52,12 @@ MOVED: dict[str, dict[str, tuple[Any, Any]]] = {
 #: The faults each version's run injects at once (FSDP1 has no faults of FSDP2's alone).
 VERSION_FAULTS = {
     "fsdp1": tuple(FAULTS),
-    "fsdp2": ("full_state_dict_default", "strict_default", "torch_load_weights_only_default"),
+    "fsdp2": (
+        "full_state_dict_default",
+        "keep_submodule_prefixes_default",
+        "strict_default",
+        "torch_load_weights_only_default",
+    ),
 }
 
 
@@ -83,6 +95,29 @@ def test_state_dict_defaults_match_torch_and_a_changed_default_fails_naming_it(
         line = f"  {key}: expected {want!r} (torch 2.13, options unset), observed {got!r}"
         assert line in lines, (line, changed.message)
         assert key in head
+    # compare between the two reports: the outcome a regression, each moved figure a difference
+    diffs = compare_reports(_report(version, clean), _report(version, changed))
+    [outcome] = [d for d in diffs if d.kind == "outcome"]
+    assert outcome.regression and outcome.text.startswith("passed -> failed: "), outcome
+    figures = {d.text.split(":", 1)[0] for d in diffs if d.kind == "figure"}
+    assert set(MOVED[version]) <= figures, figures
+
+
+def _report(version: str, verdict: Verdict) -> dict[str, Any]:
+    entry = gate_report.check_entry(
+        check="defaults.state_dict",
+        claim="defaults",
+        lane="cpu",
+        world_size=2,
+        variant=version,
+        outcome="passed" if verdict.passed else "failed",
+        message=verdict.message,
+        figures=verdict.figures,
+        data=verdict.data,
+        seconds=1.0,
+        warnings=(),
+    )
+    return gate_report.build_report([entry], Settings(), 1.0)
 
 
 def _verdict(version: str, **changes: Any) -> Verdict:

@@ -31,6 +31,7 @@ import io
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -54,6 +55,8 @@ UNITS = ("layers.0", "layers.1", "layers.2", "norm")
 KEYS = sorted(f"{m}.{p}" for m in UNITS for p in ("bias", "weight"))
 #: The keys the optimizer holds state for (the trainable parameters).
 TRAINABLE = [k for k in KEYS if not k.startswith(FROZEN + ".")]
+#: The submodule whose state dict alone is asked for (``submodules=``).
+SUBMODULE = "layers.1"
 #: The key left out of the dict given to ``set_model_state_dict``.
 DROPPED = "norm.bias"
 #: The parameter changed inside ``summon_full_params`` (every rank adds :data:`WRITE_DELTA`).
@@ -82,6 +85,9 @@ def _dsd_expected(tensor: str, shares: bool) -> dict[str, Any]:
         "get_model_state_dict.keys": KEYS,
         **_described_as("get_model_state_dict", tensor, "sharded", shares),
         "get_model_state_dict.ranks_holding": "every rank",
+        # keep_submodule_prefixes unset: the model's FQNs; the argument deprecated since 2.4
+        "get_model_state_dict.submodule_keys": [f"{SUBMODULE}.bias", f"{SUBMODULE}.weight"],
+        "get_model_state_dict.submodules_deprecated": True,
         "get_optimizer_state_dict.layout": ["param_groups", "state"],
         "get_optimizer_state_dict.state_keys": TRAINABLE,
         "get_optimizer_state_dict.param_state": ADAM_STATE,
@@ -189,6 +195,11 @@ FAULTS = FaultTable(
         "StateDictOptions' full_state_dict defaults to True (get_model_state_dict and "
         "get_optimizer_state_dict hand every rank whole tensors)",
         _options_default("full_state_dict", True),
+    ),
+    keep_submodule_prefixes_default=Fault(
+        "StateDictOptions' keep_submodule_prefixes defaults to False (a submodule's keys lose "
+        "its FQN prefix)",
+        _options_default("keep_submodule_prefixes", False),
     ),
     strict_default=Fault(
         "StateDictOptions' strict defaults to False (set_model_state_dict returns missing keys)",
@@ -364,6 +375,7 @@ def _dsd(ctx: RankContext, model: nn.Module, optim: Any) -> Observed:
             == [type(v).__name__ for v in msd.values()]
         ),
     }
+    figures.update(_submodule_keys(model))
     missing = dict(msd)
     del missing[DROPPED]
     figures["set_model_state_dict.missing_key"] = _outcome(
@@ -372,6 +384,29 @@ def _dsd(ctx: RankContext, model: nn.Module, optim: Any) -> Observed:
     return figures, {
         "get_model_state_dict.ranks_holding": bool(msd),
         "get_optimizer_state_dict.ranks_holding": bool(osd.get("state")),
+    }
+
+
+def _submodule_keys(model: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(model, submodules={layers.1})``: its keys (``keep_submodule_prefixes``
+    unset), and whether a warning calls the argument deprecated (torch 2.13 does)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    # FSDP1: the unit wrapping layers.1 (the first module of that clean name)
+    sub = next(m for n, m in model.named_modules() if clean_fqn(n) == SUBMODULE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            keys: Any = sorted(dsd.get_model_state_dict(model, submodules={sub}))
+        except Exception as exc:  # the observable: the argument refused (removed)
+            keys = f"raises {type(exc).__name__}"
+    return {
+        "get_model_state_dict.submodule_keys": keys,
+        "get_model_state_dict.submodules_deprecated": any(
+            issubclass(w.category, DeprecationWarning | FutureWarning)
+            and "submodules" in str(w.message)
+            for w in caught
+        ),
     }
 
 
