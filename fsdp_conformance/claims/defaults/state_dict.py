@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -233,7 +233,8 @@ def _global_numel(value: Any) -> int:
     return n
 
 
-def _storages(tensors: Iterator[Any]) -> set[int]:
+def _storages(tensors: Iterable[Any]) -> set[int]:
+    """The storages (their addresses) of the local tensors of ``tensors``."""
     out = set()
     for value in tensors:
         t = local_tensor(value)
@@ -271,7 +272,7 @@ def describe(values: Sequence[Any], ctx: RankContext, owned: set[int]) -> dict[s
         "value_type": "|".join(types),
         "layout": layout if values else "empty",
         "on_compute_device": devices == {ctx.device_type} if values else None,
-        "shares_storage": bool(_storages(iter(values)) & owned),
+        "shares_storage": bool(_storages(values) & owned),
     }
 
 
@@ -324,9 +325,9 @@ def _build(ctx: RankContext, version: str, **options: Any) -> nn.Module:
     return model
 
 
-def _trained(ctx: RankContext, version: str, **options: Any) -> tuple[nn.Module, Any]:
+def _trained(ctx: RankContext, version: str) -> tuple[nn.Module, Any]:
     """The model after one Adam step, and its optimizer (over ``model.parameters()``)."""
-    model = _build(ctx, version, **options)
+    model = _build(ctx, version)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(_batch(ctx)).sum().backward()
     optim.step()
@@ -335,11 +336,11 @@ def _trained(ctx: RankContext, version: str, **options: Any) -> tuple[nn.Module,
 
 
 def _param_storages(model: nn.Module) -> set[int]:
-    return _storages(iter(model.parameters()))
+    return _storages(model.parameters())
 
 
 def _optim_storages(optim: Any) -> set[int]:
-    return _storages(iter(_tensors(list(optim.state.values()))))
+    return _storages(_tensors(list(optim.state.values())))
 
 
 # --------------------------------------------------------------------------------------------
@@ -458,7 +459,8 @@ def _after_failed_set(ctx: RankContext, model: nn.Module, optim: Any) -> Observe
     """FSDP1's ``model.state_dict()`` (no type set) after ``set_model_state_dict`` raised: the
     type DSD entered for the load is left set (``FSDP.state_dict_type`` restores the previous
     one only when its body returns)."""
-    return _described("state_dict_after_failed_set", model.state_dict(), ctx, set()), {}
+    state = model.state_dict()
+    return _described("state_dict_after_failed_set", state, ctx, _param_storages(model)), {}
 
 
 def _summon(ctx: RankContext, model: nn.Module, optim: Any) -> Observed:
