@@ -148,7 +148,8 @@ FOLDERS: dict[str, set[str]] = {
         "clean_state",
         "interrupts",
     },
-    "claims": {"check", "defaults"},
+    "claims": {"check"},
+    "claims/defaults": {"fingerprint", "state_dict"},
     "claims/memory": {
         "measurement",
         "scaling",

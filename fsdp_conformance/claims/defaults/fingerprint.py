@@ -1,6 +1,6 @@
-"""The defaults claim: what torch does when a user leaves an FSDP option unset, observed.
+"""``defaults.fingerprint``: what FSDP does when a user leaves a constructor option unset, observed.
 
-One check, ``defaults.fingerprint``, per FSDP version. Its rank function builds a few tiny models
+One check per FSDP version. Its rank function builds a few tiny models
 the way a user writes them (the option omitted), runs one training step on each with every
 collective recorded (:mod:`fsdp_conformance.collectives`), and derives each observable from what
 happened: the dtypes and bytes of the collectives, the units left unsharded after forward, the
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.claims.check import Check, Verdict, variants
+from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.collectives import record_collectives, unit_sizes
 from fsdp_conformance.faults import Fault, FaultTable, patched, with_default
 from fsdp_conformance.harness import RankContext, skip_rank
@@ -459,6 +459,30 @@ def rank_fingerprint(
     return {"rank": ctx.rank, "figures": figures, "collectives": collectives}
 
 
+def unexpected(
+    expected: Mapping[str, Any], observed: Mapping[str, Any], note: Callable[[str], str]
+) -> list[str]:
+    """``<key>: expected <value> (torch 2.13, <note(key)>), observed <value>`` for each figure
+    that differs from :data:`EXPECTED`'s (or a family's own table)."""
+    return [
+        f"{key}: expected {want!r} (torch 2.13, {note(key)}), observed {observed.get(key)!r}"
+        for key, want in expected.items()
+        if observed.get(key) != want
+    ]
+
+
+def differ(what: str, problems: Sequence[str], figures: Any, data: Any) -> Verdict:
+    """The failed verdict: its first line names what moved (compare shows only that line),
+    then one line per problem."""
+    moved = [p.split(":", 1)[0] for p in problems]
+    return Verdict(
+        False,
+        f"{what} differ from the pinned torch's: {', '.join(moved)}\n  " + "\n  ".join(problems),
+        figures,
+        data,
+    )
+
+
 def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]) -> Verdict:
     """Every observable equals what the pinned torch does, on every rank.
 
@@ -474,27 +498,16 @@ def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]
                 problems.append(f"rank {v['rank']} observed other {key} than rank {first['rank']}")
     expected = EXPECTED[version]
     observed = first["figures"]
-    for key, want in expected.items():
-        got = observed.get(key)
-        if got != want:
-            problems.append(
-                f"{key}: expected {want!r} (torch 2.13, "
-                f"{'the option as given' if key.startswith('explicit_') else 'the option omitted'}"
-                f"), observed {got!r}"
-            )
+    problems += unexpected(
+        expected,
+        observed,
+        lambda key: "the option as given" if key.startswith("explicit_") else "the option omitted",
+    )
     figures = dict(observed)
     figures["collectives_recorded"] = sum(len(c) for c in first["collectives"].values())
     data = {"collectives": first["collectives"], "expected": expected}
     if problems:
-        # the first line names what moved: compare shows only that line
-        moved = [p.split(":", 1)[0] for p in problems]
-        return Verdict(
-            False,
-            f"{version} defaults differ from the pinned torch's: "
-            f"{', '.join(moved)}\n  " + "\n  ".join(problems),
-            figures,
-            data,
-        )
+        return differ(f"{version} defaults", problems, figures, data)
     return Verdict(
         True,
         f"{len(expected)} default behaviours as expected; "
@@ -504,28 +517,17 @@ def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]
     )
 
 
-#: One check per FSDP version: every observable of its defaults from one rank call.
-CHECKS: tuple[Check, ...] = variants(
-    "defaults.fingerprint",
-    {
-        "fsdp1": "FSDP1 with mixed precision, prefetch, gather limit, flat parameters and "
-        "sharding strategy left unset does what torch 2.13 does, observed",
-        "fsdp2": "FSDP2 with reshard_after_forward, each MixedPrecisionPolicy field and the "
-        "offload policy left unset does what torch 2.13 does, observed",
-    },
-    rank_fingerprint,
-    verdict_fingerprint,
-)
-
 __all__ = [
-    "CHECKS",
     "EXPECTED",
     "FAULTS",
     "Fingerprint",
+    "LAYERS",
     "TinyModel",
+    "differ",
     "observe_backward_prefetch",
     "observe_forward_prefetch",
     "observe_sharding",
     "rank_fingerprint",
+    "unexpected",
     "verdict_fingerprint",
 ]
