@@ -24,8 +24,10 @@ from fsdp_conformance.claims.state.state_dicts import (
     judge_targets,
     load_checkpoint,
     reference_digests,
+    refusal_reason,
     require_dcp_targets,
     save_checkpoint,
+    unreadable_line,
     where,
 )
 from fsdp_conformance.harness import RankContext
@@ -48,11 +50,18 @@ class Manifest(TypedDict):
     digests: Digests
 
 
-class Loaded(TypedDict):
-    """An earlier run's checkpoint, loaded: its manifest and each target's digests."""
-
+class _Loaded(TypedDict):
     manifest: Manifest
     loaded: dict[str, Digests]
+
+
+class Loaded(_Loaded, total=False):
+    """An earlier run's checkpoint, loaded: its manifest and each target's digests; ``refused``:
+    the targets this torch refused to load it into (torch's reason, one line), their
+    tracebacks in ``tracebacks``."""
+
+    refused: dict[str, str]
+    tracebacks: dict[str, str]
 
 
 class Saved(TypedDict):
@@ -138,13 +147,29 @@ def rank_checkpoint(
         if load_from is not None:
             path = checkpoint_folder(load_from, version, spec)
             manifest = _read_manifest(path, load_from, version, spec)
-            out["load"] = {
-                "manifest": manifest,
-                "loaded": {t: load_checkpoint(ctx, spec, t, path, seed + 1) for t in DCP_TARGETS},
-            }
+            out["load"] = _load(ctx, spec, path, manifest, seed + 1)
         if save_to is not None:
             out["save"] = _save(ctx, spec, version, seed, checkpoint_folder(save_to, version, spec))
     return out
+
+
+def _load(ctx: RankContext, spec: ModelSpec, path: str, manifest: Manifest, seed: int) -> Loaded:
+    """The checkpoint at ``path`` loaded into each of :data:`DCP_TARGETS`; a target this torch
+    refuses to load it into (``dcp.load`` raised: another torch's files, say) is recorded with
+    torch's reason, not raised, so the verdict reports it in one line."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    loaded: Loaded = {"manifest": manifest, "loaded": {}}
+    for target in DCP_TARGETS:
+        try:
+            loaded["loaded"][target] = load_checkpoint(ctx, spec, target, path, seed)
+        # The finding: what torch raised (a CheckpointException is a BaseException).
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            loaded.setdefault("refused", {})[target] = refusal_reason(exc)
+            loaded.setdefault("tracebacks", {})[target] = traceback.format_exc()
+    return loaded
 
 
 def _save(ctx: RankContext, spec: ModelSpec, version: str, seed: int, path: str) -> Saved:
@@ -194,6 +219,9 @@ def verdict_checkpoint(values: Sequence[CheckpointResult], params: Mapping[str, 
     figures: dict[str, Any] = {}
     if "load" in values[0]:
         manifest = values[0]["load"]["manifest"]
+        refused = _refused(values)
+        if refused:
+            return _unreadable(values, manifest, refused, version, spec)
         expected = {k: list(d) for k, d in manifest["digests"].items()}
         lines, failed = judge_targets(
             expected,
@@ -231,3 +259,47 @@ def verdict_checkpoint(values: Sequence[CheckpointResult], params: Mapping[str, 
     figures["failed"] = sorted(set(bad))
     head = f"{version} {spec.name}: " + "; ".join(heads)
     return Verdict(not bad, head + ":\n" + "\n".join(tree), figures)
+
+
+def _refused(values: Sequence[CheckpointResult]) -> dict[str, str]:
+    """The targets any rank could not load the checkpoint into: torch's reason (the lowest
+    rank's), by target in :data:`DCP_TARGETS` order."""
+    out: dict[str, str] = {}
+    for target in DCP_TARGETS:
+        for value in sorted(values, key=lambda v: v["rank"]):
+            reason = value["load"].get("refused", {}).get(target)
+            if reason is not None:
+                out[target] = reason
+                break
+    return out
+
+
+def _unreadable(
+    values: Sequence[CheckpointResult],
+    manifest: Manifest,
+    refused: Mapping[str, str],
+    version: str,
+    spec: ModelSpec,
+) -> Verdict:
+    """A load torch refused: a failure whose first line says which torch wrote the checkpoint,
+    which cannot read it and torch's reason; the tracebacks in the data, not the message."""
+    reason = next(iter(refused.values()))
+    first = sorted(values, key=lambda v: v["rank"])[0]["load"]
+    lines = [unreadable_line(manifest["torch"], torch.__version__, reason)]
+    lines.append(
+        f"{version} {spec.name}: the checkpoint saved at world size {manifest['world_size']} "
+        f"under {manifest['version']}, loaded with dcp.load (options unset):"
+    )
+    lines += [
+        f"  into {t} ({where(t, len(values), 'one process, no_dist')}): refused"
+        + (" (the reason above)" if r == reason else f": {r}")
+        for t, r in refused.items()
+    ]
+    figures = {
+        "checkpoint_torch": manifest["torch"],
+        "checkpoint_world_size": manifest["world_size"],
+        "load_torch": torch.__version__,
+        "unreadable": list(refused),
+        "failed": sorted(f"load:{t}" for t in refused),
+    }
+    return Verdict(False, "\n".join(lines), figures, {"tracebacks": first.get("tracebacks", {})})

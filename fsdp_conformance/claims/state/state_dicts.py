@@ -257,3 +257,27 @@ def judge_targets(
 def where(target: str, world_size: int, one_process: str) -> str:
     """Where a checkpoint was loaded into ``target``, for a verdict's line."""
     return one_process if target == "unsharded" else f"{target} at world size {world_size}"
+
+
+# ============================================================================================
+# A load that torch refuses (a checkpoint of another torch): one line, not a traceback
+# ============================================================================================
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """Torch's reason for refusing a load, one line: the first failure a
+    ``CheckpointException`` wraps (``dcp.load`` gathers every rank's), else ``exc`` itself, as
+    ``Type: first line of its message``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = failures[sorted(failures)[0]]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            exc = first[0]
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else '(no message)'}"
+
+
+def unreadable_line(saver_torch: str, loader_torch: str, reason: str) -> str:
+    """The one line a refused load is reported as (rollback: the newer torch's checkpoint on
+    the older torch, or an upgrade's in the other direction)."""
+    return f"checkpoints written by torch {saver_torch} cannot be read by torch {loader_torch}: {reason}"
