@@ -177,6 +177,7 @@ FOLDERS: dict[str, set[str]] = {
         "dcp",
         "reshard",
         "checkpoint",
+        "across_versions",
         "summon",
         "state_dicts",
         "faults",

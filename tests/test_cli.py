@@ -710,6 +710,10 @@ def test_checkpoint_folders_that_cannot_work_are_exit_2_before_anything_runs(
     assert [line.split()[0] for line in out.splitlines()] == [
         "state.checkpoint[fsdp1,massive]",
         "state.checkpoint[fsdp2,massive]",
+        "state.checkpoint.optimizer[fsdp1,massive]",
+        "state.checkpoint.optimizer[fsdp2,massive]",
+        "state.checkpoint.torch_save[fsdp1,massive]",
+        "state.checkpoint.torch_save.shared_step[fsdp1,massive]",
     ]
 
 

@@ -7,7 +7,9 @@ against the unbroken run; ``state.resume.dcp_shardless``, FSDP1's files where a 
 shard of a parameter, a known torch defect), ``state.dcp`` (:mod:`.dcp`:
 ``torch.distributed.checkpoint`` files loaded into both FSDP versions and one process),
 ``state.reshard`` (:mod:`.reshard`: saved by fewer ranks, loaded by all), ``state.checkpoint``
-(:mod:`.checkpoint`: saved by one run, loaded by another) and, FSDP1 only, ``state.summon``
+(:mod:`.checkpoint`: saved by one run, loaded by another), ``state.checkpoint.optimizer`` and
+``state.checkpoint.torch_save`` (:mod:`.across_versions`: model and optimizer state, DCP and
+``torch.save``, across runs, torch versions and world sizes) and, FSDP1 only, ``state.summon``
 (:mod:`.summon`: ``summon_full_params``). What they share: :mod:`.state_dicts`; their negative
 controls: :mod:`.faults`.
 """
@@ -15,6 +17,13 @@ controls: :mod:`.faults`.
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
+from fsdp_conformance.claims.state.across_versions import (
+    rank_across_versions,
+    rank_checkpoint_torch_save_shared_step,
+    verdict_checkpoint_optimizer,
+    verdict_checkpoint_torch_save,
+    verdict_checkpoint_torch_save_shared_step,
+)
 from fsdp_conformance.claims.state.checkpoint import rank_checkpoint, verdict_checkpoint
 from fsdp_conformance.claims.state.dcp import rank_dcp, verdict_dcp
 from fsdp_conformance.claims.state.reshard import rank_reshard, verdict_reshard
@@ -99,6 +108,51 @@ CHECKS: tuple[Check, ...] = (
         "(only in runs given one of the two flags)",
         rank_checkpoint,
         verdict_checkpoint,
+        specs=(DEFAULT_SPEC,),
+        opt_in=("save_to", "load_from"),
+        save_to=None,
+        load_from=None,
+    )
+    + variants(
+        "state.checkpoint.optimizer",
+        "model and AdamW state after one step saved by one run with get_state_dict and "
+        "torch.distributed.checkpoint, loaded by another (maybe another torch) with dcp.load and "
+        "set_state_dict at its world size and in one process, every saved world size: the saved "
+        "values bitwise, the next step the unbroken run's (only in runs given --save-checkpoint "
+        "or --load-checkpoint)",
+        rank_across_versions,
+        verdict_checkpoint_optimizer,
+        specs=(DEFAULT_SPEC,),
+        opt_in=("save_to", "load_from"),
+        family="optimizer",
+        save_to=None,
+        load_from=None,
+    )
+    + variants(
+        "state.checkpoint.torch_save",
+        "FSDP1 full, sharded and local model and optimizer state dicts written with torch.save by "
+        "one run, read by another with torch.load's defaults and loaded (the full one also "
+        "resharded, and in one process): the saved values bitwise, the next step the unbroken "
+        "run's (only in runs given --save-checkpoint or --load-checkpoint)",
+        rank_across_versions,
+        verdict_checkpoint_torch_save,
+        versions=("fsdp1",),
+        specs=(DEFAULT_SPEC,),
+        opt_in=("save_to", "load_from"),
+        family="torch_save",
+        save_to=None,
+        load_from=None,
+    )
+    + variants(
+        "state.checkpoint.torch_save.shared_step",
+        "FSDP1 full optimizer state dict written with torch.save, read with torch.load's defaults "
+        "and loaded into one unsharded process with set_optimizer_state_dict: every parameter's "
+        "AdamW step count after the next step is the unbroken run's (a known defect on the torch "
+        "versions in expectations.toml; only in runs given --save-checkpoint or "
+        "--load-checkpoint)",
+        rank_checkpoint_torch_save_shared_step,
+        verdict_checkpoint_torch_save_shared_step,
+        versions=("fsdp1",),
         specs=(DEFAULT_SPEC,),
         opt_in=("save_to", "load_from"),
         save_to=None,

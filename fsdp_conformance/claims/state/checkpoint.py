@@ -90,13 +90,13 @@ def checkpoint_folder(root: str, version: str, spec: ModelSpec) -> str:
     return os.path.join(root, f"{version}-{name}")
 
 
-def _prepare_folder(path: str) -> str:
+def prepare_folder(path: str, manifest: str = MANIFEST) -> str:
     """Rank 0 empties ``path`` for a new save: "" when ready, else why not (a folder of
-    someone else's files is never removed)."""
+    someone else's files, without ``manifest``, is never removed)."""
     import shutil
 
     if os.path.isdir(path) and os.listdir(path):
-        if not os.path.exists(os.path.join(path, MANIFEST)):
+        if not os.path.exists(os.path.join(path, manifest)):
             return (
                 f"{path} holds files that are not a checkpoint of this suite; give "
                 "--save-checkpoint an empty folder or one an earlier save wrote"
@@ -178,7 +178,7 @@ def _save(ctx: RankContext, spec: ModelSpec, version: str, seed: int, path: str)
 
     import torch.distributed as dist
 
-    problem = [_prepare_folder(path) if ctx.rank == 0 else None]
+    problem = [prepare_folder(path) if ctx.rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RuntimeError(problem[0])

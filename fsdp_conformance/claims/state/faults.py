@@ -48,6 +48,33 @@ def perturb_values(state: dict[str, Any], *, every: bool = False) -> list[str]:
     return changed
 
 
+def _perturb_first(value: Any, every: bool = False) -> bool:
+    """Add :data:`PERTURBATION` to the first element of the first floating tensor (this rank's
+    own data) found depth-first in ``value`` (mappings by sorted key), or with ``every`` of
+    each; whether one was found."""
+    if isinstance(value, (dict, list, tuple)):
+        parts = [value[k] for k in sorted(value, key=str)] if isinstance(value, dict) else value
+        found = [_perturb_first(v, every) for v in (parts if every else ())]
+        return any(found) if every else any(_perturb_first(v) for v in parts)
+    t = local_tensor(value)
+    if t is None or not t.is_floating_point() or not t.numel():
+        return False
+    with torch.no_grad():
+        t.view(-1)[0] += PERTURBATION
+    return True
+
+
+def perturb_read(state: dict[str, Any], every: bool = False) -> None:
+    """A read's wrong value: :func:`perturb_values` for a flat state dict; for one of parts
+    (``{"model": ..., "optim": ...}``, as training state is saved) one value of each part.
+    ``every``: of each tensor (a full dict read by every rank, where each loads its own part)."""
+    if any(local_tensor(v) is not None for v in state.values()):
+        perturb_values(state, every=every)
+        return
+    for key in sorted(state):
+        _perturb_first(state[key], every)
+
+
 def _value_changed_before_loading(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
     from fsdp_conformance.claims.state import round_trip
 
@@ -80,13 +107,28 @@ def _load_model_only(model: nn.Module, optim: torch.optim.Optimizer, path: str) 
     set_model_state_dict(model, model_state)
 
 
+def _load_dcp_model_only(
+    model: nn.Module, optim: torch.optim.Optimizer, path: str, *, no_dist: bool = False
+) -> None:
+    """``across_versions.load_dcp`` without the optimizer (its state dict still got)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_state, _ = get_state_dict(model, optim)
+    load({"model": model_state}, storage_reader=FileSystemReader(path), no_dist=no_dist)
+    set_model_state_dict(model, model_state)
+
+
 @contextlib.contextmanager
 def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
-    from fsdp_conformance.claims.state import resume
+    from fsdp_conformance.claims.state import across_versions, resume
 
     with (
         patched(resume, "set_optim_state", lambda _: _not_loaded),
         patched(resume, "load_train_state", lambda _: _load_model_only),
+        patched(across_versions, "set_optimizer", lambda _: _not_loaded),
+        patched(across_versions, "load_dcp", lambda _: _load_dcp_model_only),
     ):
         yield
 
@@ -109,20 +151,66 @@ def _wrong_shards_written(ctx: RankContext) -> contextlib.AbstractContextManager
     return patched(state_dict_saver, "save", make)
 
 
-def _wrong_value_read(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def _wrong_value_read(ctx: RankContext) -> Iterator[None]:
     from torch.distributed.checkpoint import state_dict_loader
+
+    from fsdp_conformance.claims.state import across_versions
 
     def make(load: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(load)
         def read(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             out = load(state_dict, *args, **kwargs)
             if ctx.rank == 0:
-                perturb_values(state_dict)
+                perturb_read(state_dict)
             return out
 
         return read
 
-    return patched(state_dict_loader, "load", make)
+    def make_torch_load(load: Callable[[str], Any]) -> Callable[[str], Any]:
+        def read(path: str) -> Any:
+            out = load(path)
+            if ctx.rank == 0:
+                # Every tensor: FSDP1 loads each rank's part of a full dict from its own copy.
+                perturb_read(out, every=True)
+            return out
+
+        return read
+
+    with (
+        patched(state_dict_loader, "load", make),
+        patched(across_versions, "torch_load", make_torch_load),
+    ):
+        yield
+
+
+def _torch_load_refused(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    import pickle
+
+    from fsdp_conformance.claims.state import across_versions
+
+    def refuse(path: str) -> Any:
+        raise pickle.UnpicklingError(
+            "Weights only load failed. This file can still be loaded, to do so you have two "
+            "options (simulated by the fault torch_load_refused)"
+        )
+
+    return patched(across_versions, "torch_load", lambda _: refuse)
+
+
+def _next_step_perturbed(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    from fsdp_conformance.claims.state import across_versions
+
+    def make(step: Callable[..., float]) -> Callable[..., float]:
+        def perturbed(model: nn.Module, optim: torch.optim.Optimizer, batch: Any) -> float:
+            loss = step(model, optim, batch)
+            if ctx.rank == 0:
+                _perturb_first([p for _, p in sorted(model.named_parameters())])
+            return loss
+
+        return perturbed
+
+    return patched(across_versions, "next_step", make)
 
 
 def _summoned_with(option: str) -> FaultEffect:
@@ -154,7 +242,7 @@ FAULTS = FaultTable(
     ),
     optimizer_not_loaded=Fault(
         "the optimizer's state not loaded into the resumed run, from a state dict or from the "
-        "checkpoint files (state.resume)",
+        "checkpoint files (state.resume, state.checkpoint.optimizer and .torch_save's load)",
         _optimizer_not_loaded,
     ),
     wrong_shards_written=Fault(
@@ -163,9 +251,20 @@ FAULTS = FaultTable(
         _wrong_shards_written,
     ),
     wrong_value_read=Fault(
-        "rank 0's torch.distributed.checkpoint load reads one wrong value (state.checkpoint's "
-        "load)",
+        "rank 0's torch.distributed.checkpoint load, or torch.load, reads one wrong value (of "
+        "the model and of the optimizer where both are read: state.checkpoint's load and "
+        "state.checkpoint.optimizer and .torch_save's)",
         _wrong_value_read,
+    ),
+    torch_load_refused=Fault(
+        "torch.load refuses every file, as weights_only=True refuses a file holding classes "
+        "it does not allow (state.checkpoint.torch_save's load)",
+        _torch_load_refused,
+    ),
+    next_step_perturbed=Fault(
+        "rank 0's next step after a load changes one value of its parameters "
+        "(state.checkpoint.optimizer and .torch_save)",
+        _next_step_perturbed,
     ),
     writeback_ignored=Fault(
         "summon_full_params called with writeback=False in the case that asks for writeback "

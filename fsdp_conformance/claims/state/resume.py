@@ -191,7 +191,7 @@ def _dcp_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
-def _train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
     """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
     from fsdp_conformance.models import call_model, default_loss
 
@@ -208,7 +208,7 @@ def _resumed_step(
 ) -> StepResult:
     """The step after the save, under :data:`STEP_SEED`: its loss (and its exact bits) and the
     digests of the model's full state after it."""
-    loss = _train_step(model, optim, batch, STEP_SEED)
+    loss = train_step(model, optim, batch, STEP_SEED)
     return {
         "loss": loss,
         "loss_hex": loss.hex(),
@@ -260,7 +260,7 @@ def _resume(
     optim = torch.optim.AdamW(source.parameters(), lr=1e-2)
     batch = spec.batch(source, 2, ctx.device)
     for step in range(STEPS_BEFORE):
-        _train_step(source, optim, batch, STEP_SEED + 1 + step)
+        train_step(source, optim, batch, STEP_SEED + 1 + step)
     saved = {
         kind: (
             snapshot(get_state(source, version, RESUME_MODEL_KIND.get(kind, kind))),

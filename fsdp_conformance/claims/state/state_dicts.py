@@ -273,7 +273,16 @@ def refusal_reason(exc: BaseException) -> str:
         first = failures[sorted(failures)[0]]
         if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
             exc = first[0]
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch.load's bold
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    # torch.load's weights-only refusal opens with a paragraph of advice: its reason is the
+    # unpickler's line (the global it does not allow).
+    unpickler = [ln for ln in lines if ln.startswith("WeightsUnpickler error:")]
+    if unpickler:
+        why = unpickler[0].removeprefix("WeightsUnpickler error:").strip().split(". Please")[0]
+        return f"{type(exc).__name__}: weights-only load failed: {why}"
     return f"{type(exc).__name__}: {lines[0] if lines else '(no message)'}"
 
 
