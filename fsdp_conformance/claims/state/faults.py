@@ -2,11 +2,13 @@
 
 Each fault changes, for the duration of one rank function, what a user's code or torch does
 with a state dict: a value changed before it is loaded, the optimizer's state left out of a
-resume, a checkpoint written with wrong shards or read with a wrong value, ``summon_full_params``
-called without the option a case needs. They patch torch's ``torch.distributed.checkpoint``
-``save`` and ``load`` (looked up at call time) or a module-level step of the family module that
-stands for the user's code (``round_trip.set_state``, ``resume.set_optim_state`` and
-``resume.load_train_state``, ``summon.summon_options``). The family modules import this table,
+resume, a checkpoint written with wrong shards or read with a wrong value, a ``torch.save`` file
+``torch.load`` refuses, the step after a load changed, ``summon_full_params`` called without the
+option a case needs. They patch torch's ``torch.distributed.checkpoint`` ``save`` and ``load``
+(looked up at call time) or a module-level step of the family module that stands for the user's
+code (``round_trip.set_state``, ``resume.set_optim_state`` and ``resume.load_train_state``,
+``across_versions.load_dcp``, ``set_optimizer``, ``torch_load`` and ``next_step``,
+``summon.summon_options``). The family modules import this table,
 so an effect imports its family module when it is entered, not before.
 """
 
