@@ -777,7 +777,8 @@ def judge_across_versions(values: Sequence[AcrossResult], params: Mapping[str, A
         "worst_next_step_rel": j.worst,
         "not_resharded": j.not_resharded,
         "torch_load_refused": sorted(j.both_refuse),
-        "next_step_left_to": j.left,
+        # Flat, as a report's figures are: the targets whose next step SHARED_STEP_CHECK judges.
+        "next_step_left_to_shared_step": sorted(j.left),
         "failed": sorted(set(j.bad)),
     }
     head = (

@@ -267,7 +267,10 @@ def where(target: str, world_size: int, one_process: str) -> str:
 def refusal_reason(exc: BaseException) -> str:
     """Torch's reason for refusing a load, one line: the first failure a
     ``CheckpointException`` wraps (``dcp.load`` gathers every rank's), else ``exc`` itself, as
-    ``Type: first line of its message``."""
+    ``Type: first line of its message``; for a metadata file ``dcp.load`` cannot read, its
+    global read's clause (torch 2.13 on 2.15's files: "global metadata read failed: too many
+    values to unpack (expected 5)"); for ``torch.load``'s weights-only refusal, the global it
+    does not allow."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, Mapping) and failures:
         first = failures[sorted(failures)[0]]
@@ -279,6 +282,12 @@ def refusal_reason(exc: BaseException) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # torch.load's weights-only refusal opens with a paragraph of advice: its reason is the
     # unpickler's line (the global it does not allow).
+    # dcp.load's metadata read: "metadata is None; global metadata read failed: <why>; rank
+    # local metadata read failed: <why>": the global read is the checkpoint's (the local one
+    # only says no per-rank metadata file exists).
+    found = re.search(r"global metadata read failed: [^;\n]*", text)
+    if found:
+        return found[0].strip()
     unpickler = [ln for ln in lines if ln.startswith("WeightsUnpickler error:")]
     if unpickler:
         why = unpickler[0].removeprefix("WeightsUnpickler error:").strip().split(". Please")[0]
