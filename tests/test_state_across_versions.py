@@ -94,31 +94,32 @@ def test_training_state_saved_by_one_run_loads_and_steps_as_the_unbroken_run(
     check = the_check(name, version)
     loaded = run_check(ranks, check, **{**check.params, "load_from": str(saved_root["root"])})
     assert loaded.passed, loaded.message
-    f = loaded.figures
-    assert f["checkpoint_torch"] == torch.__version__ and f["checkpoint_world_sizes"] == [n]
+    f, d = loaded.figures, loaded.data
+    assert f["checkpoint_torch"] == torch.__version__ and d["checkpoint_world_sizes"] == [n]
     sharded = version if name.endswith("optimizer") else "full:fsdp1"
     unsharded = "unsharded" if name.endswith("optimizer") else "full:unsharded"
     # At the saved world size on the saver's torch: the unbroken run's step, bitwise; in one
     # process (resharded to 1): within tolerances of the reference step from the loaded values.
-    assert f"ws{n}->ws{n} {sharded}" in f["next_step_bitwise"]
+    assert f"ws{n}->ws{n} {sharded}" in d["next_step_bitwise"]
     # FSDP1's full optimizer dict in one process: its next step is left to the shared_step
     # check where parameters share one step tensor (a known torch defect, measured).
-    left = f["next_step_left_to_shared_step"]
-    assert f["next_step_within_tolerance"] + left == [f"ws{n}->ws1 {unsharded}"]
+    left = d["next_step_left_to_shared_step"]
+    assert d["next_step_within_tolerance"] + left == [f"ws{n}->ws1 {unsharded}"]
     # Flat figures, as a report holds them (compare refuses a nested one).
     scalar = (str, int, float, bool, type(None))
     for key, value in f.items():
         assert isinstance(value, scalar) or all(isinstance(v, scalar) for v in value), key
 
-    assert f["failed"] == [] and f["not_resharded"] == []
+    assert f["failed"] == [] and d["not_resharded"] == []
     if name.endswith("torch_save"):
         # What torch.load's defaults refuse is what the saver's read-back recorded: a figure
         # (this torch refuses a ShardedTensor with weights_only=True), not a failure.
         refused = {k for k, why in manifest["read_back"].items() if why}
-        assert {t.split()[1].split(":")[0] for t in f["torch_load_refused"]} == refused
+        assert set(f["torch_load_refused"]) == refused
+        assert {t.split()[1].split(":")[0] for t in d["torch_load_refused"]} == refused
         assert "full" not in refused
     # The save's read-back is the same work, with the same figures.
-    assert save.figures == f
+    assert save.figures == f and save.data == d
 
 
 @pytest.mark.cpu
@@ -230,9 +231,7 @@ def test_each_fault_fails_the_targets_it_touches(
     assert verdict is not None
     # A target whose next step another check judges (state.checkpoint.torch_save.shared_step)
     # fails a fault only through its loaded values.
-    left = (
-        verdict.figures["next_step_left_to_shared_step"] if fault == "next_step_perturbed" else []
-    )
+    left = verdict.data["next_step_left_to_shared_step"] if fault == "next_step_perturbed" else []
     expected = [t for t in NEGATIVE_CONTROLS[fault][family](ranks.world_size) if t not in left]
     assert verdict.figures["failed"] == expected, verdict.message
     shown = {

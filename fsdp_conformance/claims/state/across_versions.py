@@ -769,17 +769,23 @@ def judge_across_versions(values: Sequence[AcrossResult], params: Mapping[str, A
             else:
                 j.loaded(manifest, target, folder)
     manifests = [f[0]["manifest"] for _, f in _folders(values)]
+    # Figures: the same on both sides of an upgrade gate where nothing differs (compare shows
+    # only what does); which loads ran, how each next step was judged and the worst relative
+    # difference: the data (the save reads back one world size, a load every one).
     figures: dict[str, Any] = {
         "checkpoint_torch": sorted({m["torch"] for m in manifests})[0] if manifests else "",
+        # the torch.save artifacts torch.load's defaults refuse on both sides
+        "torch_load_refused": sorted({label.split()[1].split(":")[0] for label in j.both_refuse}),
+        "failed": sorted(set(j.bad)),
+    }
+    data: dict[str, Any] = {
         "checkpoint_world_sizes": sorted({m["world_size"] for m in manifests}),
         "next_step_bitwise": j.bitwise,
         "next_step_within_tolerance": j.tolerance,
         "worst_next_step_rel": j.worst,
         "not_resharded": j.not_resharded,
         "torch_load_refused": sorted(j.both_refuse),
-        # Flat, as a report's figures are: the targets whose next step SHARED_STEP_CHECK judges.
         "next_step_left_to_shared_step": sorted(j.left),
-        "failed": sorted(set(j.bad)),
     }
     head = (
         f"{version} {spec.name} ({family}): AdamW, one step, model and optimizer state saved "
@@ -787,13 +793,14 @@ def judge_across_versions(values: Sequence[AcrossResult], params: Mapping[str, A
         f"on torch {torch.__version__}:\n" + "\n".join(j.tree)
     )
     if not j.unreadable:
-        return Verdict(not j.bad, head, figures)
+        return Verdict(not j.bad, head, figures, data)
     saver, reason, call = next(iter(j.unreadable.values()))
     first_line = unreadable_line(saver, torch.__version__, reason)
     if call == TORCH_LOAD:
         first_line += f"\n{WEIGHTS_ONLY_FIX}"
     figures.update(load_torch=torch.__version__, unreadable=list(j.unreadable))
-    return Verdict(False, first_line + "\n" + head, figures, {"tracebacks": j.tracebacks})
+    data["tracebacks"] = j.tracebacks
+    return Verdict(False, first_line + "\n" + head, figures, data)
 
 
 def _how_saved(family: str) -> str:
