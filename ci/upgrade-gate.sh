@@ -14,10 +14,13 @@
 #                     (default 2; 1 skips it: drift is then judged only where a report carries
 #                     its noise, the reference models').
 #   GATE_LANE         the lane (default auto: the GPU lane too where the torch sees GPUs).
+#   GATE_RESHARD_WORLD_SIZES  world sizes the candidate also loads the current torch's
+#                     checkpoints at, resharded (default 4; empty: none).
 #   GATE_OUT          where the reports go (default fsdp-conformance-report/gate in the project).
 # Steps: each side's environment; the current torch runs (GATE_NOISE_RUNS times) and saves its
-# checkpoints; the candidate runs, loading them and saving its own; the current torch loads the
-# candidate's (rollback); compare, verdict first, in text, Markdown and JSON.
+# checkpoints; the candidate runs, loading them and saving its own, and loads them again at
+# GATE_RESHARD_WORLD_SIZES; the current torch loads the candidate's (rollback); compare,
+# verdict first, in text, Markdown and JSON.
 # Exit status: compare's (0 safe to upgrade, 1 not safe, 2 bad input).
 set -euo pipefail
 suite=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,6 +31,7 @@ old=$(realpath "$old")
 new=$(realpath "$new")
 project=$(realpath "${GATE_PROJECT:-$PWD}")
 runs=${GATE_NOISE_RUNS:-2}
+reshard=${GATE_RESHARD_WORLD_SIZES-4}
 lane=${GATE_LANE:-auto}
 out=$(realpath -m "${GATE_OUT:-$project/fsdp-conformance-report/gate}")
 mkdir -p "$out"
@@ -74,11 +78,18 @@ fi
 # The candidate: loads the current torch's checkpoints, saves its own.
 gate_run new "$out/new" --load-checkpoint "$out/checkpoint-old" \
   --save-checkpoint "$out/checkpoint-new" "$@"
+# Resharded: the candidate loads them at other world sizes too (one process is in every load).
+load_args=()
+if [[ -n "$reshard" ]]; then
+  gate_run new "$out/new-resharded" --checks state.checkpoint --world-sizes "$reshard" \
+    --load-checkpoint "$out/checkpoint-old" "$@"
+  load_args=(--loads "$out/new-resharded/report.json")
+fi
 # Rollback: the current torch loads what the candidate saved.
 gate_run old "$out/rollback" --checks state.checkpoint --load-checkpoint "$out/checkpoint-new" "$@"
 
 compare=(compare "$out/old/report.json" "$out/new/report.json" "${noise_args[@]}"
-  --rollback "$out/rollback/report.json")
+  "${load_args[@]}" --rollback "$out/rollback/report.json")
 set +e
 conformance new "${compare[@]}" | tee "$out/compare.txt"
 status=${PIPESTATUS[0]}

@@ -227,6 +227,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         noise=table,
         rollback=rollback,
         fail_on_deprecation=args.fail_on_deprecation,
+        loads=[load_report(path) for path in args.loads],
     )
     if args.json:
         options = {
@@ -234,6 +235,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "memory_floor_mib": floor_mib,
             "noise": args.noise,
             "rollback": args.rollback,
+            "loads": args.loads,
         }
         out = verdict.to_json(old, new, diffs, (args.old, args.new), options, args.fail_on_change)
     elif args.markdown:

@@ -190,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(`run --load-checkpoint`): a checkpoint it cannot read is a rollback failure",
     )
     compare.add_argument(
+        "--loads",
+        action="append",
+        default=[],
+        metavar="REPORT",
+        help="report of the candidate loading the current torch's checkpoints at another "
+        "world size (`run --world-sizes 4 --load-checkpoint`); repeatable: a checkpoint "
+        "it cannot load is a regression",
+    )
+    compare.add_argument(
         "--fail-on-deprecation",
         action="store_true",
         help="a new deprecation blocks the upgrade (exit 1), not only said",

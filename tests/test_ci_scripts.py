@@ -447,11 +447,13 @@ def test_upgrade_gate_runs_both_directions_on_the_users_project_with_its_noise(
         "noise GATE/old/report.json GATE/old-2/report.json --out GATE/noise.json",
         f"{run} GATE/new --load-checkpoint GATE/checkpoint-old --save-checkpoint "
         "GATE/checkpoint-new --model mypkg.model:build",
+        f"{run} GATE/new-resharded --checks state.checkpoint --world-sizes 4 --load-checkpoint "
+        "GATE/checkpoint-old --model mypkg.model:build",
         f"{run} GATE/rollback --checks state.checkpoint --load-checkpoint GATE/checkpoint-new "
         "--model mypkg.model:build",
         *(
-            "compare GATE/old/report.json GATE/new/report.json "
-            f"--rollback GATE/rollback/report.json{fmt}"
+            "compare GATE/old/report.json GATE/new/report.json --loads "
+            f"GATE/new-resharded/report.json --rollback GATE/rollback/report.json{fmt}"
             for fmt in ("", " --markdown", " --json")
         ),
     ]

@@ -316,14 +316,35 @@ def test_a_checkpoint_the_current_torch_cannot_read_is_a_rollback_failure_of_one
     code, lines = gate(tmp_path, capsys, [entry()], [entry()], rollback=loads)
     assert code == cli.EXIT_OK
     assert lines[-1] == (
-        "  [said] (rollback): rollback: torch 2.13.0 loads the checkpoints the candidate "
-        "wrote (1 checks)"
+        "  [said] (checkpoints loaded by torch 2.13.0 at world size 2): rollback: torch 2.13.0 "
+        "loads the checkpoints the other side wrote (1 checks)"
     )
     # a rollback report without the checkpoint check proves nothing: said, and it blocks
     code, lines = gate(
         tmp_path, capsys, [entry()], [entry()], rollback=report(entry(), torch_version="2.13.0")
     )
     assert code == cli.EXIT_FAILED and "holds no state.checkpoint check" in lines[-1]
+
+
+def test_a_checkpoint_the_candidate_cannot_load_resharded_is_a_regression(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gate's reshard leg: the candidate loads the current torch's checkpoints at world
+    size 4 (``compare --loads``)."""
+    refused = entry(
+        "state.checkpoint.optimizer",
+        "failed",
+        "fsdp2 odd: loaded the optimizer state saved at world size 2 into 4 ranks: 1 value differs",
+    )
+    at4 = report(refused, torch_version="2.15.0")
+    at4["settings"]["world_sizes"] = [4]
+    args = ["--loads", write(tmp_path / "ws4.json", at4)]
+    code, lines = gate(tmp_path, capsys, [entry()], [entry()], *args)
+    assert code == cli.EXIT_FAILED and "regressions 1," in lines[1]
+    assert lines[3] == (
+        "  [BLOCKS] state.checkpoint.optimizer[cpu,ws2,fsdp2,odd]: checkpoint: fsdp2 odd: loaded "
+        "the optimizer state saved at world size 2 into 4 ranks: 1 value differs"
+    )
 
 
 # --------------------------------------------------------------------------------------------

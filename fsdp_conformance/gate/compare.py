@@ -102,7 +102,8 @@ class Difference(PlainData):
 
     check_id: str
     #: outcome | known_defect | fixed | missing | added | units | memory | drift | dtype |
-    #: numeric | digest | collectives | order | warning | deprecation | rollback | figure |
+    #: numeric | digest | collectives | order | warning | deprecation | rollback | checkpoint |
+    #: figure |
     #: settings (:data:`~fsdp_conformance.gate.verdict.CATEGORIES` groups them for the verdict)
     kind: str
     regression: bool
@@ -117,6 +118,7 @@ def compare_reports(
     noise: Mapping[str, Any] | None = None,
     rollback: Mapping[str, Any] | None = None,
     fail_on_deprecation: bool = False,
+    loads: Sequence[Mapping[str, Any]] = (),
 ) -> list[Difference]:
     """Every difference that matters for an upgrade, regressions flagged.
 
@@ -137,7 +139,9 @@ def compare_reports(
     (``known_defect``: the candidate has a defect the user's checks hit); the reverse is
     ``fixed`` upstream. ``rollback``: the report of the current torch loading the checkpoints
     the candidate wrote (``run --load-checkpoint``): each checkpoint check it failed is a
-    ``rollback`` regression. ``fail_on_deprecation``: new deprecations are regressions too.
+    ``rollback`` regression. ``loads``: reports of the candidate loading the current torch's
+    checkpoints at other world sizes (resharded): each checkpoint check they failed is a
+    ``checkpoint`` regression. ``fail_on_deprecation``: new deprecations are regressions too.
     """
     context = _Context(memory_tolerance, memory_floor_bytes, noise)
     old_checks = {e["id"]: e for e in migrate_report(old)["checks"]}
@@ -168,7 +172,9 @@ def compare_reports(
             )
         )
     if rollback is not None:
-        diffs += rollback_differences(rollback)
+        diffs += checkpoint_loads(rollback, "rollback")
+    for report in loads:
+        diffs += checkpoint_loads(report, "checkpoint")
     return _group_warnings(diffs, fail_on_deprecation)
 
 
@@ -474,35 +480,39 @@ def _expectation_change(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
     )
 
 
-def rollback_differences(report: Mapping[str, Any]) -> list[Difference]:
-    """The rollback report (the current torch loading the candidate's checkpoints, ``run
-    --load-checkpoint``): each checkpoint check that did not pass is a ``rollback`` regression,
-    in its message's first line; none run is said, as is every one passing."""
+def checkpoint_loads(report: Mapping[str, Any], kind: str) -> list[Difference]:
+    """A report of loading the other side's checkpoints (``run --load-checkpoint``): each
+    checkpoint check that did not pass is a regression of ``kind``, in its message's first line
+    (``rollback``: the current torch loading the candidate's; ``checkpoint``: the candidate
+    loading the current torch's at another world size); none run is said, and blocks (it proves
+    nothing), as is every one passing."""
     entries = [e for e in report["checks"] if e["check"].startswith("state.checkpoint")]
     torch = report["environment"]["torch"]
+    sizes = ",".join(map(str, report["settings"].get("world_sizes") or []))
+    where = f"(checkpoints loaded by torch {torch} at world size {sizes})"
     if not entries:
         return [
             Difference(
-                "(rollback)",
-                "rollback",
+                where,
+                kind,
                 True,
-                f"the rollback report (torch {torch}) holds no state.checkpoint check: run it "
-                "with --load-checkpoint DIR, DIR the candidate's --save-checkpoint",
+                f"the report of loading checkpoints on torch {torch} holds no state.checkpoint "
+                "check: run it with --load-checkpoint DIR, DIR the other side's "
+                "--save-checkpoint",
             )
         ]
     bad = [e for e in entries if e["outcome"] not in ("passed", "xfailed")]
     if not bad:
         return [
             Difference(
-                "(rollback)",
-                "rollback",
+                where,
+                kind,
                 False,
-                f"torch {torch} loads the checkpoints the candidate wrote ({len(entries)} checks)",
+                f"torch {torch} loads the checkpoints the other side wrote ({len(entries)} checks)",
             )
         ]
     return [
-        Difference(e["id"], "rollback", True, first_line(e.get("message", ""), width=None))
-        for e in bad
+        Difference(e["id"], kind, True, first_line(e.get("message", ""), width=None)) for e in bad
     ]
 
 
