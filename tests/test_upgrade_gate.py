@@ -264,6 +264,39 @@ def test_a_deprecation_is_recorded_with_the_torch_call_it_came_through() -> None
     assert "UserWarning: not a deprecation" in caught  # no call named for other warnings
 
 
+FAKE_TORCH_MODULE = """
+import functools, warnings
+
+def logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+def _inner():
+    warnings.warn("save is deprecated", FutureWarning, stacklevel=2)
+
+@logged
+def save():
+    _inner()
+"""
+
+
+def test_a_decorators_wrapper_inside_torch_is_passed_over_for_the_function_it_wraps() -> None:
+    """torch.distributed.checkpoint wraps its entry points in a logging decorator: the call
+    named is ``save``, not ``...<locals>.wrapper``; the outermost named torch frame wins."""
+    module: dict[str, Any] = {"__name__": "torch.distributed.fake_checkpoint"}
+    exec(compile(FAKE_TORCH_MODULE, "fake_checkpoint.py", "exec"), module)
+    caught: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = protocol.recording_warnings(caught)
+        module["save"]()
+    assert caught == [
+        "FutureWarning: save is deprecated [called as torch.distributed.fake_checkpoint.save]"
+    ]
+
+
 def test_new_deprecations_are_grouped_by_api_and_block_only_when_asked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -89,17 +89,24 @@ def called_torch_api(frame: types.FrameType | None) -> str | None:
     """The torch function the check's own code called that raised a warning, from the frame of
     the warning machinery outward: the outermost torch frame below the first frame outside
     torch (``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel.
-    state_dict_type``); None when the warning was raised outside torch."""
-    api = None
+    state_dict_type``), a decorator's wrapper passed over for the function it wraps; None when
+    the warning was raised outside torch."""
+    api = wrapper = None
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if module == "torch" or module.startswith("torch."):
             code = frame.f_code
-            api = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+            name = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+            # a decorator's wrapper (``...<locals>.wrapper``) names no API: the function it
+            # wraps, below it, does
+            if "<locals>" in name:
+                wrapper = wrapper or name
+            else:
+                api = name
         elif module not in _TRANSPARENT and module.split(".", 1)[0] not in _TRANSPARENT:
-            return api  # the caller: the torch frames below it, or none
+            break  # the caller: the torch frames below it, or none
         frame = frame.f_back
-    return api
+    return api or wrapper
 
 
 def warning_text(category: type[Warning], message: Warning | str, api: str | None) -> str:
