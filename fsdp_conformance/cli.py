@@ -293,6 +293,7 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
         version=args.version,
         param_dtype=param,
         compute_dtype=compute,
+        reduce_dtype=args.reduce_dtype,
         optimizer=args.optimizer,
         batch_size=args.batch_size,
         seq_len=args.seq_len,

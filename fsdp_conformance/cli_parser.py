@@ -330,6 +330,13 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     step.add_argument(
         "--dtype", choices=tuple(DTYPE_BYTES), help="both of the above (no mixed precision)"
     )
+    step.add_argument(
+        "--reduce-dtype",
+        choices=tuple(DTYPE_BYTES),
+        default=None,
+        help="the gradients' reduce-scatter (MixedPrecisionPolicy(reduce_dtype=...); "
+        "torchtitan: fp32) [the compute dtype]",
+    )
     step.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="[adamw]")
     step.add_argument("--batch-size", type=int, default=1, help="per-rank micro-batch [1]")
     step.add_argument("--seq-len", type=int, default=4096, help="tokens per sample [4096]")

@@ -72,6 +72,7 @@ from fsdp_conformance.sizes import format_bytes
 from fsdp_conformance.units import UnitInfo
 
 GB = 10**9
+GiB = 2**30
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +272,9 @@ def test_plan_tree_collapses_identical_blocks_and_keeps_the_nesting(
 ) -> None:
     tree = format_plan_tree(plan70, 1024)
     assert "layers.{0..79}  LlamaBlock x80" in tree
-    assert "1.71 GB each" in tree  # one block gathered in bf16
+    # One block gathered in bf16: GiB by default (devices report GiB), GB where asked.
+    assert "1.59 GiB each" in tree
+    assert "1.71 GB each" in format_plan_tree(plan70, 1024, style="decimal")
     full = format_plan_tree(plan70, 1024, collapse=False)
     assert "layers.79  LlamaBlock" in full and len(full.splitlines()) == 84
     seeds = plan_model(llama70b, PlanSettings(policy="seeds", seq_len=512), meta70)
@@ -440,7 +443,7 @@ def test_cli_plan_cross_checks_fsdp2_shards_on_a_1024_rank_fake_process_group(
     mlp = 32 * 2 * (11 * 4096 - 11008 * 4096 // 1024)
     assert v["padding_numel"] == embed + mlp == 71680
     assert all(r["local_numel"] == r["padded_numel"] for r in v["units"])
-    assert data["devices_needed"][0]["device_bytes"] == 80 * GB
+    assert data["devices_needed"][0]["device_bytes"] == 80 * GiB  # the default: 80GiB,140GiB
     assert {t["name"] for t in data["estimate"]["terms"]} >= {*SHARDED_TERMS, *UNIT_TERMS}
 
 
@@ -466,7 +469,30 @@ def test_cli_plan_states_the_device_reserve_and_takes_the_users_own(
     assert cli.main([*argv, "--device-reserve", "0"]) == 0
     own = json.loads(capsys.readouterr().out)
     assert [d["reserve_bytes"] for d in own["devices_needed"]] == [0, 0]
-    assert "(80.00 GB less the 0 B device reserve)" in own["devices_needed"][0]["reason"]
+    assert "(80.00 GiB less the 0 B device reserve)" in own["devices_needed"][0]["reason"]
+    # A size given in GB is 10^9 B and shown as given; the rest of the plan follows it.
+    assert cli.main([*argv[:-1], "--device-memory", "80GB"]) == 0
+    text = capsys.readouterr().out
+    assert "80.00 GB: " in text and "(80.00 GB less the 2.13 GB device reserve)" in text
+    assert "GiB" not in text and "(GB = 10^9 B)" in text
+
+
+def test_reduce_dtype_sizes_the_reduce_scatter_and_fsdp1s_gradient_cast(plan70: ModelPlan) -> None:
+    # torchtitan reduces in fp32 under bf16 compute: the reduce-scatter's input copy and output
+    # shard double; FSDP1 also keeps its cast of the unsharded gradient beside the bf16 one.
+    bf16 = plan70.estimate(64)
+    fp32 = plan70.with_settings(reduce_dtype="fp32").estimate(64)
+    rs = "reduce-scatter buffers"
+    assert fp32.term(rs).bytes == 2 * bf16.term(rs).bytes
+    assert fp32.total - bf16.total == bf16.term(rs).bytes
+    fsdp1 = plan70.with_settings(version="fsdp1")
+    cast = fsdp1.with_settings(reduce_dtype="fp32").estimate(64).term("unsharded grads").bytes
+    assert cast == 3 * fsdp1.estimate(64).term("unsharded grads").bytes  # bf16 + its fp32 cast
+    assert (
+        "gradients reduced in fp32" in plan70.with_settings(reduce_dtype="fp32").settings.describe()
+    )
+    with pytest.raises(PlanError, match="reduce-dtype 'fp8' is not one of fp32, bf16, fp16"):
+        PlanSettings(reduce_dtype="fp8")
 
 
 # ------------------------------------------------------------------------------------------

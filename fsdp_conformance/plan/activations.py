@@ -62,6 +62,7 @@ _NOT_IN_FORWARD: dict[str, Any] = {
     "checkpointing": "none",
     "version": "fsdp2",
     "param_dtype": "fp32",
+    "reduce_dtype": None,
     "optimizer": "none",
     "shard_group_size": None,
     "cpu_offload": False,

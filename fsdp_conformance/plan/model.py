@@ -76,6 +76,11 @@ class PlanSettings:
     #: Gathered parameters, unsharded gradients, all-gather/reduce-scatter and activations
     #: (bf16 mixed precision: FSDP2 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``).
     compute_dtype: str = "bf16"
+    #: The gradients' reduce-scatter (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``, FSDP1
+    #: ``MixedPrecision(reduce_dtype=...)``): its input copy and output shard, and FSDP1's cast
+    #: of the unsharded gradient; None: the compute dtype (both versions' default).
+    #: torchtitan reduces in fp32.
+    reduce_dtype: str | None = None
     #: One of :data:`OPTIMIZERS` ("none": forward and backward only).
     optimizer: str = "adamw"
     #: Per-rank micro-batch.
@@ -103,13 +108,14 @@ class PlanSettings:
             ("version", ("fsdp1", "fsdp2")),
             ("param_dtype", tuple(DTYPE_BYTES)),
             ("compute_dtype", tuple(DTYPE_BYTES)),
+            ("reduce_dtype", (*DTYPE_BYTES, None)),
             ("optimizer", OPTIMIZERS),
             ("attention", ATTENTION),
         ):
             if getattr(self, name) not in allowed:
                 raise PlanError(
                     f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of "
-                    f"{', '.join(allowed)}"
+                    f"{', '.join(a for a in allowed if a is not None)}"
                 )
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
@@ -126,7 +132,13 @@ class PlanSettings:
         return (
             f"{self.version}; sharded params, grads and {opt} in {self.param_dtype}; "
             f"gathered params, unsharded grads, collectives and activations in "
-            f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
+            f"{self.compute_dtype}"
+            + (
+                f", gradients reduced in {self.reduce_dtype}"
+                if self.reduce_dtype not in (None, self.compute_dtype)
+                else ""
+            )
+            + f"; per-rank batch {self.batch_size} x seq {self.seq_len}, "
             f"{self.attention} attention"
             + (
                 ""

@@ -131,6 +131,7 @@ def rank_plan_estimate_matches(
             batch_size=case.get("batch_size", batch_size),
             timeline=False,
             param_dtype=_mixed_param_dtype(case),
+            reduce_dtype=case.get("reduce_dtype"),
             checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
             shard_group=case.get("shard_group"),
             seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
@@ -161,6 +162,7 @@ def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings
         version=case["version"],
         param_dtype="fp32",
         compute_dtype=case.get("compute_dtype", "fp32"),
+        reduce_dtype=case.get("reduce_dtype"),
         optimizer=case.get("optimizer", "none"),
         batch_size=case.get("batch_size", batch_size),
         seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
@@ -250,6 +252,7 @@ def _case_label(case: Mapping[str, Any]) -> str:
         + ("" if ac == "none" else f" ac={ac}")
         + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
         + (" offload" if case.get("offload") else "")
+        + (f" reduce={case['reduce_dtype']}" if case.get("reduce_dtype") else "")
         + f" {case.get('compute_dtype', 'fp32')}: "
     )
 
