@@ -326,6 +326,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             layers=args.layers,
             dim=args.dim,
             input_builder=args.input_builder,
+            norm=args.norm,
         )
         settings = _plan_settings(args)
         devices = [parse_bytes(x) for x in args.device_memory.split(",") if x.strip()]

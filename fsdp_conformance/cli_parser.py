@@ -263,7 +263,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         MAX_WORLD_SIZE,
     )
     from fsdp_conformance.plan.model import ATTENTION, DTYPE_BYTES, OPTIMIZERS, POLICIES, PRESETS
-    from fsdp_conformance.reference_models import REFERENCE_MODELS
+    from fsdp_conformance.reference_models import LLAMA_NORMS, REFERENCE_MODELS
     from fsdp_conformance.sizes import format_bytes
 
     model = p.add_argument_group("model (exactly one)")
@@ -297,6 +297,15 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         dest="input_builder",
         metavar="PKG.MOD:BUILDER",
         help="input builder(model, batch_size, device) for your model",
+    )
+    model.add_argument(
+        "--norm",
+        choices=LLAMA_NORMS,
+        default=None,
+        help="a Llama's RMSNorm: eager (one fp32 upcast, torchtitan's rmsnorm), fused "
+        "(saves its input and the reciprocal RMS, torchtitan's fused_rmsnorm) or "
+        "upcast-twice (the suite's first reference) [presets: eager; --reference "
+        "llama: upcast-twice]",
     )
     model.add_argument("--layers", type=int, help="--reference only: number of blocks")
     model.add_argument("--dim", type=int, help="--reference only: width")
@@ -344,8 +353,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         "--activation-checkpointing",
         dest="checkpointing",
         default="none",
-        metavar="none|full|every-K",
-        help="checkpoint every block (full) or blocks 0, K, 2K, ... (every-K), as "
+        metavar="none|full|op|every-K",
+        help="checkpoint every block (full), every block op by op (op: attention and "
+        "every other matmul kept, torchtitan's selective op policy) or blocks 0, K, 2K, "
+        "... (every-K), as "
         "torch's checkpoint_wrapper does; the plan also shows each choice side by "
         "side [none]",
     )

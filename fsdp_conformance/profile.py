@@ -16,6 +16,7 @@ from fsdp_conformance._compat import (
     flash_attention_cpu_op,
     grouped_mm_op,
     is_view,
+    op_sac_kinds,
     storage_key,
     torch_dispatch_mode_cls,
     tree_leaves,
@@ -107,6 +108,7 @@ def profile_activations(
     entry: dict[str, int] = {u.fqn: 0 for u in units}
     seen: set[int] = set()
     unit_modules = {id(m): name for name, m in model.named_modules() if name in entry}
+    op_outputs = _OpOutputs()
 
     def pack(t: Any) -> Any:
         st = t.untyped_storage()
@@ -124,6 +126,7 @@ def profile_activations(
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and not is_view(t):
                     produced[stack[-1]] += t.untyped_storage().nbytes()
+            op_outputs.record(stack[-1], func, args, out)
             return out
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
@@ -151,6 +154,7 @@ def profile_activations(
     finally:
         for h in handles:
             h.remove()
+        op_outputs.release()
     leaves = tree_leaves(batch)
     input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
     return ActivationProfile(
@@ -159,7 +163,56 @@ def profile_activations(
         produced_bytes=produced,
         entry_bytes=entry,
         forward_flops=flops.by_unit(entry),
+        op_outputs=op_outputs.by_unit(seen),
     )
+
+
+class _OpOutputs:
+    """The outputs of the ops op-level selective checkpointing decides on
+    (``_compat.op_sac_kinds``), per unit in forward order (``ActivationProfile.op_outputs``)."""
+
+    def __init__(self) -> None:
+        self.kinds = op_sac_kinds()
+        # (owner, order, kind, {storage key: bytes}, flops)
+        self.events: list[tuple[str, int, str, dict[int, int], int]] = []
+        # Their storages, held until the end of forward: a storage's key is its address, which
+        # a freed one would hand to a later storage (a transient taken for a saved one).
+        self.held: list[Any] = []
+
+    def record(self, owner: str, func: Any, args: Any, out: Any) -> None:
+        kind = self.kinds.get(func)
+        if kind is None:
+            return
+        outs = [t.untyped_storage() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.held.extend(outs)
+        storages = {storage_key(st): st.nbytes() for st in outs}
+        self.events.append((owner, len(self.events), kind, storages, _op_flops(kind, args)))
+
+    def release(self) -> None:
+        self.held.clear()
+
+    def by_unit(self, saved: set[int]) -> dict[str, tuple[tuple[int, str, int, int, int], ...]]:
+        """Per unit: (order, kind, bytes, of them saved for backward (``saved``: storage
+        keys), flops)."""
+        outputs: dict[str, list[tuple[int, str, int, int, int]]] = {}
+        for unit, order, kind, storages, flops in self.events:
+            also = sum(v for k, v in storages.items() if k in saved)
+            outputs.setdefault(unit, []).append((order, kind, sum(storages.values()), also, flops))
+        return {k: tuple(v) for k, v in outputs.items()}
+
+
+def _op_flops(kind: str, args: Any) -> int:
+    """Forward FLOPs of an op op-level SAC keeps (what keeping it saves in recompute): a matmul
+    ``(m, k) @ (k, n)`` is 2mkn; attention over q (b, h, s, d) and k (b, h, t, d) is two such
+    products, 4bhstd (torch's ``flop_counter`` formulas)."""
+    a, b = args[0], args[1]
+    if kind == "mm":
+        return int(2 * a.shape[0] * a.shape[1] * b.shape[1])
+    *lead, s, d = a.shape
+    lead_size = 1
+    for n in lead:
+        lead_size *= n
+    return int(4 * lead_size * s * b.shape[-2] * d)
 
 
 def _storage_bytes(tree: Any, exclude: set[int]) -> int:

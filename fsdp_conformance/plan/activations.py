@@ -89,9 +89,11 @@ def activations_by_unit(
     owner = unit_of(model, units)
     saved = {u.fqn: 0 for u in units}
     produced = {u.fqn: 0 for u in units}
+    outputs: dict[str, list[tuple[int, str, int, int, int]]] = {}
     for module_id, unit in owner.items():
         saved[unit] += fine.saved_bytes[names[module_id]]
         produced[unit] += fine.produced_bytes[names[module_id]]
+        outputs.setdefault(unit, []).extend(fine.op_outputs.get(names[module_id], ()))
     return ActivationProfile(
         input_bytes=fine.input_bytes,
         saved_bytes=saved,
@@ -100,6 +102,7 @@ def activations_by_unit(
         forward_flops={
             u.fqn: fine.forward_flops[u.fqn] for u in units if u.fqn in fine.forward_flops
         },
+        op_outputs={u: tuple(sorted(e)) for u, e in outputs.items() if e},
     )
 
 
@@ -170,7 +173,41 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
             for n in names
             if source(n) in fine.forward_flops
         },
+        op_outputs=_op_outputs_at_depth(fine, names, source, depth),
     )
+
+
+def _block_index(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else None
+
+
+def _op_outputs_at_depth(
+    fine: ActivationProfile, names: Sequence[str], source: Any, depth: int
+) -> dict[str, tuple[tuple[int, str, int, int, int], ...]]:
+    """The short model's op outputs for the deep model's modules, in the deep forward's order:
+    block i (a copy of block ``source``'s) runs (i - its source) blocks' worth of ops later, and
+    what runs after the blocks (the head) the missing blocks' worth later."""
+    by_block: dict[int, list[int]] = {}
+    for name, events in fine.op_outputs.items():
+        i = _block_index(name)
+        if i is not None:
+            by_block.setdefault(i, []).extend(e[0] for e in events)
+    per_block = len(by_block.get(1, ()))
+    first_end = max(by_block.get(0, [-1]))
+    out = {}
+    for n in names:
+        events = fine.op_outputs.get(source(n), ())
+        if not events:
+            continue
+        i, src = _block_index(n), _block_index(source(n))
+        if i is not None and src is not None:
+            shift = (i - src) * per_block
+            out[n] = tuple((e[0] + shift, *e[1:]) for e in events)
+        else:  # outside the blocks: the head runs after every block
+            after = (depth - PROFILED_BLOCKS) * per_block
+            out[n] = tuple((e[0] + (after if e[0] > first_end else 0), *e[1:]) for e in events)
+    return out
 
 
 def profile_step_activations(

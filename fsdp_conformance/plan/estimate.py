@@ -27,6 +27,7 @@ from fsdp_conformance.plan.model import (
     _require_meta,
     build_meta_model,
     checkpoint_every,
+    checkpoint_ops,
 )
 from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.reference_models import LLAMA_PRESETS
@@ -148,6 +149,8 @@ class ModelPlan:
         ckpt = self.checkpointed
         if any(u not in flops for u in ckpt):
             return None
+        if checkpoint_ops(self.settings.checkpointing):  # the kept ops are not run again
+            return sum(flops[u] - self.activations.op_kept(u)[2] for u in ckpt)
         return sum(flops[u] for u in ckpt)
 
     def step_config(self, world_size: int) -> StepConfig:
@@ -162,6 +165,7 @@ class ModelPlan:
             buffer_bytes=self.buffer_bytes,
             activations=self.activations,
             checkpointed=self.checkpointed,
+            checkpoint_ops=checkpoint_ops(s.checkpointing),
             shard_group=self._shard_group(world_size),
             offload=s.cpu_offload,
         )
@@ -387,7 +391,7 @@ def _never_fits_reason(
         fix = (
             (
                 "a smaller per-rank batch or sequence, or activation checkpointing "
-                "(--activation-checkpointing full or every-K)"
+                "(--activation-checkpointing full, op or every-K)"
                 if plan.settings.checkpointing != "full"
                 else "a smaller per-rank batch or sequence"
             )
@@ -401,7 +405,7 @@ def _never_fits_reason(
 
 
 #: Activation checkpointing choices, cheapest (least recompute) first.
-CHECKPOINTING_OPTIONS = ("none", "every-4", "every-3", "every-2", "full")
+CHECKPOINTING_OPTIONS = ("none", "every-4", "every-3", "every-2", "op", "full")
 
 
 def checkpointing_options(

@@ -25,6 +25,7 @@ from fsdp_conformance.plan.model import (
     PlanError,
     PlanSettings,
     checkpoint_every,
+    checkpoint_ops,
 )
 from fsdp_conformance.policies import wrapping_label
 from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
@@ -133,6 +134,7 @@ def rank_plan_estimate_matches(
             param_dtype=_mixed_param_dtype(case),
             reduce_dtype=case.get("reduce_dtype"),
             checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
+            checkpoint_ops=checkpoint_ops(case.get("checkpointing", "none")),
             shard_group=case.get("shard_group"),
             seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
             offload=bool(case.get("offload")),
