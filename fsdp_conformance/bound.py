@@ -53,6 +53,12 @@ class ActivationProfile:
     op_outputs: Mapping[str, tuple[tuple[int, str, int, int, int], ...]] = dataclasses.field(
         default_factory=dict
     )
+    #: The working set measured with a backward on meta (``profile_activations(backward=True)``,
+    #: the planner's): the most bytes alive at once of the tensors the step makes that are
+    #: neither saved for backward nor parameter gradients, in forward and in backward. None:
+    #: not measured (the working set is then the largest unit's forward products).
+    working_forward_bytes: int | None = None
+    working_backward_bytes: int | None = None
 
     def op_kept(self, unit: str) -> tuple[int, int, int]:
         """What op-level selective activation checkpointing keeps of ``unit`` from forward to
@@ -78,6 +84,8 @@ class ActivationProfile:
             "entry_bytes": dict(self.entry_bytes),
             "forward_flops": dict(self.forward_flops),
             "op_outputs": {k: [list(e) for e in v] for k, v in self.op_outputs.items()},
+            "working_forward_bytes": self.working_forward_bytes,
+            "working_backward_bytes": self.working_backward_bytes,
         }
 
 
@@ -322,16 +330,25 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         working = acts.produced_bytes.get(working_unit, 0) if working_unit is not None else 0
         terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
         terms += _saved_terms(acts, config.checkpointed, config.checkpoint_ops)
-        terms.append(
-            BoundTerm(
-                "activation working set",
-                working,
-                f"everything one unit's forward produces, saved or not (largest: "
-                f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
-                "backward",
-            )
-        )
+        terms.append(_working_set_term(acts, working, working_unit))
     return Bound(tuple(terms), config.tolerance)
+
+
+def _working_set_term(acts: ActivationProfile, produced: int, unit: str | None) -> BoundTerm:
+    fwd, bwd = acts.working_forward_bytes, acts.working_backward_bytes
+    if fwd is None or bwd is None:
+        return BoundTerm(
+            "activation working set",
+            produced,
+            f"everything one unit's forward produces, saved or not (largest: "
+            f"{unit or '(root)'}); also covers that unit's activation gradients in backward",
+        )
+    return BoundTerm(
+        "activation working set",
+        max(fwd, bwd),
+        f"the most the step keeps alive at once besides saved activations and gradients "
+        f"(measured on meta with its backward): forward {fwd:,} B, backward {bwd:,} B",
+    )
 
 
 def _sharded_state_terms(

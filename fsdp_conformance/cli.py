@@ -298,6 +298,7 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         attention=args.attention,
+        loss=args.loss,
         checkpointing=args.checkpointing,
         shard_group_size=args.shard_group_size,
         cpu_offload=args.cpu_offload,

@@ -262,7 +262,14 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         DEFAULT_RESERVE,
         MAX_WORLD_SIZE,
     )
-    from fsdp_conformance.plan.model import ATTENTION, DTYPE_BYTES, OPTIMIZERS, POLICIES, PRESETS
+    from fsdp_conformance.plan.model import (
+        ATTENTION,
+        DTYPE_BYTES,
+        LOSSES,
+        OPTIMIZERS,
+        POLICIES,
+        PRESETS,
+    )
     from fsdp_conformance.reference_models import LLAMA_NORMS, REFERENCE_MODELS
     from fsdp_conformance.sizes import format_bytes
 
@@ -381,6 +388,13 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         choices=ATTENTION,
         default="flash",
         help="flash: fused kernel's saved set; math: also seq x seq weights [flash]",
+    )
+    step.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="mse",
+        help="the step's loss: mse (the suite's: mean square of the output in fp32) or "
+        "cross-entropy (torchtitan's: fp32 logits, token targets) [mse]",
     )
     scale = p.add_argument_group("scale")
     scale.add_argument("--world-size", type=int, default=8, help="ranks to plan for [8]")

@@ -103,6 +103,8 @@ def activations_by_unit(
             u.fqn: fine.forward_flops[u.fqn] for u in units if u.fqn in fine.forward_flops
         },
         op_outputs={u: tuple(sorted(e)) for u, e in outputs.items() if e},
+        working_forward_bytes=fine.working_forward_bytes,
+        working_backward_bytes=fine.working_backward_bytes,
     )
 
 
@@ -174,6 +176,8 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
             if source(n) in fine.forward_flops
         },
         op_outputs=_op_outputs_at_depth(fine, names, source, depth),
+        working_forward_bytes=fine.working_forward_bytes,
+        working_backward_bytes=fine.working_backward_bytes,
     )
 
 
@@ -227,9 +231,10 @@ def profile_step_activations(
     batch = tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
     )
+    loss_fn = _loss(settings.loss, batch, choice)
     with _params_in(model, dtype), _attention(settings.attention):
         try:
-            return profile_activations(model, batch, units)
+            return profile_activations(model, batch, units, loss_fn, backward=True)
         except PlanError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's forward on meta: one clear line
@@ -239,6 +244,30 @@ def profile_step_activations(
                 "that runs on meta tensors (no .item(), no data-dependent shapes); pass "
                 "--input pkg.module:builder if the default batch does not fit the model"
             ) from None
+
+
+def _loss(kind: str, batch: Any, choice: ModelChoice) -> Any:
+    """The step's loss: the suite's (``models.default_loss``) or torchtitan's cross-entropy
+    (``F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``) against the input
+    tokens as targets (the same shape and dtype as the next-token labels)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fsdp_conformance.models import default_loss
+
+    if kind == "mse":
+        return default_loss
+    if not (isinstance(batch, torch.Tensor) and not batch.is_floating_point()):
+        raise PlanError(
+            f"--loss cross-entropy needs token inputs (an integer batch x seq tensor); "
+            f"{choice.label} takes another input: use --loss mse"
+        )
+
+    def cross_entropy(output: Any) -> Any:
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+        return F.cross_entropy(logits.flatten(0, -2).float(), batch.flatten())
+
+    return cross_entropy
 
 
 @contextlib.contextmanager

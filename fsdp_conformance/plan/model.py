@@ -34,6 +34,10 @@ OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
 #: memory-efficient attention on GPU and the CPU flash kernel; math: the unfused path, which
 #: also saves the seq x seq attention weights.
 ATTENTION = ("flash", "math")
+#: mse: the suite's step loss (``models.default_loss``: the mean square of the output in fp32),
+#: what the trust check measures; cross-entropy: torchtitan's (the logits upcast to fp32, token
+#: targets), for models with token inputs.
+LOSSES = ("mse", "cross-entropy")
 
 
 class PlanError(ValueError):
@@ -102,6 +106,8 @@ class PlanSettings:
     seq_len: int = 4096
     #: One of :data:`ATTENTION`.
     attention: str = "flash"
+    #: One of :data:`LOSSES`.
+    loss: str = "mse"
     #: Activation checkpointing of the blocks: "none", "full" (every block), "op" (every block,
     #: op-level selective: torchtitan's ``selective_ac_option = "op"``) or "every-K" (blocks 0,
     #: K, 2K, ...: selective by layer), as torch's ``checkpoint_wrapper`` applies it.
@@ -125,6 +131,7 @@ class PlanSettings:
             ("reduce_dtype", (*DTYPE_BYTES, None)),
             ("optimizer", OPTIMIZERS),
             ("attention", ATTENTION),
+            ("loss", LOSSES),
         ):
             if getattr(self, name) not in allowed:
                 raise PlanError(
