@@ -7,6 +7,7 @@ of a model; :func:`profile_activations` measures its activations per unit with a
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -131,7 +132,8 @@ def profile_activations(
             self, func, types, args=(), kwargs=None
         ):
             out = func(*args, **(kwargs or {}))
-            liveness.made_all(out)
+            if backward or func in op_outputs.kinds:
+                liveness.made_all(out)
             if not in_backward[0]:
                 produced[stack[-1]] += _new_bytes(out)
                 op_outputs.record(stack[-1], func, args, out)
@@ -192,8 +194,8 @@ def _new_bytes(out: Any) -> int:
 
 class _Liveness:
     """Every storage the step makes (op outputs seen by the dispatch mode): when it is made and
-    when it is freed (a ``weakref.finalize`` on the storage), and whether autograd saves it for
-    backward or it becomes a parameter's gradient. Each storage made is one instance: a freed
+    when it is freed (a weak reference's callback on the storage), and whether autograd saves it
+    for backward or it becomes a parameter's gradient. Each storage made is one instance: a freed
     storage's address (``storage_key``) may be handed to a later one, an instance never is."""
 
     def __init__(self) -> None:
@@ -203,7 +205,7 @@ class _Liveness:
         self.saved_instances: set[int] = set()
         self.gradients: set[int] = set()
         self.backward_from: int | None = None
-        self.finalizers: list[Any] = []
+        self.refs: list[Any] = []
 
     def made(self, storage: Any) -> None:
         key = storage_key(storage)
@@ -213,7 +215,7 @@ class _Liveness:
         self.sizes.append(storage.nbytes())
         self.live[key] = instance
         self.events.append((1, instance))
-        self.finalizers.append(weakref.finalize(storage, self._freed, key, instance))
+        self.refs.append(weakref.ref(storage, functools.partial(self._freed, key, instance)))
 
     def made_all(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -231,7 +233,7 @@ class _Liveness:
                 self.gradient(p.grad.untyped_storage())
                 p.grad = None
 
-    def _freed(self, key: int, instance: int) -> None:
+    def _freed(self, key: int, instance: int, _ref: Any = None) -> None:
         if self.live.get(key) == instance:
             del self.live[key]
         self.events.append((-1, instance))
@@ -250,10 +252,9 @@ class _Liveness:
             self.gradients.add(instance)
 
     def stop(self) -> None:
-        """No more events: finalizers of storages still alive are dropped."""
-        for f in self.finalizers:
-            f.detach()
-        self.finalizers.clear()
+        """No more events: the weak references of storages still alive are dropped (a dead
+        weak reference calls nothing)."""
+        self.refs.clear()
 
     def peaks(self, measured: bool) -> dict[str, int | None]:
         """The most bytes alive at once of storages neither saved nor gradients, in forward and

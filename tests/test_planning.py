@@ -311,14 +311,20 @@ def test_llama_norm_and_rotary_save_what_production_code_saves() -> None:
     assert production - fused == 2 * 4 * bsd  # per norm: fp32 copy + bf16 product - bf16 input
     assert {LLAMA_PRESETS[p].norm for p in LLAMA_PRESETS} == {"eager"}
     assert {LLAMA_PRESETS[p].rotary_layout for p in LLAMA_PRESETS} == {"seq-first"}
+
+
+@pytest.mark.process  # real CPU forwards and backwards of four models: about 1 s
+def test_llama_norm_and_rotary_forms_compute_the_same_function() -> None:
     # Same function, whatever it saves: outputs and gradients agree (the fused backward included).
     import torch
 
     from fsdp_conformance.reference_models import LlamaModel
 
+    base = LlamaConfig(num_layers=2, dim=64)
+
     def step(config: LlamaConfig) -> tuple[Any, list[Any]]:
         torch.manual_seed(0)
-        model = LlamaModel(dataclasses.replace(config, num_layers=2))
+        model = LlamaModel(config)
         out = model(torch.arange(32).reshape(2, 16))
         out.square().mean().backward()
         return out, [p.grad for p in model.parameters()]
