@@ -686,6 +686,14 @@ def test_estimate_is_within_tolerance_of_measured_peaks_and_a_missing_term_is_ca
     assert verdict.passed, verdict.message
     assert verdict.figures["cases"] == len(TRUST_CASES)
     assert verdict.figures["max_ratio"] <= TRUST_MAX_RATIO
+    # Per term, where the meter has categories (FSDPMemTracker on FSDP2): the sharded
+    # parameters at the peak are exactly the estimate's, and every group is reported.
+    for row, case in zip(verdict.data["rows"], TRUST_CASES, strict=True):
+        if case["version"] == "fsdp2":
+            assert row["term_ratios"]["sharded params"] == 1.0, row
+            assert row["term_ratios"]["activations"] is not None, row
+        else:
+            assert row["term_ratios"] == {}  # MemTracker: no categories
     # Negative control: the same measurements against bounds each missing a dominant term.
     world_size = len(values)
     estimates = {}
