@@ -6,7 +6,9 @@ its own; phases are timed with ``time.perf_counter`` inside it:
 
 * import: the ``fsdp_conformance.plan`` modules (torch included);
 * plan + estimate: the meta model, the unit plan, the activation profile (a forward on meta),
-  the per-layer bound and the "devices needed" search for 80 GB and 141 GB;
+  the per-layer bound and the "devices needed" search for 80 GiB and 140 GiB, with every
+  activation checkpointing mode as the plan's own (none, every-4, every-3, every-2, op, full:
+  each report also tables every mode);
 * cross-check: FSDP2 ``fully_shard`` per unit and root on a 1,024-rank fake process group.
 
     python benchmarks/bench_plan.py [--preset 70b] [--world-size 1024] [--repeat 3]
@@ -25,7 +27,7 @@ from typing import Any
 CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
-from fsdp_conformance.plan.estimate import plan_model
+from fsdp_conformance.plan.estimate import CHECKPOINTING_OPTIONS, plan_model
 from fsdp_conformance.plan.model import PlanSettings, build_meta_model, choose_model
 from fsdp_conformance.plan.report import plan_report
 from fsdp_conformance.plan.verify import verify_fsdp2_shards
@@ -34,7 +36,10 @@ preset, world_size = sys.argv[1], int(sys.argv[2])
 choice = choose_model(preset=preset)
 model = build_meta_model(choice)
 plan = plan_model(choice, PlanSettings(), model)
-report = plan_report(plan, world_size, [80 * 10**9, 141 * 10**9])
+devices = [80 * 2**30, 140 * 2**30]
+reports = {m: plan_report(plan.with_checkpointing(m), world_size, devices)
+           for m in CHECKPOINTING_OPTIONS}
+report = reports["none"]
 t2 = time.perf_counter()
 rss_plan = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 check = verify_fsdp2_shards(plan, world_size, model)
@@ -46,6 +51,7 @@ print(json.dumps({
     "cpu_s": usage.ru_utime + usage.ru_stime, "units": len(plan.units),
     "params": plan.total_numel, "estimate_bytes": report["estimate"]["total"],
     "matches": check.get("matches"),
+    "mode_estimates": {m: r["estimate"]["total"] for m, r in reports.items()},
 }))
 """
 
@@ -76,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     first = runs[0]
     print(
         f"preset {args.preset}: {first['params']:,} params, {first['units']} units, world size "
-        f"{args.world_size:,}; estimate {first['estimate_bytes'] / 1e9:.2f} GB per rank; "
+        f"{args.world_size:,}; estimate {first['estimate_bytes'] / 2**30:.2f} GiB per rank; "
         f"fsdp2 cross-check matches: {first['matches']}"
+    )
+    print(
+        "per checkpointing mode: "
+        + ", ".join(f"{m} {b / 2**30:.2f} GiB" for m, b in first["mode_estimates"].items())
     )
     print(
         f"{'run':>3}  {'import s':>8}  {'plan+estimate s':>15}  {'cross-check s':>13}  "

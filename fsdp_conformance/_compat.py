@@ -339,6 +339,28 @@ def flash_attention_cpu_op() -> Callable[..., Any] | None:
     return getattr(packet, "default", None) if packet is not None else None
 
 
+def op_sac_kinds() -> dict[Any, str]:
+    """The ops op-level selective activation checkpointing decides on, as torchtitan's policy
+    names them (``_save_list`` in its ``apply_ac``), by op overload: ``aten.mm`` ("mm": every
+    other one's output kept) and the fused attention ops ("attention": outputs always kept),
+    the CPU flash op included (the planner's stand-in for the GPU one, and what CPU steps run).
+    Ops this torch lacks are left out."""
+    names = {
+        "mm": "mm",
+        "_scaled_dot_product_flash_attention": "attention",
+        "_scaled_dot_product_efficient_attention": "attention",
+        "_scaled_dot_product_cudnn_attention": "attention",
+        "_scaled_dot_product_flash_attention_for_cpu": "attention",
+    }
+    kinds: dict[Any, str] = {}
+    for name, kind in names.items():
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, "default", None) if packet is not None else None
+        if op is not None:
+            kinds[op] = kind
+    return kinds
+
+
 def grouped_mm_op() -> Any | None:
     """The op packet ``aten._grouped_mm`` (mixture-of-experts matmuls), or None.
 

@@ -47,6 +47,34 @@ class ActivationProfile:
     #: Floating-point operations of a unit's forward, nested modules included (torch's
     #: ``FlopCounterMode``): what recomputing a checkpointed unit costs. Empty where unknown.
     forward_flops: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: The outputs of the ops op-level selective activation checkpointing decides on
+    #: (:data:`OP_SAC_KINDS`), per unit in forward order: ``(order, kind, bytes, saved bytes,
+    #: flops)``, ``saved bytes`` being the part autograd also saves for backward.
+    op_outputs: Mapping[str, tuple[tuple[int, str, int, int, int], ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    #: The working set measured with a backward on meta (``profile_activations(backward=True)``,
+    #: the planner's): the most bytes alive at once of the tensors the step makes that are
+    #: neither saved for backward nor parameter gradients, in forward and in backward. None:
+    #: not measured (the working set is then the largest unit's forward products).
+    working_forward_bytes: int | None = None
+    working_backward_bytes: int | None = None
+
+    def op_kept(self, unit: str) -> tuple[int, int, int]:
+        """What op-level selective activation checkpointing keeps of ``unit`` from forward to
+        its backward, as torchtitan's policy (``apply_ac``, ``selective_ac_option = "op"``)
+        decides: every attention output, and the output of every other matmul (the 1st, 3rd,
+        ... of each checkpointed call; the others are recomputed). Returns (bytes kept, of
+        those the bytes autograd saves anyway, forward FLOPs of the kept ops: not recomputed).
+        """
+        kept = saved = flops = mm = 0
+        for _, kind, nbytes, also_saved, op_flops in sorted(self.op_outputs.get(unit, ())):
+            if kind == "mm":
+                mm += 1
+                if mm % 2 == 0:
+                    continue
+            kept, saved, flops = kept + nbytes, saved + also_saved, flops + op_flops
+        return kept, saved, flops
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,7 +83,15 @@ class ActivationProfile:
             "produced_bytes": dict(self.produced_bytes),
             "entry_bytes": dict(self.entry_bytes),
             "forward_flops": dict(self.forward_flops),
+            "op_outputs": {k: [list(e) for e in v] for k, v in self.op_outputs.items()},
+            "working_forward_bytes": self.working_forward_bytes,
+            "working_backward_bytes": self.working_backward_bytes,
         }
+
+
+#: The op kinds of :attr:`ActivationProfile.op_outputs`: "mm" (a matmul, ``aten.mm``; every
+#: other one kept) and "attention" (fused attention's outputs, always kept).
+OP_SAC_KINDS = ("mm", "attention")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +120,10 @@ class StepConfig:
     #: Units whose forward runs under activation checkpointing (recomputed in backward):
     #: they keep only what enters them until backward, then their saved set while recomputed.
     checkpointed: tuple[str, ...] = ()
+    #: Op-level selective activation checkpointing of the ``checkpointed`` units: each keeps,
+    #: besides its inputs, the outputs of the ops the policy saves
+    #: (:meth:`ActivationProfile.op_kept`); the rest is recomputed in backward.
+    checkpoint_ops: bool = False
     #: HSDP: the ranks each unit is sharded over (a 2-D mesh of world / shard_group replicas x
     #: shard_group, or FSDP1's HYBRID_SHARD); None shards over the whole world.
     shard_group: int | None = None
@@ -289,17 +329,26 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         working_unit = max(acts.produced_bytes, key=lambda k: acts.produced_bytes[k], default=None)
         working = acts.produced_bytes.get(working_unit, 0) if working_unit is not None else 0
         terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
-        terms += _saved_terms(acts, config.checkpointed)
-        terms.append(
-            BoundTerm(
-                "activation working set",
-                working,
-                f"everything one unit's forward produces, saved or not (largest: "
-                f"{working_unit or '(root)'}); also covers that unit's activation gradients in "
-                "backward",
-            )
-        )
+        terms += _saved_terms(acts, config.checkpointed, config.checkpoint_ops)
+        terms.append(_working_set_term(acts, working, working_unit))
     return Bound(tuple(terms), config.tolerance)
+
+
+def _working_set_term(acts: ActivationProfile, produced: int, unit: str | None) -> BoundTerm:
+    fwd, bwd = acts.working_forward_bytes, acts.working_backward_bytes
+    if fwd is None or bwd is None:
+        return BoundTerm(
+            "activation working set",
+            produced,
+            f"everything one unit's forward produces, saved or not (largest: "
+            f"{unit or '(root)'}); also covers that unit's activation gradients in backward",
+        )
+    return BoundTerm(
+        "activation working set",
+        max(fwd, bwd),
+        f"the most the step keeps alive at once besides saved activations and gradients "
+        f"(measured on meta with its backward): forward {fwd:,} B, backward {bwd:,} B",
+    )
 
 
 def _sharded_state_terms(
@@ -346,14 +395,21 @@ def host_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
     return sum(t.bytes for t in _sharded_state_terms(units, config))
 
 
-def _saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[BoundTerm]:
+def _saved_terms(
+    acts: ActivationProfile, checkpointed: Sequence[str], ops: bool = False
+) -> list[BoundTerm]:
     """Saved activations, and with activation checkpointing the unit being recomputed.
 
     A checkpointed unit saves nothing for backward in forward; it keeps what entered it (its
     inputs, for the recompute). In backward its forward runs again and its saved set exists
     until its own backward has used it, one checkpointed unit at a time: the largest such set
-    is one more term. Everything else is saved as without checkpointing.
+    is one more term. Everything else is saved as without checkpointing. With ``ops`` (op-level
+    selective checkpointing) a checkpointed unit also keeps the outputs its policy saves
+    (:meth:`ActivationProfile.op_kept`) until its backward, where the recompute reuses them:
+    its recomputed set is its saved set less what it kept that autograd saves.
     """
+    if ops:
+        return _op_saved_terms(acts, checkpointed)
     ckpt = [u for u in checkpointed if u in acts.saved_bytes]
     if not ckpt:
         saved = sum(acts.saved_bytes.values())
@@ -386,6 +442,38 @@ def _saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[B
             f"(largest: {again})",
         ),
     ]
+
+
+def _op_saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[BoundTerm]:
+    ckpt = [u for u in checkpointed if u in acts.saved_bytes]
+    kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
+    entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
+    op = {u: acts.op_kept(u) for u in ckpt}
+    outputs = sum(k for k, _, _ in op.values())
+    again = {u: acts.saved_bytes[u] - op[u][1] for u in ckpt}
+    worst = max(ckpt, key=lambda u: again[u], default=None)
+    terms = [
+        BoundTerm(
+            "saved activations",
+            kept + entries + outputs,
+            f"saved for backward by the {len(acts.saved_bytes) - len(ckpt)} units not "
+            f"checkpointed and the loss ({kept:,} B), + the inputs the {len(ckpt)} units under "
+            f"op-level selective checkpointing keep for their recompute ({entries:,} B) and the "
+            f"op outputs their policy keeps (attention, every other matmul: {outputs:,} B), all "
+            "alive at the end of forward (measured on meta)",
+            scales_with_depth=True,
+        )
+    ]
+    if worst is not None:
+        terms.append(
+            BoundTerm(
+                "recomputed unit",
+                again[worst],
+                f"the saved set of one checkpointed unit while backward recomputes it, less "
+                f"the kept op outputs it reuses (largest: {worst})",
+            )
+        )
+    return terms
 
 
 def _all_gather_buffer_numel(numel: int, world_size: int, version: str) -> int:

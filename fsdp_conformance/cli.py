@@ -295,10 +295,12 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
         version=args.version,
         param_dtype=param,
         compute_dtype=compute,
+        reduce_dtype=args.reduce_dtype,
         optimizer=args.optimizer,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         attention=args.attention,
+        loss=args.loss,
         checkpointing=args.checkpointing,
         shard_group_size=args.shard_group_size,
         cpu_offload=args.cpu_offload,
@@ -327,6 +329,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             layers=args.layers,
             dim=args.dim,
             input_builder=args.input_builder,
+            norm=args.norm,
         )
         settings = _plan_settings(args)
         devices = [parse_bytes(x) for x in args.device_memory.split(",") if x.strip()]

@@ -271,8 +271,15 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         DEFAULT_RESERVE,
         MAX_WORLD_SIZE,
     )
-    from fsdp_conformance.plan.model import ATTENTION, DTYPE_BYTES, OPTIMIZERS, POLICIES, PRESETS
-    from fsdp_conformance.reference_models import REFERENCE_MODELS
+    from fsdp_conformance.plan.model import (
+        ATTENTION,
+        DTYPE_BYTES,
+        LOSSES,
+        OPTIMIZERS,
+        POLICIES,
+        PRESETS,
+    )
+    from fsdp_conformance.reference_models import LLAMA_NORMS, REFERENCE_MODELS
     from fsdp_conformance.sizes import format_bytes
 
     model = p.add_argument_group("model (exactly one)")
@@ -307,6 +314,15 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         metavar="PKG.MOD:BUILDER",
         help="input builder(model, batch_size, device) for your model",
     )
+    model.add_argument(
+        "--norm",
+        choices=LLAMA_NORMS,
+        default=None,
+        help="a Llama's RMSNorm: eager (one fp32 upcast, torchtitan's rmsnorm), fused "
+        "(saves its input and the reciprocal RMS, torchtitan's fused_rmsnorm) or "
+        "upcast-twice (the suite's first reference) [presets: eager; --reference "
+        "llama: upcast-twice]",
+    )
     model.add_argument("--layers", type=int, help="--reference only: number of blocks")
     model.add_argument("--dim", type=int, help="--reference only: width")
     step = p.add_argument_group("training step")
@@ -339,6 +355,13 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     step.add_argument(
         "--dtype", choices=tuple(DTYPE_BYTES), help="both of the above (no mixed precision)"
     )
+    step.add_argument(
+        "--reduce-dtype",
+        choices=tuple(DTYPE_BYTES),
+        default=None,
+        help="the gradients' reduce-scatter (MixedPrecisionPolicy(reduce_dtype=...); "
+        "torchtitan: fp32) [the compute dtype]",
+    )
     step.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="[adamw]")
     step.add_argument("--batch-size", type=int, default=1, help="per-rank micro-batch [1]")
     step.add_argument("--seq-len", type=int, default=4096, help="tokens per sample [4096]")
@@ -346,8 +369,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         "--activation-checkpointing",
         dest="checkpointing",
         default="none",
-        metavar="none|full|every-K",
-        help="checkpoint every block (full) or blocks 0, K, 2K, ... (every-K), as "
+        metavar="none|full|op|every-K",
+        help="checkpoint every block (full), every block op by op (op: attention and "
+        "every other matmul kept, torchtitan's selective op policy) or blocks 0, K, 2K, "
+        "... (every-K), as "
         "torch's checkpoint_wrapper does; the plan also shows each choice side by "
         "side [none]",
     )
@@ -372,6 +397,13 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         choices=ATTENTION,
         default="flash",
         help="flash: fused kernel's saved set; math: also seq x seq weights [flash]",
+    )
+    step.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="mse",
+        help="the step's loss: mse (the suite's: mean square of the output in fp32) or "
+        "cross-entropy (torchtitan's: fp32 logits, token targets) [mse]",
     )
     scale = p.add_argument_group("scale")
     scale.add_argument("--world-size", type=int, default=8, help="ranks to plan for [8]")

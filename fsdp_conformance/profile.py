@@ -7,6 +7,8 @@ of a model; :func:`profile_activations` measures its activations per unit with a
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +18,7 @@ from fsdp_conformance._compat import (
     flash_attention_cpu_op,
     grouped_mm_op,
     is_view,
+    op_sac_kinds,
     storage_key,
     torch_dispatch_mode_cls,
     tree_leaves,
@@ -87,6 +90,7 @@ def profile_activations(
     loss_fn: Callable[[Any], Any] = default_loss,
     *,
     count_flops: bool = True,
+    backward: bool = False,
 ) -> ActivationProfile:
     """Activation bytes per unit for one forward + loss, measured on a meta model and batch.
 
@@ -95,7 +99,10 @@ def profile_activations(
     on ``meta`` nothing is allocated, so it runs at full scale. ``count_flops``: each unit's
     forward FLOPs too (``forward_flops``: what recomputing a checkpointed unit costs, which only
     the planner reports); torch's ``FlopCounterMode`` is about a third of the forward's time
-    (``benchmarks/bench_profile_flops.py``).
+    (``benchmarks/bench_profile_flops.py``). ``backward``: run the backward too and measure
+    the working set (``working_forward_bytes``, ``working_backward_bytes``): the peak of the
+    tensors the step makes that are alive at once and are neither saved for backward nor
+    gradients of parameters, in forward and in backward (:class:`_Liveness`).
     """
     TorchDispatchMode = torch_dispatch_mode_cls()
 
@@ -107,9 +114,13 @@ def profile_activations(
     entry: dict[str, int] = {u.fqn: 0 for u in units}
     seen: set[int] = set()
     unit_modules = {id(m): name for name, m in model.named_modules() if name in entry}
+    liveness = _Liveness()
+    op_outputs = _OpOutputs(liveness)
+    in_backward = [False]
 
     def pack(t: Any) -> Any:
         st = t.untyped_storage()
+        liveness.saved(st)
         key = storage_key(st)
         if key not in param_storages and key not in seen:
             seen.add(key)
@@ -121,9 +132,11 @@ def profile_activations(
             self, func, types, args=(), kwargs=None
         ):
             out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and not is_view(t):
-                    produced[stack[-1]] += t.untyped_storage().nbytes()
+            if backward or func in op_outputs.kinds:
+                liveness.made_all(out)
+            if not in_backward[0]:
+                produced[stack[-1]] += _new_bytes(out)
+                op_outputs.record(stack[-1], func, args, out)
             return out
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
@@ -147,10 +160,16 @@ def profile_activations(
             Produced(),
             flops.mode,
         ):
-            loss_fn(call_model(model, batch))
+            loss = loss_fn(call_model(model, batch))
+        if backward:
+            in_backward[0] = True
+            with Produced():
+                liveness.backward(model, loss, _grouped_mm_on_meta)
+        del loss
     finally:
         for h in handles:
             h.remove()
+        liveness.stop()
     leaves = tree_leaves(batch)
     input_bytes = sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
     return ActivationProfile(
@@ -159,7 +178,147 @@ def profile_activations(
         produced_bytes=produced,
         entry_bytes=entry,
         forward_flops=flops.by_unit(entry),
+        op_outputs=op_outputs.by_unit(),
+        **liveness.peaks(backward),
     )
+
+
+def _new_bytes(out: Any) -> int:
+    """Bytes of an op's outputs that are not views (``produced_bytes``)."""
+    return sum(
+        t.untyped_storage().nbytes()
+        for t in tree_leaves(out)
+        if isinstance(t, torch.Tensor) and not is_view(t)
+    )
+
+
+class _Liveness:
+    """Every storage the step makes (op outputs seen by the dispatch mode): when it is made and
+    when it is freed (a weak reference's callback on the storage), and whether autograd saves it
+    for backward or it becomes a parameter's gradient. Each storage made is one instance: a freed
+    storage's address (``storage_key``) may be handed to a later one, an instance never is."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}  # storage key -> its instance while alive
+        self.sizes: list[int] = []  # instance -> bytes
+        self.events: list[tuple[int, int]] = []  # (+1 made / -1 freed, instance)
+        self.saved_instances: set[int] = set()
+        self.gradients: set[int] = set()
+        self.backward_from: int | None = None
+        self.refs: list[Any] = []
+
+    def made(self, storage: Any) -> None:
+        key = storage_key(storage)
+        if key in self.live:
+            return
+        instance = len(self.sizes)
+        self.sizes.append(storage.nbytes())
+        self.live[key] = instance
+        self.events.append((1, instance))
+        self.refs.append(weakref.ref(storage, functools.partial(self._freed, key, instance)))
+
+    def made_all(self, out: Any) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made(t.untyped_storage())
+
+    def backward(self, model: Any, loss: Any, modes: Callable[[], Any]) -> None:
+        """``loss.backward()`` under ``modes()``, its events marked as backward's; the
+        parameters' gradients are noted as such and set back to None."""
+        self.backward_from = len(self.events)
+        with modes():
+            loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                self.gradient(p.grad.untyped_storage())
+                p.grad = None
+
+    def _freed(self, key: int, instance: int, _ref: Any = None) -> None:
+        if self.live.get(key) == instance:
+            del self.live[key]
+        self.events.append((-1, instance))
+
+    def instance(self, storage: Any) -> int | None:
+        return self.live.get(storage_key(storage))
+
+    def saved(self, storage: Any) -> None:
+        instance = self.instance(storage)
+        if instance is not None:
+            self.saved_instances.add(instance)
+
+    def gradient(self, storage: Any) -> None:
+        instance = self.instance(storage)
+        if instance is not None:
+            self.gradients.add(instance)
+
+    def stop(self) -> None:
+        """No more events: the weak references of storages still alive are dropped (a dead
+        weak reference calls nothing)."""
+        self.refs.clear()
+
+    def peaks(self, measured: bool) -> dict[str, int | None]:
+        """The most bytes alive at once of storages neither saved nor gradients, in forward and
+        in backward (None each when the backward did not run)."""
+        if not measured:
+            return {"working_forward_bytes": None, "working_backward_bytes": None}
+        skip = self.saved_instances | self.gradients
+        alive = forward = back = 0
+        start = self.backward_from if self.backward_from is not None else len(self.events)
+        for i, (sign, instance) in enumerate(self.events):
+            if instance in skip:
+                continue
+            alive += sign * self.sizes[instance]
+            if i < start:
+                forward = max(forward, alive)
+            else:
+                back = max(back, alive)
+        return {"working_forward_bytes": forward, "working_backward_bytes": back}
+
+
+class _OpOutputs:
+    """The outputs of the ops op-level selective checkpointing decides on
+    (``_compat.op_sac_kinds``), per unit in forward order (``ActivationProfile.op_outputs``)."""
+
+    def __init__(self, liveness: _Liveness) -> None:
+        self.kinds = op_sac_kinds()
+        self.liveness = liveness
+        # (owner, order, kind, {instance: bytes}, flops)
+        self.events: list[tuple[str, int, str, dict[int, int], int]] = []
+
+    def record(self, owner: str, func: Any, args: Any, out: Any) -> None:
+        kind = self.kinds.get(func)
+        if kind is None:
+            return
+        storages: dict[int, int] = {}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                instance = self.liveness.instance(t.untyped_storage())
+                if instance is not None:
+                    storages[instance] = t.untyped_storage().nbytes()
+        self.events.append((owner, len(self.events), kind, storages, _op_flops(kind, args)))
+
+    def by_unit(self) -> dict[str, tuple[tuple[int, str, int, int, int], ...]]:
+        """Per unit: (order, kind, bytes, of them saved for backward, flops)."""
+        saved = self.liveness.saved_instances
+        outputs: dict[str, list[tuple[int, str, int, int, int]]] = {}
+        for unit, order, kind, storages, flops in self.events:
+            also = sum(v for k, v in storages.items() if k in saved)
+            outputs.setdefault(unit, []).append((order, kind, sum(storages.values()), also, flops))
+        return {k: tuple(v) for k, v in outputs.items()}
+
+
+def _op_flops(kind: str, args: Any) -> int:
+    """Forward FLOPs of an op op-level SAC keeps (what keeping it saves in recompute): a matmul
+    ``(m, k) @ (k, n)`` is 2mkn; attention over q (b, h, s, d) and k (b, h, t, d) is two such
+    products, 4bhstd (torch's ``flop_counter`` formulas)."""
+    a, b = args[0], args[1]
+    if kind == "mm":
+        return int(2 * a.shape[0] * a.shape[1] * b.shape[1])
+    *lead, s, d = a.shape
+    lead_size = 1
+    for n in lead:
+        lead_size *= n
+    return int(4 * lead_size * s * b.shape[-2] * d)
 
 
 def _storage_bytes(tree: Any, exclude: set[int]) -> int:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -416,8 +417,23 @@ class LlamaConfig:
     hidden_dim: int | None = None  # None: the Llama rule, 8/3 * dim rounded up to 32
     vocab_size: int = 512
     rope_theta: float = 10000.0
+    #: RMSNorm as it runs (:data:`LLAMA_NORMS`): "upcast-twice" (this suite's first reference:
+    #: the input upcast to fp32 twice, both copies saved for backward), "eager" (torchtitan's and
+    #: Meta's Llama: one fp32 upcast), "fused" (a fused kernel, as torchtitan's Triton
+    #: ``fused_rmsnorm``: saves its input and the reciprocal RMS only).
+    norm: str = "upcast-twice"
+    #: Where rotary is applied (:data:`ROTARY_LAYOUTS`): "heads-first" (this suite's first
+    #: reference: on (batch, heads, seq, head_dim), so the attention output is copied before the
+    #: output projection) or "seq-first" (torchtitan's and Meta's: on (batch, seq, heads,
+    #: head_dim) before the transpose, so the output projection's input is a view).
+    rotary_layout: str = "heads-first"
 
     def __post_init__(self) -> None:
+        for name, allowed in (("norm", LLAMA_NORMS), ("rotary_layout", ROTARY_LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}"
+                )
         if self.dim % self.num_heads:
             raise ValueError(f"dim {self.dim} must be divisible by num_heads {self.num_heads}")
         if self.num_heads % self.kv_heads:
@@ -444,19 +460,91 @@ class LlamaConfig:
         return scaled_min_params(self.dim)
 
 
+#: The RMSNorm forms of :attr:`LlamaConfig.norm`.
+LLAMA_NORMS = ("upcast-twice", "eager", "fused")
+#: The rotary layouts of :attr:`LlamaConfig.rotary_layout`.
+ROTARY_LAYOUTS = ("heads-first", "seq-first")
+
+
+def _production(**shape: Any) -> LlamaConfig:
+    """A Llama shape saving what production Llama code saves (torchtitan's ``models/llama``,
+    Meta's ``llama/model.py``): one fp32 upcast in RMSNorm, rotary on (batch, seq, heads,
+    head_dim)."""
+    return LlamaConfig(norm="eager", rotary_layout="seq-first", **shape)
+
+
+#: Full-scale shapes: Llama 2 7B / 13B / 70B (Meta's ``params.json``; torchtitan's
+#: ``llama2_configs``) and Llama 3 8B / 70B / 405B (torchtitan's ``llama3_configs``: vocab
+#: 128,256, rope theta 500,000; FFN widths from ``ffn_dim_multiplier`` and ``multiple_of``:
+#: 14,336, 28,672 and 53,248), saving what production code saves (:func:`_production`).
 LLAMA_PRESETS: dict[str, LlamaConfig] = {
-    "7b": LlamaConfig(num_layers=32, dim=4096, num_heads=32, hidden_dim=11008, vocab_size=32000),
-    "13b": LlamaConfig(num_layers=40, dim=5120, num_heads=40, hidden_dim=13824, vocab_size=32000),
-    "70b": LlamaConfig(
-        num_layers=80, dim=8192, num_heads=64, num_kv_heads=8, hidden_dim=28672, vocab_size=32000
+    "7b": _production(num_layers=32, dim=4096, num_heads=32, hidden_dim=11008, vocab_size=32000),
+    "13b": _production(num_layers=40, dim=5120, num_heads=40, hidden_dim=13824, vocab_size=32000),
+    "70b": _production(
+        num_layers=80,
+        dim=8192,
+        num_heads=64,
+        num_kv_heads=8,
+        hidden_dim=28672,
+        vocab_size=32000,
+    ),
+    "llama3-8b": _production(
+        num_layers=32,
+        dim=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        hidden_dim=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": _production(
+        num_layers=80,
+        dim=8192,
+        num_heads=64,
+        num_kv_heads=8,
+        hidden_dim=28672,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+    "llama3-405b": _production(
+        num_layers=126,
+        dim=16384,
+        num_heads=128,
+        num_kv_heads=8,
+        hidden_dim=53248,
+        vocab_size=128256,
+        rope_theta=500000.0,
     ),
 }
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm saving what a fused kernel saves: its input, the weight and the reciprocal RMS
+    (torchtitan's Triton ``fused_rmsnorm``); the backward recomputes the normalized input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = x.float().pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
+        ctx.save_for_backward(x, weight, rstd)
+        return (x.float() * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        n = x.float() * rstd
+        grad_weight = (grad.float() * n).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        gn = grad.float() * weight.float()
+        grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
+        return grad_x.type_as(x), grad_weight, None
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """RMSNorm in one of :data:`LLAMA_NORMS` (the same values; what backward keeps differs)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, kind: str = "upcast-twice") -> None:
         super().__init__()
         self.eps = eps
+        self.kind = kind
         self.weight = nn.Parameter(torch.empty(dim))
         self.reset_parameters()
 
@@ -464,6 +552,14 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fused":
+            fused: torch.Tensor = _FusedRMSNorm.apply(x, self.weight, self.eps)  # type: ignore[no-untyped-call]
+            return fused
+        if self.kind == "eager":  # torchtitan's: x * rsqrt(mean(x^2) + eps) on one fp32 copy
+            up = x.float()
+            return (up * up.pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()).type_as(
+                x
+            ) * self.weight
         norm = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
         return (x.float() * norm).type_as(x) * self.weight
 
@@ -487,11 +583,14 @@ class Rotary(nn.Module):
             )
             self.inv_freq.copy_(1.0 / (self.theta ** (exponents / self.head_dim)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[-2]
+    def forward(self, x: torch.Tensor, seq_first: bool = False) -> torch.Tensor:
+        """``x``: (..., seq, head_dim), or (batch, seq, heads, head_dim) when ``seq_first``."""
+        seq = x.shape[1] if seq_first else x.shape[-2]
         t = torch.arange(seq, device=x.device, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq.float())
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        if seq_first:
+            cos, sin = cos[:, None, :], sin[:, None, :]
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -501,13 +600,14 @@ class LlamaBlock(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.kv_heads, self.head_dim = c.num_heads, c.kv_heads, c.head_dim
-        self.attn_norm = RMSNorm(c.dim)
+        self.seq_first = c.rotary_layout == "seq-first"
+        self.attn_norm = RMSNorm(c.dim, kind=c.norm)
         self.wq = nn.Linear(c.dim, c.num_heads * c.head_dim, bias=False)
         self.wk = nn.Linear(c.dim, c.kv_heads * c.head_dim, bias=False)
         self.wv = nn.Linear(c.dim, c.kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.dim, bias=False)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
-        self.mlp_norm = RMSNorm(c.dim)
+        self.mlp_norm = RMSNorm(c.dim, kind=c.norm)
         self.w1 = nn.Linear(c.dim, c.hidden, bias=False)
         self.w3 = nn.Linear(c.dim, c.hidden, bias=False)
         self.w2 = nn.Linear(c.hidden, c.dim, bias=False)
@@ -515,10 +615,14 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         h = self.attn_norm(x)
-        q = self.wq(h).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(h).view(b, s, self.num_heads, self.head_dim)
+        k = self.wk(h).view(b, s, self.kv_heads, self.head_dim)
         v = self.wv(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q), self.rotary(k)
+        if self.seq_first:  # rotary before the transpose: the attention output stays a view
+            q, k = self.rotary(q, seq_first=True), self.rotary(k, seq_first=True)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            q, k = self.rotary(q.transpose(1, 2)), self.rotary(k.transpose(1, 2))
         if self.kv_heads != self.num_heads:
             repeat = self.num_heads // self.kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -536,7 +640,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList([LlamaBlock(config) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.dim)
+        self.norm = RMSNorm(config.dim, kind=config.norm)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

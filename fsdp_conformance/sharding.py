@@ -250,11 +250,35 @@ def shard(
     return shard_fsdp2(model, ctx, policy, **kwargs)
 
 
+def op_sac_context() -> Any:
+    """The context of op-level selective activation checkpointing, torchtitan's policy
+    (``selective_ac_option = "op"``) through torch's public
+    ``create_selective_checkpoint_contexts``: attention outputs saved, every other matmul's
+    output saved (the 1st, 3rd, ... of each checkpointed call, counted apart in forward and in
+    the recompute), everything else recomputed. The ops: ``_compat.op_sac_kinds``; what the
+    planner counts of them: ``ActivationProfile.op_kept``."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kinds = _compat.op_sac_kinds()
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        kind = kinds.get(func)
+        if kind == "mm":
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if kind else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def checkpoint_blocks(
-    model: nn.Module, block_classes: Sequence[type[nn.Module]], every: int
+    model: nn.Module, block_classes: Sequence[type[nn.Module]], every: int, ops: bool = False
 ) -> list[str]:
     """Activation checkpointing on blocks 0, ``every``, 2 x ``every``, ... of a sharded model
-    (``every`` 1: every block); returns their FQNs.
+    (``every`` 1: every block); returns their FQNs. ``ops``: op-level selective checkpointing
+    (:func:`op_sac_context`, torch's ``context_fn``) in place of full checkpointing.
 
     Through torch's public APIs, as users apply it to a model already sharded, with FSDP's hooks
     outside the checkpointed region (so the recompute in backward runs on the parameters FSDP
@@ -278,13 +302,16 @@ def checkpoint_blocks(
     kinds = tuple(block_classes)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
     chosen = blocks[::every] if every > 0 else []
+    more: dict[str, Any] = {"context_fn": op_sac_context} if ops else {}
     if chosen and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         torch_ac = _compat.checkpoint_wrapper_module()
         ids = {id(m) for _, m in chosen}
         torch_ac.apply_activation_checkpointing(
             model,
             checkpoint_wrapper_fn=functools.partial(
-                torch_ac.checkpoint_wrapper, checkpoint_impl=torch_ac.CheckpointImpl.NO_REENTRANT
+                torch_ac.checkpoint_wrapper,
+                checkpoint_impl=torch_ac.CheckpointImpl.NO_REENTRANT,
+                **more,
             ),
             check_fn=lambda m: id(m) in ids,
         )
@@ -294,7 +321,7 @@ def checkpoint_blocks(
 
         @functools.wraps(inner)
         def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **more, **kwargs)
 
         module.forward = forward
     return [name for name, _ in chosen]

@@ -32,11 +32,14 @@ UNITS_OF_BYTES = {
 
 #: The formats in use:
 #: ``binary``: MiB, or KiB below one MiB (reports: small models' units would all read 0.00 MiB);
-#: ``decimal``: the largest of TB/GB/MB/KB that fits, else whole bytes (the planner, as device
-#: memory is quoted); ``MB``: always decimal MB (the memory claim's messages).
-ByteStyle = Literal["binary", "decimal", "MB"]
+#: ``decimal``: the largest of TB/GB/MB/KB that fits, else whole bytes (the planner, for device
+#: sizes given in GB); ``iec``: the largest of TiB/GiB/MiB/KiB that fits, else whole bytes (the
+#: planner's default: devices report their memory in GiB); ``MB``: always decimal MB (the
+#: memory claim's messages).
+ByteStyle = Literal["binary", "decimal", "iec", "MB"]
 
 _DECIMAL_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+_IEC_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def format_bytes(n: float, style: ByteStyle = "binary") -> str:
@@ -45,14 +48,20 @@ def format_bytes(n: float, style: ByteStyle = "binary") -> str:
         if abs(n) < MiB:
             return f"{n / KiB:.1f} KiB"
         return f"{n / MiB:.2f} MiB"
-    if style == "decimal":
-        for unit, size in _DECIMAL_UNITS:
+    if style in ("decimal", "iec"):
+        for unit, size in _DECIMAL_UNITS if style == "decimal" else _IEC_UNITS:
             if abs(n) >= size:
                 return f"{n / size:.2f} {unit}"
         return f"{int(n)} B"
     if style == "MB":
         return f"{n / MB:.2f} MB"
-    raise ValueError(f"unknown byte style {style!r}; use one of binary, decimal, MB")
+    raise ValueError(f"unknown byte style {style!r}; use one of binary, decimal, iec, MB")
+
+
+def size_style(n: int) -> ByteStyle:
+    """How a size the user gave is shown back: ``iec`` (GiB) for a whole number of MiB, as
+    ``80GiB`` parses, ``decimal`` (GB) otherwise, as ``80GB`` (80 x 10^9 B) parses."""
+    return "iec" if n % MiB == 0 else "decimal"
 
 
 def parse_bytes(text: str, what: str = "--device-memory", allow_zero: bool = False) -> int:

@@ -235,6 +235,7 @@ def _measure_once(
     reduce_dtype: str | None = None,
     record: bool = False,
     checkpoint_every: int = 0,
+    checkpoint_ops: bool = False,
     shard_group: int | None = None,
     seq_len: int = 8,
     offload: bool = False,
@@ -253,7 +254,8 @@ def _measure_once(
     ``"collective_records"`` (and each unit's collective numels under
     ``"collective_unit_sizes"``). ``checkpoint_every``: activation checkpointing on every
     K-th block after sharding (1: every block; 0: none;
-    :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``.
+    :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``;
+    ``checkpoint_ops``: op-level selective there (torchtitan's policy).
     ``shard_group``: HSDP with shard groups of that many ranks
     (:func:`~fsdp_conformance.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
     ``offload``: CPU offload of the sharded state
@@ -305,7 +307,7 @@ def _measure_once(
             **hsdp_kwargs(ctx, version, shard_group),
             **offload_kwargs(ctx, version, offload),
         )
-        checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every)
+        checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every, checkpoint_ops)
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device, seq_len)
         # FSDPMemTracker wraps the sharded model, so it cannot be entered for construction;

@@ -31,6 +31,11 @@ pytestmark = pytest.mark.cpu
         (999, "decimal", "999 B"),
         (1000, "decimal", "1.00 KB"),
         (-5e9, "decimal", "-5.00 GB"),
+        # iec: the planner's default (devices report GiB), the largest unit that fits
+        (80 * 2**30, "iec", "80.00 GiB"),
+        (1.5 * 2**40, "iec", "1.50 TiB"),
+        (2**20 - 1024, "iec", "1023.00 KiB"),
+        (999, "iec", "999 B"),
         # MB: the memory claim, always decimal MB
         (2 * MB, "MB", "2.00 MB"),
         (1.5e9, "MB", "1500.00 MB"),
@@ -45,6 +50,12 @@ def test_format_bytes_defaults_to_binary_and_refuses_an_unknown_style() -> None:
     assert format_bytes(3 * MiB) == "3.00 MiB"
     with pytest.raises(ValueError, match="unknown byte style 'GiB'; use one of binary"):
         format_bytes(1, "GiB")  # type: ignore[arg-type]
+
+
+def test_a_size_is_shown_back_in_the_units_it_was_given_in() -> None:
+    assert sizes.size_style(parse_bytes("80GiB")) == "iec"
+    assert sizes.size_style(parse_bytes("80GB")) == "decimal"
+    assert sizes.size_style(parse_bytes("8e10")) == "decimal"
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ _NOT_IN_FORWARD: dict[str, Any] = {
     "checkpointing": "none",
     "version": "fsdp2",
     "param_dtype": "fp32",
+    "reduce_dtype": None,
     "optimizer": "none",
     "shard_group_size": None,
     "cpu_offload": False,
@@ -88,9 +89,11 @@ def activations_by_unit(
     owner = unit_of(model, units)
     saved = {u.fqn: 0 for u in units}
     produced = {u.fqn: 0 for u in units}
+    outputs: dict[str, list[tuple[int, str, int, int, int]]] = {}
     for module_id, unit in owner.items():
         saved[unit] += fine.saved_bytes[names[module_id]]
         produced[unit] += fine.produced_bytes[names[module_id]]
+        outputs.setdefault(unit, []).extend(fine.op_outputs.get(names[module_id], ()))
     return ActivationProfile(
         input_bytes=fine.input_bytes,
         saved_bytes=saved,
@@ -99,6 +102,9 @@ def activations_by_unit(
         forward_flops={
             u.fqn: fine.forward_flops[u.fqn] for u in units if u.fqn in fine.forward_flops
         },
+        op_outputs={u: tuple(sorted(e)) for u, e in outputs.items() if e},
+        working_forward_bytes=fine.working_forward_bytes,
+        working_backward_bytes=fine.working_backward_bytes,
     )
 
 
@@ -169,7 +175,43 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
             for n in names
             if source(n) in fine.forward_flops
         },
+        op_outputs=_op_outputs_at_depth(fine, names, source, depth),
+        working_forward_bytes=fine.working_forward_bytes,
+        working_backward_bytes=fine.working_backward_bytes,
     )
+
+
+def _block_index(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else None
+
+
+def _op_outputs_at_depth(
+    fine: ActivationProfile, names: Sequence[str], source: Any, depth: int
+) -> dict[str, tuple[tuple[int, str, int, int, int], ...]]:
+    """The short model's op outputs for the deep model's modules, in the deep forward's order:
+    block i (a copy of block ``source``'s) runs (i - its source) blocks' worth of ops later, and
+    what runs after the blocks (the head) the missing blocks' worth later."""
+    by_block: dict[int, list[int]] = {}
+    for name, events in fine.op_outputs.items():
+        i = _block_index(name)
+        if i is not None:
+            by_block.setdefault(i, []).extend(e[0] for e in events)
+    per_block = len(by_block.get(1, ()))
+    first_end = max(by_block.get(0, [-1]))
+    out = {}
+    for n in names:
+        events = fine.op_outputs.get(source(n), ())
+        if not events:
+            continue
+        i, src = _block_index(n), _block_index(source(n))
+        if i is not None and src is not None:
+            shift = (i - src) * per_block
+            out[n] = tuple((e[0] + shift, *e[1:]) for e in events)
+        else:  # outside the blocks: the head runs after every block
+            after = (depth - PROFILED_BLOCKS) * per_block
+            out[n] = tuple((e[0] + (after if e[0] > first_end else 0), *e[1:]) for e in events)
+    return out
 
 
 def profile_step_activations(
@@ -189,9 +231,10 @@ def profile_step_activations(
     batch = tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
     )
+    loss_fn = _loss(settings.loss, batch, choice)
     with _params_in(model, dtype), _attention(settings.attention):
         try:
-            return profile_activations(model, batch, units)
+            return profile_activations(model, batch, units, loss_fn, backward=True)
         except PlanError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's forward on meta: one clear line
@@ -201,6 +244,30 @@ def profile_step_activations(
                 "that runs on meta tensors (no .item(), no data-dependent shapes); pass "
                 "--input pkg.module:builder if the default batch does not fit the model"
             ) from None
+
+
+def _loss(kind: str, batch: Any, choice: ModelChoice) -> Any:
+    """The step's loss: the suite's (``models.default_loss``) or torchtitan's cross-entropy
+    (``F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``) against the input
+    tokens as targets (the same shape and dtype as the next-token labels)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fsdp_conformance.models import default_loss
+
+    if kind == "mse":
+        return default_loss
+    if not (isinstance(batch, torch.Tensor) and not batch.is_floating_point()):
+        raise PlanError(
+            f"--loss cross-entropy needs token inputs (an integer batch x seq tensor); "
+            f"{choice.label} takes another input: use --loss mse"
+        )
+
+    def cross_entropy(output: Any) -> Any:
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+        return F.cross_entropy(logits.flatten(0, -2).float(), batch.flatten())
+
+    return cross_entropy
 
 
 @contextlib.contextmanager

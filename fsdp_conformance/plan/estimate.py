@@ -27,13 +27,16 @@ from fsdp_conformance.plan.model import (
     _require_meta,
     build_meta_model,
     checkpoint_every,
+    checkpoint_ops,
 )
 from fsdp_conformance.policies import PolicyName
 from fsdp_conformance.reference_models import LLAMA_PRESETS
-from fsdp_conformance.sizes import format_bytes
+from fsdp_conformance.sizes import ByteStyle, format_bytes, size_style
 from fsdp_conformance.units import UnitInfo
 
-DEFAULT_DEVICE_MEMORY = "80GB,141GB"
+#: Device sizes as the devices report them (``nvidia-smi``, ``torch.cuda.mem_get_info``): A100 /
+#: H100 "80GB" parts have 80 GiB, H200 "141GB" parts 143,771 MiB (140.4 GiB).
+DEFAULT_DEVICE_MEMORY = "80GiB,140GiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +65,12 @@ class DeviceReserve(PlainData):
     def total(self) -> int:
         return self.cuda_context + self.nccl + self.cublas_workspaces
 
-    def describe(self) -> str:
+    def describe(self, style: ByteStyle = "iec") -> str:
         return (
-            f"{format_bytes(self.total, 'decimal')} kept free per device (CUDA context "
-            f"{format_bytes(self.cuda_context, 'decimal')}, NCCL "
-            f"{format_bytes(self.nccl, 'decimal')}, cuBLAS workspaces "
-            f"{format_bytes(self.cublas_workspaces, 'decimal')})"
+            f"{format_bytes(self.total, style)} kept free per device (CUDA context "
+            f"{format_bytes(self.cuda_context, style)}, NCCL "
+            f"{format_bytes(self.nccl, style)}, cuBLAS workspaces "
+            f"{format_bytes(self.cublas_workspaces, style)})"
         )
 
     @classmethod
@@ -76,6 +79,14 @@ class DeviceReserve(PlainData):
         if total < 0:
             raise PlanError(f"--device-reserve must be >= 0 bytes, got {total}")
         return cls(cuda_context=total, nccl=0, cublas_workspaces=0)
+
+
+def plan_style(device_bytes: Sequence[int]) -> ByteStyle:
+    """How a plan shows its figures: in GB (10^9 B) where every device size was given in GB,
+    else in GiB (2^30 B), as devices report their memory (each device size is shown as given:
+    :func:`~fsdp_conformance.sizes.size_style`)."""
+    styles = {size_style(d) for d in device_bytes}
+    return "decimal" if styles == {"decimal"} else "iec"
 
 
 #: The reserve "devices needed" keeps unless told otherwise.
@@ -138,6 +149,8 @@ class ModelPlan:
         ckpt = self.checkpointed
         if any(u not in flops for u in ckpt):
             return None
+        if checkpoint_ops(self.settings.checkpointing):  # the kept ops are not run again
+            return sum(flops[u] - self.activations.op_kept(u)[2] for u in ckpt)
         return sum(flops[u] for u in ckpt)
 
     def step_config(self, world_size: int) -> StepConfig:
@@ -147,10 +160,12 @@ class ModelPlan:
             version=s.version,
             param_bytes=DTYPE_BYTES[s.param_dtype],
             compute_bytes=DTYPE_BYTES[s.compute_dtype],
+            reduce_bytes=None if s.reduce_dtype is None else DTYPE_BYTES[s.reduce_dtype],
             optimizer=s.optimizer_name,
             buffer_bytes=self.buffer_bytes,
             activations=self.activations,
             checkpointed=self.checkpointed,
+            checkpoint_ops=checkpoint_ops(s.checkpointing),
             shard_group=self._shard_group(world_size),
             offload=s.cpu_offload,
         )
@@ -272,6 +287,7 @@ def devices_needed(
     def total(w: int) -> int:
         return plan.estimate(w).total
 
+    style = size_style(device_bytes)
     if plan.settings.shard_group_size is not None:
         return _hsdp_needed(plan, device_bytes, max_world_size, reserve)
     usable = device_bytes - reserve.total
@@ -297,11 +313,11 @@ def devices_needed(
         w = hi
     at = plan.estimate(w)
     reason = (
-        f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, 'decimal')} per rank "
-        f"<= {format_bytes(usable, 'decimal')} ({_less_reserve(device_bytes, reserve)})"
-        + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), 'decimal')})" if w > 1 else "")
+        f"{w:,} rank{'s' if w > 1 else ''}: {format_bytes(at.total, style)} per rank "
+        f"<= {format_bytes(usable, style)} ({_less_reserve(device_bytes, reserve)})"
+        + (f" (at {w - 1:,} ranks: {format_bytes(total(w - 1), style)})" if w > 1 else "")
         + (
-            f"; host memory {format_bytes(plan.host_bytes(w), 'decimal')} per rank (cpu offload)"
+            f"; host memory {format_bytes(plan.host_bytes(w), style)} per rank (cpu offload)"
             if plan.settings.cpu_offload
             else ""
         )
@@ -316,6 +332,7 @@ def _hsdp_needed(
     at one shard group (and at every multiple of it) or at none; the smallest shard group that
     fits is full sharding's answer."""
     group = plan.settings.shard_group_size or 1
+    style = size_style(device_bytes)
     at = plan.estimate(group)
     floor = at.total - term_sum(at, SHARDED_TERMS)
     usable = device_bytes - reserve.total
@@ -329,15 +346,15 @@ def _hsdp_needed(
     )
     if at.total <= usable:
         reason = (
-            f"shard groups of {group:,} ranks (HSDP): {format_bytes(at.total, 'decimal')} "
-            f"per rank <= {format_bytes(usable, 'decimal')} "
+            f"shard groups of {group:,} ranks (HSDP): {format_bytes(at.total, style)} "
+            f"per rank <= {format_bytes(usable, style)} "
             f"({_less_reserve(device_bytes, reserve)}) at any multiple of {group:,} ranks; "
             f"{smallest}"
         )
         return DevicesNeeded(device_bytes, reserve.total, group, at.total, floor, group, reason)
     reason = (
         f"never fits with shard groups of {group:,} ranks (HSDP): "
-        f"{format_bytes(at.total, 'decimal')} per rank > {format_bytes(usable, 'decimal')} "
+        f"{format_bytes(at.total, style)} per rank > {format_bytes(usable, style)} "
         f"({_less_reserve(device_bytes, reserve)}), and more replicas do not shrink it; "
         f"fix: a larger shard group ({smallest})"
     )
@@ -345,15 +362,17 @@ def _hsdp_needed(
 
 
 def _less_reserve(device_bytes: int, reserve: DeviceReserve) -> str:
+    style = size_style(device_bytes)
     return (
-        f"{format_bytes(device_bytes, 'decimal')} less the "
-        f"{format_bytes(reserve.total, 'decimal')} device reserve"
+        f"{format_bytes(device_bytes, style)} less the "
+        f"{format_bytes(reserve.total, style)} device reserve"
     )
 
 
 def _never_fits_reason(
     plan: ModelPlan, top: Bound, device_bytes: int, reserve: DeviceReserve, max_w: int
 ) -> str:
+    style = size_style(device_bytes)
     device = device_bytes - reserve.total
     unit = term_sum(top, UNIT_TERMS)
     acts = term_sum(top, ACTIVATION_TERMS)
@@ -362,19 +381,17 @@ def _never_fits_reason(
     name = largest.fqn or f"{plan.model_class} (root)"
     parts = (
         f"largest unit {name} gathered with its grads and collective buffers "
-        f"{format_bytes(unit, 'decimal')}, activations {format_bytes(acts, 'decimal')}"
+        f"{format_bytes(unit, style)}, activations {format_bytes(acts, style)}"
     )
     if unit > device:
-        head = f"never fits: one unit's working set alone is {format_bytes(unit, 'decimal')}"
+        head = f"never fits: one unit's working set alone is {format_bytes(unit, style)}"
         fix = "a policy with smaller units"
     else:
-        head = (
-            f"never fits: {format_bytes(floor, 'decimal')} per rank does not shrink with more ranks"
-        )
+        head = f"never fits: {format_bytes(floor, style)} per rank does not shrink with more ranks"
         fix = (
             (
                 "a smaller per-rank batch or sequence, or activation checkpointing "
-                "(--activation-checkpointing full or every-K)"
+                "(--activation-checkpointing full, op or every-K)"
                 if plan.settings.checkpointing != "full"
                 else "a smaller per-rank batch or sequence"
             )
@@ -382,13 +399,13 @@ def _never_fits_reason(
             else "a policy with smaller units"
         )
     return (
-        f"{head} ({parts}) > {format_bytes(max(device, 0), 'decimal')} "
+        f"{head} ({parts}) > {format_bytes(max(device, 0), style)} "
         f"({_less_reserve(device_bytes, reserve)}) even at {max_w:,} ranks; fix: {fix}"
     )
 
 
 #: Activation checkpointing choices, cheapest (least recompute) first.
-CHECKPOINTING_OPTIONS = ("none", "every-4", "every-3", "every-2", "full")
+CHECKPOINTING_OPTIONS = ("none", "every-4", "every-3", "every-2", "op", "full")
 
 
 def checkpointing_options(
@@ -532,7 +549,8 @@ def compare_policies(
         "world_sizes": list(world_sizes),
         "device_bytes": list(device_bytes),
         "reserve": reserve.to_dict(),
-        "reserve_text": reserve.describe(),
+        "reserve_text": reserve.describe(plan_style(device_bytes)),
+        "style": plan_style(device_bytes),
         "rows": rows,
         "devices_needed": needed,
     }

@@ -11,6 +11,7 @@ from fsdp_conformance.bound import OPTIMIZER_STATES
 from fsdp_conformance.models import ModelSpec
 from fsdp_conformance.policies import PLAN_POLICIES, PolicyName
 from fsdp_conformance.reference_models import (
+    LLAMA_NORMS,
     LLAMA_PRESETS,
     REFERENCE_MODELS,
     LlamaConfig,
@@ -24,7 +25,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: ``monolithic`` = the root is the only unit (the names are the registry's own:
 #: :data:`fsdp_conformance.policies.PLAN_POLICIES`).
 POLICIES = PLAN_POLICIES
-#: ``--preset``: the Llama shapes of reference_models.LLAMA_PRESETS, and the seeds' own
+#: ``--preset``: the Llama shapes of reference_models.LLAMA_PRESETS (Llama 2 7B / 13B / 70B,
+#: Llama 3 8B / 70B / 405B, saving what production Llama code saves), and the seeds' own
 #: MassiveModel at the seeds' scale (dim 4096, 8 layers, vocab 32000).
 PRESETS = (*LLAMA_PRESETS, "seeds")
 OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
@@ -32,6 +34,10 @@ OPTIMIZERS = tuple(k for k in OPTIMIZER_STATES if k) + ("none",)
 #: memory-efficient attention on GPU and the CPU flash kernel; math: the unfused path, which
 #: also saves the seq x seq attention weights.
 ATTENTION = ("flash", "math")
+#: mse: the suite's step loss (``models.default_loss``: the mean square of the output in fp32),
+#: what the trust check measures; cross-entropy: torchtitan's (the logits upcast to fp32, token
+#: targets), for models with token inputs.
+LOSSES = ("mse", "cross-entropy")
 
 
 class PlanError(ValueError):
@@ -44,21 +50,32 @@ class PlanError(ValueError):
 
 
 def checkpoint_every(checkpointing: str) -> int:
-    """Every how many blocks one is checkpointed: 0 for "none", 1 for "full", K for "every-K"."""
+    """Every how many blocks one is checkpointed: 0 for "none", 1 for "full" and "op", K for
+    "every-K"."""
     if checkpointing == "none":
         return 0
-    if checkpointing == "full":
+    if checkpointing in ("full", "op"):
         return 1
     head, _, k = checkpointing.partition("-")
     if head == "every" and k.isdigit() and int(k) >= 2:
         return int(k)
     raise PlanError(
-        f"activation checkpointing {checkpointing!r} is not one of none, full, "
-        "every-K (K >= 2: blocks 0, K, 2K, ... checkpointed); e.g. every-2"
+        f"activation checkpointing {checkpointing!r} is not one of none, full, op "
+        "(op-level selective: every block keeps its attention outputs and every other "
+        "matmul's, torchtitan's policy), every-K (K >= 2: blocks 0, K, 2K, ... "
+        "checkpointed); e.g. every-2"
     )
 
 
+def checkpoint_ops(checkpointing: str) -> bool:
+    """Op-level selective activation checkpointing ("op"): what a checkpointed block keeps is
+    decided per op (torch's ``create_selective_checkpoint_contexts``, torchtitan's policy)."""
+    return checkpointing == "op"
+
+
 def describe_checkpointing(checkpointing: str) -> str:
+    if checkpoint_ops(checkpointing):
+        return "op-level selective on every block (attention and every other matmul kept)"
     k = checkpoint_every(checkpointing)
     return {0: "off", 1: "on every block"}.get(k, f"on every {k}th block")
 
@@ -76,6 +93,11 @@ class PlanSettings:
     #: Gathered parameters, unsharded gradients, all-gather/reduce-scatter and activations
     #: (bf16 mixed precision: FSDP2 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``).
     compute_dtype: str = "bf16"
+    #: The gradients' reduce-scatter (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``, FSDP1
+    #: ``MixedPrecision(reduce_dtype=...)``): its input copy and output shard, and FSDP1's cast
+    #: of the unsharded gradient; None: the compute dtype (both versions' default).
+    #: torchtitan reduces in fp32.
+    reduce_dtype: str | None = None
     #: One of :data:`OPTIMIZERS` ("none": forward and backward only).
     optimizer: str = "adamw"
     #: Per-rank micro-batch.
@@ -84,8 +106,11 @@ class PlanSettings:
     seq_len: int = 4096
     #: One of :data:`ATTENTION`.
     attention: str = "flash"
-    #: Activation checkpointing of the blocks: "none", "full" (every block) or "every-K"
-    #: (blocks 0, K, 2K, ...: selective), as torch's ``checkpoint_wrapper`` applies it.
+    #: One of :data:`LOSSES`.
+    loss: str = "mse"
+    #: Activation checkpointing of the blocks: "none", "full" (every block), "op" (every block,
+    #: op-level selective: torchtitan's ``selective_ac_option = "op"``) or "every-K" (blocks 0,
+    #: K, 2K, ...: selective by layer), as torch's ``checkpoint_wrapper`` applies it.
     checkpointing: str = "none"
     #: HSDP: the ranks each unit is sharded over (FSDP2's 2-D mesh, replicate x shard; FSDP1's
     #: HYBRID_SHARD); None: full sharding over the world.
@@ -103,13 +128,15 @@ class PlanSettings:
             ("version", ("fsdp1", "fsdp2")),
             ("param_dtype", tuple(DTYPE_BYTES)),
             ("compute_dtype", tuple(DTYPE_BYTES)),
+            ("reduce_dtype", (*DTYPE_BYTES, None)),
             ("optimizer", OPTIMIZERS),
             ("attention", ATTENTION),
+            ("loss", LOSSES),
         ):
             if getattr(self, name) not in allowed:
                 raise PlanError(
                     f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of "
-                    f"{', '.join(allowed)}"
+                    f"{', '.join(a for a in allowed if a is not None)}"
                 )
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
@@ -126,7 +153,13 @@ class PlanSettings:
         return (
             f"{self.version}; sharded params, grads and {opt} in {self.param_dtype}; "
             f"gathered params, unsharded grads, collectives and activations in "
-            f"{self.compute_dtype}; per-rank batch {self.batch_size} x seq {self.seq_len}, "
+            f"{self.compute_dtype}"
+            + (
+                f", gradients reduced in {self.reduce_dtype}"
+                if self.reduce_dtype not in (None, self.compute_dtype)
+                else ""
+            )
+            + f"; per-rank batch {self.batch_size} x seq {self.seq_len}, "
             f"{self.attention} attention"
             + (
                 ""
@@ -165,8 +198,12 @@ def choose_model(
     layers: int | None = None,
     dim: int | None = None,
     input_builder: str | None = None,
+    norm: str | None = None,
 ) -> ModelChoice:
-    """A preset, a (small) reference model or the user's factory, with one clear error each."""
+    """A preset, a (small) reference model or the user's factory, with one clear error each.
+
+    ``norm``: the Llama RMSNorm form (``LlamaConfig.norm``: "eager", "fused", or the suite's
+    first reference "upcast-twice"), for a Llama preset or ``--reference llama``."""
     given = [
         n
         for n, v in (("--preset", preset), ("--reference", reference), ("--model", factory))
@@ -183,21 +220,14 @@ def choose_model(
         raise PlanError(f"--min-params must be >= 1, got {min_params}")
     if factory is None and (block_cls or input_builder):
         raise PlanError("--block-cls and --input go with --model pkg.module:factory")
+    _check_norm(norm, preset, reference)
     if preset is not None:
         if layers is not None or dim is not None:
             raise PlanError(
                 "--layers and --dim change a --reference model; a preset has its "
                 "own shape (use --reference llama --layers N --dim D instead)"
             )
-        if preset == "seeds":
-            spec = ModelSpec(
-                reference="massive", config=ModelConfig.seeds_full_scale(), min_params=min_params
-            )
-            return ModelChoice(spec, "the seeds' MassiveModel at full scale", full_scale=True)
-        if preset not in LLAMA_PRESETS:
-            raise PlanError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        spec = ModelSpec(reference="llama", config=LLAMA_PRESETS[preset], min_params=min_params)
-        return ModelChoice(spec, f"Llama {preset} preset", full_scale=True)
+        return _preset_choice(preset, min_params, norm)
     if reference is not None:
         if reference not in REFERENCE_MODELS:
             raise PlanError(
@@ -208,7 +238,7 @@ def choose_model(
         # Any: mypy's dataclasses.replace plugin checks **changes against every field of the
         # union's members (their field sets differ), so dict[str, int] reads as "Never".
         changes: dict[str, Any] = {
-            k: v for k, v in (("num_layers", layers), ("dim", dim)) if v is not None
+            k: v for k, v in (("num_layers", layers), ("dim", dim), ("norm", norm)) if v is not None
         }
         try:
             config = dataclasses.replace(config, **changes)
@@ -227,6 +257,34 @@ def choose_model(
         input_builder=input_builder,
     )
     return ModelChoice(spec, f"{factory}")
+
+
+def _preset_choice(preset: str, min_params: int | None, norm: str | None) -> ModelChoice:
+    if preset == "seeds":
+        spec = ModelSpec(
+            reference="massive", config=ModelConfig.seeds_full_scale(), min_params=min_params
+        )
+        return ModelChoice(spec, "the seeds' MassiveModel at full scale", full_scale=True)
+    if preset not in LLAMA_PRESETS:
+        raise PlanError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    config = LLAMA_PRESETS[preset]
+    if norm is not None:
+        config = dataclasses.replace(config, norm=norm)
+    spec = ModelSpec(reference="llama", config=config, min_params=min_params)
+    return ModelChoice(spec, f"Llama {preset} preset, {config.norm} RMSNorm", full_scale=True)
+
+
+def _check_norm(norm: str | None, preset: str | None, reference: str | None) -> None:
+    if norm is None:
+        return
+    if norm not in LLAMA_NORMS:
+        raise PlanError(f"--norm {norm!r} is not one of {', '.join(LLAMA_NORMS)}")
+    if not (preset in LLAMA_PRESETS or reference == "llama"):
+        raise PlanError(
+            "--norm sets a Llama's RMSNorm: it goes with a Llama preset "
+            f"({', '.join(LLAMA_PRESETS)}) or --reference llama; your own model "
+            "(--model) is planned with the norm its code runs"
+        )
 
 
 def _config_label(config: ModelConfig | LlamaConfig) -> str:

@@ -16,10 +16,11 @@ from fsdp_conformance.plan.estimate import (
     cheapest_fit,
     checkpointing_options,
     devices_needed,
+    plan_style,
     term_sum,
 )
 from fsdp_conformance.plan.model import DTYPE_BYTES, PlanSettings
-from fsdp_conformance.sizes import format_bytes
+from fsdp_conformance.sizes import ByteStyle, format_bytes, size_style
 from fsdp_conformance.units import ROOT, UnitInfo
 
 PROG = "fsdp-conformance plan"
@@ -59,6 +60,7 @@ def format_plan_tree(
     world_size: int,
     verification: Mapping[str, Any] | None = None,
     collapse: bool = True,
+    style: ByteStyle = "iec",
 ) -> str:
     """The units as a tree with params, all-gather bytes and the per-rank shard.
 
@@ -92,12 +94,12 @@ def format_plan_tree(
     def row(name: str, u: UnitInfo, count: int) -> str:
         each = " each" if count > 1 else ""
         text = (
-            f"{name:<44} {u.numel:>15,} {format_bytes(u.numel * cb, 'decimal') + each:>16} "
-            f"{format_bytes(-(-u.numel // world_size) * pb, 'decimal') + each:>17}"
+            f"{name:<44} {u.numel:>15,} {format_bytes(u.numel * cb, style) + each:>16} "
+            f"{format_bytes(-(-u.numel // world_size) * pb, style) + each:>17}"
         )
         if local:
             got = local.get(u.fqn)
-            text += f" {'-' if got is None else format_bytes(got * pb, 'decimal') + each:>14}"
+            text += f" {'-' if got is None else format_bytes(got * pb, style) + each:>14}"
         return text
 
     def walk(parent: UnitInfo | None, prefix: str) -> None:
@@ -130,14 +132,14 @@ def _range_name(rel: str, group: Sequence[UnitInfo], parent: str) -> str:
     return ".".join(parts)
 
 
-def format_bound(bound: Bound) -> str:
+def format_bound(bound: Bound, style: ByteStyle = "iec") -> str:
     """The estimate term by term, with how each term was computed."""
     width = max(len(t.name) for t in bound.terms)
     lines = [
-        f"  {t.name:<{width}}  {format_bytes(t.bytes, 'decimal'):>11}  {t.derivation}"
+        f"  {t.name:<{width}}  {format_bytes(t.bytes, style):>11}  {t.derivation}"
         for t in bound.terms
     ]
-    lines.append(f"  {'total':<{width}}  {format_bytes(bound.total, 'decimal'):>11}  per rank")
+    lines.append(f"  {'total':<{width}}  {format_bytes(bound.total, style):>11}  per rank")
     return "\n".join(lines)
 
 
@@ -184,7 +186,8 @@ def plan_report(
         "checkpointing_options": options,
         "answer": cheapest_fit(options, plan, reserve),
         "reserve": reserve.to_dict(),
-        "reserve_text": reserve.describe(),
+        "reserve_text": reserve.describe(plan_style(device_bytes)),
+        "style": plan_style(device_bytes),
         "devices_needed": [
             devices_needed(plan, d, max_world_size, reserve).to_dict() for d in device_bytes
         ],
@@ -195,6 +198,7 @@ def plan_report(
 
 def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = True) -> str:
     w = report["world_size"]
+    style: ByteStyle = report["style"]
     s = plan.settings
     bound = Bound.from_dict(report["estimate"])
     lines = [
@@ -202,21 +206,21 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
         f"{s.policy} policy, world size {w:,}",
         f"settings: {s.describe()}",
         "",
-        f"wrap plan: {len(plan.units)} units (GB = 10^9 B)",
-        format_plan_tree(plan, w, report.get("verification"), collapse),
+        f"wrap plan: {len(plan.units)} units ({_unit_note(style)})",
+        format_plan_tree(plan, w, report.get("verification"), collapse, style),
         "",
         "sharded parameters per rank: "
-        f"{format_bytes(report['sharded_param_bytes_per_rank'], 'decimal')} "
+        f"{format_bytes(report['sharded_param_bytes_per_rank'], style)} "
         f"({s.param_dtype})",
         "",
         "estimated peak per rank of a training step (memory.per_layer_bound, docs/memory.md):",
-        format_bound(bound),
+        format_bound(bound, style),
         "",
     ]
     if s.cpu_offload:
         lines[-1:-1] = [
             f"  host memory per rank (cpu offload): "
-            f"{format_bytes(report['host_bytes_per_rank'], 'decimal')} (sharded "
+            f"{format_bytes(report['host_bytes_per_rank'], style)} (sharded "
             "params, grads and optimizer state; derived, not measured: "
             "docs/planning.md)"
         ]
@@ -225,14 +229,23 @@ def format_plan(plan: ModelPlan, report: Mapping[str, Any], collapse: bool = Tru
         f"{report['reserve_text']}; docs/planning.md, 'Device reserve'):"
     )
     for d in report["devices_needed"]:
-        lines.append(f"  {format_bytes(d['device_bytes'], 'decimal')}: {d['reason']}")
-    lines += _nested_note(plan)
+        lines.append(f"  {_device(d['device_bytes'])}: {d['reason']}")
+    lines += _nested_note(plan, style)
     lines += ["", *format_checkpointing(report)]
     v = report.get("verification")
     if v:
         lines.append("")
-        lines.append(_format_verification(v, s.param_dtype))
+        lines.append(_format_verification(v, s.param_dtype, style))
     return "\n".join(lines)
+
+
+def _unit_note(style: ByteStyle) -> str:
+    return "GB = 10^9 B" if style == "decimal" else "GiB = 2^30 B"
+
+
+def _device(device_bytes: int) -> str:
+    """A device size as the user gave it: GiB for ``80GiB``, GB for ``80GB``."""
+    return format_bytes(device_bytes, size_style(device_bytes))
 
 
 def _flops(flops: int | None) -> str:
@@ -242,12 +255,13 @@ def _flops(flops: int | None) -> str:
 def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
     """The estimate with each activation-checkpointing choice, and the cheapest that fits."""
     w = report["world_size"]
+    style: ByteStyle = report["style"]
     devices = [d["device_bytes"] for d in report["devices_needed"]]
     lines = [
         f"activation checkpointing of the blocks (torch's checkpoint_wrapper; recompute = "
         f"forward FLOPs run again in backward, per rank and step) at {w:,} ranks:",
         f"  {'checkpointing':<14} {'blocks':>6} {'estimate':>11} {'recompute':>14}  "
-        + "  ".join(f"{'ranks for ' + format_bytes(d, 'decimal'):>19}" for d in devices),
+        + "  ".join(f"{'ranks for ' + _device(d):>19}" for d in devices),
     ]
     for o in report["checkpointing_options"]:
         needs = "  ".join(
@@ -258,12 +272,12 @@ def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
         )
         lines.append(
             f"  {o['checkpointing']:<14} {o['checkpointed_units']:>6} "
-            f"{format_bytes(o['estimate_bytes'], 'decimal'):>11} "
+            f"{format_bytes(o['estimate_bytes'], style):>11} "
             f"{_flops(o['recompute_flops']):>14}  {needs}"
         )
     lines.append("cheapest that fits (least recompute, then fewest ranks):")
     for a in report["answer"]:
-        device = format_bytes(a["device_bytes"], "decimal")
+        device = _device(a["device_bytes"])
         if a["checkpointing"] is None:
             lines.append(
                 f"  {device}: nothing fits at any world size, even with activation "
@@ -274,8 +288,8 @@ def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
             continue
         lines.append(
             f"  {device}: activation checkpointing {a['checkpointing']}, "
-            f"{a['world_size']:,} ranks: {format_bytes(a['estimate_bytes'], 'decimal')} "
-            f"per rank, {format_bytes(a['room_bytes'], 'decimal')} to spare after the "
+            f"{a['world_size']:,} ranks: {format_bytes(a['estimate_bytes'], style)} "
+            f"per rank, {format_bytes(a['room_bytes'], style)} to spare after the "
             f"device reserve; recompute {_flops(a['recompute_flops'])} per step"
         )
         off = a.get("offload")
@@ -284,7 +298,7 @@ def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
                 f"    or fewer ranks with the sharded state offloaded to the host "
                 f"(--cpu-offload; derived, not measured): from {off['world_size']:,} "
                 f"rank{'s' if off['world_size'] > 1 else ''}, "
-                f"{format_bytes(off['host_bytes'], 'decimal')} of host memory per rank"
+                f"{format_bytes(off['host_bytes'], style)} of host memory per rank"
             )
         if a.get("shard_group") is not None:
             lines.append(
@@ -295,7 +309,7 @@ def format_checkpointing(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _nested_note(plan: ModelPlan) -> list[str]:
+def _nested_note(plan: ModelPlan, style: ByteStyle = "iec") -> list[str]:
     # memory.per_layer_bound counts the root plus the two largest other units as gathered
     # (under FSDP2 the second as its all-gather output); in a nested plan (the seeds' policy)
     # the enclosing unit stays gathered while its children run, which the bound does not
@@ -309,12 +323,12 @@ def _nested_note(plan: ModelPlan) -> list[str]:
     return [
         f"  note: {len(nested)} units are nested in other units; while one runs, its "
         f"enclosing unit stays gathered too (largest: {biggest.fqn}, "
-        f"{format_bytes(biggest.numel * cb, 'decimal')}), which the per-layer bound does not "
+        f"{format_bytes(biggest.numel * cb, style)}), which the per-layer bound does not "
         "count"
     ]
 
 
-def _format_verification(v: Mapping[str, Any], param_dtype: str) -> str:
+def _format_verification(v: Mapping[str, Any], param_dtype: str, style: ByteStyle = "iec") -> str:
     if "skipped" in v:
         return f"fsdp2 cross-check: skipped: {v['skipped']}"
     pb = DTYPE_BYTES[param_dtype]
@@ -334,7 +348,7 @@ def _format_verification(v: Mapping[str, Any], param_dtype: str) -> str:
     pad = v["padding_numel"]
     return text + (
         f"\n  the estimate's ceil(numel/W) is {v['ceil_numel']:,}: FSDP2's padding "
-        f"adds {pad:,} elements ({format_bytes(pad * pb, 'decimal')} per "
+        f"adds {pad:,} elements ({format_bytes(pad * pb, style)} per "
         "sharded-state tensor kind) per rank"
         if pad
         else "\n  equal to the estimate's ceil(numel/W): no padding at this world size"
@@ -345,29 +359,28 @@ def format_comparison(data: Mapping[str, Any]) -> str:
     m, claim = data["model"], data["claim"]
     settings = PlanSettings(**{**data["settings"], "policy": "recommended"})
     devices = data["device_bytes"]
+    style: ByteStyle = data.get("style", "iec")
     lines = [f'the seeds\' claim: "{claim["text"]}"'] if claim["text"] else []
     lines += [
         f"{m['label']}: {m['params']:,} params x 2 B (fp16) = "
-        f"{format_bytes(claim['fp16_weight_bytes'], 'decimal')} of weights on one host",
+        f"{format_bytes(claim['fp16_weight_bytes'], style)} of weights on one host",
         "",
         f"estimated peak per rank of a training step ({settings.describe()}):",
         f"{'policy':<12} {'units':>5} {'ranks':>6} {'sharded state':>14} "
         f"{'unit working set':>17} {'activations':>12} {'estimate':>11}  "
-        + "  ".join(f"{'fits ' + format_bytes(d, 'decimal'):>12}" for d in devices),
+        + "  ".join(f"{'fits ' + _device(d):>12}" for d in devices),
     ]
     for r in data["rows"]:
         fits = "  ".join(f"{'yes' if r['fits'][str(d)] else 'no':>12}" for d in devices)
         lines.append(
             f"{r['policy']:<12} {r['units']:>5} {r['world_size']:>6,} "
-            f"{format_bytes(r['sharded_state'], 'decimal'):>14} "
-            f"{format_bytes(r['unit_working_set'], 'decimal'):>17} "
-            f"{format_bytes(r['activations'], 'decimal'):>12} "
-            f"{format_bytes(r['total'], 'decimal'):>11}  {fits}"
+            f"{format_bytes(r['sharded_state'], style):>14} "
+            f"{format_bytes(r['unit_working_set'], style):>17} "
+            f"{format_bytes(r['activations'], style):>12} "
+            f"{format_bytes(r['total'], style):>11}  {fits}"
         )
     lines += ["", f"devices needed ({data['reserve_text']}):"]
     for policy, items in data["devices_needed"].items():
         for d in items:
-            lines.append(
-                f"  {policy:<12} {format_bytes(d['device_bytes'], 'decimal')}: {d['reason']}"
-            )
+            lines.append(f"  {policy:<12} {_device(d['device_bytes'])}: {d['reason']}")
     return "\n".join(lines)

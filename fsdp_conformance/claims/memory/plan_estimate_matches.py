@@ -25,6 +25,7 @@ from fsdp_conformance.plan.model import (
     PlanError,
     PlanSettings,
     checkpoint_every,
+    checkpoint_ops,
 )
 from fsdp_conformance.policies import wrapping_label
 from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
@@ -95,6 +96,9 @@ class MeasuredPeak(TypedDict):
     #: None: the case ran as users write it. Else FSDP1's defaults raised its input-dtype error
     #: and the peak is of the step with ``cast_forward_inputs=True`` (``step.measure_step``).
     input_casts: InputCasts | None
+    #: The meter's categories at the peak (FSDPMemTracker: FSDP2's states, activations,
+    #: temporaries), empty where the meter has none (MemTracker on FSDP1, the OS figure).
+    breakdown: dict[str, int]
 
 
 class TrustResult(TypedDict):
@@ -131,7 +135,9 @@ def rank_plan_estimate_matches(
             batch_size=case.get("batch_size", batch_size),
             timeline=False,
             param_dtype=_mixed_param_dtype(case),
+            reduce_dtype=case.get("reduce_dtype"),
             checkpoint_every=checkpoint_every(case.get("checkpointing", "none")),
+            checkpoint_ops=checkpoint_ops(case.get("checkpointing", "none")),
             shard_group=case.get("shard_group"),
             seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
             offload=bool(case.get("offload")),
@@ -141,6 +147,7 @@ def rank_plan_estimate_matches(
                 "peak": m["meters"][0]["peak"],
                 "source": m["meters"][0]["source"],
                 "input_casts": m["input_casts"],
+                "breakdown": dict(m["meters"][0].get("breakdown") or {}),
             }
         )
     return {"rank": ctx.rank, "peaks": peaks}
@@ -161,6 +168,7 @@ def trust_settings(case: Mapping[str, Any], batch_size: int = 2) -> PlanSettings
         version=case["version"],
         param_dtype="fp32",
         compute_dtype=case.get("compute_dtype", "fp32"),
+        reduce_dtype=case.get("reduce_dtype"),
         optimizer=case.get("optimizer", "none"),
         batch_size=case.get("batch_size", batch_size),
         seq_len=case.get("seq_len", MEASURED_SEQ_LEN),
@@ -250,8 +258,53 @@ def _case_label(case: Mapping[str, Any]) -> str:
         + ("" if ac == "none" else f" ac={ac}")
         + (f" hsdp={case['shard_group']}" if case.get("shard_group") else "")
         + (" offload" if case.get("offload") else "")
+        + (f" reduce={case['reduce_dtype']}" if case.get("reduce_dtype") else "")
         + f" {case.get('compute_dtype', 'fp32')}: "
     )
+
+
+#: The estimate's terms by the tracker category that holds them at the peak (FSDPMemTracker's
+#: names): a group's ratio is the category's bytes at the step's peak over the terms' sum.
+TERM_CATEGORIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "sharded params": (("sharded params",), ("Sharded Param",)),
+    "sharded grads": (("sharded grads",), ("Sharded Grad",)),
+    "optimizer state": (("optimizer state",), ("OptState",)),
+    "unsharded params": (("unsharded params",), ("Unsharded Param",)),
+    "unsharded grads": (("unsharded grads",), ("Unsharded Grad",)),
+    "all-gather buffers": (("all-gather buffers",), ("All Gather",)),
+    "reduce-scatter buffers": (("reduce-scatter buffers",), ("Reduce Scatter",)),
+    "input batch": (("input batch",), ("Inputs",)),
+    # Forward's tensors (Activation) and backward's and the recompute's (Temp) together.
+    "activations": (
+        ("saved activations", "recomputed unit", "activation working set"),
+        ("Activation", "Temp"),
+    ),
+}
+
+
+def term_ratios(bound: Bound, breakdown: Mapping[str, int]) -> dict[str, float | None]:
+    """Per group of :data:`TERM_CATEGORIES`: the measured category bytes at the peak over the
+    estimate's terms (None where the estimate has none); empty without a breakdown (a meter
+    without categories)."""
+    if not breakdown:
+        return {}
+    out: dict[str, float | None] = {}
+    for group, (terms, categories) in TERM_CATEGORIES.items():
+        estimated = sum(t.bytes for t in bound.terms if t.name in terms)
+        measured = sum(breakdown.get(c, 0) for c in categories)
+        if estimated or measured:
+            out[group] = round(measured / estimated, 3) if estimated else None
+    return out
+
+
+def _fsdp_categories(peak: MeasuredPeak) -> Mapping[str, int]:
+    """FSDPMemTracker's categories (FSDP2's states); none from other meters, whose categories
+    (MemTracker's parameters, gradients, temporaries) do not separate FSDP's buffers."""
+    return peak.get("breakdown") or {} if peak.get("source") == "FSDPMemTracker" else {}
+
+
+def _highest(values: Sequence[TrustResult], i: int) -> MeasuredPeak:
+    return max((v["peaks"][i] for v in values), key=lambda p: p["peak"])
 
 
 def verdict_plan_estimate_matches(
@@ -292,6 +345,8 @@ def judge_estimates(
                 "estimate": bound.total,
                 "peaks": peaks,
                 "terms": bound.to_dict()["terms"],
+                # The highest rank's categories at its peak against the estimate's terms.
+                "term_ratios": term_ratios(bound, _fsdp_categories(_highest(values, i))),
             }
         )
     # Per case, in case order: what the report keeps and compare reads (the byte lists as
