@@ -545,6 +545,7 @@ TIMELINE = Check(
 PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
 
 
+@pytest.mark.process  # a real run drawing its plot (matplotlib): about 5 s, the process lane
 def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
     warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

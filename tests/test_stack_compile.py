@@ -44,7 +44,7 @@ def test_fsdp2_blocks_compiled_after_fully_shard_train_as_eager(ranks: Ranks) ->
     assert forward["all_gather"], forward
 
 
-@pytest.mark.cpu
+@pytest.mark.process  # Dynamo on FSDP1, both settings: about 5 s, the process lane
 def test_fsdp1_compiled_model_trains_as_eager_and_without_orig_params_runs_eager(
     ranks: Ranks,
 ) -> None:
