@@ -91,6 +91,8 @@ _OUTCOME_RANK = {"passed": 2, "skipped": 1, "xfailed": 1, "failed": 0, "error": 
 #: without stripping them the same warning would show up as "new" after any upgrade.
 _WARNING_NOISE = (
     re.compile(r"\s*\(Triggered internally at [^)]*\)\.?"),
+    # the torch call a deprecation came through (_CALLED_AS): the same warning when torch
+    # moves the function
     re.compile(r"\s*\[called as [^\]]+\]$"),
     re.compile(r"\bat 0x[0-9a-fA-F]+"),
 )
@@ -183,7 +185,7 @@ def _group_warnings(diffs: Sequence[Difference], fail_on_deprecation: bool) -> l
     every check that raised it, where it was first seen: an upgrade's new warning is usually
     raised by many checks, and one line each buried the differences that matter. A deprecation
     is a regression with ``fail_on_deprecation``."""
-    out: list[Difference] = []
+    out: list[Difference | tuple[str, str]] = []
     groups: dict[tuple[str, str], list[Difference]] = {}
     for d in diffs:
         if d.kind not in ("warning", "deprecation"):
@@ -192,34 +194,30 @@ def _group_warnings(diffs: Sequence[Difference], fail_on_deprecation: bool) -> l
         key = (d.kind, deprecated_api(d.text) if d.kind == "deprecation" else d.text)
         if key not in groups:
             groups[key] = []
-            out.append(d)  # the placeholder keeps the first occurrence's position
+            out.append(key)  # the group sits where it was first seen
         groups[key].append(d)
-    grouped = []
-    for d in out:
-        if d.kind not in ("warning", "deprecation"):
-            grouped.append(d)
-            continue
-        members = groups[(d.kind, deprecated_api(d.text) if d.kind == "deprecation" else d.text)]
-        if d is not members[0]:
-            continue
-        cids = sorted({m.check_id for m in members})
-        texts = sorted({m.text for m in members})
-        blocking = d.kind == "deprecation" and fail_on_deprecation
-        if d.kind == "deprecation":
-            api = deprecated_api(d.text)
-            said = sorted({_CALLED_AS.sub("", t.split(": ", 1)[1]) for t in texts})
-            text = f"{api} will break: " + " | ".join(said) + f" (called by {', '.join(cids)})"
-            where = cids[0] if len(cids) == 1 else f"{len(cids)} checks"
-            grouped.append(Difference(where, d.kind, blocking, text))
-        elif len(cids) == 1:
-            grouped.append(d)
-        else:
-            grouped.append(
-                Difference(
-                    f"{len(cids)} checks", d.kind, False, f"{d.text} (raised by {', '.join(cids)})"
-                )
-            )
-    return grouped
+    return [
+        item
+        if isinstance(item, Difference)
+        else _one_group(item, groups[item], fail_on_deprecation)
+        for item in out
+    ]
+
+
+def _one_group(
+    key: tuple[str, str], members: Sequence[Difference], fail_on_deprecation: bool
+) -> Difference:
+    """A new warning's (or a deprecated API's) differences as one, naming every check."""
+    kind, name = key
+    cids = sorted({m.check_id for m in members})
+    if kind == "deprecation":
+        said = sorted({_CALLED_AS.sub("", m.text.split(": ", 1)[1]) for m in members})
+        text = f"{name} will break: " + " | ".join(said) + f" (called by {', '.join(cids)})"
+        where = cids[0] if len(cids) == 1 else f"{len(cids)} checks"
+        return Difference(where, kind, fail_on_deprecation, text)
+    if len(cids) == 1:
+        return members[0]
+    return Difference(f"{len(cids)} checks", kind, False, f"{name} (raised by {', '.join(cids)})")
 
 
 #: The call a deprecation warning came through, as the worker records it (harness/worker.py):

@@ -20,6 +20,7 @@ Imports no torch (``compare`` stays light).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -185,8 +186,10 @@ def load_table(path: str) -> dict[str, Any]:
     return table
 
 
+@functools.cache
 def reference_table() -> dict[str, Any]:
-    """The package's table of the reference models (CPU lane)."""
+    """The package's table of the reference models (CPU lane), read once per process (every
+    report of the reference models is annotated from it; callers do not change it)."""
     return load_table(REFERENCE_TABLE)
 
 

@@ -70,8 +70,9 @@ LABELS = {
 
 def _count_line(diffs: Sequence[Difference]) -> str:
     parts = []
+    tally = counts(diffs)
     for name, _ in CATEGORIES:
-        c = counts(diffs)[name]
+        c = tally[name]
         label = LABELS[name]
         blocking = (
             f" ({c['blocking']} blocking)"
