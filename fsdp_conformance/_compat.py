@@ -173,6 +173,12 @@ def fsdp_mem_tracker_cls(global_peak_only: bool = True) -> type[Any] | None:
     return _global_peak_only(cls) if global_peak_only else cls
 
 
+#: The attribute of a :func:`_global_peak_only` tracker holding each category's own peak since
+#: it was last cleared: ``{device: {category: bytes}}`` (the most that category held after any
+#: operator, whenever the total peaked). Absent where the tracker is torch's class as is.
+CATEGORY_PEAKS = "_fsdp_conformance_category_peaks"
+
+
 @functools.cache
 def _global_peak_only(cls: type[Any]) -> type[Any]:
     """``cls``, a torch memory tracker, updating only its global peak after each operator.
@@ -202,6 +208,13 @@ def _global_peak_only(cls: type[Any]) -> type[Any]:
             if peak.get(dev, 0) < dev_snap[total_key]:
                 peak[dev] = dev_snap[total_key]
                 peak_snap[dev] = copy.deepcopy(dev_snap)
+        # Each category's own peak (CATEGORY_PEAKS): the most it held at any operator.
+        own = self.__dict__.setdefault(CATEGORY_PEAKS, {})
+        for dev, dev_snap in current.items():
+            mine = own.setdefault(dev, {})
+            for key, value in dev_snap.items():
+                if mine.get(key, 0) < value:
+                    mine[key] = value
 
     return type(
         cls.__name__,

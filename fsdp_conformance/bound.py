@@ -59,6 +59,57 @@ class ActivationProfile:
     #: not measured (the working set is then the largest unit's forward products).
     working_forward_bytes: int | None = None
     working_backward_bytes: int | None = None
+    #: The same peak while each unit runs, in forward and in backward (a unit's own figure:
+    #: the step's alive bytes then, not only what it made). Empty where not measured.
+    working_forward_by_unit: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    working_backward_by_unit: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Per unit, the most bytes alive at once in its forward of what its forward made (nested
+    #: modules' included; neither saved nor gradients): what a recompute of it makes again.
+    forward_local_by_unit: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Per unit, the working set alive when its backward starts (the gradient flowing into it
+    #: and what else is alive then).
+    backward_entry_by_unit: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Per unit, at the moment of its backward where the sum is largest: (bytes it saved for
+    #: backward still alive, the working set). What it saved is freed as its backward uses it.
+    backward_with_saved_by_unit: Mapping[str, tuple[int, int]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def unit_working(self, unit: str) -> tuple[int, int]:
+        """(forward, backward) working set while ``unit`` runs (0 where it runs no op)."""
+        return (
+            self.working_forward_by_unit.get(unit, 0),
+            self.working_backward_by_unit.get(unit, 0),
+        )
+
+    def recompute_peak(self, unit: str, again: int) -> tuple[int, int, str]:
+        """The activation peak of ``unit``'s backward were it checkpointed, as (its saved set
+        alive then, the working set then, how): the recompute itself (all of ``again``, its
+        recomputed saved set, with what was alive as its backward started and what its
+        forward makes again) or its backward, as measured on meta (what it saved still alive
+        and the working set), whichever sum is larger. Without the per-unit figures: ``again``
+        with the unit's forward and backward working sets summed."""
+        fwd, bwd = self.unit_working(unit)
+        local = self.forward_local_by_unit.get(unit)
+        entry = self.backward_entry_by_unit.get(unit)
+        if local is None or entry is None:
+            return again, fwd + bwd, f"its forward {fwd:,} B + its backward {bwd:,} B"
+        recompute = (again, entry + local)
+        saved, working = self.backward_with_saved_by_unit.get(unit, (0, 0))
+        if sum(recompute) >= saved + working:
+            return (
+                *recompute,
+                f"while it is recomputed: what was alive as its backward started "
+                f"({entry:,} B) + what its forward makes again ({local:,} B)",
+            )
+        # What it saved beyond ``again`` is what the recompute does not make again (the op
+        # outputs op-level checkpointing keeps): counted in saved activations.
+        return (
+            min(saved, again),
+            working,
+            f"during its backward, with {min(saved, again):,} B of its recomputed saved set "
+            "still alive",
+        )
 
     def op_kept(self, unit: str) -> tuple[int, int, int]:
         """What op-level selective activation checkpointing keeps of ``unit`` from forward to
@@ -86,6 +137,13 @@ class ActivationProfile:
             "op_outputs": {k: [list(e) for e in v] for k, v in self.op_outputs.items()},
             "working_forward_bytes": self.working_forward_bytes,
             "working_backward_bytes": self.working_backward_bytes,
+            "working_forward_by_unit": dict(self.working_forward_by_unit),
+            "working_backward_by_unit": dict(self.working_backward_by_unit),
+            "forward_local_by_unit": dict(self.forward_local_by_unit),
+            "backward_entry_by_unit": dict(self.backward_entry_by_unit),
+            "backward_with_saved_by_unit": {
+                k: list(v) for k, v in self.backward_with_saved_by_unit.items()
+            },
         }
 
 
@@ -326,29 +384,128 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
         )
     acts = config.activations
     if acts is not None:
-        working_unit = max(acts.produced_bytes, key=lambda k: acts.produced_bytes[k], default=None)
-        working = acts.produced_bytes.get(working_unit, 0) if working_unit is not None else 0
         terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
-        terms += _saved_terms(acts, config.checkpointed, config.checkpoint_ops)
-        terms.append(_working_set_term(acts, working, working_unit))
+        ckpt = [u for u in config.checkpointed if u in acts.saved_bytes]
+        terms.append(_saved_term(acts, ckpt, config.checkpoint_ops))
+        recomputed = _recomputed(acts, ckpt, config.checkpoint_ops)
+        if acts.working_forward_by_unit or acts.working_backward_by_unit:
+            terms += _unit_peak_terms(acts, recomputed, config.checkpoint_ops)
+        else:
+            terms += _step_peak_terms(acts, recomputed, config.checkpoint_ops)
     return Bound(tuple(terms), config.tolerance)
 
 
-def _working_set_term(acts: ActivationProfile, produced: int, unit: str | None) -> BoundTerm:
+def _recomputed(acts: ActivationProfile, ckpt: Sequence[str], ops: bool) -> dict[str, int]:
+    """Per checkpointed unit, its saved set while backward recomputes it: all of it, or
+    under op-level selective checkpointing less the kept op outputs the recompute reuses."""
+    if ops:
+        return {u: acts.saved_bytes[u] - acts.op_kept(u)[1] for u in ckpt}
+    return {u: acts.saved_bytes[u] for u in ckpt}
+
+
+def _recomputed_text(ops: bool) -> str:
+    return (
+        "the saved set of one checkpointed unit while backward recomputes it, less the kept "
+        "op outputs it reuses"
+        if ops
+        else "the saved set of one checkpointed unit while backward recomputes it"
+    )
+
+
+def _unit_peak_terms(
+    acts: ActivationProfile, recomputed: Mapping[str, int], ops: bool
+) -> list[BoundTerm]:
+    """The working set, and with checkpointing the recomputed unit, at the unit where their
+    sum is largest (measured on meta with the step's backward, per unit).
+
+    While a unit that is not checkpointed runs, the working set is what the step keeps alive
+    then (:meth:`ActivationProfile.unit_working`: the larger of its forward and its backward).
+    A checkpointed unit's backward first runs its forward again: its saved set exists once
+    more (the recomputed unit), and its working set is the larger of its backward's and what
+    was alive when the backward started plus what its forward makes again
+    (the gradient flowing into the unit is alive during its recompute):
+    :meth:`ActivationProfile.recompute_working`. Without per-unit figures,
+    :func:`_step_peak_terms`.
+    """
+    peaks: dict[str, tuple[int, int, str]] = {}
+    for unit in {*acts.working_forward_by_unit, *acts.working_backward_by_unit, *recomputed}:
+        fwd, bwd = acts.unit_working(unit)
+        peaks[unit] = (
+            acts.recompute_peak(unit, recomputed[unit])
+            if unit in recomputed
+            else (0, max(fwd, bwd), f"forward {fwd:,} B, backward {bwd:,} B")
+        )
+    worst = max(sorted(peaks), key=lambda u: peaks[u][0] + peaks[u][1])
+    again, working, how_measured = peaks[worst]
+    name = worst or "(root)"
+    terms = []
+    if recomputed:
+        terms.append(
+            BoundTerm(
+                "recomputed unit",
+                again,
+                f"{_recomputed_text(ops)}: {name}, at the step's activation peak"
+                if worst in recomputed
+                else "0: no checkpointed unit's recompute is at the step's activation peak "
+                f"({name}'s working set, {working:,} B, is above every checkpointed unit's "
+                "saved set with its working set; largest saved set "
+                f"{max(recomputed.values()):,} B)",
+            )
+        )
+    how = (
+        f"at {name}'s backward, checkpointed, {how_measured}"
+        if worst in recomputed
+        else f"while {name} runs: {how_measured}"
+    )
+    terms.append(
+        BoundTerm(
+            "activation working set",
+            working,
+            f"the most the step keeps alive besides saved activations and gradients, {how} "
+            f"(measured per unit on meta with the step's backward; the whole step: forward "
+            f"{acts.working_forward_bytes or 0:,} B, backward {acts.working_backward_bytes or 0:,} B)",
+        )
+    )
+    return terms
+
+
+def _step_peak_terms(
+    acts: ActivationProfile, recomputed: Mapping[str, int], ops: bool
+) -> list[BoundTerm]:
+    """The recomputed unit and the working set as if they coincided: the step's working set
+    (measured on meta with its backward) or, without a backward (the memory checks' profile),
+    everything one unit's forward produces."""
+    terms = []
+    if recomputed:
+        again = max(recomputed, key=lambda u: recomputed[u])
+        terms.append(
+            BoundTerm(
+                "recomputed unit",
+                recomputed[again],
+                f"{_recomputed_text(ops)} (largest: {again})",
+            )
+        )
     fwd, bwd = acts.working_forward_bytes, acts.working_backward_bytes
     if fwd is None or bwd is None:
-        return BoundTerm(
-            "activation working set",
-            produced,
-            f"everything one unit's forward produces, saved or not (largest: "
-            f"{unit or '(root)'}); also covers that unit's activation gradients in backward",
+        unit = max(acts.produced_bytes, key=lambda k: acts.produced_bytes[k], default=None)
+        terms.append(
+            BoundTerm(
+                "activation working set",
+                acts.produced_bytes.get(unit, 0) if unit is not None else 0,
+                f"everything one unit's forward produces, saved or not (largest: "
+                f"{unit or '(root)'}); also covers that unit's activation gradients in backward",
+            )
         )
-    return BoundTerm(
-        "activation working set",
-        max(fwd, bwd),
-        f"the most the step keeps alive at once besides saved activations and gradients "
-        f"(measured on meta with its backward): forward {fwd:,} B, backward {bwd:,} B",
+        return terms
+    terms.append(
+        BoundTerm(
+            "activation working set",
+            max(fwd, bwd),
+            f"the most the step keeps alive at once besides saved activations and gradients "
+            f"(measured on meta with its backward): forward {fwd:,} B, backward {bwd:,} B",
+        )
     )
+    return terms
 
 
 def _sharded_state_terms(
@@ -395,85 +552,45 @@ def host_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
     return sum(t.bytes for t in _sharded_state_terms(units, config))
 
 
-def _saved_terms(
-    acts: ActivationProfile, checkpointed: Sequence[str], ops: bool = False
-) -> list[BoundTerm]:
-    """Saved activations, and with activation checkpointing the unit being recomputed.
+def _saved_term(acts: ActivationProfile, ckpt: Sequence[str], ops: bool = False) -> BoundTerm:
+    """Saved activations, all alive at the end of forward.
 
-    A checkpointed unit saves nothing for backward in forward; it keeps what entered it (its
-    inputs, for the recompute). In backward its forward runs again and its saved set exists
-    until its own backward has used it, one checkpointed unit at a time: the largest such set
-    is one more term. Everything else is saved as without checkpointing. With ``ops`` (op-level
-    selective checkpointing) a checkpointed unit also keeps the outputs its policy saves
-    (:meth:`ActivationProfile.op_kept`) until its backward, where the recompute reuses them:
-    its recomputed set is its saved set less what it kept that autograd saves.
+    A checkpointed unit saves nothing for backward in forward: it keeps what entered it (its
+    inputs, for the recompute); everything else is saved as without checkpointing. With
+    ``ops`` (op-level selective checkpointing) a checkpointed unit also keeps the outputs its
+    policy saves (:meth:`ActivationProfile.op_kept`) until its backward. The recompute itself
+    is :func:`_recomputed`.
     """
-    if ops:
-        return _op_saved_terms(acts, checkpointed)
-    ckpt = [u for u in checkpointed if u in acts.saved_bytes]
     if not ckpt:
-        saved = sum(acts.saved_bytes.values())
-        return [
-            BoundTerm(
-                "saved activations",
-                saved,
-                f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
-                "alive at the end of forward (measured on meta)",
-                scales_with_depth=True,
-            )
-        ]
-    kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
-    entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
-    again = max(ckpt, key=lambda u: acts.saved_bytes[u])
-    return [
-        BoundTerm(
+        return BoundTerm(
             "saved activations",
-            kept + entries,
-            f"saved for backward by the {len(acts.saved_bytes) - len(ckpt)} units not "
-            f"checkpointed and the loss ({kept:,} B), + the inputs the {len(ckpt)} "
-            f"checkpointed units keep for their recompute ({entries:,} B), all alive at "
-            "the end of forward (measured on meta)",
-            scales_with_depth=True,
-        ),
-        BoundTerm(
-            "recomputed unit",
-            acts.saved_bytes[again],
-            f"the saved set of one checkpointed unit while backward recomputes it "
-            f"(largest: {again})",
-        ),
-    ]
-
-
-def _op_saved_terms(acts: ActivationProfile, checkpointed: Sequence[str]) -> list[BoundTerm]:
-    ckpt = [u for u in checkpointed if u in acts.saved_bytes]
-    kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
-    entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
-    op = {u: acts.op_kept(u) for u in ckpt}
-    outputs = sum(k for k, _, _ in op.values())
-    again = {u: acts.saved_bytes[u] - op[u][1] for u in ckpt}
-    worst = max(ckpt, key=lambda u: again[u], default=None)
-    terms = [
-        BoundTerm(
-            "saved activations",
-            kept + entries + outputs,
-            f"saved for backward by the {len(acts.saved_bytes) - len(ckpt)} units not "
-            f"checkpointed and the loss ({kept:,} B), + the inputs the {len(ckpt)} units under "
-            f"op-level selective checkpointing keep for their recompute ({entries:,} B) and the "
-            f"op outputs their policy keeps (attention, every other matmul: {outputs:,} B), all "
+            sum(acts.saved_bytes.values()),
+            f"tensors saved for backward by all {len(acts.saved_bytes)} units and the loss, all "
             "alive at the end of forward (measured on meta)",
             scales_with_depth=True,
         )
-    ]
-    if worst is not None:
-        terms.append(
-            BoundTerm(
-                "recomputed unit",
-                again[worst],
-                f"the saved set of one checkpointed unit while backward recomputes it, less "
-                f"the kept op outputs it reuses (largest: {worst})",
-            )
+    kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
+    entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
+    not_ckpt = len(acts.saved_bytes) - len(ckpt)
+    if not ops:
+        return BoundTerm(
+            "saved activations",
+            kept + entries,
+            f"saved for backward by the {not_ckpt} units not checkpointed and the loss "
+            f"({kept:,} B), + the inputs the {len(ckpt)} checkpointed units keep for their "
+            f"recompute ({entries:,} B), all alive at the end of forward (measured on meta)",
+            scales_with_depth=True,
         )
-    return terms
+    outputs = sum(acts.op_kept(u)[0] for u in ckpt)
+    return BoundTerm(
+        "saved activations",
+        kept + entries + outputs,
+        f"saved for backward by the {not_ckpt} units not checkpointed and the loss ({kept:,} B), "
+        f"+ the inputs the {len(ckpt)} units under op-level selective checkpointing keep for "
+        f"their recompute ({entries:,} B) and the op outputs their policy keeps (attention, every "
+        f"other matmul: {outputs:,} B), all alive at the end of forward (measured on meta)",
+        scales_with_depth=True,
+    )
 
 
 def _all_gather_buffer_numel(numel: int, world_size: int, version: str) -> int:

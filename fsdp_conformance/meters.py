@@ -62,6 +62,9 @@ class TrackerMeter(Meter):
         self.tracker = tracker
         self.device = device
         self.breakdown: dict[str, int] = {}
+        #: Each category's own peak over the measurement (not at the total's peak); empty
+        #: where this torch's tracker class is used as is.
+        self.category_peaks: dict[str, int] = {}
 
     def _snapshot(self, kind: str) -> dict[str, int]:
         snap = self.tracker.get_tracker_snapshot(kind)
@@ -82,13 +85,24 @@ class TrackerMeter(Meter):
         # Leaving and re-entering the tracker resets its peak to the current total (its
         # documented behaviour on __enter__), while what it already tracks stays tracked.
         # Its per-module statistics refuse a second iteration unless cleared (public API).
+        from fsdp_conformance._compat import CATEGORY_PEAKS
+
         self.tracker.reset_mod_stats()
+        setattr(self.tracker, CATEGORY_PEAKS, {})
         with self.tracker:
             self.start = self.current()
             yield self
         peak = self._snapshot("peak")
         self.peak = peak.get("Total", 0)
         self.breakdown = {k: v for k, v in peak.items() if v and k != "Total"}
+        own = getattr(self.tracker, CATEGORY_PEAKS, {})
+        self.category_peaks = {
+            _category(k): int(v)
+            for dev, values in own.items()
+            if str(dev) == str(self.device) or getattr(dev, "type", None) == self.device.type
+            for k, v in values.items()
+            if v and _category(k) != "Total"
+        }
 
 
 def _category(key: Any) -> str:
@@ -326,6 +340,7 @@ def meter_data(
         "peak": m.peak,
         "end": end,
         "breakdown": dict(getattr(m, "breakdown", {})),
+        "category_peaks": dict(getattr(m, "category_peaks", {})),
     }
 
 

@@ -102,7 +102,10 @@ def profile_activations(
     (``benchmarks/bench_profile_flops.py``). ``backward``: run the backward too and measure
     the working set (``working_forward_bytes``, ``working_backward_bytes``): the peak of the
     tensors the step makes that are alive at once and are neither saved for backward nor
-    gradients of parameters, in forward and in backward (:class:`_Liveness`).
+    gradients of parameters, in forward and in backward (:class:`_Liveness`), and the same
+    peak while each unit runs (``working_forward_by_unit``, ``working_backward_by_unit``): in
+    forward the unit whose forward is innermost, in backward the unit that saved the tensors
+    the running node unpacks (a node that unpacks none keeps the unit before it).
     """
     TorchDispatchMode = torch_dispatch_mode_cls()
 
@@ -125,7 +128,12 @@ def profile_activations(
         if key not in param_storages and key not in seen:
             seen.add(key)
             saved[stack[-1]] += st.nbytes()
-        return t
+        # The unit that saved it: in backward, the node unpacking it runs that unit's backward.
+        return stack[-1], t
+
+    def unpack(packed: Any) -> Any:
+        liveness.unit = packed[0]
+        return packed[1]
 
     class Produced(TorchDispatchMode):  # type: ignore[misc,valid-type]
         def __torch_dispatch__(  # type: ignore[no-untyped-def]
@@ -141,21 +149,29 @@ def profile_activations(
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
         stack.append(owner[id(module)])
+        liveness.unit = stack[-1]
         name = unit_modules.get(id(module))
         if name is not None:  # what enters a unit: what checkpointing it would keep
+            liveness.span(name, opened=True)
             entry[name] = max(entry[name], _storage_bytes((args, kwargs), param_storages))
 
     def post(module: Any, _args: Any, _out: Any) -> None:
         stack.pop()
+        liveness.unit = stack[-1]
+        liveness.span(unit_modules.get(id(module)), opened=False)
 
-    handles = []
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(m.register_forward_hook(post))
+    handles = [
+        handle
+        for m in model.modules()
+        for handle in (
+            m.register_forward_pre_hook(pre, with_kwargs=True),
+            m.register_forward_hook(post),
+        )
+    ]
     flops = _flop_counter(model) if count_flops else _NoFlops()
     try:
         with (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             _grouped_mm_on_meta(),
             Produced(),
             flops.mode,
@@ -201,7 +217,14 @@ class _Liveness:
     def __init__(self) -> None:
         self.live: dict[int, int] = {}  # storage key -> its instance while alive
         self.sizes: list[int] = []  # instance -> bytes
-        self.events: list[tuple[int, int]] = []  # (+1 made / -1 freed, instance)
+        # (+1 made / -1 freed, instance, the unit running then)
+        self.events: list[tuple[int, int, str]] = []
+        self.unit = ROOT  # the unit running now (set by the forward's hooks, backward's unpack)
+        # A unit module's forward opening or closing before event i: (i, +1 / -1, unit)
+        self.spans: list[tuple[int, int, str]] = []
+        self.open_spans: list[str] = []  # the unit modules whose forward runs now
+        # A saved storage's instance -> the unit modules whose forward ran when it was saved
+        self.saved_in: dict[int, tuple[str, ...]] = {}
         self.saved_instances: set[int] = set()
         self.gradients: set[int] = set()
         self.backward_from: int | None = None
@@ -214,7 +237,7 @@ class _Liveness:
         instance = len(self.sizes)
         self.sizes.append(storage.nbytes())
         self.live[key] = instance
-        self.events.append((1, instance))
+        self.events.append((1, instance, self.unit))
         self.refs.append(weakref.ref(storage, functools.partial(self._freed, key, instance)))
 
     def made_all(self, out: Any) -> None:
@@ -233,10 +256,22 @@ class _Liveness:
                 self.gradient(p.grad.untyped_storage())
                 p.grad = None
 
+    def span(self, unit: str | None, *, opened: bool) -> None:
+        """A unit module's forward starts (``opened``) or ends here (None: not a unit's)."""
+        if unit is None:
+            return
+        self.spans.append((len(self.events), 1 if opened else -1, unit))
+        if opened:
+            self.open_spans.append(unit)
+        elif unit in self.open_spans:
+            self.open_spans.reverse()
+            self.open_spans.remove(unit)  # the innermost span of that name
+            self.open_spans.reverse()
+
     def _freed(self, key: int, instance: int, _ref: Any = None) -> None:
         if self.live.get(key) == instance:
             del self.live[key]
-        self.events.append((-1, instance))
+        self.events.append((-1, instance, self.unit))
 
     def instance(self, storage: Any) -> int | None:
         return self.live.get(storage_key(storage))
@@ -245,6 +280,7 @@ class _Liveness:
         instance = self.instance(storage)
         if instance is not None:
             self.saved_instances.add(instance)
+            self.saved_in.setdefault(instance, tuple(self.open_spans))
 
     def gradient(self, storage: Any) -> None:
         instance = self.instance(storage)
@@ -256,23 +292,97 @@ class _Liveness:
         weak reference calls nothing)."""
         self.refs.clear()
 
-    def peaks(self, measured: bool) -> dict[str, int | None]:
-        """The most bytes alive at once of storages neither saved nor gradients, in forward and
-        in backward (None each when the backward did not run)."""
+    def peaks(self, measured: bool) -> dict[str, Any]:
+        """The most bytes alive at once of storages neither saved nor gradients (the working
+        set), in forward and in backward, for the step and while each unit runs (None and
+        empty when the backward did not run). A unit's figure is the whole step's working set
+        while it runs, not only what it made (in backward from the moment it starts). And per
+        unit module, for checkpointing it: the most, during its backward, of the working set
+        plus what it saved still alive (:attr:`ActivationProfile.backward_with_saved_by_unit`),
+        the working set when its backward starts (the gradient flowing in) and the most alive
+        at once of what its forward made (:meth:`_forward_local`).
+        """
         if not measured:
             return {"working_forward_bytes": None, "working_backward_bytes": None}
         skip = self.saved_instances | self.gradients
-        alive = forward = back = 0
+        alive = 0
         start = self.backward_from if self.backward_from is not None else len(self.events)
-        for i, (sign, instance) in enumerate(self.events):
+        by_unit: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        own: dict[str, int] = {}  # unit module -> bytes it saved, alive now
+        entry: dict[str, int] = {}
+        with_saved: dict[str, tuple[int, int]] = {}
+        spans = {name for _, _, name in self.spans}
+        ancestors: dict[str, tuple[str, ...]] = {}
+        for i, (sign, instance, unit) in enumerate(self.events):
+            before = alive
+            if instance in self.saved_in:
+                for name in self.saved_in[instance]:
+                    own[name] = own.get(name, 0) + sign * self.sizes[instance]
+            elif instance not in skip:
+                alive += sign * self.sizes[instance]
+            if i < start:
+                if by_unit[0].get(unit, -1) < alive:
+                    by_unit[0][unit] = alive
+                continue
+            now = max(before, alive)
+            if by_unit[1].get(unit, -1) < now:
+                by_unit[1][unit] = now
+            if unit not in ancestors:
+                ancestors[unit] = _enclosing(unit, spans)
+            for name in ancestors[unit]:
+                entry.setdefault(name, before)
+                mine = own.get(name, 0)
+                if sum(with_saved.get(name, (0, -1))) < mine + now:
+                    with_saved[name] = (mine, now)
+        forward, back = by_unit
+        return {
+            "working_forward_bytes": max(forward.values(), default=0),
+            "working_backward_bytes": max(back.values(), default=0),
+            "working_forward_by_unit": forward,
+            "working_backward_by_unit": back,
+            "forward_local_by_unit": self._forward_local(skip, start),
+            "backward_entry_by_unit": entry,
+            "backward_with_saved_by_unit": with_saved,
+        }
+
+    def _forward_local(self, skip: set[int], start: int) -> dict[str, int]:
+        """Per unit module, the most bytes alive at once during its forward of the storages
+        made during it (nested modules' included), neither saved nor gradients."""
+        opens = sorted(self.spans)  # by event index; a span's open before its events
+        local: dict[str, int] = {}
+        peak: dict[str, int] = {}
+        open_now: list[str] = []
+        made_in: dict[int, tuple[str, ...]] = {}
+        j = 0
+        for i, (sign, instance, _unit) in enumerate(self.events[:start]):
+            while j < len(opens) and opens[j][0] <= i:
+                _, how, name = opens[j]
+                if how > 0:
+                    open_now.append(name)
+                    local[name] = 0
+                    peak.setdefault(name, 0)
+                elif name in open_now:
+                    open_now.remove(name)
+                j += 1
             if instance in skip:
                 continue
-            alive += sign * self.sizes[instance]
-            if i < start:
-                forward = max(forward, alive)
+            if sign > 0:
+                made_in[instance] = tuple(open_now)
+                for name in open_now:
+                    local[name] += self.sizes[instance]
+                    peak[name] = max(peak[name], local[name])
             else:
-                back = max(back, alive)
-        return {"working_forward_bytes": forward, "working_backward_bytes": back}
+                for name in made_in.get(instance, ()):
+                    if name in open_now:
+                        local[name] -= self.sizes[instance]
+        return peak
+
+
+def _enclosing(unit: str, spans: set[str]) -> tuple[str, ...]:
+    """``unit`` and the unit modules that hold it (by name), innermost first."""
+    parts = unit.split(".") if unit else []
+    names = [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
+    return tuple(n for n in names if n in spans)
 
 
 class _OpOutputs:

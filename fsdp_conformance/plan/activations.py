@@ -94,6 +94,25 @@ def activations_by_unit(
         saved[unit] += fine.saved_bytes[names[module_id]]
         produced[unit] += fine.produced_bytes[names[module_id]]
         outputs.setdefault(unit, []).extend(fine.op_outputs.get(names[module_id], ()))
+    # A unit's working set while it runs: the most of its modules' (each the step's alive
+    # bytes while that module is innermost), so regrouping is exact.
+    working: tuple[dict[str, int], dict[str, int]] = ({}, {})
+    for fine_map, by_unit in zip(
+        (fine.working_forward_by_unit, fine.working_backward_by_unit), working, strict=True
+    ):
+        for module_id, unit in owner.items():
+            value = fine_map.get(names[module_id])
+            if value is not None and by_unit.get(unit, -1) < value:
+                by_unit[unit] = value
+    # A unit's own figures for checkpointing it are its module's (nested modules' included).
+    fqns = [u.fqn for u in units]
+    local = {f: fine.forward_local_by_unit[f] for f in fqns if f in fine.forward_local_by_unit}
+    entry = {f: fine.backward_entry_by_unit[f] for f in fqns if f in fine.backward_entry_by_unit}
+    with_saved = {
+        f: fine.backward_with_saved_by_unit[f]
+        for f in fqns
+        if f in fine.backward_with_saved_by_unit
+    }
     return ActivationProfile(
         input_bytes=fine.input_bytes,
         saved_bytes=saved,
@@ -105,6 +124,11 @@ def activations_by_unit(
         op_outputs={u: tuple(sorted(e)) for u, e in outputs.items() if e},
         working_forward_bytes=fine.working_forward_bytes,
         working_backward_bytes=fine.working_backward_bytes,
+        working_forward_by_unit=working[0],
+        working_backward_by_unit=working[1],
+        forward_local_by_unit=local,
+        backward_entry_by_unit=entry,
+        backward_with_saved_by_unit=with_saved,
     )
 
 
@@ -178,6 +202,31 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
         op_outputs=_op_outputs_at_depth(fine, names, source, depth),
         working_forward_bytes=fine.working_forward_bytes,
         working_backward_bytes=fine.working_backward_bytes,
+        working_forward_by_unit={
+            n: fine.working_forward_by_unit[source(n)]
+            for n in names
+            if source(n) in fine.working_forward_by_unit
+        },
+        working_backward_by_unit={
+            n: fine.working_backward_by_unit[source(n)]
+            for n in names
+            if source(n) in fine.working_backward_by_unit
+        },
+        forward_local_by_unit={
+            n: fine.forward_local_by_unit[source(n)]
+            for n in names
+            if source(n) in fine.forward_local_by_unit
+        },
+        backward_entry_by_unit={
+            n: fine.backward_entry_by_unit[source(n)]
+            for n in names
+            if source(n) in fine.backward_entry_by_unit
+        },
+        backward_with_saved_by_unit={
+            n: fine.backward_with_saved_by_unit[source(n)]
+            for n in names
+            if source(n) in fine.backward_with_saved_by_unit
+        },
     )
 
 

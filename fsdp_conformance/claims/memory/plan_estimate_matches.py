@@ -99,6 +99,8 @@ class MeasuredPeak(TypedDict):
     #: The meter's categories at the peak (FSDPMemTracker: FSDP2's states, activations,
     #: temporaries), empty where the meter has none (MemTracker on FSDP1, the OS figure).
     breakdown: dict[str, int]
+    #: Each category's own peak over the step (whenever it was), empty as ``breakdown``.
+    category_peaks: dict[str, int]
 
 
 class TrustResult(TypedDict):
@@ -148,6 +150,7 @@ def rank_plan_estimate_matches(
                 "source": m["meters"][0]["source"],
                 "input_casts": m["input_casts"],
                 "breakdown": dict(m["meters"][0].get("breakdown") or {}),
+                "category_peaks": dict(m["meters"][0].get("category_peaks") or {}),
             }
         )
     return {"rank": ctx.rank, "peaks": peaks}
@@ -282,14 +285,37 @@ TERM_CATEGORIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def term_ratios(bound: Bound, breakdown: Mapping[str, int]) -> dict[str, float | None]:
-    """Per group of :data:`TERM_CATEGORIES`: the measured category bytes at the peak over the
+#: The same per term, read at each category's own peak over the step (``term_peaks``): every
+#: term but the activations' as in :data:`TERM_CATEGORIES`; the activations in two. Forward's
+#: tensors (``Activation``) against saved activations and the working set. Backward's
+#: (``Temp``: activations' gradients, backward's transients and, with torch's
+#: ``checkpoint``, the recomputed unit) against the working set and the recomputed unit: the
+#: estimate's backward peak of the unit where their sum is largest. ``Temp`` also holds a
+#: parameter's gradient as autograd makes it, before FSDP2 takes it as ``Unsharded Grad``
+#: (counted in unsharded grads): in parameter-heavy steps it reads above 1 (docs/planning.md).
+TERM_PEAK_CATEGORIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    **{k: v for k, v in TERM_CATEGORIES.items() if k != "activations"},
+    "activations in forward": (("saved activations", "activation working set"), ("Activation",)),
+    "backward: working set + recomputed unit": (
+        ("activation working set", "recomputed unit"),
+        ("Temp",),
+    ),
+}
+
+
+def term_ratios(
+    bound: Bound,
+    breakdown: Mapping[str, int],
+    groups: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = TERM_CATEGORIES,
+) -> dict[str, float | None]:
+    """Per group of ``groups`` (:data:`TERM_CATEGORIES`): the measured category bytes (at
+    the peak, or each category's own peak with :data:`TERM_PEAK_CATEGORIES`) over the
     estimate's terms (None where the estimate has none); empty without a breakdown (a meter
     without categories)."""
     if not breakdown:
         return {}
     out: dict[str, float | None] = {}
-    for group, (terms, categories) in TERM_CATEGORIES.items():
+    for group, (terms, categories) in groups.items():
         estimated = sum(t.bytes for t in bound.terms if t.name in terms)
         measured = sum(breakdown.get(c, 0) for c in categories)
         if estimated or measured:
@@ -297,10 +323,12 @@ def term_ratios(bound: Bound, breakdown: Mapping[str, int]) -> dict[str, float |
     return out
 
 
-def _fsdp_categories(peak: MeasuredPeak) -> Mapping[str, int]:
-    """FSDPMemTracker's categories (FSDP2's states); none from other meters, whose categories
+def _fsdp_categories(peak: MeasuredPeak, field: str = "breakdown") -> Mapping[str, int]:
+    """FSDPMemTracker's categories (FSDP2's states) at the peak, or with ``field=
+    "category_peaks"`` each at its own peak; none from other meters, whose categories
     (MemTracker's parameters, gradients, temporaries) do not separate FSDP's buffers."""
-    return peak.get("breakdown") or {} if peak.get("source") == "FSDPMemTracker" else {}
+    found: Mapping[str, int] = peak.get(field) or {}  # type: ignore[assignment]
+    return found if peak.get("source") == "FSDPMemTracker" else {}
 
 
 def _highest(values: Sequence[TrustResult], i: int) -> MeasuredPeak:
@@ -347,6 +375,13 @@ def judge_estimates(
                 "terms": bound.to_dict()["terms"],
                 # The highest rank's categories at its peak against the estimate's terms.
                 "term_ratios": term_ratios(bound, _fsdp_categories(_highest(values, i))),
+                # Each category's own peak over the step (the highest rank's) against the
+                # terms that hold it: every transient term is the most it can be.
+                "term_peaks": term_ratios(
+                    bound,
+                    _fsdp_categories(_highest(values, i), "category_peaks"),
+                    TERM_PEAK_CATEGORIES,
+                ),
             }
         )
     # Per case, in case order: what the report keeps and compare reads (the byte lists as
