@@ -83,24 +83,30 @@ class ActivationProfile:
         )
 
     def recompute_peak(self, unit: str, again: int) -> tuple[int, int, str]:
-        """The activation peak of ``unit``'s backward were it checkpointed, as (its saved set
-        alive then, the working set then, how): the recompute itself (all of ``again``, its
-        recomputed saved set, with what was alive as its backward started and what its
-        forward makes again) or its backward, as measured on meta (what it saved still alive
-        and the working set), whichever sum is larger. Without the per-unit figures: ``again``
+        """The activation peak of ``unit`` were it checkpointed, as (its saved set alive then,
+        the working set then, how): the recompute (all of ``again``, its recomputed saved set,
+        with what was alive as its backward started and what its forward makes again; or, if
+        larger, its first forward's working set, when that saved set is transient) or its
+        backward, as measured on meta (what it saved still alive and the working set),
+        whichever sum is larger. Without the per-unit figures: ``again``
         with the unit's forward and backward working sets summed."""
         fwd, bwd = self.unit_working(unit)
         local = self.forward_local_by_unit.get(unit)
         entry = self.backward_entry_by_unit.get(unit)
         if local is None or entry is None:
             return again, fwd + bwd, f"its forward {fwd:,} B + its backward {bwd:,} B"
-        recompute = (again, entry + local)
+        # Its first forward, checkpointed, keeps none of its saved set: those tensors are
+        # transient then, with the forward's working set (``fwd``) and less than all of saved
+        # activations: within ``again`` + ``fwd``.
+        recompute = (again, max(entry + local, fwd))
         saved, working = self.backward_with_saved_by_unit.get(unit, (0, 0))
         if sum(recompute) >= saved + working:
             return (
                 *recompute,
                 f"while it is recomputed: what was alive as its backward started "
-                f"({entry:,} B) + what its forward makes again ({local:,} B)",
+                f"({entry:,} B) + what its forward makes again ({local:,} B)"
+                if entry + local >= fwd
+                else f"in its checkpointed forward: the working set then ({fwd:,} B)",
             )
         # What it saved beyond ``again`` is what the recompute does not make again (the op
         # outputs op-level checkpointing keeps): counted in saved activations.
@@ -421,10 +427,9 @@ def _unit_peak_terms(
     While a unit that is not checkpointed runs, the working set is what the step keeps alive
     then (:meth:`ActivationProfile.unit_working`: the larger of its forward and its backward).
     A checkpointed unit's backward first runs its forward again: its saved set exists once
-    more (the recomputed unit), and its working set is the larger of its backward's and what
-    was alive when the backward started plus what its forward makes again
-    (the gradient flowing into the unit is alive during its recompute):
-    :meth:`ActivationProfile.recompute_working`. Without per-unit figures,
+    more (the recomputed unit) with what was alive when the backward started (the gradient
+    flowing in) and what its forward makes again; then its backward frees that set as it
+    uses it: :meth:`ActivationProfile.recompute_peak`. Without per-unit figures,
     :func:`_step_peak_terms`.
     """
     peaks: dict[str, tuple[int, int, str]] = {}
@@ -453,7 +458,7 @@ def _unit_peak_terms(
             )
         )
     how = (
-        f"at {name}'s backward, checkpointed, {how_measured}"
+        f"at {name}, checkpointed, {how_measured}"
         if worst in recomputed
         else f"while {name} runs: {how_measured}"
     )

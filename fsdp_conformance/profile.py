@@ -117,7 +117,18 @@ def profile_activations(
     entry: dict[str, int] = {u.fqn: 0 for u in units}
     seen: set[int] = set()
     unit_modules = {id(m): name for name, m in model.named_modules() if name in entry}
-    liveness = _Liveness()
+    # Storages from before the step (parameters, buffers, the batch) are counted by their own
+    # terms: a view of one an op returns (a transposed weight, a slice of a buffer) is not a
+    # tensor the step makes.
+    liveness = _Liveness(
+        param_storages
+        | {storage_key(b.untyped_storage()) for b in model.buffers()}
+        | {
+            storage_key(t.untyped_storage())
+            for t in tree_leaves(batch)
+            if isinstance(t, torch.Tensor)
+        }
+    )
     op_outputs = _OpOutputs(liveness)
     in_backward = [False]
 
@@ -214,7 +225,8 @@ class _Liveness:
     for backward or it becomes a parameter's gradient. Each storage made is one instance: a freed
     storage's address (``storage_key``) may be handed to a later one, an instance never is."""
 
-    def __init__(self) -> None:
+    def __init__(self, before: set[int] | frozenset[int] = frozenset()) -> None:
+        self.before = before  # storage keys that exist before the step: never made by it
         self.live: dict[int, int] = {}  # storage key -> its instance while alive
         self.sizes: list[int] = []  # instance -> bytes
         # (+1 made / -1 freed, instance, the unit running then)
@@ -232,7 +244,7 @@ class _Liveness:
 
     def made(self, storage: Any) -> None:
         key = storage_key(storage)
-        if key in self.live:
+        if key in self.live or key in self.before:
             return
         instance = len(self.sizes)
         self.sizes.append(storage.nbytes())

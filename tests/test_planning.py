@@ -250,8 +250,8 @@ def test_activation_checkpointing_makes_70b_at_seq_4096_fit_80gb_and_costs_a_rec
 
 def _assert_activation_peak_is_the_worst_units(plan: ModelPlan, bound: Bound) -> None:
     """The recomputed unit and the working set are those of one unit, the one whose sum is
-    largest: each unit's peak while it runs (a checkpointed one's recompute and backward, the
-    others' working set) is within their sum, and one of them is it."""
+    largest: each unit's peak while it runs (a checkpointed one's first forward, recompute and
+    backward; the others' working set) is within their sum, and one of them is it."""
     acts = plan.activations
     ops = checkpoint_ops(plan.settings.checkpointing)
     again = {u: acts.saved_bytes[u] - (acts.op_kept(u)[1] if ops else 0) for u in plan.checkpointed}
@@ -261,9 +261,9 @@ def _assert_activation_peak_is_the_worst_units(plan: ModelPlan, bound: Bound) ->
         fwd, bwd = acts.unit_working(unit)
         if unit in again:
             saved, working = acts.backward_with_saved_by_unit[unit]
-            recompute = again[unit] + acts.backward_entry_by_unit[unit]
+            made_again = acts.backward_entry_by_unit[unit] + acts.forward_local_by_unit[unit]
             candidates[unit] = max(
-                recompute + acts.forward_local_by_unit[unit], min(saved, again[unit]) + working
+                again[unit] + max(made_again, fwd), min(saved, again[unit]) + working
             )
         else:
             candidates[unit] = max(fwd, bwd)
@@ -1307,20 +1307,11 @@ def test_a_deep_reference_model_is_profiled_at_three_blocks_with_its_whole_forwa
         repeated = activations._module_profile(model, choice, settings)
         assert depths[-1] == activations.PROFILED_BLOCKS == 3
         whole = real(model, choice, every, settings)
-        # The backward's per-unit figures, but for the root's (never checkpointed), are exact
-        # up to what the meta backward leaves alive per block: one 128 B storage per RMSNorm
-        # made in its backward and not freed (not a parameter's gradient: those are set
-        # apart), at most 2 x 3 blocks' worth here; the rest is exact.
-        backward = ("working_backward_by_unit", "backward_entry_by_unit")
-        for field in (*backward, "backward_with_saved_by_unit"):
-            copy, full = getattr(repeated, field), getattr(whole, field)
-            assert set(copy) == set(full)
-            for name in full:
-                a, b = copy[name], full[name]
-                a, b = (a, b) if field in backward else (a[1], b[1])
-                assert 0 <= b - a <= 2 * 3 * 128, (field, name, a, b)
-        exact = {f: () for f in (*backward, "backward_with_saved_by_unit")}
-        assert dataclasses.replace(repeated, **exact) == dataclasses.replace(whole, **exact)
+        # Exact, but for what the root saved (it holds every block: it grows with the depth),
+        # which the copy leaves out (the root is never checkpointed).
+        assert "" not in repeated.backward_with_saved_by_unit
+        whole_less_root = {k: v for k, v in whole.backward_with_saved_by_unit.items() if k != ""}
+        assert repeated == dataclasses.replace(whole, backward_with_saved_by_unit=whole_less_root)
         assert whole.forward_flops[""] > 0 and set(whole.saved_bytes) == {u.fqn for u in every}
     factory = ModelChoice(
         ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama"), "a factory"

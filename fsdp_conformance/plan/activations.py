@@ -222,10 +222,12 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
             for n in names
             if source(n) in fine.backward_entry_by_unit
         },
+        # What a module holding the blocks saved grows with the depth: the root's and the block
+        # list's are left out (never checkpointed: checkpointing takes blocks).
         backward_with_saved_by_unit={
             n: fine.backward_with_saved_by_unit[source(n)]
             for n in names
-            if source(n) in fine.backward_with_saved_by_unit
+            if source(n) in fine.backward_with_saved_by_unit and n not in ("", "layers")
         },
     )
 
