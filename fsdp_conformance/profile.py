@@ -360,7 +360,9 @@ class _Liveness:
     def _forward_local(self, skip: set[int], start: int) -> dict[str, int]:
         """Per unit module, the most bytes alive at once during its forward of the storages
         made during it (nested modules' included), neither saved nor gradients."""
-        opens = sorted(self.spans)  # by event index; a span's open before its events
+        # In the order they happened (a span with no event of its own opens and closes at one
+        # event index: sorting would put its close first and leave it open).
+        opens = self.spans
         local: dict[str, int] = {}
         peak: dict[str, int] = {}
         open_now: list[str] = []

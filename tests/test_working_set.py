@@ -44,13 +44,16 @@ class Temporaries(nn.Module):
 
 
 class TwoBlocks(nn.Module):
+    """Two blocks with a unit between them that makes nothing (``idle``)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.narrow = Temporaries(1)
+        self.idle = nn.Identity()
         self.wide = Temporaries(3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.wide(self.narrow(x))
+        out: torch.Tensor = self.wide(self.idle(self.narrow(x)))
         return out
 
 
@@ -60,7 +63,7 @@ def _profile() -> ActivationProfile:
         model = TwoBlocks()
     units = [
         UnitInfo(fqn=n, cls=type(model.get_submodule(n)).__name__, numel=0)
-        for n in ("", "narrow", "wide")
+        for n in ("", "narrow", "idle", "wide")
     ]
     batch = torch.empty(BATCH, WIDTH, device="meta")
     return profile_activations(model, batch, units, count_flops=False, backward=True)
@@ -75,6 +78,7 @@ def test_a_units_forward_working_set_is_what_it_keeps_alive_at_once() -> None:
     assert acts.forward_local_by_unit["narrow"] == X
     assert acts.forward_local_by_unit["wide"] == 3 * X
     assert acts.forward_local_by_unit[""] == 4 * X  # the narrow block's output, then 3
+    assert acts.forward_local_by_unit["idle"] == 0  # runs no op: its span ends where it starts
     # No parameter, buffer or input is the step's: the transposed weight each linear uses,
     # 16 x X here, is in no figure (it would be, were views of parameters counted).
     assert acts.working_forward_bytes is not None and acts.working_forward_bytes < 16 * X
