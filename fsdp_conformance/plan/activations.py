@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from fsdp_conformance._compat import tree_map
 from fsdp_conformance.bound import ActivationProfile
@@ -28,6 +28,8 @@ from fsdp_conformance.plan.model import (
 )
 from fsdp_conformance.profile import profile_activations, unit_of
 from fsdp_conformance.units import UnitInfo
+
+_V = TypeVar("_V")
 
 #: Per-module activation profiles of a meta model (every module its own unit), by the choice's
 #: label, the settings less those the forward on meta does not read (:data:`_NOT_IN_FORWARD`)
@@ -189,6 +191,11 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
     # so the two modules holding every block (the model, its block list) count the blocks the
     # short model lacks.
     more = (depth - PROFILED_BLOCKS) * fine.forward_flops.get("layers.1", 0)
+
+    def copied(figures: Mapping[str, _V], leave_out: Sequence[str] = ()) -> dict[str, _V]:
+        """A per-unit figure of the short model for each module of the deep one."""
+        return {n: figures[source(n)] for n in names if source(n) in figures and n not in leave_out}
+
     return ActivationProfile(
         input_bytes=fine.input_bytes,
         saved_bytes={n: fine.saved_bytes[source(n)] for n in names},
@@ -202,33 +209,13 @@ def _module_profile(model: Any, choice: ModelChoice, settings: PlanSettings) -> 
         op_outputs=_op_outputs_at_depth(fine, names, source, depth),
         working_forward_bytes=fine.working_forward_bytes,
         working_backward_bytes=fine.working_backward_bytes,
-        working_forward_by_unit={
-            n: fine.working_forward_by_unit[source(n)]
-            for n in names
-            if source(n) in fine.working_forward_by_unit
-        },
-        working_backward_by_unit={
-            n: fine.working_backward_by_unit[source(n)]
-            for n in names
-            if source(n) in fine.working_backward_by_unit
-        },
-        forward_local_by_unit={
-            n: fine.forward_local_by_unit[source(n)]
-            for n in names
-            if source(n) in fine.forward_local_by_unit
-        },
-        backward_entry_by_unit={
-            n: fine.backward_entry_by_unit[source(n)]
-            for n in names
-            if source(n) in fine.backward_entry_by_unit
-        },
+        working_forward_by_unit=copied(fine.working_forward_by_unit),
+        working_backward_by_unit=copied(fine.working_backward_by_unit),
+        forward_local_by_unit=copied(fine.forward_local_by_unit),
+        backward_entry_by_unit=copied(fine.backward_entry_by_unit),
         # What a module holding the blocks saved grows with the depth: the root's and the block
         # list's are left out (never checkpointed: checkpointing takes blocks).
-        backward_with_saved_by_unit={
-            n: fine.backward_with_saved_by_unit[source(n)]
-            for n in names
-            if source(n) in fine.backward_with_saved_by_unit and n not in ("", "layers")
-        },
+        backward_with_saved_by_unit=copied(fine.backward_with_saved_by_unit, ("", "layers")),
     )
 
 
