@@ -966,7 +966,9 @@ def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() ->
     assert checkpoint_blocks(model, (DecoderLayer,), 0) == []
 
 
-@pytest.mark.cpu
+# The process lane: the check's own cases on both versions, about 5 s of the CPU lane's budget
+# (the estimate against measured steps is in the CPU lane above, TRUST_CASES).
+@pytest.mark.process
 @pytest.mark.world_size(2)
 def test_run_judges_the_planner_in_fp32_and_bf16_and_a_peak_above_the_estimate_fails(
     ranks: Ranks,
