@@ -473,6 +473,12 @@ def _production(**shape: Any) -> LlamaConfig:
     return LlamaConfig(norm="eager", rotary_layout="seq-first", **shape)
 
 
+def _llama3(**shape: Any) -> LlamaConfig:
+    """A Llama 3 shape (torchtitan's ``llama3_configs``): grouped-query attention with 8 KV
+    heads, vocab 128,256, rope theta 500,000, saving what production code saves."""
+    return _production(num_kv_heads=8, vocab_size=128256, rope_theta=500000.0, **shape)
+
+
 #: Full-scale shapes: Llama 2 7B / 13B / 70B (Meta's ``params.json``; torchtitan's
 #: ``llama2_configs``) and Llama 3 8B / 70B / 405B (torchtitan's ``llama3_configs``: vocab
 #: 128,256, rope theta 500,000; FFN widths from ``ffn_dim_multiplier`` and ``multiple_of``:
@@ -488,34 +494,15 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
         hidden_dim=28672,
         vocab_size=32000,
     ),
-    "llama3-8b": _production(
-        num_layers=32,
-        dim=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        hidden_dim=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-    ),
-    "llama3-70b": _production(
-        num_layers=80,
-        dim=8192,
-        num_heads=64,
-        num_kv_heads=8,
-        hidden_dim=28672,
-        vocab_size=128256,
-        rope_theta=500000.0,
-    ),
-    "llama3-405b": _production(
-        num_layers=126,
-        dim=16384,
-        num_heads=128,
-        num_kv_heads=8,
-        hidden_dim=53248,
-        vocab_size=128256,
-        rope_theta=500000.0,
-    ),
+    "llama3-8b": _llama3(num_layers=32, dim=4096, num_heads=32, hidden_dim=14336),
+    "llama3-70b": _llama3(num_layers=80, dim=8192, num_heads=64, hidden_dim=28672),
+    "llama3-405b": _llama3(num_layers=126, dim=16384, num_heads=128, hidden_dim=53248),
 }
+
+
+def _inv_rms(up: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dim of ``up``, an fp32 copy of the input."""
+    return up.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -524,7 +511,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rstd = x.float().pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
+        rstd = _inv_rms(x.float(), eps)
         ctx.save_for_backward(x, weight, rstd)
         return (x.float() * rstd).type_as(x) * weight
 
@@ -557,10 +544,9 @@ class RMSNorm(nn.Module):
             return fused
         if self.kind == "eager":  # torchtitan's: x * rsqrt(mean(x^2) + eps) on one fp32 copy
             up = x.float()
-            return (up * up.pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()).type_as(
-                x
-            ) * self.weight
-        norm = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
+            return (up * _inv_rms(up, self.eps)).type_as(x) * self.weight
+        # upcast-twice: the reciprocal RMS and the product each from their own fp32 copy
+        norm = _inv_rms(x.float(), self.eps)
         return (x.float() * norm).type_as(x) * self.weight
 
 
