@@ -392,8 +392,10 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     if acts is not None:
         terms.append(BoundTerm("input batch", acts.input_bytes, "the step's input tensors"))
         ckpt = [u for u in config.checkpointed if u in acts.saved_bytes]
-        terms.append(_saved_term(acts, ckpt, config.checkpoint_ops))
-        recomputed = _recomputed(acts, ckpt, config.checkpoint_ops)
+        # Op-level selective checkpointing: what each checkpointed unit keeps, read once.
+        kept = {u: acts.op_kept(u) for u in ckpt} if config.checkpoint_ops else None
+        terms.append(_saved_term(acts, ckpt, kept))
+        recomputed = _recomputed(acts, ckpt, kept)
         if acts.working_forward_by_unit or acts.working_backward_by_unit:
             terms += _unit_peak_terms(acts, recomputed, config.checkpoint_ops)
         else:
@@ -401,11 +403,14 @@ def per_layer_bound(units: Sequence[UnitInfo], config: StepConfig) -> Bound:
     return Bound(tuple(terms), config.tolerance)
 
 
-def _recomputed(acts: ActivationProfile, ckpt: Sequence[str], ops: bool) -> dict[str, int]:
+def _recomputed(
+    acts: ActivationProfile, ckpt: Sequence[str], kept: Mapping[str, tuple[int, int, int]] | None
+) -> dict[str, int]:
     """Per checkpointed unit, its saved set while backward recomputes it: all of it, or
-    under op-level selective checkpointing less the kept op outputs the recompute reuses."""
-    if ops:
-        return {u: acts.saved_bytes[u] - acts.op_kept(u)[1] for u in ckpt}
+    under op-level selective checkpointing (``kept``: :meth:`ActivationProfile.op_kept` per
+    unit) less the kept op outputs the recompute reuses."""
+    if kept is not None:
+        return {u: acts.saved_bytes[u] - kept[u][1] for u in ckpt}
     return {u: acts.saved_bytes[u] for u in ckpt}
 
 
@@ -557,14 +562,18 @@ def host_bytes(units: Sequence[UnitInfo], config: StepConfig) -> int:
     return sum(t.bytes for t in _sharded_state_terms(units, config))
 
 
-def _saved_term(acts: ActivationProfile, ckpt: Sequence[str], ops: bool = False) -> BoundTerm:
+def _saved_term(
+    acts: ActivationProfile,
+    ckpt: Sequence[str],
+    kept: Mapping[str, tuple[int, int, int]] | None = None,
+) -> BoundTerm:
     """Saved activations, all alive at the end of forward.
 
     A checkpointed unit saves nothing for backward in forward: it keeps what entered it (its
-    inputs, for the recompute); everything else is saved as without checkpointing. With
-    ``ops`` (op-level selective checkpointing) a checkpointed unit also keeps the outputs its
-    policy saves (:meth:`ActivationProfile.op_kept`) until its backward. The recompute itself
-    is :func:`_recomputed`.
+    inputs, for the recompute); everything else is saved as without checkpointing. Under
+    op-level selective checkpointing (``kept``: :meth:`ActivationProfile.op_kept` per unit) a
+    checkpointed unit also keeps the outputs its policy saves until its backward. The
+    recompute itself is :func:`_recomputed`.
     """
     if not ckpt:
         return BoundTerm(
@@ -574,23 +583,23 @@ def _saved_term(acts: ActivationProfile, ckpt: Sequence[str], ops: bool = False)
             "alive at the end of forward (measured on meta)",
             scales_with_depth=True,
         )
-    kept = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
+    others = sum(v for k, v in acts.saved_bytes.items() if k not in ckpt)
     entries = sum(acts.entry_bytes.get(u, 0) for u in ckpt)
     not_ckpt = len(acts.saved_bytes) - len(ckpt)
-    if not ops:
+    if kept is None:
         return BoundTerm(
             "saved activations",
-            kept + entries,
+            others + entries,
             f"saved for backward by the {not_ckpt} units not checkpointed and the loss "
-            f"({kept:,} B), + the inputs the {len(ckpt)} checkpointed units keep for their "
+            f"({others:,} B), + the inputs the {len(ckpt)} checkpointed units keep for their "
             f"recompute ({entries:,} B), all alive at the end of forward (measured on meta)",
             scales_with_depth=True,
         )
-    outputs = sum(acts.op_kept(u)[0] for u in ckpt)
+    outputs = sum(kept[u][0] for u in ckpt)
     return BoundTerm(
         "saved activations",
-        kept + entries + outputs,
-        f"saved for backward by the {not_ckpt} units not checkpointed and the loss ({kept:,} B), "
+        others + entries + outputs,
+        f"saved for backward by the {not_ckpt} units not checkpointed and the loss ({others:,} B), "
         f"+ the inputs the {len(ckpt)} units under op-level selective checkpointing keep for "
         f"their recompute ({entries:,} B) and the op outputs their policy keeps (attention, every "
         f"other matmul: {outputs:,} B), all alive at the end of forward (measured on meta)",
