@@ -273,12 +273,7 @@ class _Liveness:
         if unit is None:
             return
         self.spans.append((len(self.events), 1 if opened else -1, unit))
-        if opened:
-            self.open_spans.append(unit)
-        elif unit in self.open_spans:
-            self.open_spans.reverse()
-            self.open_spans.remove(unit)  # the innermost span of that name
-            self.open_spans.reverse()
+        _enter_or_leave(self.open_spans, unit, opened)
 
     def _freed(self, key: int, instance: int, _ref: Any = None) -> None:
         if self.live.get(key) == instance:
@@ -371,12 +366,10 @@ class _Liveness:
         for i, (sign, instance, _unit) in enumerate(self.events[:start]):
             while j < len(opens) and opens[j][0] <= i:
                 _, how, name = opens[j]
+                _enter_or_leave(open_now, name, how > 0)
                 if how > 0:
-                    open_now.append(name)
                     local[name] = 0
                     peak.setdefault(name, 0)
-                elif name in open_now:
-                    open_now.remove(name)
                 j += 1
             if instance in skip:
                 continue
@@ -390,6 +383,15 @@ class _Liveness:
                     if name in open_now:
                         local[name] -= self.sizes[instance]
         return peak
+
+
+def _enter_or_leave(open_spans: list[str], unit: str, opened: bool) -> None:
+    """A unit module's forward starts (pushed) or ends (the innermost span of that name
+    popped: forwards nest, so it is the last unless a hook was missed)."""
+    if opened:
+        open_spans.append(unit)
+    elif unit in open_spans:
+        del open_spans[len(open_spans) - 1 - open_spans[::-1].index(unit)]
 
 
 def _enclosing(unit: str, spans: set[str]) -> tuple[str, ...]:

@@ -106,15 +106,11 @@ def activations_by_unit(
             value = fine_map.get(names[module_id])
             if value is not None and by_unit.get(unit, -1) < value:
                 by_unit[unit] = value
-    # A unit's own figures for checkpointing it are its module's (nested modules' included).
-    fqns = [u.fqn for u in units]
-    local = {f: fine.forward_local_by_unit[f] for f in fqns if f in fine.forward_local_by_unit}
-    entry = {f: fine.backward_entry_by_unit[f] for f in fqns if f in fine.backward_entry_by_unit}
-    with_saved = {
-        f: fine.backward_with_saved_by_unit[f]
-        for f in fqns
-        if f in fine.backward_with_saved_by_unit
-    }
+
+    def own(figures: Mapping[str, _V]) -> dict[str, _V]:
+        """A unit's own figure for checkpointing it: its module's (nested modules' included)."""
+        return {u.fqn: figures[u.fqn] for u in units if u.fqn in figures}
+
     return ActivationProfile(
         input_bytes=fine.input_bytes,
         saved_bytes=saved,
@@ -128,9 +124,9 @@ def activations_by_unit(
         working_backward_bytes=fine.working_backward_bytes,
         working_forward_by_unit=working[0],
         working_backward_by_unit=working[1],
-        forward_local_by_unit=local,
-        backward_entry_by_unit=entry,
-        backward_with_saved_by_unit=with_saved,
+        forward_local_by_unit=own(fine.forward_local_by_unit),
+        backward_entry_by_unit=own(fine.backward_entry_by_unit),
+        backward_with_saved_by_unit=own(fine.backward_with_saved_by_unit),
     )
 
 
