@@ -15,13 +15,13 @@ import statistics
 import sys
 from typing import Any
 
-from fsdp_conformance.bound import Bound, per_layer_bound
 from fsdp_conformance.harness import PoolManager, RankContext, Ranks, cuda_device_count
-from fsdp_conformance.meters import MALLOC_ENV
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.profile import plan_step
-from fsdp_conformance.reference_models import ModelConfig
-from fsdp_conformance.step import measure_step
+from fsdp_conformance.measure.bound import Bound, per_layer_bound
+from fsdp_conformance.measure.meters import MALLOC_ENV
+from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.measure.step import measure_step
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import ModelConfig
 
 
 def bench_rank(ctx: RankContext, spec: ModelSpec, version: str, repeat: int) -> dict[str, Any]:

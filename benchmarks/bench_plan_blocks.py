@@ -17,10 +17,10 @@ import time
 
 
 def main() -> None:
+    from fsdp_conformance.models.reference_models import LLAMA_PRESETS
+    from fsdp_conformance.models.units import UnitInfo
     from fsdp_conformance.plan import activations
     from fsdp_conformance.plan.model import PlanSettings, build_meta_model, choose_model
-    from fsdp_conformance.reference_models import LLAMA_PRESETS
-    from fsdp_conformance.units import UnitInfo
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="70b", choices=sorted(LLAMA_PRESETS))

@@ -17,10 +17,10 @@ import time
 
 
 def main() -> None:
-    from fsdp_conformance.models import BuiltModel, ModelSpec
-    from fsdp_conformance.profile import profile_activations
-    from fsdp_conformance.reference_models import LLAMA_PRESETS
-    from fsdp_conformance.units import plan_units
+    from fsdp_conformance.measure.profile import profile_activations
+    from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
+    from fsdp_conformance.models.reference_models import LLAMA_PRESETS
+    from fsdp_conformance.models.units import plan_units
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="70b", choices=sorted(LLAMA_PRESETS))

@@ -68,10 +68,10 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
         harness.prestart_fork_server()
     lanes = lanes_for(args.lane)
 
-    from fsdp_conformance import user_model
     from fsdp_conformance.claims import all_checks
     from fsdp_conformance.gate import outputs, suite
     from fsdp_conformance.gate.report import environment_summary
+    from fsdp_conformance.models import user_model
 
     spec = user_model.user_spec(settings)
     options = checkpoint_options(args)
@@ -377,8 +377,8 @@ def _usage_errors() -> tuple[type[Exception], ...]:
 
     errors: list[type[Exception]] = [UsageError, SettingsError, ReportError]
     for module, name in (
-        ("fsdp_conformance.models", "ModelSpecError"),
-        ("fsdp_conformance.policies", "PolicyError"),
+        ("fsdp_conformance.models.model_spec", "ModelSpecError"),
+        ("fsdp_conformance.models.policies", "PolicyError"),
     ):
         loaded = sys.modules.get(module)
         if loaded is not None:

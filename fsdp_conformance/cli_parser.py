@@ -265,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    from fsdp_conformance.models.reference_models import LLAMA_NORMS, REFERENCE_MODELS
     from fsdp_conformance.plan.estimate import (
         CLAIM_WORLD_SIZES,
         DEFAULT_DEVICE_MEMORY,
@@ -279,7 +280,6 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         POLICIES,
         PRESETS,
     )
-    from fsdp_conformance.reference_models import LLAMA_NORMS, REFERENCE_MODELS
     from fsdp_conformance.sizes import format_bytes
 
     model = p.add_argument_group("model (exactly one)")

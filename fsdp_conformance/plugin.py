@@ -147,9 +147,9 @@ def _model_test_items(session: pytest.Session, items: list[pytest.Item]) -> list
 def _validate_user_model(settings: Settings) -> list[str]:
     """Bad --fsdp-model input is one usage error naming the problem and the fix (the
     preflight); the notes the session goes on with, for the header."""
-    from fsdp_conformance.models import ModelSpecError
-    from fsdp_conformance.policies import PolicyError
-    from fsdp_conformance.user_model import user_spec, validate_user_model
+    from fsdp_conformance.models.model_spec import ModelSpecError
+    from fsdp_conformance.models.policies import PolicyError
+    from fsdp_conformance.models.user_model import user_spec, validate_user_model
 
     try:
         spec = user_spec(settings)
@@ -217,9 +217,9 @@ def _world_sizes(
 def _parametrize_conformance_checks(metafunc: pytest.Metafunc, settings: Settings) -> None:
     """model_tests.py's one test, once per selected check and variant (the CLI's ``--list``
     labels): the reference suite, or every model check on the user's model."""
-    from fsdp_conformance import user_model  # the suite imports torch: only when collected
     from fsdp_conformance.claims import all_checks
     from fsdp_conformance.gate import suite
+    from fsdp_conformance.models import user_model  # the suite imports torch: only when collected
 
     pairs = suite.select_checks(all_checks(), user_model.user_spec(settings))
     ids = []

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_conformance import hf_models
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.user_model import validate_user_model
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.user_model import validate_user_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import capabilities
-from fsdp_conformance.capabilities import Capability, require
+from fsdp_conformance.fsdp import capabilities
+from fsdp_conformance.fsdp.capabilities import Capability, require
 from fsdp_conformance.harness import CheckSkipped
 
 pytestmark = pytest.mark.cpu

@@ -20,7 +20,7 @@ import pytest
 import fsdp_conformance
 from fsdp_conformance.claims import CLAIM_MODULES, all_checks, init
 from fsdp_conformance.claims.check import Check, Verdict, variants
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.cpu
 

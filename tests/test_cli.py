@@ -35,11 +35,12 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance import cli, plugin, user_model
+from fsdp_conformance import cli, plugin
 from fsdp_conformance.claims.check import Check, CheckRun, Verdict
 from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.harness import PoolManager
+from fsdp_conformance.models import user_model
 from fsdp_conformance.settings import OPTIONS, Settings
 
 #: A guard on each subprocess (not a timing assertion): the narrowed runs take seconds.

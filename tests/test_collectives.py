@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance.collectives import UNKNOWN_UNIT, CollectiveRecorder
+from fsdp_conformance.fsdp.collectives import UNKNOWN_UNIT, CollectiveRecorder
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.compare import compare_reports
 from fsdp_conformance.gate.report import ReportError

@@ -18,7 +18,7 @@ from fsdp_conformance.claims.defaults.fingerprint import (
     observe_sharding,
     verdict_fingerprint,
 )
-from fsdp_conformance.collectives import UNKNOWN_UNIT
+from fsdp_conformance.fsdp.collectives import UNKNOWN_UNIT
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.compare import compare_reports
 from fsdp_conformance.harness import Ranks

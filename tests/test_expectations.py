@@ -26,7 +26,7 @@ from fsdp_conformance.claims.check import (
 )
 from fsdp_conformance.expectations import Expectation, ExpectationsError, known_label
 from fsdp_conformance.harness import RankContext, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.cpu
 

@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_conformance.claims.wrap.train import rank_train, verdict_train
+from fsdp_conformance.fsdp.sharding import INPUT_CASTS_FIX, fsdp1_input_dtype_error
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import INPUT_CASTS_FIX, fsdp1_input_dtype_error
+from fsdp_conformance.models.model_spec import ModelSpec
 
 DIM = 32
 

@@ -76,8 +76,8 @@ def test_the_flat_gate_modules_are_gone_without_shims(old: str) -> None:
 
 
 def test_user_model_rules_live_beside_the_gate_not_in_it() -> None:
-    from fsdp_conformance import user_model
     from fsdp_conformance.gate import suite
+    from fsdp_conformance.models import user_model
     from fsdp_conformance.settings import Settings, SettingsError, resolve_settings
 
     assert user_model.user_spec(Settings()) is None

@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import meta_init, meta_materialize
-from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.init import broadcast, peak_memory, reports, weights
+from fsdp_conformance.fsdp import meta_init, meta_materialize
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import ModelConfig
+from fsdp_conformance.measure.bound import init_peak_bound
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
 SPEC = reports.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer

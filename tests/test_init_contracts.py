@@ -16,15 +16,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import meta_init, tensors
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, execute, run_check
 from fsdp_conformance.claims.init import weights
+from fsdp_conformance.fsdp import meta_init, tensors
 from fsdp_conformance.gate.report import environment_summary
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelSpec, ModelSpecError
+from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError
+from fsdp_conformance.models.user_model import user_spec, validate_user_model
 from fsdp_conformance.settings import SettingsError, pyproject_settings, resolve_settings
-from fsdp_conformance.user_model import user_spec, validate_user_model
 
 VERSIONS = ("fsdp1", "fsdp2")
 

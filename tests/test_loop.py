@@ -13,7 +13,7 @@ from torch import nn
 
 from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.cpu
 

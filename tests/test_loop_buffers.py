@@ -14,10 +14,10 @@ import pytest
 from loop_runs import by_version, clean_run
 
 from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.fsdp.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import LlamaConfig
-from fsdp_conformance.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import LlamaConfig
 
 pytestmark = pytest.mark.cpu
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp_conformance.claims.check import Check, expectation_for, run_check
 from fsdp_conformance.harness import RankFailure, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.cpu
 

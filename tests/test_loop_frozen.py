@@ -17,7 +17,7 @@ from loop_runs import by_version, clean_run
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.claims.loop import frozen
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.reference_models import BranchModel
+from fsdp_conformance.models.reference_models import BranchModel
 
 pytestmark = pytest.mark.cpu
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from loop_runs import by_version, clean_run
 
-from fsdp_conformance import capabilities
 from fsdp_conformance.claims.check import Check
 from fsdp_conformance.claims.loop import ignored
+from fsdp_conformance.fsdp import capabilities
 from fsdp_conformance.harness import Ranks
 
 pytestmark = pytest.mark.cpu

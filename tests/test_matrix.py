@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import capabilities, cli
+from fsdp_conformance import cli
+from fsdp_conformance.fsdp import capabilities
 from fsdp_conformance.gate import matrix
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.report import write_json_report

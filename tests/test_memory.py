@@ -14,14 +14,6 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance.bound import (
-    ActivationProfile,
-    Bound,
-    BoundTerm,
-    MeasureError,
-    StepConfig,
-    per_layer_bound,
-)
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.memory import CHECKS
 from fsdp_conformance.claims.memory.depth_invariance import verdict_depth_invariance, with_depth
@@ -33,12 +25,20 @@ from fsdp_conformance.claims.memory.peak_within_bound import (
 )
 from fsdp_conformance.claims.memory.sawtooth import verdict_sawtooth
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.meters import MALLOC_ENV, OSMeter, choose_meter
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.profile import plan_step
-from fsdp_conformance.reference_models import LLAMA_PRESETS, ModelConfig
-from fsdp_conformance.step import measure_step
-from fsdp_conformance.units import UnitInfo
+from fsdp_conformance.measure.bound import (
+    ActivationProfile,
+    Bound,
+    BoundTerm,
+    MeasureError,
+    StepConfig,
+    per_layer_bound,
+)
+from fsdp_conformance.measure.meters import MALLOC_ENV, OSMeter, choose_meter
+from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.measure.step import measure_step
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import LLAMA_PRESETS, ModelConfig
+from fsdp_conformance.models.units import UnitInfo
 
 VERSIONS = ("fsdp1", "fsdp2")
 #: Each memory check's variants, one per FSDP version (fsdp1, fsdp2).
@@ -141,7 +141,7 @@ def test_activation_profile_counts_saved_tensors_per_unit_on_meta() -> None:
 def test_a_model_is_profiled_once_per_batch_size_and_each_step_gets_its_own_config(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fsdp_conformance import profile
+    from fsdp_conformance.measure import profile
 
     profiled: list[tuple[str, int]] = []
     real = profile._profile_on_meta
@@ -385,7 +385,9 @@ def test_depth_check_refuses_fewer_than_three_depths(ranks: Ranks) -> None:
 
 def test_depth_needs_a_model_whose_depth_can_be_set() -> None:
     # MassiveModel(config=None) takes no depth keyword and is no transformers model.
-    spec = ModelSpec(reference=None, factory="fsdp_conformance.reference_models:MassiveModel")
+    spec = ModelSpec(
+        reference=None, factory="fsdp_conformance.models.reference_models:MassiveModel"
+    )
     with pytest.raises(MemoryCheckError, match="its depth cannot be set"):
         with_depth(spec, 4)
 
@@ -418,7 +420,7 @@ def _blind_meter_values(ctx: Any) -> dict[str, Any]:
     """Fault injection in the ranks: torch's trackers read 0 (FSDP2, ``FSDPMemTracker``) or a
     tenth of what they track (FSDP1, ``MemTracker``); each version's meter cross-check and
     peak check run on the faulty meter, all in this one rank call."""
-    from fsdp_conformance import meters
+    from fsdp_conformance.measure import meters
 
     spec = with_depth(DEFAULT_SPEC, 2)
     original = meters.TrackerMeter._snapshot
@@ -469,7 +471,7 @@ def test_os_meter_refuses_without_the_allocator_setting(monkeypatch: pytest.Monk
 
 def test_unknown_wrapping_and_meter_are_named() -> None:
     from fsdp_conformance.harness import RankContext
-    from fsdp_conformance.policies import PolicyError
+    from fsdp_conformance.models.policies import PolicyError
 
     ctx = RankContext(0, 1, 0, "gloo", "cpu")
     # The wrapping is resolved before anything is built, so this needs no process group.

@@ -21,7 +21,7 @@ from fsdp_conformance.claims.memory.mixed_precision_peak import (
     verdict_mixed_precision_peak,
 )
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.profile import plan_step
+from fsdp_conformance.measure.profile import plan_step
 
 #: The check's variants, one per FSDP version (fsdp1, fsdp2).
 MIXED_CHECKS = tuple(c for c in CHECKS if c.name == "memory.mixed_precision_peak")
@@ -53,7 +53,7 @@ def _fp32_gathers_and_a_leak(ctx: Any) -> dict[str, Any]:
     backward (a leak), which no per-layer bound allows."""
     import torch
 
-    from fsdp_conformance import step
+    from fsdp_conformance.measure import step
 
     out: dict[str, Any] = {}
     for version in VERSIONS:
@@ -130,7 +130,7 @@ def test_dtypes_that_do_not_match_the_bytes_and_a_peak_over_the_bound_fail_on_ev
 
 
 def test_a_bad_reduce_dtype_is_named_and_mixed_dtypes_derive_no_bound() -> None:
-    from fsdp_conformance.sharding import param_dtype_kwargs
+    from fsdp_conformance.fsdp.sharding import param_dtype_kwargs
 
     with pytest.raises(ValueError, match="reduce_dtype 'fp8' is not one of bf16, fp16, fp32"):
         param_dtype_kwargs("fsdp2", "bf16", "fp8")

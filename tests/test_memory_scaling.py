@@ -29,8 +29,8 @@ from fsdp_conformance.claims.memory.scaling import (
 )
 from fsdp_conformance.gate.plots import report_panels
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.meters import METER_RESOLUTION_BYTES
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.measure.meters import METER_RESOLUTION_BYTES
+from fsdp_conformance.models.model_spec import ModelSpec
 
 HF = "fsdp_conformance.hf_models"
 SAWTOOTH = {c.params["version"]: c for c in CHECKS if c.name == "memory.sawtooth"}

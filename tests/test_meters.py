@@ -17,8 +17,8 @@ from package_imports import file_imports
 
 import fsdp_conformance
 from fsdp_conformance.harness import RankContext, Ranks
-from fsdp_conformance.meters import host_or_cuda_peak
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.measure.meters import host_or_cuda_peak
+from fsdp_conformance.models.model_spec import ModelSpec
 
 PACKAGE = pathlib.Path(fsdp_conformance.__file__).parent
 BLOCKS = ("bound", "profile", "meters", "timeline", "step")
@@ -170,7 +170,7 @@ def test_a_global_peak_update_that_skips_an_operator_gives_other_snapshots(
 
 def _fsdp2_tracker_peaks(ctx: RankContext) -> dict[str, Any]:
     from fsdp_conformance import _compat
-    from fsdp_conformance.step import measure_step
+    from fsdp_conformance.measure.step import measure_step
 
     spec = ModelSpec(reference=None, factory="fsdp_conformance.hf_models:llama")
     lean = _compat.fsdp_mem_tracker_cls()
@@ -234,7 +234,7 @@ def test_cuda_meter_reads_the_bytes_tensors_requested_not_the_allocators_blocks(
     monkeypatch: pytest.MonkeyPatch,
     requested: bool,
 ) -> None:
-    from fsdp_conformance import meters
+    from fsdp_conformance.measure import meters
 
     alloc = _Allocator(requested)
     monkeypatch.setattr(torch.cuda, "memory_stats", alloc.stats)

@@ -21,7 +21,6 @@ import pytest
 from torch_probe import probe
 
 from fsdp_conformance import cli, cli_parser
-from fsdp_conformance.bound import Bound, BoundTerm, per_layer_bound
 from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.memory import CHECKS as MEMORY_CHECKS
@@ -39,7 +38,10 @@ from fsdp_conformance.claims.memory.plan_estimate_matches import (
 )
 from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import RankContext, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.measure.bound import Bound, BoundTerm, per_layer_bound
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import LLAMA_PRESETS, LlamaConfig, ModelConfig
+from fsdp_conformance.models.units import UnitInfo
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,
     DEFAULT_RESERVE,
@@ -68,9 +70,7 @@ from fsdp_conformance.plan.report import (
     format_plan_tree,
     plan_report,
 )
-from fsdp_conformance.reference_models import LLAMA_PRESETS, LlamaConfig, ModelConfig
 from fsdp_conformance.sizes import format_bytes
-from fsdp_conformance.units import UnitInfo
 
 GB = 10**9
 GiB = 2**30
@@ -342,7 +342,7 @@ def test_llama_norm_and_rotary_forms_compute_the_same_function() -> None:
     # Same function, whatever it saves: outputs and gradients agree (the fused backward included).
     import torch
 
-    from fsdp_conformance.reference_models import LlamaModel
+    from fsdp_conformance.models.reference_models import LlamaModel
 
     base = LlamaConfig(num_layers=2, dim=64)
 
@@ -469,7 +469,10 @@ def test_a_learned_attention_mask_runs_unfused_on_meta_as_torch_runs_it() -> Non
             ["--model", "no_such_pkg.mod:build", "--block-cls", "Block"],
             "cannot import module 'no_such_pkg.mod'",
         ),
-        (["--model", "fsdp_conformance.reference_models:MassiveModel"], "no block class given"),
+        (
+            ["--model", "fsdp_conformance.models.reference_models:MassiveModel"],
+            "no block class given",
+        ),
         (["--preset", "7b", "--layers", "2"], "a preset has its own shape"),
         (["--reference", "massive", "--norm", "fused"], "--norm sets a Llama's RMSNorm"),
         (["--reference", "massive", "--loss", "cross-entropy"], "--loss cross-entropy needs token"),
@@ -850,7 +853,7 @@ def test_fsdp1_cpu_offload_without_pinned_host_memory_is_a_capability_skip(ranks
 def _device_peaks_with_offload_between(ctx: RankContext, case: dict) -> dict:
     """The device's peak (the CUDA allocator) of one step without CPU offload, with it, and
     without it again (what a check comparing two steps that moved nothing sees)."""
-    from fsdp_conformance.step import measure_step
+    from fsdp_conformance.measure.step import measure_step
 
     peaks = []
     for offload in (False, True, False):
@@ -946,8 +949,8 @@ def test_hsdp_estimate_is_full_sharding_over_the_shard_group(
 def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() -> None:
     import torch
 
-    from fsdp_conformance.reference_models import DecoderLayer, build_reference
-    from fsdp_conformance.sharding import checkpoint_blocks
+    from fsdp_conformance.fsdp.sharding import checkpoint_blocks
+    from fsdp_conformance.models.reference_models import DecoderLayer, build_reference
 
     model = build_reference("massive", ModelConfig(num_layers=5, dim=16))
     assert checkpoint_blocks(model, (DecoderLayer,), 2) == ["layers.0", "layers.2", "layers.4"]
@@ -1177,7 +1180,9 @@ def test_trust_check_is_registered_for_both_versions_on_a_model_spec() -> None:
         assert check.name == "memory.plan_estimate_matches" and check.claim == "memory"
         assert isinstance(check.params["spec"], ModelSpec)
         assert check.rank_fn is rank_plan_estimate_matches
-    user = ModelSpec(reference=None, factory="fsdp_conformance.reference_models:MassiveModel")
+    user = ModelSpec(
+        reference=None, factory="fsdp_conformance.models.reference_models:MassiveModel"
+    )
     # On a user's model monolithic is not measured (it may not fit unsharded).
     assert {c["policy"] for c in default_cases(user, "fsdp2")} == {"recommended"}
 
@@ -1326,7 +1331,7 @@ def test_the_memory_checks_profile_counts_the_planners_bytes_without_its_flops()
     """The memory checks' meta profile (profile.plan_step) leaves out the FLOP counter, which
     only the planner's recompute cost reads; its bytes are the planner's for the same forward
     (fp32, unfused attention, batch 2 x 8)."""
-    from fsdp_conformance.profile import plan_step
+    from fsdp_conformance.measure.profile import plan_step
 
     choice = choose_model(reference="llama", layers=2, dim=32)
     memory_profile = plan_step(choice.spec, 2, "fsdp2")[1].activations

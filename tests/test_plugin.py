@@ -19,7 +19,7 @@ import pytest
 # Imported before any inner session: an in-process session's newly imported modules are dropped
 # after it, and torch cannot be imported a second time (the model checks' sessions import them).
 import fsdp_conformance.claims
-import fsdp_conformance.user_model  # noqa: F401
+import fsdp_conformance.models.user_model  # noqa: F401
 from fsdp_conformance import plugin
 from fsdp_conformance.harness import cuda_device_count
 

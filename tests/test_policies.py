@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_conformance.block_classes import resolve_block_classes
 from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.claims.wrap import CHECKS
 from fsdp_conformance.claims.wrap.builders import BUILDERS, rank_builders, verdict_builders
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import BuiltModel
-from fsdp_conformance.policies import (
+from fsdp_conformance.models.block_classes import resolve_block_classes
+from fsdp_conformance.models.model_spec import BuiltModel
+from fsdp_conformance.models.policies import (
     PLAN_POLICIES,
     POLICY_NAMES,
     WRAPPINGS,
@@ -21,7 +21,7 @@ from fsdp_conformance.policies import (
     seeds_hybrid_policy,
     validate_plan,
 )
-from fsdp_conformance.reference_models import (
+from fsdp_conformance.models.reference_models import (
     DecoderLayer,
     EncoderDecoder,
     EncoderLayer,
@@ -29,7 +29,7 @@ from fsdp_conformance.reference_models import (
     ModelConfig,
     TiedLM,
 )
-from fsdp_conformance.units import plan_units
+from fsdp_conformance.models.units import plan_units
 
 SMALL = ModelConfig(num_layers=2, dim=32)
 
@@ -39,8 +39,8 @@ SMALL = ModelConfig(num_layers=2, dim=32)
     [
         DecoderLayer,
         "DecoderLayer",
-        "fsdp_conformance.reference_models.DecoderLayer",
-        "fsdp_conformance.reference_models:DecoderLayer",
+        "fsdp_conformance.models.reference_models.DecoderLayer",
+        "fsdp_conformance.models.reference_models:DecoderLayer",
         ["DecoderLayer"],
     ],
     ids=["class", "name", "dotted", "colon", "list"],
@@ -62,7 +62,7 @@ def test_unknown_block_name_lists_the_models_module_classes() -> None:
         resolve_block_classes(MassiveModel(SMALL), "TransformerBlock")
     message = str(info.value)
     assert "'TransformerBlock' matches no module class in the model MassiveModel" in message
-    assert "fsdp_conformance.reference_models.DecoderLayer" in message
+    assert "fsdp_conformance.models.reference_models.DecoderLayer" in message
     assert "torch.nn.modules.linear.Linear" in message
 
 
@@ -130,8 +130,8 @@ def test_every_policy_name_resolves_to_a_plan(name: str) -> None:
 
 
 def test_built_model_policy_takes_blocks_and_threshold_from_the_spec() -> None:
-    from fsdp_conformance.models import ModelSpec
-    from fsdp_conformance.policies import SEED_MIN_PARAMS
+    from fsdp_conformance.models.model_spec import ModelSpec
+    from fsdp_conformance.models.policies import SEED_MIN_PARAMS
 
     spec = ModelSpec(reference="massive", config=SMALL)
     model = spec.build("meta")
@@ -144,7 +144,7 @@ def test_built_model_policy_takes_blocks_and_threshold_from_the_spec() -> None:
 
 
 def test_wrapping_labels_and_planner_names_are_registry_names() -> None:
-    from fsdp_conformance.policies import wrapping, wrapping_label
+    from fsdp_conformance.models.policies import wrapping, wrapping_label
 
     assert dict(WRAPPINGS) == {
         "per_layer": Wrapping("recommended"),

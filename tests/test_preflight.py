@@ -24,11 +24,12 @@ import torch
 import transformers
 from torch import nn
 
-from fsdp_conformance import cli, hf_models, user_model
-from fsdp_conformance.block_classes import no_split_block_classes, split_ties
+from fsdp_conformance import cli, hf_models
 from fsdp_conformance.claims.memory.depth_invariance import DEFAULT_DEPTHS
-from fsdp_conformance.models import ModelSpec, call_model
-from fsdp_conformance.policies import PolicyError
+from fsdp_conformance.models import user_model
+from fsdp_conformance.models.block_classes import no_split_block_classes, split_ties
+from fsdp_conformance.models.model_spec import ModelSpec, call_model
+from fsdp_conformance.models.policies import PolicyError
 from fsdp_conformance.settings import OPTIONS
 
 HERE = __name__

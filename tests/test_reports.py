@@ -1,7 +1,7 @@
 """Reports: entries, the JSON report and its atomic write, the human formats, and compare.
 
 Everything here is built by hand with ``check_entry``/``build_report``: no suite run. The
-translation of torch's errors (:mod:`fsdp_conformance.torch_errors`) is tested on the texts
+translation of torch's errors (:mod:`fsdp_conformance.fsdp.torch_errors`) is tested on the texts
 torch raises, and once on ranks where torch raises it for real. The CLI end to end (real runs,
 real reports) is in test_cli.py.
 """
@@ -18,14 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import _files, torch_errors
+from fsdp_conformance import _files
 from fsdp_conformance.claims.check import Check, Verdict, execute, run_check
+from fsdp_conformance.fsdp import torch_errors
 from fsdp_conformance.gate import compare, verdict
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate.compare import Difference, compare_reports
 from fsdp_conformance.gate.report import ReportError
 from fsdp_conformance.harness import RankFailure, RankOutcome, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.settings import Settings
 
 pytestmark = pytest.mark.cpu
@@ -1122,7 +1123,7 @@ def build_nothing() -> torch.nn.Module:
 def rank_split_tie(ctx: Any, spec: ModelSpec) -> None:
     """FSDP2 on the tied encoder with ``Embeddings`` a unit of its own: torch refuses the split
     tie at the first forward (the error the check's outcome reads)."""
-    from fsdp_conformance.sharding import shard_fsdp2_modules
+    from fsdp_conformance.fsdp.sharding import shard_fsdp2_modules
 
     built = spec.instantiate()
     units = [m for m in built.model.modules() if isinstance(m, built.blocks)]
@@ -1200,7 +1201,7 @@ def rank_fsdp1_input_dtype(ctx: Any, version: str) -> None:
     from torch.distributed.fsdp import MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from fsdp_conformance.sharding import shard_fsdp1
+    from fsdp_conformance.fsdp.sharding import shard_fsdp1
 
     model = shard_fsdp1(
         TinyViT(),

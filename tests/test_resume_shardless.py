@@ -20,7 +20,7 @@ from fsdp_conformance.claims import state
 from fsdp_conformance.claims.check import XFAILED, Check, execute, expectation_for, run_check
 from fsdp_conformance.claims.state import resume
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.cpu
 

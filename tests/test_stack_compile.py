@@ -13,9 +13,9 @@ import torch
 from fsdp_conformance.claims import stack
 from fsdp_conformance.claims.check import Check, Verdict
 from fsdp_conformance.claims.stack import compile as compile_family
+from fsdp_conformance.fsdp.reference_step import UPDATE_RTOL, compare_tensors
 from fsdp_conformance.gate.compare import compare_reports
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.reference_step import UPDATE_RTOL, compare_tensors
 
 FSDP1 = next(
     c for c in stack.CHECKS if c.name == "stack.compile" and c.params["version"] == "fsdp1"

@@ -23,7 +23,7 @@ from fsdp_conformance.claims import state
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.state import checkpoint, resume, state_dicts
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytestmark = pytest.mark.cpu
 

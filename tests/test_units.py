@@ -13,8 +13,12 @@ from fsdp_conformance.claims.wrap.units import (
     judge_plan,
     seeds_full_scale_plan,
 )
-from fsdp_conformance.policies import SEED_MIN_PARAMS, recommended_policy, seeds_hybrid_policy
-from fsdp_conformance.reference_models import (
+from fsdp_conformance.models.policies import (
+    SEED_MIN_PARAMS,
+    recommended_policy,
+    seeds_hybrid_policy,
+)
+from fsdp_conformance.models.reference_models import (
     DecoderLayer,
     EncoderDecoder,
     EncoderLayer,
@@ -22,7 +26,7 @@ from fsdp_conformance.reference_models import (
     ModelConfig,
     TiedLM,
 )
-from fsdp_conformance.units import (
+from fsdp_conformance.models.units import (
     UnitInfo,
     format_unit_tree,
     plan_units,

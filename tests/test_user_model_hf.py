@@ -31,8 +31,9 @@ from fsdp_conformance.claims.memory.depth_invariance import with_depth
 from fsdp_conformance.claims.memory.measurement import MemoryCheckError
 from fsdp_conformance.claims.wrap import CHECKS as WRAP_CHECKS
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.meters import resident_tensor_bytes
-from fsdp_conformance.models import (
+from fsdp_conformance.measure.meters import resident_tensor_bytes
+from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.models.model_spec import (
     ModelSpec,
     ModelSpecError,
     batch_rows,
@@ -42,8 +43,7 @@ from fsdp_conformance.models import (
     load_object,
     make_batch,
 )
-from fsdp_conformance.policies import PolicyError
-from fsdp_conformance.profile import plan_step
+from fsdp_conformance.models.policies import PolicyError
 
 HF = "fsdp_conformance.hf_models"
 
@@ -408,7 +408,7 @@ def llama_naming_its_root() -> nn.Module:
 
 
 def test_an_empty_plan_from_no_split_modules_says_where_the_blocks_came_from() -> None:
-    from fsdp_conformance.user_model import validate_user_model
+    from fsdp_conformance.models.user_model import validate_user_model
 
     spec = _spec(f"{__name__}:llama_naming_its_root", min_params=10**12)
     with pytest.raises(PolicyError) as info:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
-from fsdp_conformance.profile import profile_activations
-from fsdp_conformance.units import UnitInfo
+from fsdp_conformance.measure.bound import ActivationProfile, Bound, StepConfig, per_layer_bound
+from fsdp_conformance.measure.profile import profile_activations
+from fsdp_conformance.models.units import UnitInfo
 
 BATCH, WIDTH = 4, 64
 #: Bytes of one activation of the model below (fp32, batch x width).

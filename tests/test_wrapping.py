@@ -29,8 +29,8 @@ from fsdp_conformance.claims.wrap.units import (
     verdict_units_plan,
 )
 from fsdp_conformance.harness import CheckSkipped, Ranks
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import ModelConfig
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
 #: dim 30: the head (30 x 234 + 234 = 7,254) does not divide by 4, so padding shows at ws 4.
@@ -153,7 +153,7 @@ def test_fsdp2_units_are_read_from_the_param_groups_not_the_modules() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_conformance import _compat
-    from fsdp_conformance.units import fsdp2_management_problems, fsdp2_units
+    from fsdp_conformance.models.units import fsdp2_management_problems, fsdp2_units
 
     if dist.is_initialized():
         pytest.skip("this process already has a default process group (the fake one needs its own)")
@@ -512,8 +512,8 @@ def test_each_fault_patches_a_step_for_its_duration_only(family: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import wrap as torch_wrap
 
-    from fsdp_conformance import policies
     from fsdp_conformance.harness import RankContext
+    from fsdp_conformance.models import policies
 
     module = importlib.import_module(f"fsdp_conformance.claims.wrap.{family}")
     ctx = RankContext(rank=0, world_size=2, local_rank=0, backend="gloo", device_type="cpu")

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import policies
 from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.claims.wrap import CHECKS
@@ -32,12 +31,13 @@ from fsdp_conformance.claims.wrap.builders import (
 from fsdp_conformance.claims.wrap.units import expected_units
 from fsdp_conformance.gate.suite import select_checks
 from fsdp_conformance.harness import RankContext, Ranks
-from fsdp_conformance.reference_models import (
+from fsdp_conformance.models import policies
+from fsdp_conformance.models.reference_models import (
     BOUNDARY_MIN_PARAMS,
     DecoderLayer,
     SizeBoundaryModel,
 )
-from fsdp_conformance.units import plan_units
+from fsdp_conformance.models.units import plan_units
 
 pytestmark = pytest.mark.cpu
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from fsdp_conformance.claims.wrap.mixed import rank_mixed, verdict_mixed
 from fsdp_conformance.claims.wrap.train import rank_train, verdict_train
+from fsdp_conformance.fsdp.determinism import disable_dropout, forward_randomness
 from fsdp_conformance.harness import CheckSkipped, RankContext, Ranks
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.step import disable_dropout, forward_randomness
+from fsdp_conformance.models.model_spec import ModelSpec
 
 pytest.importorskip(
     "transformers",
@@ -39,7 +39,7 @@ def test_disable_dropout_reaches_modules_and_functional_probabilities() -> None:
     import transformers
 
     from fsdp_conformance import hf_models
-    from fsdp_conformance.models import make_batch
+    from fsdp_conformance.models.model_spec import make_batch
 
     # The models' weights and batches from a fixed seed: the randomness measured below depends
     # on them (from whatever RNG state earlier tests left, GPT-2's once measured 4.5e-5).

@@ -27,7 +27,7 @@ from fsdp_conformance.claims.wrap.train import (
     verdict_train,
 )
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models import ModelSpec, ModelSpecError
+from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError
 
 VERSIONS = ("fsdp1", "fsdp2")
 KEY_BIAS = ModelSpec(
@@ -176,7 +176,7 @@ def test_a_per_layer_config_list_is_rebuilt_at_the_new_depth() -> None:
     spec = ModelSpec(reference=None, factory="tests.verdict_models:gemma2_two_layers", depth=5)
     model: Any = spec.build()
     assert len(model.model.layers) == 5
-    from fsdp_conformance.hf import per_layer_fields
+    from fsdp_conformance.models.hf import per_layer_fields
 
     assert per_layer_fields(model.config, 5) == ["layer_types"]
     assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2 + [

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_conformance import expectations
 from fsdp_conformance.expectations import Expectation
+from fsdp_conformance.fsdp.torch_errors import failure_line
 from fsdp_conformance.harness import (
     CheckSkipped,
     RankFailure,
@@ -32,10 +33,9 @@ from fsdp_conformance.harness import (
     traceback_text,
 )
 from fsdp_conformance.harness.protocol import function_name
-from fsdp_conformance.torch_errors import failure_line
 
 if TYPE_CHECKING:
-    from fsdp_conformance.models import ModelSpec
+    from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Outcomes a check can have in a report; ``xfailed``: failed as an expectation of this torch
 #: says it does (a known torch defect, :mod:`fsdp_conformance.expectations`).
@@ -257,7 +257,7 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
 
 def error_line(failure: RankFailure, params: Mapping[str, Any]) -> str:
     """A rank failure in one line: each error with the torch API that raised it, its ranks and,
-    for a known torch error, the fix (:mod:`fsdp_conformance.torch_errors`); the ranks that
+    for a known torch error, the fix (:mod:`fsdp_conformance.fsdp.torch_errors`); the ranks that
     died or hung. Without outcomes (a failure raised by hand), its message's first line."""
     if failure.outcomes:
         try:

@@ -11,7 +11,7 @@ FAIL       failed (the footnote: the first line of the failure)
 ERROR      error (the footnote: the first line of the error)
 xfail      expected failure: a known torch defect, or a documented change a check flags on purpose
            (the footnote: the expectation's kind, reason and link)
-capability skipped because this torch lacks a capability (:mod:`fsdp_conformance.capabilities`)
+capability skipped because this torch lacks a capability (:mod:`fsdp_conformance.fsdp.capabilities`)
 skip       skipped for another reason (the footnote: the reason)
 absent     the check is not in that report (a check added since, or a renamed one)
 ========== ==========================================================================

@@ -17,9 +17,9 @@ from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.user_model import user_spec
 from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
-from fsdp_conformance.user_model import user_spec
 
 
 def variant_of(params: dict[str, Any]) -> str:

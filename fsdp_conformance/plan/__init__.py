@@ -4,19 +4,19 @@
 devices of this size does it need?" before anyone books GPUs:
 
 * **The plan**: the model is built on ``meta`` and the policy's units are computed with
-  :func:`~fsdp_conformance.units.plan_units` (torch's own FSDP1 auto-wrap decisions, no
+  :func:`~fsdp_conformance.models.units.plan_units` (torch's own FSDP1 auto-wrap decisions, no
   process group).
-* **The estimate**: the documented per-layer bound of :mod:`~fsdp_conformance.bound`
-  (:func:`~fsdp_conformance.bound.per_layer_bound`, term by term, docs/memory.md), with the
-  activations profiled by a forward on meta (:func:`~fsdp_conformance.profile.profile_activations`).
-  There is no second formula here: this package only chooses the inputs (policy, dtypes,
-  optimizer, batch) and searches world sizes.
+* **The estimate**: the documented per-layer bound of :mod:`~fsdp_conformance.measure.bound`
+  (:func:`~fsdp_conformance.measure.bound.per_layer_bound`, term by term, docs/memory.md), with the
+  activations profiled by a forward on meta
+  (:func:`~fsdp_conformance.measure.profile.profile_activations`). There is no second formula here:
+  this package only chooses the inputs (policy, dtypes, optimizer, batch) and searches world sizes.
 * **The cross-check**: FSDP2 applied for real to the meta model on a fake process group of the
   requested world size (``fully_shard`` per unit, then the root), reading each unit's actual
   local shard on rank 0 and comparing it with the analytic ``ceil(dim0 / W)`` padding.
 * **Trust** (:mod:`fsdp_conformance.claims.memory.plan_estimate_matches`): the estimate
   against measured peaks of real training steps at small scale (the memory checks'
-  :func:`~fsdp_conformance.step.measure_step`), on every rank, fp32 and bf16; part of
+  :func:`~fsdp_conformance.measure.step.measure_step`), on every rank, fp32 and bf16; part of
   ``fsdp-conformance run`` (``memory.plan_estimate_matches``).
 
 Modules, each importing only those before it: :mod:`.model` (settings, the model on meta,

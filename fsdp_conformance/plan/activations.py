@@ -17,7 +17,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fsdp_conformance._compat import tree_map
-from fsdp_conformance.bound import ActivationProfile
+from fsdp_conformance.measure.bound import ActivationProfile
+from fsdp_conformance.measure.profile import profile_activations, unit_of
+from fsdp_conformance.models.units import UnitInfo
 from fsdp_conformance.plan.model import (
     POLICIES,
     ModelChoice,
@@ -26,8 +28,6 @@ from fsdp_conformance.plan.model import (
     build_meta_model,
     meta_batch,
 )
-from fsdp_conformance.profile import profile_activations, unit_of
-from fsdp_conformance.units import UnitInfo
 
 _V = TypeVar("_V")
 
@@ -287,7 +287,7 @@ def _loss(kind: str, batch: Any, choice: ModelChoice) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from fsdp_conformance.models import default_loss
+    from fsdp_conformance.models.model_spec import default_loss
 
     if kind == "mse":
         return default_loss

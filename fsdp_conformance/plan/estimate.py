@@ -9,14 +9,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from fsdp_conformance._files import PlainData
-from fsdp_conformance.bound import (
+from fsdp_conformance.measure.bound import (
     ActivationProfile,
     Bound,
     StepConfig,
     host_bytes,
     per_layer_bound,
 )
-from fsdp_conformance.models import BuiltModel
+from fsdp_conformance.models.model_spec import BuiltModel
+from fsdp_conformance.models.policies import PolicyName
+from fsdp_conformance.models.reference_models import LLAMA_PRESETS
+from fsdp_conformance.models.units import UnitInfo
 from fsdp_conformance.plan.activations import activations_by_unit
 from fsdp_conformance.plan.model import (
     DTYPE_BYTES,
@@ -29,10 +32,7 @@ from fsdp_conformance.plan.model import (
     checkpoint_every,
     checkpoint_ops,
 )
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.reference_models import LLAMA_PRESETS
 from fsdp_conformance.sizes import ByteStyle, format_bytes, size_style
-from fsdp_conformance.units import UnitInfo
 
 #: Device sizes as the devices report them (``nvidia-smi``, ``torch.cuda.mem_get_info``): A100 /
 #: H100 "80GB" parts have 80 GiB, H200 "141GB" parts 143,771 MiB (140.4 GiB).
@@ -206,7 +206,7 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     ``model`` (a meta model of ``choice``) is reused when given, so several policies cost one
     build; it is left as it was (parameter dtypes restored).
     """
-    from fsdp_conformance.units import plan_units
+    from fsdp_conformance.models.units import plan_units
 
     start = time.perf_counter()
     model = build_meta_model(choice) if model is None else model

@@ -7,10 +7,10 @@ import dataclasses
 from typing import Any
 
 from fsdp_conformance import sizes
-from fsdp_conformance.bound import OPTIMIZER_STATES
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.policies import PLAN_POLICIES, PolicyName
-from fsdp_conformance.reference_models import (
+from fsdp_conformance.measure.bound import OPTIMIZER_STATES
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.policies import PLAN_POLICIES, PolicyName
+from fsdp_conformance.models.reference_models import (
     LLAMA_NORMS,
     LLAMA_PRESETS,
     REFERENCE_MODELS,
@@ -23,7 +23,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: ``recommended`` = one unit per block (policies.recommended_policy); ``seeds`` = the seeds'
 #: get_hybrid_policy (block type OR the size rule, which also fires inside the blocks);
 #: ``monolithic`` = the root is the only unit (the names are the registry's own:
-#: :data:`fsdp_conformance.policies.PLAN_POLICIES`).
+#: :data:`fsdp_conformance.models.policies.PLAN_POLICIES`).
 POLICIES = PLAN_POLICIES
 #: ``--preset``: the Llama shapes of reference_models.LLAMA_PRESETS (Llama 2 7B / 13B / 70B,
 #: Llama 3 8B / 70B / 405B, saving what production Llama code saves), and the seeds' own
@@ -310,7 +310,7 @@ def meta_batch(model: Any, choice: ModelChoice, settings: PlanSettings) -> Any:
     """An input batch on meta: token ids or float features, ``batch_size x seq_len``."""
     import torch
 
-    from fsdp_conformance.models import make_batch
+    from fsdp_conformance.models.model_spec import make_batch
 
     spec, b, s = choice.spec, settings.batch_size, settings.seq_len
     if spec.input_builder:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.bound import Bound
+from fsdp_conformance.measure.bound import Bound
+from fsdp_conformance.models.units import ROOT, UnitInfo
 from fsdp_conformance.plan.estimate import (
     DEFAULT_RESERVE,
     MAX_WORLD_SIZE,
@@ -21,7 +22,6 @@ from fsdp_conformance.plan.estimate import (
 )
 from fsdp_conformance.plan.model import DTYPE_BYTES, PlanSettings
 from fsdp_conformance.sizes import ByteStyle, format_bytes, size_style
-from fsdp_conformance.units import ROOT, UnitInfo
 
 PROG = "fsdp-conformance plan"
 

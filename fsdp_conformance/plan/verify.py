@@ -7,9 +7,9 @@ import math
 import time
 from typing import Any
 
+from fsdp_conformance.models.units import ROOT, UnitInfo
 from fsdp_conformance.plan.estimate import ModelPlan
 from fsdp_conformance.plan.model import DTYPE_BYTES, build_meta_model
-from fsdp_conformance.units import ROOT, UnitInfo
 
 
 def fsdp2_padded_local_numel(plan: ModelPlan, unit: UnitInfo, world_size: int) -> int:
@@ -35,8 +35,8 @@ def verify_fsdp2_shards(plan: ModelPlan, world_size: int, model: Any = None) -> 
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_conformance import _compat
-    from fsdp_conformance.sharding import shard_fsdp2_modules
-    from fsdp_conformance.units import fsdp2_units, unit_differences
+    from fsdp_conformance.fsdp.sharding import shard_fsdp2_modules
+    from fsdp_conformance.models.units import fsdp2_units, unit_differences
 
     if dist.is_available() and dist.is_initialized():
         return {

@@ -2,8 +2,8 @@
 
 One check per FSDP version. Its rank function builds a few tiny models
 the way a user writes them (the option omitted), runs one training step on each with every
-collective recorded (:mod:`fsdp_conformance.collectives`), and derives each observable from what
-happened: the dtypes and bytes of the collectives, the units left unsharded after forward, the
+collective recorded (:mod:`fsdp_conformance.fsdp.collectives`), and derives each observable from
+what happened: the dtypes and bytes of the collectives, the units left unsharded after forward, the
 all-gather order against the units' forward and backward. Nothing is read from a signature or a
 configuration object, except FSDP1's ``limit_all_gathers`` (a CUDA rate limiter with nothing to
 observe on CPU; see docs/wrapping.md, "The default-behaviour fingerprint").
@@ -24,11 +24,11 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.collectives import record_collectives, unit_sizes
-from fsdp_conformance.faults import Fault, FaultTable, patched, with_default
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, with_default
+from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.models.units import clean_fqn
 
 #: The unit FQNs of the tiny model, in forward order; the root ("") owns the final norm.
 LAYERS = ("layers.0", "layers.1", "layers.2")
@@ -436,7 +436,7 @@ class Fingerprint(TypedDict):
     rank: int
     #: Every observable, ``<case>.<observable>`` (the keys of :data:`EXPECTED`).
     figures: dict[str, Any]
-    #: Each case's collectives (:mod:`fsdp_conformance.collectives` records), by case.
+    #: Each case's collectives (:mod:`fsdp_conformance.fsdp.collectives` records), by case.
     collectives: dict[str, Any]
 
 
@@ -487,7 +487,7 @@ def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]
     """Every observable equals what the pinned torch does, on every rank.
 
     Figures: the observed values (rank 0's, after the ranks were found to agree). Data: the
-    collectives of each case (:mod:`fsdp_conformance.collectives` records, rank 0's).
+    collectives of each case (:mod:`fsdp_conformance.fsdp.collectives` records, rank 0's).
     """
     version = params["version"]
     first = values[0]

@@ -41,11 +41,11 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.defaults.fingerprint import TinyModel, differ, unexpected
-from fsdp_conformance.faults import Fault, FaultTable, patched, with_default
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, with_default
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh
+from fsdp_conformance.fsdp.tensors import local_tensor
 from fsdp_conformance.harness import RankContext, all_gather_objects, skip_rank
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh
-from fsdp_conformance.tensors import local_tensor
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.models.units import clean_fqn
 
 #: The frozen layer (``requires_grad=False``): a state dict includes it unless told otherwise.
 FROZEN = "layers.0"

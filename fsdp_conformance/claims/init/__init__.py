@@ -1,9 +1,9 @@
 """The init claim: meta-device init gives a zero-memory build, correct weights, the same on
 every rank.
 
-The library it checks is two blocks: :mod:`fsdp_conformance.meta_init` (build on meta, the init
+The library it checks is two blocks: :mod:`fsdp_conformance.fsdp.meta_init` (build on meta, the init
 contracts, the deterministic init and its single-process reference) and
-:mod:`fsdp_conformance.meta_materialize` (shard, ``to_empty`` and materialize by method, then
+:mod:`fsdp_conformance.fsdp.meta_materialize` (shard, ``to_empty`` and materialize by method, then
 inspect). One module per check family here: :mod:`.meta_build`, :mod:`.weights` (``no_meta``,
 ``weights``, ``weights.default_path``), :mod:`.faithful` (``weights.faithful``: the reference
 against the model as its factory builds it), :mod:`.broadcast` (``sync_module_states``,
@@ -38,7 +38,7 @@ from fsdp_conformance.claims.init.reports import DEFAULT_SPEC
 from fsdp_conformance.claims.init.seeds import verdict_seeds_fn, verdict_seeds_fn_to_empty
 from fsdp_conformance.claims.init.train_step import rank_train_step, verdict_train_step
 from fsdp_conformance.claims.init.weights import rank_weights, verdict_no_meta, verdict_weights
-from fsdp_conformance.meters import MALLOC_ENV
+from fsdp_conformance.measure.meters import MALLOC_ENV
 
 CHECKS: tuple[Check, ...] = (
     variants(

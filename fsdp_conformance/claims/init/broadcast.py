@@ -28,16 +28,16 @@ from fsdp_conformance.claims.init.reports import (
     preflight_failure,
     rank_errors,
 )
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.meta_init import (
+from fsdp_conformance.fsdp.meta_init import (
     DeterministicParamInit,
     build_on_meta,
     module_init_for,
     reference_model,
 )
-from fsdp_conformance.meta_materialize import inspect_sharded, materialize
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import shard_fsdp1
+from fsdp_conformance.fsdp.meta_materialize import inspect_sharded, materialize
+from fsdp_conformance.fsdp.sharding import shard_fsdp1
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import ValueType

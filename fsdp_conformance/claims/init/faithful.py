@@ -4,8 +4,8 @@
 check proves that the reference is the user's model. The model is built once as the user builds
 it (the factory called on CPU after ``torch.manual_seed(seed)``) and a second time from
 ``seed + 1``, then compared, tensor by tensor, with
-:func:`~fsdp_conformance.meta_init.reference_model` (the same meta build, init contract and seed
-as every sharded init of the suite). The two draw from different RNG orders by design (the meta
+:func:`~fsdp_conformance.fsdp.meta_init.reference_model` (the same meta build, init contract and
+seed as every sharded init of the suite). The two draw from different RNG orders by design (the meta
 path seeds each module from ``(seed, FQN)`` so that the values do not depend on the world size),
 so values are compared where the factory's output does not depend on the seed, and distributions
 elsewhere (:func:`judge_tensor`, the stated test: docs/init.md).
@@ -35,8 +35,7 @@ from fsdp_conformance.claims.init.reports import (
     preflight,
     preflight_failure,
 )
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.meta_init import (
+from fsdp_conformance.fsdp.meta_init import (
     build_on_meta,
     canonical_state,
     factory_model,
@@ -45,9 +44,10 @@ from fsdp_conformance.meta_init import (
     reference_model,
     state_bytes,
 )
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.tensors import listing
-from fsdp_conformance.user_model import MEMORY_HEADROOM, _available_host_bytes
+from fsdp_conformance.fsdp.tensors import listing
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.user_model import MEMORY_HEADROOM, _available_host_bytes
 
 #: Standard errors a statistic may lie from the factory's (6: about 2e-9 per tensor for a
 #: normal statistic, so that thousands of tensors give no false alarm).

@@ -11,11 +11,11 @@ from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.init.reports import FAULTS
+from fsdp_conformance.fsdp.meta_init import named_state, state_bytes
+from fsdp_conformance.fsdp.meta_materialize import Ranked
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.meta_init import named_state, state_bytes
-from fsdp_conformance.meta_materialize import Ranked
-from fsdp_conformance.meters import reset_peak_rss, status_bytes
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.measure.meters import reset_peak_rss, status_bytes
+from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.sizes import MiB
 
 #: Meta build: allowed growth of the process's peak memory, as a fraction of the model's

@@ -9,7 +9,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.bound import init_peak_bound
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.init.reports import (
     FAULTS,
@@ -18,15 +17,16 @@ from fsdp_conformance.claims.init.reports import (
     preflight,
     preflight_failure,
 )
+from fsdp_conformance.fsdp.meta_init import build_on_meta
+from fsdp_conformance.fsdp.meta_materialize import materialize
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.meta_init import build_on_meta
-from fsdp_conformance.meta_materialize import materialize
-from fsdp_conformance.meters import host_or_cuda_peak
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.reference_models import ModelConfig
+from fsdp_conformance.measure.bound import init_peak_bound
+from fsdp_conformance.measure.meters import host_or_cuda_peak
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.policies import PolicyName
+from fsdp_conformance.models.reference_models import ModelConfig
+from fsdp_conformance.models.units import plan_units
 from fsdp_conformance.sizes import MiB
-from fsdp_conformance.units import plan_units
 
 #: Peak while materializing: tolerance on the bound (allocator rounding, gloo and Python
 #: objects; peaks vary up to ~8% run to run: docs/memory.md, "Facts about measuring memory on

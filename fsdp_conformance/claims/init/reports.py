@@ -5,7 +5,7 @@ A failure inside torch never reaches the parent as a traceback: each rank turns 
 (:func:`describe_init_error`), the ranks agree on whether to go on (:func:`agree_on_failure`),
 and a verdict names each distinct failure once with the ranks it happened on
 (:func:`failed_on_ranks`). The weights every family compares come from
-:func:`~fsdp_conformance.meta_materialize.inspect_sharded`, judged by :func:`judge_no_meta` and
+:func:`~fsdp_conformance.fsdp.meta_materialize.inspect_sharded`, judged by :func:`judge_no_meta` and
 :func:`judge_weights`.
 """
 
@@ -19,11 +19,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from fsdp_conformance import meta_init, meta_materialize
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, all_gather_objects
-from fsdp_conformance.meta_init import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp import meta_init, meta_materialize
+from fsdp_conformance.fsdp.meta_init import (
     RESET_PARAMETERS,
     InitError,
     build_on_meta,
@@ -31,10 +30,11 @@ from fsdp_conformance.meta_init import (
     module_init_for,
     reference_model,
 )
-from fsdp_conformance.meta_materialize import Ranked, ShardedReport
-from fsdp_conformance.models import ModelSpec, ModelSpecError
-from fsdp_conformance.reference_models import LlamaConfig
-from fsdp_conformance.tensors import listing
+from fsdp_conformance.fsdp.meta_materialize import Ranked, ShardedReport
+from fsdp_conformance.fsdp.tensors import listing
+from fsdp_conformance.harness import RankContext, all_gather_objects
+from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError
+from fsdp_conformance.models.reference_models import LlamaConfig
 
 #: A small model with every kind of state (norm weights, a non-persistent rotary buffer).
 DEFAULT_SPEC = ModelSpec(

@@ -19,12 +19,12 @@ from fsdp_conformance.claims.init.reports import (
     preflight,
     preflight_failure,
 )
+from fsdp_conformance.fsdp.determinism import disable_dropout
+from fsdp_conformance.fsdp.meta_init import full_state, reference_model
+from fsdp_conformance.fsdp.meta_materialize import gathered_state, materialize
+from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.meta_init import full_state, reference_model
-from fsdp_conformance.meta_materialize import gathered_state, materialize
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
-from fsdp_conformance.step import disable_dropout
-from fsdp_conformance.tensors import listing
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
 
 #: Training step: after one step the sharded model and the reference differ only by the order
 #: of floating-point reductions.

@@ -2,9 +2,10 @@
 every tensor on the compute device with the single-process reference's values.
 
 One rank function (:func:`rank_weights`) builds on meta, shards, materializes by method and
-inspects the result against the reference (:func:`~fsdp_conformance.meta_materialize.reference_for`
-built from the same seed); each verdict reads the part of the report it judges. The seeds'
-checks (:mod:`~fsdp_conformance.claims.init.seeds`) run the same rank function.
+inspects the result against the reference
+(:func:`~fsdp_conformance.fsdp.meta_materialize.reference_for` built from the same seed); each
+verdict reads the part of the report it judges. The seeds' checks
+(:mod:`~fsdp_conformance.claims.init.seeds`) run the same rank function.
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ from fsdp_conformance.claims.init.reports import (
     judge_no_meta,
     judge_weights,
 )
-from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
-from fsdp_conformance.meta_init import build_on_meta, init_contract, without_reset_parameters
-from fsdp_conformance.meta_materialize import (
+from fsdp_conformance.fsdp.meta_init import build_on_meta, init_contract, without_reset_parameters
+from fsdp_conformance.fsdp.meta_materialize import (
     inspect_sharded,
     materialize,
     reference_for,
     unwrapped,
 )
-from fsdp_conformance.models import ModelSpec, call_model
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.tensors import listing
+from fsdp_conformance.fsdp.tensors import listing
+from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec, call_model
+from fsdp_conformance.models.policies import PolicyName
 
 
 def rank_weights(
@@ -51,7 +52,7 @@ def rank_weights(
 ) -> InitReport:
     """Meta build, shard, materialize with ``method``; report against the reference.
 
-    ``method`` (:data:`~fsdp_conformance.meta_materialize.METHODS`) is a variant the checks
+    ``method`` (:data:`~fsdp_conformance.fsdp.meta_materialize.METHODS`) is a variant the checks
     run (``reset_parameters`` for the default path, the seeds' functions for
     :data:`~fsdp_conformance.claims.init.SEEDS_CHECKS`). ``forward=False`` leaves out the first
     forward, so that the inspection, not torch's error at the forward, reports a tensor left on

@@ -1,5 +1,5 @@
 """The training loop users write, FSDP1 and FSDP2, each against a single-process reference on
-the same global batch (:class:`~fsdp_conformance.reference_step.SliceReference`), with the
+the same global batch (:class:`~fsdp_conformance.fsdp.reference_step.SliceReference`), with the
 collectives observed.
 
 One module per check family; what they share is :mod:`~fsdp_conformance.claims.loop.training`:
@@ -45,7 +45,7 @@ from fsdp_conformance.claims.loop.frozen import (
 )
 from fsdp_conformance.claims.loop.ignored import rank_ignored, verdict_ignored
 from fsdp_conformance.claims.loop.uneven import rank_uneven, verdict_uneven
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 _REF = ModelSpec(reference="odd")
 _BRANCH = ModelSpec(reference=BRANCH_MODEL)

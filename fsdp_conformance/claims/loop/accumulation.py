@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop.training import (
     LR,
     LoopResult,
@@ -48,10 +49,9 @@ from fsdp_conformance.claims.loop.training import (
     trainable_units,
     unreduced,
 )
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp.reference_step import model_loss
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import model_loss
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Micro-batches per optimizer step, and optimizer steps per run.
 MICRO = 3

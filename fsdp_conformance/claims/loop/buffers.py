@@ -4,7 +4,7 @@ FSDP never shards a buffer and never synchronises one: each rank's batch norm st
 its own slices. After ``STEPS`` plain optimizer steps, observed on every rank:
 
 * the rank's buffers against the reference's slice buffers of this rank
-  (:meth:`~fsdp_conformance.reference_step.SliceReference.buffers`), and how far they lie from
+  (:meth:`~fsdp_conformance.fsdp.reference_step.SliceReference.buffers`), and how far they lie from
   rank 0's (the ranks differ, as the reference's slices do);
 * every state-dict kind (``sharding.KINDS``: FSDP1 ``FULL_STATE_DICT`` on every rank and rank 0
   only, ``SHARDED_STATE_DICT``, ``LOCAL_STATE_DICT``; FSDP2 ``get_model_state_dict`` full, full
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop.training import (
     LoopResult,
     Pair,
@@ -43,18 +44,17 @@ from fsdp_conformance.claims.loop.training import (
     tolerances,
     train_plain,
 )
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     compare_tensors,
     comparison_problems,
     full_buffers,
 )
-from fsdp_conformance.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY, get_state, set_state
-from fsdp_conformance.tensors import listing, local_tensor
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.fsdp.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY, get_state, set_state
+from fsdp_conformance.fsdp.tensors import listing, local_tensor
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import clean_fqn
 
 #: Optimizer steps per run (one micro-batch each).
 STEPS = 2

@@ -34,6 +34,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop.training import (
     LR,
     LoopResult,
@@ -47,11 +48,10 @@ from fsdp_conformance.claims.loop.training import (
     parity_problems,
     snapshot,
 )
-from fsdp_conformance.collectives import record_collectives
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp.collectives import record_collectives
+from fsdp_conformance.fsdp.reference_step import model_loss
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import model_loss
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Optimizer steps per run.
 STEPS = 2

@@ -15,7 +15,7 @@ as users write it, equals the single-process reference step for step.
 Every check runs ``STEPS`` optimizer steps with a ``torch.optim.SGD`` made after the first
 backward (the model run before its optimizer exists, as a loop that builds the optimizer
 lazily does; later steps reuse it): every step's update equals the reference's (the same loss,
-through :meth:`~fsdp_conformance.reference_step.SliceReference.forward_backward`'s ``loss``),
+through :meth:`~fsdp_conformance.fsdp.reference_step.SliceReference.forward_backward`'s ``loss``),
 every unit that trains reduced in each backward. The collectives are reported per phase: the
 all-gathers per unit of each forward and backward, the reductions per step.
 
@@ -37,8 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance import _compat, capabilities
+from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop.training import (
     LR,
     LoopResult,
@@ -60,12 +61,12 @@ from fsdp_conformance.claims.loop.training import (
     trainable_units,
     unreduced,
 )
-from fsdp_conformance.collectives import CollectiveRecorder
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp import capabilities
+from fsdp_conformance.fsdp.collectives import CollectiveRecorder
+from fsdp_conformance.fsdp.reference_step import model_loss
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec, default_loss
-from fsdp_conformance.reference_step import model_loss
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.models.model_spec import ModelSpec, default_loss
+from fsdp_conformance.models.units import clean_fqn
 
 #: The checks' loops.
 WHATS = ("two_forwards", "non_root", "divide_factor")

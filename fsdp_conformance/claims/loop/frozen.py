@@ -13,7 +13,7 @@ FSDP1 refuses a unit that mixes frozen and trainable parameters), FSDP2 as it co
   gradient; every step's update equal to the reference's; in each backward, one reduction per
   unit holding a parameter that trains and none for a unit holding only frozen ones.
 * ``loop.frozen.unused``: the ``branch`` reference model, whose input chooses its branches
-  (:class:`~fsdp_conformance.reference_models.BranchModel`), over :data:`UNUSED_PLAN`: every
+  (:class:`~fsdp_conformance.models.reference_models.BranchModel`), over :data:`UNUSED_PLAN`: every
   branch taken; rank 0 alone taking the adapter (a parameter in the root unit, used on one rank
   and not the others); no branch taken (the adapter unused inside a unit that runs, and the
   ``extra`` block's units not run at all). FSDP2 needs ``set_reduce_scatter_unused_params(True)``
@@ -38,6 +38,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop import training
 from fsdp_conformance.claims.loop.training import (
     LR,
@@ -55,18 +56,17 @@ from fsdp_conformance.claims.loop.training import (
     snapshot,
     unreduced,
 )
-from fsdp_conformance.collectives import record_collectives
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import ADAPTER_FEATURE, EXTRA_FEATURE
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import record_collectives
+from fsdp_conformance.fsdp.reference_step import (
     full_params,
     model_loss,
     reference_grads,
     sgd_update,
 )
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import ADAPTER_FEATURE, EXTRA_FEATURE
+from fsdp_conformance.models.units import clean_fqn
 
 #: Optimizer steps of ``loop.frozen`` (one micro-batch each).
 STEPS = 2

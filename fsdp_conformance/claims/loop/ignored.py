@@ -13,11 +13,11 @@ One optimizer step on one micro-batch, and observed:
 * **Local and unsharded**: each ignored parameter is a plain parameter of the sharded model by
   its own name, of its full shape on every rank, and in no FSDP unit (FSDP1: in no flat
   parameter; FSDP2: in no parameter group; read from FSDP's own state,
-  :func:`~fsdp_conformance.units.actual_units`).
+  :func:`~fsdp_conformance.models.units.actual_units`).
 * **Not reduced**: every collective of the step served an FSDP unit (none of them holds an
   ignored parameter), each unit that trains reduced once; the ignored parameters' update on
   rank ``r`` is this rank's own slice's gradient alone, unscaled: ``W * c_r``, where ``c_r`` is
-  what the :class:`~fsdp_conformance.reference_step.SliceReference` accumulates for slice
+  what the :class:`~fsdp_conformance.fsdp.reference_step.SliceReference` accumulates for slice
   ``r`` (its loss divided by the world size ``W``; :class:`SliceGradients` notes it slice by
   slice). A rank's loss is not divided by ``W`` and nothing averages an ignored gradient, so
   ``W * c_r`` is exactly the gradient of rank ``r``'s loss; the reference's own update of the
@@ -40,8 +40,9 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from fsdp_conformance import _compat, capabilities
+from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop.training import (
     LR,
     LoopResult,
@@ -60,12 +61,12 @@ from fsdp_conformance.claims.loop.training import (
     snapshot,
     trainable_units,
 )
-from fsdp_conformance.collectives import UNKNOWN_UNIT
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp import capabilities
+from fsdp_conformance.fsdp.collectives import UNKNOWN_UNIT
+from fsdp_conformance.fsdp.reference_step import full_params, model_loss
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import full_params, model_loss
-from fsdp_conformance.units import actual_units, clean_fqn
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import actual_units, clean_fqn
 
 #: The module the check ignores on the reference model (the odd model's batch norm).
 IGNORE = "norm"
@@ -131,7 +132,7 @@ FAULTS = FaultTable(
 
 
 class SliceGradients:
-    """The reference's loss (:func:`~fsdp_conformance.reference_step.model_loss`) that notes,
+    """The reference's loss (:func:`~fsdp_conformance.fsdp.reference_step.model_loss`) that notes,
     as each slice starts, the gradients accumulated so far of ``names``: consecutive notes
     differ by one slice's gradient (its loss divided by the world size, as the reference
     scales it)."""

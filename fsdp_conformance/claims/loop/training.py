@@ -3,7 +3,7 @@ from one spec, the user's sharding and optimizer steps, the collectives recorded
 fields every family's result carries, and the parity verdict they all start from.
 
 A family's rank function builds a :class:`Pair`, runs its loop on the sharded model and the same
-loop on :attr:`Pair.reference` (a :class:`~fsdp_conformance.reference_step.SliceReference`),
+loop on :attr:`Pair.reference` (a :class:`~fsdp_conformance.fsdp.reference_step.SliceReference`),
 observes the update each optimizer step applied (:func:`observe_step`) and the collectives each
 phase issued, and returns plain data; :func:`parity_problems` judges what every family shares.
 """
@@ -22,11 +22,9 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import CollectiveRecorder, record_collectives, unit_sizes
+from fsdp_conformance.fsdp.determinism import disable_dropout, require_deterministic
+from fsdp_conformance.fsdp.reference_step import (
     LOSS_RTOL,
     UPDATE_RTOL,
     SliceReference,
@@ -43,10 +41,12 @@ from fsdp_conformance.reference_step import (
     sgd_update,
     update_problems,
 )
-from fsdp_conformance.sharding import check_fsdp_version, fsdp1_options, shard
-from fsdp_conformance.step import disable_dropout, require_deterministic
-from fsdp_conformance.torch_errors import explain, parse_traceback
-from fsdp_conformance.units import clean_fqn, planned_unit_modules
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, fsdp1_options, shard
+from fsdp_conformance.fsdp.torch_errors import explain, parse_traceback
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
+from fsdp_conformance.models.policies import PolicyName
+from fsdp_conformance.models.units import clean_fqn, planned_unit_modules
 
 #: The learning rate of every loop's SGD step: large enough that an update stands well above the
 #: parameters' rounding (update / parameter ~ 1e-2 on the reference models).

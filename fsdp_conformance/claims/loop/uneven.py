@@ -31,6 +31,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.loop import training
 from fsdp_conformance.claims.loop.training import (
     LoopResult,
@@ -44,19 +45,18 @@ from fsdp_conformance.claims.loop.training import (
     tolerances,
     train_plain,
 )
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     compare_tensors,
     comparison_problems,
     full_params,
     reference_params,
 )
-from fsdp_conformance.state_dict_kinds import get_state
-from fsdp_conformance.tensors import listing, local_shard, local_tensor
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.fsdp.state_dict_kinds import get_state
+from fsdp_conformance.fsdp.tensors import listing, local_shard, local_tensor
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import clean_fqn
 
 #: Optimizer steps per run (one micro-batch each).
 STEPS = 2

@@ -5,13 +5,15 @@ The claim only: one module per check family (rank function, verdict, what they s
 :mod:`~fsdp_conformance.claims.memory.measurement`) and ``CHECKS`` here. Its building blocks are
 modules of their own, shared with init's peak check and the planner:
 
-* **The bound** (:mod:`~fsdp_conformance.bound`): :func:`~fsdp_conformance.bound.per_layer_bound`,
-  a pure function of a unit plan and a :class:`~fsdp_conformance.bound.StepConfig`;
-  docs/memory.md derives every term. :mod:`~fsdp_conformance.profile` gets its inputs from a
+* **The bound** (:mod:`~fsdp_conformance.measure.bound`):
+:func:`~fsdp_conformance.measure.bound.per_layer_bound`,
+  a pure function of a unit plan and a :class:`~fsdp_conformance.measure.bound.StepConfig`;
+  docs/memory.md derives every term. :mod:`~fsdp_conformance.measure.profile` gets its inputs from a
   model on meta.
-* **Measurement** (:mod:`~fsdp_conformance.meters`, :mod:`~fsdp_conformance.timeline`,
-  :mod:`~fsdp_conformance.step`): torch's trackers, the OS high-water mark as ground truth, the
-  CUDA allocator on GPU, a timeline sampled at every unit's hooks, and one measured step.
+* **Measurement** (:mod:`~fsdp_conformance.measure.meters`,
+:mod:`~fsdp_conformance.measure.timeline`,
+  :mod:`~fsdp_conformance.measure.step`): torch's trackers, the OS high-water mark as ground truth,
+  the CUDA allocator on GPU, a timeline sampled at every unit's hooks, and one measured step.
 * **Checks** (``CHECKS``): peak within the bound on every rank, the sawtooth, depth invariance,
   the meter's agreement with ground truth, the bf16 peak under the bound of the observed dtypes,
   and the planning estimate against measured peaks. Each fails on its negative controls
@@ -42,7 +44,7 @@ from fsdp_conformance.claims.memory.plan_estimate_matches import (
     verdict_plan_estimate_matches,
 )
 from fsdp_conformance.claims.memory.sawtooth import rank_sawtooth, verdict_sawtooth
-from fsdp_conformance.meters import MALLOC_ENV
+from fsdp_conformance.measure.meters import MALLOC_ENV
 
 #: Each check once per FSDP version on its reference model, in report order.
 CHECKS: tuple[Check, ...] = (

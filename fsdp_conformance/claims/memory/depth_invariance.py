@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from fsdp_conformance.bound import Bound, per_layer_bound
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.memory import measurement
 from fsdp_conformance.claims.memory.measurement import (
@@ -27,9 +26,10 @@ from fsdp_conformance.claims.memory.measurement import (
     wrapped_step,
 )
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import NO_SETTABLE_DEPTH, ModelSpec
-from fsdp_conformance.profile import plan_step
-from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
+from fsdp_conformance.measure.bound import Bound, per_layer_bound
+from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.models.model_spec import NO_SETTABLE_DEPTH, ModelSpec
+from fsdp_conformance.models.reference_models import LlamaConfig, ModelConfig
 
 #: The per-layer working set may vary by this fraction of its smallest value.
 DEPTH_TOLERANCE = 0.10
@@ -54,8 +54,8 @@ def with_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     """The same model with ``num_layers`` blocks.
 
     A reference model: its config at that depth. A factory: the spec's ``depth``, which
-    :meth:`~fsdp_conformance.models.ModelSpec.build` passes as the factory's depth keyword or
-    sets on a copy of its transformers config (:meth:`~ModelSpec.depth_setting`).
+    :meth:`~fsdp_conformance.models.model_spec.ModelSpec.build` passes as the factory's depth
+    keyword or sets on a copy of its transformers config (:meth:`~ModelSpec.depth_setting`).
     """
     if spec.reference is None:
         if spec.depth_setting() is None:
@@ -158,7 +158,7 @@ def verdict_depth_invariance(values: Sequence[DepthResult], params: Mapping[str,
     alive at a backward peak, so each depth gives a range ``[ws - saved, ws]``; the ranges must
     meet within the tolerance: ``max(ws - saved) <= (1 + tolerance) * min(ws)``, whichever depth
     is the larger one (more at fewer layers is not constant either; the measurement is
-    deterministic, see :func:`~fsdp_conformance.step.collectives_release_in_order`). The
+    deterministic, see :func:`~fsdp_conformance.measure.step.collectives_release_in_order`). The
     monolithic reference must grow by at least the added layers' unsharded bytes between depths,
     or the measurement could not tell the wrappings apart and the check fails rather than pass
     blindly. The per-layer plan must gain units at every deeper depth: a factory that takes a

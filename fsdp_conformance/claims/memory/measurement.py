@@ -20,15 +20,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, cast
 
-from fsdp_conformance.bound import MeasureError, StepConfig
-from fsdp_conformance.faults import Fault, FaultEffect, FaultTable, patched, with_default
+from fsdp_conformance.claims.faults import Fault, FaultEffect, FaultTable, patched, with_default
+from fsdp_conformance.fsdp.sharding import InputCasts
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import ModelConfig
-from fsdp_conformance.sharding import InputCasts
+from fsdp_conformance.measure.bound import MeasureError, StepConfig
+from fsdp_conformance.measure.step import measure_step
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import ModelConfig
+from fsdp_conformance.models.units import ROOT, UnitInfo
 from fsdp_conformance.sizes import format_bytes
-from fsdp_conformance.step import measure_step
-from fsdp_conformance.units import ROOT, UnitInfo
 
 # step is imported at module top: a parent that loaded the memory claim has its ranks' fork
 # server preload step (and torch's memory trackers with it), instead of every rank importing
@@ -47,7 +47,7 @@ class MemoryCheckError(MeasureError):
 
 
 class StepResult(TypedDict):
-    """One measured step on one rank (:func:`fsdp_conformance.step.measure_step`'s data)."""
+    """One measured step on one rank (:func:`fsdp_conformance.measure.step.measure_step`'s data)."""
 
     rank: int
     #: The wrapping label the step ran (``per_layer`` unless a fault or a comparison says).
@@ -70,7 +70,7 @@ class StepResult(TypedDict):
 
 def per_layer_step(ctx: RankContext, spec: ModelSpec, version: str, **options: Any) -> StepResult:
     """The user's training step: ``spec`` wrapped per layer, measured (``options``: of
-    :func:`~fsdp_conformance.step.measure_step`).
+    :func:`~fsdp_conformance.measure.step.measure_step`).
 
     The checks call it as ``measurement.per_layer_step``, looked up at call time: a fault of
     :data:`FAULTS` replaces it for the duration of one rank function."""

@@ -3,7 +3,7 @@
 The tracker is the meter the other memory checks read on this lane (CPU: ``FSDPMemTracker`` for
 FSDP2, ``MemTracker`` for FSDP1; GPU: ``MemTracker``); ground truth is the OS high-water mark on
 CPU (fresh ranks with the allocator setting, ``meters.MALLOC_ENV``) and the CUDA allocator on
-GPU (:mod:`fsdp_conformance.meters`).
+GPU (:mod:`fsdp_conformance.measure.meters`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from fsdp_conformance.claims.memory.measurement import (
 )
 from fsdp_conformance.claims.memory.scaling import Scaling, describe, for_meter, measured_at
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.meters import (
+from fsdp_conformance.measure.meters import (
     METER_RESOLUTION_BYTES,
     choose_meter,
     meter_floor_problems,
     torch_version_string,
 )
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Tracker vs OS (or CUDA allocator) step increase, relative.
 METER_TOLERANCE = 0.05

@@ -3,7 +3,7 @@ the step's collectives were observed to have.
 
 Per mixed-precision case (bf16 ``param_dtype`` with the reduce dtype unset, as a user writes
 it, and with fp32), one measured step with its collectives recorded
-(:mod:`fsdp_conformance.collectives`); the verdict derives the bound from the observed dtypes,
+(:mod:`fsdp_conformance.fsdp.collectives`); the verdict derives the bound from the observed dtypes,
 each tied to the bytes its collective moved (docs/memory.md, "Mixed precision").
 """
 
@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, cast
 
-from fsdp_conformance.bound import ActivationProfile, StepConfig, per_layer_bound
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.memory import measurement
 from fsdp_conformance.claims.memory.measurement import (
@@ -24,12 +23,13 @@ from fsdp_conformance.claims.memory.measurement import (
     mb,
     require_sharding,
 )
+from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.meters import meter_floor_problems
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.profile import plan_step
-from fsdp_conformance.sharding import InputCasts, input_casts_note
-from fsdp_conformance.units import UnitInfo
+from fsdp_conformance.measure.bound import ActivationProfile, StepConfig, per_layer_bound
+from fsdp_conformance.measure.meters import meter_floor_problems
+from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import UnitInfo
 
 
 class MixedCase(TypedDict):
@@ -129,7 +129,7 @@ def config_data(config: StepConfig) -> dict[str, Any]:
 
 
 def config_from(data: Mapping[str, Any]) -> StepConfig:
-    """The :class:`~fsdp_conformance.bound.StepConfig` of :func:`config_data`'s data."""
+    """The :class:`~fsdp_conformance.measure.bound.StepConfig` of :func:`config_data`'s data."""
     acts = data.get("activations")
     return StepConfig(
         **{**data, "activations": None if acts is None else ActivationProfile(**acts)}

@@ -1,7 +1,7 @@
 """``memory.peak_within_bound``: every rank's measured peak at or under the per-layer bound.
 
-The bound is :func:`~fsdp_conformance.bound.per_layer_bound` of the model's per-layer plan on
-meta (docs/memory.md derives every term); the peak is one measured step of the user's per-layer
+The bound is :func:`~fsdp_conformance.measure.bound.per_layer_bound` of the model's per-layer plan
+on meta (docs/memory.md derives every term); the peak is one measured step of the user's per-layer
 wrapping. The rank function also serves ``memory.sawtooth`` (the same step's timeline).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.bound import Bound, per_layer_bound
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.memory import measurement
 from fsdp_conformance.claims.memory.measurement import (
@@ -23,10 +22,11 @@ from fsdp_conformance.claims.memory.measurement import (
     wrapped_step,
 )
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.meters import meter_floor_problems
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.profile import plan_step
-from fsdp_conformance.units import UnitInfo, format_unit_tree
+from fsdp_conformance.measure.bound import Bound, per_layer_bound
+from fsdp_conformance.measure.meters import meter_floor_problems
+from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import UnitInfo, format_unit_tree
 
 
 class PeakResult(StepResult):

@@ -2,7 +2,7 @@
 real steps at small scale.
 
 The check runs training steps on the rank pools through the memory checks'
-:func:`~fsdp_conformance.step.measure_step` and judges every rank's peak against
+:func:`~fsdp_conformance.measure.step.measure_step` and judges every rank's peak against
 :func:`fsdp_conformance.plan.estimate.plan_model`'s estimate for the same model, policy, world
 size, optimizer, compute dtype and batch (docs/planning.md, "Trust"). Part of the memory claim:
 it runs in ``fsdp-conformance run``, reported after the other memory checks, with its per-case
@@ -14,10 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from fsdp_conformance.bound import BOUND_TOLERANCE, Bound, BoundTerm
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.measure.bound import BOUND_TOLERANCE, Bound, BoundTerm
+from fsdp_conformance.measure.step import measure_step
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.policies import wrapping_label
+from fsdp_conformance.models.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.plan.estimate import plan_model
 from fsdp_conformance.plan.model import (
     POLICIES,
@@ -27,11 +31,7 @@ from fsdp_conformance.plan.model import (
     checkpoint_every,
     checkpoint_ops,
 )
-from fsdp_conformance.policies import wrapping_label
-from fsdp_conformance.reference_models import LlamaConfig, ModelConfig
-from fsdp_conformance.sharding import InputCasts, input_casts_note
 from fsdp_conformance.sizes import format_bytes
-from fsdp_conformance.step import measure_step
 
 # step is imported at module top, as in the memory claim's measurement module: a parent that
 # loaded this module has its ranks' fork server preload step (and torch's memory trackers with

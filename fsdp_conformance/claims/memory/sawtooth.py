@@ -2,8 +2,8 @@
 each release.
 
 The step is :func:`~fsdp_conformance.claims.memory.peak_within_bound.rank_peak_within_bound`'s,
-its timeline sampled at every unit's hooks (:mod:`fsdp_conformance.timeline`); the check's own
-run also measures monolithic wrapping, for the picture (``compare_with``).
+its timeline sampled at every unit's hooks (:mod:`fsdp_conformance.measure.timeline`); the check's
+own run also measures monolithic wrapping, for the picture (``compare_with``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from fsdp_conformance.claims.memory.scaling import (
     measured_at,
 )
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.units import ROOT
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import ROOT
 
 #: A unit's gather (and release) must be within this fraction of its unsharded bytes.
 SAWTOOTH_TOLERANCE = 0.25

@@ -4,8 +4,8 @@
 A model built at a small width (hidden 64, a few layers: what users point the suite at first)
 has units of about 150 KB and a step that adds about 1 MB: under what the timeline tells apart
 from activations (:data:`SAWTOOTH_MIN_UNIT_BYTES`) and under the OS figure's resolution
-(:data:`~fsdp_conformance.meters.METER_RESOLUTION_BYTES`). Instead of skipping, the two checks
-measure a copy of the user's model scaled to the smallest size that resolves, and say so
+(:data:`~fsdp_conformance.measure.meters.METER_RESOLUTION_BYTES`). Instead of skipping, the two
+checks measure a copy of the user's model scaled to the smallest size that resolves, and say so
 (:class:`Scaling`, in the verdict's message and data). What is scaled, in this order, and why:
 
 * **Width**, first and for the sawtooth only: a unit's gather is its parameters, which grow
@@ -27,7 +27,7 @@ measure a copy of the user's model scaled to the smallest size that resolves, an
 
 The reference models are the suite's own and measured as configured (their default configs
 resolve). A scaled model must still fit the host memory the cpu lane plans with
-(:data:`~fsdp_conformance.user_model.CPU_BYTES_PER_PARAM` per parameter and rank).
+(:data:`~fsdp_conformance.models.user_model.CPU_BYTES_PER_PARAM` per parameter and rank).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from fsdp_conformance import hf
-from fsdp_conformance.bound import StepConfig, per_layer_bound
 from fsdp_conformance.claims.memory.measurement import block_bytes, mb
 from fsdp_conformance.harness import CheckSkipped, RankContext
-from fsdp_conformance.meters import METER_RESOLUTION_BYTES
-from fsdp_conformance.models import ModelSpec, ModelSpecError, depth_keyword, load_object
-from fsdp_conformance.user_model import CPU_BYTES_PER_PARAM, MEMORY_HEADROOM
+from fsdp_conformance.measure.bound import StepConfig, per_layer_bound
+from fsdp_conformance.measure.meters import METER_RESOLUTION_BYTES
+from fsdp_conformance.models import hf
+from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError, depth_keyword, load_object
+from fsdp_conformance.models.user_model import CPU_BYTES_PER_PARAM, MEMORY_HEADROOM
 
 #: Below this unsharded size of the largest unit, a unit's gather cannot be told apart from the
 #: activations and allocator rounding between two hooks: the sawtooth is not measurable.
@@ -280,7 +280,7 @@ def room_of(ctx: RankContext) -> Room:
     every rank must choose the same size, or their collectives would not match."""
     import torch.distributed as dist
 
-    from fsdp_conformance.user_model import _available_host_bytes
+    from fsdp_conformance.models.user_model import _available_host_bytes
 
     available = _available_host_bytes()
     least = torch.tensor([available or -1], dtype=torch.int64, device=ctx.device)
@@ -338,7 +338,7 @@ def _fields(spec: ModelSpec) -> dict[str, Any]:
 
 def unit_bytes(spec: ModelSpec) -> int:
     """Unsharded bytes (fp32) of the largest non-root unit of the per-layer plan, on meta."""
-    from fsdp_conformance.units import plan_units
+    from fsdp_conformance.models.units import plan_units
 
     built = spec.instantiate("meta")
     units = plan_units(built.model, built.policy("recommended"))
@@ -376,7 +376,7 @@ def for_sawtooth(ctx: RankContext, spec: ModelSpec) -> tuple[ModelSpec, Scaling 
 def step_estimate(spec: ModelSpec, world_size: int, version: str, batch_size: int) -> int:
     """What one step adds on a rank, estimated on meta: the per-layer bound less what exists
     before the step (sharded parameters, buffers, the batch; no optimizer state)."""
-    from fsdp_conformance.profile import plan_step
+    from fsdp_conformance.measure.profile import plan_step
 
     units, config = plan_step(spec, world_size, version, batch_size=batch_size)
     bound = per_layer_bound(units, config)

@@ -1,6 +1,6 @@
 """The configurations users stack on FSDP, FSDP1 and FSDP2, each trained against the
 single-process reference on the same global batch
-(:class:`~fsdp_conformance.reference_step.SliceReference`), with what torch did observed.
+(:class:`~fsdp_conformance.fsdp.reference_step.SliceReference`), with what torch did observed.
 
 One module per check family:
 
@@ -41,8 +41,8 @@ from fsdp_conformance.claims.stack.reshard import (
     verdict_reshard_after_forward,
     verdict_reshard_strategies,
 )
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import LlamaConfig
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import LlamaConfig
 
 _REF = ModelSpec(reference="odd")
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.stack.training import (
     LR,
     STEPS,
@@ -49,11 +50,8 @@ from fsdp_conformance.claims.stack.training import (
     parity_problems,
     per_unit,
 )
-from fsdp_conformance.collectives import record_collectives, unit_sizes
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
+from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
     model_loss,
@@ -62,9 +60,11 @@ from fsdp_conformance.reference_step import (
     reported_dtype,
     sgd_step,
 )
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
-from fsdp_conformance.state_dict_kinds import get_state
-from fsdp_conformance.units import clean_fqn, planned_unit_modules
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh, shard_fsdp1
+from fsdp_conformance.fsdp.state_dict_kinds import get_state
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
+from fsdp_conformance.models.units import clean_fqn, planned_unit_modules
 
 #: The settings each check trains, beside ``none`` (no checkpointing: the baseline).
 #: ``stack.checkpointing.reentrant_outside_unit`` is FSDP1's reentrant checkpoint around the unit

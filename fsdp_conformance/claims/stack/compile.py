@@ -11,7 +11,7 @@ single-process reference, with the collectives and what Dynamo compiled observed
   who forgot gets: recorded, not judged on its compile counts; docs/stack/compile.md).
 
 Each setting trains :data:`STEPS` SGD steps twice, eager and compiled, each sharded the same
-way and each against its own :class:`~fsdp_conformance.reference_step.SliceReference` (both
+way and each against its own :class:`~fsdp_conformance.fsdp.reference_step.SliceReference` (both
 sides starting each step from the same parameters). Judged: every loss and update of the
 compiled side equal to the reference's; per step, per phase (forward, backward), per unit, the
 compiled side's collectives the same as eager's (compile must neither drop nor duplicate a
@@ -36,6 +36,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.stack.training import (
     LR,
     STEPS,
@@ -43,11 +44,8 @@ from fsdp_conformance.claims.stack.training import (
     parity_problems,
     per_unit,
 )
-from fsdp_conformance.collectives import record_collective_calls, unit_sizes
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import record_collective_calls, unit_sizes
+from fsdp_conformance.fsdp.reference_step import (
     NEGLIGIBLE_SHARE,
     TensorComparison,
     full_params,
@@ -57,8 +55,10 @@ from fsdp_conformance.reference_step import (
     reported_dtype,
     sgd_step,
 )
-from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
-from fsdp_conformance.units import planned_unit_modules
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import planned_unit_modules
 
 # Parity with the reference: the loop claim's tolerances (``reference_step.UPDATE_RTOL`` /
 # ``LOSS_RTOL``, docs/loop.md), unchanged: aot_eager runs the same ATen ops as eager (measured:

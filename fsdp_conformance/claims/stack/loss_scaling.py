@@ -41,18 +41,16 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.stack.training import build_side
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
     model_loss,
     observe_update,
     reference_params,
 )
-from fsdp_conformance.sharding import (
+from fsdp_conformance.fsdp.sharding import (
     InputCasts,
     check_fsdp_version,
     input_casts_note,
@@ -60,6 +58,8 @@ from fsdp_conformance.sharding import (
     shard,
     with_fsdp1_input_casts,
 )
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Optimizer steps per run (each rank's rows per step: ``stack.training.PER_RANK``).
 STEPS = 6

@@ -33,17 +33,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.stack.training import (
     LR,
     STEPS,
     build_side,
     parity_problems,
 )
-from fsdp_conformance.collectives import record_collectives, unit_sizes
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
+from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
     model_loss,
@@ -52,8 +50,10 @@ from fsdp_conformance.reference_step import (
     reported_dtype,
     sgd_step,
 )
-from fsdp_conformance.sharding import check_fsdp_version, shard
-from fsdp_conformance.tensors import state_digest
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard
+from fsdp_conformance.fsdp.tensors import state_digest
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: FSDP1's hybrid strategies, both run on every mesh (torch's ``ShardingStrategy`` names).
 FSDP1_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

@@ -12,7 +12,7 @@ pass explicitly, trained against the single-process reference, with what torch d
   all-reduces instead of reduce-scattering).
 
 Each setting trains :data:`STEPS` SGD steps on the ``odd`` model; every step's update is
-compared with the reference's (:class:`~fsdp_conformance.reference_step.SliceReference`, both
+compared with the reference's (:class:`~fsdp_conformance.fsdp.reference_step.SliceReference`, both
 sides starting each step from the same parameters). What a setting must do is its documented
 meaning (:func:`expected_after_forward`, :data:`STRATEGY_MEANING`); a release that changes the
 meaning of an explicit option fails here, naming the unit and the option.
@@ -33,6 +33,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.stack.training import (
     LR,
     STEPS,
@@ -41,11 +42,8 @@ from fsdp_conformance.claims.stack.training import (
     parity_problems,
     per_unit,
 )
-from fsdp_conformance.collectives import CollectiveRecorder, record_collectives, unit_sizes
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import CollectiveRecorder, record_collectives, unit_sizes
+from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
     model_loss,
@@ -54,8 +52,10 @@ from fsdp_conformance.reference_step import (
     reported_dtype,
     sgd_step,
 )
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp1
-from fsdp_conformance.units import clean_fqn, planned_unit_modules
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh, shard_fsdp1
+from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import clean_fqn, planned_unit_modules
 
 #: FSDP1's strategies as the check passes them, and what each must do: (the units kept
 #: unsharded after forward, "all" or only the "root"; the collective that reduces each unit's

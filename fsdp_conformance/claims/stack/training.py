@@ -2,7 +2,7 @@
 does, its reference, the batches, and the parity lines of a trained setting.
 
 Each family trains :data:`STEPS` plain SGD steps (:data:`LR`) on both sides and compares every
-update with :func:`~fsdp_conformance.reference_step.observe_update` (both sides starting each
+update with :func:`~fsdp_conformance.fsdp.reference_step.observe_update` (both sides starting each
 step from the same parameters), with the loop claim's tolerances
 (``reference_step.UPDATE_RTOL`` / ``LOSS_RTOL``).
 """
@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance.collectives import CollectiveRecorder
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.collectives import CollectiveRecorder
+from fsdp_conformance.fsdp.determinism import disable_dropout, require_deterministic
+from fsdp_conformance.fsdp.reference_step import (
     LOSS_RTOL,
     UPDATE_RTOL,
     SliceReference,
@@ -31,7 +30,8 @@ from fsdp_conformance.reference_step import (
     parameter_dtype,
     update_problems,
 )
-from fsdp_conformance.step import disable_dropout, require_deterministic
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
 
 #: SGD steps per setting, each on its own micro-batch; the learning rate (an update ~1e-2 of the
 #: parameters: well above their rounding).

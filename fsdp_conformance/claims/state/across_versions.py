@@ -51,9 +51,7 @@ from fsdp_conformance.claims.state.state_dicts import (
     set_state,
     unreadable_line,
 )
-from fsdp_conformance.harness import CheckSkipped, RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_step import (
+from fsdp_conformance.fsdp.reference_step import (
     LOSS_RTOL,
     UPDATE_RTOL,
     TensorComparison,
@@ -65,7 +63,9 @@ from fsdp_conformance.reference_step import (
     update_resolution,
     updates,
 )
-from fsdp_conformance.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.harness import CheckSkipped, RankContext
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Written beside each saved checkpoint (its own name: a folder of this family is never read as
 #: ``state.checkpoint``'s).

@@ -30,9 +30,9 @@ from fsdp_conformance.claims.state.state_dicts import (
     unreadable_line,
     where,
 )
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Written beside each saved checkpoint: who saved it (torch, FSDP version, model, world size)
 #: and the digests of every value saved, which a later run's load must give back.

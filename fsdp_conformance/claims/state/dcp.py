@@ -24,9 +24,9 @@ from fsdp_conformance.claims.state.state_dicts import (
     shared_folder,
     where,
 )
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version
+from fsdp_conformance.models.model_spec import ModelSpec
 
 
 class DcpResult(TypedDict):

@@ -1,4 +1,4 @@
-"""The state claim's negative controls: one :class:`~fsdp_conformance.faults.FaultTable`.
+"""The state claim's negative controls: one :class:`~fsdp_conformance.claims.faults.FaultTable`.
 
 Each fault changes, for the duration of one rank function, what a user's code or torch does
 with a state dict: a value changed before it is loaded, the optimizer's state left out of a
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance.claims.faults import Fault, FaultEffect, FaultTable, patched
 from fsdp_conformance.claims.state.state_dicts import FULL
-from fsdp_conformance.faults import Fault, FaultEffect, FaultTable, patched
+from fsdp_conformance.fsdp.tensors import local_tensor
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.tensors import local_tensor
 
 #: Added to one value of a dict (the wrong shard or value a fault puts in).
 PERTURBATION = 1e-3

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from fsdp_conformance import capabilities
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.state.faults import FAULTS
 from fsdp_conformance.claims.state.state_dicts import (
@@ -22,9 +21,10 @@ from fsdp_conformance.claims.state.state_dicts import (
     save_checkpoint,
     shared_folder,
 )
+from fsdp_conformance.fsdp import capabilities
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Where a checkpoint saved at the smaller world size is loaded: both FSDP versions, at the
 #: whole world size.

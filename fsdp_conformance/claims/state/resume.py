@@ -28,9 +28,9 @@ from fsdp_conformance.claims.state.state_dicts import (
     shared_folder,
     snapshot,
 )
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import CheckSkipped, RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version
+from fsdp_conformance.models.model_spec import ModelSpec
 
 #: The kinds of model and optimizer state dict a resumed run is loaded from, per version.
 RESUME_KINDS: dict[str, tuple[str, ...]] = {
@@ -193,7 +193,7 @@ def _dcp_failure(exc: BaseException) -> str:
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
     """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
-    from fsdp_conformance.models import call_model, default_loss
+    from fsdp_conformance.models.model_spec import call_model, default_loss
 
     torch.manual_seed(seed)
     loss = default_loss(call_model(model, batch))

@@ -42,9 +42,9 @@ from fsdp_conformance.claims.state.state_dicts import (
     section,
     set_state,
 )
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version
+from fsdp_conformance.models.model_spec import ModelSpec
 
 
 class _Got(TypedDict):

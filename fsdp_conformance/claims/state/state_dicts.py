@@ -4,8 +4,8 @@ digests of every tensor, the checkpoint files every rank writes and reads, and t
 comparison of digests against the reference (docs/state.md).
 
 The kinds and their getters (``KINDS``, ``get_state``, ``set_state``) live in the sharding block
-(:mod:`fsdp_conformance.sharding`), which the loop claim reads too; they are re-exported here for
-the state claim's modules.
+(:mod:`fsdp_conformance.fsdp.sharding`), which the loop claim reads too; they are re-exported here
+for the state claim's modules.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from fsdp_conformance import capabilities
+from fsdp_conformance.fsdp import capabilities
+from fsdp_conformance.fsdp.sharding import shard
+from fsdp_conformance.fsdp.state_dict_kinds import GET_ONLY as GET_ONLY
+from fsdp_conformance.fsdp.state_dict_kinds import KINDS as KINDS
+from fsdp_conformance.fsdp.state_dict_kinds import RANK0_ONLY as RANK0_ONLY
+from fsdp_conformance.fsdp.state_dict_kinds import fsdp2_options as fsdp2_options
+from fsdp_conformance.fsdp.state_dict_kinds import get_state as get_state
+from fsdp_conformance.fsdp.state_dict_kinds import offload_to_cpu as offload_to_cpu
+from fsdp_conformance.fsdp.state_dict_kinds import set_state as set_state
+from fsdp_conformance.fsdp.tensors import local_tensor, sha256_of
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.reference_models import ModelConfig
-from fsdp_conformance.sharding import shard
-from fsdp_conformance.state_dict_kinds import GET_ONLY as GET_ONLY
-from fsdp_conformance.state_dict_kinds import KINDS as KINDS
-from fsdp_conformance.state_dict_kinds import RANK0_ONLY as RANK0_ONLY
-from fsdp_conformance.state_dict_kinds import fsdp2_options as fsdp2_options
-from fsdp_conformance.state_dict_kinds import get_state as get_state
-from fsdp_conformance.state_dict_kinds import offload_to_cpu as offload_to_cpu
-from fsdp_conformance.state_dict_kinds import set_state as set_state
-from fsdp_conformance.tensors import local_tensor, sha256_of
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.reference_models import ModelConfig
 
 #: Kinds whose dict holds full tensors: compared with the reference as got, before any load.
 FULL = frozenset({"full", "full_rank0_only", "full_rank0"})
@@ -70,7 +70,7 @@ def build_sharded(
     ctx: RankContext, spec: ModelSpec, version: str, seed: int, **options: Any
 ) -> nn.Module:
     """The model built under ``seed`` on the compute device and sharded as a user shards it
-    (``options``: :func:`~fsdp_conformance.sharding.shard`'s, a process group or mesh say)."""
+    (``options``: :func:`~fsdp_conformance.fsdp.sharding.shard`'s, a process group or mesh say)."""
     torch.manual_seed(seed)
     built = spec.instantiate(ctx.device)
     return shard(built.model, ctx, version, built.policy("recommended"), **options)

@@ -25,10 +25,10 @@ from fsdp_conformance.claims.state.state_dicts import (
     offload_to_cpu,
     section,
 )
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.sharding import check_fsdp_version, shard
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.units import clean_fqn
 
 #: Added inside ``summon_full_params`` to every value of the first parameter (by name).
 WRITE_DELTA = 1.0
@@ -156,8 +156,8 @@ def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int) -> SummonedGra
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from fsdp_conformance.models import call_model, default_loss
-    from fsdp_conformance.step import disable_dropout
+    from fsdp_conformance.fsdp.determinism import disable_dropout
+    from fsdp_conformance.models.model_spec import call_model, default_loss
 
     torch.manual_seed(seed)
     built = spec.instantiate(ctx.device)

@@ -3,7 +3,7 @@ are wrapped by the size rule, nothing else; and what follows from the units: tra
 the second seed's mixed configuration, prefetch order, torch's policy builders.
 
 One module per check family, each with its rank function, verdicts, result type and faults
-(negative controls, :mod:`fsdp_conformance.faults`); what the families share is in
+(negative controls, :mod:`fsdp_conformance.claims.faults`); what the families share is in
 :mod:`~fsdp_conformance.claims.wrap.wrapping`:
 
 * :mod:`~fsdp_conformance.claims.wrap.units`: ``wrap.units.exact`` (the actual units equal
@@ -47,7 +47,7 @@ from fsdp_conformance.claims.wrap.units import (
     verdict_units_exact,
     verdict_units_plan,
 )
-from fsdp_conformance.models import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec
 
 _REF = ModelSpec(reference="massive")
 _TIED = ModelSpec(reference="tied")

@@ -15,8 +15,9 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from fsdp_conformance import _compat, policies
+from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.wrap.units import expected_units
 from fsdp_conformance.claims.wrap.wrapping import (
     CONTAINERS,
@@ -25,13 +26,13 @@ from fsdp_conformance.claims.wrap.wrapping import (
     fsdp1_strategies,
     units_of,
 )
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.policies import PolicyError
-from fsdp_conformance.reference_models import BOUNDARY_MIN_PARAMS, SizeBoundaryModel
-from fsdp_conformance.sharding import check_fsdp_version, shard
-from fsdp_conformance.units import (
+from fsdp_conformance.models import policies
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.policies import PolicyError
+from fsdp_conformance.models.reference_models import BOUNDARY_MIN_PARAMS, SizeBoundaryModel
+from fsdp_conformance.models.units import (
     actual_units,
     format_unit_mismatch,
     unit_differences,
@@ -362,7 +363,7 @@ def _boundary_rule(ctx: RankContext, version: str, rule: str) -> RuleUnits:
 def rank_builders_size_boundary(
     ctx: RankContext, version: str = "fsdp1", fault: str | Sequence[str] | None = None
 ) -> SizeBoundaryResult:
-    """Shard :class:`~fsdp_conformance.reference_models.SizeBoundaryModel` under torch's size
+    """Shard :class:`~fsdp_conformance.models.reference_models.SizeBoundaryModel` under torch's size
     builder and under the recommended policy (FSDP1; FSDP2 through the plan, as every FSDP2
     check); report the units torch built and what the size rule was asked at the boundary.
     ``fault``: names in :data:`FAULTS`."""

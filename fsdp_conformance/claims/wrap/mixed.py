@@ -13,18 +13,18 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.wrap.wrapping import (
     build,
     fsdp1_strategies,
     record_compute_dtypes,
     units_of,
 )
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh, shard_fsdp2_modules
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
-from fsdp_conformance.policies import PolicyError
-from fsdp_conformance.sharding import check_fsdp_version, device_mesh, shard_fsdp2_modules
-from fsdp_conformance.units import actual_units, clean_fqn, format_unit_tree
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
+from fsdp_conformance.models.policies import PolicyError
+from fsdp_conformance.models.units import actual_units, clean_fqn, format_unit_tree
 
 # --------------------------------------------------------------------------------------------
 # The user's per-unit options

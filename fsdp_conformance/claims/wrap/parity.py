@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.models import call_model, default_loss
+from fsdp_conformance.models.model_spec import call_model, default_loss
 
 #: How close (relative) an update factor must be to a named cause for the message to name it.
 FACTOR_MATCH_RTOL = 0.02

@@ -20,13 +20,13 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.wrap.wrapping import build, shard_with_policy
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.sharding import check_fsdp_version
-from fsdp_conformance.units import ROOT, actual_units, clean_fqn
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
+from fsdp_conformance.models.policies import PolicyName
+from fsdp_conformance.models.units import ROOT, actual_units, clean_fqn
 
 # --------------------------------------------------------------------------------------------
 # The user's prefetch settings

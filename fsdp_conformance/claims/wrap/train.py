@@ -22,6 +22,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.wrap.parity import (
     MixedPrecisionReference,
     compare_updates,
@@ -30,21 +31,26 @@ from fsdp_conformance.claims.wrap.parity import (
     update_lost,
 )
 from fsdp_conformance.claims.wrap.wrapping import build, record_compute_dtypes, shard_with_policy
-from fsdp_conformance.faults import Fault, FaultTable, patched
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import BuiltModel, ModelSpec, batch_rows, call_model, default_loss
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.reference_step import full_params, sgd_step
-from fsdp_conformance.sharding import (
+from fsdp_conformance.fsdp.determinism import disable_dropout, require_deterministic
+from fsdp_conformance.fsdp.reference_step import full_params, sgd_step
+from fsdp_conformance.fsdp.sharding import (
     InputCasts,
     check_fsdp_version,
     device_mesh,
     input_casts_note,
     with_fsdp1_input_casts,
 )
-from fsdp_conformance.step import disable_dropout, require_deterministic
-from fsdp_conformance.tensors import listing, local_shard
-from fsdp_conformance.units import planned_unit_modules
+from fsdp_conformance.fsdp.tensors import listing, local_shard
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import (
+    BuiltModel,
+    ModelSpec,
+    batch_rows,
+    call_model,
+    default_loss,
+)
+from fsdp_conformance.models.policies import PolicyName
+from fsdp_conformance.models.units import planned_unit_modules
 
 #: Tolerances of the training-parity checks (measured margins in docs/wrapping.md).
 FP32_ATOL = 1e-5  # max |param - reference| after the steps; fp32 reduction order only

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance import policies
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched
 from fsdp_conformance.claims.wrap.wrapping import (
     CONTAINERS,
     RankUnits,
@@ -27,12 +27,12 @@ from fsdp_conformance.claims.wrap.wrapping import (
     shard_with_policy,
     units_of,
 )
-from fsdp_conformance.faults import Fault, FaultTable, patched
+from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.policies import Policy, PolicyName, shared_parameter_groups
-from fsdp_conformance.sharding import check_fsdp_version
-from fsdp_conformance.units import (
+from fsdp_conformance.models import policies
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
+from fsdp_conformance.models.policies import Policy, PolicyName, shared_parameter_groups
+from fsdp_conformance.models.units import (
     ROOT,
     UnitInfo,
     actual_units,
@@ -170,8 +170,8 @@ def seeds_full_scale_plan(
     policy: PolicyName = "seeds_verbatim",
 ) -> tuple[list[UnitInfo], Verdict]:
     """The plan of a policy on the seeds' full-scale MassiveModel (meta, no allocation)."""
-    from fsdp_conformance.policies import SEED_MIN_PARAMS
-    from fsdp_conformance.reference_models import DecoderLayer, MassiveModel, ModelConfig
+    from fsdp_conformance.models.policies import SEED_MIN_PARAMS
+    from fsdp_conformance.models.reference_models import DecoderLayer, MassiveModel, ModelConfig
 
     with torch.device("meta"):
         model = MassiveModel(ModelConfig.seeds_full_scale())

@@ -2,7 +2,7 @@
 policy, read back the units and strategies torch built, and record the dtypes it computes in.
 
 The family modules call these by their module-level names, so a fault of a family
-(:mod:`fsdp_conformance.faults`) can patch, in that family's module only, the step it breaks.
+(:mod:`fsdp_conformance.claims.faults`) can patch, in that family's module only, the step it breaks.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.fsdp.sharding import fsdp1_options, shard
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models import BuiltModel, ModelSpec
-from fsdp_conformance.sharding import fsdp1_options, shard
-from fsdp_conformance.units import UnitInfo, clean_fqn, planned_unit_modules
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
+from fsdp_conformance.models.units import UnitInfo, clean_fqn, planned_unit_modules
 
 #: Containers with no forward of their own: FSDP1 cannot gather around them, and torch's size
 #: policy never wraps them (``exclude_wrap_modules``), so the claim never expects them as units.

@@ -1,7 +1,8 @@
 """From a model to the bound's inputs, on meta tensors (nothing allocated).
 
-:func:`plan_step` gives the per-layer unit plan and the :class:`~fsdp_conformance.bound.StepConfig`
-of a model; :func:`profile_activations` measures its activations per unit with a forward on meta.
+:func:`plan_step` gives the per-layer unit plan and the
+:class:`~fsdp_conformance.measure.bound.StepConfig` of a model; :func:`profile_activations` measures
+its activations per unit with a forward on meta.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from fsdp_conformance._compat import (
     torch_dispatch_mode_cls,
     tree_leaves,
 )
-from fsdp_conformance.bound import (
+from fsdp_conformance.measure.bound import (
     BOUND_TOLERANCE,
     ActivationProfile,
     MeasureError,
     StepConfig,
 )
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
-from fsdp_conformance.units import ROOT, UnitInfo
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
+from fsdp_conformance.models.units import ROOT, UnitInfo
 
 
 def unit_of(model: torch.nn.Module, units: Sequence[UnitInfo]) -> dict[int, str]:
@@ -520,7 +521,7 @@ _PLANS: dict[tuple[Any, ...], tuple[list[UnitInfo], ActivationProfile, int]] = {
 
 
 def _plan_key(spec: ModelSpec, batch_size: int) -> tuple[Any, ...]:
-    from fsdp_conformance.models import load_object
+    from fsdp_conformance.models.model_spec import load_object
 
     callables = tuple(
         load_object(path, what) if path else None
@@ -561,7 +562,7 @@ def plan_step(
 def _profile_on_meta(
     spec: ModelSpec, batch_size: int
 ) -> tuple[list[UnitInfo], ActivationProfile, int]:
-    from fsdp_conformance.units import plan_units
+    from fsdp_conformance.models.units import plan_units
 
     built = spec.instantiate("meta")
     model = built.model

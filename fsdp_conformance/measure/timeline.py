@@ -11,7 +11,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_conformance._compat import tree_leaves
-from fsdp_conformance.meters import Meter
+from fsdp_conformance.measure.meters import Meter
 
 #: Phases in the order a unit goes through them. ``gather``/``release`` samples are taken just
 #: before FSDP's own pre-/post-forward hooks and ``forward``/``forward_done`` just after, so a
@@ -35,7 +35,7 @@ def _units_with_modules(model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
     """(fqn, outer, inner) per FSDP unit: FSDP1's wrapper and wrapped module; FSDP2's module."""
 
     from fsdp_conformance import _compat
-    from fsdp_conformance.units import clean_fqn
+    from fsdp_conformance.models.units import clean_fqn
 
     fsdp2 = _compat.fsdp_module_cls()
     found = []

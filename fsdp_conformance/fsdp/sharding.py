@@ -1,8 +1,9 @@
 """Apply FSDP to a model: FSDP1 with an auto-wrap policy, FSDP2 from the same plan.
 
 FSDP2 has no auto-wrap: the same decisions are expressed by planning the units with the FSDP1
-policy (:func:`fsdp_conformance.units.planned_unit_modules`) and calling ``fully_shard`` on each
-chosen module bottom-up, then on the root. Both paths take a :class:`RankContext` for the device.
+policy (:func:`fsdp_conformance.models.units.planned_unit_modules`) and calling ``fully_shard`` on
+each chosen module bottom-up, then on the root. Both paths take a :class:`RankContext` for the
+device.
 
 The state dicts of each kind (:data:`KINDS`) are got and set here too (:func:`get_state`,
 :func:`set_state`), as torch hands them to a user: the state claim and the loop claim both read
@@ -19,9 +20,10 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import _compat, capabilities
+from fsdp_conformance import _compat
+from fsdp_conformance.fsdp import capabilities
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.units import planned_unit_modules
+from fsdp_conformance.models.units import planned_unit_modules
 
 FSDP_VERSIONS = ("fsdp1", "fsdp2")
 
@@ -45,7 +47,7 @@ def shard_fsdp1(model: nn.Module, ctx: RankContext, policy: Any, **fsdp_kwargs: 
 
 def device_mesh(ctx: RankContext) -> Any:
     """The 1-D mesh of FSDP2 over the world; a check about to use FSDP2 on a torch that cannot
-    run it on this device skips here (:data:`~fsdp_conformance.capabilities.FSDP2_ON_CPU`)."""
+    run it on this device skips here (:data:`~fsdp_conformance.fsdp.capabilities.FSDP2_ON_CPU`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     capabilities.require(capabilities.FSDP2_ON_CPU, ctx.device_type)
@@ -156,10 +158,10 @@ INPUT_CASTS_FIX = "MixedPrecision(..., cast_forward_inputs=True)"
 
 def fsdp1_input_dtype_error(exc: BaseException) -> str | None:
     """torch's one line when ``exc`` is FSDP1's known input-dtype error (the
-    ``fsdp1-input-dtype`` entry of :data:`fsdp_conformance.torch_errors.KNOWN_ERRORS`: a unit
+    ``fsdp1-input-dtype`` entry of :data:`fsdp_conformance.fsdp.torch_errors.KNOWN_ERRORS`: a unit
     handed inputs not in its parameters' dtype, raised under ``FullyShardedDataParallel``'s
     forward), else None."""
-    from fsdp_conformance import torch_errors
+    from fsdp_conformance.fsdp import torch_errors
 
     error = torch_errors.parse_traceback("".join(traceback.format_exception(exc)))
     if error is None:

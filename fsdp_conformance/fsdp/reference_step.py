@@ -26,8 +26,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.harness import skip_rank
-from fsdp_conformance.models import batch_rows, call_model, default_loss
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.models.model_spec import batch_rows, call_model, default_loss
+from fsdp_conformance.models.units import clean_fqn
 
 #: Below this share of the largest reference value in a set, a tensor is judged against that
 #: floor, not against its own scale (a gradient whose true value is zero comes out at rounding
@@ -35,7 +35,7 @@ from fsdp_conformance.units import clean_fqn
 NEGLIGIBLE_SHARE = 1e-5
 
 #: A loss of one slice: ``loss(model, slice) -> scalar``; the default is the suite's loss on
-#: the model's output (:func:`~fsdp_conformance.models.default_loss`).
+#: the model's output (:func:`~fsdp_conformance.models.model_spec.default_loss`).
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 

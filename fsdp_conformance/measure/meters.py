@@ -3,7 +3,7 @@
 torch's ``MemTracker`` / ``FSDPMemTracker`` on CPU (via :mod:`~fsdp_conformance._compat`), the OS
 high-water mark as ground truth (and as the fallback when an upgrade moves the trackers), the
 CUDA caching allocator on GPU. The memory claim, the planner's trust check (through
-:mod:`~fsdp_conformance.step`) and init's peak check read memory only through this module.
+:mod:`~fsdp_conformance.measure.step`) and init's peak check read memory only through this module.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from fsdp_conformance._compat import storage_key, tree_leaves
-from fsdp_conformance.bound import MeasureError
 from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.measure.bound import MeasureError
 
 #: The OS high-water mark resolves tensor memory to about 1 MB (docs/memory.md, "Facts about
 #: measuring memory on CPU"), on each of the two

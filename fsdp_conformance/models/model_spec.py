@@ -4,8 +4,8 @@ batches), the user's objects loaded by import path, and the batch and loss every
 uses on any model.
 
 The reference models themselves (the seeds' ``MassiveModel`` and the cases around them) are in
-:mod:`fsdp_conformance.reference_models`; block-class resolution is in
-:mod:`fsdp_conformance.block_classes`.
+:mod:`fsdp_conformance.models.reference_models`; block-class resolution is in
+:mod:`fsdp_conformance.models.block_classes`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import hf, policies
-from fsdp_conformance.block_classes import block_classes_of
-from fsdp_conformance.policies import SEED_MIN_PARAMS, Policy, PolicyName
-from fsdp_conformance.reference_models import (
+from fsdp_conformance.models import hf, policies
+from fsdp_conformance.models.block_classes import block_classes_of
+from fsdp_conformance.models.policies import SEED_MIN_PARAMS, Policy, PolicyName
+from fsdp_conformance.models.reference_models import (
     REFERENCE_MODELS,
     LlamaConfig,
     ModelConfig,
@@ -67,7 +67,7 @@ def make_batch(
     """A deterministic input batch (the same on every rank for a seed).
 
     A transformers ``PreTrainedModel`` (looked through FSDP1's wrapper) gets keyword inputs
-    from its config (:func:`fsdp_conformance.hf.default_inputs`: ``input_ids`` below
+    from its config (:func:`fsdp_conformance.models.hf.default_inputs`: ``input_ids`` below
     ``vocab_size``, plus ``decoder_input_ids`` for an encoder-decoder), a mapping that
     :func:`call_model` passes as keyword arguments. Any other model gets one tensor whose kind
     follows its first ``nn.Embedding`` or ``nn.Linear`` in registration order (wrappers are
@@ -348,7 +348,7 @@ class ModelSpec:
 
     def block_classes(self, model: nn.Module) -> tuple[type[nn.Module], ...]:
         """The block classes, resolved against the built model (clear error if absent):
-        :func:`fsdp_conformance.block_classes.block_classes_of`."""
+        :func:`fsdp_conformance.models.block_classes.block_classes_of`."""
         return block_classes_of(
             model, given=self.block_cls, reference=self.reference, name=self.name
         )
@@ -438,7 +438,7 @@ class BuiltModel:
         return self.spec.size_threshold(self.model)
 
     def policy(self, name: PolicyName, *, full_scale: bool = False) -> Policy:
-        """The auto-wrap policy ``name`` (:func:`fsdp_conformance.policies.policy`) for this
+        """The auto-wrap policy ``name`` (:func:`fsdp_conformance.models.policies.policy`) for this
         model, with the spec's block classes and size threshold.
 
         ``full_scale``: the model is at the seeds' own scale, so ``seeds`` keeps the seeds'

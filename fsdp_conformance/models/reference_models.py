@@ -2,7 +2,8 @@
 
 Every model here is an ordinary ``nn.Module`` that builds on any device (``torch.device("meta")``
 included), defines ``reset_parameters`` on each module that owns state (FSDP1's default meta
-path calls it), and takes a plain batch built by :func:`fsdp_conformance.models.make_batch`.
+path calls it), and takes a plain batch built by
+:func:`fsdp_conformance.models.model_spec.make_batch`.
 :data:`REFERENCE_MODELS` names them, with their block classes, for ``ModelSpec(reference=...)``.
 
 Sizes: the seeds' full-scale model is dim 4096, 8 layers, vocab 32000, size threshold 2e7. The
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_conformance.policies import SEED_MIN_PARAMS
+from fsdp_conformance.models.policies import SEED_MIN_PARAMS
 
 SEED_DIM = 4096
 SEED_VOCAB = 32000

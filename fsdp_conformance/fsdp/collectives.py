@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance.models.units import clean_fqn
 
 #: The collective kinds recorded, by the words in their ``c10d`` op names.
 KINDS = (

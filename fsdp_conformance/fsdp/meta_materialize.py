@@ -1,13 +1,13 @@
 """Meta-device init, phase 2: shard a meta model and materialize it; then inspect the result.
 
-The phases of a meta init (:mod:`fsdp_conformance.meta_init` holds the first and the third):
+The phases of a meta init (:mod:`fsdp_conformance.fsdp.meta_init` holds the first and the third):
 
-1. Build on meta (:func:`~fsdp_conformance.meta_init.build_on_meta`).
+1. Build on meta (:func:`~fsdp_conformance.fsdp.meta_init.build_on_meta`).
 2. **Shard, then** ``to_empty``/**materialize** (:func:`materialize`, by method): FSDP1 wraps the
    meta model and materializes one unit at a time through a ``param_init_fn`` (or its default
    path, ``to_empty`` + ``reset_parameters``); FSDP2 ``fully_shard``\\ s the meta model, then
    ``to_empty`` allocates only the local shards.
-3. Initialize (:mod:`~fsdp_conformance.meta_init`'s deterministic init, or the method's own
+3. Initialize (:mod:`~fsdp_conformance.fsdp.meta_init`'s deterministic init, or the method's own
    calls; :func:`reference_for` makes the same calls single-process).
 
 Then **inspect** (:func:`inspect_sharded`): where every tensor is, and whether this rank's shards
@@ -25,8 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.harness import RankContext
-from fsdp_conformance.meta_init import (
+from fsdp_conformance.fsdp.meta_init import (
     RESET_PARAMETERS,
     DeterministicParamInit,
     ModuleInit,
@@ -39,11 +38,12 @@ from fsdp_conformance.meta_init import (
     reference_model,
     tensors_on_meta,
 )
-from fsdp_conformance.models import ModelSpec
-from fsdp_conformance.policies import PolicyName
-from fsdp_conformance.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
-from fsdp_conformance.tensors import state_digest
-from fsdp_conformance.units import clean_fqn, planned_unit_modules
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
+from fsdp_conformance.fsdp.tensors import state_digest
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.policies import PolicyName
+from fsdp_conformance.models.units import clean_fqn, planned_unit_modules
 
 #: How a sharded model gets its values.
 #: - ``deterministic``: this module's per-FQN init (FSDP1 ``param_init_fn``; FSDP2 after

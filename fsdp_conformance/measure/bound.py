@@ -1,7 +1,7 @@
 """The per-layer bound: plain data in, plain data out (no model, no allocation).
 
 :func:`per_layer_bound` is a pure function of a unit plan (``UnitInfo`` rows from
-:func:`~fsdp_conformance.units.plan_units`) and a :class:`StepConfig` (world size, dtypes,
+:func:`~fsdp_conformance.models.units.plan_units`) and a :class:`StepConfig` (world size, dtypes,
 optimizer, activation profile). Term by term, so it also answers at full scale (70B on 1,024
 ranks). docs/memory.md derives every term. The memory claim, init's peak check and the planner
 all use it.
@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdp_conformance.models.units import ROOT, UnitInfo
 from fsdp_conformance.sizes import MB
-from fsdp_conformance.units import ROOT, UnitInfo
 
 #: Relative tolerance on the bound. Tracker peaks are deterministic at fixed settings, but the
 #: OS and CUDA figures move a few percent run to run (up to ~8% seen: docs/memory.md,

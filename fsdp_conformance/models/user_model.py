@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance import hf
-from fsdp_conformance.block_classes import tie_safe_note
-from fsdp_conformance.models import (
+from fsdp_conformance.models import hf
+from fsdp_conformance.models.block_classes import tie_safe_note
+from fsdp_conformance.models.model_spec import (
     DEPTH_KEYWORDS,
     BuiltModel,
     ModelSpec,
@@ -79,7 +79,7 @@ def validate_user_model(
     a tie whole); ``flag_style`` spells the flags in the messages as the front end does;
     ``depth_rebuild``: whether a selected check rebuilds the model at other depths.
     """
-    from fsdp_conformance.policies import validate_plan
+    from fsdp_conformance.models.policies import validate_plan
 
     built = _build_on_meta(spec)
     model = built.model

@@ -6,7 +6,7 @@ Both are built on torch's own builders (``transformer_auto_wrap_policy``,
 :func:`policy` is the one registry every claim and the planner resolve a policy name with
 (:data:`PolicyName`, one vocabulary): the planner's ``--policy`` names (:data:`PLAN_POLICIES`)
 are some of its names, and memory's wrappings (:data:`WRAPPINGS`) are a policy of it plus the
-reshard choice. Block classes are resolved in :mod:`fsdp_conformance.block_classes`.
+reshard choice. Block classes are resolved in :mod:`fsdp_conformance.models.block_classes`.
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ def policy(
 
     ``blocks`` and ``min_params`` are used by the names that need them (those of
     :data:`BLOCKLESS` ignore both). An unknown name raises :class:`PolicyError` listing the
-    names. A check reaches it through ``BuiltModel.policy`` (:mod:`fsdp_conformance.models`),
-    which takes the block classes and the threshold from the model's spec.
+    names. A check reaches it through ``BuiltModel.policy``
+    (:mod:`fsdp_conformance.models.model_spec`), which takes the block classes and the threshold
+    from the model's spec.
     """
     blocks = tuple(blocks)
     if name == "recommended":
@@ -217,7 +218,7 @@ class Wrapping:
 
     policy: PolicyName
     #: False: FSDP1 ``SHARD_GRAD_OP``, FSDP2 ``reshard_after_forward=False`` (see
-    #: :func:`fsdp_conformance.sharding.reshard_kwargs`).
+    #: :func:`fsdp_conformance.fsdp.sharding.reshard_kwargs`).
     reshard_after_forward: bool = True
 
 
@@ -255,7 +256,7 @@ def wrapping_label(name: PolicyName) -> WrappingName | None:
 def validate_plan(
     model: nn.Module, policy: Any, *, what: str = "the wrap policy", detail: str = ""
 ) -> list[Any]:
-    """The plan of ``policy`` on ``model`` (see :func:`~fsdp_conformance.units.plan_units`).
+    """The plan of ``policy`` on ``model`` (see :func:`~fsdp_conformance.models.units.plan_units`).
 
     Raises :class:`PolicyError` when the policy wraps nothing but the root: FSDP would then
     all-gather every parameter at once (the "monolithic" case the seeds warn about), and any
@@ -263,7 +264,7 @@ def validate_plan(
     module classes with their instance counts and sizes, so the right block class is visible;
     ``detail`` adds the caller's context (e.g. the block classes and threshold it was given).
     """
-    from fsdp_conformance.units import plan_units
+    from fsdp_conformance.models.units import plan_units
 
     units = plan_units(model, policy)
     if len(units) > 1:

@@ -1,10 +1,10 @@
 """Meta-device init, phases 1 and 3: build on meta, then give every tensor its deterministic value.
 
 The phases of a meta init (torchtitan's order); this module holds the first and the third, and
-:mod:`fsdp_conformance.meta_materialize` the second (and the inspection of the sharded result):
+:mod:`fsdp_conformance.fsdp.meta_materialize` the second (and the inspection of the sharded result):
 
 1. **Build on meta** (:func:`build_on_meta`): shapes only, no storage.
-2. **Shard, then** ``to_empty``/**materialize** (:mod:`~fsdp_conformance.meta_materialize`):
+2. **Shard, then** ``to_empty``/**materialize** (:mod:`~fsdp_conformance.fsdp.meta_materialize`):
    FSDP1 wraps the meta model and materializes one unit at a time through a ``param_init_fn``
    (:class:`DeterministicParamInit` here); FSDP2 ``fully_shard``\\ s the meta model, then
    ``to_empty`` allocates only the local shards.
@@ -31,10 +31,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_conformance import _compat, hf
-from fsdp_conformance.models import BuiltModel, ModelSpec, load_object
-from fsdp_conformance.tensors import listing, state_digest
-from fsdp_conformance.units import clean_fqn
+from fsdp_conformance import _compat
+from fsdp_conformance.fsdp.tensors import listing, state_digest
+from fsdp_conformance.models import hf
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, load_object
+from fsdp_conformance.models.units import clean_fqn
 
 
 class InitError(ValueError):
@@ -55,7 +56,7 @@ def tensors_on_meta(model: nn.Module) -> list[str]:
 
 def build_on_meta(spec: ModelSpec) -> BuiltModel:
     """Build ``spec``'s model under ``torch.device("meta")``: shapes only, no storage; with its
-    policies at hand (:class:`~fsdp_conformance.models.BuiltModel`).
+    policies at hand (:class:`~fsdp_conformance.models.model_spec.BuiltModel`).
 
     Raises :class:`InitError` when the model's constructor allocates real tensors anyway
     (e.g. ``torch.tensor(...)`` with an explicit ``device=``), naming them.

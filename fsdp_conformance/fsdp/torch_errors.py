@@ -243,8 +243,8 @@ def tie_keeping_block_classes(spec: Any) -> list[str] | None:
     """The names of ``spec``'s block classes that hold no tie split between a block and the
     rest of the model (built on meta), or None when none is left or the model cannot be built
     (a line about an error must not raise one of its own)."""
-    from fsdp_conformance.models import ModelSpec, ModelSpecError
-    from fsdp_conformance.policies import PolicyError
+    from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError
+    from fsdp_conformance.models.policies import PolicyError
 
     if not isinstance(spec, ModelSpec):
         return None

@@ -17,11 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_conformance import policies
-from fsdp_conformance._compat import storage_key, tree_leaves
-from fsdp_conformance.bound import MeasureError
+from fsdp_conformance._compat import storage_key
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.meters import (
+from fsdp_conformance.measure.bound import MeasureError
+from fsdp_conformance.measure.meters import (
     choose_meter,
     cuda_baseline,
     make_meter,
@@ -30,8 +29,9 @@ from fsdp_conformance.meters import (
     torch_version_string,
     tracker_meter,
 )
-from fsdp_conformance.models import ModelSpec, call_model, default_loss
-from fsdp_conformance.timeline import Timeline, record_timeline
+from fsdp_conformance.measure.timeline import Timeline, record_timeline
+from fsdp_conformance.models import policies
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
 
 # torch's memory trackers are imported by the rank fork server before it forks
 # (harness/worker.py, ``warm_rank_imports``), not with this module: their package pulls in
@@ -205,9 +205,9 @@ def measure_step(
     """One measured step (:func:`_measure_once`, whose ``options`` it takes) with mixed
     precision as users write it; where FSDP1's defaults cannot run the model (its input-dtype
     error, e.g. ViT), the step measured again with ``cast_forward_inputs=True``
-    (:func:`~fsdp_conformance.sharding.with_fsdp1_input_casts`: the failed run's model is freed
+    (:func:`~fsdp_conformance.fsdp.sharding.with_fsdp1_input_casts`: the failed run's model is freed
     first), said under ``"input_casts"`` (None: the defaults ran, the only run)."""
-    from fsdp_conformance.sharding import with_fsdp1_input_casts
+    from fsdp_conformance.fsdp.sharding import with_fsdp1_input_casts
 
     def once(cast_forward_inputs: bool) -> dict[str, Any]:
         return _measure_once(
@@ -248,22 +248,22 @@ def _measure_once(
     "none" (time the step only). ``also``: a second meter read around the same step (the
     cross-check). ``track_construction=False`` enters ``MemTracker`` only for the step, so it
     misses FSDP1's gather buffers: the meter check's negative control. ``param_dtype``: mixed
-    precision with only that dtype named (:func:`~fsdp_conformance.sharding.param_dtype_kwargs`);
-    ``reduce_dtype`` names the reduction dtype too. ``record``: the measured step's collectives,
-    as torch issued them (:func:`~fsdp_conformance.collectives.record_collectives`), under
-    ``"collective_records"`` (and each unit's collective numels under
-    ``"collective_unit_sizes"``). ``checkpoint_every``: activation checkpointing on every
-    K-th block after sharding (1: every block; 0: none;
-    :func:`~fsdp_conformance.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``;
+    precision with only that dtype named
+    (:func:`~fsdp_conformance.fsdp.sharding.param_dtype_kwargs`); ``reduce_dtype`` names the
+    reduction dtype too. ``record``: the measured step's collectives, as torch issued them
+    (:func:`~fsdp_conformance.fsdp.collectives.record_collectives`), under ``"collective_records"``
+    (and each unit's collective numels under ``"collective_unit_sizes"``). ``checkpoint_every``:
+    activation checkpointing on every K-th block after sharding (1: every block; 0: none;
+    :func:`~fsdp_conformance.fsdp.sharding.checkpoint_blocks`), the FQNs under ``"checkpointed"``;
     ``checkpoint_ops``: op-level selective there (torchtitan's policy).
     ``shard_group``: HSDP with shard groups of that many ranks
-    (:func:`~fsdp_conformance.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
+    (:func:`~fsdp_conformance.fsdp.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
     ``offload``: CPU offload of the sharded state
-    (:func:`~fsdp_conformance.sharding.offload_kwargs`). ``cast_forward_inputs``: FSDP1's
+    (:func:`~fsdp_conformance.fsdp.sharding.offload_kwargs`). ``cast_forward_inputs``: FSDP1's
     per-unit input casts (only :func:`measure_step`'s retry asks for them).
     """
 
-    from fsdp_conformance.sharding import (
+    from fsdp_conformance.fsdp.sharding import (
         check_fsdp_version,
         checkpoint_blocks,
         hsdp_kwargs,
@@ -272,7 +272,7 @@ def _measure_once(
         reshard_kwargs,
         shard,
     )
-    from fsdp_conformance.units import actual_units
+    from fsdp_conformance.models.units import actual_units
 
     check_fsdp_version(version)
     wrap = policies.wrapping(wrapping)
@@ -344,7 +344,7 @@ def _measure_once(
             stack.enter_context(m.measure())
         tl = stack.enter_context(rec)
         if record:
-            from fsdp_conformance.collectives import record_collectives, unit_sizes
+            from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
 
             # Innermost: a dispatch mode of its own, it sees the c10d ops and allocates nothing.
             sizes = unit_sizes(sharded, version, ctx.world_size)
@@ -372,107 +372,3 @@ def _measure_once(
         # Each unit's possible collective numels: what a record's bytes per element come from.
         out["collective_unit_sizes"] = sizes
     return out
-
-
-# ============================================================================================
-# Dropout off for a comparison with a single-process reference
-# ============================================================================================
-
-#: Dropout modules, zeroed through their ``p``.
-DROPOUT_MODULES = (
-    torch.nn.Dropout,
-    torch.nn.Dropout1d,
-    torch.nn.Dropout2d,
-    torch.nn.Dropout3d,
-    torch.nn.AlphaDropout,
-    torch.nn.FeatureAlphaDropout,
-)
-#: A float module attribute whose name holds one of these is a functional dropout probability
-#: (transformers' ``attention_dropout``, passed as ``dropout=`` to the attention interface when
-#: ``self.training``; ``resid_pdrop``; ``layerdrop``, which skips whole layers; timm's
-#: ``drop_prob``).
-DROPOUT_ATTR_WORDS = ("dropout", "pdrop", "layerdrop", "drop_prob")
-#: Two training-mode forwards of the same input after :func:`disable_dropout` may differ by this
-#: much (relative, on the loss) before the model counts as still random.
-DETERMINISM_RTOL = 1e-6
-
-
-def disable_dropout(*models: torch.nn.Module) -> list[str]:
-    """Set every dropout probability in ``models`` to 0; the names changed in the first model.
-
-    A sharded step and the single-process reference draw different masks (each rank draws for
-    its slice of the batch, in its own RNG stream), so with dropout on, a parity check compares
-    two different functions. Why p = 0 and not ``eval()``: eval switches off more than dropout.
-    A model's own ``if self.training`` branches (batch-norm statistics, MoE router jitter,
-    gradient checkpointing) would no longer be what is trained, and FSDP1 itself reads
-    ``module.training``: in eval, with ``FSDP_USE_FULL_PREC_IN_EVAL=1``, it computes in full
-    precision, so a bf16 parity check would silently run in fp32. With p = 0 the models stay
-    in training mode and dropout returns its input unchanged.
-
-    Names are ``fqn`` for a dropout module and ``fqn.attr`` for a functional probability
-    (``(root)`` for the root). Only probabilities above 0 count.
-    """
-    changed: list[list[str]] = []
-    for model in models:
-        names: list[str] = []
-        for name, module in model.named_modules():
-            where = name or "(root)"
-            if isinstance(module, DROPOUT_MODULES):
-                if module.p > 0:
-                    module.p = 0.0
-                    names.append(where)
-                continue
-            for attr, value in list(vars(module).items()):
-                if (
-                    isinstance(value, float)
-                    and value > 0
-                    and any(w in attr.lower() for w in DROPOUT_ATTR_WORDS)
-                ):
-                    setattr(module, attr, 0.0)
-                    names.append(f"{where}.{attr}")
-        changed.append(names)
-    return changed[0] if changed else []
-
-
-def forward_randomness(model: torch.nn.Module, batch: Any) -> float:
-    """Relative difference between two training-mode losses of ``batch`` under different seeds.
-
-    0 for a model whose forward draws no random numbers (after :func:`disable_dropout`, the
-    evidence that the switch reached every dropout); runs on a copy, so buffers a forward
-    updates (batch-norm statistics) stay as they were. The global RNG is restored.
-    """
-    import copy
-
-    probe = copy.deepcopy(model)
-    probe.train()
-    devices = sorted(
-        {
-            t.device.index or 0
-            for t in tree_leaves(batch)
-            if isinstance(t, torch.Tensor) and t.is_cuda
-        }
-    )
-    losses = []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            losses.append(float(default_loss(call_model(probe, batch))))
-    return abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-12)
-
-
-def require_deterministic(
-    model: torch.nn.Module, batch: Any, dropout: Sequence[str], what: str
-) -> None:
-    """Skip on this rank (every rank alike: the same model and seeds) when ``model``'s forward
-    in training mode still draws random numbers after ``dropout`` (the names
-    :func:`disable_dropout` changed) was switched off; ``what`` cannot then be compared with
-    the single-process reference."""
-    randomness = forward_randomness(model, batch)
-    if randomness > DETERMINISM_RTOL:
-        skip_rank(
-            f"{type(model).__name__}'s forward in training mode still draws random numbers "
-            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
-            f"differ by {randomness:.1e} (relative), so {what} cannot be compared with "
-            "the single-process reference. Make the randomness switchable: an nn.Dropout "
-            "module, or a float attribute named like '*dropout*' read when self.training"
-        )

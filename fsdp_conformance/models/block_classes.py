@@ -15,9 +15,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp_conformance import hf
-from fsdp_conformance.policies import PolicyError, shared_parameter_groups
-from fsdp_conformance.reference_models import REFERENCE_MODELS
+from fsdp_conformance.models import hf
+from fsdp_conformance.models.policies import PolicyError, shared_parameter_groups
+from fsdp_conformance.models.reference_models import REFERENCE_MODELS
 
 
 def block_classes_of(
@@ -188,7 +188,7 @@ def split_ties(
     ``_no_split_modules`` holds the word embedding, tied to the decoder outside it) FSDP2
     refuses it ("shared with a parameter already managed by another FSDP group") and FSDP1's
     training step breaks (issue 33: 10 failed, 18 errors). The groups are
-    :func:`fsdp_conformance.policies.shared_parameter_groups`.
+    :func:`fsdp_conformance.models.policies.shared_parameter_groups`.
     """
     groups = shared_parameter_groups(model)
     if not groups:
