@@ -35,7 +35,7 @@ needs_clear_refs = pytest.mark.skipif(
 def test_memory_blocks_import_no_claim(block: str) -> None:
     # A block that imported a claim would make the claims a library again (init reaching into
     # memory for its meters was the case this split ended).
-    found = sorted(m for m in file_imports(PACKAGE / f"{block}.py") if m.startswith(CLAIMS))
+    found = sorted(m for m in file_imports(PACKAGE / "measure" / f"{block}.py") if m.startswith(CLAIMS))
     assert not found, f"{block}.py imports {found}"
 
 
