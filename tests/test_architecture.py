@@ -119,7 +119,7 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
 NEVER: dict[str, dict[str, str]] = {
     "models.policies": {
         "models.model_spec": "model_spec imports policies (SEED_MIN_PARAMS, block-class resolution); "
-        "the way back is the import cycle the seeds' threshold used to close"
+        "the way back would close an import cycle through the seeds' threshold"
     },
     "model_tests": {
         "plugin": "wiring importing wiring: the plugin parametrizes "
@@ -419,9 +419,9 @@ def test_the_rules_inside_a_layer_hold() -> None:
 
 
 def test_the_rules_inside_a_layer_catch_the_edges_they_forbid() -> None:
-    # Negative controls: the old back-and-forth, written into the worker inside a function
-    # body, is caught (the package import as well as the parent-side module); so are the
-    # named edges, and a plain allowed import is not.
+    # Negative controls: the rank side importing the parent side, written into the worker
+    # inside a function body, is caught (the package import as well as the parent-side module);
+    # so are the named edges, and a plain allowed import is not.
     worker = (PACKAGE / "harness" / "worker.py").read_text(encoding="utf-8") + (
         "\ndef _sneak():\n"
         "    from fsdp_conformance.harness.pool import RankPool\n"

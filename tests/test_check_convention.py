@@ -1,4 +1,4 @@
-"""One check convention (issue 11, enforced since issue 32): names, rank functions, verdicts and
+"""One check convention, enforced: names, rank functions, verdicts and
 the one way ``CHECKS`` is built.
 
 Pure (no ranks): the registered checks and the claim packages' source. Each rule is a function

@@ -402,7 +402,7 @@ def test_tox_lint_env_runs_the_lint_script_with_its_own_python() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# ci/upgrade-gate.sh: both directions, the user's project, the noise, one verdict (issue 36)
+# ci/upgrade-gate.sh: both directions, the user's project, the noise, one verdict
 # --------------------------------------------------------------------------------------------
 
 

@@ -389,13 +389,13 @@ CRASHING = Check(
 def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_signal(
     warm_pools: PoolManager,
 ) -> None:
-    """Issue 14, item 6: the crashed check names the rank, the signal and the torch function;
-    the pool is rebuilt and the run goes on."""
+    """A crash inside torch on one rank: the crashed check names the rank, the signal and the
+    torch function; the pool is rebuilt and the run goes on."""
     stream = io.StringIO()
     report = suite.run_suite(Settings(), ["cpu"], checks=[CRASHING, PASSING], stream=stream)
     crashed, after = report["checks"]
     assert crashed["outcome"] == "error" and after["outcome"] == "passed", report["checks"]
-    # one line (issue 33: the rank, its death, the torch function), every rank's story kept
+    # one line (the rank, its death, the torch function), every rank's story kept
     assert crashed["message"].startswith(
         "rank 1: died (killed by SIGSEGV (exit status -11) inside torch: "
         "torch.utils._pytree.tree_map (crashed in torch.utils._pytree."
@@ -629,7 +629,7 @@ def test_list_shows_each_check_and_variant_once(capsys: pytest.CaptureFixture[st
     assert len(labels) == len(set(labels)) == len(suite.select_checks(suite.all_checks(), None))
     assert "wrap.units.exact[fsdp1,massive]" in labels and "wrap.builders.size" in labels
     code, out, _ = main(["run", "--list", "--checks", "init.weights.fsdp2"], capsys)
-    # a pattern naming the check before issue 11's rename still selects it
+    # a pattern naming the check's old name (gate/migrate.py CHECK_RENAMES) still selects it
     assert [line.split()[0] for line in out.splitlines()] == ["init.weights[fsdp2,llama]"]
 
 

@@ -1,6 +1,6 @@
 """compare follows the loop claim's figures: numeric results (``*_norm``, ``*_norms``) held to
 a relative tolerance, digests (``*_digest``, ``*_digests``) exactly, each move a regression;
-``update_rel_diff`` is a measurement whose check judges it (issue 34, "Done when").
+``update_rel_diff`` is a measurement whose check judges it.
 
 No ranks: reports built by hand, as tests/test_reports.py builds them, and compared in process
 and through ``fsdp-conformance compare`` (its lines and exit code).

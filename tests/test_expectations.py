@@ -1,4 +1,4 @@
-"""Known torch defects as expectations (issue 14, item 5): the file, the matching, what a run
+"""Known torch defects as expectations: the file, the matching, what a run
 and pytest make of a covered failure, and what compare says when one starts passing.
 
 The expectation of the packaged file is exercised for real in tests/test_state.py

@@ -1,4 +1,4 @@
-"""FSDP1 in bf16 on a model whose root casts its input to a unit's weight dtype (issue 33).
+"""FSDP1 in bf16 on a model whose root casts its input to a unit's weight dtype.
 
 ViT's patch embedding casts the pixels to its projection's weight dtype inside the root unit,
 where that weight is still the fp32 shard; FSDP1's ``MixedPrecision`` casts only the root unit's

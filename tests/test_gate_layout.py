@@ -15,7 +15,7 @@ import fsdp_conformance
 
 pytestmark = pytest.mark.cpu
 
-#: Each flat module of the old layout and the gate module that holds it now.
+#: Each flat module name that must not exist, and the gate module that holds its code.
 GATE_HOMES = {"reports": "report", "suite": "suite", "plots": "plots"}
 
 
@@ -28,8 +28,8 @@ def test_compare_and_report_import_without_torch() -> None:
 
 
 def test_help_a_bad_flag_and_compare_run_through_main_without_torch(tmp_path: Path) -> None:
-    # main() itself, not only the import: its error handling once imported the model and
-    # policy modules (torch) up front, so `compare` and `--help` paid about 2 s for nothing.
+    # main() itself, not only the import: its error handling must not import the model and
+    # policy modules (torch) up front, which would cost `compare` and `--help` about 2 s.
     from fsdp_conformance.gate.report import build_report, write_json_report
     from fsdp_conformance.settings import Settings
 
@@ -66,7 +66,8 @@ def test_help_a_bad_flag_and_compare_run_through_main_without_torch(tmp_path: Pa
 
 @pytest.mark.parametrize("old", ["reports", "suite", "plots"])
 def test_the_flat_gate_modules_are_gone_without_shims(old: str) -> None:
-    # A shim would keep stale imports working and hide them from review; every importer moved.
+    # A shim would keep stale imports working and hide them from review; every importer names
+    # the gate module.
     # (The package folder, not find_spec: an editable install of another checkout would answer.)
     package = Path(fsdp_conformance.__file__).parent
     assert not (package / f"{old}.py").exists()

@@ -1,4 +1,4 @@
-"""Which CUDA device each rank takes (issue 15, items 1 and 3), proven without a GPU.
+"""Which CUDA device each rank takes, proven without a GPU.
 
 - Under an external launcher a rank takes ``LOCAL_RANK`` modulo the devices it sees (an srun
   task given one GPU sees it as ``cuda:0``), and the launch's group is started on that device

@@ -1,9 +1,9 @@
 """The harness as a package: its public face, its inner import rules, and how its ranks start.
 
-``fsdp_conformance.harness`` was one module; users import ``Ranks``, ``RankContext``,
-``skip_rank`` and the exceptions from it. These tests hold the package to that face. The rule
-that ends the old back-and-forth (the rank side, ``worker`` and ``clean_state``, and the parent
-side, ``pool``, ``launcher`` and ``outcomes``, share only ``protocol``) is in
+Users import ``Ranks``, ``RankContext``, ``skip_rank`` and the exceptions from
+``fsdp_conformance.harness`` itself, whichever of its modules defines them; these tests hold the
+package to that face. The rule that keeps the rank side (``worker`` and ``clean_state``) and the
+parent side (``pool``, ``launcher`` and ``outcomes``) apart, sharing only ``protocol``, is in
 tests/test_architecture.py with the package's other import rules.
 """
 
@@ -25,8 +25,8 @@ PACKAGE = "fsdp_conformance"
 HARNESS = f"{PACKAGE}.harness"
 WORKER_MODULE = f"{HARNESS}.worker"
 
-#: The public names of the single-module harness (every top-level name without a leading
-#: underscore in fsdp_conformance/harness.py before the split): the package keeps them all.
+#: The public names user code imports from ``fsdp_conformance.harness``: the package keeps
+#: them all, each importable from the package itself.
 PUBLIC_NAMES = {
     "GRACE_AFTER_FAILURE_S",
     "GRACE_AFTER_SKIP_S",
@@ -57,8 +57,8 @@ PUBLIC_NAMES = {
     "startup_environ",
     "traceback_text",
 }
-#: Public names added since: the lifecycle the CLI and the plugin open (issue 32), and the GPU
-#: share of a pytest-xdist worker that the plugin hands to it.
+#: The other public names: the lifecycle the CLI and the plugin open, and the GPU share of a
+#: pytest-xdist worker that the plugin hands to it.
 ADDED_NAMES = {"HarnessSession", "GpuShare", "xdist_share"}
 
 

@@ -351,7 +351,7 @@ def test_checks_are_listed_with_stable_names_and_the_init_claim() -> None:
     names = [c.name for c in init.CHECKS]
     variants = [(c.name, c.params.get("version")) for c in init.CHECKS]
     assert len(variants) == len(set(variants))
-    # The FSDP version is a variant, never part of a check's name (issue 11).
+    # The FSDP version is a variant, never part of a check's name.
     assert not [n for n in names if any(v in n for v in VERSIONS)]
     assert all(c.claim == "init" and c.name.startswith("init.") for c in init.CHECKS)
     assert all(

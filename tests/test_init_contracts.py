@@ -1,4 +1,4 @@
-"""Meta init's three contracts (issue 12): reset_parameters(), --init-fn, transformers' own init.
+"""Meta init's three contracts: reset_parameters(), --init-fn, transformers' own init.
 
 A transformers ``PreTrainedModel`` is initialized by its own per-module ``_init_weights`` (norms
 to one, GPT-2's scaled residual projections, the rotary buffers recomputed); any other model by

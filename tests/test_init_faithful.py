@@ -1,9 +1,9 @@
-"""``init.weights.faithful`` (issue 33): meta init gives the weights the model's factory gives.
+"""``init.weights.faithful``: meta init gives the weights the model's factory gives.
 
-The headline false PASS it closes: a hand-written GPT that initializes its weights in
-``__init__`` (nanoGPT's ``_init_weights``: normal 0.02, biases zero, the residual projections
-scaled by ``1 / sqrt(2 * layers)``; no ``reset_parameters`` of its own) passed every ``init.*``
-check while meta init gave it the modules' default init (embeddings std 1.0 instead of 0.02,
+The false PASS it rules out: a hand-written GPT that initializes its weights in ``__init__``
+(nanoGPT's ``_init_weights``: normal 0.02, biases zero, the residual projections scaled by
+``1 / sqrt(2 * layers)``; no ``reset_parameters`` of its own) passes every other ``init.*``
+check while meta init gives it the modules' default init (embeddings std 1.0 instead of 0.02,
 biases uniform instead of zero), because the suite's reference is built by the same meta path.
 
 Negative controls: that model; an ``--init-fn`` that gets one tensor's scale wrong; the fault

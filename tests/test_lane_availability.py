@@ -6,7 +6,7 @@ The machine's CUDA devices are faked (torch.cuda patched: one device, or two) so
 lane's "too few devices" reason is reached on the CPU build machines too. The pytest front end
 is an inner session in this process (``runpytest_inprocess``), which sees the same patched
 torch. Under an external launcher (its variables set here) the ranks of this node are what the
-devices must hold, not the launch's (issue 15, item 1).
+devices must hold, not the launch's.
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
     report = run.report  # written by rank 0, whose own part of the check passed
     (entry,) = [e for e in report["checks"] if e["outcome"] == "error"]
     assert entry["check"] == injected_checks.FAILING_ON_RANK1
-    # one line (issue 33), every rank's story in the entry's traceback
+    # one line, every rank's story in the entry's traceback
     assert entry["message"].startswith("rank 1: RuntimeError in "), entry["message"]
     assert entry["message"].endswith(": failure injected on rank 1"), entry["message"]
     assert "failed on 2 ranks: rank 0 passed, rank 1 raised" in entry["traceback"]

@@ -1,4 +1,4 @@
-"""The version matrix (issue 17, item 1): ``fsdp-conformance matrix REPORT...`` renders checks x
+"""The version matrix: ``fsdp-conformance matrix REPORT...`` renders checks x
 torch versions from one report per version, as Markdown with footnotes and as an SVG picture
 whose cells carry their reason. The reports here are built with the report module itself."""
 

@@ -446,7 +446,7 @@ def test_a_meter_reading_less_than_the_sharded_parameters_fails_both_checks(
     ranks: Ranks,
 ) -> None:
     # Without the floor a tracker reading 0 passes the peak check (0 is under any bound); the
-    # cross-check now also covers FSDPMemTracker, the source of FSDP2's figures.
+    # cross-check covers FSDPMemTracker too, the source of FSDP2's figures.
     values = ranks.configured(env=MALLOC_ENV).run(_blind_meter_values)
     for version, tracker in (("fsdp2", "FSDPMemTracker"), ("fsdp1", "MemTracker")):
         params = {"spec": with_depth(DEFAULT_SPEC, 2), "version": version}

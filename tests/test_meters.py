@@ -198,7 +198,7 @@ def test_fsdp_mem_tracker_updating_only_the_global_peak_reads_torchs_figures(ran
 
 
 # --------------------------------------------------------------------------------------------
-# The CUDA meter's figure (issue 15 item 4): requested bytes, proven with a stand-in allocator
+# The CUDA meter's figure: requested bytes, proven with a stand-in allocator
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
-"""Report ids across issue 11's check renames: a report of the old layout still compares.
+"""Report ids across the renames of ``CHECK_RENAMES``: a report of the old layout compares.
 
 ``tests/data/report-main-597df7e.json`` is a real report of ``fsdp-conformance run --lane cpu``
-made on main at 597df7e, before init's names lost their FSDP version. The new-layout side is
+made at 597df7e, whose init check names still carry their FSDP version. The new-layout side is
 built without ranks: every check of today's layout with the old run's outcomes, in order.
 """
 

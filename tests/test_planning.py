@@ -976,8 +976,8 @@ def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() ->
 def test_run_judges_the_planner_in_fp32_and_bf16_and_a_peak_above_the_estimate_fails(
     ranks: Ranks,
 ) -> None:
-    # Before issue 13 `run` had no planner check (plan_trust was not a claim module) and the
-    # trust cases were fp32 only.
+    # `run` holds the planner check (memory.plan_estimate_matches, one per FSDP version), and
+    # its trust cases include a bf16 one besides the fp32 ones.
     selected = [
         (c, p)
         for c, p in suite.select_checks(all_checks(), None)
@@ -1208,7 +1208,8 @@ def test_fsdp2_estimate_counts_the_prefetched_unit_once_as_its_all_gather_output
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_fsdp2_estimate_is_not_too_loose_on_a_two_layer_hf_llama(ranks: Ranks) -> None:
-    # Measured before the fix: 859.02 KB against 1.96 MB, 0.439 < 0.45 ("too loose").
+    # The bound counts FSDP2's prefetched unit once: counted twice, the estimate was 1.96 MB
+    # against a measured peak of 859.02 KB, 0.439 < 0.45 ("too loose").
     params = {"spec": HF_LLAMA_2L, "version": "fsdp2"}
     values = ranks.run(rank_plan_estimate_matches, **params)
     verdict = verdict_plan_estimate_matches(values, params)

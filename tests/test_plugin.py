@@ -368,7 +368,7 @@ def test_without_a_users_timeout_checks_fit_inside_the_outer_guard(
 
 # --------------------------------------------------------------------------------------------
 # The model's checks: node ids with a file part, collected from any folder; a clone of the
-# suite inside a user's project is not the project's tests (issue 33, item 6)
+# suite inside a user's project is not the project's tests
 # --------------------------------------------------------------------------------------------
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -399,7 +399,7 @@ def _clone_of_the_suite(
     editable install of it), so model_tests.py lies inside the folder pytest runs in."""
     clone = project.path / "fsdp-conformance"
     for name in ("pyproject.toml", "conftest.py", "tests/conftest.py"):
-        if (REPOSITORY / name).exists():  # (tests/conftest.py: not on main before issue 33)
+        if (REPOSITORY / name).exists():  # (copied where this checkout has it)
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPOSITORY / name, clone / name)
     (clone / "tests").mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The pool's timeouts follow the settings, a CUDA rank's check waits for its device, and NCCL
-ranks raise on a failed collective (issue 15, item 2).
+ranks raise on a failed collective.
 
 No rank is started here: the timeouts are pure functions, the managers that the plugin and
 ``run_suite`` build are watched through a stand-in ``RankPool`` that runs each check in this
@@ -38,18 +38,18 @@ pytestmark = pytest.mark.cpu
 
 
 def test_the_process_group_outlasts_the_check_timeout_by_the_margin() -> None:
-    # A check timeout above the old fixed 300 s: the watchdog must not end the ranks first.
+    # A check timeout above the 300 s floor: the watchdog must not end the ranks first.
     assert pg_timeout_for(400.0) > 400.0
     assert pg_timeout_for(400.0) == 400.0 + PG_TIMEOUT_MARGIN_S
     for check_timeout in (1.0, 120.0, 239.0, 240.0, 241.0, 3600.0, 604800.0):
         assert pg_timeout_for(check_timeout) >= check_timeout + PG_TIMEOUT_MARGIN_S
-    # Never below what it was: the default check timeout keeps its 300 s.
+    # Never below 300 s, which is what the default check timeout gets.
     assert pg_timeout_for(120.0) == 300.0
     assert pg_timeout_for(1.0) == 300.0
 
 
 def test_the_start_timeout_grows_with_the_world_and_more_for_gpu_ranks() -> None:
-    assert start_timeout_for(8, "cuda") > 60.0  # eight cold CUDA ranks: more than the old 60 s
+    assert start_timeout_for(8, "cuda") > 60.0  # eight cold CUDA ranks: more than 60 s
     assert start_timeout_for(8, "cuda") > start_timeout_for(8, "cpu")
     assert (
         start_timeout_for(1, "cuda") < start_timeout_for(2, "cuda") < start_timeout_for(8, "cuda")

@@ -1,4 +1,4 @@
-"""The preflight on the user's model (issue 33, item 3): before any rank starts, one line each,
+"""The preflight on the user's model: before any rank starts, one line each,
 exit 2 on the CLI and a usage error in the plugin.
 
 * the model builds on meta (else the factory, the meta device and torch's reason);
@@ -9,10 +9,10 @@ exit 2 on the CLI and a usage error in the plugin.
 * the depth rebuild works (the suite's own rebuild is named as the suite's, never the factory's).
 
 Every model is built here from a transformers config at hidden 32 or by hand; the CLI runs in
-process with ``run --list`` (the preflight runs, no check does). Each case failed on main before
-the preflight: main made ViT's batch on every rank ("no attribute vocab_size"), ran BERT with
-``BertEmbeddings`` as a block, passed the keyword-input model to the ranks, and said "fix the
-factory" for the suite's own rebuild.
+process with ``run --list`` (the preflight runs, no check does). Each case is a failure seen
+without the preflight: ViT's batch made on every rank ("no attribute vocab_size"), BERT run with
+``BertEmbeddings`` as a block, the keyword-input model passed to the ranks, and "fix the
+factory" said of the suite's own rebuild.
 """
 
 from __future__ import annotations

@@ -776,7 +776,7 @@ def test_differences_print_regressions_first_with_their_check_ids() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Every non-pass's reason, read by a user (issue 33, item 6)
+# Every non-pass's reason, read by a user
 # --------------------------------------------------------------------------------------------
 
 LONG_SKIP = (
@@ -859,7 +859,7 @@ def test_a_report_of_an_older_version_still_loads_formats_and_compares() -> None
 
 
 # --------------------------------------------------------------------------------------------
-# torch's exceptions translated (issue 33, item 4): one test per known error, the generic form
+# torch's exceptions translated: one test per known error, the generic form
 # --------------------------------------------------------------------------------------------
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"

@@ -1,4 +1,4 @@
-"""The state claim (issue 14, items 1 and 2 in part): state dicts got from a sharded model and
+"""The state claim: state dicts got from a sharded model and
 loaded into another, against the single-process reference, bitwise; a run resumed from model
 and optimizer state dicts against the unbroken run, bitwise; a distributed checkpoint (real
 files) loaded into both FSDP versions and into one unsharded process, against the reference.

@@ -1,4 +1,4 @@
-"""Training state across runs (issue 36, items 4 and 5): ``state.checkpoint.optimizer`` (model
+"""Training state across runs: ``state.checkpoint.optimizer`` (model
 and AdamW state through ``get_state_dict`` and ``torch.distributed.checkpoint``) and
 ``state.checkpoint.torch_save`` (FSDP1's full, sharded and local state dicts written with
 ``torch.save``, read with ``torch.load``'s defaults), saved by one run and loaded by another; and

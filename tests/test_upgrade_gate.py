@@ -1,4 +1,4 @@
-"""The upgrade gate's story (issue 36): numeric drift against measured noise, known defects the
+"""The upgrade gate's story: numeric drift against measured noise, known defects the
 candidate has, deprecations grouped by the torch call, rollback, and the verdict first, each
 from an injected change through ``compare`` (its lines and its exit code).
 

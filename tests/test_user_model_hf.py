@@ -1,4 +1,4 @@
-"""A transformers model needs no flag beyond ``--model`` (issue 12, items 2, 6 and 7).
+"""A transformers model needs no flag beyond ``--model``.
 
 * Block classes come from the model's ``_no_split_modules`` when ``--block-cls`` is not given;
   the default input from its config (``input_ids``, plus ``decoder_input_ids`` for an
@@ -93,7 +93,7 @@ def _spec(factory: str, **kwargs: Any) -> ModelSpec:
 
 
 # ------------------------------------------------------------------------------------------
-# Item 2: inputs, the loss on a ModelOutput, block classes
+# Inputs, the loss on a ModelOutput, block classes
 # ------------------------------------------------------------------------------------------
 
 
@@ -207,7 +207,7 @@ def test_an_input_builder_returning_a_mapping_trains_under_fsdp(ranks: Ranks) ->
 
 
 # ------------------------------------------------------------------------------------------
-# Item 6: depth invariance on factories
+# Depth invariance on factories
 # ------------------------------------------------------------------------------------------
 
 
@@ -296,7 +296,7 @@ def test_a_mixture_of_experts_model_profiles_on_meta() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# Item 7: module:attr from the current folder
+# module:attr from the current folder
 # ------------------------------------------------------------------------------------------
 
 USER_FACTORY = """

@@ -1,4 +1,4 @@
-"""World sizes left unset: 2, and 4 where the machine has a core per rank (issue 13, item 8).
+"""World sizes left unset: 2, and 4 where the machine has a core per rank.
 
 The rule lives in ``settings.default_world_sizes``; the run plans every selected check at each
 resolved world size, and its header says which default size was left out and how to run it.

@@ -1,4 +1,4 @@
-"""``wrap.builders.size_boundary``: the size rule at its boundary (issue 34, item 8).
+"""``wrap.builders.size_boundary``: the size rule at its boundary.
 
 A module whose not-yet-wrapped parameters number exactly ``min_num_params`` is a unit, its
 sibling of one fewer is not: under torch's ``size_based_auto_wrap_policy`` and under the suite's

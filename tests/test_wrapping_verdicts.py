@@ -1,4 +1,4 @@
-"""Issue 33 item 2: verdicts that hold on what real models contain. ``wrap.train``: a tensor
+"""Verdicts that hold on what real models contain. ``wrap.train``: a tensor
 whose true gradient is zero (an attention key bias) does not drive the verdict, a small but real
 update that is lost still fails, and a cause is named only where the figures support it."""
 

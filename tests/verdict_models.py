@@ -1,4 +1,4 @@
-"""Hand-written models of what real models contain, for the verdict tests of issue 33
+"""Hand-written models of what real models contain, for the verdict tests
 (tests/test_wrapping_verdicts.py, tests/test_state.py): an attention key bias whose true gradient
 is zero beside a small but real update, and several ties per module (a weight and a bias)."""
 
