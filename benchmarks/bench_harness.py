@@ -5,11 +5,11 @@
 (a) runs the same trivial check (an all-reduce of one integer) ``--warm`` times on one warm
 :class:`RankPool`; (b) starts a new :class:`RankPool` for each of ``--fresh`` checks (spawn,
 process-group init, the check, teardown). Prints both medians in milliseconds and their ratio,
-against the targets of issue 2: warm overhead under 20 ms per check at world size 2, and at
-least 30 times less than a fresh spawn. (c) does (b) with the ranks forked from one fork server
-(:mod:`fsdp_conformance.harness.forkserver`, as a ``PoolManager`` starts CPU pools), after the
-server's own start, which is timed apart; and prints the CPU-seconds per rank start both ways
-(this process's children: the ranks, and the server with the ranks it reaped).
+against the harness's targets (docs/harness.md): warm overhead under 20 ms per check at world
+size 2, and at least 30 times less than a fresh spawn. (c) does (b) with the ranks forked from
+one fork server (:mod:`fsdp_conformance.harness.forkserver`, as a ``PoolManager`` starts CPU
+pools), after the server's own start, which is timed apart; and prints the CPU-seconds per rank
+start both ways (this process's children: the ranks, and the server with the ranks it reaped).
 """
 
 from __future__ import annotations

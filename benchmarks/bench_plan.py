@@ -1,6 +1,6 @@
 """Benchmark: plan + estimate of the 70B preset at world size 1,024, in one fresh process.
 
-Target (issue 7): under 10 s and under 2 GB of memory on the 2-core build machine. Each run
+Target: under 10 s and under 2 GB of memory on the 2-core build machine. Each run
 is a fresh subprocess so that its peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is
 its own; phases are timed with ``time.perf_counter`` inside it:
 

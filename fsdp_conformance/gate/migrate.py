@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: Old check name -> new check name. Issue 11 took the FSDP version out of init's names (it is
-#: the variant's part); append, never edit, so every older report keeps migrating.
+#: Old check name -> new check name: init's names lose their FSDP version (it is the
+#: variant's part); append, never edit, so every older report keeps migrating.
 CHECK_RENAMES: Mapping[str, str] = {
     "init.no_meta.fsdp1": "init.no_meta",
     "init.no_meta.fsdp2": "init.no_meta",

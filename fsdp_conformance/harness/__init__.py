@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 # Users catch and read these by this name (pytest prints "fsdp_conformance.harness.RankFailure",
-# as docs/harness.md shows), as when the harness was one module.
+# as docs/harness.md shows), whichever of the package's modules defines them.
 for _exception in (CheckSkipped, HarnessError, RankFailure):
     _exception.__module__ = __name__
 del _exception

@@ -67,7 +67,7 @@ def collectives_release_in_order(device_type: str) -> Iterator[dict[str, int]]:
     after the main thread has allocated the next unit's buffers. The tracker then sees both at
     once and the peak is bimodal (docs/memory.md). Waiting here for the worker's release (the
     tensors' and storages' reference counts back to what they were before the call) makes every
-    free happen on the main thread, in program order: the figure no longer depends on
+    free happen on the main thread, in program order: the figure does not depend on
     scheduling. Yields counters (``calls``, ``waited``: calls that found the worker still
     holding on). CUDA: the caching allocator frees in stream order already; nothing changes.
     """

@@ -187,7 +187,7 @@ def split_ties(
     one outside it would be in two units. On BERT's masked LM (``BertEmbeddings`` of its
     ``_no_split_modules`` holds the word embedding, tied to the decoder outside it) FSDP2
     refuses it ("shared with a parameter already managed by another FSDP group") and FSDP1's
-    training step breaks (issue 33: 10 failed, 18 errors). The groups are
+    training step breaks (with ``--model`` alone: 10 failed, 18 errors). The groups are
     :func:`fsdp_conformance.models.policies.shared_parameter_groups`.
     """
     groups = shared_parameter_groups(model)

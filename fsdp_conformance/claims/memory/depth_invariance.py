@@ -185,8 +185,8 @@ def verdict_depth_invariance(values: Sequence[DepthResult], params: Mapping[str,
         low = [w - saved_activations(b) for w, b in zip(ws, bounds)]
         r = v["rank"]
         # Every pair of depths, both ways: the claim is "constant", so a shallow depth that
-        # needs more is a failure too. (A late free on gloo's worker thread once made one
-        # depth read ~1 MB high; frees now happen in program order, so it cannot.)
+        # needs more is a failure too. (A late free on gloo's worker thread can make one
+        # depth read ~1 MB high; the measured step frees in program order, so it does not.)
         apart = [
             (i, j)
             for j in range(len(rows))
