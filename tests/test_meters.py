@@ -33,9 +33,11 @@ needs_clear_refs = pytest.mark.skipif(
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_memory_blocks_import_no_claim(block: str) -> None:
-    # A block that imported a claim would make the claims a library again (init reaching into
-    # memory for its meters was the case this split ended).
-    found = sorted(m for m in file_imports(PACKAGE / "measure" / f"{block}.py") if m.startswith(CLAIMS))
+    # A block that imported a claim would make the claims a library (init reaching into the
+    # memory claim for its meters, say): the meters are measure/'s, the claims import them.
+    found = sorted(
+        m for m in file_imports(PACKAGE / "measure" / f"{block}.py") if m.startswith(CLAIMS)
+    )
     assert not found, f"{block}.py imports {found}"
 
 
