@@ -17,7 +17,7 @@ import time
 
 
 def main() -> None:
-    from fsdp_conformance.models.reference_models import LLAMA_PRESETS
+    from fsdp_conformance.models.llama import LLAMA_PRESETS
     from fsdp_conformance.models.units import UnitInfo
     from fsdp_conformance.plan import activations
     from fsdp_conformance.plan.model import PlanSettings, build_meta_model, choose_model

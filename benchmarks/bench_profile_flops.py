@@ -18,8 +18,8 @@ import time
 
 def main() -> None:
     from fsdp_conformance.measure.profile import profile_activations
+    from fsdp_conformance.models.llama import LLAMA_PRESETS
     from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
-    from fsdp_conformance.models.reference_models import LLAMA_PRESETS
     from fsdp_conformance.models.units import plan_units
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -8,7 +8,7 @@ GiB devices, FSDP2 defaults, no activation checkpointing).
 
 Prints each plan's saved activations and total per rank, and what the planner says for 80 GiB.
 The fused norm runs as an autograd function that saves what the Triton kernel saves (its input,
-the weight and the reciprocal RMS: ``reference_models.RMSNorm(kind="fused")``).
+the weight and the reciprocal RMS: ``llama.RMSNorm(kind="fused")``).
 """
 
 from __future__ import annotations

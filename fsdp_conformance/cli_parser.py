@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    from fsdp_conformance.models.reference_models import LLAMA_NORMS, REFERENCE_MODELS
+    from fsdp_conformance.models.catalog import REFERENCE_MODELS
+    from fsdp_conformance.models.reference_models import LLAMA_NORMS
     from fsdp_conformance.plan.estimate import (
         CLAIM_WORLD_SIZES,
         DEFAULT_DEVICE_MEMORY,

@@ -37,8 +37,8 @@ from torch import nn
 
 from fsdp_conformance import cli, plugin
 from fsdp_conformance.claims.check import Check, CheckRun, Verdict
-from fsdp_conformance.gate import compare, suite
 from fsdp_conformance.gate import report as gate_report
+from fsdp_conformance.gate import structure, suite
 from fsdp_conformance.harness import PoolManager
 from fsdp_conformance.models import user_model
 from fsdp_conformance.settings import OPTIONS, Settings
@@ -270,7 +270,7 @@ def test_run_report_has_the_schema_environment_settings_and_unit_trees(
     ]
     for e in report["checks"]:
         assert e["outcome"] == "passed" and e["seconds"] >= 0
-        units = compare.unit_list(e)
+        units = structure.unit_list(e)
         assert units is not None and units[0]["fqn"] == "" and units[0]["parent"] is None
         blocks = [u for u in units if u["cls"] == "DecoderLayer"]
         assert blocks and all(u["local_numel"] * 2 == u["numel"] for u in blocks)  # ws 2
@@ -309,7 +309,9 @@ def test_compare_a_real_report_with_itself_and_with_a_changed_unit(
     code, out, _ = main(["compare", old, old], capsys)
     assert code == cli.EXIT_OK and out.splitlines()[-1] == "no differences"
     changed = json.loads(Path(old).read_text())
-    layer = next(u for u in compare.unit_list(changed["checks"][0]) or [] if u["fqn"] == "layers.1")
+    layer = next(
+        u for u in structure.unit_list(changed["checks"][0]) or [] if u["fqn"] == "layers.1"
+    )
     layer["numel"] += 64
     new = tmp_path / "new.json"
     new.write_text(json.dumps(changed))

@@ -16,7 +16,8 @@ import pytest
 
 from fsdp_conformance import cli
 from fsdp_conformance.gate import report as gate_report
-from fsdp_conformance.gate.compare import NUMERIC_RTOL, Difference, compare_reports
+from fsdp_conformance.gate.compare import NUMERIC_RTOL, compare_reports
+from fsdp_conformance.gate.difference import Difference
 from fsdp_conformance.settings import Settings
 
 pytestmark = pytest.mark.cpu

@@ -21,7 +21,15 @@ GATE_HOMES = {"reports": "report", "suite": "suite", "plots": "plots"}
 
 def test_compare_and_report_import_without_torch() -> None:
     assert not loads_torch(
-        "fsdp_conformance.cli", "fsdp_conformance.gate.report", "fsdp_conformance.gate.compare"
+        "fsdp_conformance.cli",
+        "fsdp_conformance.gate.report",
+        "fsdp_conformance.gate.schema",
+        "fsdp_conformance.gate.tables",
+        "fsdp_conformance.gate.compare",
+        "fsdp_conformance.gate.difference",
+        "fsdp_conformance.gate.figures",
+        "fsdp_conformance.gate.structure",
+        "fsdp_conformance.gate.new_warnings",
     )
     # the control: the probe sees torch where a module does load it (the suite run does)
     assert loads_torch("fsdp_conformance.gate.suite")

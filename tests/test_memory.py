@@ -36,8 +36,9 @@ from fsdp_conformance.measure.bound import (
 from fsdp_conformance.measure.meters import MALLOC_ENV, OSMeter, choose_meter
 from fsdp_conformance.measure.profile import plan_step
 from fsdp_conformance.measure.step import measure_step
+from fsdp_conformance.models.llama import LLAMA_PRESETS
 from fsdp_conformance.models.model_spec import ModelSpec
-from fsdp_conformance.models.reference_models import LLAMA_PRESETS, ModelConfig
+from fsdp_conformance.models.reference_models import ModelConfig
 from fsdp_conformance.models.units import UnitInfo
 
 VERSIONS = ("fsdp1", "fsdp2")

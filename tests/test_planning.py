@@ -39,8 +39,9 @@ from fsdp_conformance.claims.memory.plan_estimate_matches import (
 from fsdp_conformance.gate import suite
 from fsdp_conformance.harness import RankContext, Ranks
 from fsdp_conformance.measure.bound import Bound, BoundTerm, per_layer_bound
+from fsdp_conformance.models.llama import LLAMA_PRESETS
 from fsdp_conformance.models.model_spec import ModelSpec
-from fsdp_conformance.models.reference_models import LLAMA_PRESETS, LlamaConfig, ModelConfig
+from fsdp_conformance.models.reference_models import LlamaConfig, ModelConfig
 from fsdp_conformance.models.units import UnitInfo
 from fsdp_conformance.plan.estimate import (
     CLAIM_WORLD_SIZES,
@@ -342,7 +343,7 @@ def test_llama_norm_and_rotary_forms_compute_the_same_function() -> None:
     # Same function, whatever it saves: outputs and gradients agree (the fused backward included).
     import torch
 
-    from fsdp_conformance.models.reference_models import LlamaModel
+    from fsdp_conformance.models.llama import LlamaModel
 
     base = LlamaConfig(num_layers=2, dim=64)
 
@@ -950,7 +951,8 @@ def test_checkpointing_wraps_the_chosen_blocks_forward_in_torchs_checkpoint() ->
     import torch
 
     from fsdp_conformance.fsdp.sharding import checkpoint_blocks
-    from fsdp_conformance.models.reference_models import DecoderLayer, build_reference
+    from fsdp_conformance.models.catalog import build_reference
+    from fsdp_conformance.models.reference_models import DecoderLayer
 
     model = build_reference("massive", ModelConfig(num_layers=5, dim=16))
     assert checkpoint_blocks(model, (DecoderLayer,), 2) == ["layers.0", "layers.2", "layers.4"]

@@ -21,9 +21,10 @@ import torch
 from fsdp_conformance import _files
 from fsdp_conformance.claims.check import Check, Verdict, execute, run_check
 from fsdp_conformance.fsdp import torch_errors
-from fsdp_conformance.gate import compare, verdict
+from fsdp_conformance.gate import compare, schema, tables, verdict
 from fsdp_conformance.gate import report as gate_report
-from fsdp_conformance.gate.compare import Difference, compare_reports
+from fsdp_conformance.gate.compare import compare_reports
+from fsdp_conformance.gate.difference import Difference
 from fsdp_conformance.gate.report import ReportError
 from fsdp_conformance.harness import RankFailure, RankOutcome, Ranks
 from fsdp_conformance.models.model_spec import ModelSpec
@@ -156,7 +157,7 @@ def test_build_report_has_schema_environment_settings_and_counts() -> None:
     r = gate_report.build_report(
         [entry(outcome="passed"), entry("a.b", "failed"), entry("c.d", "skipped")], settings, 2.0
     )
-    assert r["schema"] == gate_report.SCHEMA and r["schema_version"] == 1
+    assert r["schema"] == schema.SCHEMA and r["schema_version"] == 1
     assert r["environment"]["torch"] == torch.__version__
     assert "gloo" in r["environment"]["backends"]
     assert r["settings"]["world_sizes"] == [2, 4] and r["settings"]["model"] == "pkg.mod:build"
@@ -330,7 +331,7 @@ def test_table_shows_each_check_its_outcome_figures_and_the_failure_reason() -> 
             message="check failed\nTraceback ...\nValueError: meta vs cpu\n",
         ),
     )
-    table = gate_report.format_table(r)
+    table = tables.format_table(r)
     lines = table.splitlines()
     assert lines[0].split() == ["check", "outcome", "key", "figures"]
     assert "wrap.units.exact[cpu,ws2,fsdp1,massive]" in lines[2]
@@ -342,13 +343,13 @@ def test_table_shows_each_check_its_outcome_figures_and_the_failure_reason() -> 
 
 
 def test_markdown_summary_has_status_table_failure_details_and_deprecations() -> None:
-    passing = gate_report.format_markdown(report(entry()))
+    passing = tables.format_markdown(report(entry()))
     assert passing.startswith("## FSDP conformance: PASS")
     r = report(
         entry(warnings=["FutureWarning: The `NO_SHARD` sharding strategy is deprecated."]),
         entry("memory.sawtooth", "failed", message="rank 1: unit layers.0 gathered twice"),
     )
-    md = gate_report.format_markdown(r)
+    md = tables.format_markdown(r)
     assert md.startswith("## FSDP conformance: FAIL")
     assert "| `memory.sawtooth[cpu,ws2,fsdp1,massive]` | ❌ failed |" in md
     assert "<details><summary>memory.sawtooth[cpu,ws2,fsdp1,massive]: failed</summary>" in md
@@ -429,10 +430,10 @@ def test_an_expected_failure_is_counted_shown_and_does_not_fail_the_summary(
     path = str(tmp_path / "r.json")
     gate_report.write_json_report(path, r)
     assert gate_report.load_report(path)["checks"][1]["expected"] == EXPECTED
-    table = gate_report.format_table(r)
+    table = tables.format_table(r)
     assert "XFAILED  known torch defect: https://example.org/defect" in table
     assert "1 expected failure in" in table and "expected failure a.b[" in table
-    markdown = gate_report.format_markdown(r)
+    markdown = tables.format_markdown(r)
     assert markdown.startswith("## FSDP conformance: PASS")
     assert "a.b[cpu,ws2,fsdp1,massive]: expected failure (known torch defect)" in markdown
 
@@ -507,7 +508,7 @@ def test_a_documented_change_as_an_expected_failure_is_named_a_change_and_its_fi
     assert "passed -> xfailed: the candidate has a known torch change your checks hit" in (
         diffs[0].text
     )
-    table = gate_report.format_table(report(after))
+    table = tables.format_table(report(after))
     assert "XFAILED  known torch change: " in table
 
 
@@ -810,8 +811,8 @@ def non_passes() -> dict[str, Any]:
 
 def test_every_non_pass_has_its_whole_reason_in_the_summary_and_on_the_console() -> None:
     r = non_passes()
-    md = gate_report.format_markdown(r, report_path="out/report.json")
-    table = gate_report.format_table(r, "out/report.json")
+    md = tables.format_markdown(r, report_path="out/report.json")
+    table = tables.format_table(r, "out/report.json")
     # the skip's row holds its reason, whole (it was empty in summary.md and cut at 100 columns)
     assert f"| `memory.sawtooth[cpu,ws2,fsdp1,massive]` | ⏭️ skipped | {LONG_SKIP} |" in md
     assert LONG_SKIP in table and "..." not in table
@@ -833,7 +834,7 @@ def test_every_non_pass_has_its_whole_reason_in_the_summary_and_on_the_console()
 
 
 def test_a_pipe_in_a_reason_does_not_break_the_summary_table() -> None:
-    md = gate_report.format_markdown(report(entry("a.b", "skipped", message="needs a | b")))
+    md = tables.format_markdown(report(entry("a.b", "skipped", message="needs a | b")))
     assert "| `a.b[cpu,ws2,fsdp1,massive]` | ⏭️ skipped | needs a \\| b |" in md
 
 
@@ -849,8 +850,8 @@ def test_an_error_traceback_is_kept_in_the_report_and_validated(tmp_path: Path) 
 def test_a_report_of_an_older_version_still_loads_formats_and_compares() -> None:
     golden = Path(__file__).parent / "data" / "report-main-597df7e.json"
     old = gate_report.load_report(str(golden))
-    table = gate_report.format_table(old, str(golden))
-    md = gate_report.format_markdown(old, report_path=str(golden))
+    table = tables.format_table(old, str(golden))
+    md = tables.format_markdown(old, report_path=str(golden))
     assert len(table.splitlines()) == len(old["checks"]) + 4 + old["summary"]["error"] + (
         old["summary"].get("xfailed", 0)
     )

@@ -37,7 +37,8 @@ def write_outputs(
     and where each file is; return the run's exit code. ``plot``: None draws a plot wherever the
     run has a timeline, True also says why when it has none."""
     from fsdp_conformance._files import write_atomic
-    from fsdp_conformance.gate.report import format_markdown, format_table, write_json_report
+    from fsdp_conformance.gate.report import write_json_report
+    from fsdp_conformance.gate.tables import format_markdown, format_table
 
     write_json_report(json_path, report)
     plot_path = None
@@ -122,7 +123,8 @@ def run_launched(
     so torchrun reports the same outcome whichever rank it looks at.
     """
     from fsdp_conformance.gate import suite
-    from fsdp_conformance.gate.report import environment_summary, format_table
+    from fsdp_conformance.gate.report import environment_summary
+    from fsdp_conformance.gate.tables import format_table
 
     world_size = int(os.environ["WORLD_SIZE"])
     settings = suite.launch_settings(settings, world_size)

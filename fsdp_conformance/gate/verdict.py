@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdp_conformance.gate.compare import Difference
+from fsdp_conformance.gate.difference import Difference
 
 #: The verdict's kinds, in the order they are shown, and the difference kinds each holds. A
 #: difference of the ``regression`` kind is any blocking difference of another kind (a worse

@@ -16,8 +16,8 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_conformance.models import hf
+from fsdp_conformance.models.catalog import REFERENCE_MODELS
 from fsdp_conformance.models.policies import PolicyError, shared_parameter_groups
-from fsdp_conformance.models.reference_models import REFERENCE_MODELS
 
 
 def block_classes_of(

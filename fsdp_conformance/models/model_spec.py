@@ -4,7 +4,9 @@ batches), the user's objects loaded by import path, and the batch and loss every
 uses on any model.
 
 The reference models themselves (the seeds' ``MassiveModel`` and the cases around them) are in
-:mod:`fsdp_conformance.models.reference_models`; block-class resolution is in
+:mod:`fsdp_conformance.models.reference_models` (the Llama-style one in
+:mod:`fsdp_conformance.models.llama`), by name in :mod:`fsdp_conformance.models.catalog`;
+block-class resolution is in
 :mod:`fsdp_conformance.models.block_classes`.
 """
 
@@ -25,14 +27,9 @@ import torch.nn as nn
 
 from fsdp_conformance.models import hf, policies
 from fsdp_conformance.models.block_classes import block_classes_of
+from fsdp_conformance.models.catalog import REFERENCE_MODELS, build_reference
 from fsdp_conformance.models.policies import SEED_MIN_PARAMS, Policy, PolicyName
-from fsdp_conformance.models.reference_models import (
-    REFERENCE_MODELS,
-    LlamaConfig,
-    ModelConfig,
-    build_reference,
-    scaled_min_params,
-)
+from fsdp_conformance.models.reference_models import LlamaConfig, ModelConfig, scaled_min_params
 
 # --------------------------------------------------------------------------------------------
 # Batches and the loss: for any model

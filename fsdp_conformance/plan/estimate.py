@@ -16,9 +16,9 @@ from fsdp_conformance.measure.bound import (
     host_bytes,
     per_layer_bound,
 )
+from fsdp_conformance.models.llama import LLAMA_PRESETS
 from fsdp_conformance.models.model_spec import BuiltModel
 from fsdp_conformance.models.policies import PolicyName
-from fsdp_conformance.models.reference_models import LLAMA_PRESETS
 from fsdp_conformance.models.units import UnitInfo
 from fsdp_conformance.plan.activations import activations_by_unit
 from fsdp_conformance.plan.model import (

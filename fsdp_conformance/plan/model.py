@@ -8,15 +8,11 @@ from typing import Any
 
 from fsdp_conformance import sizes
 from fsdp_conformance.measure.bound import OPTIMIZER_STATES
+from fsdp_conformance.models.catalog import REFERENCE_MODELS
+from fsdp_conformance.models.llama import LLAMA_PRESETS
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.policies import PLAN_POLICIES, PolicyName
-from fsdp_conformance.models.reference_models import (
-    LLAMA_NORMS,
-    LLAMA_PRESETS,
-    REFERENCE_MODELS,
-    LlamaConfig,
-    ModelConfig,
-)
+from fsdp_conformance.models.reference_models import LLAMA_NORMS, LlamaConfig, ModelConfig
 
 #: Bytes per element of the dtypes a plan can use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -25,7 +21,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: ``monolithic`` = the root is the only unit (the names are the registry's own:
 #: :data:`fsdp_conformance.models.policies.PLAN_POLICIES`).
 POLICIES = PLAN_POLICIES
-#: ``--preset``: the Llama shapes of reference_models.LLAMA_PRESETS (Llama 2 7B / 13B / 70B,
+#: ``--preset``: the Llama shapes of llama.LLAMA_PRESETS (Llama 2 7B / 13B / 70B,
 #: Llama 3 8B / 70B / 405B, saving what production Llama code saves), and the seeds' own
 #: MassiveModel at the seeds' scale (dim 4096, 8 layers, vocab 32000).
 PRESETS = (*LLAMA_PRESETS, "seeds")
