@@ -16,11 +16,16 @@ Shared by the check families of :mod:`fsdp_conformance.claims.memory`:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, cast
 
-from fsdp_conformance.claims.faults import Fault, FaultEffect, FaultTable, patched, with_default
+from fsdp_conformance.claims.faults import (
+    Fault,
+    FaultEffect,
+    FaultTable,
+    patched_attr,
+    with_default,
+)
 from fsdp_conformance.fsdp.sharding import InputCasts
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.measure.bound import MeasureError, StepConfig
@@ -89,23 +94,19 @@ def wrapped_step(
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _wraps_as(label: str) -> FaultEffect:
     def step(ctx: RankContext, spec: ModelSpec, version: str, **options: Any) -> StepResult:
         return wrapped_step(ctx, spec, version, label, **options)
 
     def effect(ctx: RankContext) -> Any:
-        return patched(_this_module(), "per_layer_step", lambda _: step)
+        return patched_attr(__name__, "per_layer_step", lambda _: step)
 
     return effect
 
 
 def _tracker_entered_for_the_step(ctx: RankContext) -> Any:
-    return patched(
-        _this_module(), "per_layer_step", lambda fn: with_default(fn, "track_construction", False)
+    return patched_attr(
+        __name__, "per_layer_step", lambda fn: with_default(fn, "track_construction", False)
     )
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -41,7 +40,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
 from fsdp_conformance.claims.stack.training import build_side
 from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
@@ -145,10 +144,6 @@ def poison_shard(model: nn.Module) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _local_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     dtensor = _compat.dtensor_cls()
 
@@ -189,7 +184,7 @@ FAULTS = FaultTable(
     scale_frozen=Fault(
         "the user's scaler.update() keeps the scale it had (update(new_scale=get_scale())): "
         "the scale never backs off or grows",
-        lambda ctx: patched(_this_module(), "scaler_update", lambda original: _frozen_update),
+        lambda ctx: patched_attr(__name__, "scaler_update", lambda original: _frozen_update),
     ),
 )
 

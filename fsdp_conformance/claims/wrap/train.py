@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -22,7 +21,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
 from fsdp_conformance.claims.wrap.parity import (
     MixedPrecisionReference,
     compare_updates,
@@ -118,15 +117,11 @@ def optimizer_step(model: nn.Module, lr: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _shard_step(make: Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]) -> Any:
     """A fault that replaces this module's sharding step with ``make(the step)``."""
 
     def effect(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
-        return patched(_this_module(), "shard_with_policy", make)
+        return patched_attr(__name__, "shard_with_policy", make)
 
     return effect
 
@@ -193,8 +188,8 @@ def _smallest_frozen(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module
 
 
 def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
-    return patched(
-        _this_module(),
+    return patched_attr(
+        __name__,
         "mixed_precision_kwargs",
         lambda kwargs: lambda version, precision, cast_forward_inputs=False: {},
     )
@@ -202,8 +197,8 @@ def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[N
 
 def _summed_grads(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
     # Every gradient multiplied by the world size after FSDP averaged it: the sum.
-    return patched(
-        _this_module(),
+    return patched_attr(
+        __name__,
         "optimizer_step",
         lambda step: lambda model, lr: step(model, lr * ctx.world_size),
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
 from fsdp_conformance.claims.wrap.wrapping import (
     CONTAINERS,
     RankUnits,
@@ -206,14 +205,10 @@ def applied_policy(built: BuiltModel, name: PolicyName) -> Policy:
     return built.policy(name)
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 @contextlib.contextmanager
 def _seeds_applied(ctx: RankContext) -> Iterator[None]:
-    with patched(
-        _this_module(),
+    with patched_attr(
+        __name__,
         "applied_policy",
         lambda applied: lambda built, name: applied(built, "seeds"),
     ):
@@ -233,7 +228,7 @@ def _unmanaged_first_param(shard: Callable[..., nn.Module]) -> Callable[..., nn.
 
 @contextlib.contextmanager
 def _unmanaged_parameter(ctx: RankContext) -> Iterator[None]:
-    with patched(_this_module(), "shard_with_policy", _unmanaged_first_param):
+    with patched_attr(__name__, "shard_with_policy", _unmanaged_first_param):
         yield
 
 
