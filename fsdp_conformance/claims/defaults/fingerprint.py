@@ -441,11 +441,11 @@ class Fingerprint(TypedDict):
 
 
 def rank_fingerprint(
-    ctx: RankContext, version: str = "fsdp2", faults: Sequence[str] = ()
+    ctx: RankContext, version: str = "fsdp2", fault: str | Sequence[str] | None = None
 ) -> Fingerprint:
     """Every observable of ``version``'s defaults on this rank, and the collectives behind them.
 
-    ``faults``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
+    ``fault``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
     """
     check_fsdp_version(version)
     if version == "fsdp1" and ctx.world_size == 1:
@@ -453,7 +453,7 @@ def rank_fingerprint(
             "FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
             "NO_SHARD): its sharded defaults cannot be observed; run at world size >= 2"
         )
-    with FAULTS.inject(faults, ctx):
+    with FAULTS.inject(fault, ctx):
         cases = _fsdp1_cases(ctx) if version == "fsdp1" else _fsdp2_cases(ctx)
     figures, collectives = cases
     return {"rank": ctx.rank, "figures": figures, "collectives": collectives}

@@ -607,11 +607,11 @@ def _ranks_label(flags: Sequence[bool]) -> str:
 
 
 def rank_state_dict(
-    ctx: RankContext, version: str = "fsdp2", faults: Sequence[str] = ()
+    ctx: RankContext, version: str = "fsdp2", fault: str | Sequence[str] | None = None
 ) -> StateDictDefaults:
     """Every observable of the state-dict APIs' defaults on this rank (``version``'s model).
 
-    ``faults``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
+    ``fault``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
     """
     check_fsdp_version(version)
     if ctx.world_size == 1:
@@ -619,7 +619,7 @@ def rank_state_dict(
             "at world size 1 a shard is the whole tensor: sharded and full state dicts cannot be "
             "told apart; run at world size >= 2"
         )
-    with FAULTS.inject(faults, ctx):
+    with FAULTS.inject(fault, ctx):
         model, optim = _trained(ctx, version)
         figures: dict[str, Any] = {}
         holds: dict[str, bool] = {}

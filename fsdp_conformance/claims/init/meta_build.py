@@ -34,7 +34,9 @@ class MetaBuildReport(Ranked):
     not_on_meta: list[str]
 
 
-def rank_meta_build(ctx: RankContext, spec: ModelSpec, fault: str | None = None) -> MetaBuildReport:
+def rank_meta_build(
+    ctx: RankContext, spec: ModelSpec, fault: str | Sequence[str] | None = None
+) -> MetaBuildReport:
     """Build ``spec`` on meta and measure how much the process's peak memory grew.
 
     ``fault``: a negative control from :data:`~fsdp_conformance.claims.init.reports.FAULTS`

@@ -59,7 +59,7 @@ def rank_peak_memory(
     version: str = "fsdp2",
     seed: int = 0,
     policy: PolicyName = "recommended",
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> PeakReport:
     """Peak memory while building on meta, sharding and materializing, against the bound.
 

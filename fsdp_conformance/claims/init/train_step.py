@@ -50,7 +50,7 @@ def rank_train_step(
     version: str = "fsdp2",
     seed: int = 0,
     lr: float = 0.1,
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> TrainStepReport:
     """One SGD step after meta init, against the same step on the single-process reference.
 

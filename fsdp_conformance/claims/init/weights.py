@@ -48,7 +48,7 @@ def rank_weights(
     seed: int = 0,
     policy: PolicyName = "recommended",
     forward: bool = True,
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> InitReport:
     """Meta build, shard, materialize with ``method``; report against the reference.
 
