@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     SYNC_REFUSAL_SNIPPET,

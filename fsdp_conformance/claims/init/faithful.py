@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     Failure,

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     FAULTS,
     Failure,
     failed_on_ranks,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     Failure,

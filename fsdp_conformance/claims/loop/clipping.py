@@ -34,7 +34,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,

@@ -20,7 +20,7 @@ every unit that trains reduced in each backward. The collectives are reported pe
 all-gathers per unit of each forward and backward, the reductions per step.
 
 A loop torch refuses (it raises inside torch) is a failure naming torch's line
-(:func:`~fsdp_conformance.claims.loop.training.torch_raised`), not an error: users write these
+(:func:`~fsdp_conformance.claims.loop.common.torch_raised`), not an error: users write these
 loops. The user's code is this module's steps (:func:`user_loss`, :func:`set_divide_factor`,
 :func:`make_optimizer`), which the faults of :data:`FAULTS` patch; the reference always runs
 :data:`LOSSES`.
@@ -39,7 +39,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,

@@ -38,8 +38,8 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
-from fsdp_conformance.claims.loop import training
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.loop import common
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,
@@ -176,7 +176,7 @@ FAULTS = FaultTable(
     frozen_updated=Fault(
         "the user's code turns requires_grad back on after wrapping (model.requires_grad_(True)):"
         " the frozen parameters train",
-        lambda ctx: patched(training, "shard_model", _unfreezing),
+        lambda ctx: patched(common, "shard_model", _unfreezing),
     ),
     frozen_unit_reduced=Fault(
         "the freeze list is applied to the optimizer's parameters instead of requires_grad: the "
@@ -476,7 +476,7 @@ def rank_frozen_unused(
         units = pair.sizes()
         losses, ref_losses, observed = [], [], []
         unused, states, used_units = [], [], []
-        with training.phases(pair) as recorder:
+        with common.phases(pair) as recorder:
             for step in range(steps):
                 before, ref_before = snapshot(pair)
                 recorder.phase = f"micro {step}.0"

@@ -41,7 +41,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
-from fsdp_conformance.claims.stack.training import (
+from fsdp_conformance.claims.stack.common import (
     LR,
     STEPS,
     Side,

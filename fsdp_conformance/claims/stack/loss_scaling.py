@@ -41,7 +41,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
-from fsdp_conformance.claims.stack.training import build_side
+from fsdp_conformance.claims.stack.common import build_side
 from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
@@ -60,7 +60,7 @@ from fsdp_conformance.fsdp.sharding import (
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec
 
-#: Optimizer steps per run (each rank's rows per step: ``stack.training.PER_RANK``).
+#: Optimizer steps per run (each rank's rows per step: ``stack.common.PER_RANK``).
 STEPS = 6
 #: The steps whose gradient is non-finite on one rank (``"loss"``: that rank's loss times inf;
 #: ``"shard"``: inf in one element of that rank's reduced gradient shard).
