@@ -13,7 +13,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
-from fsdp_conformance.claims.wrap.wrapping import (
+from fsdp_conformance.claims.wrap.common import (
     build,
     fsdp1_strategies,
     record_compute_dtypes,

@@ -20,7 +20,7 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
-from fsdp_conformance.claims.wrap.wrapping import build, shard_with_policy
+from fsdp_conformance.claims.wrap.common import build, shard_with_policy
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss

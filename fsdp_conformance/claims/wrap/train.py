@@ -22,14 +22,16 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
-from fsdp_conformance.claims.wrap.parity import (
+from fsdp_conformance.claims.wrap.common import (
     MixedPrecisionReference,
+    build,
     compare_updates,
+    record_compute_dtypes,
+    shard_with_policy,
     tensor_diagnosis,
     update_diagnosis,
     update_lost,
 )
-from fsdp_conformance.claims.wrap.wrapping import build, record_compute_dtypes, shard_with_policy
 from fsdp_conformance.fsdp.determinism import disable_dropout, require_deterministic
 from fsdp_conformance.fsdp.reference_step import full_params, sgd_step
 from fsdp_conformance.fsdp.sharding import (
