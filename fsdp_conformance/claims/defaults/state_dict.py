@@ -2,7 +2,7 @@
 observed.
 
 One check per FSDP version. Its rank function builds the tiny model of
-:mod:`~fsdp_conformance.claims.defaults.fingerprint` (its first layer frozen), takes one Adam
+:mod:`~fsdp_conformance.claims.defaults.common` (its first layer frozen), takes one Adam
 step, and calls the state-dict APIs as a user writes them, every option left out:
 
 * ``torch.distributed.checkpoint.state_dict``: ``get_model_state_dict``,
@@ -40,7 +40,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.defaults.fingerprint import TinyModel, differ, unexpected
+from fsdp_conformance.claims.defaults.common import TinyModel, differ, unexpected
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, with_default
 from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh
 from fsdp_conformance.fsdp.tensors import local_tensor
