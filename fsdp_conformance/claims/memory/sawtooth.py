@@ -38,7 +38,8 @@ __all__ = ["SAWTOOTH_MIN_UNIT_BYTES", "SawtoothResult", "rank_sawtooth", "verdic
 class SawtoothResult(PeakResult):
     """The per-layer step of :func:`~.common.bounded_step`, and the size it was measured at."""
 
-    #: None: the model as configured; else what was scaled (:mod:`.scaling`) to resolve.
+    #: None: the model as configured; else what was scaled to resolve
+    #: (:func:`~.common.for_sawtooth`).
     scaled: Scaling | None
 
 
