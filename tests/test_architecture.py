@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pathlib
 import re
+from collections.abc import Mapping
 
 import pytest
-from package_imports import file_imports, module_imports, relative_imports
+from package_imports import file_imports, module_imports, package_imports, relative_imports
 
 pytestmark = pytest.mark.cpu
 
@@ -169,10 +170,9 @@ FOLDERS: dict[str, set[str]] = {
     },
     "measure": {"meters", "timeline", "step", "bound", "profile"},
     "claims": {"check", "faults"},
-    "claims/defaults": {"fingerprint", "state_dict"},
+    "claims/defaults": {"common", "fingerprint", "state_dict"},
     "claims/memory": {
-        "measurement",
-        "scaling",
+        "common",
         "peak_within_bound",
         "sawtooth",
         "depth_invariance",
@@ -180,8 +180,9 @@ FOLDERS: dict[str, set[str]] = {
         "mixed_precision_peak",
         "plan_estimate_matches",
     },
-    "claims/wrap": {"units", "builders", "train", "parity", "mixed", "prefetch", "wrapping"},
+    "claims/wrap": {"common", "units", "builders", "train", "mixed", "prefetch"},
     "claims/init": {
+        "common",
         "meta_build",
         "faithful",
         "weights",
@@ -189,21 +190,20 @@ FOLDERS: dict[str, set[str]] = {
         "broadcast",
         "train_step",
         "peak_memory",
-        "reports",
     },
     "claims/state": {
+        "common",
         "round_trip",
         "resume",
         "dcp",
         "reshard",
         "checkpoint",
         "across_versions",
+        "shared_step",
         "summon",
-        "state_dicts",
-        "faults",
     },
     "claims/loop": {
-        "training",
+        "common",
         "accumulation",
         "clipping",
         "frozen",
@@ -212,7 +212,7 @@ FOLDERS: dict[str, set[str]] = {
         "uneven",
         "buffers",
     },
-    "claims/stack": {"training", "reshard", "loss_scaling", "meshes", "compile", "checkpointing"},
+    "claims/stack": {"common", "reshard", "loss_scaling", "meshes", "compile", "checkpointing"},
     "plan": {"model", "activations", "estimate", "verify", "report"},
     "gate": {
         "suite",
@@ -411,6 +411,157 @@ def test_no_claim_imports_another_claim() -> None:
     assert not bad, "a claim imports another claim; move the shared code to a block:\n" + (
         "\n".join(bad)
     )
+
+
+#: The claims that are folders of check families (every claim, since each has two or more).
+CLAIM_FOLDERS = sorted(f.removeprefix("claims/") for f in FOLDERS if f.startswith("claims/"))
+
+
+def _claim_plan_problems(claim: str, sources: Mapping[str, str]) -> list[str]:
+    """What in one claim folder (module name -> source) breaks the plan every claim folder has
+    (docs/architecture.md, "A new claim"): ``__init__.py`` (the ``CHECKS`` chain), ``common.py``
+    (what its families share) and one module per family; a family imports, of its own claim,
+    only ``common`` (top-level or inside a function), and ``common`` imports no family."""
+    problems = [
+        f"claims/{claim}/ has no {required}.py"
+        for required in ("__init__", "common")
+        if required not in sources
+    ]
+    families = sorted(set(sources) - {"__init__", "common"})
+    if not families:
+        problems.append(f"claims/{claim}/ has no family module")
+    prefix = f"fsdp_conformance.claims.{claim}."
+    for name in ("common", *families):
+        if name not in sources:
+            continue
+        own = {
+            target.removeprefix(prefix).split(".")[0]
+            for target in package_imports(sources[name])
+            if target.startswith(prefix)
+        }
+        allowed = {"common"} if name != "common" else set()
+        problems += [
+            f"claims/{claim}/{name}.py imports claims/{claim}/{other}.py; a family imports "
+            "only its claim's common.py"
+            for other in sorted((own & set(sources)) - allowed - {name})
+        ]
+    return problems
+
+
+def test_every_claim_folder_has_the_same_plan() -> None:
+    assert CLAIM_FOLDERS, "no claim folder in FOLDERS"
+    bad = []
+    for claim in CLAIM_FOLDERS:
+        folder = PACKAGE / "claims" / claim
+        sources = {p.stem: p.read_text(encoding="utf-8") for p in folder.glob("*.py")}
+        bad += _claim_plan_problems(claim, sources)
+    assert not bad, "a claim folder breaks the plan (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_claim_plan_check_catches_a_family_importing_another() -> None:
+    # Negative control: a folder without common.py, whose family imports another family inside
+    # a function, and a common.py that imports a family, are each caught; the plan is not.
+    good = {
+        "__init__": "from fsdp_conformance.claims.x.a import rank_a\n",
+        "common": "from fsdp_conformance.claims.check import Verdict\n",
+        "a": "from fsdp_conformance.claims.x.common import Verdict\n",
+        "b": "from fsdp_conformance.claims.x import common\n",
+    }
+    assert _claim_plan_problems("x", good) == []
+    sneaky = {**good, "b": "def f():\n    from fsdp_conformance.claims.x.a import rank_a\n"}
+    assert _claim_plan_problems("x", sneaky) == [
+        "claims/x/b.py imports claims/x/a.py; a family imports only its claim's common.py"
+    ]
+    no_common = {k: v for k, v in good.items() if k != "common"}
+    assert _claim_plan_problems("x", no_common) == ["claims/x/ has no common.py"]
+    back = {**good, "common": "from fsdp_conformance.claims.x import b\n"}
+    assert _claim_plan_problems("x", back) == [
+        "claims/x/common.py imports claims/x/b.py; a family imports only its claim's common.py"
+    ]
+    assert _claim_plan_problems("x", {"__init__": "", "common": ""}) == [
+        "claims/x/ has no family module"
+    ]
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The cycles of an import graph (module -> the modules it imports): each strongly connected
+    component of two or more modules, or a module importing itself, sorted (Tarjan's
+    algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports, at module level and
+    inside functions (:func:`package_imports.module_imports`: a package is its ``__init__``)."""
+    graph = {}
+    for name, path in _modules():
+        dotted = "fsdp_conformance" if name == "__init__" else f"fsdp_conformance.{name}"
+        targets = module_imports(path.read_text(encoding="utf-8"), PACKAGE)
+        graph[dotted] = {t for t in targets if t != dotted}
+    return graph
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    # Function-level imports count: an import inside a function that closes a cycle is how the
+    # state claim's faults module and its families imported each other.
+    cycles = import_cycles(_package_graph())
+    assert not cycles, "import cycles (break each: shared code goes to a common module):\n" + (
+        "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_the_cycle_check_catches_a_cycle() -> None:
+    # Negative control: a synthetic graph with a three-module cycle (and a self-import) is
+    # caught; a chain and a diamond are not cycles.
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"b", "c"}}) == []
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"a"}, "b": set()}) == [["a"]]
+    # The old state claim, written as it was: the faults module importing a family inside a
+    # function, the family importing the faults module.
+    faults = "def effect():\n    from fsdp_conformance.claims.state import round_trip\n"
+    family = "from fsdp_conformance.claims.state.faults import FAULTS\n"
+    graph = {
+        "faults": {m.rsplit(".", 1)[-1] for m in package_imports(faults) if "state." in m},
+        "round_trip": {m.rsplit(".", 1)[-1] for m in package_imports(family) if "state." in m},
+    }
+    assert import_cycles(graph) == [["faults", "round_trip"]]
 
 
 def _short(dotted: str) -> str:

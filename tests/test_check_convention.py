@@ -186,7 +186,8 @@ def test_a_table_loop_or_a_direct_check_breaks_the_registration_shape() -> None:
 
 
 def test_every_claim_module_is_a_package_of_check_families_or_one_module() -> None:
-    # The one list of claims: every claim's source in claims/ is listed, and nothing else is.
+    # The one list of claims: every claim's source in claims/ is listed, and nothing else is
+    # (the check contract and the faults' helpers are no claim).
     listed = {m.rsplit(".", 1)[1] for m in CLAIM_MODULES}
     present = {p.stem for p in CLAIMS.glob("*.py") if p.stem not in ("__init__", "check", "faults")}
     present |= {p.name for p in CLAIMS.iterdir() if (p / "__init__.py").is_file()}

@@ -1,5 +1,5 @@
 """The defaults fingerprint on real ranks, FSDP1 and FSDP2: what torch does with an option
-omitted, observed; a default changed in torch on the ranks (``faults``) fails the check, and
+omitted, observed; a default changed in torch on the ranks (``fault``) fails the check, and
 compare between the clean and the changed report shows a regression."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_fingerprint_matches_torch_and_a_changed_default_is_a_regression(ranks: 
         for case, records in run.verdict.data["collectives"].items():
             # every collective named by its unit (the tiny model's units all differ in size)
             assert records and all(r["unit"] != UNKNOWN_UNIT for r in records), (case, records)
-    changed = {v: execute(ranks, checks[v], faults=FAULTS[v]) for v in ("fsdp1", "fsdp2")}
+    changed = {v: execute(ranks, checks[v], fault=FAULTS[v]) for v in ("fsdp1", "fsdp2")}
     for run in changed.values():
         assert run.outcome == "failed", run.detail
     assert changed["fsdp1"].detail.splitlines()[1:] == [

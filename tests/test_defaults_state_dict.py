@@ -1,6 +1,6 @@
 """``defaults.state_dict`` on real ranks, FSDP1 and FSDP2: what the state-dict APIs and the
 loaders do with their options left unset, observed; a default changed in torch on the ranks
-(``faults``) fails the check, naming each moved observable, expected vs observed."""
+(``fault``) fails the check, naming each moved observable, expected vs observed."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _values(
     if key not in runs:
         check = STATE_DICT[version]
         faults = VERSION_FAULTS[version] if faulted else ()
-        runs[key] = ranks.run(check.rank_fn, **{**check.params, "faults": faults})
+        runs[key] = ranks.run(check.rank_fn, **{**check.params, "fault": faults})
     return runs[key]
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
-from fsdp_conformance.claims.init import broadcast, peak_memory, reports, weights
+from fsdp_conformance.claims.init import broadcast, common, peak_memory, weights
 from fsdp_conformance.fsdp import meta_init, meta_materialize
 from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.measure.bound import init_peak_bound
@@ -24,7 +24,7 @@ from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.reference_models import ModelConfig
 
 VERSIONS = ("fsdp1", "fsdp2")
-SPEC = reports.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer
+SPEC = common.DEFAULT_SPEC  # Llama-style: norms, GQA-free attention, rotary non-persistent buffer
 MASSIVE = ModelSpec(reference="massive", config=ModelConfig(num_layers=2, dim=32))
 
 
@@ -101,12 +101,12 @@ def test_reset_parameters_that_leaves_a_tensor_uninitialized_is_named() -> None:
 
 def test_findings_translate_torch_errors_into_one_line() -> None:
     meta = ValueError("Inconsistent compute device and `device_id` on rank 1: meta vs cpu")
-    finding = reports.describe_init_error(meta)
+    finding = common.describe_init_error(meta)
     assert "must call module.to_empty(device=..., recurse=False)" in finding
     assert "\n" not in finding
     refusal = ValueError("The module has CPU parameters ... which requires them to be on GPU.")
-    assert "broadcast from rank 0 explicitly" in reports.describe_init_error(refusal)
-    assert reports.describe_init_error(KeyError("x")) == "KeyError: 'x'"
+    assert "broadcast from rank 0 explicitly" in common.describe_init_error(refusal)
+    assert common.describe_init_error(KeyError("x")) == "KeyError: 'x'"
 
 
 def test_seeds_materialization_fn_is_verbatim() -> None:
@@ -244,7 +244,7 @@ def test_sync_module_states(ranks: Ranks, lane: str) -> None:
     verdict = run_check(ranks, check("init.sync_module_states"))
     assert verdict.passed, verdict.message
     if lane == "cpu":
-        assert reports.SYNC_REFUSAL_SNIPPET in verdict.data["refusal"]
+        assert common.SYNC_REFUSAL_SNIPPET in verdict.data["refusal"]
         assert verdict.message.startswith("conformance fact: torch refuses")
     # Negative control: without it, ranks seeded differently keep their own weights.
     off = run_check(ranks, check("init.sync_module_states"), fault="sync_off")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.init import faithful
-from fsdp_conformance.claims.init.reports import DEFAULT_SPEC
+from fsdp_conformance.claims.init.common import DEFAULT_SPEC
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models.catalog import REFERENCE_MODELS
 from fsdp_conformance.models.model_spec import ModelSpec

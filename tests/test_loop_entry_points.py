@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdp_conformance.claims.check import Check
 from fsdp_conformance.claims.loop import entry_points
-from fsdp_conformance.claims.loop.training import torch_raised
+from fsdp_conformance.claims.loop.common import torch_raised
 from fsdp_conformance.harness import Ranks
 
 pytestmark = pytest.mark.cpu

@@ -101,7 +101,7 @@ def test_a_shard_read_at_the_wrong_offset_fails_naming_the_parameter(
     before = [line for line in verdict.message.splitlines() if "before training" in line]
     assert len(before) == 2 and all(name in line for line in before), verdict.message
     # and the step trained from it (each step's update is judged from the parameters both sides
-    # start it with: loop.training.observe_step)
+    # start it with: loop.common.observe_step)
     assert "step 0 update" in verdict.message, verdict.message
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.memory import CHECKS
+from fsdp_conformance.claims.memory.common import DEFAULT_SPEC, MemoryCheckError
 from fsdp_conformance.claims.memory.depth_invariance import verdict_depth_invariance, with_depth
-from fsdp_conformance.claims.memory.measurement import DEFAULT_SPEC, MemoryCheckError
 from fsdp_conformance.claims.memory.meter_agrees import rank_meter_agrees, verdict_meter_agrees
 from fsdp_conformance.claims.memory.peak_within_bound import (
     rank_peak_within_bound,

@@ -12,7 +12,7 @@ import pytest
 
 from fsdp_conformance.claims.check import VERSIONS
 from fsdp_conformance.claims.memory import CHECKS
-from fsdp_conformance.claims.memory.measurement import DEFAULT_SPEC, MemoryCheckError
+from fsdp_conformance.claims.memory.common import DEFAULT_SPEC, MemoryCheckError
 from fsdp_conformance.claims.memory.mixed_precision_peak import (
     config_from,
     dtype_size_problems,

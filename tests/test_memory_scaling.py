@@ -2,7 +2,7 @@
 
 A user's model at a small width (hidden 64) is below what the sawtooth and the meter
 cross-check resolve; instead of skipping, the checks measure the user's model scaled to the
-smallest size that resolves (``claims/memory/scaling.py``) and say so. Negative controls: the
+smallest size that resolves (``claims/memory/common.py``) and say so. Negative controls: the
 monolithic fault on the scaled model still breaks the sawtooth; a tracker blind to FSDP1's
 construction still disagrees with the OS figure at the scaled size; a model whose width cannot
 be set skips, naming what it would need.
@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_conformance.claims.check import run_check
 from fsdp_conformance.claims.memory import CHECKS
-from fsdp_conformance.claims.memory.scaling import (
+from fsdp_conformance.claims.memory.common import (
     METER_ESTIMATE_MARGIN,
     SAWTOOTH_MIN_UNIT_BYTES,
     ScaledSpec,
@@ -260,7 +260,7 @@ def test_meter_check_agrees_at_the_scaled_width_and_still_catches_a_blind_tracke
 def test_a_wider_copy_keeps_what_the_config_computes_and_what_it_maps() -> None:
     import transformers
 
-    from fsdp_conformance.claims.memory.scaling import rebuild_with_width
+    from fsdp_conformance.claims.memory.common import rebuild_with_width
 
     # Falcon's head_dim is a property without a setter (hidden_size / heads): it follows.
     falcon = transformers.FalconConfig(

@@ -21,7 +21,7 @@ import torch
 from fsdp_conformance import hf_models
 from fsdp_conformance.claims import state
 from fsdp_conformance.claims.check import Check, run_check
-from fsdp_conformance.claims.state import checkpoint, resume, state_dicts
+from fsdp_conformance.claims.state import checkpoint, common, resume, summon
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models.model_spec import ModelSpec
 
@@ -66,12 +66,12 @@ def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
     values = clean_values(ranks, shared_runs, version)
     verdict = CHECK[version].verdict(values, CHECK[version].params)
     assert verdict.passed, verdict.message
-    assert verdict.figures["kinds"] == list(state_dicts.KINDS[version])
+    assert verdict.figures["kinds"] == list(common.KINDS[version])
     assert verdict.figures["failed_kinds"] == []
     for value in values:
         got = value["kinds"]
         # Observed: what each getter handed this rank.
-        for kind in state_dicts.RANK0_ONLY & set(got):
+        for kind in common.RANK0_ONLY & set(got):
             assert (got[kind]["got"]["entries"] > 0) == (value["rank"] == 0), (kind, got[kind])
         sharded_type = "DTensor" if version == "fsdp2" else "ShardedTensor"
         assert sharded_type in got["sharded"]["got"]["types"], got["sharded"]
@@ -81,7 +81,7 @@ def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
 def test_a_value_changed_before_loading_fails_every_loaded_kind(ranks: Ranks, version: str) -> None:
     check = CHECK[version]
     verdict = run_check(ranks, check, **{**check.params, "fault": "value_changed_before_loading"})
-    loaded = [k for k in state_dicts.KINDS[version] if k not in state_dicts.GET_ONLY]
+    loaded = [k for k in common.KINDS[version] if k not in common.GET_ONLY]
     assert not verdict.passed
     assert verdict.figures["failed_kinds"] == sorted(loaded), verdict.message
     assert "after loading:" in verdict.message and "expected torch.float32" in verdict.message
@@ -96,7 +96,7 @@ def test_a_reference_of_another_seed_fails_every_kind_as_got_and_as_loaded(
     check = CHECK[version]
     verdict = check.verdict(clean_values(ranks, shared_runs, version), {**check.params, "seed": 1})
     assert not verdict.passed
-    assert verdict.figures["failed_kinds"] == sorted(state_dicts.KINDS[version])
+    assert verdict.figures["failed_kinds"] == sorted(common.KINDS[version])
     assert "as got:" in verdict.message and "after loading:" in verdict.message
 
 
@@ -178,7 +178,7 @@ def test_a_rank0_only_optimizer_getter_that_reaches_rank_1_fails_that_kind() -> 
 
 def test_a_snapshot_is_a_copy_a_later_step_does_not_reach() -> None:
     live = {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}
-    saved = state_dicts.snapshot(live)
+    saved = resume.snapshot(live)
     live["step"] += 1
     live["exp_avg"].mul_(0)
     assert float(saved["step"]) == 2.0 and saved["exp_avg"].tolist() == [1.0, 1.0, 1.0]
@@ -288,7 +288,7 @@ TWO_TIES = ModelSpec(
 def test_aliases_name_every_tie_of_a_module_weights_and_biases() -> None:
     from tests.verdict_models import two_ties_model
 
-    tied = state_dicts.aliases(two_ties_model())
+    tied = summon.aliases(two_ties_model())
     assert tied["embed.weight"] == ["embed.weight", "head.decoder.weight"]
     assert tied["head.decoder.bias"] == ["head.bias", "head.decoder.bias"]
     assert tied["head.transform.weight"] == ["head.transform.weight"]
@@ -304,8 +304,8 @@ def test_summon_changes_a_tied_parameter_under_every_alias(ranks: Ranks) -> None
     assert verdict.passed, verdict.message
     assert all(v["cases"]["writeback"]["changed"] == "embed.weight" for v in values)
     # The negative control, on the same values: one alias left as it was (a split tie) fails.
-    reference = state_dicts.build(TWO_TIES, 0)
-    before = state_dicts.digests(reference.state_dict())["head.decoder.weight"]
+    reference = common.build(TWO_TIES, 0)
+    before = common.digests(reference.state_dict())["head.decoder.weight"]
     split = copy.deepcopy(values)
     split[1]["cases"]["writeback"]["after"]["head.decoder.weight"] = before
     verdict = SUMMON.verdict(split, params)

@@ -21,8 +21,7 @@ import torch
 
 from fsdp_conformance.claims import state
 from fsdp_conformance.claims.check import FAILED, Check, execute, run_check
-from fsdp_conformance.claims.state import across_versions, checkpoint
-from fsdp_conformance.claims.state.state_dicts import DCP_TARGETS
+from fsdp_conformance.claims.state import across_versions, common
 from fsdp_conformance.harness import Ranks
 
 #: The families' variants the tests run: (check name, FSDP version).
@@ -186,7 +185,7 @@ def test_a_dcp_checkpoint_torch_cannot_read_is_a_failure_of_one_line(
     # docs/state.md) fail in one line, every target named; never an error with a traceback.
     check = the_check("state.checkpoint", "fsdp2")
     assert run_check(ranks, check, **{**check.params, "save_to": str(tmp_path)}).passed
-    folder = Path(checkpoint.checkpoint_folder(str(tmp_path), "fsdp2", check.params["spec"]))
+    folder = Path(common.checkpoint_folder(str(tmp_path), "fsdp2", check.params["spec"]))
     (folder / ".metadata").write_bytes(b"not a checkpoint's metadata")
     run = execute(ranks, check, **{**check.params, "load_from": str(tmp_path)})
     assert run.outcome == FAILED and run.verdict is not None, run.detail
@@ -194,9 +193,9 @@ def test_a_dcp_checkpoint_torch_cannot_read_is_a_failure_of_one_line(
     assert run.detail.splitlines()[0].startswith(
         f"checkpoints written by torch {v} cannot be read by torch {v}: "
     )
-    assert run.verdict.figures["unreadable"] == list(DCP_TARGETS)
+    assert run.verdict.figures["unreadable"] == list(common.DCP_TARGETS)
     assert run.verdict.figures["load_torch"] == v
-    assert set(run.verdict.data["tracebacks"]) == set(DCP_TARGETS)
+    assert set(run.verdict.data["tracebacks"]) == set(common.DCP_TARGETS)
 
 
 #: Per fault, what it fails in each family (``n``: the world size).

@@ -8,11 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.claims.wrap.units import (
-    expected_units,
-    judge_plan,
-    seeds_full_scale_plan,
-)
+from fsdp_conformance.claims.wrap.common import expected_units
+from fsdp_conformance.claims.wrap.units import judge_plan, seeds_full_scale_plan
 from fsdp_conformance.models.policies import (
     SEED_MIN_PARAMS,
     recommended_policy,

@@ -27,8 +27,8 @@ from torch import nn
 from fsdp_conformance import cli, hf_models
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.memory import CHECKS as MEMORY_CHECKS
+from fsdp_conformance.claims.memory.common import MemoryCheckError
 from fsdp_conformance.claims.memory.depth_invariance import with_depth
-from fsdp_conformance.claims.memory.measurement import MemoryCheckError
 from fsdp_conformance.claims.wrap import CHECKS as WRAP_CHECKS
 from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.measure.meters import resident_tensor_bytes

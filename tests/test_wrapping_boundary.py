@@ -28,7 +28,7 @@ from fsdp_conformance.claims.wrap.builders import (
     rank_builders_size_boundary,
     verdict_builders_size_boundary,
 )
-from fsdp_conformance.claims.wrap.units import expected_units
+from fsdp_conformance.claims.wrap.common import expected_units
 from fsdp_conformance.gate.suite import select_checks
 from fsdp_conformance.harness import RankContext, Ranks
 from fsdp_conformance.models import policies

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from fsdp_conformance.claims.wrap.common import compare_updates
 from fsdp_conformance.claims.wrap.mixed import (
     _computes_through_a_tie,
     outermost,
@@ -19,7 +20,6 @@ from fsdp_conformance.claims.wrap.mixed import (
     tied_partners,
     verdict_mixed,
 )
-from fsdp_conformance.claims.wrap.parity import compare_updates
 from fsdp_conformance.claims.wrap.train import (
     FP32_UPDATE_RTOL,
     NEGLIGIBLE_UPDATE,

@@ -8,9 +8,13 @@ function. The rank function names the faults it was given and runs its body insi
 
 A fault patches an attribute looked up at call time (:func:`patched`): a torch API
 (``torch.distributed.reduce_scatter_tensor``), a default of one (:func:`with_default`), or a
-step of the claim's own module that stands for the user's code (how the user shards, casts or
-initializes the model). Patches are restored on exit, so a warm rank serves the next check
-unchanged.
+step of the family module that stands for the user's code (how the user shards, casts or
+initializes the model), patched where the family looks it up (:func:`patched_attr`). Patches
+are restored on exit, so a warm rank serves the next check unchanged.
+
+Each family module keeps its own ``FAULTS`` table beside the code it patches, and its rank
+functions take ``fault: str | Sequence[str] | None = None`` (a name, names or none), entered as
+``with FAULTS.inject(fault, ctx):``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -87,6 +92,20 @@ def patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]
         yield
     finally:
         setattr(owner, name, original)
+
+
+def patched_attr(
+    module_name: str, name: str, make: Callable[[Any], Any]
+) -> contextlib.AbstractContextManager[None]:
+    """:func:`patched` on the module named ``module_name``: a family module patches one of its
+    own steps with ``patched_attr(__name__, "shard_with_policy", make)``.
+
+    The module is looked up in ``sys.modules`` when the fault is entered (the family module is
+    imported by then: its rank function enters the fault), and its global ``name`` replaced,
+    so the family's own calls of ``name`` (looked up at call time) get ``make(original)``. A
+    step the family imported from its claim's ``common.py`` is patched in the family's
+    namespace, not in ``common``'s: each family's fault changes its own family only."""
+    return patched(sys.modules[module_name], name, make)
 
 
 def with_default(fn: Any, key: str, value: Any) -> Any:

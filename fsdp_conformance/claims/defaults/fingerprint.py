@@ -24,6 +24,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
+from fsdp_conformance.claims.defaults.common import TinyModel, differ, unexpected
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, with_default
 from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
 from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh
@@ -78,22 +79,6 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "explicit_int_1.regathered_in_backward": [],
     },
 }
-
-
-class TinyModel(nn.Module):
-    """Three linear layers of different sizes (so a collective's size names its unit) and a
-    norm the root unit owns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 12), nn.Linear(12, 6)])
-        self.norm = nn.LayerNorm(6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        out: torch.Tensor = self.norm(x)
-        return out
 
 
 def _tiny(ctx: RankContext) -> TinyModel:
@@ -441,11 +426,11 @@ class Fingerprint(TypedDict):
 
 
 def rank_fingerprint(
-    ctx: RankContext, version: str = "fsdp2", faults: Sequence[str] = ()
+    ctx: RankContext, version: str = "fsdp2", fault: str | Sequence[str] | None = None
 ) -> Fingerprint:
     """Every observable of ``version``'s defaults on this rank, and the collectives behind them.
 
-    ``faults``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
+    ``fault``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
     """
     check_fsdp_version(version)
     if version == "fsdp1" and ctx.world_size == 1:
@@ -453,34 +438,10 @@ def rank_fingerprint(
             "FSDP1 runs NO_SHARD at world size 1 (torch switches any sharding strategy to "
             "NO_SHARD): its sharded defaults cannot be observed; run at world size >= 2"
         )
-    with FAULTS.inject(faults, ctx):
+    with FAULTS.inject(fault, ctx):
         cases = _fsdp1_cases(ctx) if version == "fsdp1" else _fsdp2_cases(ctx)
     figures, collectives = cases
     return {"rank": ctx.rank, "figures": figures, "collectives": collectives}
-
-
-def unexpected(
-    expected: Mapping[str, Any], observed: Mapping[str, Any], note: Callable[[str], str]
-) -> list[str]:
-    """``<key>: expected <value> (torch 2.13, <note(key)>), observed <value>`` for each figure
-    that differs from :data:`EXPECTED`'s (or a family's own table)."""
-    return [
-        f"{key}: expected {want!r} (torch 2.13, {note(key)}), observed {observed.get(key)!r}"
-        for key, want in expected.items()
-        if observed.get(key) != want
-    ]
-
-
-def differ(what: str, problems: Sequence[str], figures: Any, data: Any) -> Verdict:
-    """The failed verdict: its first line names what moved (compare shows only that line),
-    then one line per problem."""
-    moved = [p.split(":", 1)[0] for p in problems]
-    return Verdict(
-        False,
-        f"{what} differ from the pinned torch's: {', '.join(moved)}\n  " + "\n  ".join(problems),
-        figures,
-        data,
-    )
 
 
 def verdict_fingerprint(values: Sequence[Fingerprint], params: Mapping[str, Any]) -> Verdict:
@@ -522,12 +483,9 @@ __all__ = [
     "FAULTS",
     "Fingerprint",
     "LAYERS",
-    "TinyModel",
-    "differ",
     "observe_backward_prefetch",
     "observe_forward_prefetch",
     "observe_sharding",
     "rank_fingerprint",
-    "unexpected",
     "verdict_fingerprint",
 ]

@@ -2,7 +2,7 @@
 observed.
 
 One check per FSDP version. Its rank function builds the tiny model of
-:mod:`~fsdp_conformance.claims.defaults.fingerprint` (its first layer frozen), takes one Adam
+:mod:`~fsdp_conformance.claims.defaults.common` (its first layer frozen), takes one Adam
 step, and calls the state-dict APIs as a user writes them, every option left out:
 
 * ``torch.distributed.checkpoint.state_dict``: ``get_model_state_dict``,
@@ -40,7 +40,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.defaults.fingerprint import TinyModel, differ, unexpected
+from fsdp_conformance.claims.defaults.common import TinyModel, differ, unexpected
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, with_default
 from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh
 from fsdp_conformance.fsdp.tensors import local_tensor
@@ -607,11 +607,11 @@ def _ranks_label(flags: Sequence[bool]) -> str:
 
 
 def rank_state_dict(
-    ctx: RankContext, version: str = "fsdp2", faults: Sequence[str] = ()
+    ctx: RankContext, version: str = "fsdp2", fault: str | Sequence[str] | None = None
 ) -> StateDictDefaults:
     """Every observable of the state-dict APIs' defaults on this rank (``version``'s model).
 
-    ``faults``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
+    ``fault``: defaults changed in torch for the duration (:data:`FAULTS`), negative controls.
     """
     check_fsdp_version(version)
     if ctx.world_size == 1:
@@ -619,7 +619,7 @@ def rank_state_dict(
             "at world size 1 a shard is the whole tensor: sharded and full state dicts cannot be "
             "told apart; run at world size >= 2"
         )
-    with FAULTS.inject(faults, ctx):
+    with FAULTS.inject(fault, ctx):
         model, optim = _trained(ctx, version)
         figures: dict[str, Any] = {}
         holds: dict[str, bool] = {}

@@ -8,14 +8,14 @@ inspect). One module per check family here: :mod:`.meta_build`, :mod:`.weights` 
 ``weights``, ``weights.default_path``), :mod:`.faithful` (``weights.faithful``: the reference
 against the model as its factory builds it), :mod:`.broadcast` (``sync_module_states``,
 ``broadcast_rank0``), :mod:`.train_step`, :mod:`.peak_memory`, :mod:`.seeds`; what they share
-(the default model, the negative controls' :data:`~.reports.FAULTS`, the reports and how they
-are judged) is :mod:`.reports`.
+(the default model, the negative controls' :data:`~.common.FAULTS`, the reports and how they
+are judged) is :mod:`.common`.
 
 The checks compare what every rank holds against the single-process reference: never "finite"
 (``to_empty`` memory can look finite) and never "identical across ranks" (gathered weights are
 identical on every rank even when the ranks initialized differently: docs/init.md, "Facts about
 meta-device init"). :data:`SEEDS_CHECKS` runs the seeds' ``materialization_fn`` as written and
-turns what goes wrong into one-line findings (:func:`~.reports.describe_init_error`).
+turns what goes wrong into one-line findings (:func:`~.common.describe_init_error`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fsdp_conformance.claims.init.broadcast import (
     verdict_broadcast_rank0,
     verdict_sync_module_states,
 )
+from fsdp_conformance.claims.init.common import DEFAULT_SPEC
 from fsdp_conformance.claims.init.faithful import rank_weights_faithful, verdict_weights_faithful
 from fsdp_conformance.claims.init.meta_build import rank_meta_build, verdict_meta_build
 from fsdp_conformance.claims.init.peak_memory import (
@@ -34,7 +35,6 @@ from fsdp_conformance.claims.init.peak_memory import (
     rank_peak_memory,
     verdict_peak_memory,
 )
-from fsdp_conformance.claims.init.reports import DEFAULT_SPEC
 from fsdp_conformance.claims.init.seeds import verdict_seeds_fn, verdict_seeds_fn_to_empty
 from fsdp_conformance.claims.init.train_step import rank_train_step, verdict_train_step
 from fsdp_conformance.claims.init.weights import rank_weights, verdict_no_meta, verdict_weights

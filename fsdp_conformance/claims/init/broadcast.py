@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     SYNC_REFUSAL_SNIPPET,
@@ -68,7 +68,7 @@ def rank_sync_module_states(
     spec: ModelSpec = DEFAULT_SPEC,
     seed: int = 0,
     rank_seed_offset: int = 1000,
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> InitReport:
     """FSDP1 ``sync_module_states``: ranks initialize differently; rank 0 should win.
 
@@ -182,7 +182,7 @@ def rank_broadcast_rank0(
     version: str = "fsdp2",
     seed: int = 0,
     rank_seed_offset: int = 1000,
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> InitReport:
     """The CPU-capable equivalents of ``sync_module_states``: rank 0's weights to every rank.
 

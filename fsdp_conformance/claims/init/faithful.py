@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     Failure,
@@ -392,7 +392,10 @@ def fits_in_host_memory(spec: ModelSpec, world_size: int) -> str | None:
 
 
 def rank_weights_faithful(
-    ctx: RankContext, spec: ModelSpec = DEFAULT_SPEC, seed: int = 0, fault: str | None = None
+    ctx: RankContext,
+    spec: ModelSpec = DEFAULT_SPEC,
+    seed: int = 0,
+    fault: str | Sequence[str] | None = None,
 ) -> FaithfulReport:
     """The factory's model (seeded, on CPU) against the suite's meta-init reference.
 

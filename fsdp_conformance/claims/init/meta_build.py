@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import FAULTS
+from fsdp_conformance.claims.init.common import FAULTS
 from fsdp_conformance.fsdp.meta_init import named_state, state_bytes
 from fsdp_conformance.fsdp.meta_materialize import Ranked
 from fsdp_conformance.harness import RankContext
@@ -34,10 +34,12 @@ class MetaBuildReport(Ranked):
     not_on_meta: list[str]
 
 
-def rank_meta_build(ctx: RankContext, spec: ModelSpec, fault: str | None = None) -> MetaBuildReport:
+def rank_meta_build(
+    ctx: RankContext, spec: ModelSpec, fault: str | Sequence[str] | None = None
+) -> MetaBuildReport:
     """Build ``spec`` on meta and measure how much the process's peak memory grew.
 
-    ``fault``: a negative control from :data:`~fsdp_conformance.claims.init.reports.FAULTS`
+    ``fault``: a negative control from :data:`~fsdp_conformance.claims.init.common.FAULTS`
     applied to the measured build (``eager_build``: the model gets storage).
     """
     spec.build("meta")  # warm-up: imports and first-call caches are not the model's cost

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     FAULTS,
     Failure,
     failed_on_ranks,
@@ -59,7 +59,7 @@ def rank_peak_memory(
     version: str = "fsdp2",
     seed: int = 0,
     policy: PolicyName = "recommended",
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> PeakReport:
     """Peak memory while building on meta, sharding and materializing, against the bound.
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import InitReport, judge_no_meta
+from fsdp_conformance.claims.init.common import InitReport, judge_no_meta
 
 
 def verdict_seeds_fn(values: Sequence[InitReport], params: Mapping[str, Any]) -> Verdict:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     Failure,
@@ -50,7 +50,7 @@ def rank_train_step(
     version: str = "fsdp2",
     seed: int = 0,
     lr: float = 0.1,
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> TrainStepReport:
     """One SGD step after meta init, against the same step on the single-process reference.
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.init.reports import (
+from fsdp_conformance.claims.init.common import (
     DEFAULT_SPEC,
     FAULTS,
     InitReport,
@@ -48,7 +48,7 @@ def rank_weights(
     seed: int = 0,
     policy: PolicyName = "recommended",
     forward: bool = True,
-    fault: str | None = None,
+    fault: str | Sequence[str] | None = None,
 ) -> InitReport:
     """Meta build, shard, materialize with ``method``; report against the reference.
 

@@ -2,7 +2,7 @@
 the same global batch (:class:`~fsdp_conformance.fsdp.reference_step.SliceReference`), with the
 collectives observed.
 
-One module per check family; what they share is :mod:`~fsdp_conformance.claims.loop.training`:
+One module per check family; what they share is :mod:`~fsdp_conformance.claims.loop.common`:
 
 * :mod:`~fsdp_conformance.claims.loop.accumulation`: ``loop.accumulation.no_sync`` /
   ``.synced``, gradient accumulation with synchronisation off for all but the last micro-batch,

@@ -20,7 +20,6 @@ module's steps (:func:`sync_off`, :func:`micro_step`, :func:`zero_grad`), which 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,8 +27,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,
@@ -93,10 +92,6 @@ def zero_grad(model: nn.Module, set_to_none: bool) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _dropped(step: Callable[..., float]) -> Callable[..., float]:
     def dropping(model: nn.Module, batch: Any, index: int) -> float:
         if index == 0:  # the forward runs, its backward never does
@@ -116,12 +111,12 @@ FAULTS = FaultTable(
     dropped_micro_batch=Fault(
         "the first micro-batch of each optimizer step runs its forward and never its backward: "
         "its gradient is missing from the accumulated one",
-        lambda ctx: patched(_this_module(), "micro_step", _dropped),
+        lambda ctx: patched_attr(__name__, "micro_step", _dropped),
     ),
     sync_never_off=Fault(
         "the user's no_sync / set_requires_gradient_sync(False) does nothing: every micro-batch "
         "reduce-scatters (the numbers still agree; the collectives show it)",
-        lambda ctx: patched(_this_module(), "sync_off", lambda original: _never_off),
+        lambda ctx: patched_attr(__name__, "sync_off", lambda original: _never_off),
     ),
 )
 

@@ -22,7 +22,6 @@ fault of :data:`FAULTS` patches.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -31,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.loop.common import (
     LoopResult,
     Pair,
     build_pair,
@@ -85,10 +84,6 @@ def load_state_dict(model: nn.Module, version: str, kind: str, state: dict[str, 
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _dropping(getter: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     """The getter with the model's first persistent buffer popped from every dict."""
 
@@ -107,7 +102,7 @@ FAULTS = FaultTable(
     buffer_dropped=Fault(
         "the user's state-dict getter pops the model's first persistent buffer from every kind's "
         "dict: the dict lacks it, and a load leaves it unrestored (or refuses the dict)",
-        lambda ctx: patched(_this_module(), "get_state_dict", _dropping),
+        lambda ctx: patched_attr(__name__, "get_state_dict", _dropping),
     ),
 )
 

@@ -25,7 +25,6 @@ known defect (``expectations.toml``, measured in ``tests/test_loop_clipping.py``
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,8 +33,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,
@@ -94,10 +93,6 @@ def true_norm(model: nn.Module, norm_type: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:
     """This rank's shard of each gradient: FSDP1 the flat parameters' sharded gradients (the
     root's ``parameters()``), FSDP2 each DTensor gradient's local tensor."""
@@ -130,12 +125,12 @@ FAULTS = FaultTable(
         "the user's clip step computes the norm from this rank's local gradient shards only "
         "(FSDP1 the flat parameters' gradients, FSDP2 each DTensor gradient's to_local()) and "
         "scales them by max_norm over it, as clip_grad_norm_ does",
-        lambda ctx: patched(_this_module(), "clip_step", lambda original: _local_clip),
+        lambda ctx: patched_attr(__name__, "clip_step", lambda original: _local_clip),
     ),
     no_clip=Fault(
         "the user's clip step is skipped: the gradients are applied unclipped and no norm is "
         "returned",
-        lambda ctx: patched(_this_module(), "clip_step", lambda original: _no_clip),
+        lambda ctx: patched_attr(__name__, "clip_step", lambda original: _no_clip),
     ),
 )
 

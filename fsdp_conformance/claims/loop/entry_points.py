@@ -20,7 +20,7 @@ every unit that trains reduced in each backward. The collectives are reported pe
 all-gathers per unit of each forward and backward, the reductions per step.
 
 A loop torch refuses (it raises inside torch) is a failure naming torch's line
-(:func:`~fsdp_conformance.claims.loop.training.torch_raised`), not an error: users write these
+(:func:`~fsdp_conformance.claims.loop.common.torch_raised`), not an error: users write these
 loops. The user's code is this module's steps (:func:`user_loss`, :func:`set_divide_factor`,
 :func:`make_optimizer`), which the faults of :data:`FAULTS` patch; the reference always runs
 :data:`LOSSES`.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,8 +38,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,
@@ -180,10 +179,6 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _second_lost(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def loss(model: nn.Module, part: Any, what: str, block: str) -> torch.Tensor:
         if what != "two_forwards":
@@ -210,16 +205,16 @@ FAULTS = FaultTable(
     second_forward_lost=Fault(
         "two forwards: the second forward's loss is added detached, so only the first is "
         "backpropagated",
-        lambda ctx: patched(_this_module(), "user_loss", _second_lost),
+        lambda ctx: patched_attr(__name__, "user_loss", _second_lost),
     ),
     probe_no_grad=Fault(
         "non-root: the block's own forward runs under torch.no_grad(), so its loss adds a "
         "constant and never reaches the block's gradients",
-        lambda ctx: patched(_this_module(), "user_loss", _probe_no_grad),
+        lambda ctx: patched_attr(__name__, "user_loss", _probe_no_grad),
     ),
     divide_factor_ignored=Fault(
         "the user's set_gradient_divide_factor is never applied: FSDP2 averages as by default",
-        lambda ctx: patched(_this_module(), "set_divide_factor", lambda original: lambda *a: None),
+        lambda ctx: patched_attr(__name__, "set_divide_factor", lambda original: lambda *a: None),
     ),
 )
 

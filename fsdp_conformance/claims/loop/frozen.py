@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,9 +37,9 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop import training
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
+from fsdp_conformance.claims.loop import common
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,
@@ -151,10 +150,6 @@ def shard_kwargs(version: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _unfreezing(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     def unfreeze_after(*args: Any, **kwargs: Any) -> nn.Module:
         model = shard(*args, **kwargs)
@@ -171,8 +166,8 @@ def _without_frozen(model: nn.Module, frozen: Collection[str]) -> list[nn.Parame
 @contextlib.contextmanager
 def _frozen_in_optimizer_only(ctx: RankContext) -> Iterator[None]:
     with (
-        patched(_this_module(), "freeze", lambda original: lambda model, names: None),
-        patched(_this_module(), "optimizer_params", lambda original: _without_frozen),
+        patched_attr(__name__, "freeze", lambda original: lambda model, names: None),
+        patched_attr(__name__, "optimizer_params", lambda original: _without_frozen),
     ):
         yield
 
@@ -181,7 +176,7 @@ FAULTS = FaultTable(
     frozen_updated=Fault(
         "the user's code turns requires_grad back on after wrapping (model.requires_grad_(True)):"
         " the frozen parameters train",
-        lambda ctx: patched(training, "shard_model", _unfreezing),
+        lambda ctx: patched(common, "shard_model", _unfreezing),
     ),
     frozen_unit_reduced=Fault(
         "the freeze list is applied to the optimizer's parameters instead of requires_grad: the "
@@ -192,7 +187,7 @@ FAULTS = FaultTable(
     stale_gradients=Fault(
         "the user's zero_grad does nothing: each step applies every earlier step's gradients "
         "again, and a parameter unused in a step still carries the last one's",
-        lambda ctx: patched(_this_module(), "zero_grad", lambda original: lambda model: None),
+        lambda ctx: patched_attr(__name__, "zero_grad", lambda original: lambda model: None),
     ),
 )
 
@@ -481,7 +476,7 @@ def rank_frozen_unused(
         units = pair.sizes()
         losses, ref_losses, observed = [], [], []
         unused, states, used_units = [], [], []
-        with training.phases(pair) as recorder:
+        with common.phases(pair) as recorder:
             for step in range(steps):
                 before, ref_before = snapshot(pair)
                 recorder.phase = f"micro {step}.0"

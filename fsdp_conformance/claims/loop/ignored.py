@@ -33,7 +33,6 @@ One optimizer step on one micro-batch, and observed:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -42,8 +41,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.loop.common import (
     LR,
     LoopResult,
     Pair,
@@ -114,15 +113,11 @@ def ignored_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 FAULTS = FaultTable(
     ignored_sharded=Fault(
         "the ignore list is not passed (no ignored_modules / ignored_params): FSDP shards the "
         "module the user meant to keep local and averages its gradients",
-        lambda ctx: patched(_this_module(), "ignore_kwargs", lambda original: lambda *a: {}),
+        lambda ctx: patched_attr(__name__, "ignore_kwargs", lambda original: lambda *a: {}),
     ),
 )
 

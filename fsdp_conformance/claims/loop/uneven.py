@@ -17,7 +17,7 @@ only under FSDP2. Observed on every rank, for ``STEPS`` plain optimizer steps:
   and the sharded state dict's local pieces: the uneven sizes, and the reference's rows of this
   rank.
 
-The user's sharding call is the loop's :func:`~fsdp_conformance.claims.loop.training.shard_model`,
+The user's sharding call is the loop's :func:`~fsdp_conformance.claims.loop.common.shard_model`,
 which the fault of :data:`FAULTS` patches.
 """
 
@@ -32,8 +32,8 @@ from torch import nn
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.loop import training
-from fsdp_conformance.claims.loop.training import (
+from fsdp_conformance.claims.loop import common
+from fsdp_conformance.claims.loop.common import (
     LoopResult,
     Pair,
     build_pair,
@@ -191,7 +191,7 @@ FAULTS = FaultTable(
     wrong_offset=Fault(
         "the last rank's local shard of its largest parameter is read one element off (shifted "
         "by one after sharding): every element of it sits at the wrong offset",
-        lambda ctx: patched(training, "shard_model", _shifted_after),
+        lambda ctx: patched(common, "shard_model", _shifted_after),
     ),
 )
 

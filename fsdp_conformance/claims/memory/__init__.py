@@ -2,7 +2,7 @@
 the mixed-precision peak, and the planner's estimate against measured peaks.
 
 The claim only: one module per check family (rank function, verdict, what they share in
-:mod:`~fsdp_conformance.claims.memory.measurement`) and ``CHECKS`` here. Its building blocks are
+:mod:`~fsdp_conformance.claims.memory.common`) and ``CHECKS`` here. Its building blocks are
 modules of their own, shared with init's peak check and the planner:
 
 * **The bound** (:mod:`~fsdp_conformance.measure.bound`):
@@ -17,18 +17,18 @@ modules of their own, shared with init's peak check and the planner:
 * **Checks** (``CHECKS``): peak within the bound on every rank, the sawtooth, depth invariance,
   the meter's agreement with ground truth, the bf16 peak under the bound of the observed dtypes,
   and the planning estimate against measured peaks. Each fails on its negative controls
-  (:data:`~fsdp_conformance.claims.memory.measurement.FAULTS`: the seeds' naive wrappings, a
+  (:data:`~fsdp_conformance.claims.memory.common.FAULTS`: the seeds' naive wrappings, a
   per-layer wrapping that never reshards, a tracker entered too late).
 """
 
 from __future__ import annotations
 
 from fsdp_conformance.claims.check import Check, variants
+from fsdp_conformance.claims.memory.common import DEFAULT_SPEC
 from fsdp_conformance.claims.memory.depth_invariance import (
     rank_depth_invariance,
     verdict_depth_invariance,
 )
-from fsdp_conformance.claims.memory.measurement import DEFAULT_SPEC
 from fsdp_conformance.claims.memory.meter_agrees import rank_meter_agrees, verdict_meter_agrees
 from fsdp_conformance.claims.memory.mixed_precision_peak import (
     rank_mixed_precision_peak,

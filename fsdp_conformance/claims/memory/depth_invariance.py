@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.memory import measurement
-from fsdp_conformance.claims.memory.measurement import (
+from fsdp_conformance.claims.memory import common
+from fsdp_conformance.claims.memory.common import (
     DEFAULT_SPEC,
     FAULTS,
     PER_LAYER,
@@ -84,7 +84,7 @@ def rank_depth_invariance(
 
     ``reference`` is the wrapping the verdict expects to grow by whole layers (monolithic):
     without it a measurement blind to the wrapping would pass. ``fault``: negative controls of
-    :data:`~fsdp_conformance.claims.memory.measurement.FAULTS`.
+    :data:`~fsdp_conformance.claims.memory.common.FAULTS`.
     """
     with FAULTS.inject(fault, ctx):
         how = spec.depth_setting()  # the same answer on every rank: from the spec alone
@@ -113,7 +113,7 @@ def rank_depth_invariance(
                 "layer_bytes": block_bytes(units, config),
                 "units": len(units),
             }
-            step = measurement.per_layer_step(
+            step = common.per_layer_step(
                 ctx, deep, version, optimizer=optimizer, batch_size=batch_size, timeline=False
             )
             wrapping = step["wrapping"]

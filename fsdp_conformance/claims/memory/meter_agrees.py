@@ -12,16 +12,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.memory import measurement
-from fsdp_conformance.claims.memory.measurement import (
+from fsdp_conformance.claims.memory import common
+from fsdp_conformance.claims.memory.common import (
     DEFAULT_SPEC,
     FAULTS,
     PER_LAYER,
+    Scaling,
     StepResult,
     check_label,
+    describe,
+    for_meter,
     mb,
+    measured_at,
 )
-from fsdp_conformance.claims.memory.scaling import Scaling, describe, for_meter, measured_at
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.measure.meters import (
     METER_RESOLUTION_BYTES,
@@ -38,7 +41,7 @@ METER_TOLERANCE = 0.05
 class MeterResult(StepResult):
     """One step read by the tracker (``meters[0]``) and by the ground truth (``meters[1]``)."""
 
-    #: None: the model as configured; else what was scaled (:mod:`.scaling`) to resolve.
+    #: None: the model as configured; else what was scaled (:func:`~.common.for_meter`) to resolve.
     scaled: Scaling | None
 
 
@@ -54,9 +57,9 @@ def rank_meter_agrees(
     The tracker is the meter the other checks read on this lane: on CPU ``FSDPMemTracker``
     for FSDP2 (the source of its figures), ``MemTracker`` for FSDP1; on GPU, where the
     allocator itself is the figure, ``MemTracker``. ``fault``: negative controls of
-    :data:`~fsdp_conformance.claims.memory.measurement.FAULTS`. A user's model whose step is
+    :data:`~fsdp_conformance.claims.memory.common.FAULTS`. A user's model whose step is
     estimated below the meters' resolution is measured at its smallest width (else batch
-    size) that resolves (:func:`~.scaling.for_meter`).
+    size) that resolves (:func:`~.common.for_meter`).
     """
     with FAULTS.inject(fault, ctx):
         truth = "cuda" if ctx.device_type == "cuda" else "os"
@@ -67,7 +70,7 @@ def rank_meter_agrees(
                 "figure is the only meter, there is no tracker to cross-check"
             )
         spec, batch_size, scaled = for_meter(ctx, spec, version, batch_size)
-        step = measurement.per_layer_step(
+        step = common.per_layer_step(
             ctx, spec, version, meter=meter, also=truth, batch_size=batch_size, timeline=False
         )
         result: MeterResult = {**step, "scaled": scaled}

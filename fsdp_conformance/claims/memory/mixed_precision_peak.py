@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, cast
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.memory import measurement
-from fsdp_conformance.claims.memory.measurement import (
+from fsdp_conformance.claims.memory import common
+from fsdp_conformance.claims.memory.common import (
     DEFAULT_SPEC,
     FAULTS,
     MemoryCheckError,
@@ -80,7 +80,7 @@ def rank_mixed_precision_peak(
 
     The bound is not computed here: the verdict derives it from the dtypes the step's
     collectives had (:func:`observed_step_config`), not from the case's configuration.
-    ``fault``: negative controls of :data:`~fsdp_conformance.claims.memory.measurement.FAULTS`.
+    ``fault``: negative controls of :data:`~fsdp_conformance.claims.memory.common.FAULTS`.
     """
     with FAULTS.inject(fault, ctx):
         require_sharding(ctx, version)
@@ -99,7 +99,7 @@ def rank_mixed_precision_peak(
             "cases": {},
         }
         for label, param_dtype, reduce_dtype in cases:
-            m = measurement.per_layer_step(
+            m = common.per_layer_step(
                 ctx,
                 spec,
                 version,

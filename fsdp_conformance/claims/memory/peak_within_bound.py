@@ -2,7 +2,8 @@
 
 The bound is :func:`~fsdp_conformance.measure.bound.per_layer_bound` of the model's per-layer plan
 on meta (docs/memory.md derives every term); the peak is one measured step of the user's per-layer
-wrapping. The rank function also serves ``memory.sawtooth`` (the same step's timeline).
+wrapping. The step with its bound is :func:`~fsdp_conformance.claims.memory.common.bounded_step`,
+which ``memory.sawtooth`` also measures (the same step's timeline).
 """
 
 from __future__ import annotations
@@ -11,33 +12,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.memory import measurement
-from fsdp_conformance.claims.memory.measurement import (
+from fsdp_conformance.claims.memory.common import (
     DEFAULT_SPEC,
     FAULTS,
-    StepResult,
+    PeakResult,
+    bounded_step,
     check_label,
     mb,
-    require_sharding,
-    wrapped_step,
 )
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.measure.bound import Bound, per_layer_bound
+from fsdp_conformance.measure.bound import Bound
 from fsdp_conformance.measure.meters import meter_floor_problems
-from fsdp_conformance.measure.profile import plan_step
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.units import UnitInfo, format_unit_tree
-
-
-class PeakResult(StepResult):
-    """One rank's measured step with the per-layer bound and plan it is judged against."""
-
-    bound: dict[str, Any]
-    #: The per-layer plan's units (``UnitInfo.to_dict``), the expected tree of a failure.
-    plan: list[dict[str, Any]]
-    compute_bytes: int
-    #: Another wrapping's timeline and peak, for the picture (``compare_with``), or None.
-    compare: dict[str, Any] | None
 
 
 def rank_peak_within_bound(
@@ -49,37 +36,15 @@ def rank_peak_within_bound(
     compare_with: str | None = None,
     fault: str | Sequence[str] | None = None,
 ) -> PeakResult:
-    """One measured step plus the per-layer bound for this model and world size.
+    """One measured step plus the per-layer bound for this model and world size
+    (:func:`~fsdp_conformance.claims.memory.common.bounded_step`).
 
     ``compare_with`` (e.g. "monolithic") also measures that wrapping's timeline, for the
     picture; reference models only, since a user's model may not fit unsharded. ``fault``:
-    negative controls of :data:`~fsdp_conformance.claims.memory.measurement.FAULTS`.
+    negative controls of :data:`~fsdp_conformance.claims.memory.common.FAULTS`.
     """
     with FAULTS.inject(fault, ctx):
-        require_sharding(ctx, version)
-        units, config = plan_step(
-            spec, ctx.world_size, version, optimizer=optimizer, batch_size=batch_size
-        )
-        step = measurement.per_layer_step(
-            ctx, spec, version, optimizer=optimizer, batch_size=batch_size
-        )
-        result: PeakResult = {
-            **step,
-            "bound": per_layer_bound(units, config).to_dict(),
-            "plan": [u.to_dict() for u in units],
-            "compute_bytes": config.compute_bytes,
-            "compare": None,
-        }
-        if compare_with and spec.reference is not None and compare_with != step["wrapping"]:
-            other = wrapped_step(
-                ctx, spec, version, compare_with, optimizer=optimizer, batch_size=batch_size
-            )
-            result["compare"] = {
-                "wrapping": compare_with,
-                "timeline": other["timeline"],
-                "peak": other["meters"][0]["peak"],
-            }
-        return result
+        return bounded_step(ctx, spec, version, optimizer, batch_size, compare_with)
 
 
 def verdict_peak_within_bound(values: Sequence[PeakResult], params: Mapping[str, Any]) -> Verdict:

@@ -1,7 +1,7 @@
 """``memory.sawtooth``: the timeline rises by about one unit at each gather and falls back at
 each release.
 
-The step is :func:`~fsdp_conformance.claims.memory.peak_within_bound.rank_peak_within_bound`'s,
+The step is :func:`~fsdp_conformance.claims.memory.common.bounded_step`'s,
 its timeline sampled at every unit's hooks (:mod:`fsdp_conformance.measure.timeline`); the check's
 own run also measures monolithic wrapping, for the picture (``compare_with``).
 """
@@ -12,17 +12,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.memory.measurement import (
+from fsdp_conformance.claims.memory.common import (
     DEFAULT_SPEC,
-    check_label,
-    mb,
-)
-from fsdp_conformance.claims.memory.peak_within_bound import PeakResult, rank_peak_within_bound
-from fsdp_conformance.claims.memory.scaling import (
+    FAULTS,
     SAWTOOTH_MIN_UNIT_BYTES,
+    PeakResult,
     Scaling,
+    bounded_step,
+    check_label,
     describe,
     for_sawtooth,
+    mb,
     measured_at,
 )
 from fsdp_conformance.harness import RankContext
@@ -36,9 +36,10 @@ __all__ = ["SAWTOOTH_MIN_UNIT_BYTES", "SawtoothResult", "rank_sawtooth", "verdic
 
 
 class SawtoothResult(PeakResult):
-    """The per-layer step of :func:`rank_peak_within_bound`, and the size it was measured at."""
+    """The per-layer step of :func:`~.common.bounded_step`, and the size it was measured at."""
 
-    #: None: the model as configured; else what was scaled (:mod:`.scaling`) to resolve.
+    #: None: the model as configured; else what was scaled to resolve
+    #: (:func:`~.common.for_sawtooth`).
     scaled: Scaling | None
 
 
@@ -59,20 +60,13 @@ def rank_sawtooth(
     compare_with: str | None = None,
     fault: str | Sequence[str] | None = None,
 ) -> SawtoothResult:
-    """:func:`rank_peak_within_bound` for the sawtooth, at a size whose units the timeline
+    """:func:`~.common.bounded_step` for the sawtooth, at a size whose units the timeline
     resolves: a user's model below it is measured at its smallest width that does
-    (:func:`~.scaling.for_sawtooth`), and skipped (on every rank alike) only when its width
+    (:func:`~.common.for_sawtooth`), and skipped (on every rank alike) only when its width
     cannot be set."""
     measured, scaled = for_sawtooth(ctx, spec)
-    step = rank_peak_within_bound(
-        ctx,
-        measured,
-        version,
-        optimizer=optimizer,
-        batch_size=batch_size,
-        compare_with=compare_with,
-        fault=fault,
-    )
+    with FAULTS.inject(fault, ctx):
+        step = bounded_step(ctx, measured, version, optimizer, batch_size, compare_with)
     return {**step, "scaled": scaled}
 
 

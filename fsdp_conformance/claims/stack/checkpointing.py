@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
@@ -41,8 +40,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.stack.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
+from fsdp_conformance.claims.stack.common import (
     LR,
     STEPS,
     Side,
@@ -171,10 +170,6 @@ def _shard(
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _perturbing_recompute(original: Callable[..., None]) -> Callable[..., None]:
     """Checkpointing applied, and every second forward of each block's first module (the
     recompute, when checkpointing is in effect) off by 0.01."""
@@ -226,7 +221,7 @@ FAULTS = FaultTable(
     recompute_perturbed=Fault(
         "the recomputed forward of each block differs from its first forward (its first "
         "module's output off by 0.01): the gradients are taken on other activations",
-        lambda ctx: patched(_this_module(), "apply_checkpointing", _perturbing_recompute),
+        lambda ctx: patched_attr(__name__, "apply_checkpointing", _perturbing_recompute),
     ),
     keys_prefixed=Fault(
         "checkpoint_wrapper's state-dict hook no longer strips _checkpoint_wrapped_module: the "

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import shutil
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -36,8 +35,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.stack.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.stack.common import (
     LR,
     STEPS,
     build_side,
@@ -101,10 +100,6 @@ def compile_model(model: nn.Module, backend: Any) -> Callable[..., Any]:
     return torch.compile(model, backend=backend)
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _shard(
     ctx: RankContext, version: str, setting: str, model: nn.Module, policy: Any, backend: Any
 ) -> tuple[nn.Module, Callable[..., Any]]:
@@ -162,8 +157,8 @@ def perturbing_backend(backend: Any) -> Callable[..., Any]:
 @contextlib.contextmanager
 def _patch_both(block: Callable[[Any], Any], model: Callable[[Any], Any]) -> Iterator[None]:
     with (
-        patched(_this_module(), "compile_block", block),
-        patched(_this_module(), "compile_model", model),
+        patched_attr(__name__, "compile_block", block),
+        patched_attr(__name__, "compile_model", model),
     ):
         yield
 

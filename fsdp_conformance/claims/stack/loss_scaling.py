@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -41,8 +40,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.stack.training import build_side
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
+from fsdp_conformance.claims.stack.common import build_side
 from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
@@ -61,7 +60,7 @@ from fsdp_conformance.fsdp.sharding import (
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec
 
-#: Optimizer steps per run (each rank's rows per step: ``stack.training.PER_RANK``).
+#: Optimizer steps per run (each rank's rows per step: ``stack.common.PER_RANK``).
 STEPS = 6
 #: The steps whose gradient is non-finite on one rank (``"loss"``: that rank's loss times inf;
 #: ``"shard"``: inf in one element of that rank's reduced gradient shard).
@@ -145,10 +144,6 @@ def poison_shard(model: nn.Module) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _local_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     dtensor = _compat.dtensor_cls()
 
@@ -189,7 +184,7 @@ FAULTS = FaultTable(
     scale_frozen=Fault(
         "the user's scaler.update() keeps the scale it had (update(new_scale=get_scale())): "
         "the scale never backs off or grows",
-        lambda ctx: patched(_this_module(), "scaler_update", lambda original: _frozen_update),
+        lambda ctx: patched_attr(__name__, "scaler_update", lambda original: _frozen_update),
     ),
 )
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.stack.training import (
+from fsdp_conformance.claims.stack.common import (
     LR,
     STEPS,
     build_side,

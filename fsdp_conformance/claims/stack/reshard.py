@@ -24,7 +24,6 @@ The user's code is this module's :func:`fully_shard_unit` (FSDP2's call per unit
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -33,8 +32,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.stack.training import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.stack.common import (
     LR,
     STEPS,
     Side,
@@ -134,10 +133,6 @@ def _shard_fsdp2(model: nn.Module, ctx: RankContext, policy: Any, setting: Setti
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _dropping_option(original: Callable[..., None]) -> Callable[..., None]:
     def call(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | None) -> None:
         original(module, mesh, None)
@@ -175,17 +170,17 @@ FAULTS = FaultTable(
     option_dropped=Fault(
         "the user's reshard_after_forward never reaches fully_shard (every unit gets torch's "
         "default): the numbers still agree; what stays gathered and the backward all-gathers show it",
-        lambda ctx: patched(_this_module(), "fully_shard_unit", _dropping_option),
+        lambda ctx: patched_attr(__name__, "fully_shard_unit", _dropping_option),
     ),
     strategy_dropped=Fault(
         "the user's sharding_strategy never reaches FullyShardedDataParallel (FULL_SHARD, its "
         "default, instead): the numbers agree; the collectives show it",
-        lambda ctx: patched(_this_module(), "wrap_fsdp1", _dropping_strategy),
+        lambda ctx: patched_attr(__name__, "wrap_fsdp1", _dropping_strategy),
     ),
     wrong_after_reshard=Fault(
         "a parameter resharded after forward comes back wrong (this rank's shard off by 0.05): "
         "the backward and the step run on it",
-        lambda ctx: patched(_this_module(), "fully_shard_unit", _perturbed_after_reshard),
+        lambda ctx: patched_attr(__name__, "fully_shard_unit", _perturbed_after_reshard),
     ),
 )
 

@@ -9,9 +9,11 @@ shard of a parameter, a known torch defect), ``state.dcp`` (:mod:`.dcp`:
 ``state.reshard`` (:mod:`.reshard`: saved by fewer ranks, loaded by all), ``state.checkpoint``
 (:mod:`.checkpoint`: saved by one run, loaded by another), ``state.checkpoint.optimizer`` and
 ``state.checkpoint.torch_save`` (:mod:`.across_versions`: model and optimizer state, DCP and
-``torch.save``, across runs, torch versions and world sizes) and, FSDP1 only, ``state.summon``
-(:mod:`.summon`: ``summon_full_params``). What they share: :mod:`.state_dicts`; their negative
-controls: :mod:`.faults`.
+``torch.save``, across runs, torch versions and world sizes),
+``state.checkpoint.torch_save.shared_step`` (:mod:`.shared_step`: FSDP1's full optimizer dict in
+one process) and, FSDP1 only, ``state.summon`` (:mod:`.summon`: ``summon_full_params``). What
+they share: :mod:`.common`. Each family's negative controls are its own ``FAULTS``, beside the
+steps they patch.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ from __future__ import annotations
 from fsdp_conformance.claims.check import Check, variants
 from fsdp_conformance.claims.state.across_versions import (
     rank_across_versions,
-    rank_checkpoint_torch_save_shared_step,
     verdict_checkpoint_optimizer,
     verdict_checkpoint_torch_save,
-    verdict_checkpoint_torch_save_shared_step,
 )
 from fsdp_conformance.claims.state.checkpoint import rank_checkpoint, verdict_checkpoint
+from fsdp_conformance.claims.state.common import DEFAULT_SPEC
 from fsdp_conformance.claims.state.dcp import rank_dcp, verdict_dcp
 from fsdp_conformance.claims.state.reshard import rank_reshard, verdict_reshard
 from fsdp_conformance.claims.state.resume import (
@@ -33,7 +34,10 @@ from fsdp_conformance.claims.state.resume import (
     verdict_resume_dcp_shardless,
 )
 from fsdp_conformance.claims.state.round_trip import rank_round_trip, verdict_round_trip
-from fsdp_conformance.claims.state.state_dicts import DEFAULT_SPEC
+from fsdp_conformance.claims.state.shared_step import (
+    rank_checkpoint_torch_save_shared_step,
+    verdict_checkpoint_torch_save_shared_step,
+)
 from fsdp_conformance.claims.state.summon import rank_summon, verdict_summon
 
 CHECKS: tuple[Check, ...] = (

@@ -16,45 +16,67 @@ Two families, one procedure:
 
 The saver records in a manifest the digests of every value it saved and of the state after
 its own next step (the unbroken run). A load that torch refuses is a failure of one line
-(:func:`~fsdp_conformance.claims.state.state_dicts.unreadable_line`), never an error.
+(:func:`~fsdp_conformance.claims.state.common.unreadable_line`), never an error.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import glob
 import json
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state import resume
-from fsdp_conformance.claims.state.checkpoint import checkpoint_folder, prepare_folder
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
+    LR,
+    OPTIMIZER_NOT_LOADED,
+    STEP_SEED,
+    TRAIN_SEED,
+    WRONG_SHARDS_WRITTEN,
+    AcrossResult,
     Digests,
+    FolderResult,
+    Manifest,
+    TargetResult,
     build,
     build_sharded,
+    checkpoint_folder,
     differences,
     digests,
     files_in,
+    fresh_pair,
+    get_optim_state,
     get_state,
+    load_model_only,
+    load_nothing,
+    next_step,
+    next_step_perturbed,
+    prepare_folder,
     refusal_reason,
     require_dcp_targets,
+    save_train_state,
     section,
+    set_optimizer,
     set_state,
+    shared_steps,
+    torch_load,
+    torch_load_refused,
+    train_step,
     unreadable_line,
+    whole_state,
+    wrong_value_read,
 )
 from fsdp_conformance.fsdp.reference_step import (
     LOSS_RTOL,
     UPDATE_RTOL,
-    TensorComparison,
     compare_tensors,
     comparison_problems,
     full_params,
@@ -77,10 +99,6 @@ ARTIFACTS = ("full", "sharded", "local")
 #: The artifacts torch can load at another world size (the sharded and local files are one
 #: rank's shards of its own ``ShardedTensor`` / ``FlatParameter``).
 RESHARDABLE = frozenset({"full"})
-#: AdamW's learning rate on both sides (the reference's too).
-LR = 1e-2
-#: The step trained before the save (so the optimizer holds state) draws from this seed.
-TRAIN_SEED = resume.STEP_SEED + 1
 #: The call whose refusal is ``torch.load``'s (a weights-only refusal has a fix to name).
 TORCH_LOAD = "torch.load"
 #: The check that judges the next step of FSDP1's full optimizer state dict loaded into one
@@ -94,107 +112,14 @@ WEIGHTS_ONLY_FIX = (
 )
 
 
-class StepDigests(TypedDict):
-    """A training step: its loss (and the loss's exact bits) and the digests of the model's and
-    the optimizer's whole state after it."""
-
-    loss: float
-    loss_hex: str
-    digests: Digests
-
-
-class Manifest(TypedDict):
-    """:data:`MANIFEST`'s content: who saved (torch, FSDP version, model, world size), the
-    digests of every value saved, and the step after the save (the unbroken run)."""
-
-    torch: str
-    version: str
-    model: str
-    family: str
-    world_size: int
-    seed: int
-    saved: Digests
-    unbroken: StepDigests
-    #: ``torch_save``: per artifact, "" where the saver's own read-back read it with
-    #: ``torch.load``'s defaults, else torch's reason (written after the read-back).
-    read_back: dict[str, str]
-
-
-class _Target(TypedDict):
-    #: "" when loaded; else torch's reason for refusing, one line (on the lowest rank that did).
-    refused: str
-
-
-class TargetResult(_Target, total=False):
-    """One target of one checkpoint on one rank: the loaded values' digests and the next step,
-    or why it could not be loaded."""
-
-    #: The parameters whose AdamW ``step`` the file holds as one tensor shared with another
-    #: parameter's (FSDP1's full optimizer state dict): their next step in one process is left
-    #: to :data:`SHARED_STEP_CHECK`.
-    shared_step: list[str]
-
-    #: The call that raised (``torch.load``, ``dcp.load / set_state_dict``, ...).
-    call: str
-    #: The traceback of a refused load (the report's data, not the message).
-    traceback: str
-    loaded: Digests
-    step: StepDigests
-    #: The reference step on this torch from the same loaded values: its loss, and the target's
-    #: update against its own.
-    reference_loss: float
-    #: AdamW's moments after the step against the reference's (``exp_avg``, ``exp_avg_sq``).
-    moments: dict[str, TensorComparison]
-    #: AdamW's step counts after the step: this target's, the reference's.
-    step_counts: list[list[float]]
-    #: The parameters' update against AdamW's rule from the step's own moments.
-    update: TensorComparison
-
-
-class FolderResult(TypedDict):
-    """One saved checkpoint (a world size) loaded into every target this run can load it into."""
-
-    path: str
-    manifest: Manifest
-    files: list[str]
-    targets: dict[str, TargetResult]
-    #: target -> why it was not tried (torch cannot reshard it).
-    not_loaded: dict[str, str]
-
-
-class _Rank(TypedDict):
-    rank: int
-    version: str
-    family: str
-    world_size: int
-
-
-class AcrossResult(_Rank, total=False):
-    """:func:`rank_across_versions`'s result on one rank: ``load`` (every saved world size found)
-    and ``save`` (this run's checkpoint, read back as a later run reads it)."""
-
-    load: list[FolderResult]
-    save: FolderResult
-
-
 # ============================================================================================
 # The user's steps (module level: a fault replaces them)
 # ============================================================================================
 
 
-def torch_load(path: str) -> Any:
-    """A ``torch.save`` file read as a user reads it: ``torch.load(path)``, defaults unset."""
-    return torch.load(path)
-
-
-def next_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any) -> float:
-    """The step a loaded run takes next (the fault ``next_step_perturbed`` changes it)."""
-    return resume.train_step(model, optim, batch, resume.STEP_SEED)
-
-
 def save_dcp(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
     """Model and optimizer state saved as torch's recipe does: ``get_state_dict``, ``dcp.save``."""
-    resume.save_train_state(model, optim, path)
+    save_train_state(model, optim, path)
 
 
 def load_dcp(
@@ -216,21 +141,24 @@ def load_dcp(
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def set_optimizer(
-    model: nn.Module, optim: torch.optim.Optimizer, kind: str, state: dict[str, Any]
-) -> None:
-    """An optimizer state dict read from a ``torch.save`` file loaded as a user loads it:
-    FSDP1's full or sharded dict with ``FSDP.optim_state_dict_to_load``, the local one (the
-    optimizer's own) with ``optim.load_state_dict``, a full one into an unsharded model with
-    ``set_optimizer_state_dict``."""
-    if kind == "local":
-        optim.load_state_dict(state)
-    elif kind == "unsharded":
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+@contextlib.contextmanager
+def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
+    with (
+        patched_attr(__name__, "set_optimizer", lambda _: load_nothing),
+        patched_attr(__name__, "load_dcp", lambda _: load_model_only),
+    ):
+        yield
 
-        set_optimizer_state_dict(model, optim, state)
-    else:
-        resume.set_optim_state(model, optim, "fsdp1", kind, state)
+
+#: The negative controls of both families: the user's steps above done wrong, or torch's DCP
+#: save and load (a save's read-back) patched.
+FAULTS = FaultTable(
+    optimizer_not_loaded=Fault(OPTIMIZER_NOT_LOADED, _optimizer_not_loaded),
+    wrong_shards_written=WRONG_SHARDS_WRITTEN,
+    wrong_value_read=wrong_value_read(__name__),
+    torch_load_refused=torch_load_refused(__name__),
+    next_step_perturbed=next_step_perturbed(__name__),
+)
 
 
 # ============================================================================================
@@ -274,7 +202,7 @@ def rank_across_versions(
     loaded into each target (:func:`targets_of`) with the next step taken. ``save_to``: the model
     trained one AdamW step, saved with its optimizer (``family``'s way) and a manifest, then
     read back as a later load reads it. The load runs first. ``fault``: the negative controls
-    of :data:`~fsdp_conformance.claims.state.faults.FAULTS` (``optimizer_not_loaded``,
+    of :data:`FAULTS` (``optimizer_not_loaded``,
     ``wrong_value_read``, ``torch_load_refused``, ``next_step_perturbed``)."""
     check_fsdp_version(version)
     if family not in FAMILIES:
@@ -323,53 +251,6 @@ def _record_read_back(ctx: RankContext, saved: FolderResult) -> None:
     dist.barrier()
 
 
-def _whole_state(
-    model: nn.Module, optim: torch.optim.Optimizer, target: str
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model's and the optimizer's whole state, as copies (collectives on a sharded
-    ``target``): ``state_dict()`` and ``get_optimizer_state_dict`` (keyed by parameter name)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    if target == "unsharded":
-        model_state = dict(model.state_dict())
-        optim_state = get_optimizer_state_dict(model, optim)
-    else:
-        model_state = get_state(model, target, "full")
-        optim_state = get_optimizer_state_dict(
-            model, optim, options=StateDictOptions(full_state_dict=True)
-        )
-    # Copies: a state dict shares tensors with the live model and optimizer (AdamW's step).
-    return {k: v.detach().clone() for k, v in model_state.items()}, _copied(dict(optim_state))
-
-
-def _copied(value: Any) -> Any:
-    """``value`` with every tensor cloned on its own: unlike ``copy.deepcopy``, two entries
-    holding one tensor (FSDP1 hands every parameter of a flat parameter one AdamW ``step``)
-    get a tensor each, as a fresh optimizer holds them."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copied(v) for v in value)
-    return copy.deepcopy(value)
-
-
-def shared_steps(optim_state: Mapping[str, Any]) -> list[str]:
-    """The parameters of an optimizer state dict whose ``step`` is one tensor with another
-    parameter's, sorted (observed: FSDP1's full dict hands every parameter of a flat parameter
-    the flat parameter's one ``step``, and ``torch.save`` keeps the sharing)."""
-    holders: dict[int, list[str]] = {}
-    for name, entries in optim_state.get("state", {}).items():
-        step = entries.get("step") if isinstance(entries, Mapping) else None
-        if isinstance(step, torch.Tensor):
-            holders.setdefault(id(step), []).append(str(name))
-    return sorted(n for names in holders.values() if len(names) > 1 for n in names)
-
-
 def train_digests(model_state: Mapping[str, Any], optim_state: Mapping[str, Any]) -> Digests:
     """The digests of a whole model and optimizer state: the model's by key, the optimizer's
     as ``optim/<parameter>/<state>`` (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``)."""
@@ -379,15 +260,6 @@ def train_digests(model_state: Mapping[str, Any], optim_state: Mapping[str, Any]
             if isinstance(value, torch.Tensor):
                 flat[f"optim/{name}/{key}"] = value
     return digests(flat)
-
-
-def _fresh(
-    ctx: RankContext, spec: ModelSpec, target: str, seed: int
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = build(spec, seed, ctx.device) if target == "unsharded" else None
-    if model is None:
-        model = build_sharded(ctx, spec, target, seed)
-    return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
 def _save(
@@ -404,8 +276,8 @@ def _save(
     model = build_sharded(ctx, spec, version, seed)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     batch = spec.batch(model, 2, ctx.device)
-    resume.train_step(model, optim, batch, TRAIN_SEED)
-    saved = train_digests(*_whole_state(model, optim, version))
+    train_step(model, optim, batch, TRAIN_SEED)
+    saved = train_digests(*whole_state(model, optim, version))
     if family == "optimizer":
         save_dcp(model, optim, path)
     else:
@@ -414,7 +286,7 @@ def _save(
             optim_state = (
                 optim.state_dict()
                 if kind == "local"
-                else resume.get_optim_state(model, optim, "fsdp1", kind)
+                else get_optim_state(model, optim, "fsdp1", kind)
             )
             if kind in RESHARDABLE and ctx.rank != 0:
                 continue  # one file of the whole state, rank 0's
@@ -422,8 +294,8 @@ def _save(
                 {"model": model_state, "optim": optim_state},
                 os.path.join(path, _artifact_file(kind, ctx.rank)),
             )
-    loss = resume.train_step(model, optim, batch, resume.STEP_SEED)
-    after = train_digests(*_whole_state(model, optim, version))
+    loss = train_step(model, optim, batch, STEP_SEED)
+    after = train_digests(*whole_state(model, optim, version))
     if ctx.rank == 0:
         manifest: Manifest = {
             "torch": torch.__version__,
@@ -468,7 +340,7 @@ def _load_folder(
                 f"size ({saved_at})"
             )
             continue
-        model, optim = _fresh(ctx, spec, into, seed + 1)
+        model, optim = fresh_pair(ctx, spec, into, seed + 1)
         if batch is None:
             batch = spec.batch(model, 2, ctx.device)
         result["targets"][target] = _load_target(ctx, spec, model, optim, artifact, into, path)
@@ -538,18 +410,18 @@ def _next(
     moments."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    model_state, optim_state = _whole_state(model, optim, into)
+    model_state, optim_state = whole_state(model, optim, into)
     loaded = train_digests(model_state, optim_state)
     reference = build(spec, seed + 2, ctx.device)
     reference.load_state_dict(model_state)
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR)
     set_optimizer_state_dict(reference, ref_optim, optim_state)
-    reference_loss = resume.train_step(reference, ref_optim, batch, resume.STEP_SEED)
-    ref_state = _whole_state(reference, ref_optim, "unsharded")[1]["state"]
+    reference_loss = train_step(reference, ref_optim, batch, STEP_SEED)
+    ref_state = whole_state(reference, ref_optim, "unsharded")[1]["state"]
     before = reference_params(model) if into == "unsharded" else full_params(model, into)
     loss = next_step(model, optim, batch)
     after = reference_params(model) if into == "unsharded" else full_params(model, into)
-    after_model, after_optim = _whole_state(model, optim, into)
+    after_model, after_optim = whole_state(model, optim, into)
     state = after_optim["state"]
     moments = {
         key: compare_tensors(
@@ -746,7 +618,7 @@ def judge_across_versions(values: Sequence[AcrossResult], params: Mapping[str, A
     next step equals the unbroken run's, bitwise on the saver's torch and world size, else
     within the loop claim's fp32 tolerances of a single-process reference step taken on this
     torch from the same loaded values. A load torch refuses fails in one line
-    (:func:`~fsdp_conformance.claims.state.state_dicts.unreadable_line`); ``torch.load``
+    (:func:`~fsdp_conformance.claims.state.common.unreadable_line`); ``torch.load``
     refusing a file the saver's torch also refused with its defaults is a figure, not a
     failure (this run's own read-back is the saver's)."""
     spec = params.get("spec", DEFAULT_SPEC)
@@ -807,115 +679,3 @@ def _how_saved(family: str) -> str:
     if family == "optimizer":
         return "get_state_dict, dcp.save"
     return "torch.save of FSDP1's full, sharded and local state dicts"
-
-
-# ============================================================================================
-# state.checkpoint.torch_save.shared_step: FSDP1's full optimizer dict in one process
-# ============================================================================================
-
-
-class SharedStepResult(TypedDict):
-    """:func:`rank_checkpoint_torch_save_shared_step`'s result on one rank."""
-
-    rank: int
-    #: The parameters whose ``step`` the file read back holds as one tensor with another's.
-    shared: list[str]
-    #: AdamW's step count saved (every parameter's, distinct values).
-    saved_steps: list[float]
-    #: Per parameter: its step count after the next step in one process.
-    steps_after: dict[str, float]
-    #: The sharded (unbroken) run's step counts after its next step (distinct values).
-    unbroken_steps: list[float]
-
-
-def rank_checkpoint_torch_save_shared_step(
-    ctx: RankContext,
-    spec: ModelSpec = DEFAULT_SPEC,
-    version: str = "fsdp1",
-    seed: int = 0,
-    save_to: str | None = None,
-    load_from: str | None = None,
-    fault: str | Sequence[str] | None = None,
-) -> SharedStepResult:
-    """FSDP1 trained one AdamW step; its full model and optimizer state dicts (``FSDP.state_dict``
-    and ``FSDP.optim_state_dict`` under ``FULL_STATE_DICT``) written with ``torch.save`` (a file
-    per rank, a folder of this run's: ``save_to`` and ``load_from`` only opt it in), read with
-    ``torch.load``'s defaults and loaded into an unsharded model and AdamW in one process
-    (``load_state_dict``, ``set_optimizer_state_dict``); each parameter's step count after the
-    next step there, against the sharded run's after its own next step."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from fsdp_conformance.claims.state.state_dicts import shared_folder
-
-    check_fsdp_version(version)
-    with FAULTS.inject(fault, ctx), shared_folder(ctx, "fsdp-conformance-shared-step-") as path:
-        model = build_sharded(ctx, spec, "fsdp1", seed)
-        optim = torch.optim.AdamW(model.parameters(), lr=LR)
-        batch = spec.batch(model, 2, ctx.device)
-        resume.train_step(model, optim, batch, TRAIN_SEED)
-        file = os.path.join(path, f"full-rank{ctx.rank}.pt")
-        torch.save(
-            {
-                "model": get_state(model, "fsdp1", "full"),
-                "optim": resume.get_optim_state(model, optim, "fsdp1", "full"),
-            },
-            file,
-        )
-        state = torch_load(file)
-        plain, plain_optim = _fresh(ctx, spec, "unsharded", seed + 1)
-        plain.load_state_dict(state["model"])
-        saved_steps = sorted({float(s["step"]) for s in state["optim"]["state"].values()})
-        shared = shared_steps(state["optim"])
-        set_optimizer(plain, plain_optim, "unsharded", state["optim"])
-        next_step(plain, plain_optim, batch)
-        after: dict[str, Any] = dict(get_optimizer_state_dict(plain, plain_optim))
-        after = after["state"]
-        resume.train_step(model, optim, batch, resume.STEP_SEED)
-        unbroken = _whole_state(model, optim, "fsdp1")[1]["state"]
-    return {
-        "rank": ctx.rank,
-        "shared": shared,
-        "saved_steps": saved_steps,
-        "steps_after": {str(n): float(s["step"]) for n, s in after.items()},
-        "unbroken_steps": sorted({float(s["step"]) for s in unbroken.values()}),
-    }
-
-
-def verdict_checkpoint_torch_save_shared_step(
-    values: Sequence[SharedStepResult], params: Mapping[str, Any]
-) -> Verdict:
-    """Every parameter's step count after the next step in one process equals the unbroken
-    run's (one step more than saved), on every rank; else one line naming torch's behaviour."""
-    spec = params.get("spec", DEFAULT_SPEC)
-    first = sorted(values, key=lambda v: v["rank"])[0]
-    expected = first["unbroken_steps"]
-    wrong = {
-        v["rank"]: sorted({c for c in v["steps_after"].values() if [c] != expected})
-        for v in values
-        if sorted(set(v["steps_after"].values())) != expected
-    }
-    figures = {
-        "shared_step_parameters": len(first["shared"]),
-        "steps_after": sorted(set(first["steps_after"].values())),
-        "unbroken_steps": expected,
-    }
-    if not wrong:
-        return Verdict(
-            True,
-            f"fsdp1 {spec.name}: FSDP1's full optimizer state dict written with torch.save, "
-            "loaded into one unsharded process (set_optimizer_state_dict): every parameter's "
-            f"AdamW step count after the next step is the unbroken run's ({expected})",
-            figures,
-        )
-    shared = first["shared"]
-    return Verdict(
-        False,
-        "FSDP1's full optimizer state dict (FSDP.optim_state_dict) gives the parameters of each "
-        f"flat parameter one shared AdamW step tensor ({len(shared)} parameters, e.g. "
-        f"{', '.join(shared[:2])}) and torch.save keeps the sharing: loaded into one unsharded "
-        "process with set_optimizer_state_dict, AdamW advances it once per parameter each "
-        f"step: step counts {figures['steps_after']} after one step from "
-        f"{first['saved_steps']}, the unbroken run's {expected} (ranks "
-        f"{', '.join(map(str, sorted(wrong)))}): torch {torch.__version__}",
-        figures,
-    )

@@ -12,23 +12,27 @@ from typing import Any, TypedDict
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import FaultTable
+from fsdp_conformance.claims.state.common import (
     DCP_TARGETS,
     DEFAULT_SPEC,
+    WRONG_SHARDS_WRITTEN,
     Digests,
     build_sharded,
+    checkpoint_folder,
     digests,
     files_in,
     get_state,
     judge_targets,
     load_checkpoint,
+    prepare_folder,
     reference_digests,
     refusal_reason,
     require_dcp_targets,
     save_checkpoint,
     unreadable_line,
     where,
+    wrong_value_read,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext
@@ -84,26 +88,8 @@ class CheckpointResult(_Rank, total=False):
     save: Saved
 
 
-def checkpoint_folder(root: str, version: str, spec: ModelSpec) -> str:
-    """The folder of one variant's checkpoint under ``root``."""
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)
-    return os.path.join(root, f"{version}-{name}")
-
-
-def prepare_folder(path: str, manifest: str = MANIFEST) -> str:
-    """Rank 0 empties ``path`` for a new save: "" when ready, else why not (a folder of
-    someone else's files, without ``manifest``, is never removed)."""
-    import shutil
-
-    if os.path.isdir(path) and os.listdir(path):
-        if not os.path.exists(os.path.join(path, manifest)):
-            return (
-                f"{path} holds files that are not a checkpoint of this suite; give "
-                "--save-checkpoint an empty folder or one an earlier save wrote"
-            )
-        shutil.rmtree(path)
-    os.makedirs(path, exist_ok=True)
-    return ""
+#: The negative controls of this family: torch's DCP save and load (looked up at call time).
+FAULTS = FaultTable(wrong_shards_written=WRONG_SHARDS_WRITTEN, wrong_value_read=wrong_value_read())
 
 
 def _read_manifest(path: str, root: str, version: str, spec: ModelSpec) -> Manifest:
@@ -138,7 +124,7 @@ def rank_checkpoint(
     ``torch.distributed.checkpoint`` into this variant's folder with a manifest (rank 0), then
     read back into a fresh model of ``version``. The load runs first, so one run can load an
     older torch's checkpoint and save its own. ``fault``: the negative controls of
-    :data:`~fsdp_conformance.claims.state.faults.FAULTS` (``wrong_value_read`` for the load,
+    :data:`FAULTS` (``wrong_value_read`` for the load,
     ``wrong_shards_written`` for the save)."""
     check_fsdp_version(version)
     require_dcp_targets(ctx)
@@ -178,7 +164,7 @@ def _save(ctx: RankContext, spec: ModelSpec, version: str, seed: int, path: str)
 
     import torch.distributed as dist
 
-    problem = [prepare_folder(path) if ctx.rank == 0 else None]
+    problem = [prepare_folder(path, MANIFEST) if ctx.rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RuntimeError(problem[0])

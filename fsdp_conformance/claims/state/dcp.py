@@ -9,10 +9,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import FaultTable
+from fsdp_conformance.claims.state.common import (
     DCP_TARGETS,
     DEFAULT_SPEC,
+    WRONG_SHARDS_WRITTEN,
     Digests,
     build_sharded,
     files_in,
@@ -40,6 +41,10 @@ class DcpResult(TypedDict):
     loaded: dict[str, Digests]
 
 
+#: The negative controls of this family: torch's DCP save writing wrong shards.
+FAULTS = FaultTable(wrong_shards_written=WRONG_SHARDS_WRITTEN)
+
+
 def rank_dcp(
     ctx: RankContext,
     spec: ModelSpec = DEFAULT_SPEC,
@@ -49,7 +54,7 @@ def rank_dcp(
 ) -> DcpResult:
     """Save the sharded model with ``torch.distributed.checkpoint`` into a folder every rank
     writes to, then load it into each of :data:`DCP_TARGETS`; every target's digests.
-    ``fault``: the negative controls of :data:`~fsdp_conformance.claims.state.faults.FAULTS`
+    ``fault``: the negative controls of :data:`FAULTS`
     (``wrong_shards_written``)."""
     check_fsdp_version(version)
     require_dcp_targets(ctx)

@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import FaultTable
+from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
+    WRONG_SHARDS_WRITTEN,
     Digests,
     build_sharded,
     files_in,
@@ -43,6 +44,10 @@ class ReshardResult(TypedDict):
     loaded: dict[str, Digests]
 
 
+#: The negative controls of this family: torch's DCP save writing wrong shards.
+FAULTS = FaultTable(wrong_shards_written=WRONG_SHARDS_WRITTEN)
+
+
 def saving_ranks(world_size: int) -> int:
     """How many ranks save the checkpoint that the whole world loads: half of them (at least
     one), so that the load reshards (world size 2 saves at 1, world size 4 at 2)."""
@@ -60,7 +65,7 @@ def rank_reshard(
     save it with ``torch.distributed.checkpoint`` (that group's world size); then every rank
     loads it into each of :data:`RESHARD_TARGETS` at the whole world size; every target's
     digests. ``fault``: the negative controls of
-    :data:`~fsdp_conformance.claims.state.faults.FAULTS` (``wrong_shards_written``)."""
+    :data:`FAULTS` (``wrong_shards_written``)."""
     import torch.distributed as dist
 
     check_fsdp_version(version)

@@ -5,6 +5,7 @@ and optimizer, and one more step against the unbroken run, bitwise (docs/state.m
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -12,21 +13,26 @@ import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
+    OPTIMIZER_NOT_LOADED,
     RANK0_ONLY,
+    STEP_SEED,
     Digests,
     build_sharded,
     differences,
     digests,
-    fsdp2_options,
+    get_optim_state,
     get_state,
-    offload_to_cpu,
+    load_model_only,
+    load_nothing,
+    save_train_state,
     section,
+    set_optim_state,
     set_state,
     shared_folder,
-    snapshot,
+    train_step,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import CheckSkipped, RankContext
@@ -43,8 +49,6 @@ RESUME_KINDS: dict[str, tuple[str, ...]] = {
 RESUME_MODEL_KIND = {"full_rank0_only": "full"}
 #: Steps trained before the state is taken; the resumed step is one more.
 STEPS_BEFORE = 2
-#: The RNG seed both runs draw from in the resumed step (dropout masks alike).
-STEP_SEED = 1234
 
 
 class _Step(TypedDict):
@@ -84,69 +88,6 @@ class ResumeResult(_Resume, total=False):
 DCP_SHARDLESS_CHECK = "state.resume.dcp_shardless"
 
 
-@contextlib.contextmanager
-def _fsdp1_optim_type(model: nn.Module, kind: str) -> Iterator[None]:
-    from torch.distributed.fsdp import (
-        FullOptimStateDictConfig,
-        FullStateDictConfig,
-        StateDictType,
-    )
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if kind in ("full", "full_rank0_only"):
-        offload = offload_to_cpu(model)
-        with FSDP.state_dict_type(
-            model,
-            StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=offload),
-            FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=kind == "full_rank0_only"),
-        ):
-            yield
-    else:
-        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            yield
-
-
-def get_optim_state(
-    model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str
-) -> dict[str, Any]:
-    """The optimizer's state dict of ``kind``, as torch hands it to a user."""
-    if version == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with _fsdp1_optim_type(model, kind):
-            return dict(FSDP.optim_state_dict(model, optim))
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return dict(get_optimizer_state_dict(model, optim, options=fsdp2_options(kind)))
-
-
-def set_optim_state(
-    model: nn.Module, optim: torch.optim.Optimizer, version: str, kind: str, state: dict[str, Any]
-) -> None:
-    """Load an optimizer state dict of ``kind`` into ``optim``."""
-    if version == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with _fsdp1_optim_type(model, kind):
-            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state))
-        return
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optim, state, options=fsdp2_options(kind, loading=True))
-
-
-def save_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
-    """Model and optimizer state saved with ``torch.distributed.checkpoint`` into ``path``, as
-    torch's recipe does it for either FSDP version (``get_state_dict``, ``dcp.save``)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import save
-
-    model_state, optim_state = get_state_dict(model, optim)
-    save({"model": model_state, "optim": optim_state}, storage_writer=FileSystemWriter(path))
-
-
 def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
     """The state :func:`save_train_state` wrote, loaded into ``model`` and ``optim`` with
     ``dcp.load`` and ``set_state_dict``."""
@@ -158,6 +99,34 @@ def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) 
     # dcp.load fills the dicts in place: the same objects go back to set_state_dict.
     load({"model": model_state, "optim": optim_state}, storage_reader=FileSystemReader(path))
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` written to bytes and read back, as a checkpoint on disk would be.
+
+    torch's state dicts share storage with the live model and optimizer (a sharded dict holds
+    the parameters themselves; AdamW's ``step`` is handed over as the same tensor even in a full
+    dict): a later step would change a dict that was only referenced, not saved.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=False)
+    return loaded
+
+
+@contextlib.contextmanager
+def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
+    with (
+        patched_attr(__name__, "set_optim_state", lambda _: load_nothing),
+        patched_attr(__name__, "load_train_state", lambda _: load_model_only),
+    ):
+        yield
+
+
+#: The negative controls of this family: the user's resume (``set_optim_state`` and
+#: :func:`load_train_state`, this module's names) done wrong.
+FAULTS = FaultTable(optimizer_not_loaded=Fault(OPTIMIZER_NOT_LOADED, _optimizer_not_loaded))
 
 
 def shardless_parameters(model: nn.Module, version: str) -> list[str]:
@@ -191,18 +160,6 @@ def _dcp_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
-    """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
-    from fsdp_conformance.models.model_spec import call_model, default_loss
-
-    torch.manual_seed(seed)
-    loss = default_loss(call_model(model, batch))
-    loss.backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return float(loss.detach())
-
-
 def _resumed_step(
     model: nn.Module, optim: torch.optim.Optimizer, batch: Any, version: str
 ) -> StepResult:
@@ -228,7 +185,7 @@ def rank_resume(
     of each kind, load them into a model and optimizer built under another seed, and take one
     more step on both: the resumed run must equal the unbroken one (loss and every tensor,
     bitwise). ``fault``: the negative controls of
-    :data:`~fsdp_conformance.claims.state.faults.FAULTS` (``optimizer_not_loaded``).
+    :data:`FAULTS` (``optimizer_not_loaded``).
 
     FSDP1, a model where some rank holds no shard of a parameter (:func:`shardless_parameters`):
     the dcp kind is left to :data:`DCP_SHARDLESS_CHECK` (``dcp_shardless``), which resumes from

@@ -20,31 +20,49 @@ holds it, loaded with ``broadcast_from_rank0``), full on every rank, and sharded
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
+from torch import nn
+
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
     FULL,
     GET_ONLY,
     KINDS,
     RANK0_ONLY,
-    Description,
     Digests,
     build_sharded,
-    describe,
     differences,
     digests,
     get_state,
+    perturb_values,
     reference_digests,
     section,
     set_state,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.tensors import local_tensor
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
+
+
+class Description(TypedDict):
+    """What a getter returned (:func:`describe`)."""
+
+    entries: int
+    types: list[str]
+    devices: list[str]
+
+
+def describe(state: Mapping[str, Any]) -> Description:
+    """What a getter returned: entries, tensor types and devices (observed, for the report)."""
+    types = sorted({type(v).__name__ for v in state.values()})
+    devices = sorted({str(t.device) for v in state.values() if (t := local_tensor(v)) is not None})
+    return {"entries": len(state), "types": types, "devices": devices}
 
 
 class _Got(TypedDict):
@@ -68,6 +86,30 @@ class RoundTripResult(TypedDict):
     kinds: dict[str, KindResult]
 
 
+def _value_changed_before_loading(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+    def make(load: Callable[..., None]) -> Callable[..., None]:
+        def changed(model: nn.Module, version: str, kind: str, state: dict[str, Any]) -> None:
+            # A full dict is the checkpoint itself: wrong on every rank that holds one. A sharded
+            # or local dict: rank 0's shard alone is wrong.
+            if kind in FULL or ctx.rank == 0:
+                perturb_values(state)
+            load(model, version, kind, state)
+
+        return changed
+
+    return patched_attr(__name__, "set_state", make)
+
+
+#: The negative controls of this family: the user's load (``set_state``, this module's name).
+FAULTS = FaultTable(
+    value_changed_before_loading=Fault(
+        "one value of each state dict changed before it is loaded: in a full dict on every rank "
+        "that holds one, in a sharded or local dict in rank 0's shard (state.round_trip)",
+        _value_changed_before_loading,
+    ),
+)
+
+
 def rank_round_trip(
     ctx: RankContext,
     spec: ModelSpec = DEFAULT_SPEC,
@@ -77,7 +119,7 @@ def rank_round_trip(
 ) -> RoundTripResult:
     """Every state-dict kind of ``version``: got from one sharded model, loaded into another.
 
-    ``fault``: the negative controls of :data:`~fsdp_conformance.claims.state.faults.FAULTS`
+    ``fault``: the negative controls of :data:`FAULTS`
     (``value_changed_before_loading``)."""
     check_fsdp_version(version)
     with FAULTS.inject(fault, ctx):

@@ -5,18 +5,18 @@ rank sees inside and what writeback keeps, against the single-process reference,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict, cast
 
 import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.state.faults import FAULTS
-from fsdp_conformance.claims.state.state_dicts import (
+from fsdp_conformance.claims.faults import Fault, FaultEffect, FaultTable, patched_attr
+from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
     Digests,
-    aliases,
     build,
     build_sharded,
     differences,
@@ -83,6 +83,17 @@ class SummonResult(TypedDict):
     cases: dict[str, SummonCase | SummonedGrads]
 
 
+def aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every parameter name of ``model`` -> every name of the same tensor, itself included (a
+    tied weight or bias has several: GPT-2's head and embedding, BERT's decoder bias and
+    ``cls.predictions.bias``). A check that changes a parameter expects the change under each of
+    them: FSDP changes the one tensor, so every alias shows it."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {name: group for group in names.values() for name in group}
+
+
 def summon_options(case: str, model: nn.Module) -> dict[str, Any]:
     """The options the user passes to ``FSDP.summon_full_params`` in ``case`` (a fault's step):
     ``offload_to_cpu`` where the parameters are on a GPU, as users call it; the gradients' case
@@ -95,6 +106,38 @@ def summon_options(case: str, model: nn.Module) -> dict[str, Any]:
         "rank0_only": rank0_only,
         "offload_to_cpu": offload_to_cpu(model),
     }
+
+
+def _summoned_with(option: str) -> FaultEffect:
+    """An effect: :func:`summon_options` with ``option`` False in every case that sets it."""
+
+    def effect(ctx: RankContext) -> contextlib.AbstractContextManager[Any]:
+        def make(
+            options: Callable[[str, nn.Module], dict[str, Any]],
+        ) -> Callable[[str, nn.Module], dict[str, Any]]:
+            def without(case: str, model: nn.Module) -> dict[str, Any]:
+                given = options(case, model)
+                return {**given, option: False} if option in given else given
+
+            return without
+
+        return patched_attr(__name__, "summon_options", make)
+
+    return effect
+
+
+#: The negative controls of this family: the user's options (:func:`summon_options`) wrong.
+FAULTS = FaultTable(
+    writeback_ignored=Fault(
+        "summon_full_params called with writeback=False in the case that asks for writeback "
+        "(state.summon)",
+        _summoned_with("writeback"),
+    ),
+    grads_not_summoned=Fault(
+        "summon_full_params called without with_grads=True after the backward (state.summon)",
+        _summoned_with("with_grads"),
+    ),
+)
 
 
 def rank_summon(
@@ -114,7 +157,7 @@ def rank_summon(
     the first parameter every rank holds (whole on rank 0, a shard elsewhere), and
     ``writeback=False`` says the change is discarded (measured otherwise: docs/state.md).
     :data:`SUMMON_GRADS`: the gradients inside after a backward (:func:`_summoned_grads`).
-    ``fault``: the negative controls of :data:`~fsdp_conformance.claims.state.faults.FAULTS`
+    ``fault``: the negative controls of :data:`FAULTS`
     (``writeback_ignored``, ``grads_not_summoned``)."""
     check_fsdp_version(version)
     if version != "fsdp1":

@@ -4,7 +4,7 @@ the second seed's mixed configuration, prefetch order, torch's policy builders.
 
 One module per check family, each with its rank function, verdicts, result type and faults
 (negative controls, :mod:`fsdp_conformance.claims.faults`); what the families share is in
-:mod:`~fsdp_conformance.claims.wrap.wrapping`:
+:mod:`~fsdp_conformance.claims.wrap.common`:
 
 * :mod:`~fsdp_conformance.claims.wrap.units`: ``wrap.units.exact`` (the actual units equal
   :func:`~fsdp_conformance.claims.wrap.units.expected_units`, trees on failure),

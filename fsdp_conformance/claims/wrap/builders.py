@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -17,12 +16,12 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.wrap.units import expected_units
-from fsdp_conformance.claims.wrap.wrapping import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
+from fsdp_conformance.claims.wrap.common import (
     CONTAINERS,
     RankUnits,
     build,
+    expected_units,
     fsdp1_strategies,
     units_of,
 )
@@ -131,8 +130,8 @@ def documented_unit_modules(
 def _applied_instead(other: str) -> Any:
     @contextlib.contextmanager
     def effect(ctx: RankContext) -> Iterator[None]:
-        with patched(
-            sys.modules[__name__],
+        with patched_attr(
+            __name__,
             "builder_policy",
             lambda made: lambda builder, *args: made(other, *args),
         ):
@@ -304,7 +303,7 @@ class RuleUnits(TypedDict):
     """One rule's units on one rank: expected, as torch built them, and what the rule was asked."""
 
     #: The documented result (``size``: :func:`documented_unit_modules`) or the claim's unit set
-    #: (``recommended``: :func:`~fsdp_conformance.claims.wrap.units.expected_units`).
+    #: (``recommended``: :func:`~fsdp_conformance.claims.wrap.common.expected_units`).
     expected: list[dict[str, Any]]
     actual: list[dict[str, Any]]
     #: Per boundary module, the ``nonwrapped_numel`` torch last passed the policy for it (the

@@ -4,7 +4,6 @@ and the blocks FULL_SHARD in bf16, each unit's strategy and dtypes observed on e
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -13,8 +12,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.wrap.wrapping import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.wrap.common import (
     build,
     fsdp1_strategies,
     record_compute_dtypes,
@@ -65,7 +64,7 @@ def embedding_options(ctx: RankContext, version: str) -> dict[str, Any]:
 
 
 def _uniform(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
-    return patched(sys.modules[__name__], "embedding_options", lambda own: block_options)
+    return patched_attr(__name__, "embedding_options", lambda own: block_options)
 
 
 FAULTS = FaultTable(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -20,8 +19,8 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.wrap.wrapping import build, shard_with_policy
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.wrap.common import build, shard_with_policy
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
@@ -51,15 +50,11 @@ def prefetch_forward(unit_blocks: Sequence[Any]) -> None:
         current.set_modules_to_forward_prefetch([following])
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 @contextlib.contextmanager
 def _no_forward_prefetch(ctx: RankContext) -> Iterator[None]:
     with (
-        patched(
-            _this_module(),
+        patched_attr(
+            __name__,
             "prefetch_options",
             lambda options: (
                 lambda version: (
@@ -69,7 +64,7 @@ def _no_forward_prefetch(ctx: RankContext) -> Iterator[None]:
                 )
             ),
         ),
-        patched(_this_module(), "prefetch_forward", lambda ask: lambda unit_blocks: None),
+        patched_attr(__name__, "prefetch_forward", lambda ask: lambda unit_blocks: None),
     ):
         yield
 
@@ -87,7 +82,7 @@ def _without_backward(options: Callable[[str], dict[str, Any]]) -> Callable[[str
 
 
 def _no_backward_prefetch(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
-    return patched(_this_module(), "prefetch_options", _without_backward)
+    return patched_attr(__name__, "prefetch_options", _without_backward)
 
 
 FAULTS = FaultTable(

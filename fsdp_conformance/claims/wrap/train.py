@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -22,15 +21,17 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.wrap.parity import (
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
+from fsdp_conformance.claims.wrap.common import (
     MixedPrecisionReference,
+    build,
     compare_updates,
+    record_compute_dtypes,
+    shard_with_policy,
     tensor_diagnosis,
     update_diagnosis,
     update_lost,
 )
-from fsdp_conformance.claims.wrap.wrapping import build, record_compute_dtypes, shard_with_policy
 from fsdp_conformance.fsdp.determinism import disable_dropout, require_deterministic
 from fsdp_conformance.fsdp.reference_step import full_params, sgd_step
 from fsdp_conformance.fsdp.sharding import (
@@ -118,15 +119,11 @@ def optimizer_step(model: nn.Module, lr: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 def _shard_step(make: Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]) -> Any:
     """A fault that replaces this module's sharding step with ``make(the step)``."""
 
     def effect(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
-        return patched(_this_module(), "shard_with_policy", make)
+        return patched_attr(__name__, "shard_with_policy", make)
 
     return effect
 
@@ -193,8 +190,8 @@ def _smallest_frozen(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module
 
 
 def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
-    return patched(
-        _this_module(),
+    return patched_attr(
+        __name__,
         "mixed_precision_kwargs",
         lambda kwargs: lambda version, precision, cast_forward_inputs=False: {},
     )
@@ -202,8 +199,8 @@ def _no_mixed_precision(ctx: RankContext) -> contextlib.AbstractContextManager[N
 
 def _summed_grads(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
     # Every gradient multiplied by the world size after FSDP averaged it: the sum.
-    return patched(
-        _this_module(),
+    return patched_attr(
+        __name__,
         "optimizer_step",
         lambda step: lambda model, lr: step(model, lr * ctx.world_size),
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,11 +17,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched
-from fsdp_conformance.claims.wrap.wrapping import (
-    CONTAINERS,
+from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.wrap.common import (
     RankUnits,
     build,
+    expected_units,
     fsdp1_strategies,
     shard_with_policy,
     units_of,
@@ -44,103 +43,6 @@ from fsdp_conformance.models.units import (
     unit_differences,
     unit_set_differences,
 )
-
-# --------------------------------------------------------------------------------------------
-# The claim, as an independent specification
-# --------------------------------------------------------------------------------------------
-
-
-def expected_units(
-    model: nn.Module, block_classes: Sequence[type[nn.Module]], min_params: int
-) -> list[UnitInfo]:
-    """The unit set the claim asks for, derived from the claim (no policy is run).
-
-    1. Every block (an instance of a block class not inside another block) is one unit.
-    2. Outside the blocks, a module (not the root, not a container) is a unit when the
-       parameters in its subtree that are in no block and no unit below it number at least
-       ``min_params``, unless it holds a parameter shared with a module outside its subtree:
-       wrapping it would split the tied weight, so that weight stays with the enclosing unit.
-    3. Nothing else; everything left belongs to the root.
-
-    Each parameter is counted once, in the innermost unit whose subtree holds every module
-    that uses it.
-    """
-    blocks = tuple(block_classes)
-    names = {id(m): n for n, m in model.named_modules()}
-    holders: dict[int, set[int]] = {}  # param id -> ids of modules holding it directly
-    params: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), set()).add(id(module))
-            params[id(p)] = p
-    subtree = {id(m): {id(s) for s in m.modules()} for m in model.modules()}
-
-    unit_ids: list[int] = []  # post-order
-
-    def visit(module: nn.Module, in_block: bool) -> set[int]:
-        """Returns ids of params in this subtree not yet taken by a unit (outside blocks)."""
-        if module is not model and not in_block and isinstance(module, blocks):
-            for child in module.children():
-                visit(child, True)
-            unit_ids.append(id(module))
-            return set()
-        free: set[int] = set()
-        for child in module.children():
-            free |= visit(child, in_block)
-        if in_block:
-            return set()
-        free |= {id(p) for p in module.parameters(recurse=False)}
-        splits_tie = any(not holders[pid] <= subtree[id(module)] for pid in free)
-        big = sum(params[pid].numel() for pid in free) >= min_params
-        if module is not model and big and not splits_tie and not isinstance(module, CONTAINERS):
-            unit_ids.append(id(module))
-            return set()
-        return free
-
-    visit(model, False)
-    unit_ids.append(id(model))
-    return _assign_params(model, unit_ids, names, holders, params, subtree)
-
-
-def _assign_params(
-    model: nn.Module,
-    unit_ids: Sequence[int],
-    names: Mapping[int, str],
-    holders: Mapping[int, set[int]],
-    params: Mapping[int, nn.Parameter],
-    subtree: Mapping[int, set[int]],
-) -> list[UnitInfo]:
-    depth = {uid: (names[uid].count(".") + 1 if names[uid] else 0) for uid in unit_ids}
-    first_name: dict[int, str] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        first_name.setdefault(id(p), fqn)
-    owned: dict[int, list[int]] = {uid: [] for uid in unit_ids}
-    for pid, mods in holders.items():
-        owner = max((u for u in unit_ids if mods <= subtree[u]), key=lambda u: depth[u])
-        owned[owner].append(pid)
-    units = []
-    for uid in unit_ids:
-        fqn = names[uid]
-        parent = None
-        if uid != id(model):
-            enclosing = [u for u in unit_ids if u != uid and uid in subtree[u]]
-            parent = names[max(enclosing, key=lambda u: depth[u])]
-        units.append(
-            UnitInfo(
-                fqn=fqn,
-                cls=type(_module_at(model, fqn)).__name__,
-                numel=sum(params[pid].numel() for pid in owned[uid]),
-                parent=parent,
-                params=tuple(sorted(first_name[pid] for pid in owned[uid])),
-            )
-        )
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(units, key=lambda u: (u.fqn != ROOT, order.get(u.fqn, 0)))
-
-
-def _module_at(model: nn.Module, fqn: str) -> nn.Module:
-    return model.get_submodule(fqn) if fqn else model
-
 
 # --------------------------------------------------------------------------------------------
 # A plan judged against the claim (no ranks; policies by name: policies.policy)
@@ -206,14 +108,10 @@ def applied_policy(built: BuiltModel, name: PolicyName) -> Policy:
     return built.policy(name)
 
 
-def _this_module() -> Any:
-    return sys.modules[__name__]
-
-
 @contextlib.contextmanager
 def _seeds_applied(ctx: RankContext) -> Iterator[None]:
-    with patched(
-        _this_module(),
+    with patched_attr(
+        __name__,
         "applied_policy",
         lambda applied: lambda built, name: applied(built, "seeds"),
     ):
@@ -233,7 +131,7 @@ def _unmanaged_first_param(shard: Callable[..., nn.Module]) -> Callable[..., nn.
 
 @contextlib.contextmanager
 def _unmanaged_parameter(ctx: RankContext) -> Iterator[None]:
-    with patched(_this_module(), "shard_with_policy", _unmanaged_first_param):
+    with patched_attr(__name__, "shard_with_policy", _unmanaged_first_param):
         yield
 
 

@@ -1,4 +1,16 @@
-"""What ``wrap.train``'s sharded weights are compared with, and what a difference says.
+"""What the wrap families share: the model built from the seed and wrapped under a policy, the
+units and strategies torch built read back, the dtypes it computes in recorded; the unit set the
+claim asks for (:func:`expected_units`), written from the claim itself; and what ``wrap.train``'s
+sharded weights are compared with, and what a difference says.
+
+The family modules call the steps by their module-level names, so a fault of a family
+(:func:`fsdp_conformance.claims.faults.patched_attr`) can patch, in that family's module only,
+the step it breaks.
+
+The expected unit set is derived *from the claim*, not by running a policy: a policy that is
+wrong in the same way as its own plan is still caught.
+
+What ``wrap.train``'s sharded weights are compared with, and what a difference says.
 
 The comparison is per tensor, relative to the tensor's own update (a weight that missed its
 gradient reduction is off by a fraction of its, maybe tiny, update), with one floor below which
@@ -19,18 +31,207 @@ in one process (docs/wrapping.md, "bf16 parity").
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from fsdp_conformance import _compat
-from fsdp_conformance.models.model_spec import call_model, default_loss
+from fsdp_conformance.fsdp.sharding import fsdp1_options, shard
+from fsdp_conformance.harness import RankContext
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, call_model, default_loss
+from fsdp_conformance.models.units import ROOT, UnitInfo, clean_fqn, planned_unit_modules
+
+#: Containers with no forward of their own: FSDP1 cannot gather around them, and torch's size
+#: policy never wraps them (``exclude_wrap_modules``), so the claim never expects them as units.
+CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict)
 
 #: How close (relative) an update factor must be to a named cause for the message to name it.
 FACTOR_MATCH_RTOL = 0.02
+
+
+class RankUnits(TypedDict):
+    """What a rank reports of the units torch built (``UnitInfo.to_dict`` each), with its rank
+    and world size; each family's result adds its own fields."""
+
+    rank: int
+    world_size: int
+    actual: list[dict[str, Any]]
+
+
+def build(spec: ModelSpec, ctx: RankContext, seed: int = 0) -> BuiltModel:
+    """``spec``'s model from ``seed``: the same model on every rank."""
+    torch.manual_seed(seed)
+    return spec.instantiate(ctx.device)
+
+
+def shard_with_policy(
+    model: nn.Module, ctx: RankContext, version: str, policy_obj: Any, **kwargs: Any
+) -> nn.Module:
+    """``model`` sharded under ``policy_obj`` as a user writes it (FSDP1 with the options its
+    plan needs, :func:`fsdp1_options`)."""
+    if version == "fsdp1":
+        kwargs = {**fsdp1_options(model, planned_unit_modules(model, policy_obj)), **kwargs}
+    return shard(model, ctx, version, policy_obj, **kwargs)
+
+
+def fsdp1_strategies(sharded: nn.Module) -> dict[str, str]:
+    """Each FSDP1 unit's sharding strategy, by unit name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return {
+        clean_fqn(n): _compat.fsdp1_sharding_strategy(m)
+        for n, m in sharded.named_modules()
+        if isinstance(m, FSDP)
+    }
+
+
+def units_of(value: Mapping[str, Any], key: str) -> list[UnitInfo]:
+    """The units a rank reported under ``key``, as :class:`UnitInfo`."""
+    return [UnitInfo.from_dict(d) for d in value[key]]
+
+
+@contextlib.contextmanager
+def record_compute_dtypes(
+    model: nn.Module, seen: dict[str, tuple[str, str]], also: Sequence[str] = ()
+) -> Iterator[None]:
+    """Record, per module with a matrix ``weight`` of its own (Linear, Embedding, and the like:
+    GPT-2's ``Conv1D``), the (input, weight) dtypes its forward actually sees; and for the
+    modules named in ``also`` (a LayerNorm the mixed configuration puts in an fp32 unit), the
+    (input, first own parameter) dtypes.
+
+    Registered on the original modules: under FSDP their ``weight`` during forward is the
+    unsharded (and, with mixed precision, cast) parameter, so this is the compute dtype.
+    """
+    handles = []
+    for raw_name, module in model.named_modules():
+        name = clean_fqn(raw_name)  # FSDP1 inserts its wrapper into the module names
+        own = dict(module.named_parameters(recurse=False))
+        weight = own.get("weight")
+        if isinstance(module, (nn.Linear, nn.Embedding)) or (
+            weight is not None and weight.dim() >= 2
+        ):
+            attr = "weight"
+        elif name in also and own:
+            attr = next(iter(own))
+        else:
+            continue
+
+        def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name, attr: str = attr) -> None:
+            if name not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[name] = (str(args[0].dtype), str(getattr(mod, attr).dtype))
+
+        handles.append(module.register_forward_pre_hook(pre))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# The claim, as an independent specification
+# --------------------------------------------------------------------------------------------
+
+
+def expected_units(
+    model: nn.Module, block_classes: Sequence[type[nn.Module]], min_params: int
+) -> list[UnitInfo]:
+    """The unit set the claim asks for, derived from the claim (no policy is run).
+
+    1. Every block (an instance of a block class not inside another block) is one unit.
+    2. Outside the blocks, a module (not the root, not a container) is a unit when the
+       parameters in its subtree that are in no block and no unit below it number at least
+       ``min_params``, unless it holds a parameter shared with a module outside its subtree:
+       wrapping it would split the tied weight, so that weight stays with the enclosing unit.
+    3. Nothing else; everything left belongs to the root.
+
+    Each parameter is counted once, in the innermost unit whose subtree holds every module
+    that uses it.
+    """
+    blocks = tuple(block_classes)
+    names = {id(m): n for n, m in model.named_modules()}
+    holders: dict[int, set[int]] = {}  # param id -> ids of modules holding it directly
+    params: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+            params[id(p)] = p
+    subtree = {id(m): {id(s) for s in m.modules()} for m in model.modules()}
+
+    unit_ids: list[int] = []  # post-order
+
+    def visit(module: nn.Module, in_block: bool) -> set[int]:
+        """Returns ids of params in this subtree not yet taken by a unit (outside blocks)."""
+        if module is not model and not in_block and isinstance(module, blocks):
+            for child in module.children():
+                visit(child, True)
+            unit_ids.append(id(module))
+            return set()
+        free: set[int] = set()
+        for child in module.children():
+            free |= visit(child, in_block)
+        if in_block:
+            return set()
+        free |= {id(p) for p in module.parameters(recurse=False)}
+        splits_tie = any(not holders[pid] <= subtree[id(module)] for pid in free)
+        big = sum(params[pid].numel() for pid in free) >= min_params
+        if module is not model and big and not splits_tie and not isinstance(module, CONTAINERS):
+            unit_ids.append(id(module))
+            return set()
+        return free
+
+    visit(model, False)
+    unit_ids.append(id(model))
+    return _assign_params(model, unit_ids, names, holders, params, subtree)
+
+
+def _assign_params(
+    model: nn.Module,
+    unit_ids: Sequence[int],
+    names: Mapping[int, str],
+    holders: Mapping[int, set[int]],
+    params: Mapping[int, nn.Parameter],
+    subtree: Mapping[int, set[int]],
+) -> list[UnitInfo]:
+    depth = {uid: (names[uid].count(".") + 1 if names[uid] else 0) for uid in unit_ids}
+    first_name: dict[int, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(p), fqn)
+    owned: dict[int, list[int]] = {uid: [] for uid in unit_ids}
+    for pid, mods in holders.items():
+        owner = max((u for u in unit_ids if mods <= subtree[u]), key=lambda u: depth[u])
+        owned[owner].append(pid)
+    units = []
+    for uid in unit_ids:
+        fqn = names[uid]
+        parent = None
+        if uid != id(model):
+            enclosing = [u for u in unit_ids if u != uid and uid in subtree[u]]
+            parent = names[max(enclosing, key=lambda u: depth[u])]
+        units.append(
+            UnitInfo(
+                fqn=fqn,
+                cls=type(_module_at(model, fqn)).__name__,
+                numel=sum(params[pid].numel() for pid in owned[uid]),
+                parent=parent,
+                params=tuple(sorted(first_name[pid] for pid in owned[uid])),
+            )
+        )
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(units, key=lambda u: (u.fqn != ROOT, order.get(u.fqn, 0)))
+
+
+def _module_at(model: nn.Module, fqn: str) -> nn.Module:
+    return model.get_submodule(fqn) if fqn else model
+
+
+# --------------------------------------------------------------------------------------------
+# wrap.train's comparison with its reference
+# --------------------------------------------------------------------------------------------
 
 
 def compare_updates(
