@@ -22,6 +22,7 @@ from fsdp_conformance import hf_models
 from fsdp_conformance.claims import state
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.state import checkpoint, common, resume, summon
+from fsdp_conformance.fsdp import state_dict_kinds
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models.model_spec import ModelSpec
 
@@ -66,12 +67,12 @@ def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
     values = clean_values(ranks, shared_runs, version)
     verdict = CHECK[version].verdict(values, CHECK[version].params)
     assert verdict.passed, verdict.message
-    assert verdict.figures["kinds"] == list(common.KINDS[version])
+    assert verdict.figures["kinds"] == list(state_dict_kinds.KINDS[version])
     assert verdict.figures["failed_kinds"] == []
     for value in values:
         got = value["kinds"]
         # Observed: what each getter handed this rank.
-        for kind in common.RANK0_ONLY & set(got):
+        for kind in state_dict_kinds.RANK0_ONLY & set(got):
             assert (got[kind]["got"]["entries"] > 0) == (value["rank"] == 0), (kind, got[kind])
         sharded_type = "DTensor" if version == "fsdp2" else "ShardedTensor"
         assert sharded_type in got["sharded"]["got"]["types"], got["sharded"]
@@ -81,7 +82,7 @@ def test_every_kind_got_and_loaded_equals_the_reference_bitwise(
 def test_a_value_changed_before_loading_fails_every_loaded_kind(ranks: Ranks, version: str) -> None:
     check = CHECK[version]
     verdict = run_check(ranks, check, **{**check.params, "fault": "value_changed_before_loading"})
-    loaded = [k for k in common.KINDS[version] if k not in common.GET_ONLY]
+    loaded = [k for k in state_dict_kinds.KINDS[version] if k not in state_dict_kinds.GET_ONLY]
     assert not verdict.passed
     assert verdict.figures["failed_kinds"] == sorted(loaded), verdict.message
     assert "after loading:" in verdict.message and "expected torch.float32" in verdict.message
@@ -96,7 +97,7 @@ def test_a_reference_of_another_seed_fails_every_kind_as_got_and_as_loaded(
     check = CHECK[version]
     verdict = check.verdict(clean_values(ranks, shared_runs, version), {**check.params, "seed": 1})
     assert not verdict.passed
-    assert verdict.figures["failed_kinds"] == sorted(common.KINDS[version])
+    assert verdict.figures["failed_kinds"] == sorted(state_dict_kinds.KINDS[version])
     assert "as got:" in verdict.message and "after loading:" in verdict.message
 
 

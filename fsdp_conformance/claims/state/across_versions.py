@@ -53,8 +53,6 @@ from fsdp_conformance.claims.state.common import (
     digests,
     files_in,
     fresh_pair,
-    get_optim_state,
-    get_state,
     load_model_only,
     load_nothing,
     next_step,
@@ -65,13 +63,10 @@ from fsdp_conformance.claims.state.common import (
     save_train_state,
     section,
     set_optimizer,
-    set_state,
-    shared_steps,
     torch_load,
     torch_load_refused,
     train_step,
     unreadable_line,
-    whole_state,
     wrong_value_read,
 )
 from fsdp_conformance.fsdp.reference_step import (
@@ -86,6 +81,13 @@ from fsdp_conformance.fsdp.reference_step import (
     updates,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    get_optim_state,
+    get_state,
+    set_state,
+    shared_steps,
+    whole_state,
+)
 from fsdp_conformance.harness import CheckSkipped, RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 

@@ -22,7 +22,6 @@ from fsdp_conformance.claims.state.common import (
     checkpoint_folder,
     digests,
     files_in,
-    get_state,
     judge_targets,
     load_checkpoint,
     prepare_folder,
@@ -35,6 +34,9 @@ from fsdp_conformance.claims.state.common import (
     wrong_value_read,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    get_state,
+)
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 

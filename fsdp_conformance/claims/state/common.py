@@ -25,18 +25,11 @@ from fsdp_conformance.claims.faults import Fault, patched, patched_attr
 from fsdp_conformance.fsdp import capabilities
 from fsdp_conformance.fsdp.reference_step import TensorComparison
 from fsdp_conformance.fsdp.sharding import shard
-from fsdp_conformance.fsdp.state_dict_kinds import GET_ONLY as GET_ONLY
-from fsdp_conformance.fsdp.state_dict_kinds import KINDS as KINDS
-from fsdp_conformance.fsdp.state_dict_kinds import RANK0_ONLY as RANK0_ONLY
-from fsdp_conformance.fsdp.state_dict_kinds import copied as copied
-from fsdp_conformance.fsdp.state_dict_kinds import fsdp2_options as fsdp2_options
-from fsdp_conformance.fsdp.state_dict_kinds import get_optim_state as get_optim_state
-from fsdp_conformance.fsdp.state_dict_kinds import get_state as get_state
-from fsdp_conformance.fsdp.state_dict_kinds import offload_to_cpu as offload_to_cpu
-from fsdp_conformance.fsdp.state_dict_kinds import set_optim_state as set_optim_state
-from fsdp_conformance.fsdp.state_dict_kinds import set_state as set_state
-from fsdp_conformance.fsdp.state_dict_kinds import shared_steps as shared_steps
-from fsdp_conformance.fsdp.state_dict_kinds import whole_state as whole_state
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    get_state,
+    set_optim_state,
+    set_state,
+)
 from fsdp_conformance.fsdp.tensors import local_tensor, sha256_of
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec

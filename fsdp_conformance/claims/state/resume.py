@@ -17,24 +17,26 @@ from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
 from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
     OPTIMIZER_NOT_LOADED,
-    RANK0_ONLY,
     STEP_SEED,
     Digests,
     build_sharded,
     differences,
     digests,
-    get_optim_state,
-    get_state,
     load_model_only,
     load_nothing,
     save_train_state,
     section,
-    set_optim_state,
-    set_state,
     shared_folder,
     train_step,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    RANK0_ONLY,
+    get_optim_state,
+    get_state,
+    set_optim_state,
+    set_state,
+)
 from fsdp_conformance.harness import CheckSkipped, RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 

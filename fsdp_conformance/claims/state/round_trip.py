@@ -31,20 +31,22 @@ from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
 from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
     FULL,
-    GET_ONLY,
-    KINDS,
-    RANK0_ONLY,
     Digests,
     build_sharded,
     differences,
     digests,
-    get_state,
     perturb_values,
     reference_digests,
     section,
-    set_state,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    GET_ONLY,
+    KINDS,
+    RANK0_ONLY,
+    get_state,
+    set_state,
+)
 from fsdp_conformance.fsdp.tensors import local_tensor
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec

@@ -26,21 +26,23 @@ from fsdp_conformance.claims.state.common import (
     TRAIN_SEED,
     build_sharded,
     fresh_pair,
-    get_optim_state,
-    get_state,
     load_nothing,
     next_step,
     next_step_perturbed,
     set_optimizer,
     shared_folder,
-    shared_steps,
     torch_load,
     torch_load_refused,
     train_step,
-    whole_state,
     wrong_value_read,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    get_optim_state,
+    get_state,
+    shared_steps,
+    whole_state,
+)
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 

@@ -21,11 +21,13 @@ from fsdp_conformance.claims.state.common import (
     build_sharded,
     differences,
     digests,
-    get_state,
-    offload_to_cpu,
     section,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard
+from fsdp_conformance.fsdp.state_dict_kinds import (
+    get_state,
+    offload_to_cpu,
+)
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.units import clean_fqn
