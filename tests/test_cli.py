@@ -457,7 +457,7 @@ def test_run_decides_the_model_and_the_checks_once_and_runs_that_plan(
     """One plan per command line (``suite.plan_suite``): the preflight, ``--list``'s lines and
     the run read it; ``run_suite`` neither resolves the model nor selects again."""
     calls: list[str] = []
-    _count_calls(monkeypatch, user_model, "user_spec", calls)
+    _count_calls(monkeypatch, suite, "user_spec", calls)
     _count_calls(monkeypatch, suite, "select_checks", calls)
     _count_calls(monkeypatch, suite, "plan_suite", calls)
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING, FAILING])
@@ -499,9 +499,9 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
         "prestart_fork_server",
         lambda **kw: order.append("fork server") or prestart_fork_server(**kw),
     )
-    real_spec = user_model.user_spec
+    real_spec = suite.user_spec  # the model is resolved once, by the run's plan
     monkeypatch.setattr(
-        user_model, "user_spec", lambda settings: order.append("model") or real_spec(settings)
+        suite, "user_spec", lambda settings: order.append("model") or real_spec(settings)
     )
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
     code, _, err = main(["run", "--out", str(tmp_path), "--no-plot"], capsys)
@@ -1422,7 +1422,7 @@ def test_pytest_decides_the_model_and_the_checks_once_and_parametrizes_from_that
     ``--fsdp-model`` (its preflight reads it), kept in ``config.stash``, read by
     ``pytest_generate_tests``; every collected check is one of its (check, params) pairs."""
     calls: list[str] = []
-    _count_calls(monkeypatch, user_model, "user_spec", calls)
+    _count_calls(monkeypatch, suite, "user_spec", calls)
     _count_calls(monkeypatch, suite, "select_checks", calls)
     recorded = RecordPlan()
     result = pytester.runpytest_inprocess(

@@ -21,8 +21,8 @@ from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import RankEngine, Ranks
-from fsdp_conformance.models import user_model
 from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.user_model import user_spec
 from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
 
 
@@ -144,7 +144,7 @@ def plan_suite(
     """The plan of a run: the user's model from ``settings`` (None on the reference models),
     the checks of ``checks`` (every claim's by default) that ``pattern`` and ``options`` select
     (:func:`select_checks`), on ``lanes`` at ``settings``' world sizes."""
-    spec = user_model.user_spec(settings)
+    spec = user_spec(settings)
     selected = select_checks(
         list(checks) if checks is not None else all_checks(), spec, pattern, options
     )
