@@ -68,25 +68,24 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
         harness.prestart_fork_server()
     lanes = lanes_for(args.lane)
 
-    from fsdp_conformance.claims import all_checks
     from fsdp_conformance.gate import outputs, suite
     from fsdp_conformance.gate.report import environment_summary
     from fsdp_conformance.models import user_model
 
-    spec = user_model.user_spec(settings)
     options = checkpoint_options(args)
-    selected = suite.select_checks(all_checks(), spec, args.checks, options)
-    if spec is not None:  # the preflight: one line and exit 2 on bad input, before any rank
+    # What this command line runs, decided once: --list, the preflight, the run (launched too).
+    plan = suite.plan_suite(settings, lanes, pattern=args.checks, options=options)
+    if plan.spec is not None:  # the preflight: one line and exit 2 on bad input, before any rank
         notes = user_model.validate_user_model(
-            spec,
+            plan.spec,
             lanes,
             settings.world_sizes,
             flag_style="cli",
-            depth_rebuild=any(c.name == "memory.depth_invariance" for c, _ in selected),
+            depth_rebuild=any(c.name == "memory.depth_invariance" for c, _ in plan.selected),
         )
         for note in notes:
             print(f"fsdp-conformance run: note: {note}", file=sys.stderr)
-    if not selected:
+    if not plan.selected:
         # Before running anything: an empty report would pass any gate downstream.
         raise UsageError(
             f"no check matched --checks {args.checks!r}; see `fsdp-conformance run "
@@ -94,10 +93,8 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
         )
     if args.list:
         # What this command line would run: one line per check and variant (FSDP version, model).
-        for check, params in selected:
-            variant = suite.variant_of(params)
-            label = f"{check.name}[{variant}]" if variant else check.name
-            print(f"{label:<50} {check.claim:<7} {check.description}")
+        for check, params in plan.selected:
+            print(f"{suite.check_label(check, params):<50} {check.claim:<7} {check.description}")
         return EXIT_OK
     json_path = args.json_path or os.path.join(args.out, "report.json")
     md_path = args.markdown or os.path.join(args.out, "summary.md")
@@ -109,25 +106,15 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
         _ensure_writable_folder(path, flag)
     if launched_externally():
         return outputs.run_launched(
-            settings,
-            lanes,
-            harness,
-            out=args.out,
-            pattern=args.checks,
-            options=options,
-            json_path=json_path,
-            md_path=md_path,
-            plot=args.plot,
+            plan, harness, out=args.out, json_path=json_path, md_path=md_path, plot=args.plot
         )
     print(f"fsdp-conformance: {environment_summary(settings)}", file=sys.stderr)
-    report = suite.run_suite(
-        settings,
-        lanes,
-        pattern=args.checks,
-        options=options,
-        pools=harness.pools,
-        report_path=json_path,
-    )
+    # The ranks of checks that start with variables of their own (allocator settings) fork from
+    # a server of that environment: started now, it imports torch during the checks before
+    # them instead of while the run waits.
+    for env in plan.start_environments():
+        harness.pools.prestart_fork_server(env)
+    report = suite.run_suite(plan, harness.pools, report_path=json_path)
     return outputs.write_outputs(report, json_path, md_path, plot=args.plot)
 
 

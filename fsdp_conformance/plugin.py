@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import pytest
 
@@ -22,6 +22,7 @@ from fsdp_conformance.harness import (
     GpuShare,
     HarnessSession,
     PoolManager,
+    RankEngine,
     Ranks,
     lane_unavailable,
     outer_deadline,
@@ -37,6 +38,9 @@ from fsdp_conformance.settings import (
     world_size_limit,
 )
 
+if TYPE_CHECKING:  # the suite imports the claims, hence torch: only where checks are collected
+    from fsdp_conformance.gate.suite import SuitePlan
+
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: The session's harness: signals, fork servers, warm pools, the launch (its lifecycle).
 HARNESS_KEY = pytest.StashKey[HarnessSession]()
@@ -47,6 +51,8 @@ OUTER_GUARD_KEY = pytest.StashKey[bool]()
 LIMIT_KEY = pytest.StashKey["WorldSizeLimit | None"]()
 #: The preflight's notes on the user's model (one line each), for the header.
 NOTES_KEY = pytest.StashKey[list[str]]()
+#: The session's suite plan (:func:`suite_plan`): made once, read by every parametrization.
+PLAN_KEY = pytest.StashKey["SuitePlan"]()
 #: The module of the conformance checks as pytest tests, and its file (beside this one; read by
 #: path: importing it imports the claims, hence torch, which a session collects only with them).
 MODEL_TESTS = "fsdp_conformance.model_tests"
@@ -109,7 +115,7 @@ def pytest_configure(config: pytest.Config) -> None:
     ).open()
     config.stash[LIMIT_KEY] = world_size_limit(settings, os.environ)  # for world_size markers
     if settings.model:
-        config.stash[NOTES_KEY] = _validate_user_model(settings)
+        config.stash[NOTES_KEY] = _validate_user_model(suite_plan(config))
 
 
 def _model_tests_module(parent: pytest.Collector, path: Path) -> pytest.Module:
@@ -144,20 +150,32 @@ def _model_test_items(session: pytest.Session, items: list[pytest.Item]) -> list
     return list(session.genitems(_model_tests_module(session, path)))
 
 
-def _validate_user_model(settings: Settings) -> list[str]:
-    """Bad --fsdp-model input is one usage error naming the problem and the fix (the
-    preflight); the notes the session goes on with, for the header."""
+def suite_plan(config: pytest.Config) -> SuitePlan:
+    """The session's suite plan (the user's model, the selected checks and their parameters),
+    made on first use and kept in ``config.stash``: in ``pytest_configure`` with
+    ``--fsdp-model`` (its preflight reads it), else when ``model_tests.py`` is first
+    parametrized; a session without the checks never imports them (nor torch)."""
+    plan = config.stash.get(PLAN_KEY, None)
+    if plan is None:
+        from fsdp_conformance.gate.suite import plan_suite  # the claims: only where needed
+
+        plan = config.stash[PLAN_KEY] = plan_suite(config.stash[SETTINGS_KEY], LANES)
+    return plan
+
+
+def _validate_user_model(plan: SuitePlan) -> list[str]:
+    """The preflight on the plan's user model: bad --fsdp-model input is one usage error
+    naming the problem and the fix; the notes the session goes on with, for the header."""
     from fsdp_conformance.models.model_spec import ModelSpecError
     from fsdp_conformance.models.policies import PolicyError
-    from fsdp_conformance.models.user_model import user_spec, validate_user_model
+    from fsdp_conformance.models.user_model import validate_user_model
 
+    if plan.spec is None:
+        return []
     try:
-        spec = user_spec(settings)
-        if spec is not None:
-            return validate_user_model(spec, ["cpu"], settings.world_sizes)
+        return validate_user_model(plan.spec, ["cpu"], plan.world_sizes)
     except (ModelSpecError, PolicyError) as exc:
         raise pytest.UsageError(f"--fsdp-model: {exc}") from None
-    return []
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -214,25 +232,21 @@ def _world_sizes(
     return tuple(marker.args)
 
 
-def _parametrize_conformance_checks(metafunc: pytest.Metafunc, settings: Settings) -> None:
-    """model_tests.py's one test, once per selected check and variant (the CLI's ``--list``
-    labels): the reference suite, or every model check on the user's model."""
-    from fsdp_conformance.claims import all_checks
-    from fsdp_conformance.gate import suite
-    from fsdp_conformance.models import user_model  # the suite imports torch: only when collected
+def _parametrize_conformance_checks(metafunc: pytest.Metafunc) -> None:
+    """model_tests.py's one test, once per selected check and variant of the session's plan
+    (the CLI's ``--list`` labels): the reference suite, or every model check on the user's
+    model."""
+    from fsdp_conformance.gate.suite import check_label
 
-    pairs = suite.select_checks(all_checks(), user_model.user_spec(settings))
-    ids = []
-    for check, params in pairs:
-        variant = suite.variant_of(params)
-        ids.append(f"{check.name}[{variant}]" if variant else check.name)
+    pairs = suite_plan(metafunc.config).selected
+    ids = [check_label(check, params) for check, params in pairs]
     metafunc.parametrize("conformance_check", pairs, ids=ids)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[SETTINGS_KEY]
     if "conformance_check" in metafunc.fixturenames:  # first: its label leads the test id
-        _parametrize_conformance_checks(metafunc, settings)
+        _parametrize_conformance_checks(metafunc)
     if "world_size" in metafunc.fixturenames:
         sizes = _world_sizes(metafunc, settings, metafunc.config.stash.get(LIMIT_KEY, None))
         metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
@@ -364,13 +378,12 @@ def ranks(
     lane: str,
     world_size: int,
     fsdp_settings: Settings,
-    rank_pools: PoolManager,
 ) -> Ranks:
     """Runs checks on ``world_size`` ranks of this test's lane: ``ranks.run(check, ...)``."""
     # Whether the lane can run here was decided for this test by pytest_runtest_setup.
-    # Under torchrun/srun: the launch's group, joined by the first test; pytest_sessionfinish
-    # ends it.
-    launcher = request.config.stash[HARNESS_KEY].launch(
+    # The session's engine: its warm pools (rank_pools), or under torchrun/srun the launch's
+    # group, joined by the first test (pytest_sessionfinish ends it).
+    engine: RankEngine = request.config.stash[HARNESS_KEY].engine(
         fsdp_settings.backend, hang_stream=lambda: _uncaptured_stderr(request.config)
     )
     deadline, deadline_note = None, ""
@@ -380,12 +393,11 @@ def ranks(
         started = request.node.stash.get(STARTED_KEY, time.monotonic())
         deadline, deadline_note = outer_deadline(started, *outer)
     return Ranks(
-        rank_pools,
+        engine,
         world_size,
         lane=lane,
         backend=fsdp_settings.backend_for(lane),
         timeout=fsdp_settings.timeout,
-        launcher=launcher,
         skip=_skip,
         xfail=pytest.xfail,
         deadline=deadline,

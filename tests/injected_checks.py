@@ -58,17 +58,23 @@ def rank_blocks_until_signalled(ctx: Any) -> None:
 
 
 def rank_launch_environment(ctx: Any) -> dict[str, str | None]:
-    from fsdp_conformance.harness import LauncherRunner
+    from fsdp_conformance.harness import LauncherRunner, RankRequest
 
     launcher = LauncherRunner(ctx.backend)  # the launch's group is up: it is joined, not made
     os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
     malloc = "MALLOC_MMAP_THRESHOLD_"
+    lane = "gpu" if ctx.device_type == "cuda" else "cpu"
+
+    def needing(env: Mapping[str, str] | None = None, fresh: bool = False) -> str | None:
+        request = RankRequest(ctx.world_size, lane=lane, backend=ctx.backend, env=env, fresh=fresh)
+        return launcher.cannot_provide(request)
+
     return {
-        "started_with": launcher.cannot_provide({malloc: os.environ[malloc]}, False),
-        "set_late": launcher.cannot_provide({"FSDPC_SET_LATE": "1"}, False),
-        "rank1_only": launcher.cannot_provide({"LOCAL_RANK": "1"}, False),
-        "other_value": launcher.cannot_provide({malloc: "1"}, False),
-        "fresh": launcher.cannot_provide(None, True),
+        "started_with": needing({malloc: os.environ[malloc]}),
+        "set_late": needing({"FSDPC_SET_LATE": "1"}),
+        "rank1_only": needing({"LOCAL_RANK": "1"}),
+        "other_value": needing({malloc: "1"}),
+        "fresh": needing(fresh=True),
     }
 
 

@@ -85,6 +85,7 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     "harness.outcomes": {"harness.protocol"},
     "harness.forkserver": {"harness.outcomes"},
     "harness.timeouts": set(),
+    "harness.engine": {"harness.protocol"},
     "harness.pool": {
         "harness.protocol",
         "harness.outcomes",
@@ -93,6 +94,7 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     },
     "harness.manager": {
         "harness.protocol",
+        "harness.engine",
         "harness.outcomes",
         "harness.forkserver",
         "harness.timeouts",
@@ -100,12 +102,15 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
     },
     "harness.launcher": {
         "harness.protocol",
+        "harness.engine",
         "harness.outcomes",
+        "harness.timeouts",
         "harness.worker",
         "harness.interrupts",
     },
     "harness.session": {
         "harness.protocol",
+        "harness.engine",
         "harness.outcomes",
         "harness.interrupts",
         "harness.forkserver",
@@ -133,6 +138,7 @@ NEVER: dict[str, dict[str, str]] = {
 FOLDERS: dict[str, set[str]] = {
     "harness": {
         "protocol",
+        "engine",
         "outcomes",
         "timeouts",
         "pool",

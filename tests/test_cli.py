@@ -8,13 +8,14 @@ once with an injected failing check (exit 1), once on a user model whose forward
 model without running a check), and the pytest front end (``--fsdp-model``) through ``pytester``
 sessions in process.
 
-The runs borrow the session's warm rank pools (:func:`warm_pools`, or :func:`lent_pools` for the
-module's shared run and the inner pytest sessions) instead of each starting and closing its own
-(a fork server importing torch, then the ranks: seconds each). A user model the ranks build is
-defined in this module (the ranks import it by name, as they import this test module's checks):
-warm ranks cannot see a folder put on ``sys.path`` after they started. One test runs the console
-script itself, as a process: its exit code and its stderr on bad input (no traceback); the
-console script's exit 0 after a real run that starts and closes its own pools is
+``run_suite`` runs here on the session's warm rank pools (the plugin's ``rank_pools``, handed in
+as its engine), and the inner pytest sessions borrow them (:class:`LendPools`); a
+``main(["run", ...])`` run starts and closes pools of its own, as the console script does,
+forked from the session's fork servers (which have imported torch already). A user model the
+ranks build is defined in this module (the ranks import it by name, as they import this test
+module's checks): warm ranks cannot see a folder put on ``sys.path`` after they started. One
+test runs the console script itself, as a process: its exit code and its stderr on bad input
+(no traceback); the console script's exit 0 after a real run is
 ``tests/test_user_model_hf.py``'s run from a model folder.
 """
 
@@ -218,13 +219,10 @@ class Run(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def reference_run(
-    lent_pools: PoolManager,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Run, Path]:
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
     """`fsdp-conformance run --checks wrap.units.exact --out out` on the reference models, once
-    for the module, through ``main`` in process on the session's warm pools, from a folder of
-    its own, with no outer settings and no CI job summary. Read by the tests
+    for the module, through ``main`` in process, from a folder of its own, with no outer
+    settings and no CI job summary. Read by the tests
     ``test_run_exits_0_and_writes_report_and_summary``,
     ``test_run_report_has_the_schema_environment_settings_and_unit_trees``,
     ``test_run_prints_the_table_and_progress_on_stderr`` and
@@ -234,7 +232,6 @@ def reference_run(
     directory = tmp_path_factory.mktemp("run")
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(suite, "PoolManager", lambda: lent_pools)
         mp.chdir(directory)
         for option in OPTIONS:
             mp.delenv(option.env, raising=False)
@@ -389,12 +386,13 @@ CRASHING = Check(
 
 
 def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_signal(
-    warm_pools: PoolManager,
+    rank_pools: PoolManager,
 ) -> None:
     """A crash inside torch on one rank: the crashed check names the rank, the signal and the
     torch function; the pool is rebuilt and the run goes on."""
     stream = io.StringIO()
-    report = suite.run_suite(Settings(), ["cpu"], checks=[CRASHING, PASSING], stream=stream)
+    plan = suite.plan_suite(Settings(), ["cpu"], checks=[CRASHING, PASSING])
+    report = suite.run_suite(plan, rank_pools, stream=stream)
     crashed, after = report["checks"]
     assert crashed["outcome"] == "error" and after["outcome"] == "passed", report["checks"]
     # one line (the rank, its death, the torch function), every rank's story kept
@@ -412,10 +410,11 @@ def test_a_crash_inside_torch_on_one_rank_is_one_check_naming_the_api_rank_and_s
 
 
 def test_run_suite_reports_a_failing_check_as_failed_with_progress(
-    warm_pools: PoolManager,
+    rank_pools: PoolManager,
 ) -> None:
     stream = io.StringIO()
-    report = suite.run_suite(Settings(), ["cpu"], checks=[PASSING, FAILING], stream=stream)
+    plan = suite.plan_suite(Settings(), ["cpu"], checks=[PASSING, FAILING])
+    report = suite.run_suite(plan, rank_pools, stream=stream)
     assert report["summary"] == {"passed": 1, "failed": 1, "skipped": 0, "error": 0, "xfailed": 0}
     failed = report["checks"][1]
     assert failed["id"] == "test.wrong[cpu,ws2]" and failed["outcome"] == "failed"
@@ -427,7 +426,6 @@ def test_run_suite_reports_a_failing_check_as_failed_with_progress(
 
 
 def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
-    warm_pools: PoolManager,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -440,6 +438,39 @@ def test_run_exits_1_when_a_check_fails_and_still_writes_the_report(
     assert "test.wrong[cpu,ws2]  FAILED   expected 2 on every rank" in out
     assert "[2/2] test.wrong [cpu, ws2] ... failed" in err  # progress, on stderr
     assert (tmp_path / "summary.md").read_text().startswith("## FSDP conformance: FAIL")
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, calls: list[str]) -> None:
+    """``module.name`` from now on appends its name to ``calls`` on each call."""
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_run_decides_the_model_and_the_checks_once_and_runs_that_plan(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One plan per command line (``suite.plan_suite``): the preflight, ``--list``'s lines and
+    the run read it; ``run_suite`` neither resolves the model nor selects again."""
+    calls: list[str] = []
+    _count_calls(monkeypatch, suite, "user_spec", calls)
+    _count_calls(monkeypatch, suite, "select_checks", calls)
+    _count_calls(monkeypatch, suite, "plan_suite", calls)
+    monkeypatch.setattr(suite, "all_checks", lambda: [PASSING, FAILING])
+    code, out, err = main(["run", "--checks", "test.right", "--out", str(tmp_path)], capsys)
+    assert code == cli.EXIT_OK, err
+    assert sorted(calls) == ["plan_suite", "select_checks", "user_spec"]
+    assert "[1/1] test.right [cpu, ws2] ... passed" in err
+    calls.clear()
+    code, out, err = main(["run", "--checks", "test.right", "--list"], capsys)
+    assert code == cli.EXIT_OK and out.startswith("test.right "), err
+    assert sorted(calls) == ["plan_suite", "select_checks", "user_spec"]
 
 
 def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_it(
@@ -470,9 +501,9 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
         "prestart_fork_server",
         lambda **kw: order.append("fork server") or prestart_fork_server(**kw),
     )
-    real_spec = user_model.user_spec
+    real_spec = suite.user_spec  # the model is resolved once, by the run's plan
     monkeypatch.setattr(
-        user_model, "user_spec", lambda settings: order.append("model") or real_spec(settings)
+        suite, "user_spec", lambda settings: order.append("model") or real_spec(settings)
     )
     monkeypatch.setattr(suite, "all_checks", lambda: [PASSING])
     code, _, err = main(["run", "--out", str(tmp_path), "--no-plot"], capsys)
@@ -482,7 +513,7 @@ def test_run_starts_the_ranks_fork_server_before_its_own_imports_and_forks_from_
 
 
 def test_run_exits_1_when_the_user_models_forward_breaks(
-    warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = main(
         [
@@ -550,7 +581,7 @@ PLOT_LINK = "![memory timeline, one panel per check](memory_timeline.png)"
 
 @pytest.mark.process  # a real run drawing its plot (matplotlib): about 5 s, the process lane
 def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
-    warm_pools: PoolManager, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A real run of the memory timeline checks: the PNG, one panel per FSDP version, linked."""
     out_dir = tmp_path / "out"
@@ -574,7 +605,6 @@ def test_run_writes_the_timeline_plot_by_default_and_the_summary_links_it(
 
 
 def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
-    warm_pools: PoolManager,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -604,7 +634,6 @@ def test_run_no_plot_writes_no_picture_and_the_summary_mentions_none(
 
 
 def test_run_without_a_timeline_writes_no_plot_and_the_summary_says_nothing_of_one(
-    warm_pools: PoolManager,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -1335,7 +1364,7 @@ def test_pytest_fsdp_model_bad_input_is_a_usage_error(
 
 class LendPools:
     """A plugin for an inner pytest session: its ``rank_pools`` are the outer session's warm
-    pools, lent (the inner session's close leaves them warm)."""
+    pools, lent to its harness session (whose close leaves them warm)."""
 
     def __init__(self, lent: PoolManager) -> None:
         self.manager = lent
@@ -1347,7 +1376,7 @@ class LendPools:
 
 def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
     pytester: pytest.Pytester,
-    lent_pools: PoolManager,
+    rank_pools: PoolManager,
 ) -> None:
     # model from [tool.fsdp_conformance], block class from the command line: both sources at once
     pytester.makepyprojecttoml(
@@ -1363,7 +1392,7 @@ def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
         "no:cacheprovider",
         "--fsdp-block-cls",
         "Block",
-        plugins=[LendPools(lent_pools)],
+        plugins=[LendPools(rank_pools)],
     )
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(
@@ -1373,6 +1402,53 @@ def test_pytest_runs_the_checks_on_the_model_from_the_pyproject_table(
         ],
         consecutive=False,
     )
+
+
+class RecordPlan:
+    """A plugin for an inner pytest session: the session's suite plan and the
+    ``conformance_check`` parameter of each collected test."""
+
+    def __init__(self) -> None:
+        self.plan: suite.SuitePlan | None = None
+        self.params: list[Any] = []
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.plan = session.config.stash[plugin.PLAN_KEY]
+        self.params = [item.callspec.params["conformance_check"] for item in session.items]
+
+
+def test_pytest_decides_the_model_and_the_checks_once_and_parametrizes_from_that_plan(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One plan per session (``plugin.suite_plan``): made in ``pytest_configure`` with
+    ``--fsdp-model`` (its preflight reads it), kept in ``config.stash``, read by
+    ``pytest_generate_tests``; every collected check is one of its (check, params) pairs."""
+    calls: list[str] = []
+    _count_calls(monkeypatch, suite, "user_spec", calls)
+    _count_calls(monkeypatch, suite, "select_checks", calls)
+    recorded = RecordPlan()
+    result = pytester.runpytest_inprocess(
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--fsdp-world-sizes",
+        "1,2",
+        "--fsdp-model",
+        f"{RANK_MODELS}:build",
+        "--fsdp-block-cls",
+        "Block",
+        plugins=[recorded],
+    )
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert sorted(calls) == ["select_checks", "user_spec"]
+    plan = recorded.plan
+    assert (
+        plan is not None and plan.spec is not None and plan.spec.factory == f"{RANK_MODELS}:build"
+    )
+    # each pair at both world sizes on both lanes, the very objects of the plan
+    assert len(recorded.params) == 4 * len(plan.selected) > 0
+    assert all(any(p is pair for pair in plan.selected) for p in recorded.params)
 
 
 def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inner_sessions import process_gone
 
-from fsdp_conformance.harness import PoolManager, RankContext, RankPool, forkserver
+from fsdp_conformance.harness import PoolManager, RankContext, RankPool, RankRequest, forkserver
 from fsdp_conformance.harness.forkserver import (
     BASE_PRELOAD,
     WORKER_MODULE,
@@ -73,8 +74,13 @@ def _wait_gone(pids: list[int], limit_s: float = 20.0) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-#: What a check of these tests runs with, but for the world size.
-RUN = dict(args=(), kwargs={}, backend="gloo", device_type="cpu", timeout=60.0)
+def _run(
+    manager: PoolManager, fn: Any, *args: Any, world_size: int = 2, **needs: Any
+) -> list[dict]:
+    """Every rank's value of ``fn(ctx, *args)`` on ``manager``'s gloo ranks (``needs``: the
+    request's ``env`` or ``fresh``), with these tests' timeout."""
+    request = RankRequest(world_size, lane="cpu", backend="gloo", timeout=60.0, **needs)
+    return _values(manager.run_outcomes(request, fn, args, {}))
 
 
 @pytest.mark.process
@@ -85,17 +91,12 @@ def test_ranks_fork_from_one_server_per_environment_and_look_exec_started(
     monkeypatch.chdir(tmp_path)  # ranks take the parent's folder at their start, not the server's
     manager = PoolManager()  # forks from this session's servers (the process's registry)
     try:
-        run = RUN
-        two = _values(manager.run_outcomes(_how_started, world_size=2, **run))
+        two = _run(manager, _how_started)
         # A variable that changes from test to test (as PYTEST_CURRENT_TEST does) reaches the
         # ranks without a server of its own.
         monkeypatch.setenv("FSDP_CONFORMANCE_PROBE", "seen")
-        one = _values(manager.run_outcomes(_how_started, world_size=1, **run))
-        malloc = _values(
-            manager.run_outcomes(
-                _how_started, world_size=1, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, **run
-            )
-        )
+        one = _run(manager, _how_started, world_size=1)
+        malloc = _run(manager, _how_started, world_size=1, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
         server = two[0]["ppid"]
         # Forked: the parent is the server, not this process; one server for both pools.
         assert server != os.getpid()
@@ -154,8 +155,8 @@ def test_fresh_processes_see_environment_set_before_start(ranks) -> None:
 def test_managers_of_one_process_share_one_server_per_environment() -> None:
     first, second = PoolManager(), PoolManager()
     try:
-        one = _values(first.run_outcomes(_how_started, world_size=2, **RUN))
-        other = _values(second.run_outcomes(_how_started, world_size=2, **RUN))
+        one = _run(first, _how_started)
+        other = _run(second, _how_started)
         server = one[0]["ppid"]
         assert server in shared_servers().pids()
         assert {v["ppid"] for v in one + other} == {server}  # one server, two managers' pools
@@ -164,7 +165,7 @@ def test_managers_of_one_process_share_one_server_per_environment() -> None:
         assert _wait_gone([v["pid"] for v in one]) == [], "closing a manager left its ranks"
         # The other manager's warm pool (forked from the same server) is untouched.
         assert _alive(server)
-        assert _values(second.run_outcomes(_how_started, world_size=2, **RUN)) == other
+        assert _run(second, _how_started) == other
     finally:
         first.close()
         second.close()
@@ -179,15 +180,12 @@ def test_a_dead_server_takes_its_ranks_and_the_next_check_gets_fresh_ones() -> N
     servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
-        run = dict(
-            args=(), kwargs={}, world_size=2, backend="gloo", device_type="cpu", timeout=60.0
-        )
-        before = _values(manager.run_outcomes(_how_started, **run))
+        before = _run(manager, _how_started)
         os.kill(before[0]["ppid"], signal.SIGKILL)
         pids = [v["pid"] for v in before]
         # The ranks' parent-death signal: they do not outlive the server that forked them.
         assert _wait_gone(pids) == [], "ranks outlived their fork server"
-        after = _values(manager.run_outcomes(_how_started, **run))
+        after = _run(manager, _how_started)
         assert {v["pid"] for v in after}.isdisjoint(pids)
         assert after[0]["ppid"] != before[0]["ppid"]  # a new server
         assert servers.pids() == [after[0]["ppid"]]
@@ -213,15 +211,9 @@ def test_a_server_started_early_imports_before_each_fork_what_the_parent_loaded_
     try:
         assert prestart_fork_server(servers)  # as the CLI does, before its own imports
         (server,) = servers.pids()
-        run = dict(
-            args=(name,),
-            kwargs={},
-            world_size=1,
-            **{k: RUN[k] for k in ("backend", "device_type", "timeout")},
-        )
-        assert _values(manager.run_outcomes(_loaded_at_start, **run)) == [False]
+        assert _run(manager, _loaded_at_start, name, world_size=1) == [False]
         importlib.import_module(name)  # the parent imports it after the server started
-        assert _values(manager.run_outcomes(_loaded_at_start, fresh=True, **run)) == [True]
+        assert _run(manager, _loaded_at_start, name, world_size=1, fresh=True) == [True]
         assert servers.pids() == [server]  # the same server, which imported it before forking
     finally:
         manager.close()
@@ -247,11 +239,8 @@ def test_a_server_imports_the_memory_trackers_for_its_ranks_and_the_parent_never
     servers = ForkServers(preload=BASE_PRELOAD)
     manager = PoolManager(fork_servers=servers)
     try:
-        run = dict(
-            kwargs={}, world_size=1, **{k: RUN[k] for k in ("backend", "device_type", "timeout")}
-        )
-        assert _values(manager.run_outcomes(_loaded_at_start, args=(TRACKERS,), **run)) == [True]
-        assert _values(manager.run_outcomes(_loaded_at_start, args=(plots,), **run)) == [False]
+        assert _run(manager, _loaded_at_start, TRACKERS, world_size=1) == [True]
+        assert _run(manager, _loaded_at_start, plots, world_size=1) == [False]
     finally:
         manager.close()
         servers.close()

@@ -473,10 +473,12 @@ def test_a_runner_joining_a_group_already_up_leaves_it_alone(
 LAUNCHED_SESSION = """
 import pytest
 
+from fsdp_conformance.harness import LauncherRunner
+
 
 @pytest.mark.cpu
 def test_launched(ranks):
-    assert ranks.launcher is not None and ranks.launcher.owns_group
+    assert isinstance(ranks.engine, LauncherRunner) and ranks.engine.owns_group
 """
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from inner_sessions import Session, process_gone, rank_processes_of
 
-from fsdp_conformance.harness import HarnessError, RankContext, RankFailure
+from fsdp_conformance.harness import HarnessError, RankContext, RankFailure, RankRequest
 
 pytestmark = pytest.mark.cpu
 
@@ -220,17 +220,20 @@ def test_return_value_that_cannot_load_in_the_parent_fails_with_a_clear_message(
 
 def test_under_a_launcher_a_lane_of_another_device_skips_with_the_fix() -> None:
     # One launch has one process group: the cpu lane's checks on an NCCL launch would put CPU
-    # tensors into NCCL collectives. The launcher stands in (no GPU here); nothing is run.
-    from types import SimpleNamespace
+    # tensors into NCCL collectives. A runner of an NCCL launch of 2 (no GPU, no group here:
+    # its answer is given before any collective); nothing is run.
+    from fsdp_conformance.harness import CheckSkipped, LauncherRunner, Ranks
 
-    from fsdp_conformance.harness import CheckSkipped, Ranks
-
-    nccl_launch = SimpleNamespace(world_size=2, device_type="cuda", backend="nccl")
-    ranks = Ranks(None, 2, lane="cpu", backend="gloo", launcher=nccl_launch)  # type: ignore[arg-type]
+    nccl_launch = LauncherRunner.__new__(LauncherRunner)
+    nccl_launch.rank, nccl_launch.world_size = 0, 2
+    nccl_launch.backend, nccl_launch.device_type = "nccl", "cuda"
+    ranks = Ranks(nccl_launch, 2, lane="cpu", backend="gloo")
     with pytest.raises(CheckSkipped, match=r"cpu lane: this launch's process group is nccl"):
         ranks.run(_rank_of)
     with pytest.raises(CheckSkipped, match=r"-m cpu --fsdp-backend gloo"):
         ranks.run(_rank_of)
+    with pytest.raises(CheckSkipped, match=r"^world size 4 is not this launch's \(WORLD_SIZE=2\)$"):
+        ranks.configured(world_size=4).run(_rank_of)
 
 
 def _rank_of(ctx: RankContext) -> int:
@@ -274,18 +277,11 @@ def test_ranks_that_cannot_start_before_the_outer_deadline_are_a_harness_error_s
     monkeypatch.setattr(pool_module, "fork_available", lambda: False)
     manager = PoolManager()
     try:
+        request = RankRequest(
+            2, timeout=100.0, deadline=time.monotonic() - 1.0, deadline_note="NOTE"
+        )
         with pytest.raises(HarnessError) as info:
-            manager.run_outcomes(
-                _rank_of,
-                (),
-                {},
-                world_size=2,
-                backend="gloo",
-                device_type="cpu",
-                timeout=100.0,
-                deadline=time.monotonic() - 1.0,
-                deadline_note="NOTE",
-            )
+            manager.run_outcomes(request, _rank_of, (), {})
     finally:
         manager.close()
     message = str(info.value)
@@ -355,9 +351,7 @@ def test_a_pool_under_a_folder_too_deep_for_a_socket_path_still_starts(
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     manager = PoolManager()
     try:
-        outcomes = manager.run_outcomes(
-            _rank_of, (), {}, world_size=2, backend="gloo", device_type="cpu", timeout=60.0
-        )
+        outcomes = manager.run_outcomes(RankRequest(2, timeout=60.0), _rank_of, (), {})
     finally:
         manager.close()
     assert [o.value for o in outcomes] == [0, 1]

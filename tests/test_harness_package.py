@@ -57,9 +57,10 @@ PUBLIC_NAMES = {
     "startup_environ",
     "traceback_text",
 }
-#: The other public names: the lifecycle the CLI and the plugin open, and the GPU share of a
-#: pytest-xdist worker that the plugin hands to it.
-ADDED_NAMES = {"HarnessSession", "GpuShare", "xdist_share"}
+#: The other public names: the lifecycle the CLI and the plugin open, the GPU share of a
+#: pytest-xdist worker that the plugin hands to it, and the engines' contract that the CLI, the
+#: gate and the plugin hand to ``Ranks``.
+ADDED_NAMES = {"HarnessSession", "GpuShare", "xdist_share", "RankEngine", "RankRequest"}
 
 
 def test_public_names_are_the_single_modules() -> None:
@@ -91,7 +92,7 @@ def _how_this_rank_started(ctx: RankContext) -> dict[str, object]:
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_ranks_run_the_worker_module_once(ranks) -> None:
-    if ranks.launcher is not None:
+    if isinstance(ranks.engine, harness.LauncherRunner):
         pytest.skip("under an external launcher the ranks are its processes, not pool workers")
     for started in ranks.run(_how_this_rank_started):
         assert started["argv"][1:3] == ["-m", WORKER_MODULE], started["argv"]

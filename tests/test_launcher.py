@@ -28,7 +28,7 @@ import pytest
 
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate import suite
-from fsdp_conformance.harness import LauncherRunner, RankContext
+from fsdp_conformance.harness import LauncherRunner, RankContext, RankRequest
 from fsdp_conformance.settings import Settings, SettingsError
 
 #: A guard on each launch (not a timing assertion): the narrowed runs take seconds.
@@ -228,6 +228,16 @@ def test_launch_world_size_replaces_the_default_and_must_be_in_explicit_ones() -
     )
 
 
+def test_a_launched_run_runs_the_command_lines_plan_at_the_launchs_world_size() -> None:
+    # The plan is made once, before the launch is joined; the launch changes only its world size.
+    plan = suite.plan_suite(Settings(), ["cpu"], pattern="wrap.units.exact")
+    launched = plan.for_launch(4)
+    assert launched.selected is plan.selected and launched.spec is plan.spec
+    assert launched.lanes == plan.lanes and launched.world_sizes == (4,)
+    assert {ws for _, ws, _, _ in launched.runs} == {4}
+    assert len(launched.runs) == len(plan.selected) > 0
+
+
 # --------------------------------------------------------------------------------------------
 # Launched: the narrowed runs started together by ``launches``
 # --------------------------------------------------------------------------------------------
@@ -355,6 +365,7 @@ def _bare_launcher() -> LauncherRunner:
     runner.rank, runner.world_size, runner.local_rank = 0, 1, 0
     runner.backend, runner.device_type = "gloo", "cpu"
     runner.ctx = RankContext(0, 1, 0, "gloo", "cpu")
+    runner.hang_stream = lambda: contextlib.nullcontext(sys.stderr)
     return runner
 
 
@@ -365,7 +376,7 @@ def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_b
 
     before = torch.get_default_dtype()
     with pytest.raises(KeyboardInterrupt):
-        _bare_launcher().run_outcomes(_interrupted_check, (), {})
+        _bare_launcher().run_outcomes(RankRequest(1), _interrupted_check, (), {})
     assert torch.get_default_dtype() == before
     # The control: in a pool worker (SIGINT ignored there; the parent handles Ctrl-C) the same
     # KeyboardInterrupt is something the check raised, reported as that rank's error.

@@ -1,9 +1,9 @@
 """The pool's timeouts follow the settings, a CUDA rank's check waits for its device, and NCCL
 ranks raise on a failed collective.
 
-No rank is started here: the timeouts are pure functions, the managers that the plugin and
-``run_suite`` build are watched through a stand-in ``RankPool`` that runs each check in this
-process, and the device synchronization is ``execute_check`` with a CUDA context and a stubbed
+No rank is started here: the timeouts are pure functions, the managers that the plugin builds
+and ``run_suite`` is handed are watched through a stand-in ``RankPool`` that runs each check in
+this process, and the device synchronization is ``execute_check`` with a CUDA context and a stubbed
 ``torch.cuda.synchronize``.
 """
 
@@ -19,7 +19,7 @@ import torch  # before pytester's in-process session, which would unload a torch
 
 import fsdp_conformance.harness.manager as manager_module
 import fsdp_conformance.harness.ranks as ranks_module
-from fsdp_conformance.harness import PoolManager, RankContext, RankOutcome
+from fsdp_conformance.harness import PoolManager, RankContext, RankOutcome, RankRequest
 from fsdp_conformance.harness.pool import RankPool, rank_environment
 from fsdp_conformance.harness.timeouts import (
     PG_TIMEOUT_MARGIN_S,
@@ -143,17 +143,14 @@ def _run(
     device_type: str = "cpu",
     deadline: float | None = None,
 ) -> list[RankOutcome]:
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    return manager.run_outcomes(
-        _rank,
-        (),
-        {},
-        world_size=world_size,
-        backend=backend,
-        device_type=device_type,
+    request = RankRequest(
+        world_size,
+        lane="gpu" if device_type == "cuda" else "cpu",
+        backend="nccl" if device_type == "cuda" else "gloo",
         timeout=timeout,
         deadline=deadline,
     )
+    return manager.run_outcomes(request, _rank, (), {})
 
 
 def test_a_manager_starts_pools_with_the_timeouts_derived_for_them(
@@ -241,13 +238,14 @@ def test_run_suite_starts_its_pools_with_timeouts_derived_from_the_settings(
     import io
 
     from fsdp_conformance.claims.check import Check
-    from fsdp_conformance.gate.suite import run_suite
+    from fsdp_conformance.gate.suite import plan_suite, run_suite
     from fsdp_conformance.settings import Settings
 
     check = Check("test.timeouts", "test only: each rank's number", _rank, _verdict, lanes=("gpu",))
-    report = run_suite(
-        Settings(timeout=400.0, world_sizes=(8,)), ["gpu"], checks=[check], stream=io.StringIO()
-    )
+    plan = plan_suite(Settings(timeout=400.0, world_sizes=(8,)), ["gpu"], checks=[check])
+    manager = PoolManager()  # the default check timeout: each check carries the run's own
+    report = run_suite(plan, manager, stream=io.StringIO())
+    manager.close()
     assert [c["outcome"] for c in report["checks"]] == ["passed"], report["checks"]
     assert [(s.world_size, s.backend, s.device_type) for s in recorded] == [(8, "nccl", "cuda")]
     assert recorded[0].pg_timeout > 400.0

@@ -432,13 +432,12 @@ SKIP_KINDS = ("does not apply", "use ", "define ", "pass ", "set ", "run ")
 @pytest.mark.parametrize("name", sorted(hf_models.FACTORIES))
 def test_the_whole_run_passes_on_a_reference_transformers_model_with_only_model(
     name: str,
-    warm_pools: Any,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`fsdp-conformance run --model fsdp_conformance.hf_models:<name>`: every check of the
-    cpu lane at the default world size, on the session's warm pools; 0 failed, 0 errors."""
+    cpu lane at the default world size; 0 failed, 0 errors."""
     from fsdp_conformance.gate.report import load_report
 
     for variable in [k for k in os.environ if k.startswith("FSDP_CONFORMANCE_")]:

@@ -62,9 +62,9 @@ def test_a_run_on_a_four_core_machine_plans_every_check_at_2_and_4(
 ) -> None:
     # The run's plan, not only the setting: each selected check once per default world size.
     from fsdp_conformance import settings as settings_module
-    from fsdp_conformance.gate.suite import planned_checks
+    from fsdp_conformance.gate.suite import plan_suite
 
     monkeypatch.setattr(settings_module, "usable_cores", lambda: 4)
-    plan = planned_checks(resolve_settings({}, {}, {}), ["cpu"], "init.weights")
+    plan = plan_suite(resolve_settings({}, {}, {}), ["cpu"], pattern="init.weights").runs
     assert sorted({ws for _, ws, _, _ in plan}) == [2, 4]
     assert len([p for p in plan if p[1] == 2]) == len([p for p in plan if p[1] == 4]) > 0

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    from fsdp_conformance.gate.suite import SuitePlan
     from fsdp_conformance.harness import HarnessSession
-    from fsdp_conformance.settings import Settings
 
 #: The run's exit codes: every check passed (or was skipped or expected to fail); a check failed
 #: or errored. (Bad input, 2, is the CLI's.)
@@ -104,13 +104,10 @@ def write_plot(report: dict[str, Any], out_dir: str, *, explicit: bool = False) 
 
 
 def run_launched(
-    settings: Settings,
-    lanes: list[str],
+    plan: SuitePlan,
     harness: HarnessSession,
     *,
     out: str,
-    pattern: str | None,
-    options: Mapping[str, Any],
     json_path: str,
     md_path: str,
     plot: bool | None,
@@ -120,14 +117,16 @@ def run_launched(
     Every rank runs every check on the launch's process group and gets every rank's outcome,
     so every rank builds the same report; rank 0 prints it and writes the files, the others
     write progress and table to ``DIR/rank{N}.log``. The exit code is the worst of all ranks,
-    so torchrun reports the same outcome whichever rank it looks at.
+    so torchrun reports the same outcome whichever rank it looks at. ``plan``: the command
+    line's, run at the launch's world size (:meth:`~.suite.SuitePlan.for_launch`).
     """
     from fsdp_conformance.gate import suite
     from fsdp_conformance.gate.report import environment_summary
     from fsdp_conformance.gate.tables import format_table
 
     world_size = int(os.environ["WORLD_SIZE"])
-    settings = suite.launch_settings(settings, world_size)
+    plan = plan.for_launch(world_size)
+    settings = plan.settings
     launcher = harness.launch(settings.backend)
     if launcher is None:
         raise RuntimeError("run_launched outside a launch (no torchrun/srun environment)")
@@ -143,15 +142,7 @@ def run_launched(
             )
             log.write(header + "\n")
             log.flush()
-        report = suite.run_suite(
-            settings,
-            lanes,
-            pattern=pattern,
-            stream=log,
-            launcher=launcher,
-            options=options,
-            report_path=json_path,
-        )
+        report = suite.run_suite(plan, launcher, stream=log, report_path=json_path)
         if log is None:
             code = write_outputs(report, json_path, md_path, plot=plot, rank_logs=rank_logs)
         else:

@@ -1,6 +1,10 @@
 """The conformance suite as a whole: which checks run where, with progress, into a report.
 
-Used by ``fsdp-conformance run``. Tests drive the same checks through the ``ranks`` fixture.
+:func:`plan_suite` decides what a run runs (a :class:`SuitePlan`: the user's model, the selected
+checks and their parameters, the lanes and world sizes), once per front end: ``fsdp-conformance
+run`` (:func:`run_suite` runs it, also under torchrun), and the pytest plugin, which
+parametrizes ``model_tests.py`` with it. Tests drive the same checks through the ``ranks``
+fixture.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
-from fsdp_conformance.harness import LauncherRunner, PoolManager, Ranks
+from fsdp_conformance.harness import RankEngine, Ranks
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.user_model import user_spec
 from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
 
 
-def variant_of(params: dict[str, Any]) -> str:
+def variant_of(params: Mapping[str, Any]) -> str:
     """A short label for a check's parameters: FSDP version and model."""
     parts = []
     if "version" in params:
@@ -74,6 +78,79 @@ def select_checks(
     return chosen
 
 
+def check_label(check: Check, params: Mapping[str, Any]) -> str:
+    """A check and its variant as ``run --list`` and the plugin's test ids name them:
+    ``wrap.units.exact[fsdp2,massive]``."""
+    variant = variant_of(params)
+    return f"{check.name}[{variant}]" if variant else check.name
+
+
+#: One run of a check: (lane, world size, check, params).
+PlannedRun = tuple[str, int, Check, dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SuitePlan:
+    """What a run runs, decided once per front end (:func:`plan_suite`) and handed down."""
+
+    settings: Settings
+    #: The user's model (``--model``), or None: the reference models.
+    spec: ModelSpec | None
+    #: (check, params) in report order (:func:`select_checks`).
+    selected: tuple[tuple[Check, dict[str, Any]], ...]
+    #: The lanes the run asks for, in report order.
+    lanes: tuple[str, ...]
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return self.settings.world_sizes
+
+    @property
+    def runs(self) -> list[PlannedRun]:
+        """(lane, world size, check, params) in run order: each selected check at every world
+        size on every lane of the plan it runs on."""
+        return [
+            (lane, ws, check, params)
+            for lane in self.lanes
+            for ws in self.world_sizes
+            for check, params in self.selected
+            if lane in check.lanes
+        ]
+
+    def start_environments(self) -> list[dict[str, str]]:
+        """The environments the cpu lane's ranks of this plan start with besides the default
+        (a check's ``env``, the ``MALLOC_*`` of the memory checks), each once, in run order."""
+        found = dict.fromkeys(
+            tuple(sorted(check.env.items()))
+            for lane, _, check, _ in self.runs
+            if lane == "cpu" and check.env
+        )
+        return [dict(env) for env in found]
+
+    def for_launch(self, launch_world_size: int) -> SuitePlan:
+        """This plan on an external launch's ranks: its world size is the launch's
+        (:func:`launch_settings`)."""
+        return dataclasses.replace(self, settings=launch_settings(self.settings, launch_world_size))
+
+
+def plan_suite(
+    settings: Settings,
+    lanes: Iterable[str],
+    *,
+    pattern: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    checks: Sequence[Check] | None = None,
+) -> SuitePlan:
+    """The plan of a run: the user's model from ``settings`` (None on the reference models),
+    the checks of ``checks`` (every claim's by default) that ``pattern`` and ``options`` select
+    (:func:`select_checks`), on ``lanes`` at ``settings``' world sizes."""
+    spec = user_spec(settings)
+    selected = select_checks(
+        list(checks) if checks is not None else all_checks(), spec, pattern, options
+    )
+    return SuitePlan(settings, spec, tuple(selected), tuple(lanes))
+
+
 @dataclasses.dataclass
 class Progress:
     """Prints one line per check as it finishes (to stderr by default)."""
@@ -110,110 +187,63 @@ class Progress:
 
 
 def run_suite(
-    settings: Settings,
-    lanes: Iterable[str],
+    plan: SuitePlan,
+    engine: RankEngine,
     *,
-    pattern: str | None = None,
     stream: TextIO | None = None,
-    checks: Sequence[Check] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
-    launcher: LauncherRunner | None = None,
-    pools: PoolManager | None = None,
     flag_style: FlagStyle = "cli",
-    options: Mapping[str, Any] | None = None,
     report_path: str | None = None,
 ) -> dict[str, Any]:
-    """Run the selected checks on every lane and world size; return the report (plain data).
+    """Run the plan's checks on every lane and world size; return the report (plain data).
 
-    With ``launcher`` (under torchrun/srun) every check runs in this process on the launch's
-    process group and every rank's outcome is all-gathered, so every rank builds the same
-    report; otherwise on warm rank pools of ``pools`` (the CLI's harness session's) or of a
-    manager made here, closed at the end of the run (killed at once if it is interrupted). A
-    lane this machine cannot run is reported skipped, with the reason
-    (:meth:`Ranks.run_outcomes` decides it), its flags spelled as ``flag_style``'s front end
-    does. ``options``: opt-in parameters (:func:`select_checks`). ``report_path``: where the
-    report will be written, named in the progress below an error.
+    Every check runs on ``engine``'s ranks (the caller's, which the caller closes): warm rank
+    pools, or under torchrun/srun the launch's process group, where every rank's outcome is
+    all-gathered, so every rank builds the same report. A lane this machine cannot run is
+    reported skipped, with the reason (:meth:`Ranks.run_outcomes` decides it), its flags
+    spelled as ``flag_style``'s front end does. ``report_path``: where the report will be
+    written, named in the progress below an error.
     """
-    plan = planned_checks(settings, lanes, pattern, checks, options)
-    progress = Progress(len(plan), stream, report_path=report_path)
+    settings = plan.settings
+    runs = plan.runs
+    progress = Progress(len(runs), stream, report_path=report_path)
     entries: list[dict[str, Any]] = []
-    # The pools' timeouts follow the settings through each check: every Ranks below carries
-    # settings.timeout, and the manager starts each pool with a process-group timeout past it
-    # and a start timeout for its world size and lane (PoolManager.run_outcomes), so a
-    # manager made here is built without arguments.
-    manager = None if launcher is not None else pools if pools is not None else PoolManager()
-    if manager is not None:
-        # Checks whose ranks start fresh with variables of their own (allocator settings) fork
-        # from a server of that environment: started now, it imports torch during the checks
-        # before them instead of while the run waits.
-        for env in {
-            tuple(sorted(c.env.items())) for lane, _, c, _ in plan if lane == "cpu" and c.env
-        }:
-            manager.prestart_fork_server(dict(env))
     start = time.perf_counter()
-    try:
-        for lane, ws, check, params in plan:
-            variant = variant_of(params)
-            progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
-            ranks = Ranks(
-                manager,
-                ws,
-                lane=lane,
-                backend=settings.backend_for(lane),
-                timeout=settings.timeout,
-                launcher=launcher,
-                flag_style=flag_style,
-            )
-            run = execute(ranks, check, **params)
-            progress.finish(run)
-            verdict = run.verdict
-            entry = check_entry(
-                check=check.name,
-                claim=check.claim,
-                lane=lane,
-                world_size=ws,
-                variant=variant,
-                outcome=run.outcome,
-                message=run.detail,
-                figures=verdict.figures if verdict else {},
-                data=verdict.data if verdict else {},
-                seconds=run.seconds,
-                warnings=run.warnings,
-                expected=run.expected,
-                traceback=run.traceback,
-            )
-            entries.append(entry)
-            if on_run is not None:
-                on_run(entry)
-    except BaseException:
-        if manager is not None:
-            manager.close(force=True)  # interrupted: kill the ranks now, not politely
-        raise
-    if manager is not None:
-        manager.close()
+    for lane, ws, check, params in runs:
+        variant = variant_of(params)
+        progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
+        # Each check carries settings.timeout: the engine fits its ranks' timeouts to it (a
+        # pool's process group outlasts it; PoolManager.run_outcomes).
+        ranks = Ranks(
+            engine,
+            ws,
+            lane=lane,
+            backend=settings.backend_for(lane),
+            timeout=settings.timeout,
+            flag_style=flag_style,
+        )
+        run = execute(ranks, check, **params)
+        progress.finish(run)
+        verdict = run.verdict
+        entry = check_entry(
+            check=check.name,
+            claim=check.claim,
+            lane=lane,
+            world_size=ws,
+            variant=variant,
+            outcome=run.outcome,
+            message=run.detail,
+            figures=verdict.figures if verdict else {},
+            data=verdict.data if verdict else {},
+            seconds=run.seconds,
+            warnings=run.warnings,
+            expected=run.expected,
+            traceback=run.traceback,
+        )
+        entries.append(entry)
+        if on_run is not None:
+            on_run(entry)
     return build_report(entries, settings, time.perf_counter() - start)
-
-
-def planned_checks(
-    settings: Settings,
-    lanes: Iterable[str],
-    pattern: str | None = None,
-    checks: Sequence[Check] | None = None,
-    options: Mapping[str, Any] | None = None,
-) -> list[tuple[str, int, Check, dict[str, Any]]]:
-    """(lane, world size, check, params) in run order: each selected check at every world size
-    of ``settings`` on every lane it runs on."""
-    spec = user_spec(settings)
-    selected = select_checks(
-        list(checks) if checks is not None else all_checks(), spec, pattern, options
-    )
-    return [
-        (lane, ws, check, params)
-        for lane in lanes
-        for ws in settings.world_sizes
-        for check, params in selected
-        if lane in check.lanes
-    ]
 
 
 def launch_settings(settings: Settings, launch_world_size: int) -> Settings:

@@ -1,11 +1,15 @@
 """The rank harness: run a picklable check function on N ranks and get back each rank's value.
 
-Two engines share one contract (``run(fn, *args, **kwargs) -> list[value per rank]``):
+Two engines implement one contract (:class:`RankEngine`, :mod:`.engine`: whether they can
+provide what a check asks for, a :class:`RankRequest`, and every rank's outcome of running it);
+:class:`Ranks` (``run(fn, *args, **kwargs) -> list[value per rank]``) runs checks on whichever
+its caller hands it:
 
-* :class:`RankPool` (the single-machine default, :mod:`.pool`): N worker processes that stay
-  warm across checks, rendezvous through a ``FileStore`` in a private temporary folder (no TCP
-  port, so parallel sessions and ``pytest -n`` workers never collide), and talk to the parent
-  over a unix socket in that same folder.
+* :class:`PoolManager` (the single-machine default, :mod:`.manager`): warm pools
+  (:class:`RankPool`, :mod:`.pool`) of N worker processes that stay warm across checks,
+  rendezvous through a ``FileStore`` in a private temporary folder (no TCP port, so parallel
+  sessions and ``pytest -n`` workers never collide), and talk to the parent over a unix socket
+  in that same folder.
 * :class:`LauncherRunner` (:mod:`.launcher`): the processes were started by an external
   launcher (``torchrun``, ``srun``); the check runs in-process on the ``env://`` process group
   and every rank's outcome is all-gathered, so every rank's pytest sees the same verdict.
@@ -16,18 +20,20 @@ reporting is a failure even if the others passed, and gloo's occasional abort at
 a failure.
 
 The folder: :mod:`.protocol` (what both sides share; imports nothing from the package),
-:mod:`.outcomes` (rank outcomes to one result), :mod:`.timeouts` (start, check and process
-group timeouts), :mod:`.pool` (the warm pool of ranks), :mod:`.manager` (the pools by world
-size), :mod:`.forkserver`, :mod:`.launcher`, :mod:`.ranks` (the ``ranks`` fixture's object) and
-:mod:`.session` (one run's lifecycle: signals, fork servers, pools, the launch) on the
-parent's side; :mod:`.worker` and :mod:`.clean_state` on the rank's side, importing only
-:mod:`.protocol`; :mod:`.interrupts` (SIGINT/SIGTERM). This module re-exports the public
-names, so ``from fsdp_conformance.harness import Ranks`` is the way to use them; the CLI and
-the pytest plugin reach the harness only through them (a :class:`HarnessSession` each).
+:mod:`.engine` (the engines' contract), :mod:`.outcomes` (rank outcomes to one result),
+:mod:`.timeouts` (start, check and process group timeouts), :mod:`.pool` (the warm pool of
+ranks), :mod:`.manager` (the pools by world size), :mod:`.forkserver`, :mod:`.launcher`,
+:mod:`.ranks` (the ``ranks`` fixture's object) and :mod:`.session` (one run's lifecycle:
+signals, fork servers, pools, the launch) on the parent's side; :mod:`.worker` and
+:mod:`.clean_state` on the rank's side, importing only :mod:`.protocol`; :mod:`.interrupts`
+(SIGINT/SIGTERM). This module re-exports the public names, so
+``from fsdp_conformance.harness import Ranks`` is the way to use them; the CLI and the pytest
+plugin reach the harness only through them (a :class:`HarnessSession` each).
 """
 
 from __future__ import annotations
 
+from fsdp_conformance.harness.engine import RankEngine, RankRequest
 from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally, startup_environ
 from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import (
@@ -77,9 +83,11 @@ __all__ = [
     "LauncherRunner",
     "PoolManager",
     "RankContext",
+    "RankEngine",
     "RankFailure",
     "RankOutcome",
     "RankPool",
+    "RankRequest",
     "Ranks",
     "all_gather_objects",
     "close_all_pools",

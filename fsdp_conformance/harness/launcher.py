@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
+from fsdp_conformance.harness.engine import RankRequest
 from fsdp_conformance.harness.outcomes import HarnessError
 from fsdp_conformance.harness.protocol import (
     UNPICKLABLE_VALUE,
@@ -25,6 +26,7 @@ from fsdp_conformance.harness.protocol import (
     all_gather_objects,
     function_name,
 )
+from fsdp_conformance.harness.timeouts import fit_timeout
 
 
 def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
@@ -236,22 +238,38 @@ class LauncherRunner:
             self.device_index,
         )
 
-    def cannot_provide(self, env: Mapping[str, str] | None, fresh: bool) -> str | None:
-        """Why a check needing ``env`` (or fresh processes) cannot be judged in this launch.
+    def cannot_provide(self, request: RankRequest) -> str | None:
+        """Why a check asking for ``request`` cannot be judged in this launch, or None.
 
-        Settings such as ``MALLOC_MMAP_THRESHOLD_`` take effect only if present when the
-        process starts, so what counts is the environment each rank *started* with
-        (``/proc/self/environ``), not ``os.environ`` now. Every rank's answer is all-gathered:
-        a collective, so every rank runs the check or every rank skips it, with one reason.
+        A launch has one world size (``WORLD_SIZE``) and one process group, on one device type:
+        a gpu lane on gloo, or a cpu lane on nccl (CPU tensors in NCCL collectives), would test
+        the wrong thing or crash. Its processes are not fresh, and settings such as
+        ``MALLOC_MMAP_THRESHOLD_`` take effect only if present when the process starts, so what
+        counts is the environment each rank *started* with (``/proc/self/environ``), not
+        ``os.environ`` now. Every rank's answer on the environment is all-gathered: a
+        collective, so every rank runs the check or every rank skips it, with one reason.
         """
-        if fresh:
+        if request.world_size != self.world_size:
+            return (
+                f"world size {request.world_size} is not this launch's "
+                f"(WORLD_SIZE={self.world_size})"
+            )
+        if request.device_type != self.device_type:
+            return (
+                f"{request.lane} lane: this launch's process group is {self.backend} "
+                f"on {self.device_type}; run the {request.lane} lane in its own launch "
+                f"(e.g. torchrun ... -m pytest -m {request.lane} --fsdp-backend "
+                f"{'nccl' if request.lane == 'gpu' else 'gloo'})"
+            )
+        if request.fresh:
             return (
                 "needs fresh rank processes, which an external launcher's ranks are not; "
                 "run it without the launcher (`fsdp-conformance run` or `pytest` starts "
                 "its own ranks)"
             )
-        if not env:
-            return None
+        return self._missing_at_start(request.env) if request.env else None
+
+    def _missing_at_start(self, env: Mapping[str, str]) -> str | None:
         started = startup_environ()
         missing = sorted(f"{k}={v}" for k, v in env.items() if started.get(k) != v)
         gathered = all_gather_objects((self.rank, missing), self.device_type)
@@ -277,16 +295,15 @@ class LauncherRunner:
 
     def run_outcomes(
         self,
+        request: RankRequest,
         fn: Callable[..., Any],
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        timeout: float | None = None,
-        note: str = "",
     ) -> list[RankOutcome]:
-        """Every rank's outcome of ``fn``; past ``timeout`` seconds (None: no limit) the rank
-        ends with its stacks (:class:`CheckWatchdog`; ``note`` says why the timeout was cut)."""
-        if timeout is None:
-            return self._run_outcomes(fn, args, kwargs)
+        """Every rank's outcome of ``fn``, run in this process on the launch's group; past
+        ``request.timeout`` seconds (cut to end before ``request.deadline``) the rank ends with
+        its stacks (:class:`CheckWatchdog`, whose line says why the timeout was cut)."""
+        timeout, note = fit_timeout(request.timeout, request.deadline, request.deadline_note)
         with CheckWatchdog(function_name(fn), self.rank, timeout, note, self.hang_stream):
             return self._run_outcomes(fn, args, kwargs)
 

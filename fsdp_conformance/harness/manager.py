@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
+from fsdp_conformance.harness.engine import RankRequest
 from fsdp_conformance.harness.forkserver import ForkServers, shared_servers
 from fsdp_conformance.harness.outcomes import HarnessError
 from fsdp_conformance.harness.pool import RankPool, prestart_fork_server
@@ -96,29 +97,40 @@ class PoolManager:
             self._pools[key] = pool
         return pool
 
+    def cannot_provide(self, request: RankRequest) -> str | None:
+        """None: a manager starts ranks of any world size, backend, devices and start
+        environment (whether the lane's devices exist is :func:`.ranks.lane_unavailable`'s)."""
+        return None
+
     def run_outcomes(
         self,
+        request: RankRequest,
         fn: Callable[..., Any],
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        *,
-        world_size: int,
-        backend: str,
-        device_type: str,
-        timeout: float,
-        fresh: bool = False,
-        env: Mapping[str, str] | None = None,
-        deadline: float | None = None,
-        deadline_note: str = "",
-        devices: Sequence[int] | None = None,
     ) -> list[RankOutcome]:
-        """``devices``: the CUDA ranks' devices, rank ``r`` on ``devices[r]`` (the caller's
-        slice of the machine: :func:`.ranks.pool_devices`); None: rank ``r`` on ``cuda:r``."""
+        """``fn`` on the warm pool of the request's world size, backend and devices (a pool of
+        its own, closed after it, for ``fresh`` or ``env``). ``request.devices``: the CUDA
+        ranks' devices, rank ``r`` on ``devices[r]`` (the caller's slice of the machine:
+        :func:`.ranks.pool_devices`); None: rank ``r`` on ``cuda:r``."""
+        world_size, backend, device_type = request.world_size, request.backend, request.device_type
+        devices, deadline, deadline_note = request.devices, request.deadline, request.deadline_note
         # Starting ranks counts against an outer deadline too: a pool that cannot start in
         # time is a HarnessError naming each rank's state, not pytest-timeout's bare Timeout.
         start_timeout, cut = fit_timeout(start_timeout_for(world_size, device_type), deadline)
-        pg_timeout = self.pg_timeout_for(timeout)
-        if fresh or env:
+        pg_timeout = self.pg_timeout_for(request.timeout)
+
+        def run(pool: RankPool) -> list[RankOutcome]:
+            return pool.run_outcomes(
+                fn,
+                args,
+                kwargs,
+                timeout=request.timeout,
+                deadline=deadline,
+                deadline_note=deadline_note,
+            )
+
+        if request.fresh or request.env:
             # Fresh processes: for settings that must exist before the process starts
             # (allocator variables such as MALLOC_MMAP_THRESHOLD_).
             pool = self._start_in_time(
@@ -126,7 +138,7 @@ class PoolManager:
                     world_size,
                     backend,
                     device_type,
-                    env=env,
+                    env=request.env,
                     pg_timeout=pg_timeout,
                     start_timeout=start_timeout,
                     fork_servers=self.fork_servers,
@@ -138,14 +150,7 @@ class PoolManager:
             )
             self.pools_started += 1
             try:
-                return pool.run_outcomes(
-                    fn,
-                    args,
-                    kwargs,
-                    timeout=timeout,
-                    deadline=deadline,
-                    deadline_note=deadline_note,
-                )
+                return run(pool)
             finally:
                 pool.close(force=pool.broken)
         pool = self._start_in_time(
@@ -161,9 +166,7 @@ class PoolManager:
             bool(cut),
             deadline_note,
         )
-        outcomes = pool.run_outcomes(
-            fn, args, kwargs, timeout=timeout, deadline=deadline, deadline_note=deadline_note
-        )
+        outcomes = run(pool)
         if pool.broken:
             pool.close(force=True)
             self._pools.pop(_pool_key(world_size, backend, device_type, devices), None)

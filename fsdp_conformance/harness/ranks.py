@@ -8,15 +8,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from fsdp_conformance.harness.launcher import (
-    LauncherRunner,
-    launch_gpu_unavailable,
-    launched_externally,
-)
-from fsdp_conformance.harness.manager import PoolManager
-from fsdp_conformance.harness.outcomes import HarnessError, resolve_outcomes
+from fsdp_conformance.harness.engine import RankEngine, RankRequest
+from fsdp_conformance.harness.launcher import launch_gpu_unavailable, launched_externally
+from fsdp_conformance.harness.outcomes import resolve_outcomes
 from fsdp_conformance.harness.protocol import CheckSkipped, RankOutcome, function_name
-from fsdp_conformance.harness.timeouts import fit_timeout
 from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle
 
 
@@ -138,17 +133,18 @@ class Ranks:
     ``ranks.run(check, *args, **kwargs)`` calls ``check(ctx, *args, **kwargs)`` on every rank
     and returns the list of values by rank; a failure on any rank raises :class:`RankFailure`,
     a skip on every rank raises :class:`CheckSkipped`. ``ranks.configured(...)`` returns a
-    runner with other options (timeout, fresh processes, environment, backend).
+    runner with other options (timeout, fresh processes, environment, backend). The ranks are
+    ``engine``'s (:class:`~.engine.RankEngine`: the caller's warm pools, or the launch this
+    process is a rank of); each check is one :class:`~.engine.RankRequest` to it.
     """
 
-    manager: PoolManager | None
+    engine: RankEngine
     world_size: int
     lane: str = "cpu"
     backend: str = "gloo"
     timeout: float = 120.0
     fresh: bool = False
     env: Mapping[str, str] | None = None
-    launcher: LauncherRunner | None = None
     #: Called with the reason when every rank skipped (the plugin passes ``pytest.skip``).
     skip: Callable[[str], Any] | None = None
     #: Called with the reason when a check fails as a known torch defect says it does
@@ -171,39 +167,12 @@ class Ranks:
     def configured(self, **changes: Any) -> Ranks:
         return dataclasses.replace(self, **changes)
 
-    def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
-        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style, self.gpu_share)
-        if unavailable:
-            raise CheckSkipped(unavailable)
-        if self.launcher is not None:
-            if self.launcher.world_size != self.world_size:
-                raise CheckSkipped(
-                    f"world size {self.world_size} is not this launch's "
-                    f"(WORLD_SIZE={self.launcher.world_size})"
-                )
-            if self.launcher.device_type != self.device_type:
-                # One launch has one process group: a gpu lane on gloo, or a cpu lane on nccl
-                # (CPU tensors in NCCL collectives), would test the wrong thing or crash.
-                raise CheckSkipped(
-                    f"{self.lane} lane: this launch's process group is {self.launcher.backend} "
-                    f"on {self.launcher.device_type}; run the {self.lane} lane in its own launch "
-                    f"(e.g. torchrun ... -m pytest -m {self.lane} --fsdp-backend "
-                    f"{'nccl' if self.lane == 'gpu' else 'gloo'})"
-                )
-            unavailable = self.launcher.cannot_provide(self.env, self.fresh)
-            if unavailable:
-                raise CheckSkipped(unavailable)
-            timeout, note = fit_timeout(self.timeout, self.deadline, self.deadline_note)
-            return self.launcher.run_outcomes(fn, args, kwargs, timeout, note)
-        if self.manager is None:  # an invariant of how Ranks is built
-            raise HarnessError("Ranks needs a PoolManager or a LauncherRunner")
-        return self.manager.run_outcomes(
-            fn,
-            args,
-            kwargs,
-            world_size=self.world_size,
+    def request(self) -> RankRequest:
+        """What a check run through this object asks of its engine."""
+        return RankRequest(
+            self.world_size,
+            lane=self.lane,
             backend=self.backend,
-            device_type=self.device_type,
             timeout=self.timeout,
             fresh=self.fresh,
             env=self.env,
@@ -211,6 +180,18 @@ class Ranks:
             deadline_note=self.deadline_note,
             devices=pool_devices(self.device_type, self.gpu_share),
         )
+
+    def run_outcomes(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[RankOutcome]:
+        """Every rank's outcome of ``fn``; :class:`CheckSkipped` where this machine lacks the
+        lane's devices (:func:`lane_unavailable`) or the engine cannot provide the request."""
+        unavailable = lane_unavailable(self.lane, self.world_size, self.flag_style, self.gpu_share)
+        if unavailable:
+            raise CheckSkipped(unavailable)
+        request = self.request()
+        unavailable = self.engine.cannot_provide(request)
+        if unavailable:
+            raise CheckSkipped(unavailable)
+        return self.engine.run_outcomes(request, fn, args, kwargs)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         __tracebackhide__ = True  # a failure points at the test's line, then the ranks' story

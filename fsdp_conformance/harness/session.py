@@ -10,14 +10,17 @@ A :class:`HarnessSession` owns, from :meth:`~HarnessSession.open` to
   with the outermost session (not with a CLI run or an inner pytest session held inside one);
 * the warm pools (:attr:`~HarnessSession.pools`, a :class:`~.manager.PoolManager` whose process
   groups outlast the session's check timeout), closed at the end and killed at once after an
-  interrupt, with every pool the interrupt caught half-started;
+  interrupt, with every pool the interrupt caught half-started (pools lent by an outer
+  session are that session's to close);
 * the launch (:meth:`~HarnessSession.launch`): under torchrun/srun, this rank's
   :class:`~.launcher.LauncherRunner`, joined once, its group ended when the run is over
   (:meth:`~HarnessSession.finish`); where the session owns the process's exit (the CLI), a
   launched run ignores later signals and ends with ``os._exit`` (:meth:`~HarnessSession.exit`).
 
-The CLI enters one around each command; the pytest plugin opens one in ``pytest_configure``
-and closes it in ``pytest_unconfigure``. Neither reaches further into the harness.
+Its :meth:`~HarnessSession.engine` is the :class:`~.engine.RankEngine` its checks run on: the
+launch where there is one, else the warm pools. The CLI enters one around each command; the
+pytest plugin opens one in ``pytest_configure`` and closes it in ``pytest_unconfigure``.
+Neither reaches further into the harness.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from fsdp_conformance.harness import forkserver, interrupts
+from fsdp_conformance.harness.engine import RankEngine
 from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally
 from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import HarnessError
@@ -70,6 +74,8 @@ class HarnessSession:
         self._handler: interrupts.InterruptHandler | None = None
         self._previous: dict[int, Any] = {}
         self._pools: PoolManager | None = None
+        #: Whether :attr:`pools` were lent by an outer session (which closes them).
+        self._pools_lent = False
         self._launcher: LauncherRunner | None = None
 
     # -- open and close ------------------------------------------------------------------------
@@ -90,7 +96,7 @@ class HarnessSession:
         owns (torchrun's SIGTERM to the ranks still running must not make this rank's code
         -15), the previous handlers back otherwise (in-process callers, tests, get theirs)."""
         interrupted = self.interrupted
-        if self._pools is not None:
+        if self._pools is not None and not self._pools_lent:
             self._pools.close(force=interrupted)
         forkserver.end_session()
         if interrupted:
@@ -150,8 +156,17 @@ class HarnessSession:
 
     @pools.setter
     def pools(self, lent: PoolManager) -> None:
-        # An outer session's warm pools, lent to an inner pytest session (a test's).
+        # An outer session's warm pools, lent to an inner pytest session (a test's): used here,
+        # left warm at this session's close (the outer session closes them).
         self._pools = lent
+        self._pools_lent = True
+
+    def engine(self, backend: str, *, hang_stream: HangStream | None = None) -> RankEngine:
+        """What this session's checks run on: the launch's runner where an external launcher
+        started the process (:meth:`launch`, joined with ``backend`` on first use), else the
+        warm pools (:attr:`pools`)."""
+        launcher = self.launch(backend, hang_stream=hang_stream)
+        return self.pools if launcher is None else launcher
 
     def prestart_fork_server(self, env: Mapping[str, str] | None = None) -> bool:
         """Start the fork server of this process's CPU ranks now, without waiting for it: its
