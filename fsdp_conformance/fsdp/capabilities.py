@@ -119,6 +119,22 @@ FSDP2_GRADIENT_DIVIDE_FACTOR = Capability(
 )
 
 
+def _fsdp2_reduces_unused_params() -> bool:
+    return callable(getattr(_compat.fsdp_module_cls(), "set_reduce_scatter_unused_params", None))
+
+
+#: FSDP2's ``FSDPModule.set_reduce_scatter_unused_params``: a zero gradient reduced for a
+#: parameter this rank did not use, so ranks that use different parameters still issue
+#: reduce-scatters of one size.
+FSDP2_REDUCE_SCATTER_UNUSED_PARAMS = Capability(
+    "FSDPModule.set_reduce_scatter_unused_params",
+    "FSDPModule.set_reduce_scatter_unused_params (ranks using different parameters otherwise "
+    "reduce-scatter different sizes)",
+    "present in 2.13.0, 2.14.1 and 2.15.0; missing in 2.8.0, 2.10.0 and 2.12.1",
+    _fsdp2_reduces_unused_params,
+)
+
+
 def require(capability: Capability, device_type: str | None = None) -> None:
     """Skip the check on this rank when this torch lacks ``capability`` (``FSDP2_ON_CPU``
     applies to CPU tensors only: pass the rank's device type)."""
