@@ -24,6 +24,7 @@ import html
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -295,11 +296,11 @@ def published_block(data: Mapping[str, Any], *, differing: bool) -> str:
         else f"{broken} cells are failures or errors"
     )
     head = (
-        f"Measured at {data['measured_at']} on {when} (CPU lane, gloo, world size 2, "
-        f"{len(table.rows)} checks; one run per version, CUDA wheels run on CPU), {shown}. "
+        f"Measured on {when} at {data['measured_at']}: CPU lane, gloo, world size 2, "
+        f"{len(table.rows)} checks, one run per version, CUDA wheels run on CPU; {shown}. "
         f"{verdict}:"
     )
-    return f"{head}\n\n{to_markdown(table, differing=differing)}"
+    return f"{textwrap.fill(head, 100, break_on_hyphens=False)}\n\n{to_markdown(table, differing=differing)}"
 
 
 def replace_block(text: str, block: str, where: str) -> str:
