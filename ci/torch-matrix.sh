@@ -2,8 +2,8 @@
 # The supported torch range, measured: one environment per torch version, `fsdp-conformance
 # run` in each, then one matrix of checks x versions (matrix.md, matrix.svg; and
 # matrix-differing.md, only the checks that do not pass on every version, as the README shows
-# it; matrix.json, the same as data, which ci/readme-matrix.py publishes). Not part of .ci/run: it installs a torch build per version (a CUDA wheel for all but the
-# pinned CPU one).
+# it; matrix.json, the same as data, which ci/readme-matrix.py publishes). Not part of .ci/run:
+# it installs a torch build per version (a CUDA wheel for all but the pinned CPU one).
 # Usage: ci/torch-matrix.sh [VERSION...]
 #   default versions: 2.6.0 2.8.0 2.10.0 2.12.1 2.13.0 2.14.1 2.15.0 (one per supported minor
 #   that was measured; any version pip can install works)
