@@ -2,14 +2,16 @@
 # The supported torch range, measured: one environment per torch version, `fsdp-conformance
 # run` in each, then one matrix of checks x versions (matrix.md, matrix.svg; and
 # matrix-differing.md, only the checks that do not pass on every version, as the README shows
-# it). Not part of .ci/run: it installs a torch build per version (a CUDA wheel for all but the
-# pinned CPU one).
+# it; matrix.json, the same as data, which ci/readme-matrix.py publishes). Not part of .ci/run:
+# it installs a torch build per version (a CUDA wheel for all but the pinned CPU one).
 # Usage: ci/torch-matrix.sh [VERSION...]
 #   default versions: 2.6.0 2.8.0 2.10.0 2.12.1 2.13.0 2.14.1 2.15.0 (one per supported minor
 #   that was measured; any version pip can install works)
 # Environment: MATRIX_OUT (reports and matrix; default fsdp-conformance-report/matrix),
 #   MATRIX_VENVS (one venv per version, kept for the next run; default .venv-matrix).
 #   Extra `fsdp-conformance run` arguments go in MATRIX_RUN_ARGS (e.g. "--model pkg:build").
+#   MATRIX_PUBLISH=1: when every version gave a report, publish the matrix as the README's and
+#   docs/torch-matrix.md's table (ci/readme-matrix.py; tests/test_readme_figures.py holds them).
 # Exit status: 0 when every version gave a report (whatever its outcomes: the matrix shows
 # them), 1 when a version could not be installed or gave no report.
 set -euo pipefail
@@ -55,3 +57,6 @@ done
 echo "torch-matrix: $out/matrix.md, $out/matrix.svg, $out/matrix-differing.md" \
   "(${#reports[@]} versions)" >&2
 [ ${#missing[@]} -eq 0 ] || { echo "torch-matrix: missing: ${missing[*]}" >&2; exit 1; }
+if [ "${MATRIX_PUBLISH:-0}" = 1 ]; then
+  "$(dirname "$renderer")/python" ci/readme-matrix.py "$out/matrix.json"
+fi

@@ -77,3 +77,12 @@ def test_pinned_host_memory_is_there_exactly_where_torch_has_a_gpu_and_its_skip_
             r"GPU$",
         ):
             require(capabilities.PINNED_HOST_MEMORY)
+
+
+def test_the_unused_params_probe_reads_fsdp2s_module_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pinned torch has it; 2.8.0, 2.10.0 and 2.12.1 lack it (loop.frozen.unused skips there).
+    from fsdp_conformance import _compat
+
+    assert capabilities.FSDP2_REDUCE_SCATTER_UNUSED_PARAMS.present
+    monkeypatch.delattr(_compat.fsdp_module_cls(), "set_reduce_scatter_unused_params")
+    assert not capabilities._fsdp2_reduces_unused_params()

@@ -90,7 +90,7 @@ PINNED_HOST_MEMORY = Capability(
 DCP_NO_DIST = Capability(
     "torch.distributed.checkpoint.load(no_dist=True)",
     "the no_dist argument of dcp.load",
-    "present in 2.13.0; missing in 2.6.0 (versions between not measured)",
+    "present in 2.8.0 to 2.15.0 (the torch matrix); missing in 2.6.0",
     _dcp_loads_without_a_group,
 )
 
@@ -107,15 +107,31 @@ def _fsdp2_sets_gradient_divide_factor() -> bool:
 FSDP2_IGNORED_PARAMS = Capability(
     "fully_shard(ignored_params=...)",
     "the ignored_params argument of torch.distributed.fsdp.fully_shard",
-    "present in 2.13.0 (other versions not measured)",
+    "present in 2.8.0 to 2.15.0 (the torch matrix)",
     _fully_shard_ignores_params,
 )
 #: FSDP2's ``FSDPModule.set_gradient_divide_factor``: the user's divisor of the reduced gradients.
 FSDP2_GRADIENT_DIVIDE_FACTOR = Capability(
     "FSDPModule.set_gradient_divide_factor",
     "torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor",
-    "present in 2.13.0 (other versions not measured)",
+    "present in 2.8.0 to 2.15.0 (the torch matrix)",
     _fsdp2_sets_gradient_divide_factor,
+)
+
+
+def _fsdp2_reduces_unused_params() -> bool:
+    return callable(getattr(_compat.fsdp_module_cls(), "set_reduce_scatter_unused_params", None))
+
+
+#: FSDP2's ``FSDPModule.set_reduce_scatter_unused_params``: a zero gradient reduced for a
+#: parameter this rank did not use, so ranks that use different parameters still issue
+#: reduce-scatters of one size.
+FSDP2_REDUCE_SCATTER_UNUSED_PARAMS = Capability(
+    "FSDPModule.set_reduce_scatter_unused_params",
+    "FSDPModule.set_reduce_scatter_unused_params (ranks using different parameters otherwise "
+    "reduce-scatter different sizes)",
+    "present in 2.13.0, 2.14.1 and 2.15.0; missing in 2.8.0, 2.10.0 and 2.12.1",
+    _fsdp2_reduces_unused_params,
 )
 
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import os
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +61,8 @@ class Matrix:
     #: Check ids (``check[lane,wsN,variant]``) in the order the reports first list them.
     rows: list[str]
     cells: dict[tuple[str, str], Cell]
+    #: When each column's report was written (its ``created``), in column order.
+    created: list[str] = dataclasses.field(default_factory=list)
 
     def cell(self, row: str, column: str) -> Cell:
         return self.cells.get((row, column), Cell("absent"))
@@ -109,7 +113,7 @@ def build_matrix(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> Matrix:
         for entry in report["checks"]:
             rows.setdefault(entry["id"])
             cells[(entry["id"], column)] = cell_of(entry)
-    return Matrix(columns, list(rows), cells)
+    return Matrix(columns, list(rows), cells, [str(r.get("created", "")) for _, r in reports])
 
 
 def _footnotes(matrix: Matrix) -> dict[str, int]:
@@ -217,18 +221,100 @@ def to_svg(matrix: Matrix) -> str:
     return "\n".join(out) + "\n"
 
 
+def to_data(matrix: Matrix) -> dict[str, Any]:
+    """The matrix as plain JSON (``matrix.json``; docs/torch-matrix.json is one): a row's cells
+    in column order, ``"pass"`` for a pass, else ``[kind, reason]``."""
+    return {
+        "columns": matrix.columns,
+        "created": matrix.created,
+        "rows": {
+            row: [
+                "pass" if c.kind == "pass" else [c.kind, c.reason]
+                for c in (matrix.cell(row, column) for column in matrix.columns)
+            ]
+            for row in matrix.rows
+        },
+    }
+
+
+def from_data(data: Mapping[str, Any]) -> Matrix:
+    """The matrix :func:`to_data` wrote."""
+    columns = list(data["columns"])
+    cells = {
+        (row, column): Cell("pass") if value == "pass" else Cell(*value)
+        for row, values in data["rows"].items()
+        for column, value in zip(columns, values)
+    }
+    return Matrix(columns, list(data["rows"]), cells, list(data.get("created", [])))
+
+
 def print_and_write(matrix: Matrix, out: str | None, *, differing: bool = False) -> None:
     """Print the matrix's Markdown (only the rows that differ with ``differing``) and, with
-    ``out``, write ``matrix.md`` (every row) and ``matrix.svg`` there."""
+    ``out``, write ``matrix.md`` (every row), ``matrix.svg`` and ``matrix.json`` there."""
     text = to_markdown(matrix)
     print(to_markdown(matrix, differing=True) if differing else text, end="")
     if out is None:
         return
     os.makedirs(out, exist_ok=True)
-    for name, content in (("matrix.md", text), ("matrix.svg", to_svg(matrix))):
+    data = json.dumps(to_data(matrix), indent=1) + "\n"
+    for name, content in (
+        ("matrix.md", text),
+        ("matrix.svg", to_svg(matrix)),
+        ("matrix.json", data),
+    ):
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             f.write(content)
     print(
-        f"matrix: {os.path.join(out, 'matrix.md')}, {os.path.join(out, 'matrix.svg')}",
+        f"matrix: {', '.join(os.path.join(out, n) for n in ('matrix.md', 'matrix.svg', 'matrix.json'))}",
         file=sys.stderr,
     )
+
+
+#: Around the published table in README.md (the differing rows) and docs/torch-matrix.md (every
+#: row): ``ci/readme-matrix.py`` writes what is between them from docs/torch-matrix.json, and
+#: tests/test_readme_figures.py holds them to it.
+BLOCK_START, BLOCK_END = "<!-- torch-matrix -->", "<!-- /torch-matrix -->"
+
+
+def published_block(data: Mapping[str, Any], *, differing: bool) -> str:
+    """What goes between the markers: a line saying what was measured (the commit, the dates,
+    the number of checks, whether any cell is a failure or an error), then the table."""
+    table = from_data(data)
+    days = sorted({c[:10] for c in table.created if c})
+    when = " to ".join(dict.fromkeys([days[0], days[-1]])) if days else "an unrecorded date"
+    broken = sum(table.counts(c)["fail"] + table.counts(c)["error"] for c in table.columns)
+    shown = (
+        "only the checks that do not pass on every version (`matrix --differing`; all "
+        f"{len(table.rows)} rows in [docs/torch-matrix.md](docs/torch-matrix.md), the picture in "
+        "[docs/torch-matrix.svg](docs/torch-matrix.svg))"
+        if differing
+        else "every check"
+    )
+    verdict = (
+        "No cell is a failure or an error"
+        if not broken
+        else f"{broken} cells are failures or errors"
+    )
+    head = (
+        f"Measured on {when} at {data['measured_at']}: CPU lane, gloo, world size 2, "
+        f"{len(table.rows)} checks, one run per version, CUDA wheels run on CPU; {shown}. "
+        f"{verdict}:"
+    )
+    return f"{textwrap.fill(head, 100, break_on_hyphens=False)}\n\n{to_markdown(table, differing=differing)}"
+
+
+def replace_block(text: str, block: str, where: str) -> str:
+    """``text`` with what is between :data:`BLOCK_START` and :data:`BLOCK_END` replaced by
+    ``block``; ``where`` names the file when a marker is missing."""
+    if BLOCK_START not in text or BLOCK_END not in text:
+        raise ValueError(f"{where}: no {BLOCK_START} ... {BLOCK_END} markers around the table")
+    before, rest = text.split(BLOCK_START, 1)
+    after = rest.split(BLOCK_END, 1)[1]
+    return f"{before}{BLOCK_START}\n{block}{BLOCK_END}{after}"
+
+
+def current_block(text: str) -> str:
+    """What is between the markers of ``text`` now (empty when they are missing)."""
+    if BLOCK_START not in text or BLOCK_END not in text:
+        return ""
+    return text.split(BLOCK_START, 1)[1].split(BLOCK_END, 1)[0].removeprefix("\n")

@@ -55,6 +55,7 @@ from fsdp_conformance.claims.loop.common import (
     snapshot,
     unreduced,
 )
+from fsdp_conformance.fsdp import capabilities
 from fsdp_conformance.fsdp.collectives import record_collectives
 from fsdp_conformance.fsdp.reference_step import (
     full_params,
@@ -125,18 +126,11 @@ def zero_grad(model: nn.Module) -> None:
 def enable_unused(model: nn.Module, version: str) -> None:
     """FSDP2: reduce a zero gradient for a parameter this rank did not use, as torch's docs
     require when ranks use different parameters (FSDP1's flat parameter always reduces whole).
-    A torch whose FSDP2 lacks the switch skips the check, naming why."""
+    A torch whose FSDP2 lacks the switch skips the check by capability, naming why."""
     if version != "fsdp2":
         return
-    switch: Callable[[bool], None] | None = getattr(model, "set_reduce_scatter_unused_params", None)
-    if switch is None:
-        skip_rank(
-            "this torch's FSDP2 has no set_reduce_scatter_unused_params: ranks that use "
-            "different parameters issue reduce-scatters of different sizes, which FSDP2 cannot "
-            "run (upgrade torch to run loop.frozen.unused on FSDP2)"
-        )
-        return
-    switch(True)
+    capabilities.require(capabilities.FSDP2_REDUCE_SCATTER_UNUSED_PARAMS)
+    _compat.fsdp_module_cls().set_reduce_scatter_unused_params(model, True)
 
 
 def shard_kwargs(version: str) -> dict[str, Any]:
