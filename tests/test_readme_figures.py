@@ -72,12 +72,6 @@ def test_every_count_of_checks_in_the_readme_is_the_registrys() -> None:
     assert not wrong, f"README.md states {wrong} checks; the registry's counts are {counts}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Hugging Face runs and the architectures table were measured before the loop and "
-    "stack claims (54 and 55 checks a run); measure them again with ci/architectures.sh and "
-    "drop this mark",
-)
 def test_the_readmes_runs_on_user_models_add_up_to_a_run_today() -> None:
     """A whole run's summary line on a user model and each row of the architectures table add
     up to what a CPU run on a user's model runs."""
