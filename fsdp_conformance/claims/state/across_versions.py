@@ -21,23 +21,21 @@ its own next step (the unbroken run). A load that torch refuses is a failure of 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.faults import FaultTable
 from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
     LR,
-    OPTIMIZER_NOT_LOADED,
     STEP_SEED,
     TRAIN_SEED,
     WRONG_SHARDS_WRITTEN,
@@ -53,10 +51,9 @@ from fsdp_conformance.claims.state.common import (
     digests,
     files_in,
     fresh_pair,
-    load_model_only,
-    load_nothing,
     next_step,
     next_step_perturbed,
+    optimizer_not_loaded,
     prepare_folder,
     refusal_reason,
     require_dcp_targets,
@@ -143,19 +140,10 @@ def load_dcp(
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-@contextlib.contextmanager
-def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
-    with (
-        patched_attr(__name__, "set_optimizer", lambda _: load_nothing),
-        patched_attr(__name__, "load_dcp", lambda _: load_model_only),
-    ):
-        yield
-
-
 #: The negative controls of both families: the user's steps above done wrong, or torch's DCP
 #: save and load (a save's read-back) patched.
 FAULTS = FaultTable(
-    optimizer_not_loaded=Fault(OPTIMIZER_NOT_LOADED, _optimizer_not_loaded),
+    optimizer_not_loaded=optimizer_not_loaded(__name__, "set_optimizer", "load_dcp"),
     wrong_shards_written=WRONG_SHARDS_WRITTEN,
     wrong_value_read=wrong_value_read(__name__),
     torch_load_refused=torch_load_refused(__name__),

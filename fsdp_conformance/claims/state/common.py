@@ -637,3 +637,23 @@ OPTIMIZER_NOT_LOADED = (
     "the optimizer's state not loaded into the resumed run, from a state dict or from the "
     "checkpoint files (state.resume, state.checkpoint.optimizer and .torch_save's load)"
 )
+
+
+def optimizer_not_loaded(
+    module_name: str, set_optimizer: str, load_files: str | None = None
+) -> Fault:
+    """The fault ``optimizer_not_loaded`` of the family ``module_name``: its ``set_optimizer``
+    step loads nothing and, where it reads checkpoint files, its ``load_files`` step reads the
+    model alone (:func:`load_model_only`)."""
+
+    @contextlib.contextmanager
+    def effect(ctx: RankContext) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched_attr(module_name, set_optimizer, lambda _: load_nothing))
+            if load_files is not None:
+                stack.enter_context(
+                    patched_attr(module_name, load_files, lambda _: load_model_only)
+                )
+            yield
+
+    return Fault(OPTIMIZER_NOT_LOADED, effect)

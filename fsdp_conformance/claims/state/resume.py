@@ -4,26 +4,23 @@ and optimizer, and one more step against the unbroken run, bitwise (docs/state.m
 
 from __future__ import annotations
 
-import contextlib
 import io
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.faults import FaultTable
 from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
-    OPTIMIZER_NOT_LOADED,
     STEP_SEED,
     Digests,
     build_sharded,
     differences,
     digests,
-    load_model_only,
-    load_nothing,
+    optimizer_not_loaded,
     save_train_state,
     section,
     shared_folder,
@@ -117,18 +114,11 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     return loaded
 
 
-@contextlib.contextmanager
-def _optimizer_not_loaded(ctx: RankContext) -> Iterator[None]:
-    with (
-        patched_attr(__name__, "set_optim_state", lambda _: load_nothing),
-        patched_attr(__name__, "load_train_state", lambda _: load_model_only),
-    ):
-        yield
-
-
 #: The negative controls of this family: the user's resume (``set_optim_state`` and
 #: :func:`load_train_state`, this module's names) done wrong.
-FAULTS = FaultTable(optimizer_not_loaded=Fault(OPTIMIZER_NOT_LOADED, _optimizer_not_loaded))
+FAULTS = FaultTable(
+    optimizer_not_loaded=optimizer_not_loaded(__name__, "set_optim_state", "load_train_state")
+)
 
 
 def shardless_parameters(model: nn.Module, version: str) -> list[str]:

@@ -17,18 +17,17 @@ from typing import Any, TypedDict
 import torch
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.claims.faults import Fault, FaultTable, patched_attr
+from fsdp_conformance.claims.faults import FaultTable
 from fsdp_conformance.claims.state.common import (
     DEFAULT_SPEC,
     LR,
-    OPTIMIZER_NOT_LOADED,
     STEP_SEED,
     TRAIN_SEED,
     build_sharded,
     fresh_pair,
-    load_nothing,
     next_step,
     next_step_perturbed,
+    optimizer_not_loaded,
     set_optimizer,
     shared_folder,
     torch_load,
@@ -48,10 +47,7 @@ from fsdp_conformance.models.model_spec import ModelSpec
 
 #: The negative controls of this family: the user's steps above, done wrong.
 FAULTS = FaultTable(
-    optimizer_not_loaded=Fault(
-        OPTIMIZER_NOT_LOADED,
-        lambda ctx: patched_attr(__name__, "set_optimizer", lambda _: load_nothing),
-    ),
+    optimizer_not_loaded=optimizer_not_loaded(__name__, "set_optimizer"),
     wrong_value_read=wrong_value_read(__name__),
     torch_load_refused=torch_load_refused(__name__),
     next_step_perturbed=next_step_perturbed(__name__),
