@@ -136,3 +136,18 @@ def site_path(directory: Path) -> list[str]:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return [str(site), str(Path(__file__).resolve().parent)]
+
+
+#: The message of :func:`rank_raises_unrelated`'s error.
+UNRELATED = "an input the check was not written for (injected)"
+
+
+def rank_raises_unrelated(ctx: Any, **params: Any) -> None:
+    """A rank function that raises an error unrelated to any torch defect, on every rank; put in
+    place of a real check's (``dataclasses.replace``) that an expectation covers."""
+    raise ValueError(UNRELATED)
+
+
+def verdict_fails_unrelated(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
+    """A verdict that fails for a cause no expectation describes."""
+    return Verdict(False, "a failure of another cause (injected)")

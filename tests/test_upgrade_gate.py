@@ -208,6 +208,7 @@ DEFECT = {
     "torch": ">=2.15, <2.16",
     "reason": "gloo sums gradients instead of averaging them",
     "link": "https://github.com/pytorch/pytorch/issues/1",
+    "match": "step differs",
 }
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_conformance import expectations
 from fsdp_conformance.expectations import Expectation
-from fsdp_conformance.fsdp.torch_errors import failure_line
+from fsdp_conformance.fsdp.torch_errors import failure_line, parse_traceback
 from fsdp_conformance.harness import (
     CheckSkipped,
     RankFailure,
@@ -183,8 +183,9 @@ def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
     """Run a check on ``ranks`` and return its verdict (raises on rank failures and skips).
 
     A skip on every rank goes to ``ranks.skip`` (``pytest.skip`` under the plugin) when set; a
-    failure an expectation covers (:func:`expectation_for`) goes to ``ranks.xfail``
-    (``pytest.xfail``) when set.
+    failure an expectation covers (:func:`expectation_for`) and whose content it matches goes
+    to ``ranks.xfail`` (``pytest.xfail``) when set. A covered failure it does not match stays a
+    failure, its message (the verdict's, or the rank failure's first line) saying so.
     """
     __tracebackhide__ = True
     params = {**check.params, **overrides}
@@ -197,29 +198,66 @@ def run_check(ranks: Ranks, check: Check, **overrides: Any) -> Verdict:
         raise  # a skip callable that returns: still a skip
     except RankFailure as exc:
         # one line first (the torch API, the ranks, the fix where known), then the ranks' story
-        told = RankFailure(f"{error_line(exc, params)}\n{exc}", exc.outcomes)
-        _xfail_if_expected(ranks, check, params, str(told))
-        raise told from None
+        line = error_line(exc, params)
+        expected, note = _matched(ranks, check, params, f"{line}\n{exc}", raised_names(exc))
+        if expected is not None and not note:
+            _xfail(ranks, expected, f"{line}\n{exc}")
+        raise RankFailure(f"{line}{_inline(note)}\n{exc}", exc.outcomes) from None
     if not verdict.passed:
-        _xfail_if_expected(ranks, check, params, verdict.message)
+        expected, note = _matched(ranks, check, params, verdict.message, ())
+        if expected is not None and not note:
+            _xfail(ranks, expected, verdict.message)
+        if note:
+            verdict = dataclasses.replace(verdict, message=f"{verdict.message}\n{note}")
     return verdict
 
 
-def _xfail_if_expected(ranks: Ranks, check: Check, params: Mapping[str, Any], message: str) -> None:
-    if ranks.xfail is None:
-        return
-    expected = expectation_for(ranks, check, params)
-    if expected is not None:
+def _xfail(ranks: Ranks, expected: Expectation, message: str) -> None:
+    if ranks.xfail is not None:
         ranks.xfail(f"expected failure: {expected.describe()}\n{message}")
+
+
+def _matched(
+    ranks: Ranks,
+    check: Check,
+    params: Mapping[str, Any],
+    text: str,
+    raised: Sequence[str],
+) -> tuple[Expectation | None, str]:
+    """The expectation covering a failed run, and "" when the failure is its defect, else the
+    line saying the expectation did not match (:meth:`Expectation.mismatch`)."""
+    expected = expectation_for(ranks, check, params)
+    if expected is None:
+        return None, ""
+    why = expected.mismatch(text, raised)
+    return expected, "" if why is None else expected.unmatched(why)
+
+
+def _inline(note: str) -> str:
+    """A note kept on an error's one line."""
+    return f" ({note})" if note else ""
+
+
+def raised_names(failure: RankFailure) -> tuple[str, ...]:
+    """The names of the exceptions the ranks of ``failure`` raised (each error's last one, as
+    its traceback prints it: ``RuntimeError``, ``torch.distributed.DistBackendError``)."""
+    names = []
+    for outcome in failure.outcomes:
+        error = parse_traceback(outcome.detail) if outcome.status == "error" else None
+        if error is not None:
+            names.append(error.type)
+    return tuple(names)
 
 
 def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
     """Run a check and never raise: every outcome (skip, rank failure) becomes a CheckRun. A
-    failure or error an expectation covers is ``xfailed``; a pass it covers says the defect
-    may be fixed."""
+    failure or error an expectation covers is ``xfailed`` when its content matches the
+    expectation; one it does not match stays failed (or an error), its detail saying the
+    expectation did not match. A pass it covers says the defect may be fixed."""
     start = time.perf_counter()
     params = {**check.params, **overrides}
     story = ""  # an error's whole story; its detail is one line
+    raised: tuple[str, ...] = ()
     try:
         verdict: Verdict | None
         verdict, caught = _judge(ranks, check, params)
@@ -228,13 +266,21 @@ def execute(ranks: Ranks, check: Check, **overrides: Any) -> CheckRun:
         return CheckRun(check.name, SKIPPED, None, str(exc), time.perf_counter() - start)
     except RankFailure as exc:
         verdict, caught, outcome, detail, story = None, (), ERROR, error_line(exc, params), str(exc)
+        raised = raised_names(exc)
     except Exception as exc:  # noqa: BLE001 - a verdict or harness error is an error outcome
         verdict, caught, outcome, story = None, (), ERROR, traceback_text(exc)
         detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        raised = (type(exc).__name__,)
     expected = expectation_for(ranks, check, params)
     if expected is not None:
         if outcome != PASSED:
-            outcome, detail = XFAILED, f"expected failure: {expected.describe()}\n{detail}"
+            why = expected.mismatch(f"{detail}\n{story}" if story else detail, raised)
+            if why is None:
+                outcome, detail = XFAILED, f"expected failure: {expected.describe()}\n{detail}"
+            elif outcome == ERROR:
+                detail += _inline(expected.unmatched(why))  # an error's detail stays one line
+            else:
+                detail += f"\n{expected.unmatched(why)}"
         elif params.get("spec") == check.params.get("spec"):
             # Only on the model the defect was measured on: a pass on a user's model (without
             # the defect's conditions, such as an empty shard) says nothing about torch.
