@@ -13,14 +13,16 @@ Schema ``fsdp-conformance-report`` version 1 (documented in docs/report-schema.m
          "claim": "wrap", "lane": "cpu", "world_size": 2, "variant": "fsdp1,massive",
          "outcome": "passed", "message": "...", "figures": {...}, "data": {...},
          "seconds": 0.12, "warnings": ["UserWarning: ..."], "deprecations": ["FutureWarning: ..."],
-         "expected": {"check": "...", "torch": ">=2.13, <2.16", "reason": "...", "link": "..."},
+         "expected": {"check": "...", "torch": ">=2.13, <2.16", "reason": "...", "link": "...",
+                      "match": "..."},
          "noise": {"update_rel_diff": 0.0},
          "traceback": "check 'x' failed on 2 ranks: ..."}
       ]
     }
 
 ``xfailed``: a failure a known torch defect explains (``fsdp_conformance/expectations.toml``);
-``expected`` is on every entry an expectation covers, xfailed or passed. ``noise``: the spread
+``expected`` is on every entry an expectation covers: xfailed, passed, or failed (an error) whose
+content its ``match`` did not match (the message says so). ``noise``: the spread
 of each measured figure over repeated runs on one torch (gate/noise.py), on the entries of the
 reference models' runs; absent where never measured. ``traceback``: on an
 error, every rank's story (its ``message`` is then one line); absent in reports before it.
