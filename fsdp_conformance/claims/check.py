@@ -82,6 +82,10 @@ class Check:
     #: Parameters a run must give for this check to run at all (``run --save-checkpoint DIR``
     #: gives ``save_to``): a check with any is left out of a run that gives none of them.
     opt_in: tuple[str, ...] = ()
+    #: What its work is worth in its model's eager training steps (``torch.compile`` traces
+    #: every operator: hundreds), for a timeout that scales with the model
+    #: (:func:`~fsdp_conformance.harness.timeouts.scaled_timeout`); 0: the run's timeout as is.
+    cost: float = 0.0
 
     @property
     def claim(self) -> str:
@@ -104,6 +108,7 @@ def variants(
     env: Mapping[str, str] | None = None,
     lanes: tuple[str, ...] = ("cpu", "gpu"),
     opt_in: tuple[str, ...] = (),
+    cost: float = 0.0,
     **params: Any,
 ) -> tuple[Check, ...]:
     """One :class:`Check` named ``name`` per (version, spec), version-major.
@@ -130,6 +135,7 @@ def variants(
                     env=env,
                     lanes=lanes,
                     opt_in=opt_in,
+                    cost=cost,
                 )
             )
     return tuple(out)

@@ -45,7 +45,12 @@ def environment_summary(settings: Settings) -> str:
         f"backend {settings.backend}",
         f"world sizes {','.join(map(str, settings.world_sizes))}"
         + (f" ({left})" if (left := world_sizes_left_out(settings)) else ""),
-        f"check timeout {settings.timeout:g}s",
+        f"check timeout {settings.timeout:g}s"
+        + (
+            " (more for a check whose work scales with its model)"
+            if settings.sources.get("timeout", "default") == "default"
+            else " (as given, every check)"
+        ),
         "ranks: external launcher (env://)" if launched_externally() else "ranks: warm pool",
     ]
     if settings.model:
@@ -103,6 +108,7 @@ def check_entry(
     warnings: Iterable[str],
     expected: Mapping[str, str] | None = None,
     traceback: str = "",
+    timeout: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     warnings = sorted(set(warnings))
     entry = {
@@ -124,6 +130,8 @@ def check_entry(
         entry["expected"] = dict(expected)
     if traceback:
         entry["traceback"] = traceback  # an error's whole story; its message is one line
+    if timeout is not None:
+        entry["timeout"] = dict(timeout)  # a timeout derived from the check's work
     return entry
 
 

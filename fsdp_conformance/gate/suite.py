@@ -21,6 +21,8 @@ from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
 from fsdp_conformance.harness import RankEngine, Ranks
+from fsdp_conformance.harness.timeouts import scaled_timeout
+from fsdp_conformance.measure.step_cost import eager_step_seconds
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.user_model import user_spec
 from fsdp_conformance.settings import FlagStyle, Settings, SettingsError
@@ -186,6 +188,41 @@ class Progress:
         out.flush()
 
 
+@dataclasses.dataclass
+class CheckTimeouts:
+    """Each check's timeout in a run: the run's, or one derived from the check's work.
+
+    An explicit timeout (``--timeout``, its variable or pyproject key) is the user's: every
+    check gets it as given. Otherwise a check that declares a cost (``Check.cost``: its work in
+    its model's eager steps) gets :func:`~fsdp_conformance.harness.timeouts.scaled_timeout`
+    of it and of that model's eager step, measured once per model in this run
+    (:func:`~fsdp_conformance.measure.step_cost.eager_step_seconds`), never below the run's
+    timeout. ``measure``: the step's measure (a test's stand-in).
+    """
+
+    settings: Settings
+    measure: Callable[[ModelSpec], float] = eager_step_seconds
+    #: The measured step of each model (None: it could not be measured; the check says why).
+    steps: dict[ModelSpec, float | None] = dataclasses.field(default_factory=dict)
+
+    def for_check(self, check: Check, params: Mapping[str, Any]) -> tuple[float, str]:
+        """The check's timeout and where it came from ("" for the run's own)."""
+        default = self.settings.timeout
+        spec = params.get("spec")
+        explicit = self.settings.sources.get("timeout", "default") != "default"
+        if explicit or check.cost <= 0 or not isinstance(spec, ModelSpec):
+            return default, ""
+        if spec not in self.steps:
+            try:
+                self.steps[spec] = self.measure(spec)
+            except Exception:  # noqa: BLE001 - the check itself reports what the model did
+                self.steps[spec] = None
+        step = self.steps[spec]
+        if step is None:
+            return default, ""
+        return scaled_timeout(default, check.cost, step)
+
+
 def run_suite(
     plan: SuitePlan,
     engine: RankEngine,
@@ -209,17 +246,20 @@ def run_suite(
     progress = Progress(len(runs), stream, report_path=report_path)
     entries: list[dict[str, Any]] = []
     start = time.perf_counter()
+    timeouts = CheckTimeouts(settings)
     for lane, ws, check, params in runs:
         variant = variant_of(params)
+        # Each check carries the run's timeout, or one derived from its work: the engine fits
+        # its ranks' timeouts to it (a pool's process group outlasts it).
+        timeout, timeout_note = timeouts.for_check(check, params)
         progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
-        # Each check carries settings.timeout: the engine fits its ranks' timeouts to it (a
-        # pool's process group outlasts it; PoolManager.run_outcomes).
         ranks = Ranks(
             engine,
             ws,
             lane=lane,
             backend=settings.backend_for(lane),
-            timeout=settings.timeout,
+            timeout=timeout,
+            timeout_note=timeout_note,
             flag_style=flag_style,
         )
         run = execute(ranks, check, **params)
@@ -239,6 +279,9 @@ def run_suite(
             warnings=run.warnings,
             expected=run.expected,
             traceback=run.traceback,
+            timeout={"seconds": round(timeout, 1), "from": timeout_note.strip(" ()")}
+            if timeout_note
+            else None,
         )
         entries.append(entry)
         if on_run is not None:

@@ -27,6 +27,8 @@ class RankRequest:
     backend: str = "gloo"
     #: Seconds the check may take, before an outer ``deadline`` cuts it.
     timeout: float = 120.0
+    #: Where ``timeout`` came from, for its message (:func:`.timeouts.scaled_timeout`).
+    timeout_note: str = ""
     #: ``time.monotonic()`` by which the check must end (an outer pytest-timeout), and what it is.
     deadline: float | None = None
     deadline_note: str = ""

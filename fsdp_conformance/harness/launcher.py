@@ -304,6 +304,7 @@ class LauncherRunner:
         ``request.timeout`` seconds (cut to end before ``request.deadline``) the rank ends with
         its stacks (:class:`CheckWatchdog`, whose line says why the timeout was cut)."""
         timeout, note = fit_timeout(request.timeout, request.deadline, request.deadline_note)
+        note = request.timeout_note + note
         with CheckWatchdog(function_name(fn), self.rank, timeout, note, self.hang_stream):
             return self._run_outcomes(fn, args, kwargs)
 

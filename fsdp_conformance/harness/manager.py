@@ -128,6 +128,7 @@ class PoolManager:
                 timeout=request.timeout,
                 deadline=deadline,
                 deadline_note=deadline_note,
+                timeout_note=request.timeout_note,
             )
 
         if request.fresh or request.env:

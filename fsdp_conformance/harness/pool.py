@@ -428,11 +428,13 @@ class RankPool:
         timeout: float = 120.0,
         deadline: float | None = None,
         deadline_note: str = "",
+        timeout_note: str = "",
     ) -> list[RankOutcome]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; one :class:`RankOutcome` per rank.
 
         ``deadline`` (``time.monotonic()``): the check must end by then (an outer
         pytest-timeout), so ``timeout`` shrinks to fit and the failure says so.
+        ``timeout_note``: where ``timeout`` came from, said with it in a hang's message.
         """
         if self.broken or not self._ranks:
             raise HarnessError("this rank pool is broken or closed; use a fresh one")
@@ -448,6 +450,7 @@ class RankPool:
         payload = pickle.dumps(("run", task_id, inner))
         self.checks_run += 1
         timeout, note = fit_timeout(timeout, deadline, deadline_note)
+        note = timeout_note + note
         try:
             for r in self._ranks:
                 r.conn.send_bytes(payload)

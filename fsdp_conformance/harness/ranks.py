@@ -143,6 +143,8 @@ class Ranks:
     lane: str = "cpu"
     backend: str = "gloo"
     timeout: float = 120.0
+    #: Where ``timeout`` came from, said where a check runs out of it (a derived one).
+    timeout_note: str = ""
     fresh: bool = False
     env: Mapping[str, str] | None = None
     #: Called with the reason when every rank skipped (the plugin passes ``pytest.skip``).
@@ -174,6 +176,7 @@ class Ranks:
             lane=self.lane,
             backend=self.backend,
             timeout=self.timeout,
+            timeout_note=self.timeout_note,
             fresh=self.fresh,
             env=self.env,
             deadline=self.deadline,

@@ -36,6 +36,9 @@ PG_TIMEOUT_MIN_S = 300.0
 PG_TIMEOUT_MARGIN_S = 60.0
 #: A check's timeout where nothing else is said (``Settings.timeout``'s default).
 DEFAULT_CHECK_TIMEOUT_S = 120.0
+#: A timeout derived from a check's work (:func:`scaled_timeout`) is at most this many times
+#: the run's: a check that hangs on a large model still ends.
+SCALED_TIMEOUT_MAX_FACTOR = 10.0
 
 
 def seconds(value: float) -> str:
@@ -55,6 +58,32 @@ def outer_deadline(started: float, pytest_timeout: float, source: str) -> tuple[
         f"{seconds(reserve)} for the stack dump and teardown"
     )
     return started + pytest_timeout - reserve, note
+
+
+def scaled_timeout(default: float, cost_steps: float, step_s: float) -> tuple[float, str]:
+    """A check's timeout from the work it does, and the words its timeout message uses.
+
+    ``cost_steps``: what the check's work is worth in its model's eager training steps (its
+    ``Check.cost``); ``step_s``: one such step's seconds, measured on this machine now
+    (:func:`fsdp_conformance.measure.step_cost.eager_step_seconds`). The timeout is their
+    product, never below ``default`` (the run's timeout, 120 s unless set) and at most
+    :data:`SCALED_TIMEOUT_MAX_FACTOR` times it. A check of cost 600 on a model whose step takes
+    0.35 s gets 210 s; on one whose step takes 0.05 s, the default.
+    """
+    work = cost_steps * step_s
+    ceiling = default * SCALED_TIMEOUT_MAX_FACTOR
+    timeout = min(max(default, work), ceiling)
+    bound = (
+        f"at most {SCALED_TIMEOUT_MAX_FACTOR:g} x the default {seconds(default)}"
+        if work > ceiling
+        else f"at least the default {seconds(default)}"
+    )
+    note = (
+        f" (derived from the check's work: {cost_steps:g} x the model's eager step of "
+        f"{step_s:.3g}s measured in this run = {seconds(work)}, {bound}; an explicit "
+        "--timeout is used as given)"
+    )
+    return timeout, note
 
 
 def pg_timeout_for(check_timeout: float) -> float:

@@ -45,6 +45,10 @@ from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.reference_models import LlamaConfig
 
 _REF = ModelSpec(reference="odd")
+#: stack.compile's work in its model's eager steps (``Check.cost``): Dynamo traces every
+#: operator of the model, and AOT autograd its backward, for each compiled region, then the
+#: steps run eager and compiled. Measured: docs/harness.md, "Timeouts that scale with the work".
+COMPILE_COST_STEPS = 600.0
 
 #: A small Llama (RMSNorm, grouped-query attention, rotary buffer; odd vocabulary and MLP
 #: widths: uneven shards). Not the odd model for loss scaling: its batch norm under FSDP2's fp16
@@ -129,6 +133,7 @@ CHECKS: tuple[Check, ...] = (
         rank_compile,
         verdict_compile,
         specs=(_REF,),
+        cost=COMPILE_COST_STEPS,
     )
     + variants(
         "stack.compile.inductor",
@@ -139,6 +144,7 @@ CHECKS: tuple[Check, ...] = (
         specs=(_REF,),
         lanes=("gpu",),
         backend="inductor",
+        cost=COMPILE_COST_STEPS,
     )
     + variants(
         "stack.checkpointing",
