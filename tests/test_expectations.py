@@ -441,3 +441,53 @@ def test_the_fsdp2_reduce_dtype_change_of_2_15_is_a_change_not_a_defect() -> Non
     assert expectations.find("defaults.fingerprint", "fsdp1", "cpu", "2.15.0") is None
     defect = expectations.find("state.summon.rank0_discard", "fsdp1", "cpu", "2.13.0")
     assert defect is not None and known_label(defect.kind) == "known torch defect"
+
+
+def test_a_covered_error_it_does_not_match_is_a_regression_in_compare_and_an_error_cell(
+    tmp_path: Any,
+) -> None:
+    """The report keeps the entry's expectation (``match`` and ``raises`` among its fields) on
+    the error; compare and the torch matrix treat it as the error it is."""
+    from fsdp_conformance.gate import report as gate_report
+    from fsdp_conformance.gate.compare import compare_reports
+    from fsdp_conformance.gate.matrix import cell_of
+    from fsdp_conformance.settings import Settings
+
+    known = dataclasses.replace(COVERING, raises="RuntimeError")
+    why = known.mismatch("ValueError: a wrong input", ["ValueError"])
+    assert why is not None
+    line = f"ranks 0, 1: ValueError in x.py:f: a wrong input ({known.unmatched(why)})"
+
+    def entry(outcome: str, message: str) -> dict[str, Any]:
+        return gate_report.check_entry(
+            check="probe.expectation",
+            claim="probe",
+            lane="cpu",
+            world_size=2,
+            variant="fsdp1",
+            outcome=outcome,
+            message=message,
+            figures={},
+            data={},
+            seconds=1.0,
+            warnings=(),
+            expected=known.as_data(),
+            traceback="Traceback (most recent call last):\nValueError: a wrong input"
+            if outcome == ERROR
+            else "",
+        )
+
+    old = gate_report.build_report(
+        [entry(XFAILED, "expected failure: r\nthe probe")], Settings(), 1
+    )
+    new = gate_report.build_report([entry(ERROR, line)], Settings(), 1)
+    path = str(tmp_path / "new.json")
+    gate_report.write_json_report(path, new)
+    loaded = gate_report.load_report(path)["checks"][0]
+    assert loaded["expected"]["match"] == "the probe failed"
+    assert loaded["expected"]["raises"] == "RuntimeError"
+    (diff,) = compare_reports(old, new)
+    assert (diff.kind, diff.regression) == ("outcome", True)
+    assert diff.text.startswith("xfailed -> error: ranks 0, 1: ValueError in x.py:f")
+    cell = cell_of(loaded)
+    assert cell.kind == "error" and "the expectation did not match" in cell.reason

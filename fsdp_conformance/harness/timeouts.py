@@ -67,8 +67,8 @@ def scaled_timeout(default: float, cost_steps: float, step_s: float) -> tuple[fl
     ``Check.cost``); ``step_s``: one such step's seconds, measured on this machine now
     (:func:`fsdp_conformance.measure.step_cost.eager_step_seconds`). The timeout is their
     product, never below ``default`` (the run's timeout, 120 s unless set) and at most
-    :data:`SCALED_TIMEOUT_MAX_FACTOR` times it. A check of cost 600 on a model whose step takes
-    0.35 s gets 210 s; on one whose step takes 0.05 s, the default.
+    :data:`SCALED_TIMEOUT_MAX_FACTOR` times it. A check of cost 15000 on a model whose step
+    takes 0.02 s gets 300 s; on one whose step takes 0.002 s, the default.
     """
     work = cost_steps * step_s
     ceiling = default * SCALED_TIMEOUT_MAX_FACTOR
