@@ -49,7 +49,7 @@ from fsdp_conformance.claims.stack.common import (
     parity_problems,
     per_unit,
 )
-from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
+from fsdp_conformance.fsdp.collectives import UnitSizes, record_collectives, unit_sizes
 from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
@@ -59,7 +59,7 @@ from fsdp_conformance.fsdp.reference_step import (
     reported_dtype,
     sgd_step,
 )
-from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh, shard_fsdp1
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2_modules
 from fsdp_conformance.fsdp.state_dict_kinds import get_state
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
@@ -155,12 +155,9 @@ def _shard(
             for child in module.children()
             if _compat.checkpoint_wrapped_prefix() in dict(module.named_children())
         }
-        mesh = device_mesh(ctx)
-        fully_shard = _compat.fully_shard()
-        for unit in reversed(planned):  # pre-order reversed: the deepest first
-            fully_shard(parent.get(id(unit), unit), mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        # Deepest first, whatever the plan's order: a size-rule unit above block units (a
+        # container of blocks) is sharded after the blocks inside it.
+        return shard_fsdp2_modules(model, ctx, [parent.get(id(unit), unit) for unit in planned])
 
     return shard
 
@@ -301,11 +298,12 @@ class CheckpointingResult(TypedDict):
     runs: list[SettingRun]
 
 
-def _unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, list[int]]:
+def _unit_sizes(model: nn.Module, version: str, world_size: int) -> UnitSizes:
     # FSDP1: a CheckpointWrapper forwards attribute reads to the unit it wraps, so it reads as
     # that unit too; one name per unit.
-    out: dict[str, list[int]] = {}
-    for name, sizes in unit_sizes(model, version, world_size).items():
+    found = unit_sizes(model, version, world_size)
+    out = UnitSizes(owners={key: strip_wrapper(name) for key, name in found.owners.items()})
+    for name, sizes in found.items():
         out.setdefault(strip_wrapper(name), sizes)
     return out
 
