@@ -7,10 +7,14 @@ FSDP1 units:
 * ``reversed_blocks``: blocks registered in one order and run in the reverse one (a
   ``ModuleDict`` whose keys do not sort by use), so module order is not execution order;
 * ``container_in_size_unit``: a stage the size rule wraps (a container over the minimum size)
-  that holds the block units.
+  that holds the block units;
+* ``stem_blocks``: a block class fed the model's input (features that need no gradient), as
+  ViT's embeddings are a block class fed the pixels.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,6 +104,45 @@ class ContainerInSizeUnit(TokenModel):
 
     def order(self) -> list[nn.Module]:
         return [self.blocks]
+
+
+class Stem(nn.Module):
+    """The first block class: a projection of the model's input features."""
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(x)
+        return out
+
+
+class StemBlocks(nn.Module):
+    """A :class:`Stem` on float features, then blocks and a head."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.stem = Stem()
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.stem(features)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def features(model: nn.Module, batch_size: int, device: Any) -> torch.Tensor:
+    """:class:`StemBlocks`' input: random features, the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 6, 8, generator=generator).to(device)
+
+
+def stem_blocks() -> nn.Module:
+    return StemBlocks()
 
 
 def frozen_in_block() -> nn.Module:
