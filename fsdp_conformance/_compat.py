@@ -189,6 +189,30 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 
 
+def _frozen_safe(cls: type[Any]) -> dict[str, Any]:
+    """The member that lets a torch memory tracker enter a module showing a frozen parameter:
+    torch registers a gradient hook on every parameter of a module it enters, and
+    ``Tensor.register_hook`` raises on a frozen one ("cannot register a hook on a tensor that
+    doesn't require gradient"; FSDP1 with ``use_orig_params=True`` shows a unit's frozen
+    parameters). A frozen parameter gets no gradient to track: it is marked as hooked, with
+    handles that remove nothing. ``{}`` where torch's method moved."""
+    torch_track = getattr(cls, "_track_module_params_and_buffers", None)
+    if torch_track is None:
+        return {}
+
+    def _track_module_params_and_buffers(
+        self: Any, module: nn.Module, install_grad_hooks: bool = True
+    ) -> Any:
+        handles = getattr(self, "_param_to_grad_hook_handles", None)
+        if install_grad_hooks and handles is not None:
+            for param in module.parameters():
+                if not param.requires_grad and handles.get(param) is None:
+                    handles[param] = (_NO_HOOK, _NO_HOOK)
+        return torch_track(self, module, install_grad_hooks)
+
+    return {"_track_module_params_and_buffers": _track_module_params_and_buffers}
+
+
 @functools.cache
 def _global_peak_only(cls: type[Any]) -> type[Any]:
     """``cls``, a torch memory tracker, updating only its global peak after each operator.
@@ -203,7 +227,7 @@ def _global_peak_only(cls: type[Any]) -> type[Any]:
     same step. Where an upgrade renames what the global update uses, the subclass calls torch's
     own method (correct, slower) and, where the method itself is gone, ``cls`` is used as is.
     It also lets the tracker enter a module holding a frozen parameter, which torch's raises on
-    (its gradient hook; see ``_track_module_params_and_buffers`` below).
+    (its gradient hook; :func:`_frozen_safe`).
     """
     total_key = getattr(importlib.import_module(cls.__module__), "_TOTAL_KEY", None)
     torch_update = getattr(cls, "_update_peak_stats", None)
@@ -228,26 +252,7 @@ def _global_peak_only(cls: type[Any]) -> type[Any]:
                 if mine.get(key, 0) < value:
                     mine[key] = value
 
-    members: dict[str, Any] = {"_update_peak_stats": _update_peak_stats}
-    torch_track = getattr(cls, "_track_module_params_and_buffers", None)
-    if torch_track is not None:
-
-        def _track_module_params_and_buffers(
-            self: Any, module: nn.Module, install_grad_hooks: bool = True
-        ) -> Any:
-            # torch registers a gradient hook on every parameter of a module it enters, and
-            # Tensor.register_hook raises on a frozen one ("cannot register a hook on a tensor
-            # that doesn't require gradient"): FSDP1 with use_orig_params=True shows a unit's
-            # frozen parameters. A frozen parameter gets no gradient to track: it is marked as
-            # hooked with handles that remove nothing.
-            handles = getattr(self, "_param_to_grad_hook_handles", None)
-            if install_grad_hooks and handles is not None:
-                for param in module.parameters():
-                    if not param.requires_grad and handles.get(param) is None:
-                        handles[param] = (_NO_HOOK, _NO_HOOK)
-            return torch_track(self, module, install_grad_hooks)
-
-        members["_track_module_params_and_buffers"] = _track_module_params_and_buffers
+    members: dict[str, Any] = {"_update_peak_stats": _update_peak_stats, **_frozen_safe(cls)}
     return type(
         cls.__name__,
         (cls,),

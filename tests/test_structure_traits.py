@@ -25,7 +25,7 @@ from torch import nn
 
 from fsdp_conformance.claims import loop, stack, wrap
 from fsdp_conformance.claims.check import Check, Verdict
-from fsdp_conformance.harness import Ranks, RankContext
+from fsdp_conformance.harness import RankContext, Ranks
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.user_model import validate_user_model
 
@@ -105,7 +105,9 @@ def _one_reduction_skipped(version: str) -> Any:
             import torch.distributed as dist
 
             # torch 2.13's FSDP1 issues reduce_scatter_single (older: reduce_scatter_tensor)
-            name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n))
+            name = next(
+                n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)
+            )
             original = getattr(dist, name)
 
             def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
@@ -156,7 +158,11 @@ def test_the_preflight_says_fsdp1_runs_with_use_orig_params_in_one_line() -> Non
     assert "'blocks.0', 'blocks.1', 'blocks.2'" in lines[0]
     assert "Must flatten tensors with uniform requires_grad" in lines[0]
     plain = _spec("reversed_blocks")
-    assert not [n for n in validate_user_model(plain, ["cpu"], [2], depth_rebuild=False) if "use_orig_params" in n]
+    assert not [
+        n
+        for n in validate_user_model(plain, ["cpu"], [2], depth_rebuild=False)
+        if "use_orig_params" in n
+    ]
 
 
 @pytest.mark.parametrize(
@@ -192,12 +198,18 @@ def test_prefetch_follows_the_order_the_blocks_run_in(
 
 @pytest.mark.parametrize(
     "version, fault",
-    [("fsdp1", "no_forward_prefetch"), ("fsdp2", "no_forward_prefetch"), ("fsdp2", "module_order_prefetch")],
+    [
+        ("fsdp1", "no_forward_prefetch"),
+        ("fsdp2", "no_forward_prefetch"),
+        ("fsdp2", "module_order_prefetch"),
+    ],
 )
 def test_forward_prefetch_off_or_in_module_order_fails(
     ranks: Ranks, version: str, fault: str
 ) -> None:
-    verdict = _run(ranks, _check(wrap.CHECKS, "wrap.prefetch.forward", version), REVERSED, fault=fault)
+    verdict = _run(
+        ranks, _check(wrap.CHECKS, "wrap.prefetch.forward", version), REVERSED, fault=fault
+    )
     assert not verdict.passed
     assert "was not gathered before block" in verdict.message
 

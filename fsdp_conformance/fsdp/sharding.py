@@ -245,7 +245,9 @@ def fsdp1_options(
     (:func:`~fsdp_conformance.models.units.mixed_requires_grad_units`). FSDP2 has no flat
     parameter and needs nothing.
     """
-    return {"use_orig_params": True} if mixed_requires_grad_units(model, unit_modules, ignored) else {}
+    return (
+        {"use_orig_params": True} if mixed_requires_grad_units(model, unit_modules, ignored) else {}
+    )
 
 
 def shard(

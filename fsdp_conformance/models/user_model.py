@@ -101,7 +101,9 @@ def validate_user_model(
         detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}{given}, "
         f"threshold {threshold:,}; check --fsdp-block-cls names the model's block class",
     )
-    mixed = mixed_requires_grad_units(model, planned_unit_modules(model, built.policy("recommended")))
+    mixed = mixed_requires_grad_units(
+        model, planned_unit_modules(model, built.policy("recommended"))
+    )
     if mixed:
         notes.append(frozen_units_note(mixed))
     _check_size(spec, model, lanes, world_sizes)
@@ -118,8 +120,8 @@ def frozen_units_note(units: Sequence[str]) -> str:
     more = f" and {len(units) - 4} more" if len(units) > 4 else ""
     return (
         f"FSDP1 unit(s) {shown}{more} hold frozen and trainable parameters, which FSDP1 "
-        "cannot flatten with use_orig_params=False, its default (torch: \"Must flatten tensors "
-        "with uniform requires_grad\"); the FSDP1 checks run with the fix, "
+        'cannot flatten with use_orig_params=False, its default (torch: "Must flatten tensors '
+        'with uniform requires_grad"); the FSDP1 checks run with the fix, '
         "use_orig_params=True (or keep the frozen modules out of those units: wrap them as "
         "units of their own)"
     )

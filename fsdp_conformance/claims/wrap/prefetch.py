@@ -225,7 +225,7 @@ def _record_runs(
 ) -> list[list[tuple[str, Any]]]:
     """One event list per training iteration, gathers named by their unit; ``after_first`` is
     called with the first iteration's events."""
-    runs = []
+    runs: list[list[tuple[str, Any]]] = []
     for it in range(iterations):
         if it == 1:
             after_first(runs[0])
