@@ -555,7 +555,7 @@ def _gather_problems(label: str, run: SettingRun, units: Sequence[str]) -> list[
                 expected = sum(per.get(u, 0) for u in name.split("|"))
                 if got != expected:
                     out.append(
-                        f"{label}: {phase} {i}: {got} {op}(s) for unit {name!r} (by size), "
+                        f"{label}: {phase} {i}: {got} {op}(s) for unit {name!r}, "
                         f"expected {expected}"
                     )
     return out
