@@ -190,12 +190,14 @@ _NO_HOOK = _NoHook()
 
 
 def _frozen_safe(cls: type[Any]) -> dict[str, Any]:
-    """The member that lets a torch memory tracker enter a module showing a frozen parameter:
-    torch registers a gradient hook on every parameter of a module it enters, and
-    ``Tensor.register_hook`` raises on a frozen one ("cannot register a hook on a tensor that
-    doesn't require gradient"; FSDP1 with ``use_orig_params=True`` shows a unit's frozen
-    parameters). A frozen parameter gets no gradient to track: it is marked as hooked, with
-    handles that remove nothing. ``{}`` where torch's method moved."""
+    """The member that lets a torch memory tracker enter a module of FSDP1 with
+    ``use_orig_params=True``: torch registers a gradient hook and a post-accumulate hook on
+    every parameter of a module it enters, and torch raises on a frozen one ("cannot register a
+    hook on a tensor that doesn't require gradient") and on a non-leaf one ("post accumulate
+    grad hooks cannot be registered on non-leaf tensors": FSDP1's views of its flat parameter
+    during the step). Neither accumulates a gradient of its own (FSDP1 accumulates into the flat
+    parameter): such a parameter is marked as hooked, with handles that remove nothing.
+    ``{}`` where torch's method moved."""
     torch_track = getattr(cls, "_track_module_params_and_buffers", None)
     if torch_track is None:
         return {}
@@ -206,7 +208,8 @@ def _frozen_safe(cls: type[Any]) -> dict[str, Any]:
         handles = getattr(self, "_param_to_grad_hook_handles", None)
         if install_grad_hooks and handles is not None:
             for param in module.parameters():
-                if not param.requires_grad and handles.get(param) is None:
+                hookable = param.requires_grad and param.is_leaf
+                if not hookable and handles.get(param) is None:
                     handles[param] = (_NO_HOOK, _NO_HOOK)
         return torch_track(self, module, install_grad_hooks)
 
