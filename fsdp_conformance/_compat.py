@@ -179,6 +179,43 @@ def fsdp_mem_tracker_cls(global_peak_only: bool = True) -> type[Any] | None:
 CATEGORY_PEAKS = "_fsdp_conformance_category_peaks"
 
 
+class _NoHook:
+    """A hook handle that removes nothing (:func:`_global_peak_only`'s frozen parameters)."""
+
+    def remove(self) -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
+
+
+def _frozen_safe(cls: type[Any]) -> dict[str, Any]:
+    """The member that lets a torch memory tracker enter a module of FSDP1 with
+    ``use_orig_params=True``: torch registers a gradient hook and a post-accumulate hook on
+    every parameter of a module it enters, and torch raises on a frozen one ("cannot register a
+    hook on a tensor that doesn't require gradient") and on a non-leaf one ("post accumulate
+    grad hooks cannot be registered on non-leaf tensors": FSDP1's views of its flat parameter
+    during the step). Neither accumulates a gradient of its own (FSDP1 accumulates into the flat
+    parameter): such a parameter is marked as hooked, with handles that remove nothing.
+    ``{}`` where torch's method moved."""
+    torch_track = getattr(cls, "_track_module_params_and_buffers", None)
+    if torch_track is None:
+        return {}
+
+    def _track_module_params_and_buffers(
+        self: Any, module: nn.Module, install_grad_hooks: bool = True
+    ) -> Any:
+        handles = getattr(self, "_param_to_grad_hook_handles", None)
+        if install_grad_hooks and handles is not None:
+            for param in module.parameters():
+                hookable = param.requires_grad and param.is_leaf
+                if not hookable and handles.get(param) is None:
+                    handles[param] = (_NO_HOOK, _NO_HOOK)
+        return torch_track(self, module, install_grad_hooks)
+
+    return {"_track_module_params_and_buffers": _track_module_params_and_buffers}
+
+
 @functools.cache
 def _global_peak_only(cls: type[Any]) -> type[Any]:
     """``cls``, a torch memory tracker, updating only its global peak after each operator.
@@ -192,6 +229,8 @@ def _global_peak_only(cls: type[Any]) -> type[Any]:
     skips the walk; tests/test_meters.py checks that both classes give the same snapshots on the
     same step. Where an upgrade renames what the global update uses, the subclass calls torch's
     own method (correct, slower) and, where the method itself is gone, ``cls`` is used as is.
+    It also lets the tracker enter a module holding a frozen parameter, which torch's raises on
+    (its gradient hook; :func:`_frozen_safe`).
     """
     total_key = getattr(importlib.import_module(cls.__module__), "_TOTAL_KEY", None)
     torch_update = getattr(cls, "_update_peak_stats", None)
@@ -216,11 +255,12 @@ def _global_peak_only(cls: type[Any]) -> type[Any]:
                 if mine.get(key, 0) < value:
                     mine[key] = value
 
+    members: dict[str, Any] = {"_update_peak_stats": _update_peak_stats, **_frozen_safe(cls)}
     return type(
         cls.__name__,
         (cls,),
         {
-            "_update_peak_stats": _update_peak_stats,
+            **members,
             "__doc__": f"torch's {cls.__name__}, updating only its global peak after each operator.",
             "__module__": __name__,
             "__qualname__": f"_global_peak_only.<{cls.__name__}>",
@@ -270,6 +310,57 @@ def fsdp2_param_group(module: nn.Module) -> Any | None:
     if get_state is None:
         return None
     return getattr(get_state(), "_fsdp_param_group", None)
+
+
+def fsdp2_param_groups(module: nn.Module) -> list[Any]:
+    """Every ``FSDPParamGroup`` of an FSDP2 unit (torch 2.13: ``_fsdp_param_groups``, several
+    with per-parameter meshes; older releases: ``_fsdp_param_group``, one or None)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+#: The torch functions inside which one unit's collectives are issued, each as (module path,
+#: class name or None, attribute, position of the unit's torch object among the arguments):
+#: FSDP1's ``FlatParamHandle.unshard`` (the handle's all-gather) and ``_runtime_utils``'
+#: ``_reduce_grad`` / ``_reduce_grad_no_shard`` (``(state, handle)``: the handle's
+#: reduce-scatter, all-reduce); FSDP2's ``FSDPParamGroup.unshard`` and ``.post_backward`` (the
+#: group's all-gather; its reduce-scatter and HSDP all-reduce).
+_UNIT_COLLECTIVE_SCOPES = (
+    ("torch.distributed.fsdp._flat_param", "FlatParamHandle", "unshard", 0),
+    ("torch.distributed.fsdp._runtime_utils", None, "_reduce_grad", 1),
+    ("torch.distributed.fsdp._runtime_utils", None, "_reduce_grad_no_shard", 1),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "unshard", 0),
+    (
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+        "FSDPParamGroup",
+        "post_backward",
+        0,
+    ),
+)
+
+
+def unit_collective_scopes() -> list[tuple[Any, str, int]]:
+    """:data:`_UNIT_COLLECTIVE_SCOPES` as (owner, attribute, argument position), the owner a
+    class or a module; one this torch lacks is left out (its collectives are then matched by
+    size)."""
+    out = []
+    for path, cls_name, attr, position in _UNIT_COLLECTIVE_SCOPES:
+        try:
+            owner: Any = importlib.import_module(path)
+        except ImportError:
+            continue
+        if cls_name is not None:
+            owner = getattr(owner, cls_name, None)
+        if owner is not None and callable(getattr(owner, attr, None)):
+            out.append((owner, attr, position))
+    return out
 
 
 def fsdp2_state(module: nn.Module) -> Any | None:
@@ -450,6 +541,7 @@ GUARDED_TORCH_MODULES = (
     "torch.distributed.fsdp.wrap",
     "torch.distributed.fsdp._init_utils",
     "torch.distributed.fsdp._wrap_utils",
+    "torch.distributed.fsdp._runtime_utils",
     "torch.distributed.fsdp.fully_sharded_data_parallel",
     "torch.distributed.fsdp._fully_shard",
     "torch.distributed.fsdp._fully_shard._fully_shard",

@@ -60,10 +60,10 @@ def test_fsdp1_reentrant_checkpoint_around_the_unit_all_gathers_each_block_twice
     values = clean_values(ranks, shared_runs, "fsdp1")
     verdict = OUTSIDE.verdict(values, OUTSIDE.params)
     assert not verdict.passed
-    assert (
-        "before_wrap REENTRANT: backward 0: 4 all_gather(s) for unit 'layers.0|layers.1' "
-        "(by size), expected 2"
-    ) in verdict.message
+    for unit in ("layers.0", "layers.1"):  # each unit named by torch's own handle
+        assert (
+            f"before_wrap REENTRANT: backward 0: 2 all_gather(s) for unit '{unit}', expected 1"
+        ) in verdict.message
     assert "update" not in verdict.message and "keys" not in verdict.message
     assert verdict.figures["before_wrap_reentrant.backward_all_gathers"] == 5
 

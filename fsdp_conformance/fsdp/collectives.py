@@ -7,13 +7,21 @@ FSDP version, Python wrapper or backend issued it. What a record holds is read f
 tensors, never from FSDP's configuration: a changed default (a reduce dtype, a prefetch order, a
 sharding strategy) shows up as a changed record.
 
-The unit a collective serves is found by **size**: the collective's full side (an all-gather's
-output, a reduce-scatter's input, an all-reduce's or broadcast's tensor) is matched against each
-unit's parameter numel, unpadded and padded to a multiple of the world size the way each FSDP
-version pads (FSDP1 pads its flat parameter, FSDP2 each parameter's first dimension). Hooks are
-not used: a prefetched all-gather runs inside another unit's forward or backward, so "the unit
-running now" is not the unit served. Units of equal size cannot be told apart by size; their
-records name every candidate, ``a|b`` (the fingerprint models give every unit its own size).
+The unit a collective serves is the one torch issued it for: while recording, the torch
+functions that issue one unit's collectives (FSDP1 ``FlatParamHandle.unshard`` and
+``_reduce_grad``, FSDP2 ``FSDPParamGroup.unshard`` and ``post_backward``;
+``_compat.unit_collective_scopes``) note the handle or param group they run for, and a
+collective issued inside one is that unit's, whatever its size: FSDP2 reduce-scatters only the
+parameters that have a gradient (a unit holding a frozen parameter reduces a part of itself), and
+a prefetched all-gather runs inside another unit's forward or backward, where "the unit running
+now" is not the unit served. Hooks on modules are not used for that reason.
+
+A collective issued outside those functions (DTensor's, a state dict's gather, a compiled
+model's, recorded from ``torch.distributed``'s functions) is matched by **size**: its full side
+(an all-gather's output, a reduce-scatter's input, an all-reduce's or broadcast's tensor) against
+each unit's parameter numel, unpadded and padded to a multiple of the world size the way each
+FSDP version pads (FSDP1 pads its flat parameter, FSDP2 each parameter's first dimension). Units
+of equal size cannot be told apart by size; such records name every candidate, ``a|b``.
 
 DTensor's collectives (a ``full_tensor()``, the redistribution an op on a partial DTensor needs:
 the norm ``clip_grad_norm_`` computes on FSDP2's gradients) are functional collectives
@@ -25,6 +33,7 @@ and records them too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -76,11 +85,27 @@ def _side(tensors: Sequence[torch.Tensor]) -> tuple[str | None, int, int]:
     )
 
 
+class UnitSizes(dict[str, list[int]]):
+    """:func:`unit_sizes`' answer: per unit FQN the numels its collectives can have, and
+    :attr:`owners`, the unit FQN of each of torch's per-unit objects (an FSDP1
+    ``FlatParamHandle``, an FSDP2 ``FSDPParamGroup``) by identity, which names the unit of a
+    collective torch issues for it."""
+
+    def __init__(
+        self,
+        sizes: Mapping[str, list[int]] | None = None,
+        owners: Mapping[int, str] | None = None,
+    ) -> None:
+        super().__init__(sizes or {})
+        self.owners: dict[int, str] = dict(owners or {})
+
+
 class CollectiveRecorder:
     """Appends one record per collective to :attr:`records`; set :attr:`phase` as the step goes.
 
     ``unit_sizes`` maps each unit's FQN to the numels its collectives can have
-    (:func:`unit_sizes`); ``phase`` is the caller's label for where the step is (``forward``,
+    (:func:`unit_sizes`; a :class:`UnitSizes` also names the unit of each of torch's per-unit
+    objects); ``phase`` is the caller's label for where the step is (``forward``,
     ``backward``, ``optimizer``).
     """
 
@@ -95,8 +120,15 @@ class CollectiveRecorder:
         for fqn, sizes in (unit_sizes or {}).items():
             for size in set(sizes):
                 self._by_size.setdefault(size, []).append(fqn)
+        self._owners: dict[int, str] = dict(getattr(unit_sizes, "owners", {}))
+        #: The torch objects (by identity) whose unit function is running, innermost last.
+        self.scope: list[int] = []
 
     def unit_of(self, numel: int) -> str:
+        """The unit torch is issuing a collective for (:attr:`scope`), else the units of
+        ``numel`` elements."""
+        if self.scope and self.scope[-1] in self._owners:
+            return self._owners[self.scope[-1]]
         units = self._by_size.get(numel)
         return "|".join(units) if units else UNKNOWN_UNIT  # the root's FQN is ""
 
@@ -165,8 +197,39 @@ def record_collectives(
                 recorder.add(str(func), args, out)
             return out
 
-    with _Recorder():
+    with _unit_scopes(recorder), _Recorder():
         yield recorder
+
+
+@contextlib.contextmanager
+def _unit_scopes(recorder: CollectiveRecorder) -> Iterator[None]:
+    """While inside, each of torch's functions that issues one unit's collectives
+    (``_compat.unit_collective_scopes``) pushes the handle or param group it runs for on
+    ``recorder.scope``."""
+
+    def scoped(fn: Any, position: int) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            recorder.scope.append(id(args[position]) if len(args) > position else 0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                recorder.scope.pop()
+
+        return call
+
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, attr, position in _compat.unit_collective_scopes():
+            patched.append((owner, attr, vars(owner).get(attr)))
+            setattr(owner, attr, scoped(getattr(owner, attr), position))
+        yield
+    finally:
+        for owner, attr, original in reversed(patched):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
 
 
 def _fsdp2_padded(shape: Sequence[int], world_size: int) -> int:
@@ -177,21 +240,24 @@ def _fsdp2_padded(shape: Sequence[int], world_size: int) -> int:
     return -(-shape[0] // world_size) * world_size * rest
 
 
-def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, list[int]]:
-    """Per unit FQN (``""`` the root): the numels a collective serving it can have.
+def unit_sizes(model: nn.Module, version: str, world_size: int) -> UnitSizes:
+    """Per unit FQN (``""`` the root): the numels a collective serving it can have, and the
+    unit of each of torch's per-unit objects (:class:`UnitSizes`).
 
     FSDP1: the flat parameter's unpadded and padded unsharded numel. FSDP2: the sum of the
     unit's own sharded parameters' numels (a parameter it leaves plain, ignored, is in none of
-    its collectives), unpadded and padded per parameter. Units without parameters issue no
+    its collectives), unpadded and padded per parameter, and the same of its trainable ones
+    where it also holds frozen ones (its reduce-scatter's). Units without parameters issue no
     collective and are left out.
     """
-    out: dict[str, list[int]] = {}
+    out = UnitSizes()
     if version == "fsdp1":
         for name, module in model.named_modules():
             flat = _compat.fsdp1_flat_param(module)
             if flat is None:
                 continue
             fqn = clean_fqn(name)
+            out.owners[id(_compat.fsdp1_handle(module))] = fqn
             unpadded = _compat.fsdp1_unsharded_numel(flat)
             # NO_SHARD (a flat parameter kept whole) all-reduces it unpadded: a padded size
             # (here twice the whole) would name the unit for another unit's collective (T5
@@ -203,6 +269,7 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
     dtensor = _compat.dtensor_cls()
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp_cls)]
     for name, module in units:
+        out.owners.update((id(group), name) for group in _compat.fsdp2_param_groups(module))
         # A unit's own parameters: its parameters less those of the units nested in it.
         inner = {
             id(p)
@@ -216,13 +283,23 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, lis
         own = [p for p in own if isinstance(p, dtensor)] or own
         if not own:
             continue
-        shapes = [tuple(p.shape) for p in own]
-        unpadded = sum(math.prod(s) for s in shapes)
-        padded = sum(_fsdp2_padded(s, world_size) for s in shapes)
-        if not all(isinstance(p, dtensor) for p in own):
-            padded = unpadded
-        out[name] = sorted({unpadded, padded})
+        sizes = _fsdp2_sizes(own, world_size, dtensor)
+        # FSDP2 reduces only the parameters that have a gradient: a unit holding frozen ones
+        # reduce-scatters its trainable part.
+        trainable = [p for p in own if p.requires_grad]
+        if trainable and len(trainable) < len(own):
+            sizes |= _fsdp2_sizes(trainable, world_size, dtensor)
+        out[name] = sorted(sizes)
     return out
+
+
+def _fsdp2_sizes(params: Sequence[torch.Tensor], world_size: int, dtensor: type[Any]) -> set[int]:
+    """The numels of ``params`` in one FSDP2 collective, unpadded and padded per parameter."""
+    shapes = [tuple(p.shape) for p in params]
+    unpadded = sum(math.prod(s) for s in shapes)
+    if not all(isinstance(p, dtensor) for p in params):
+        return {unpadded}
+    return {unpadded, sum(_fsdp2_padded(s, world_size) for s in shapes)}
 
 
 #: ``torch.distributed``'s Python functions FSDP calls, with the record kind each issues.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gc
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict, TypeVar
 
 import torch
@@ -23,7 +23,7 @@ import torch.nn as nn
 from fsdp_conformance import _compat
 from fsdp_conformance.fsdp import capabilities
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models.units import planned_unit_modules
+from fsdp_conformance.models.units import mixed_requires_grad_units, planned_unit_modules
 
 FSDP_VERSIONS = ("fsdp1", "fsdp2")
 
@@ -35,13 +35,20 @@ def check_fsdp_version(version: str) -> str:
 
 
 def shard_fsdp1(model: nn.Module, ctx: RankContext, policy: Any, **fsdp_kwargs: Any) -> nn.Module:
-    """``FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=<rank's device>)``.
+    """``FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=<rank's device>)``,
+    with ``use_orig_params=True`` where the caller left it unset and a unit of the plan mixes
+    frozen and trainable parameters (:func:`fsdp1_options`: FSDP1 cannot run such a unit
+    without it; the preflight says so in one line, ``user_model.frozen_units_note``).
 
     ``device_id`` is mandatory on CPU ("FSDP needs a non-CPU accelerator device" without it).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     fsdp_kwargs.setdefault("device_id", ctx.device)
+    if "use_orig_params" not in fsdp_kwargs:
+        units = planned_unit_modules(model, policy) if policy is not None else []
+        ignored = fsdp_kwargs.get("ignored_modules") or ()
+        fsdp_kwargs.update(fsdp1_options(model, units, ignored))
     return FSDP(model, auto_wrap_policy=policy, **fsdp_kwargs)
 
 
@@ -227,20 +234,20 @@ def offload_kwargs(ctx: RankContext, version: str, offload: bool) -> dict[str, A
     return {"offload_policy": policy() if ctx.device_type == "cuda" else policy(pin_memory=False)}
 
 
-def fsdp1_options(model: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[str, Any]:
+def fsdp1_options(
+    model: nn.Module, unit_modules: Sequence[nn.Module], ignored: Iterable[nn.Module] = ()
+) -> dict[str, Any]:
     """FSDP1 keyword arguments a plan needs: ``use_orig_params=True`` for mixed requires_grad.
 
     With ``use_orig_params=False`` FSDP1 refuses to flatten a unit whose parameters mix
     frozen and trainable ones ("Must flatten tensors with uniform requires_grad"), which is the
-    normal state of a LoRA block. FSDP2 has no flat parameter and needs nothing.
+    normal state of a LoRA block or a frozen norm inside a block
+    (:func:`~fsdp_conformance.models.units.mixed_requires_grad_units`). FSDP2 has no flat
+    parameter and needs nothing.
     """
-    claimed: set[int] = set()
-    for module in [*unit_modules, model]:
-        own = [p for p in module.parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in own)
-        if len({p.requires_grad for p in own}) > 1:
-            return {"use_orig_params": True}
-    return {}
+    return (
+        {"use_orig_params": True} if mixed_requires_grad_units(model, unit_modules, ignored) else {}
+    )
 
 
 def shard(

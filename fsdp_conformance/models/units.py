@@ -87,6 +87,34 @@ def planned_unit_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
     return recorded
 
 
+def mixed_requires_grad_units(
+    model: nn.Module, unit_modules: Sequence[nn.Module], ignored: Iterable[nn.Module] = ()
+) -> list[str]:
+    """The FQNs (``""`` the root) of the units of a plan whose own parameters mix frozen and
+    trainable ones (``requires_grad`` both False and True), each parameter counted in the
+    innermost unit holding it, the parameters of ``ignored`` modules in none.
+
+    FSDP1 with ``use_orig_params=False`` (its default) refuses to flatten such a unit (torch:
+    "Must flatten tensors with uniform requires_grad", or under an auto-wrap policy "... has
+    both parameters with requires_grad=True and False"); ``use_orig_params=True`` takes it.
+    """
+    names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
+    claimed = {id(p) for m in ignored for p in m.parameters()}
+    out = []
+    for module in [*_innermost_first(model, unit_modules), model]:
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        if len({p.requires_grad for p in own}) > 1:
+            out.append(names.get(id(module), ""))
+    return sorted(out)
+
+
+def _innermost_first(model: nn.Module, unit_modules: Sequence[nn.Module]) -> list[nn.Module]:
+    depth = {id(m): n.count(".") + 1 for n, m in model.named_modules() if n}
+    units = [m for m in unit_modules if m is not model]
+    return sorted(units, key=lambda m: -depth.get(id(m), 0))
+
+
 def plan_units(model: nn.Module, policy: Any) -> list[UnitInfo]:
     """The units FSDP1 (or FSDP2 applied to the same modules) would create under ``policy``."""
     return units_for_modules(model, planned_unit_modules(model, policy))

@@ -31,6 +31,7 @@ from fsdp_conformance.models.model_spec import (
     depth_keyword,
     load_object,
 )
+from fsdp_conformance.models.units import mixed_requires_grad_units, planned_unit_modules
 from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle, Settings
 
 
@@ -100,11 +101,30 @@ def validate_user_model(
         detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}{given}, "
         f"threshold {threshold:,}; check --fsdp-block-cls names the model's block class",
     )
+    mixed = mixed_requires_grad_units(
+        model, planned_unit_modules(model, built.policy("recommended"))
+    )
+    if mixed:
+        notes.append(frozen_units_note(mixed))
     _check_size(spec, model, lanes, world_sizes)
     _check_batch(built, flag_style)
     if depth_rebuild:
         _check_depth_rebuild(spec, model)
     return notes
+
+
+def frozen_units_note(units: Sequence[str]) -> str:
+    """The one line that says the FSDP1 checks run with ``use_orig_params=True``, because the
+    units ``units`` (FQNs, ``""`` the root) mix frozen and trainable parameters."""
+    shown = ", ".join(repr(u) if u else "the root" for u in units[:4])
+    more = f" and {len(units) - 4} more" if len(units) > 4 else ""
+    return (
+        f"FSDP1 unit(s) {shown}{more} hold frozen and trainable parameters, which FSDP1 "
+        'cannot flatten with use_orig_params=False, its default (torch: "Must flatten tensors '
+        'with uniform requires_grad"); the FSDP1 checks run with the fix, '
+        "use_orig_params=True (or keep the frozen modules out of those units: wrap them as "
+        "units of their own)"
+    )
 
 
 def _flag(name: str, flag_style: FlagStyle) -> str:

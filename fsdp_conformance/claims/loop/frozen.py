@@ -28,7 +28,6 @@ The user's code is this module's functions (:func:`freeze`, :func:`optimizer_par
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -218,30 +217,6 @@ def grad_states(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _fsdp2_padded(shape: Sequence[int], world_size: int) -> int:
-    # FSDP2 pads each parameter's dim 0 to a multiple of the world size (collectives.py).
-    if not shape:
-        return world_size
-    return -(-shape[0] // world_size) * world_size * math.prod(shape[1:])
-
-
-def reduce_sizes(pair: Pair, frozen: Collection[str]) -> dict[str, list[int]]:
-    """The numels a unit's gradient reduction can have: its whole parameters (FSDP1 reduces the
-    whole flat parameter), and under FSDP2, which reduces only the parameters that have a
-    gradient, its trainable ones (unpadded and padded)."""
-    sizes = {unit: set(numels) for unit, numels in pair.sizes().items()}
-    if pair.version == "fsdp2":
-        trainable: dict[str, list[int]] = {}
-        for name, param in pair.sharded.named_parameters():
-            if clean_fqn(name) not in frozen:
-                numels = trainable.setdefault(unit_of(clean_fqn(name), sizes), [0, 0])
-                numels[0] += param.numel()
-                numels[1] += _fsdp2_padded(tuple(param.shape), pair.ctx.world_size)
-        for unit, numels in trainable.items():
-            sizes.setdefault(unit, set()).update(numels)
-    return {unit: sorted(numels) for unit, numels in sizes.items()}
-
-
 # --------------------------------------------------------------------------------------------
 # loop.frozen
 # --------------------------------------------------------------------------------------------
@@ -303,7 +278,7 @@ def rank_frozen(
         params = optimizer_params(pair.sharded, frozen)
         ref_params = optimizer_params(pair.reference.model, frozen)
         losses, ref_losses, observed, changed, grads = [], [], [], [], []
-        with record_collectives(reduce_sizes(pair, frozen)) as recorder:
+        with record_collectives(pair.sizes()) as recorder:
             for step in range(STEPS):
                 before, ref_before = snapshot(pair)
                 recorder.phase = f"micro {step}.0"

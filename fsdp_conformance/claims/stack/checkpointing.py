@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -43,13 +44,14 @@ from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
 from fsdp_conformance.claims.stack.common import (
     LR,
+    PER_RANK,
     STEPS,
     Side,
     build_side,
     parity_problems,
     per_unit,
 )
-from fsdp_conformance.fsdp.collectives import record_collectives, unit_sizes
+from fsdp_conformance.fsdp.collectives import UnitSizes, record_collectives, unit_sizes
 from fsdp_conformance.fsdp.reference_step import (
     TensorComparison,
     full_params,
@@ -59,10 +61,10 @@ from fsdp_conformance.fsdp.reference_step import (
     reported_dtype,
     sgd_step,
 )
-from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh, shard_fsdp1
+from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2_modules
 from fsdp_conformance.fsdp.state_dict_kinds import get_state
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec
+from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, call_model
 from fsdp_conformance.models.units import clean_fqn, planned_unit_modules
 
 #: The settings each check trains, beside ``none`` (no checkpointing: the baseline).
@@ -102,15 +104,53 @@ def strip_wrapper(name: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def apply_checkpointing(model: nn.Module, blocks: tuple[type[nn.Module], ...], impl: str) -> None:
-    """``apply_activation_checkpointing`` on every module of ``blocks``, as users write it."""
+def apply_checkpointing(
+    model: nn.Module,
+    blocks: tuple[type[nn.Module], ...],
+    impl: str,
+    left_out: Collection[int] = (),
+) -> None:
+    """``apply_activation_checkpointing`` on every module of ``blocks`` but those in
+    ``left_out`` (identities), as users write it."""
     module = _compat.checkpoint_wrapper_module()
     wrapper = functools.partial(
         module.checkpoint_wrapper, checkpoint_impl=module.CheckpointImpl[impl]
     )
     module.apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, blocks)
+        model,
+        checkpoint_wrapper_fn=wrapper,
+        check_fn=lambda m: isinstance(m, blocks) and id(m) not in left_out,
     )
+
+
+def inputs_without_grad(
+    model: nn.Module, blocks: tuple[type[nn.Module], ...], batch: Any
+) -> dict[int, str]:
+    """The modules of ``blocks`` (identity: FQN) none of whose tensor inputs requires grad in a
+    forward of ``batch`` (on a copy: running statistics stay as they were): the blocks a user
+    leaves out of REENTRANT checkpointing, which would give their parameters no gradient
+    (torch: "None of the inputs have requires_grad=True"), as transformers' gradient
+    checkpointing checkpoints only the layers that carry the hidden states (ViT's embeddings,
+    fed the pixels, are a block class of its ``_no_split_modules`` but never checkpointed)."""
+    probe = copy.deepcopy(model)
+    names = dict(zip(map(id, probe.modules()), map(id, model.modules()), strict=True))
+    seen: dict[int, bool] = {}
+    handles = []
+    for module in probe.modules():
+        if isinstance(module, blocks):
+
+            def hook(m: nn.Module, args: Any, kwargs: Any, key: int = id(module)) -> None:
+                tensors = [
+                    t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                ]
+                seen[key] = seen.get(key, False) or any(t.requires_grad for t in tensors)
+
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    call_model(probe, batch)
+    for handle in handles:
+        handle.remove()
+    fqns = {id(m): strip_wrapper(n) for n, m in model.named_modules()}
+    return {names[k]: fqns[names[k]] for k, grad in seen.items() if not grad}
 
 
 def cache_off(model: nn.Module) -> None:
@@ -135,19 +175,25 @@ def _shard(
     order, _, impl = setting.partition(" ")
 
     def shard(model: nn.Module, policy: Any) -> nn.Module:
-        blocks = BuiltModel(spec, model).blocks
-        found.append(blocks)
+        built = BuiltModel(spec, model)
+        blocks = built.blocks
         cache_off(model)
+        left_out = (
+            inputs_without_grad(model, blocks, built.batch(PER_RANK, ctx.device))
+            if impl == "REENTRANT"
+            else {}
+        )
+        found.append((blocks, sorted(left_out.values())))
         if version == "fsdp1":
             if order == "before_wrap":
-                apply_checkpointing(model, blocks, impl)
+                apply_checkpointing(model, blocks, impl, left_out)
             sharded = shard_fsdp1(model, ctx, policy)
             if order == "after_wrap":
-                apply_checkpointing(sharded, blocks, impl)
+                apply_checkpointing(sharded, blocks, impl, left_out)
             return sharded
         planned = [m for m in planned_unit_modules(model, policy) if m is not model]
         if order == "before_shard":
-            apply_checkpointing(model, blocks, impl)
+            apply_checkpointing(model, blocks, impl, left_out)
         # fully_shard each unit: a checkpointed block through its wrapper (torchtitan's order).
         parent = {
             id(child): module
@@ -155,12 +201,9 @@ def _shard(
             for child in module.children()
             if _compat.checkpoint_wrapped_prefix() in dict(module.named_children())
         }
-        mesh = device_mesh(ctx)
-        fully_shard = _compat.fully_shard()
-        for unit in reversed(planned):  # pre-order reversed: the deepest first
-            fully_shard(parent.get(id(unit), unit), mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        # Deepest first, whatever the plan's order: a size-rule unit above block units (a
+        # container of blocks) is sharded after the blocks inside it.
+        return shard_fsdp2_modules(model, ctx, [parent.get(id(unit), unit) for unit in planned])
 
     return shard
 
@@ -174,8 +217,10 @@ def _perturbing_recompute(original: Callable[..., None]) -> Callable[..., None]:
     """Checkpointing applied, and every second forward of each block's first module (the
     recompute, when checkpointing is in effect) off by 0.01."""
 
-    def call(model: nn.Module, blocks: tuple[type[nn.Module], ...], impl: str) -> None:
-        original(model, blocks, impl)
+    def call(
+        model: nn.Module, blocks: tuple[type[nn.Module], ...], impl: str, left_out: Any = ()
+    ) -> None:
+        original(model, blocks, impl, left_out)
         for module in model.modules():
             if isinstance(module, blocks):
                 first = next(module.children())
@@ -209,6 +254,13 @@ def _unstripped_model(ctx: RankContext) -> Iterator[None]:
 
 
 FAULTS = FaultTable(
+    reentrant_on_inputs_without_grad=Fault(
+        "REENTRANT checkpointing applied to every block, those whose inputs need no gradient "
+        "too (ViT's embeddings, fed the pixels): their parameters get no gradient",
+        lambda ctx: patched_attr(
+            __name__, "inputs_without_grad", lambda original: lambda *args: {}
+        ),
+    ),
     checkpoint_dropped=Fault(
         "torch's apply_activation_checkpointing does nothing: every number agrees, no block is "
         "recomputed in backward",
@@ -279,6 +331,8 @@ class SettingRun(TypedDict):
     losses: list[float]
     ref_losses: list[float]
     steps: list[TensorComparison]
+    #: The blocks left out of checkpointing (REENTRANT: their inputs need no gradient).
+    not_checkpointed: list[str]
     #: torch's warnings in the forwards that say gradients will be lost (reentrant
     #: checkpointing of a block none of whose inputs requires grad), distinct.
     lost_gradients: list[str]
@@ -301,11 +355,12 @@ class CheckpointingResult(TypedDict):
     runs: list[SettingRun]
 
 
-def _unit_sizes(model: nn.Module, version: str, world_size: int) -> dict[str, list[int]]:
+def _unit_sizes(model: nn.Module, version: str, world_size: int) -> UnitSizes:
     # FSDP1: a CheckpointWrapper forwards attribute reads to the unit it wraps, so it reads as
     # that unit too; one name per unit.
-    out: dict[str, list[int]] = {}
-    for name, sizes in unit_sizes(model, version, world_size).items():
+    found = unit_sizes(model, version, world_size)
+    out = UnitSizes(owners={key: strip_wrapper(name) for key, name in found.owners.items()})
+    for name, sizes in found.items():
         out.setdefault(strip_wrapper(name), sizes)
     return out
 
@@ -339,11 +394,17 @@ def _optimizer_fqns(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def _train(
-    ctx: RankContext, side: Side, version: str, setting: str, blocks: tuple[type[nn.Module], ...]
+    ctx: RankContext,
+    side: Side,
+    version: str,
+    setting: str,
+    found: tuple[tuple[type[nn.Module], ...], list[str]],
 ) -> SettingRun:
+    blocks, left_out = found
     forwards = _Forwards(side.sharded, blocks)
     run: SettingRun = {
         "setting": setting,
+        "not_checkpointed": left_out,
         "collectives": [],
         "forwards": [],
         "losses": [],
@@ -463,7 +524,8 @@ def _recompute_problems(label: str, run: SettingRun) -> list[str]:
     for i, phases in enumerate(run["forwards"]):
         fwd, bwd = phases.get("forward", {}), phases.get("backward", {})
         for block in sorted(set(fwd) | set(bwd)):
-            want = fwd.get(block, 0) if checkpointed and block else 0
+            recomputed = checkpointed and block and block not in run.get("not_checkpointed", [])
+            want = fwd.get(block, 0) if recomputed else 0
             if bwd.get(block, 0) != want:
                 where = f"block {block!r}" if block else "outside the blocks"
                 out.append(
@@ -493,7 +555,7 @@ def _gather_problems(label: str, run: SettingRun, units: Sequence[str]) -> list[
                 expected = sum(per.get(u, 0) for u in name.split("|"))
                 if got != expected:
                     out.append(
-                        f"{label}: {phase} {i}: {got} {op}(s) for unit {name!r} (by size), "
+                        f"{label}: {phase} {i}: {got} {op}(s) for unit {name!r}, "
                         f"expected {expected}"
                     )
     return out
@@ -565,11 +627,20 @@ def verdict_checkpointing(
             figures,
             data,
         )
+    left_out = sorted({b for r in runs.values() for b in r.get("not_checkpointed", [])})
+    note = (
+        f"; REENTRANT left out {len(left_out)} block(s) whose inputs need no gradient, as users "
+        f"leave them out ({', '.join(repr(b) for b in left_out[:4])}: a reentrant checkpoint "
+        "there gives their parameters no gradient)"
+        if left_out
+        else ""
+    )
     return Verdict(
         True,
         f"{what}: each trained {STEPS} steps equal to the reference (worst "
-        f"{figures['update_rel_diff']:.1e}); every block recomputed once per backward; one "
-        "all-gather per unit per phase; state-dict and optimizer FQNs those of the plain model",
+        f"{figures['update_rel_diff']:.1e}); every checkpointed block recomputed once per "
+        "backward; one all-gather per unit per phase; state-dict and optimizer FQNs those of the "
+        f"plain model{note}",
         figures,
         data,
     )

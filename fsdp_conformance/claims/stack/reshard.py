@@ -423,7 +423,7 @@ def _backward_problems(
                 got, want = _count(counts, unit), _expected(counts, unit, per_unit_want)
                 if got != want:
                     problems.append(
-                        f"{label}: backward {step}: {got} {op}(s) for unit {unit!r} (by size), "
+                        f"{label}: backward {step}: {got} {op}(s) for unit {unit!r}, "
                         f"expected {want}"
                     )
     return problems + _group_problems(label, run, held)

@@ -223,6 +223,8 @@ def _summoned_grads(ctx: RankContext, spec: ModelSpec, seed: int) -> SummonedGra
     with FSDP.summon_full_params(sharded, **options):
         for name, p in sharded.named_parameters():
             key, grad = clean_fqn(name), p.grad
+            if key not in want and (grad is None or not bool(grad.any())):
+                continue  # a frozen parameter: none in the reference, none or zeros here
             if grad is None or key not in want or grad.shape != want[key].shape:
                 missing.append(key)
                 continue

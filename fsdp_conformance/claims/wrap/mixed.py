@@ -19,11 +19,21 @@ from fsdp_conformance.claims.wrap.common import (
     record_compute_dtypes,
     units_of,
 )
-from fsdp_conformance.fsdp.sharding import check_fsdp_version, device_mesh, shard_fsdp2_modules
+from fsdp_conformance.fsdp.sharding import (
+    check_fsdp_version,
+    device_mesh,
+    fsdp1_options,
+    shard_fsdp2_modules,
+)
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec, call_model, default_loss
 from fsdp_conformance.models.policies import PolicyError
-from fsdp_conformance.models.units import actual_units, clean_fqn, format_unit_tree
+from fsdp_conformance.models.units import (
+    actual_units,
+    clean_fqn,
+    format_unit_tree,
+    planned_unit_modules,
+)
 
 # --------------------------------------------------------------------------------------------
 # The user's per-unit options
@@ -345,6 +355,7 @@ def _shard_mixed(
                 buffer_dtype=torch.bfloat16,
                 cast_forward_inputs=True,
             ),
+            **fsdp1_options(model, planned_unit_modules(model, policy)),
         )
     options = embedding_options(ctx, version)
     emb_unit = [emb, *(model.get_submodule(n) for n in outermost(tied))]

@@ -45,9 +45,18 @@ def prefetch_options(version: str) -> dict[str, Any]:
 
 def prefetch_forward(unit_blocks: Sequence[Any]) -> None:
     """FSDP2's forward prefetch, asked explicitly: each block (an ``FSDPModule``) prefetches
-    the next."""
+    the next, ``unit_blocks`` in the order the forward runs them."""
     for current, following in itertools.pairwise(unit_blocks):
         current.set_modules_to_forward_prefetch([following])
+
+
+def execution_order(run: Sequence[tuple[str, Any]]) -> list[int]:
+    """The blocks (their indices in module order) in the order a recorded iteration's forward
+    started them, each once: the order the user's FSDP2 forward prefetch follows, as torch
+    itself records it for FSDP1 (its execution order, from the first iteration) and FSDP2 (its
+    backward prefetch, from the forward's order). Module order is not execution order (blocks
+    in a ``ModuleDict``, or run in reverse)."""
+    return list(dict.fromkeys(i for kind, i in run if kind == "fwd_start"))
 
 
 @contextlib.contextmanager
@@ -85,7 +94,20 @@ def _no_backward_prefetch(ctx: RankContext) -> contextlib.AbstractContextManager
     return patched_attr(__name__, "prefetch_options", _without_backward)
 
 
+def _module_order(original: Callable[[Sequence[tuple[str, Any]]], list[int]]) -> Any:
+    def module_order(run: Sequence[tuple[str, Any]]) -> list[int]:
+        return sorted(original(run))
+
+    return module_order
+
+
 FAULTS = FaultTable(
+    module_order_prefetch=Fault(
+        "FSDP2's forward prefetch set in module order, not in the order the forward runs the "
+        "blocks: on a model that runs them in another order each block prefetches a unit that "
+        "does not come next (FSDP1 follows its own recorded order: no change there)",
+        lambda ctx: patched_attr(__name__, "execution_order", _module_order),
+    ),
     no_forward_prefetch=Fault(
         "forward prefetch left off (FSDP1 forward_prefetch=False; FSDP2 no "
         "set_modules_to_forward_prefetch): the next unit is gathered only when its block starts",
@@ -199,10 +221,14 @@ def _record_runs(
     events: list[tuple[str, Any]],
     keys: Mapping[int, str],
     iterations: int,
+    after_first: Callable[[list[tuple[str, Any]]], None],
 ) -> list[list[tuple[str, Any]]]:
-    """One event list per training iteration, gathers named by their unit."""
-    runs = []
-    for _ in range(iterations):
+    """One event list per training iteration, gathers named by their unit; ``after_first`` is
+    called with the first iteration's events."""
+    runs: list[list[tuple[str, Any]]] = []
+    for it in range(iterations):
+        if it == 1:
+            after_first(runs[0])
         events.clear()
         with record_unshards(events):
             out = call_model(sharded, batch)
@@ -227,6 +253,8 @@ class PrefetchResult(TypedDict):
     blocks: list[str]
     units: list[str]
     runs: list[list[tuple[str, Any]]]
+    #: The blocks (indices into ``blocks``) in the order the first iteration's forward ran them.
+    order: list[int]
 
 
 def _shard_prefetching(
@@ -236,13 +264,28 @@ def _shard_prefetching(
     policy_obj: Any,
     blocks: Sequence[tuple[str, nn.Module]],
 ) -> tuple[nn.Module, dict[int, str]]:
-    """``model`` sharded with prefetch on, and its units by the key ``record_unshards`` sees."""
+    """``model`` sharded with prefetch on (FSDP1; FSDP2's forward prefetch is asked once the
+    first iteration showed the blocks' order: :func:`_fsdp2_prefetch`), and its units by the key
+    ``record_unshards`` sees."""
     sharded = shard_with_policy(model, ctx, version, policy_obj, **prefetch_options(version))
     if version == "fsdp1":
         return sharded, _fsdp1_handle_keys(sharded)
-    fsdp_cls = _compat.fsdp_module_cls()
-    prefetch_forward([m for _, m in blocks if isinstance(m, fsdp_cls)])
     return sharded, _fsdp2_group_keys(sharded)
+
+
+def _fsdp2_prefetch(
+    version: str, blocks: Sequence[tuple[str, nn.Module]]
+) -> Callable[[list[tuple[str, Any]]], None]:
+    """After the first iteration: FSDP2's forward prefetch in the order it ran the blocks, as
+    users set it (torchtitan lists its layers in the order they run); FSDP1 nothing."""
+
+    def ask(first: list[tuple[str, Any]]) -> None:
+        if version == "fsdp2":
+            fsdp_cls = _compat.fsdp_module_cls()
+            ordered = [blocks[i][1] for i in execution_order(first)]
+            prefetch_forward([m for m in ordered if isinstance(m, fsdp_cls)])
+
+    return ask
 
 
 def rank_prefetch(
@@ -281,13 +324,15 @@ def rank_prefetch(
         _mark_blocks(blocks, events)
         sharded, keys = _shard_prefetching(model, ctx, version, built.policy(policy), blocks)
         batch = built.batch(batch_size=2, device=ctx.device)
-        runs = _record_runs(sharded, batch, events, keys, iterations)
+        ask = _fsdp2_prefetch(version, blocks)
+        runs = _record_runs(sharded, batch, events, keys, iterations, ask)
         return {
             "rank": ctx.rank,
             "version": version,
             "blocks": [n for n, _ in blocks],
             "units": [u.fqn for u in actual_units(sharded) if u.numel > 0],
             "runs": runs,
+            "order": list(dict.fromkeys(i for kind, i in runs[0] if kind == "fwd_start")),
         }
 
 
@@ -322,9 +367,11 @@ def verdict_prefetch_backward(
 
 def _order_problems(v: PrefetchResult, direction: str) -> list[str]:
     """One rank's last iteration: each next block's unit gathered before the current block
-    finished its ``direction``."""
+    finished its ``direction``, next in the order the first iteration's forward ran the blocks
+    (``order``; module order in a report without it)."""
     run = [tuple(e) for e in v["runs"][-1]]
     blocks, units = v["blocks"], v["units"]
+    order = list(v.get("order") or range(len(blocks)))
     owners = [_block_unit(b, units) for b in blocks]
     if len(set(owners)) < len(blocks):
         return [
@@ -340,9 +387,9 @@ def _order_problems(v: PrefetchResult, direction: str) -> list[str]:
     problems = []
     done = run.index(("fwd_done", None))
     pairs = (
-        [(k, k + 1, ("fwd_end", k)) for k in range(len(blocks) - 1)]
+        [(k, nxt, ("fwd_end", k)) for k, nxt in itertools.pairwise(order)]
         if direction == "forward"
-        else [(k, k - 1, ("bwd_end", k)) for k in range(len(blocks) - 1, 0, -1)]
+        else [(k, nxt, ("bwd_end", k)) for nxt, k in reversed(list(itertools.pairwise(order)))]
     )
     for k, nxt, end_event in pairs:
         if end_event not in run:

@@ -148,7 +148,7 @@ def _unsynced(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
             return shard(model, ctx, version, policy_obj, ignored_modules=outside, **kwargs)
         fully_shard = _compat.fully_shard()
         mesh = device_mesh(ctx)
-        for u in sorted(units, key=lambda m: -len([*m.modules()])):
+        for u in sorted(units, key=lambda m: len([*m.modules()])):  # the innermost first
             fully_shard(u, mesh=mesh, **kwargs)
         return model
 

@@ -1,0 +1,157 @@
+"""Small hand-written models, each with one structural trait real models have, for the tests of
+how the suite matches collectives to units, orders prefetches, applies checkpointing and shards
+FSDP1 units:
+
+* ``frozen_in_block``: a frozen parameter inside every block unit (a frozen norm, as a LoRA or a
+  partly frozen fine-tune leaves it), beside trainable ones;
+* ``reversed_blocks``: blocks registered in one order and run in the reverse one (a
+  ``ModuleDict`` whose keys do not sort by use), so module order is not execution order;
+* ``container_in_size_unit``: a stage the size rule wraps (a container over the minimum size)
+  that holds the block units;
+* ``stem_blocks``: a block class fed the model's input (features that need no gradient), as
+  ViT's embeddings are a block class fed the pixels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 64
+DIM = 32
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return out
+
+
+class TokenModel(nn.Module):
+    """Embedding, blocks in ``self.blocks`` run in :meth:`order`, a norm and a head."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks: nn.Module = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def order(self) -> list[nn.Module]:
+        return list(self.blocks.children())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.order():
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+class FrozenInBlock(TokenModel):
+    """Every block's norm frozen (``requires_grad=False`` from construction): each block unit
+    holds frozen and trainable parameters."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        for block in self.order():
+            assert isinstance(block, Block)
+            block.norm.requires_grad_(False)
+
+
+class ReversedBlocks(TokenModel):
+    """Blocks in a ``ModuleDict`` registered ``b0, b1, ...`` and run last to first."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        self.blocks = nn.ModuleDict({f"b{i}": Block() for i in range(layers)})
+
+    def order(self) -> list[nn.Module]:
+        return list(self.blocks.children())[::-1]
+
+
+class Stage(nn.Module):
+    """A container of blocks with a projection of its own: large enough for the size rule."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+class ContainerInSizeUnit(TokenModel):
+    """The blocks inside a :class:`Stage`, which the size rule wraps above the block units."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__(layers)
+        self.blocks = Stage(layers)
+
+    def order(self) -> list[nn.Module]:
+        return [self.blocks]
+
+
+class Stem(nn.Module):
+    """The first block class: a projection of the model's input features."""
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(x)
+        return out
+
+
+class StemBlocks(nn.Module):
+    """A :class:`Stem` on float features, then blocks and a head."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.stem = Stem()
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.stem(features)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def features(model: nn.Module, batch_size: int, device: Any) -> torch.Tensor:
+    """:class:`StemBlocks`' input: random features, the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 6, 8, generator=generator).to(device)
+
+
+def stem_blocks() -> nn.Module:
+    return StemBlocks()
+
+
+def frozen_in_block() -> nn.Module:
+    return FrozenInBlock()
+
+
+def reversed_blocks() -> nn.Module:
+    return ReversedBlocks()
+
+
+def container_in_size_unit() -> nn.Module:
+    return ContainerInSizeUnit()
