@@ -16,6 +16,7 @@ import torch
 from fsdp_conformance import cli
 from fsdp_conformance.claims import init, loop, stack, state, wrap
 from fsdp_conformance.claims.check import Check, Verdict
+from fsdp_conformance.claims.loop import clipping
 from fsdp_conformance.claims.stack import loss_scaling
 from fsdp_conformance.fsdp.reference_step import (
     SliceReference,
@@ -298,3 +299,37 @@ def test_the_whole_run_passes_a_model_with_buffers_of_every_kind(
     ]
     assert bad == [], "\n".join(bad)
     assert code == cli.EXIT_OK, out + err
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 clipping: the norm's tolerance from the model's own reduction-order noise
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["fsdp1", "fsdp2"])
+def test_clipping_on_a_moe_passes_with_its_measured_norm_tolerance(
+    ranks: Ranks, version: str
+) -> None:
+    verdict, values = judged(ranks, check_of(loop.CHECKS, "loop.clipping.l2", version), MOE)
+    assert verdict.passed, verdict.message
+    assert all(0 <= x < 1e-5 for v in values for x in v["norm_noise"])
+    assert verdict.figures["norm_rtol"] >= clipping.NORM_RTOL
+
+
+def test_negative_control_a_local_norm_still_fails_clipping_on_the_moe(ranks: Ranks) -> None:
+    check = check_of(loop.CHECKS, "loop.clipping.l2", "fsdp1")
+    verdict, _ = judged(ranks, check, MOE, "local_norm")
+    assert not verdict.passed
+    assert "total norm" in verdict.message and "the model's own norm noise" in verdict.message
+
+
+def test_the_norm_tolerance_follows_the_measured_noise_up_to_its_cap() -> None:
+    def tolerance(noise: float) -> float:
+        values: Any = [{"norm_noise": [0.0, noise]}]
+        return clipping.norm_tolerance(values)[0]
+
+    assert tolerance(0.0) == clipping.NORM_RTOL
+    assert tolerance(1e-5) == pytest.approx(clipping.NORM_NOISE_FACTOR * 1e-5)
+    assert tolerance(1.0) == clipping.NORM_CAP
+    noisy: Any = [{"norm_noise": [1e-3]}]
+    assert "too noisy" in clipping._noise_problems(noisy)[0]
