@@ -247,7 +247,7 @@ def _finite_step(update_rel: float, noise: float) -> dict[str, Any]:
 
 def test_the_tolerance_grows_with_the_measured_noise_up_to_its_cap() -> None:
     """Parent side: a difference of 0.05 passes a model whose fp16 step measured 0.02 from fp32
-    (3 x 0.02 = 0.06), fails one that measured nothing (0.02 fixed), and a model whose noise
+    (5 x 0.02 = 0.1), fails one that measured nothing (0.02 fixed), and a model whose noise
     asks for more than the cap is reported as too noisy, never passed."""
 
     def problems(update_rel: float, noise: float) -> list[str]:

@@ -90,11 +90,12 @@ LOSS_RTOL = 1e-2
 #: The model's own fp16 noise, measured in one process at every finite step: the reference's
 #: fp16 update (and each slice's loss) against an fp32 step of the same model from the same
 #: parameters on the same slices (:class:`_Reference`). The sharded fp16 step and the
-#: reference's are two fp16 computations of one step, each that far from fp32, so they may
-#: differ by twice it; the tolerance is :data:`NOISE_FACTOR` times the measured noise where
-#: that exceeds the fixed tolerances above (a top-k router that sends a token elsewhere in
-#: fp16, a deep convolution's rounding), never below them.
-NOISE_FACTOR = 3.0
+#: reference's are two fp16 computations of one step, each about that far from fp32; the
+#: tolerance is :data:`NOISE_FACTOR` times the measured noise where that exceeds the fixed
+#: tolerances above (a top-k router that sends a token elsewhere in fp16, a deep convolution's
+#: rounding), never below them. Measured, sharded difference over noise: 2.8 on the Llama
+#: reference model, 1.5 on a top-2 mixture of experts (docs/stack/loss_scaling.md).
+NOISE_FACTOR = 5.0
 #: The largest tolerance a measured noise may set: a fault moves an update by its whole size or
 #: more (the loss scale not applied: 1.0 of it; the gradients not unscaled: the scale, 1023x),
 #: so a model whose fp16 noise needs more than this cannot be judged in fp16 at all, and the
