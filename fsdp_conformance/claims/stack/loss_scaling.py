@@ -44,6 +44,7 @@ from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
 from fsdp_conformance.claims.stack.common import build_side
 from fsdp_conformance.fsdp.reference_step import (
+    RankBuffers,
     TensorComparison,
     compare_tensors,
     full_params,
@@ -298,6 +299,7 @@ class _Reference:
     def __init__(self, model: nn.Module, ctx: RankContext) -> None:
         self.model = model
         self.fp32 = copy.deepcopy(model)
+        self.ranks = RankBuffers(model)  # each slice with its rank's buffers, as on the ranks
         self.ctx = ctx
         #: Each slice's fp16 loss at the last step.
         self.losses: list[float] = []
@@ -330,7 +332,7 @@ class _Reference:
         """One step; this rank's slice's loss."""
         self.losses = []
         for r, part in enumerate(slices):
-            with torch.autocast(self.ctx.device_type, dtype=torch.float16):
+            with self.ranks.as_rank(r), torch.autocast(self.ctx.device_type, torch.float16):
                 loss = model_loss(self.model, part)
             self.losses.append(float(loss))
             if poisoned == "loss" and r == inf_rank(len(slices)):
