@@ -165,10 +165,18 @@ def sgd_step(model: nn.Module, lr: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _copy_as(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A detached copy in ``dtype``; a complex tensor in the complex dtype of ``dtype``'s
+    width (a cast to a real dtype would drop its imaginary part)."""
+    if value.is_complex():
+        dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+    return value.detach().to(dtype, copy=True)
+
+
 def _whole(value: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     dtensor = _compat.dtensor_cls()
     full = value.full_tensor() if isinstance(value, dtensor) else value
-    return full.detach().to(dtype, copy=True)
+    return _copy_as(full, dtype)
 
 
 def full_params(
@@ -181,7 +189,7 @@ def full_params(
 
         with FSDP.summon_full_params(sharded, writeback=False):
             return {
-                clean_fqn(n): p.detach().to(dtype, copy=True)
+                clean_fqn(n): _copy_as(p, dtype)
                 for n, p in sharded.named_parameters(remove_duplicate=False)
             }
     return {
@@ -198,10 +206,7 @@ def reference_params(
     model: nn.Module, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     """The reference's parameters (every alias of a tied one), ``dtype`` copies by FQN."""
-    return {
-        n: p.detach().to(dtype, copy=True)
-        for n, p in model.named_parameters(remove_duplicate=False)
-    }
+    return {n: _copy_as(p, dtype) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def reference_grads(
@@ -209,7 +214,7 @@ def reference_grads(
 ) -> dict[str, torch.Tensor | None]:
     """The reference's gradients by FQN (None where it has none)."""
     return {
-        n: None if p.grad is None else p.grad.detach().to(dtype, copy=True)
+        n: None if p.grad is None else _copy_as(p.grad, dtype)
         for n, p in model.named_parameters(remove_duplicate=False)
     }
 
