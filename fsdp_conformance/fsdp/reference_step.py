@@ -12,19 +12,28 @@ without such modules this is one step on the whole batch.
 
 The sharded side, whole: :func:`full_params` (FSDP1 ``summon_full_params``, FSDP2
 ``full_tensor``) and :func:`full_buffers`; :func:`compare_tensors` judges
-one set against the other, each tensor on its own scale with a floor for rounding-level ones.
+one set against the other, each tensor on its own scale with a floor for rounding-level ones;
+a tensor of exact values (a bool mask, an integer counter) is compared by equality, a complex
+one by its real and imaginary parts (:mod:`~fsdp_conformance.fsdp.tensors`).
+
+Running statistics are modelled here once for every check: a train-mode forward updates a
+rank's buffers from its own slice only (:class:`RankBuffers`, which :class:`SliceReference`
+uses), and a forward that only probes a model (an init check's) leaves its buffers as they were
+(:func:`buffers_kept`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.fsdp.tensors import is_exact, max_abs, max_abs_diff, real_view
 from fsdp_conformance.harness import skip_rank
 from fsdp_conformance.models.model_spec import batch_rows, call_model, default_loss
 from fsdp_conformance.models.units import clean_fqn
@@ -61,22 +70,59 @@ def _buffer_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers()}
 
 
+def _load_buffers(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in state:
+                buffer.copy_(state[name])
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Every buffer of ``model`` as it was before the block: a forward run only to prove the
+    model runs (an init check's) leaves its running statistics, counters and caches unchanged,
+    so that what is compared afterwards is the init, not one train-mode forward's update
+    (FSDP never shards a buffer: the rank's own tensors, restored in place)."""
+    saved = _buffer_state(model)
+    try:
+        yield
+    finally:
+        _load_buffers(model, saved)
+
+
+class RankBuffers:
+    """Each rank's buffers of one model in one process: FSDP never synchronises a buffer, so a
+    train-mode forward (batch norm's running statistics, a step counter) updates rank ``r``'s
+    from rank ``r``'s slice only, as DDP does without ``SyncBatchNorm``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._start = _buffer_state(model)
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def as_rank(self, rank: int) -> Iterator[None]:
+        """The model holds rank ``rank``'s buffers for the block (the model's buffers as this
+        object found them, for a rank not seen yet), and keeps what the block made of them as
+        that rank's."""
+        _load_buffers(self.model, self._buffers.get(rank, self._start))
+        try:
+            yield
+        finally:
+            self._buffers[rank] = _buffer_state(self.model)
+
+    def of(self, rank: int) -> dict[str, torch.Tensor]:
+        """Rank ``rank``'s buffers (clean FQNs)."""
+        return {clean_fqn(n): b.clone() for n, b in self._buffers.get(rank, self._start).items()}
+
+
 class SliceReference:
     """A model trained in one process as ``world_size`` ranks train it under FSDP."""
 
     def __init__(self, model: nn.Module, world_size: int) -> None:
         self.model = model
         self.world_size = world_size
-        start = _buffer_state(model)
-        self._buffers = [{n: b.clone() for n, b in start.items()} for _ in range(world_size)]
-
-    def _swap_in(self, rank: int) -> None:
-        with torch.no_grad():
-            for name, buffer in self.model.named_buffers():
-                buffer.copy_(self._buffers[rank][name])
-
-    def _swap_out(self, rank: int) -> None:
-        self._buffers[rank] = _buffer_state(self.model)
+        self._ranks = RankBuffers(model)
 
     def forward_backward(self, slices: Sequence[Any], loss: LossFn = model_loss) -> list[float]:
         """One micro-batch: each slice's forward and backward with its loss divided by the
@@ -85,16 +131,15 @@ class SliceReference:
             raise ValueError(f"{len(slices)} slices for a world of {self.world_size}")
         losses = []
         for rank, part in enumerate(slices):
-            self._swap_in(rank)
-            value = loss(self.model, part)
-            (value / self.world_size).backward()
-            self._swap_out(rank)
-            losses.append(float(value))
+            with self._ranks.as_rank(rank):
+                value = loss(self.model, part)
+                (value / self.world_size).backward()
+            losses.append(float(value.detach()))
         return losses
 
     def buffers(self, rank: int) -> dict[str, torch.Tensor]:
         """Rank ``rank``'s buffers as the reference has them (clean FQNs)."""
-        return {clean_fqn(n): b.clone() for n, b in self._buffers[rank].items()}
+        return self._ranks.of(rank)
 
 
 def sgd_update(params: Iterable[torch.Tensor], lr: float) -> None:
@@ -120,10 +165,18 @@ def sgd_step(model: nn.Module, lr: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _copy_as(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A detached copy in ``dtype``; a complex tensor in the complex dtype of ``dtype``'s
+    width (a cast to a real dtype would drop its imaginary part)."""
+    if value.is_complex():
+        dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+    return value.detach().to(dtype, copy=True)
+
+
 def _whole(value: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     dtensor = _compat.dtensor_cls()
     full = value.full_tensor() if isinstance(value, dtensor) else value
-    return full.detach().to(dtype, copy=True)
+    return _copy_as(full, dtype)
 
 
 def full_params(
@@ -136,7 +189,7 @@ def full_params(
 
         with FSDP.summon_full_params(sharded, writeback=False):
             return {
-                clean_fqn(n): p.detach().to(dtype, copy=True)
+                clean_fqn(n): _copy_as(p, dtype)
                 for n, p in sharded.named_parameters(remove_duplicate=False)
             }
     return {
@@ -153,10 +206,7 @@ def reference_params(
     model: nn.Module, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     """The reference's parameters (every alias of a tied one), ``dtype`` copies by FQN."""
-    return {
-        n: p.detach().to(dtype, copy=True)
-        for n, p in model.named_parameters(remove_duplicate=False)
-    }
+    return {n: _copy_as(p, dtype) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def reference_grads(
@@ -164,7 +214,7 @@ def reference_grads(
 ) -> dict[str, torch.Tensor | None]:
     """The reference's gradients by FQN (None where it has none)."""
     return {
-        n: None if p.grad is None else p.grad.detach().to(dtype, copy=True)
+        n: None if p.grad is None else _copy_as(p.grad, dtype)
         for n, p in model.named_parameters(remove_duplicate=False)
     }
 
@@ -191,12 +241,12 @@ class TensorComparison(TypedDict):
     shape_mismatch: list[str]
     #: Tensors not bitwise equal.
     not_bitwise: list[str]
+    #: Tensors of exact values (bool, integer) that are not equal: no tolerance applies.
+    exact_mismatch: list[str]
 
 
 def _scale(ref: Mapping[str, torch.Tensor | None]) -> float:
-    return max(
-        (float(t.abs().max()) for t in ref.values() if t is not None and t.numel()), default=0.0
-    )
+    return max((max_abs(t) for t in ref.values() if t is not None and not is_exact(t)), default=0.0)
 
 
 def compare_tensors(
@@ -222,6 +272,7 @@ def compare_tensors(
         "none_mismatch": [],
         "shape_mismatch": [],
         "not_bitwise": [],
+        "exact_mismatch": [],
     }
     for key in keys:
         a, b = got.get(key), ref.get(key)
@@ -235,14 +286,19 @@ def compare_tensors(
         if a.shape != b.shape:
             out["shape_mismatch"].append(key)
             continue
-        a, b = a.double().cpu(), b.double().cpu()
+        if is_exact(a) or is_exact(b):
+            if max_abs_diff(a, b):
+                out["not_bitwise"].append(key)
+                out["exact_mismatch"].append(key)
+            continue
+        a, b = real_view(a), real_view(b)
         if torch.equal(a, b):
             continue
         out["not_bitwise"].append(key)
         own = float(b.abs().max()) if b.numel() else 0.0
         gap = (a - b).abs()
         if resolution is not None and key in resolution:
-            gap = (gap - resolution[key].double().cpu()).clamp(min=0.0)
+            gap = (gap - real_view(resolution[key])).clamp(min=0.0)
         diff = float(gap.max()) if gap.numel() else 0.0
         rel = diff / max(own, floor, 1e-30)
         if not math.isfinite(rel) or rel > out["max_rel"]:
@@ -264,6 +320,10 @@ def comparison_problems(label: str, c: TensorComparison, rtol: float) -> list[st
         )
     if c["shape_mismatch"]:
         problems.append(f"{label}: shapes differ: {', '.join(c['shape_mismatch'][:4])}")
+    if c.get("exact_mismatch"):
+        problems.append(
+            f"{label}: exact values (bool or integer) differ: {', '.join(c['exact_mismatch'][:4])}"
+        )
     if c["max_rel"] > rtol:
         problems.append(
             f"{label}: {c['worst']} differs from the reference by {c['max_rel']:.2e} of its "
@@ -275,8 +335,9 @@ def comparison_problems(label: str, c: TensorComparison, rtol: float) -> list[st
 def updates(
     after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """``after - before`` per tensor (the step's update)."""
-    return {k: after[k] - before[k] for k in after if k in before}
+    """``after - before`` per floating or complex tensor (the step's update; a tensor of exact
+    values has none)."""
+    return {k: after[k] - before[k] for k in after if k in before and not is_exact(after[k])}
 
 
 def update_resolution(
@@ -298,7 +359,11 @@ def update_resolution(
 
 def norm_of(tensors: Mapping[str, torch.Tensor | None]) -> float:
     """The L2 norm of a set of tensors together (a figure ``compare`` can follow)."""
-    total = sum(float(t.double().pow(2).sum()) for t in tensors.values() if t is not None)
+    total = sum(
+        float(real_view(t).pow(2).sum())
+        for t in tensors.values()
+        if t is not None and not is_exact(t)
+    )
     return math.sqrt(total)
 
 

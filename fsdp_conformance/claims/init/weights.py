@@ -34,6 +34,7 @@ from fsdp_conformance.fsdp.meta_materialize import (
     reference_for,
     unwrapped,
 )
+from fsdp_conformance.fsdp.reference_step import buffers_kept
 from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec, call_model
@@ -72,7 +73,8 @@ def rank_weights(
         with FAULTS.inject(fault, ctx):
             model = materialize(ctx, spec, version, method, seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
-            with torch.no_grad():
+            # A probe: its train-mode update of running statistics is not the init compared.
+            with torch.no_grad(), buffers_kept(model):
                 call_model(model, spec.batch(unwrapped(model), batch_size=1, device=ctx.device))
     except CheckSkipped:
         raise  # a capability this torch lacks (every rank alike): a skip, not the finding

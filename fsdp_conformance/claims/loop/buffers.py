@@ -50,7 +50,7 @@ from fsdp_conformance.fsdp.reference_step import (
     full_buffers,
 )
 from fsdp_conformance.fsdp.state_dict_kinds import GET_ONLY, KINDS, RANK0_ONLY, get_state, set_state
-from fsdp_conformance.fsdp.tensors import listing, local_tensor
+from fsdp_conformance.fsdp.tensors import listing, local_tensor, max_abs_diff, real_view
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.units import clean_fqn
@@ -98,7 +98,30 @@ def _dropping(getter: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, 
     return get_without_a_buffer
 
 
+def _corrupting(train: Callable[..., Any]) -> Callable[..., Any]:
+    """The training with the last rank's first buffer changed after it: a bool flipped, an
+    integer or a float plus one (one rank's buffer the others and the reference lack)."""
+
+    def train_then_corrupt(pair: Pair, steps: int) -> Any:
+        out = train(pair, steps)
+        if pair.ctx.rank == pair.ctx.world_size - 1:
+            buffer = next(b for _, b in pair.sharded.named_buffers() if b.numel())
+            with torch.no_grad():
+                if buffer.dtype == torch.bool:
+                    buffer.logical_not_()
+                else:
+                    buffer.add_(1)
+        return out
+
+    return train_then_corrupt
+
+
 FAULTS = FaultTable(
+    buffer_corrupted=Fault(
+        "after training, the last rank's first buffer is changed (a bool flipped, a number plus "
+        "one): that rank's buffer no longer follows its slices",
+        lambda ctx: patched_attr(__name__, "train_plain", _corrupting),
+    ),
     buffer_dropped=Fault(
         "the user's state-dict getter pops the model's first persistent buffer from every kind's "
         "dict: the dict lacks it, and a load leaves it unrestored (or refuses the dict)",
@@ -153,10 +176,10 @@ def _spread(buffers: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[s
     """``max |buffer - rank 0's|`` per name (a broadcast from rank 0: call on every rank)."""
     out = {}
     for name in names:
-        mine = buffers[name].detach().to(torch.float64, copy=True)
-        first = mine.clone()
+        mine = real_view(buffers[name])  # fp64 reals: what gloo and NCCL carry of every kind
+        first = mine.to(buffers[name].device, copy=True)
         dist.broadcast(first, src=0)
-        out[name] = float((mine - first).abs().max()) if mine.numel() else 0.0
+        out[name] = max_abs_diff(mine, first.cpu())
     return out
 
 
@@ -224,12 +247,7 @@ def rank_buffers(
             "non_persistent": non_persistent,
             "live": compare_tensors(live, mine),
             "spread": _spread(live, [n for n in persistent if n in live]),
-            "ref_spread": {
-                n: float((mine[n].double() - first[n].double()).abs().max())
-                if mine[n].numel()
-                else 0.0
-                for n in persistent
-            },
+            "ref_spread": {n: max_abs_diff(mine[n], first[n]) for n in persistent},
             "kinds": {
                 kind: _kind(pair, spec, kind, persistent, non_persistent) for kind in KINDS[version]
             },

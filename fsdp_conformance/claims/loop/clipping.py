@@ -60,6 +60,18 @@ CLIP_SHARE = 0.5
 #: float32. Measured 0 to 8.3e-8 relative (FSDP1 and FSDP2, world sizes 2 and 4); the local-norm
 #: control moves it by 0.02 to 0.76.
 NORM_RTOL = 1e-5
+#: The model's own reduction-order noise in its norm, measured on the reference at every step:
+#: its fp32 gradients' norm taken in the groupings a sharded clip may use (all elements as one
+#: vector; per tensor, then the norm of the norms, as ``clip_grad_norm_``; per rank's chunk of
+#: the flattened gradients, then combined, as FSDP1's flat shards) against the fp64 norm
+#: (:func:`norm_noise`). A sharded norm is one more such grouping, so it may differ from the
+#: reference's by twice the noise; the tolerance is this factor times it where that exceeds
+#: :data:`NORM_RTOL`, capped at :data:`NORM_CAP`.
+NORM_NOISE_FACTOR = 4.0
+#: The most a measured noise may widen the norm's tolerance: 50x below the smallest difference
+#: a wrong norm was measured at (the local-norm control, 0.02 relative); a model noisier than
+#: that is reported, not passed.
+NORM_CAP = 4e-4
 
 # --------------------------------------------------------------------------------------------
 # The user's code
@@ -86,6 +98,25 @@ def true_norm(model: nn.Module, norm_type: float) -> float:
     """The total norm of the model's gradients, all of them as one vector (the reference's)."""
     grads = [p.grad.detach().flatten() for p in model.parameters() if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.cat(grads), norm_type))
+
+
+def norm_noise(model: nn.Module, norm_type: float, world_size: int) -> float:
+    """How far the model's gradient norm, taken in the groupings a sharded clip may use, lies
+    from its fp64 value (relative, the worst grouping): the reduction-order noise of this
+    model's own norm (:data:`NORM_NOISE_FACTOR`)."""
+    grads = [p.grad.detach().flatten() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    flat = torch.cat(grads)
+    exact = float(torch.linalg.vector_norm(flat.double(), norm_type))
+
+    def combined(parts: Sequence[torch.Tensor]) -> float:
+        norms = [torch.linalg.vector_norm(t, norm_type) for t in parts if t.numel()]
+        return float(torch.linalg.vector_norm(torch.stack(norms), norm_type))
+
+    ways = [float(torch.linalg.vector_norm(flat, norm_type)), combined(grads)]
+    ways.append(combined(list(flat.chunk(world_size))))
+    return max(abs(w - exact) for w in ways) / max(exact, 1e-30)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,6 +182,8 @@ class ClippingResult(LoopResult):
     #: The reference's norm after its clip over before (what the clip kept; the sharded update
     #: equals the reference's, so the same share).
     clip_ratios: list[float]
+    #: The model's own norm noise at each step (:func:`norm_noise`).
+    norm_noise: list[float]
     returned: list[str]
     clip_collectives: dict[str, list[str]]
 
@@ -172,6 +205,7 @@ def _step(pair: Pair, step: int, norm_type: float) -> dict[str, Any]:
     loss.backward()
     ref_losses = pair.reference.forward_backward(part)
     max_norm = CLIP_SHARE * true_norm(pair.reference.model, norm_type)
+    noise = norm_noise(pair.reference.model, norm_type, pair.ctx.world_size)
     with record_collectives(pair.sizes(), dtensor=True) as recorder:
         total = clip_step(pair.sharded, pair.version, max_norm, norm_type)
         value = norm_value(total)
@@ -186,6 +220,7 @@ def _step(pair: Pair, step: int, norm_type: float) -> dict[str, Any]:
         "total": value,
         "ref_total": float(ref_total),
         "clip_ratio": clipped / float(ref_total),
+        "noise": noise,
         "returned": _returned_type(total),
         "collectives": [f"{r['op']} {r['in_dtype']} {r['in_bytes']}B" for r in recorder.records],
     }
@@ -219,6 +254,7 @@ def rank_clipping(
             "total_norms": [s["total"] for s in steps],
             "ref_total_norms": [s["ref_total"] for s in steps],
             "clip_ratios": [s["clip_ratio"] for s in steps],
+            "norm_noise": [s["noise"] for s in steps],
             "returned": [s["returned"] for s in steps],
             "clip_collectives": {f"clip {i}": s["collectives"] for i, s in enumerate(steps)},
         }
@@ -246,10 +282,31 @@ def _across_ranks(values: Sequence[ClippingResult], step: int) -> list[str]:
     return problems
 
 
+def norm_tolerance(values: Sequence[ClippingResult]) -> tuple[float, float]:
+    """(the norm's relative tolerance, the measured noise it comes from): at least
+    :data:`NORM_RTOL`, :data:`NORM_NOISE_FACTOR` times the noise, at most :data:`NORM_CAP`."""
+    noise = max((x for v in values for x in v.get("norm_noise", [])), default=0.0)
+    return min(max(NORM_RTOL, NORM_NOISE_FACTOR * noise), NORM_CAP), noise
+
+
+def _noise_problems(values: Sequence[ClippingResult]) -> list[str]:
+    rtol, noise = norm_tolerance(values)
+    if NORM_NOISE_FACTOR * noise <= NORM_CAP:
+        return []
+    return [
+        f"the model's gradient norm is too noisy in its dtype to judge a sharded norm: taken in "
+        f"another grouping it moves by {noise:.1e} relative; {NORM_NOISE_FACTOR:g} x that "
+        f"exceeds the cap {NORM_CAP:g} below which a wrong norm still shows (not a finding "
+        "about FSDP: clip in float64, or check clipping on a model with smaller gradient range)"
+    ]
+
+
 def _norm_problems(values: Sequence[ClippingResult]) -> list[str]:
-    """Each step's total norm: present, identical on every rank, equal to the reference's; and
-    the clip acted (``max_norm`` below the reference's norm)."""
-    problems: list[str] = []
+    """Each step's total norm: present, identical on every rank, equal to the reference's within
+    the measured tolerance (:func:`norm_tolerance`); and the clip acted (``max_norm`` below the
+    reference's norm)."""
+    problems: list[str] = _noise_problems(values)
+    rtol, noise = norm_tolerance(values)
     for step in range(len(values[0]["total_norms"])):
         problems += _across_ranks(values, step)
         for v in values:
@@ -261,10 +318,11 @@ def _norm_problems(values: Sequence[ClippingResult]) -> list[str]:
                 )
                 continue
             rel = abs(got - ref) / max(abs(ref), 1e-30)
-            if rel > NORM_RTOL:
+            if rel > rtol:
                 problems.append(
                     f"rank {v['rank']}: step {step}: total norm {got:.10g} differs from the "
-                    f"reference's {ref:.10g} (relative {rel:.1e} > {NORM_RTOL:.0e})"
+                    f"reference's {ref:.10g} (relative {rel:.1e} > {rtol:.1e}, the model's "
+                    f"own norm noise {noise:.1e})"
                 )
             if not v["clip_ratios"][step] < 1.0 - CLIP_SHARE / 2:
                 problems.append(
@@ -288,8 +346,11 @@ def _collective_problems(values: Sequence[ClippingResult]) -> list[str]:
 
 def _figures(values: Sequence[ClippingResult]) -> dict[str, Any]:
     first = values[0]
+    rtol, noise = norm_tolerance(values)
     return {
         **parity_figures(values),
+        "norm_rtol": rtol,
+        "norm_noise": noise,
         "total_norm": [
             None if x is None or not math.isfinite(x) else round(x, 10)
             for x in first["total_norms"]
@@ -325,7 +386,9 @@ def verdict_clipping(values: Sequence[ClippingResult], params: Mapping[str, Any]
     return Verdict(
         True,
         f"{what}: the total norm is identical on every rank and equals the reference's "
-        f"({', '.join(f'{x:.6g}' for x in figures['total_norm'])}), every update equals the "
+        f"({', '.join(f'{x:.6g}' for x in figures['total_norm'])}; tolerance "
+        f"{figures['norm_rtol']:.1e}, {NORM_NOISE_FACTOR:g} x the model's own norm noise "
+        f"{figures['norm_noise']:.1e} and at least {NORM_RTOL:g}), every update equals the "
         f"reference's (worst {figures['update_rel_diff']:.1e}); the clip call returned "
         f"{values[0]['returned'][0]} and issued {figures['clip_collectives']} collective(s)",
         figures,

@@ -31,6 +31,7 @@ divided by the world size, the same two steps poisoned. The user's code is this 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
@@ -43,7 +44,9 @@ from fsdp_conformance.claims.check import Verdict
 from fsdp_conformance.claims.faults import Fault, FaultTable, patched, patched_attr
 from fsdp_conformance.claims.stack.common import build_side
 from fsdp_conformance.fsdp.reference_step import (
+    RankBuffers,
     TensorComparison,
+    compare_tensors,
     full_params,
     model_loss,
     observe_update,
@@ -85,6 +88,20 @@ UPDATE_RTOL = 2e-2
 FLOOR_SHARE = 1.0
 #: A rank's loss of its slice against the reference's (fp16 forward against autocast).
 LOSS_RTOL = 1e-2
+#: The model's own fp16 noise, measured in one process at every finite step: the reference's
+#: fp16 update (and each slice's loss) against an fp32 step of the same model from the same
+#: parameters on the same slices (:class:`_Reference`). The sharded fp16 step and the
+#: reference's are two fp16 computations of one step, each about that far from fp32; the
+#: tolerance is :data:`NOISE_FACTOR` times the measured noise where that exceeds the fixed
+#: tolerances above (a top-k router that sends a token elsewhere in fp16, a deep convolution's
+#: rounding), never below them. Measured, sharded difference over noise: 2.8 on the Llama
+#: reference model, 1.5 on a top-2 mixture of experts (docs/stack/loss_scaling.md).
+NOISE_FACTOR = 5.0
+#: The largest tolerance a measured noise may set: a fault moves an update by its whole size or
+#: more (the loss scale not applied: 1.0 of it; the gradients not unscaled: the scale, 1023x),
+#: so a model whose fp16 noise needs more than this cannot be judged in fp16 at all, and the
+#: verdict says so rather than passing it.
+NOISE_CAP = 0.25
 
 
 def inf_rank(world_size: int) -> int:
@@ -116,6 +133,11 @@ def make_scaler(version: str, device_type: str) -> Any:
 def scaled_backward(scaler: Any, loss: torch.Tensor) -> None:
     """``scaler.scale(loss).backward()``."""
     scaler.scale(loss).backward()
+
+
+def scaler_step(scaler: Any, optimizer: Any) -> None:
+    """``scaler.step(optimizer)``: unscales the gradients, steps unless one is non-finite."""
+    scaler.step(optimizer)
 
 
 def scaler_update(scaler: Any) -> None:
@@ -175,6 +197,24 @@ def _frozen_update(scaler: Any) -> None:
     scaler.update(float(scaler.get_scale()))
 
 
+def _unscaled_backward(scaler: Any, loss: torch.Tensor) -> None:
+    scaler.scale(loss)  # computed (the scaler then expects a step), then left unused
+    loss.backward()
+
+
+def _step_on_scaled(scaler: Any, optimizer: Any) -> None:
+    # The found-inf is decided as usual (unscale_), then the gradients are scaled back up:
+    # the optimizer steps on gradients still multiplied by the scale.
+    scaler.unscale_(optimizer)
+    scale = float(scaler.get_scale())
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+    scaler.step(optimizer)
+
+
 FAULTS = FaultTable(
     found_inf_not_synchronised=Fault(
         "each rank's scaler decides on its own found-inf: FSDP1 ShardedGradScaler.unscale_ "
@@ -185,6 +225,16 @@ FAULTS = FaultTable(
         "the user's scaler.update() keeps the scale it had (update(new_scale=get_scale())): "
         "the scale never backs off or grows",
         lambda ctx: patched_attr(__name__, "scaler_update", lambda original: _frozen_update),
+    ),
+    scale_not_applied=Fault(
+        "the user's backward is loss.backward(), not scaler.scale(loss).backward(): the scaler "
+        "still divides the gradients by the scale, so every update is 1/scale of the true one",
+        lambda ctx: patched_attr(__name__, "scaled_backward", lambda original: _unscaled_backward),
+    ),
+    not_unscaled=Fault(
+        "the optimizer steps on the scaled gradients: the user's step unscales, then multiplies "
+        "the gradients by the scale again before scaler.step (every update scale times too big)",
+        lambda ctx: patched_attr(__name__, "scaler_step", lambda original: _step_on_scaled),
     ),
 )
 
@@ -210,6 +260,11 @@ class StepRecord(TypedDict):
     #: This rank's loss of its slice and the reference's (before any poisoning).
     loss: float
     ref_loss: float
+    #: The model's own fp16 noise at this step (finite steps; 0.0 otherwise): the reference's
+    #: update against an fp32 step's (``max_rel`` as ``update``'s), and the largest relative
+    #: difference of a slice's fp16 loss from its fp32 loss.
+    noise: float
+    loss_noise: float
 
 
 class LossScalingResult(TypedDict):
@@ -237,11 +292,17 @@ def _changed(model: nn.Module, before: Sequence[torch.Tensor]) -> bool:
 
 class _Reference:
     """The single-process scaler: fp32 parameters, fp16 compute under autocast, each slice's
-    loss divided by the world size."""
+    loss divided by the world size; and beside it the same model stepped in fp32 from the same
+    parameters on the same slices, which measures the model's own fp16 noise
+    (:data:`NOISE_FACTOR`)."""
 
     def __init__(self, model: nn.Module, ctx: RankContext) -> None:
         self.model = model
+        self.fp32 = copy.deepcopy(model)
+        self.ranks = RankBuffers(model)  # each slice with its rank's buffers, as on the ranks
         self.ctx = ctx
+        #: Each slice's fp16 loss at the last step.
+        self.losses: list[float] = []
         self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         self.scaler = torch.amp.GradScaler(
             ctx.device_type,
@@ -251,13 +312,29 @@ class _Reference:
             growth_interval=GROWTH_INTERVAL,
         )
 
+    def noise(self, slices: Sequence[Any]) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """The fp32 step from the reference's current state: each parameter's SGD update and
+        each slice's loss (nothing of the reference changes)."""
+        self.fp32.load_state_dict(self.model.state_dict())
+        self.fp32.zero_grad(set_to_none=True)
+        losses = []
+        for part in slices:
+            loss = model_loss(self.fp32, part)
+            (loss / len(slices)).backward()
+            losses.append(float(loss))
+        update = {
+            n: -LR * p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in self.fp32.named_parameters(remove_duplicate=False)
+        }
+        return update, losses
+
     def step(self, slices: Sequence[Any], poisoned: str) -> float:
         """One step; this rank's slice's loss."""
-        losses = []
+        self.losses = []
         for r, part in enumerate(slices):
-            with torch.autocast(self.ctx.device_type, dtype=torch.float16):
+            with self.ranks.as_rank(r), torch.autocast(self.ctx.device_type, torch.float16):
                 loss = model_loss(self.model, part)
-            losses.append(float(loss))
+            self.losses.append(float(loss))
             if poisoned == "loss" and r == inf_rank(len(slices)):
                 loss = loss * math.inf
             self.scaler.scale(loss / len(slices)).backward()
@@ -266,7 +343,7 @@ class _Reference:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return losses[self.ctx.rank]
+        return self.losses[self.ctx.rank]
 
 
 def _fp32_only(model: nn.Module) -> None:
@@ -299,7 +376,7 @@ def _sharded_step(
         loss = loss * math.inf
     scaled_backward(scaler, loss)
     name = poison_shard(sharded) if poisoned == "shard" and mine else ""
-    scaler.step(optimizer)
+    scaler_step(scaler, optimizer)
     scaler_update(scaler)
     optimizer.zero_grad(set_to_none=True)
     return value, name
@@ -320,10 +397,16 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> Loss
             ctx, sharded, scaler, optimizer, batches[step][ctx.rank], poisoned
         )
         poisoned_param = poisoned_param or name
+        fp32_update, fp32_losses = ref.noise(batches[step]) if not poisoned else ({}, [])
         ref_loss = ref.step(batches[step], poisoned)
         after = full_params(sharded, version)
         seen = observe_update(
             after, before, ref.model, ref_before, torch.float32, floor_share=FLOOR_SHARE
+        )
+        noise = compare_tensors(seen["ref"], fp32_update, floor_share=FLOOR_SHARE)["max_rel"]
+        loss_noise = max(
+            (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ref.losses, fp32_losses)),
+            default=0.0,
         )
         records.append(
             {
@@ -335,6 +418,8 @@ def _train(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> Loss
                 "update": seen["comparison"],
                 "loss": loss,
                 "ref_loss": ref_loss,
+                "noise": noise if fp32_update else 0.0,
+                "loss_noise": loss_noise,
             }
         )
     final = full_params(sharded, version)
@@ -427,48 +512,101 @@ def _scale_problems(values: Sequence[LossScalingResult]) -> list[str]:
     return problems
 
 
-def _parity_problems(values: Sequence[LossScalingResult]) -> list[str]:
-    problems = []
+class Tolerances(TypedDict):
+    """The parity tolerances of one run, from the model's measured fp16 noise."""
+
+    update: float
+    loss: float
+    #: The largest measured noise over every finite step and rank: update, loss.
+    noise: float
+    loss_noise: float
+    #: Whether a tolerance the noise asks for exceeds :data:`NOISE_CAP` (then capped).
+    too_noisy: bool
+
+
+def tolerances(values: Sequence[LossScalingResult]) -> Tolerances:
+    """:data:`NOISE_FACTOR` times the measured noise, never below the fixed tolerances, never
+    above :data:`NOISE_CAP`."""
+    finite = [s for v in values for s in v["steps"] if not s["poisoned"]]
+    noise = max((s.get("noise", 0.0) for s in finite), default=0.0)
+    loss_noise = max((s.get("loss_noise", 0.0) for s in finite), default=0.0)
+    update, loss = max(UPDATE_RTOL, NOISE_FACTOR * noise), max(LOSS_RTOL, NOISE_FACTOR * loss_noise)
+    return {
+        "update": min(update, NOISE_CAP),
+        "loss": min(loss, NOISE_CAP),
+        "noise": noise,
+        "loss_noise": loss_noise,
+        "too_noisy": max(update, loss) > NOISE_CAP,
+    }
+
+
+def _noise_problems(tol: Tolerances) -> list[str]:
+    if not tol["too_noisy"]:
+        return []
+    return [
+        f"the model is too noisy in fp16 to judge a sharded step against the reference: an "
+        f"fp16 step of it in one process differs from its fp32 step by {tol['noise']:.2e} of "
+        f"the update (loss {tol['loss_noise']:.2e}); {NOISE_FACTOR:g} x that exceeds the cap "
+        f"{NOISE_CAP:g} below which a fault still shows (not a finding about FSDP: train it in "
+        "bf16 or fp32, or check fp16 scaling on a model whose fp16 step is stable)"
+    ]
+
+
+def _parity_problems(values: Sequence[LossScalingResult], tol: Tolerances) -> list[str]:
+    problems = _noise_problems(tol)
     for v in values:
         if not v["finite"]:
             problems.append(f"rank {v['rank']}: non-finite parameters after the run")
         for i, step in enumerate(v["steps"]):
             rel = abs(step["loss"] - step["ref_loss"]) / max(abs(step["ref_loss"]), 1e-12)
-            if rel > LOSS_RTOL:
+            if rel > tol["loss"]:
                 problems.append(
                     f"rank {v['rank']}: step {i}: loss {step['loss']:.6g} vs the reference's "
-                    f"{step['ref_loss']:.6g} (relative {rel:.1e} > {LOSS_RTOL:.0e})"
+                    f"{step['ref_loss']:.6g} (relative {rel:.1e} > {tol['loss']:.1e})"
                 )
             c = step["update"]
-            if not step["poisoned"] and c["max_rel"] > UPDATE_RTOL:
+            if not step["poisoned"] and c["max_rel"] > tol["update"]:
                 problems.append(
                     f"rank {v['rank']}: step {i} update: {c['worst']} differs from the "
-                    f"reference by {c['max_rel']:.2e} of its scale > {UPDATE_RTOL:.0e}"
+                    f"reference by {c['max_rel']:.2e} of its scale > {tol['update']:.1e}"
                 )
     return problems
+
+
+def _tolerance_note(tol: Tolerances) -> str:
+    return (
+        f"tolerance {tol['update']:.1e} of the update, {tol['loss']:.1e} of the loss "
+        f"({NOISE_FACTOR:g} x the model's own fp16 noise, measured against an fp32 step: "
+        f"{tol['noise']:.1e} and {tol['loss_noise']:.1e}; at least {UPDATE_RTOL:g} and "
+        f"{LOSS_RTOL:g}, at most {NOISE_CAP:g})"
+    )
 
 
 def verdict_loss_scaling(values: Sequence[LossScalingResult], params: Mapping[str, Any]) -> Verdict:
     """Every poisoned step skipped on every rank, every finite one applied everywhere; the
     scale identical on every rank, equal to the schedule and the reference scaler's; every
     finite step's update equal to the reference's within fp16's tolerance."""
-    problems = _skip_problems(values) + _scale_problems(values) + _parity_problems(values)
+    tol = tolerances(values)
+    problems = _skip_problems(values) + _scale_problems(values) + _parity_problems(values, tol)
     finite = [s["update"]["max_rel"] for v in values for s in v["steps"] if not s["poisoned"]]
     figures = {
         "update_rel_diff": max(finite, default=0.0),
+        "update_rtol": tol["update"],
+        "fp16_noise": tol["noise"],
         "scales": [s["scale"] for s in values[0]["steps"]],
         "skipped_steps": [i for i, s in enumerate(values[0]["steps"]) if not s["changed"]],
         "steps": STEPS,
     }
     data = {
-        "poisoned_param": next((v["poisoned_param"] for v in values if v["poisoned_param"]), "")
+        "poisoned_param": next((v["poisoned_param"] for v in values if v["poisoned_param"]), ""),
+        "tolerances": dict(tol),
     }
     note = input_casts_note(values[0]["input_casts"])
     if problems:
         return Verdict(
             False,
-            "fp16 loss scaling differs from a single-process scaler:\n  "
-            + "\n  ".join(dict.fromkeys(problems)),
+            f"fp16 loss scaling differs from a single-process scaler ({_tolerance_note(tol)}):"
+            "\n  " + "\n  ".join(dict.fromkeys(problems)),
             figures,
             data,
         )
@@ -478,7 +616,7 @@ def verdict_loss_scaling(values: Sequence[LossScalingResult], params: Mapping[st
         f"(its loss, steps {INF_LOSS_STEP}; its reduced shard, step {INF_SHARD_STEP}) skipped "
         f"on every rank; scales {figures['scales']} identical on every rank and equal to the "
         f"reference scaler's; finite updates equal the reference's to "
-        f"{figures['update_rel_diff']:.1e} (fp16 tolerance {UPDATE_RTOL:.0e})" + note,
+        f"{figures['update_rel_diff']:.1e} ({_tolerance_note(tol)})" + note,
         figures,
         data,
     )

@@ -30,7 +30,7 @@ from fsdp_conformance.fsdp.state_dict_kinds import (
     set_optim_state,
     set_state,
 )
-from fsdp_conformance.fsdp.tensors import local_tensor, sha256_of
+from fsdp_conformance.fsdp.tensors import local_tensor, sha256_of, total
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.reference_models import ModelConfig
@@ -79,7 +79,7 @@ def digests(state: Mapping[str, Any]) -> Digests:
             str(t.dtype),
             list(t.shape),
             sha256_of(t),
-            float(t.double().sum()) if t.is_floating_point() else int(t.sum()),
+            total(t),
         ]
     return out
 

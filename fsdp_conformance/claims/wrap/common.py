@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.fsdp.reference_step import RankBuffers
 from fsdp_conformance.fsdp.sharding import fsdp1_options, shard
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, call_model, default_loss
@@ -94,14 +95,28 @@ def units_of(value: Mapping[str, Any], key: str) -> list[UnitInfo]:
     return [UnitInfo.from_dict(d) for d in value[key]]
 
 
+def _output_dtype(output: Any) -> str | None:
+    """The dtype of the first floating tensor a forward returned (None: it returned none)."""
+    for leaf in _compat.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and torch.is_floating_point(leaf):
+            return str(leaf.dtype)
+    return None
+
+
 @contextlib.contextmanager
 def record_compute_dtypes(
-    model: nn.Module, seen: dict[str, tuple[str, str]], also: Sequence[str] = ()
+    model: nn.Module,
+    seen: dict[str, tuple[str, str]],
+    also: Sequence[str] = (),
+    outputs: dict[str, str] | None = None,
 ) -> Iterator[None]:
     """Record, per module with a matrix ``weight`` of its own (Linear, Embedding, and the like:
     GPT-2's ``Conv1D``), the (input, weight) dtypes its forward actually sees; and for the
     modules named in ``also`` (a LayerNorm the mixed configuration puts in an fp32 unit), the
-    (input, first own parameter) dtypes.
+    (input, first own parameter) dtypes. ``outputs``: the same modules' output dtypes (the
+    first floating tensor each returns), what the module computed in: an embedding's input is
+    indices, whatever their dtype (positions computed from an attention mask arrive as floats),
+    so its input says nothing of its compute dtype, while its weight and output do.
 
     Registered on the original modules: under FSDP their ``weight`` during forward is the
     unsharded (and, with mixed precision, cast) parameter, so this is the compute dtype.
@@ -124,7 +139,13 @@ def record_compute_dtypes(
             if name not in seen and args and isinstance(args[0], torch.Tensor):
                 seen[name] = (str(args[0].dtype), str(getattr(mod, attr).dtype))
 
+        def post(mod: nn.Module, args: Any, output: Any, name: str = name) -> None:
+            dtype = _output_dtype(output)
+            if outputs is not None and name not in outputs and dtype is not None:
+                outputs[name] = dtype
+
         handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
     try:
         yield
     finally:
@@ -449,6 +470,8 @@ class MixedPrecisionReference:
             for b in self.low.buffers():
                 if torch.is_floating_point(b):
                     b.data = b.data.to(torch.bfloat16)
+        # Each rank's buffers from its own slices (FSDP never synchronises them).
+        self.rank_buffers = RankBuffers(self.low)
         modules = dict(self.low.named_modules())
         # FSDP1 casts the root unit's inputs (``cast_root_forward_inputs``), every unit's with
         # ``cast_forward_inputs=True`` (``_pre_forward``: a cast, no identity node); FSDP2 casts
@@ -484,9 +507,10 @@ class MixedPrecisionReference:
                 low.copy_(master)
         grads: list[list[torch.Tensor | None]] = []
         losses = []
-        for rows in slices:
-            loss = default_loss(call_model(self.low, rows))
-            loss.backward()
+        for rank, rows in enumerate(slices):
+            with self.rank_buffers.as_rank(rank):
+                loss = default_loss(call_model(self.low, rows))
+                loss.backward()
             losses.append(float(loss))
             grads.append([p.grad for p in self.low.parameters()])
             self.low.zero_grad(set_to_none=True)

@@ -33,7 +33,7 @@ from fsdp_conformance.claims.wrap.common import (
     update_lost,
 )
 from fsdp_conformance.fsdp.determinism import disable_dropout, require_deterministic
-from fsdp_conformance.fsdp.reference_step import full_params, sgd_step
+from fsdp_conformance.fsdp.reference_step import SliceReference, full_params, sgd_step
 from fsdp_conformance.fsdp.sharding import (
     InputCasts,
     check_fsdp_version,
@@ -264,27 +264,23 @@ FAULTS = FaultTable(
 
 
 def _reference_step(
-    reference: nn.Module,
-    mixed: MixedPrecisionReference | None,
+    reference: SliceReference | MixedPrecisionReference,
     batch: Any,
     per_rank_batch: int,
     world_size: int,
     lr: float,
 ) -> float:
-    """One step of the reference: fp32 on the whole batch, or as FSDP's mixed precision does on
-    each rank's slice."""
-    if mixed is not None:
-        return mixed.step(
-            [
-                batch_rows(batch, r * per_rank_batch, (r + 1) * per_rank_batch)
-                for r in range(world_size)
-            ],
-            lr,
-        )
-    loss = default_loss(call_model(reference, batch))
-    loss.backward()
-    sgd_step(reference, lr)
-    return float(loss)
+    """One step of the reference on each rank's slice, with that rank's buffers (FSDP never
+    synchronises batch statistics): fp32, or as FSDP's mixed precision does; the mean of the
+    slices' losses (what the sharded side reports)."""
+    slices = [
+        batch_rows(batch, r * per_rank_batch, (r + 1) * per_rank_batch) for r in range(world_size)
+    ]
+    if isinstance(reference, MixedPrecisionReference):
+        return reference.step(slices, lr)
+    losses = reference.forward_backward(slices)
+    sgd_step(reference.model, lr)
+    return sum(losses) / len(losses)
 
 
 def element_owners(sharded: nn.Module, version: str, rank: int) -> dict[str, torch.Tensor]:
@@ -343,6 +339,8 @@ class TrainResult(TypedDict):
     below_rounding: list[str]
     stored_dtypes: list[str]
     compute_dtypes: dict[str, tuple[str, str]]
+    #: The same modules' output dtypes (``record_compute_dtypes``).
+    output_dtypes: dict[str, str]
     dropout_disabled: list[str]
     backend: str
     #: None: the run used mixed precision as users write it. Else FSDP1's defaults raised its
@@ -350,9 +348,11 @@ class TrainResult(TypedDict):
     input_casts: InputCasts | None
 
 
-#: What one training run hands back: the sharded model, the compute dtypes seen, the losses of
-#: the sharded model and of the reference per step.
-_Trained = tuple[nn.Module, dict[str, tuple[str, str]], list[float], list[float]]
+#: What one training run hands back: the sharded model, the compute dtypes seen (input, weight;
+#: and output), the losses of the sharded model and of the reference per step.
+_Trained = tuple[
+    nn.Module, tuple[dict[str, tuple[str, str]], dict[str, str]], list[float], list[float]
+]
 
 
 def _restore(reference: nn.Module, initial: Mapping[str, torch.Tensor]) -> None:
@@ -388,7 +388,7 @@ def _train_steps(
         policy_obj,
         **mixed_precision_kwargs(version, precision, cast_forward_inputs),
     )
-    mixed = (
+    stepper = (
         MixedPrecisionReference(
             reference,
             version,
@@ -397,20 +397,19 @@ def _train_steps(
             cast_forward_inputs=cast_forward_inputs,
         )
         if precision == "bf16"
-        else None
+        else SliceReference(reference, ctx.world_size)
     )
     seen: dict[str, tuple[str, str]] = {}
+    outputs: dict[str, str] = {}
     losses, ref_losses = [], []
     for _ in range(steps):
-        with record_compute_dtypes(model, seen):
+        with record_compute_dtypes(model, seen, outputs=outputs):
             loss = default_loss(call_model(sharded, mine))
         loss.backward()
         optimizer_step(sharded, lr)
         losses.append(float(loss))
-        ref_losses.append(
-            _reference_step(reference, mixed, batch, per_rank_batch, ctx.world_size, lr)
-        )
-    return sharded, seen, losses, ref_losses
+        ref_losses.append(_reference_step(stepper, batch, per_rank_batch, ctx.world_size, lr))
+    return sharded, (seen, outputs), losses, ref_losses
 
 
 def rank_train(
@@ -459,7 +458,7 @@ def rank_train(
                 (steps, lr, per_rank_batch),
             )
 
-        (sharded, seen, losses, ref_losses), casts = with_fsdp1_input_casts(
+        (sharded, (seen, outputs), losses, ref_losses), casts = with_fsdp1_input_casts(
             version, precision == "bf16", attempt
         )
         stored = sorted({str(p.dtype) for p in sharded.parameters()})
@@ -486,6 +485,7 @@ def rank_train(
             "below_rounding": compared["below_rounding"],
             "stored_dtypes": stored,
             "compute_dtypes": seen,
+            "output_dtypes": outputs,
             "dropout_disabled": dropout,
             "backend": ctx.backend,
             "input_casts": casts,
@@ -515,18 +515,22 @@ def _loss_problems(values: Sequence[TrainResult], loss_rtol: float) -> tuple[lis
 
 
 def _bf16_compute_problems(v: TrainResult) -> list[str]:
-    # Integer inputs (token ids into an embedding) have no compute dtype of their own.
+    """Modules whose weight as used, or whose output, is not bf16. Not their input: an
+    embedding's input is indices (token ids, or positions computed as floats from an attention
+    mask), and a matrix product whose input and weight differ in dtype does not run at all."""
+    outputs = v.get("output_dtypes", {})
     bad = sorted(
         n
-        for n, (inp, weight) in v["compute_dtypes"].items()
-        if weight != "torch.bfloat16"
-        or (inp.startswith(("torch.float", "torch.bfloat")) and inp != "torch.bfloat16")
+        for n, (_, weight) in v["compute_dtypes"].items()
+        if weight != "torch.bfloat16" or outputs.get(n, "torch.bfloat16") != "torch.bfloat16"
     )
     if not bad:
         return []
+    name = bad[0]
     return [
         f"rank {v['rank']}: compute did not run in bf16 in {len(bad)} module(s), e.g. "
-        f"{bad[0]}: input/weight {v['compute_dtypes'][bad[0]]}"
+        f"{name}: weight {v['compute_dtypes'][name][1]}, output "
+        f"{outputs.get(name, 'not recorded')} (input {v['compute_dtypes'][name][0]})"
     ]
 
 
