@@ -252,6 +252,10 @@ class ModelSpec:
     #: ``pkg.module:fn`` initializing one module's own state for meta init (None: the model's
     #: own contract; see ``meta_init.module_init_for``).
     init_fn: str | None = None
+    #: ``pkg.module:fn`` initializing the whole model after ``to_empty``, called as
+    #: ``fn(model)`` (None: the root's own ``init_weights()`` when it has one; see
+    #: ``meta_init.init_contract``).
+    model_init: str | None = None
 
     def __post_init__(self) -> None:
         if (self.reference is None) == (self.factory is None):

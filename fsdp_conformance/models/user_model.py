@@ -47,6 +47,7 @@ def user_spec(settings: Settings) -> ModelSpec | None:
         min_params=settings.min_params,
         input_builder=settings.input,
         init_fn=settings.init_fn,
+        model_init=settings.model_init,
     )
 
 
@@ -85,6 +86,8 @@ def validate_user_model(
     model = built.model
     if spec.init_fn:  # a bad path is one line here, not a finding from every init check
         load_object(spec.init_fn, "init function")
+    if spec.model_init:
+        load_object(spec.model_init, "model init function")
     notes = []
     if not spec.block_cls and hf.is_pretrained(model):
         note = tie_safe_note(model, _flag("block_cls", flag_style))
