@@ -21,9 +21,8 @@ from torch import nn
 from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.fsdp import meta_init
-from fsdp_conformance.fsdp.model_init import root_init_weights
 from fsdp_conformance.harness import Ranks
-from fsdp_conformance.models.model_spec import ModelSpec
+from fsdp_conformance.models.model_spec import ModelSpec, root_init_weights
 from fsdp_conformance.settings import SettingsError, resolve_settings
 
 sys.path.insert(0, str(Path(__file__).parent))  # the ranks import the model by this name

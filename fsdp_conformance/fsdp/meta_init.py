@@ -37,7 +37,6 @@ from fsdp_conformance.fsdp.model_init import (
     ModelInit,
     check_model_init_,
     nan_fill_,
-    root_init_weights,
     run_model_init_,
 )
 from fsdp_conformance.fsdp.model_init import (
@@ -45,7 +44,13 @@ from fsdp_conformance.fsdp.model_init import (
 )
 from fsdp_conformance.fsdp.tensors import listing, state_digest
 from fsdp_conformance.models import hf
-from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, load_object
+from fsdp_conformance.models.model_spec import (
+    BuiltModel,
+    ModelSpec,
+    load_object,
+    root_init_weights,
+    without_reset_parameters,
+)
 from fsdp_conformance.models.units import clean_fqn
 
 # --------------------------------------------------------------------------------------------
@@ -154,17 +159,6 @@ WAYS_OUT = (
     "under pytest, init_fn in [tool.fsdp_conformance]), or use a transformers "
     "PreTrainedModel whose _init_weights covers them"
 )
-
-
-def without_reset_parameters(model: nn.Module) -> list[str]:
-    """``fqn (Class)`` of every module that owns state but has no ``reset_parameters()``."""
-    return sorted(
-        {
-            f"{fqn or '(root)'} ({type(m).__name__})"
-            for fqn, m in model.named_modules()
-            if own_state(m) and not callable(getattr(m, "reset_parameters", None))
-        }
-    )
 
 
 class UserInit(ModuleInit):

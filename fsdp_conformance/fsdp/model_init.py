@@ -11,15 +11,14 @@ sharded model (docs/init.md, "A model-level init").
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.fsdp.tensors import listing
-from fsdp_conformance.models.model_spec import load_object
+from fsdp_conformance.models.model_spec import load_object, root_init_weights
 from fsdp_conformance.models.units import clean_fqn
 
 
@@ -29,28 +28,6 @@ class InitError(ValueError):
 
 #: The contracts whose init runs once on the whole model (:class:`ModelInit`), not per module.
 MODEL_LEVEL = ("model_init", "init_weights")
-
-
-def root_init_weights(model: nn.Module) -> Callable[..., Any] | None:
-    """The root's ``init_weights`` when it is a model-level init: a method callable with no
-    argument or with ``buffer_device=`` only (torchtitan's ``init_weights(self,
-    buffer_device=None)``); None otherwise (absent, or needing arguments)."""
-    method = getattr(type(model), "init_weights", None)
-    if not callable(method):
-        return None
-    # getattr: nn.Module.__getattr__ types an attribute as a Tensor or a Module, not a method
-    bound = getattr(model, "init_weights")  # noqa: B009
-    try:
-        signature = inspect.signature(bound)
-    except (TypeError, ValueError):
-        return None
-    required = [
-        p
-        for p in signature.parameters.values()
-        if p.default is inspect.Parameter.empty
-        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
-    return None if required else cast("Callable[..., Any]", bound)
 
 
 class ModelInit:

@@ -32,7 +32,6 @@ from fsdp_conformance.fsdp.meta_init import (
     build_on_meta,
     init_contract,
     reference_model,
-    without_reset_parameters,
 )
 from fsdp_conformance.fsdp.meta_materialize import (
     inspect_sharded,
@@ -43,7 +42,7 @@ from fsdp_conformance.fsdp.meta_materialize import (
 from fsdp_conformance.fsdp.model_init import MODEL_LEVEL
 from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
-from fsdp_conformance.models.model_spec import ModelSpec, call_model
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, without_reset_parameters
 from fsdp_conformance.models.policies import PolicyName
 
 
