@@ -69,6 +69,42 @@ class Stack(nn.Module):
         return cast(torch.Tensor, self.out(x))
 
 
+class PairedHeadBlock(WideBlock):
+    """A block whose kernel splits the width into heads of 32 and needs an even number of
+    them (one head is fine): it runs at widths 32, 64, 128, not 96 or 160."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.width = width
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.width // 32
+        assert heads == 1 or heads % 2 == 0, f"{heads} heads: the kernel pairs heads"
+        return super().forward(x)
+
+
+class PairedHeads(Stack):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.blocks = nn.ModuleList(PairedHeadBlock(dim) for _ in range(2))
+
+
+def paired_heads(dim: int = 32) -> nn.Module:
+    """Width 32 (one head): runs as configured; its smallest width that resolves the sawtooth
+    (96, three heads) is one it cannot run."""
+    return PairedHeads(dim)
+
+
+def one_width_only(dim: int = 32) -> nn.Module:
+    """Runs at its own width and at no other the suite may choose."""
+    model = PairedHeads(dim)
+    for block in model.blocks:
+        block.width = 96 if dim != 32 else 32  # type: ignore[assignment]
+    return model
+
+
 def fixed_stack() -> nn.Module:
     """Width 32, nothing to set it with: neither a width keyword nor a transformers config."""
     return Stack(32)
@@ -280,3 +316,45 @@ def test_a_wider_copy_keeps_what_the_config_computes_and_what_it_maps() -> None:
     assert (config.d_model, config.d_ff, config.d_kv) == (80, 160, 20)
     q = wide.get_submodule("encoder.block.0.layer.0.SelfAttention.q")
     assert tuple(q.weight.shape) == (80, 80)
+
+
+# ------------------------------------------------------------------------------------------
+# A width the model cannot run: the suite's choice, never the model's fault
+# ------------------------------------------------------------------------------------------
+
+
+def _sawtooth_scaling(factory: str) -> Any:
+    from fsdp_conformance.claims.memory.common import Room, scale_width
+
+    spec = ModelSpec(
+        reference=None, factory=f"{__name__}:{factory}", block_cls=("PairedHeadBlock",)
+    )
+    return scale_width(
+        spec, lambda s: unit_bytes(s) >= SAWTOOTH_MIN_UNIT_BYTES, Room(2, None), "too small"
+    )
+
+
+def test_a_width_the_model_cannot_run_is_passed_over_and_said() -> None:
+    from fsdp_conformance.claims.memory.common import describe
+
+    spec = ModelSpec(
+        reference=None, factory=f"{__name__}:paired_heads", block_cls=("PairedHeadBlock",)
+    )
+    assert unit_bytes(spec) < SAWTOOTH_MIN_UNIT_BYTES  # as configured: too small
+    scaled, scaling = _sawtooth_scaling("paired_heads")
+    # 96 is the smallest that resolves (4 x 96 x 96 x 2 weights); three heads fail there.
+    assert scaled.width == 128
+    assert scaling["skipped"] == ["96 (AssertionError: 3 heads: the kernel pairs heads)"]
+    assert describe(scaling) == (
+        "measured at a scaled size: the factory's dim= keyword 32 -> 128 (the smallest that "
+        "resolves; as configured, too small; the suite's widths 96 (AssertionError: 3 heads: "
+        "the kernel pairs heads) did not run on meta, so it took the next that does (the "
+        "suite's choice, not the model's fault))"
+    )
+
+
+def test_no_width_that_runs_is_the_suites_reason_not_the_models() -> None:
+    reason = _sawtooth_scaling("one_width_only")
+    assert isinstance(reason, str)
+    assert reason.startswith("the widths it was built at did not run on meta (96 (AssertionError")
+    assert reason.endswith("the suite's own choice of width, not the model's fault")
