@@ -358,3 +358,33 @@ def test_no_width_that_runs_is_the_suites_reason_not_the_models() -> None:
     assert isinstance(reason, str)
     assert reason.startswith("the widths it was built at did not run on meta (96 (AssertionError")
     assert reason.endswith("the suite's own choice of width, not the model's fault")
+
+
+def partial_rotary_phi(num_layers: int = 2) -> nn.Module:
+    """transformers' Phi with half its head dimension rotated: at hidden 72 (heads of 18) the
+    rotary part (9) is odd and the forward fails; at 64 and 80 it runs."""
+    import transformers
+
+    config = transformers.PhiConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+    )
+    return transformers.PhiForCausalLM(config)
+
+
+def test_a_partial_rotary_transformers_model_is_measured_at_a_width_it_runs() -> None:
+    from fsdp_conformance.claims.memory.common import Room, scale_width
+
+    spec = ModelSpec(reference=None, factory=f"{__name__}:partial_rotary_phi")
+    # Any width from 72 resolves: the suite's first choice (72) is one Phi cannot run.
+    out = scale_width(spec, lambda s: getattr(s, "width", 0) >= 72, Room(2, None), "small")
+    assert not isinstance(out, str), out
+    scaled, scaling = out
+    assert (scaling["before"], scaling["after"]) == (64, 80)
+    assert [s.split(" (")[0] for s in scaling["skipped"]] == ["72"]
+    assert "RuntimeError: Attempting to broadcast a dimension" in scaling["skipped"][0]
