@@ -787,7 +787,14 @@ def test_checkpoint_folders_that_cannot_work_are_exit_2_before_anything_runs(
             ["--model", f"{USER_MODULE}:not_a_module", "--block-cls", "Block"],
             ["returned dict, not an nn.Module", "make it return the model itself"],
         ),
-        (["--model", f"{USER_MODULE}:build"], ["no block class given", "pass --fsdp-block-cls"]),
+        (
+            ["--model", f"{USER_MODULE}:build"],
+            [
+                "no block class given",
+                "pass --block-cls",
+                "candidates, the module classes it repeats: Block (x2",
+            ],
+        ),
         (
             ["--model", f"{USER_MODULE}:build", "--block-cls", "TransformerBlock"],
             [
