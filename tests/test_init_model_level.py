@@ -131,6 +131,11 @@ def test_a_faithful_model_level_init_passes_every_init_check(
                 continue  # skipped, its reason tested below
             verdict = run_check(ranks, check, spec=model)
             assert verdict.passed, (name, check.params.get("version"), verdict.message)
+            if name == "init.weights":  # the report says the model-level init was used
+                used = model_init or "init_weights()"
+                assert f"(the model-level init, {used}, run after sharding)" in verdict.message
+                drawn = "match its distribution instead" in verdict.message
+                assert drawn == (check.params["version"] == "fsdp2"), verdict.message
     (faithful,) = checks("init.weights.faithful")
     verdict = run_check(ranks, faithful, spec=model)
     assert verdict.passed, verdict.message

@@ -311,6 +311,8 @@ class ShardedReport(Ranked, total=False):
     missing: list[str]
     digest: str
     reference_digest: str
+    #: Tensors compared by distribution (a model-level init's per-shard draws on FSDP2).
+    by_distribution: int
 
 
 def inspect_sharded(
@@ -376,6 +378,7 @@ def inspect_sharded(
             "missing": sorted(set(ref) - set(gathered) - _aliases(reference)),
             "digest": state_digest(gathered),
             "reference_digest": state_digest({n: ref[n] for n in gathered if n in ref}),
+            "by_distribution": len(random),
         }
     )
     return report

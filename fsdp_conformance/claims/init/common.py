@@ -191,6 +191,8 @@ class InitReport(ShardedReport, Failure, total=False):
     #: broadcast_rank0: whether rank 0's full state dict was changed in place (FSDP2).
     broadcast: bool
     dict_mutated: bool | None
+    #: A model-level init, in words ("the model's init_weights()"), when it is the model's.
+    model_init: str | None
 
 
 def init_report(sharded: ShardedReport) -> InitReport:
@@ -402,10 +404,20 @@ def judge_weights(values: Sequence[InitReport]) -> Verdict:
             figures,
             {"ranks": list(values)},
         )
+    drawn = values[0].get("by_distribution") or 0
+    how = (
+        f"; {drawn} tensor(s) the init draws at random match its distribution instead, which "
+        "FSDP2 draws per shard (no offset RNG on a CPU mesh), the others equal it"
+        if drawn
+        else ""
+    )
+    init = values[0].get("model_init")
     return Verdict(
         True,
         f"every rank's shards and the gathered weights equal the reference "
-        f"(digest {figures['digest']}) on {len(values)} ranks",
+        f"(digest {figures['digest']}) on {len(values)} ranks"
+        + (f" (the model-level init, {init}, run after sharding)" if init else "")
+        + how,
         figures,
         {"digest": digests[0]},
     )

@@ -77,11 +77,8 @@ def rank_weights(
         reference = reference_for(spec, method, seed, ctx.device, policy)
         # A model-level init on FSDP2 draws per shard: its random tensors are judged by
         # distribution against the unsharded init, told apart by a second seed.
-        drawn = (
-            reference_model(spec, seed + 1)
-            if method == "deterministic" and version == "fsdp2" and model_level(spec)
-            else None
-        )
+        whole = method == "deterministic" and model_level(spec)
+        drawn = reference_model(spec, seed + 1) if whole and version == "fsdp2" else None
         with FAULTS.inject(fault, ctx):
             model = materialize(ctx, spec, version, method, seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
@@ -96,6 +93,8 @@ def rank_weights(
         return {"rank": ctx.rank, "error": error, "errors": errors}
     report = init_report(inspect_sharded(model, reference, ctx, version, drawn))
     report.update({"error": None, "method": method, "version": version})
+    if whole:
+        report["model_init"] = spec.model_init or "init_weights()"
     return report
 
 
