@@ -82,6 +82,7 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
             settings.world_sizes,
             flag_style="cli",
             depth_rebuild=any(c.name == "memory.depth_invariance" for c, _ in plan.selected),
+            init_checks=any(c.claim == "init" for c, _ in plan.selected),
         )
         for note in notes:
             print(f"fsdp-conformance run: note: {note}", file=sys.stderr)

@@ -168,14 +168,18 @@ def _validate_user_model(plan: SuitePlan) -> list[str]:
     naming the problem and the fix; the notes the session goes on with, for the header."""
     from fsdp_conformance.models.model_spec import ModelSpecError
     from fsdp_conformance.models.policies import PolicyError
-    from fsdp_conformance.models.user_model import validate_user_model
+    from fsdp_conformance.models.user_model import init_contract_problem, validate_user_model
 
     if plan.spec is None:
         return []
     try:
-        return validate_user_model(plan.spec, ["cpu"], plan.world_sizes)
+        # Tests are deselected after this runs (-k): a model without an init contract is a
+        # note in the header, not a usage error (the CLI refuses it when init checks run).
+        notes = validate_user_model(plan.spec, ["cpu"], plan.world_sizes, init_checks=False)
     except (ModelSpecError, PolicyError) as exc:
         raise pytest.UsageError(f"--fsdp-model: {exc}") from None
+    problem = init_contract_problem(plan.spec, plan.spec.build("meta"))
+    return notes + ([problem] if problem else [])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

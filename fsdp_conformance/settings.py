@@ -305,6 +305,16 @@ OPTIONS: tuple[Option, ...] = (
         "_init_weights for a PreTrainedModel)",
         "MODULE:FN",
     ),
+    Option(
+        "model_init",
+        _parse_optional_str,
+        None,
+        "'pkg.module:fn', the model-level init of --fsdp-model for meta-device init: fn(model) "
+        "initializes the whole model in place after to_empty, on its sharded parameters, in "
+        "place of per-module init (default: the root's own init_weights(buffer_device=None) "
+        "when it has one, as torchtitan's models do)",
+        "MODULE:FN",
+    ),
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -334,6 +344,9 @@ class Settings:
     #: ``pkg.module:fn`` initializing one module's own state (meta init), or None for the
     #: model's own contract (``reset_parameters()``, or transformers' ``_init_weights``).
     init_fn: str | None = None
+    #: ``pkg.module:fn`` initializing the whole model after ``to_empty`` (meta init), or None
+    #: for the root's own ``init_weights()`` when it has one.
+    model_init: str | None = None
     #: Where each value came from ("default", "ini", "env FSDP_...", "--fsdp-..."), for headers.
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -408,9 +421,15 @@ def _flag(name: str, flag_style: FlagStyle) -> str:
 
 def _check_model_options(settings: Settings, flag_style: FlagStyle) -> None:
     """A model option without the model would otherwise be ignored without a word."""
+    if settings.init_fn and settings.model_init:
+        raise SettingsError(
+            f"{_flag('init_fn', flag_style)} and {_flag('model_init', flag_style)} are both "
+            "set: a model has one init, per module or for the whole model; keep the one the "
+            "model's training script uses"
+        )
     if settings.model:
         return
-    for name in ("block_cls", "input", "init_fn"):
+    for name in ("block_cls", "input", "init_fn", "model_init"):
         if getattr(settings, name):
             model = _flag("model", flag_style)
             raise SettingsError(

@@ -173,8 +173,10 @@ FOLDERS: dict[str, set[str]] = {
         "tensors",
         "torch_errors",
         "capabilities",
+        "model_init",
+        "distributions",
     },
-    "measure": {"meters", "timeline", "step", "bound", "profile"},
+    "measure": {"meters", "timeline", "step", "bound", "profile", "scaling"},
     "claims": {"check", "faults"},
     "claims/defaults": {"common", "fingerprint", "state_dict"},
     "claims/memory": {

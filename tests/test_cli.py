@@ -137,7 +137,12 @@ class Net(nn.Module):
 
 class BrokenNet(Net):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("forward is broken on purpose")
+        # Broken on the ranks only: the preflight's forward (meta, then CPU) would stop a
+        # forward broken everywhere before any rank, and this test looks at the ranks' error.
+        if torch.distributed.is_initialized():
+            raise RuntimeError("forward is broken on purpose")
+        out: torch.Tensor = super().forward(x)
+        return out
 
 
 def build() -> nn.Module:
@@ -782,7 +787,14 @@ def test_checkpoint_folders_that_cannot_work_are_exit_2_before_anything_runs(
             ["--model", f"{USER_MODULE}:not_a_module", "--block-cls", "Block"],
             ["returned dict, not an nn.Module", "make it return the model itself"],
         ),
-        (["--model", f"{USER_MODULE}:build"], ["no block class given", "pass --fsdp-block-cls"]),
+        (
+            ["--model", f"{USER_MODULE}:build"],
+            [
+                "no block class given",
+                "pass --block-cls",
+                "candidates, the module classes it repeats: Block (x2",
+            ],
+        ),
         (
             ["--model", f"{USER_MODULE}:build", "--block-cls", "TransformerBlock"],
             [
@@ -1462,7 +1474,7 @@ def test_pytest_unknown_pyproject_key_is_a_usage_error_naming_the_known_keys(
             (
                 "ERROR: unknown key(s) world_size in [[]tool.fsdp_conformance[]] of *pyproject.toml; "
                 "known keys: world_sizes, backend, timeout, model, block_cls, min_params, input, "
-                "max_world_size, init_fn"
+                "max_world_size, init_fn, model_init"
             )
         ]
     )

@@ -25,6 +25,7 @@ from fsdp_conformance.claims import init
 from fsdp_conformance.claims.check import Check, run_check
 from fsdp_conformance.claims.init import faithful
 from fsdp_conformance.claims.init.common import DEFAULT_SPEC
+from fsdp_conformance.fsdp import distributions
 from fsdp_conformance.harness import Ranks
 from fsdp_conformance.models.catalog import REFERENCE_MODELS
 from fsdp_conformance.models.model_spec import ModelSpec
@@ -361,7 +362,7 @@ def test_statistics_over_chunks_equal_those_over_the_whole_tensor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Chunks keep a large embedding's float64 temporaries at 32 MiB; here 1,000 elements.
-    monkeypatch.setattr(faithful, "CHUNK", 1000)
+    monkeypatch.setattr(distributions, "CHUNK", 1000)
     x = torch.randn(12345, generator=torch.Generator().manual_seed(0)) * 0.02 + 0.1
     x[:100] = 0
     stats = faithful.tensor_stats(x)

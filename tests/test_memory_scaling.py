@@ -69,6 +69,42 @@ class Stack(nn.Module):
         return cast(torch.Tensor, self.out(x))
 
 
+class PairedHeadBlock(WideBlock):
+    """A block whose kernel splits the width into heads of 32 and needs an even number of
+    them (one head is fine): it runs at widths 32, 64, 128, not 96 or 160."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.width = width
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.width // 32
+        assert heads == 1 or heads % 2 == 0, f"{heads} heads: the kernel pairs heads"
+        return super().forward(x)
+
+
+class PairedHeads(Stack):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.blocks = nn.ModuleList(PairedHeadBlock(dim) for _ in range(2))
+
+
+def paired_heads(dim: int = 32) -> nn.Module:
+    """Width 32 (one head): runs as configured; its smallest width that resolves the sawtooth
+    (96, three heads) is one it cannot run."""
+    return PairedHeads(dim)
+
+
+def one_width_only(dim: int = 32) -> nn.Module:
+    """Runs at its own width and at no other the suite may choose."""
+    model = PairedHeads(dim)
+    for block in model.blocks:
+        block.width = 96 if dim != 32 else 32  # type: ignore[assignment]
+    return model
+
+
 def fixed_stack() -> nn.Module:
     """Width 32, nothing to set it with: neither a width keyword nor a transformers config."""
     return Stack(32)
@@ -280,3 +316,75 @@ def test_a_wider_copy_keeps_what_the_config_computes_and_what_it_maps() -> None:
     assert (config.d_model, config.d_ff, config.d_kv) == (80, 160, 20)
     q = wide.get_submodule("encoder.block.0.layer.0.SelfAttention.q")
     assert tuple(q.weight.shape) == (80, 80)
+
+
+# ------------------------------------------------------------------------------------------
+# A width the model cannot run: the suite's choice, never the model's fault
+# ------------------------------------------------------------------------------------------
+
+
+def _sawtooth_scaling(factory: str) -> Any:
+    from fsdp_conformance.claims.memory.common import Room, scale_width
+
+    spec = ModelSpec(
+        reference=None, factory=f"{__name__}:{factory}", block_cls=("PairedHeadBlock",)
+    )
+    return scale_width(
+        spec, lambda s: unit_bytes(s) >= SAWTOOTH_MIN_UNIT_BYTES, Room(2, None), "too small"
+    )
+
+
+def test_a_width_the_model_cannot_run_is_passed_over_and_said() -> None:
+    from fsdp_conformance.claims.memory.common import describe
+
+    spec = ModelSpec(
+        reference=None, factory=f"{__name__}:paired_heads", block_cls=("PairedHeadBlock",)
+    )
+    assert unit_bytes(spec) < SAWTOOTH_MIN_UNIT_BYTES  # as configured: too small
+    scaled, scaling = _sawtooth_scaling("paired_heads")
+    # 96 is the smallest that resolves (4 x 96 x 96 x 2 weights); three heads fail there.
+    assert scaled.width == 128
+    assert scaling["skipped"] == ["96 (AssertionError: 3 heads: the kernel pairs heads)"]
+    assert describe(scaling) == (
+        "measured at a scaled size: the factory's dim= keyword 32 -> 128 (the smallest that "
+        "resolves; as configured, too small; the suite's widths 96 (AssertionError: 3 heads: "
+        "the kernel pairs heads) did not run on meta, so it took the next that does (the "
+        "suite's choice, not the model's fault))"
+    )
+
+
+def test_no_width_that_runs_is_the_suites_reason_not_the_models() -> None:
+    reason = _sawtooth_scaling("one_width_only")
+    assert isinstance(reason, str)
+    assert reason.startswith("the widths it was built at did not run on meta (96 (AssertionError")
+    assert reason.endswith("the suite's own choice of width, not the model's fault")
+
+
+def partial_rotary_phi(num_layers: int = 2) -> nn.Module:
+    """transformers' Phi with half its head dimension rotated: at hidden 72 (heads of 18) the
+    rotary part (9) is odd and the forward fails; at 64 and 80 it runs."""
+    import transformers
+
+    config = transformers.PhiConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+    )
+    return transformers.PhiForCausalLM(config)
+
+
+def test_a_partial_rotary_transformers_model_is_measured_at_a_width_it_runs() -> None:
+    from fsdp_conformance.claims.memory.common import Room, scale_width
+
+    spec = ModelSpec(reference=None, factory=f"{__name__}:partial_rotary_phi")
+    # Any width from 72 resolves: the suite's first choice (72) is one Phi cannot run.
+    out = scale_width(spec, lambda s: getattr(s, "width", 0) >= 72, Room(2, None), "small")
+    assert not isinstance(out, str), out
+    scaled, scaling = out
+    assert (scaling["before"], scaling["after"]) == (64, 80)
+    assert [s.split(" (")[0] for s in scaling["skipped"]] == ["72"]
+    assert "RuntimeError: Attempting to broadcast a dimension" in scaling["skipped"][0]

@@ -171,6 +171,73 @@ def broken_net() -> nn.Module:
     return BrokenNet()
 
 
+class SmallCNN(nn.Module):
+    """A CNN: its forward takes a float image; its first nn.Linear is the head, so the default
+    batch is features of the head's width, which the first convolution refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.ReLU())
+            for i in range(3)
+        )
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        out: torch.Tensor = self.head(x.mean((2, 3)))
+        return out
+
+
+def small_cnn() -> nn.Module:
+    return SmallCNN()
+
+
+def images(model: nn.Module, batch_size: int, device: Any) -> torch.Tensor:
+    return torch.randn(batch_size, 3, 8, 8, device=device)
+
+
+class OwnNorm(nn.Module):
+    """A norm with no reset_parameters(): a model holding it has no per-module init."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class NormedNet(MaskedNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = OwnNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        for block in self.blocks:
+            x = block(self.inp(x))
+        return self.norm(x)
+
+
+def normed_net() -> nn.Module:
+    return NormedNet()
+
+
+class InitWeightsNet(NormedNet):
+    """The same model with a model-level init_weights() on its root: it has an init."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        nn.init.ones_(self.norm.weight)
+
+
+def init_weights_net() -> nn.Module:
+    return InitWeightsNet()
+
+
 # --------------------------------------------------------------------------------------------
 # The CLI, in process
 # --------------------------------------------------------------------------------------------
@@ -356,15 +423,12 @@ def test_a_factory_that_cannot_build_on_meta_names_the_meta_device(
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("factory", "block_cls"), [("mixtral", None), ("broken_net", ("Block",))])
-def test_a_forward_failing_on_meta_for_another_reason_is_left_to_the_checks(
-    factory: str, block_cls: tuple[str, ...] | None
-) -> None:
-    """Mixtral's forward fails on meta (a meta kernel torch lacks), BrokenNet's everywhere (its
-    own error, which the checks report as errors: tests/test_cli.py): neither is the input's."""
-    spec = ModelSpec(reference=None, factory=f"{HERE}:{factory}", block_cls=block_cls)
+def test_a_forward_failing_on_meta_only_is_left_to_the_checks() -> None:
+    """Mixtral's forward fails on meta (a meta kernel torch lacks), not on the CPU, where the
+    preflight runs it once: not the input's fault, the checks run it on real tensors."""
+    spec = ModelSpec(reference=None, factory=f"{HERE}:mixtral")
     built = spec.instantiate("meta")
-    batch = built.batch()  # the default batch: token ids (Mixtral), features (BrokenNet)
+    batch = built.batch()  # the default batch: token ids
     if isinstance(batch, dict):
         batch = {k: v.to("meta") for k, v in batch.items()}
     else:
@@ -439,3 +503,114 @@ def test_the_plugin_states_the_block_classes_it_goes_on_with_in_its_header(
             "*test_conformance?wrap.units.exact?fsdp1,*bert_mlm?*",
         ]
     )
+
+
+# --------------------------------------------------------------------------------------------
+# A CNN without --input, a model without an init, a model without --block-cls
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_cnn_without_input_stops_before_any_rank_naming_the_input_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_list(capsys, "--model", f"{HERE}:small_cnn", "--block-cls", "Sequential")
+    assert_exit_2(
+        code,
+        out,
+        err,
+        "the forward of SmallCNN does not take the default batch (one tensor of features, "
+        "shape (2, 8, 8)): it raised RuntimeError: Given groups=1, weight of size [8, 3, 3, 3], "
+        "expected input[1, 2, 8, 8] to have 3 channels, but got 2 channels instead on the meta "
+        "device and on the CPU, so every check would fail with it; pass an input builder "
+        "(--input pkg.module:builder, called as builder(model, batch_size, device); a mapping "
+        "it returns is passed as keyword arguments) (a forward that fails on any input fails "
+        "here too: fix it first)",
+    )
+    code, out, err = run_list(
+        capsys,
+        "--model",
+        f"{HERE}:small_cnn",
+        "--block-cls",
+        "Sequential",
+        "--input",
+        f"{HERE}:images",
+    )
+    assert code == cli.EXIT_OK, err
+
+
+def test_a_forward_broken_on_every_input_stops_before_any_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run_list(capsys, "--model", f"{HERE}:broken_net", "--block-cls", "Block")
+    assert code == cli.EXIT_USAGE
+    assert err[0].startswith(
+        ERROR + "the forward of BrokenNet does not take the default batch (one tensor of "
+        "features, shape (2, 8, 32)): it raised RuntimeError: forward is broken on purpose on "
+        "the meta device and on the CPU"
+    )
+
+
+def test_a_model_without_an_init_stops_before_any_rank_when_init_checks_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_list(capsys, "--model", f"{HERE}:normed_net", "--block-cls", "Block")
+    assert_exit_2(
+        code,
+        out,
+        err,
+        "1 module(s) of NormedNet own parameters or buffers but have no reset_parameters(), and "
+        "the model has no init_weights(): meta init (the init checks) cannot recreate their "
+        "values (norm (OwnNorm)); name its init: --model-init pkg.module:fn (fn(model), the "
+        "whole model after to_empty) or --init-fn pkg.module:fn (fn(module), per module), or "
+        "define reset_parameters() on those classes; or run the other claims alone (--checks "
+        "wrap. and so on)",
+    )
+    # Without init checks the model runs; with a root init_weights() it has an init.
+    code, out, err = run_list(
+        capsys, "--model", f"{HERE}:normed_net", "--block-cls", "Block", "--checks", "wrap."
+    )
+    assert code == cli.EXIT_OK, err
+    code, out, err = run_list(capsys, "--model", f"{HERE}:init_weights_net", "--block-cls", "Block")
+    assert code == cli.EXIT_OK, err
+
+
+def test_the_plugin_names_a_model_without_an_init_in_its_header(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess(
+        "-p",
+        "no:cacheprovider",
+        "--co",
+        "--fsdp-model",
+        f"{HERE}:normed_net",
+        "--fsdp-block-cls",
+        "Block",
+    )
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [
+            "*1 module(s) of NormedNet own parameters or buffers but have no reset_parameters()*"
+            "name its init: --fsdp-model-init pkg.module:fn*deselect the init checks*"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"), [((), "--block-cls"), (("--fsdp",), "--fsdp-block-cls")]
+)
+def test_a_model_without_block_cls_names_the_front_ends_flag_and_candidates(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], flag: str
+) -> None:
+    spec = ModelSpec(reference=None, factory=f"{HERE}:small_cnn")
+    style = "pytest" if flags else "cli"
+    with pytest.raises(Exception) as info:
+        user_model.validate_user_model(spec, ["cpu"], [2], flag_style=style)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"no block class given for '{HERE}:small_cnn': pass {flag} with the class of its "
+        "transformer block (a class name found in the model or a dotted path); candidates, the "
+        "module classes it repeats: Sequential (x3, up to 584 params)"
+    )
+    code, _, err = run_list(capsys, "--model", f"{HERE}:masked_net")
+    assert err == [
+        ERROR + f"no block class given for '{HERE}:masked_net': pass --block-cls with the class "
+        "of its transformer block (a class name found in the model or a dotted path); "
+        "candidates, the module classes it repeats: Block (x2, up to 1,056 params)"
+    ]

@@ -32,15 +32,26 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.fsdp.model_init import (
+    MODEL_LEVEL,
+    ModelInit,
+    check_model_init_,
+    nan_fill_,
+    run_model_init_,
+)
+from fsdp_conformance.fsdp.model_init import (
+    InitError as InitError,  # the init errors' one class, used here and by the claims
+)
 from fsdp_conformance.fsdp.tensors import listing, state_digest
 from fsdp_conformance.models import hf
-from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, load_object
+from fsdp_conformance.models.model_spec import (
+    BuiltModel,
+    ModelSpec,
+    load_object,
+    root_init_weights,
+    without_reset_parameters,
+)
 from fsdp_conformance.models.units import clean_fqn
-
-
-class InitError(ValueError):
-    """A model cannot be initialized deterministically; the message names the module and fix."""
-
 
 # --------------------------------------------------------------------------------------------
 # Phase 1: build on meta
@@ -150,17 +161,6 @@ WAYS_OUT = (
 )
 
 
-def without_reset_parameters(model: nn.Module) -> list[str]:
-    """``fqn (Class)`` of every module that owns state but has no ``reset_parameters()``."""
-    return sorted(
-        {
-            f"{fqn or '(root)'} ({type(m).__name__})"
-            for fqn, m in model.named_modules()
-            if own_state(m) and not callable(getattr(m, "reset_parameters", None))
-        }
-    )
-
-
 class UserInit(ModuleInit):
     """``--init-fn pkg.module:fn``: ``fn(module)`` per module, as ``reset_parameters()`` is."""
 
@@ -210,11 +210,25 @@ class TransformersInit(ModuleInit):
 
 
 def init_contract(spec: ModelSpec | None, model: nn.Module) -> str:
-    """Which init a model gets: ``init_fn`` (the user's, when named), ``transformers`` (a
-    ``PreTrainedModel``) or ``reset_parameters`` (any other model)."""
+    """Which init a model gets, in this order: ``init_fn`` (the user's per-module init, when
+    named), ``model_init`` (the user's model-level init, when named), ``transformers`` (a
+    ``PreTrainedModel``), ``init_weights`` (the root's own model-level ``init_weights()``,
+    torchtitan's contract) or ``reset_parameters`` (any other model)."""
     if spec is not None and spec.init_fn:
         return "init_fn"
-    return "transformers" if hf.is_pretrained(model) else "reset_parameters"
+    if spec is not None and spec.model_init:
+        return "model_init"
+    if hf.is_pretrained(model):
+        return "transformers"
+    return "init_weights" if root_init_weights(model) is not None else "reset_parameters"
+
+
+def model_init_for(spec: ModelSpec | None, model: nn.Module) -> ModelInit | None:
+    """The model-level init of ``spec``'s model, or None when its init is per module."""
+    contract = init_contract(spec, model)
+    if contract not in MODEL_LEVEL:
+        return None
+    return ModelInit(contract, spec.model_init if spec is not None else None)
 
 
 def module_init_for(spec: ModelSpec | None, model: nn.Module) -> ModuleInit:
@@ -425,11 +439,19 @@ def _copy_to_dtensor(t: Any, full: torch.Tensor) -> None:
 
 
 def reference_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """The single-process reference: the same meta build, ``to_empty``, the same init."""
+    """The single-process reference: the same meta build, ``to_empty``, the same init (a
+    model-level init on the whole unsharded model, from the global generator seeded with
+    ``seed``)."""
     model = build_on_meta(spec).model
-    init = module_init_for(spec, model)
+    whole = model_init_for(spec, model)
+    init = module_init_for(spec, model) if whole is None else None
     to_empty_keeping_ties(model, device)
-    return deterministic_init_(model, seed, init)
+    if whole is None:
+        return deterministic_init_(model, seed, init)
+    nan_fill_(named_state(model))
+    run_model_init_(model, whole, seed, device)
+    check_model_init_(model, whole)
+    return model
 
 
 def to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -511,9 +533,14 @@ class DeterministicParamInit:
         *,
         broadcast_from: int | None = None,
         init: ModuleInit | None = None,
+        model_level: bool = False,
     ) -> None:
         self.init = init if init is not None else module_init_for(None, model)
-        check_initializable(model, self.init)
+        #: A model-level init runs after wrapping: here each tensor only gets NaN (caught if
+        #: the model-level init leaves it).
+        self.model_level = model_level
+        if not model_level:
+            check_initializable(model, self.init)
         self.device = device
         self.seed = seed
         self.broadcast_from = broadcast_from
@@ -529,7 +556,7 @@ class DeterministicParamInit:
         self.calls.append(fqn)
         before = {name: t for _, name, t in own_state(module)}
         module.to_empty(device=self.device, recurse=False)
-        full = full_module_state(module, fqn, self.seed, self.init)
+        full = {} if self.model_level else full_module_state(module, fqn, self.seed, self.init)
         with torch.no_grad():
             for kind, name, t in own_state(module):
                 old = before[name]
@@ -551,6 +578,9 @@ class DeterministicParamInit:
                 # Only the owner writes, whichever holder FSDP1 reaches first: its walk is
                 # breadth-first, so GPT-2's lm_head comes before transformer.wte, the owner.
                 if self.owner.get(id(old)) != fqn:
+                    continue
+                if self.model_level:
+                    nan_fill_([(name, t)])
                     continue
                 t.copy_(full[name].to(t.device))
                 if self.broadcast_from is not None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_conformance import _compat
+from fsdp_conformance.fsdp.distributions import TensorStats, judge_tensor, tensor_stats
 from fsdp_conformance.fsdp.meta_init import (
     RESET_PARAMETERS,
     DeterministicParamInit,
@@ -32,11 +33,18 @@ from fsdp_conformance.fsdp.meta_init import (
     build_on_meta,
     deterministic_init_,
     full_state,
+    model_init_for,
     module_init_for,
     named_state,
     own_state,
     reference_model,
     tensors_on_meta,
+)
+from fsdp_conformance.fsdp.model_init import (
+    ModelInit,
+    check_model_init_,
+    nan_fill_,
+    run_model_init_,
 )
 from fsdp_conformance.fsdp.sharding import check_fsdp_version, shard_fsdp1, shard_fsdp2
 from fsdp_conformance.fsdp.tensors import state_digest
@@ -119,6 +127,9 @@ def materialize(
     check_method(method)
     built = build_on_meta(spec)
     model, wrap_policy = built.model, built.policy(policy)
+    whole = model_init_for(spec, model) if method == "deterministic" else None
+    if whole is not None:
+        return _materialize_model_level(ctx, model, version, whole, seed, wrap_policy, fsdp_kwargs)
     # Before sharding: a transformers model's init reads an unsharded shadow of it.
     init = module_init_for(spec, model) if method == "deterministic" else RESET_PARAMETERS
     torch.manual_seed(seed)  # the RNG the reset_parameters / seeds methods draw from
@@ -134,6 +145,43 @@ def materialize(
         return shard_fsdp1(model, ctx, wrap_policy, **fsdp_kwargs)
     model = shard_fsdp2(model, ctx, wrap_policy, **fsdp_kwargs)
     return _materialize_fsdp2(model, ctx.device, method, seed, init)
+
+
+def _materialize_model_level(
+    ctx: RankContext,
+    model: nn.Module,
+    version: str,
+    init: ModelInit,
+    seed: int,
+    wrap_policy: Any,
+    fsdp_kwargs: dict[str, Any],
+) -> nn.Module:
+    """A model-level init where the user runs it, after sharding, every float NaN-filled first.
+
+    FSDP2: ``fully_shard``, ``to_empty``, then the init on the DTensor parameters (each rank
+    draws its own shards). FSDP1 has no step after ``to_empty`` on its own: its
+    ``param_init_fn`` only materializes (keeping ties), then the init runs on the gathered
+    parameters inside ``summon_full_params(writeback=True)``, each rank keeping its shard of
+    what it wrote (docs/init.md, "A model-level init"). Every rank seeds the global generator
+    with ``seed``, as a training script does.
+    """
+    if version == "fsdp2":
+        model = shard_fsdp2(model, ctx, wrap_policy, **fsdp_kwargs)
+        model.to_empty(device=ctx.device)
+        nan_fill_(named_state(model))
+        run_model_init_(model, init, seed, ctx.device)
+        check_model_init_(model, init)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    fsdp_kwargs.setdefault(
+        "param_init_fn", DeterministicParamInit(model, ctx.device, seed, model_level=True)
+    )
+    model = shard_fsdp1(model, ctx, wrap_policy, **fsdp_kwargs)
+    with FSDP.summon_full_params(model, writeback=True):
+        run_model_init_(unwrapped(model), init, seed, ctx.device)
+        check_model_init_(unwrapped(model), init)
+    return model
 
 
 def _materialize_fsdp2(
@@ -263,16 +311,28 @@ class ShardedReport(Ranked, total=False):
     missing: list[str]
     digest: str
     reference_digest: str
+    #: Tensors compared by distribution (a model-level init's per-shard draws on FSDP2).
+    by_distribution: int
 
 
 def inspect_sharded(
-    model: nn.Module, reference: nn.Module, ctx: RankContext, version: str
+    model: nn.Module,
+    reference: nn.Module,
+    ctx: RankContext,
+    version: str,
+    drawn: nn.Module | None = None,
 ) -> ShardedReport:
     """Where every tensor is, and whether this rank's shards and the gathered tensors match.
 
+    ``drawn``: for a model-level init on FSDP2, the reference built from another seed. The
+    tensors that differ between the two are random draws, which FSDP2 makes per shard (on a
+    CPU mesh each rank draws its shards from its own generator: docs/init.md), so they are
+    compared by distribution (:func:`~fsdp_conformance.fsdp.distributions.judge_tensor`, the
+    two references against the gathered tensor), the others by value.
     Collective (gathers full parameters): every rank must call it.
     """
     ref = full_state(reference)
+    random = _random_draws(ref, drawn) if drawn is not None and version == "fsdp2" else {}
     wrong_device = [
         f"{clean_fqn(n)} on {t.device}"
         for n, t in named_state(model)
@@ -292,12 +352,21 @@ def inspect_sharded(
     if version == "fsdp1":
         local_bad, checked = _fsdp1_local_mismatches(model, ref, ctx)
     else:
-        local_bad, checked = _fsdp2_local_mismatches(model, ref, ctx)
+        local_bad, checked = _fsdp2_local_mismatches(model, ref, ctx, set(random))
     gathered = gathered_state(model, version)
     for name, t in gathered.items():
         expected = ref.get(name)
         if expected is None:
             full_bad.append(f"{name} (not in the reference)")
+        elif name in random:
+            finding = judge_tensor(tensor_stats(expected), random[name], tensor_stats(t)) or (
+                "" if t.shape == expected.shape else "shape differs"
+            )
+            if finding:
+                sharded = finding.replace("meta init", "the sharded init").replace(
+                    "as built", "unsharded"
+                )
+                full_bad.append(f"{name} ({sharded})")
         elif not _equal(t, expected):
             (uninit if _uninitialized(expected) else full_bad).append(name)
     report.update(
@@ -309,9 +378,20 @@ def inspect_sharded(
             "missing": sorted(set(ref) - set(gathered) - _aliases(reference)),
             "digest": state_digest(gathered),
             "reference_digest": state_digest({n: ref[n] for n in gathered if n in ref}),
+            "by_distribution": len(random),
         }
     )
     return report
+
+
+def _random_draws(ref: Mapping[str, torch.Tensor], drawn: nn.Module) -> dict[str, TensorStats]:
+    """The reference's tensors that another seed changes, with that seed's statistics."""
+    other = full_state(drawn)
+    return {
+        name: tensor_stats(other[name])
+        for name, t in ref.items()
+        if name in other and not _equal(t, other[name]) and t.numel() > 1
+    }
 
 
 def _aliases(model: nn.Module) -> set[str]:
@@ -368,13 +448,17 @@ def _fsdp1_local_mismatches(
 
 
 def _fsdp2_local_mismatches(
-    model: nn.Module, ref: Mapping[str, torch.Tensor], ctx: RankContext
+    model: nn.Module,
+    ref: Mapping[str, torch.Tensor],
+    ctx: RankContext,
+    random: set[str] | None = None,
 ) -> tuple[list[str], int]:
-    """Each DTensor's local shard against ``torch.chunk(reference, world_size)[rank]``."""
+    """Each DTensor's local shard against ``torch.chunk(reference, world_size)[rank]``
+    (``random``: names drawn per shard, compared by distribution once gathered instead)."""
     dtensor = _compat.dtensor_cls()
     bad, checked = [], 0
     for name, p in model.named_parameters():
-        if not isinstance(p, dtensor):
+        if not isinstance(p, dtensor) or name in (random or ()):
             continue
         chunks = torch.chunk(ref[name].detach().cpu(), ctx.world_size, dim=0)
         expected = chunks[ctx.rank] if ctx.rank < len(chunks) else ref[name][:0].cpu()

@@ -57,6 +57,8 @@ def environment_summary(settings: Settings) -> str:
         parts.append(f"model {settings.model}")
     if settings.init_fn:
         parts.append(f"init fn {settings.init_fn}")
+    if settings.model_init:
+        parts.append(f"model init {settings.model_init}")
     return ", ".join(parts)
 
 

@@ -21,21 +21,53 @@ from fsdp_conformance.models.policies import PolicyError, shared_parameter_group
 
 
 def block_classes_of(
-    model: nn.Module, *, given: Sequence[str] | None, reference: str | None, name: str
+    model: nn.Module,
+    *,
+    given: Sequence[str] | None,
+    reference: str | None,
+    name: str,
+    flag: str = "--fsdp-block-cls",
 ) -> tuple[type[nn.Module], ...]:
     """The block classes of ``model``: ``given`` resolved against it, else the reference
     model's, else a transformers model's ``_no_split_modules``; ``name`` is the model's name
-    in the messages."""
+    in the messages, ``flag`` the block-class flag as the front end in use spells it."""
     if given:
         return resolve_block_classes(model, list(given))
     if reference is not None:
         return REFERENCE_MODELS[reference].block_classes
     if hf.is_pretrained(model):
         return no_split_block_classes(model, name)
-    raise PolicyError(
-        f"no block class given for {name!r}: pass --fsdp-block-cls with the class of "
-        "its transformer block (a class name found in the model or a dotted path)"
+    raise PolicyError(no_block_class(model, name, flag))
+
+
+def no_block_class(model: nn.Module, name: str, flag: str) -> str:
+    """The message for a model given no block class: the flag, and the classes it repeats."""
+    found = candidate_blocks(model)
+    listed = ", ".join(found) if found else "none (no module class with children repeats)"
+    return (
+        f"no block class given for {name!r}: pass {flag} with the class of its transformer "
+        f"block (a class name found in the model or a dotted path); candidates, the module "
+        f"classes it repeats: {listed}"
     )
+
+
+#: Containers that hold the blocks rather than being one.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def candidate_blocks(model: nn.Module, limit: int = 6) -> list[str]:
+    """``Class (xN, P params)`` of the module classes ``model`` repeats that hold submodules
+    (a block is a repeated composite module): the model's own classes first, then by count."""
+    counts: dict[type[nn.Module], list[int]] = {}
+    for module in model.modules():
+        if module is model or isinstance(module, _CONTAINERS) or not any(module.children()):
+            continue
+        entry = counts.setdefault(type(module), [0, 0])
+        entry[0] += 1
+        entry[1] = max(entry[1], sum(p.numel() for p in module.parameters()))
+    repeated = [(cls, n, size) for cls, (n, size) in counts.items() if n >= 2 and size]
+    repeated.sort(key=lambda c: (c[0].__module__.startswith("torch."), -c[1]))
+    return [f"{cls.__name__} (x{n}, up to {size:,} params)" for cls, n, size in repeated[:limit]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -148,6 +148,49 @@ def _first_input_module(model: nn.Module) -> nn.Embedding | nn.Linear:
 
 
 # --------------------------------------------------------------------------------------------
+# What a model provides for meta init: a model-level init_weights(), per-module
+# reset_parameters()
+# --------------------------------------------------------------------------------------------
+
+
+def root_init_weights(model: nn.Module) -> Callable[..., Any] | None:
+    """The root's ``init_weights`` when it is a model-level init: a method callable with no
+    argument or with ``buffer_device=`` only (torchtitan's ``init_weights(self,
+    buffer_device=None)``); None otherwise (absent, or needing arguments)."""
+    method = getattr(type(model), "init_weights", None)
+    if not callable(method):
+        return None
+    # getattr: nn.Module.__getattr__ types an attribute as a Tensor or a Module, not a method
+    bound = getattr(model, "init_weights")  # noqa: B009
+    try:
+        signature = inspect.signature(bound)
+    except (TypeError, ValueError):
+        return None
+    required = [
+        p
+        for p in signature.parameters.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    return None if required else cast("Callable[..., Any]", bound)
+
+
+def without_reset_parameters(model: nn.Module) -> list[str]:
+    """``fqn (Class)`` of every module that owns state but has no ``reset_parameters()``."""
+    return sorted(
+        {
+            f"{fqn or '(root)'} ({type(m).__name__})"
+            for fqn, m in model.named_modules()
+            if _owns_state(m) and not callable(getattr(m, "reset_parameters", None))
+        }
+    )
+
+
+def _owns_state(module: nn.Module) -> bool:
+    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+# --------------------------------------------------------------------------------------------
 # ModelSpec: a picklable description of "which model", sent to the ranks
 # --------------------------------------------------------------------------------------------
 
@@ -252,6 +295,10 @@ class ModelSpec:
     #: ``pkg.module:fn`` initializing one module's own state for meta init (None: the model's
     #: own contract; see ``meta_init.module_init_for``).
     init_fn: str | None = None
+    #: ``pkg.module:fn`` initializing the whole model after ``to_empty``, called as
+    #: ``fn(model)`` (None: the root's own ``init_weights()`` when it has one; see
+    #: ``meta_init.init_contract``).
+    model_init: str | None = None
 
     def __post_init__(self) -> None:
         if (self.reference is None) == (self.factory is None):

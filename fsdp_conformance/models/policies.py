@@ -254,7 +254,12 @@ def wrapping_label(name: PolicyName) -> WrappingName | None:
 
 
 def validate_plan(
-    model: nn.Module, policy: Any, *, what: str = "the wrap policy", detail: str = ""
+    model: nn.Module,
+    policy: Any,
+    *,
+    what: str = "the wrap policy",
+    detail: str = "",
+    flag: str = "--fsdp-block-cls",
 ) -> list[Any]:
     """The plan of ``policy`` on ``model`` (see :func:`~fsdp_conformance.models.units.plan_units`).
 
@@ -282,7 +287,7 @@ def validate_plan(
     total = sum(p.numel() for p in model.parameters())
     raise PolicyError(
         f"{what} wraps nothing but the root of {type(model).__name__}: all {total:,} parameters "
-        "would be gathered at once. Fix: name the model's block class (e.g. --fsdp-block-cls) "
+        f"would be gathered at once. Fix: name the model's block class (e.g. {flag}) "
         f"or lower the size threshold; its module classes are: {listing or '(none)'}"
         + (f" ({detail})" if detail else "")
     )

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.models import hf
-from fsdp_conformance.models.block_classes import tie_safe_note
+from fsdp_conformance.models.block_classes import no_block_class, tie_safe_note
 from fsdp_conformance.models.model_spec import (
     DEPTH_KEYWORDS,
     BuiltModel,
@@ -30,6 +30,8 @@ from fsdp_conformance.models.model_spec import (
     call_model,
     depth_keyword,
     load_object,
+    root_init_weights,
+    without_reset_parameters,
 )
 from fsdp_conformance.models.units import mixed_requires_grad_units, planned_unit_modules
 from fsdp_conformance.settings import OPTIONS_BY_NAME, FlagStyle, Settings
@@ -48,6 +50,7 @@ def user_spec(settings: Settings) -> ModelSpec | None:
         min_params=settings.min_params,
         input_builder=settings.input,
         init_fn=settings.init_fn,
+        model_init=settings.model_init,
     )
 
 
@@ -72,13 +75,16 @@ def validate_user_model(
     *,
     flag_style: FlagStyle = "pytest",
     depth_rebuild: bool = True,
+    init_checks: bool = True,
 ) -> list[str]:
     """Fail early, in one line each: import path, factory (built on meta), block class, empty
-    policy, size, one batch through the forward on meta, the depth rebuild.
+    policy, size, one batch through the forward (on meta, and on the CPU where meta fails),
+    the init contract, the depth rebuild.
 
     Returns the notes the run goes on with, one line each (the default block classes that keep
     a tie whole); ``flag_style`` spells the flags in the messages as the front end does;
-    ``depth_rebuild``: whether a selected check rebuilds the model at other depths.
+    ``depth_rebuild``: whether a selected check rebuilds the model at other depths;
+    ``init_checks``: whether a selected check initializes the model on meta.
     """
     from fsdp_conformance.models.policies import validate_plan
 
@@ -86,6 +92,10 @@ def validate_user_model(
     model = built.model
     if spec.init_fn:  # a bad path is one line here, not a finding from every init check
         load_object(spec.init_fn, "init function")
+    if spec.model_init:
+        load_object(spec.model_init, "model init function")
+    if not spec.block_cls and not hf.is_pretrained(model):
+        raise ModelSpecError(no_block_class(model, spec.name, _flag("block_cls", flag_style)))
     notes = []
     if not spec.block_cls and hf.is_pretrained(model):
         note = tie_safe_note(model, _flag("block_cls", flag_style))
@@ -99,7 +109,9 @@ def validate_user_model(
         model,
         built.policy("recommended"),
         detail=f"{spec.name}: block classes {', '.join(b.__name__ for b in blocks)}{given}, "
-        f"threshold {threshold:,}; check --fsdp-block-cls names the model's block class",
+        f"threshold {threshold:,}; check {_flag('block_cls', flag_style)} names the model's "
+        "block class",
+        flag=_flag("block_cls", flag_style),
     )
     mixed = mixed_requires_grad_units(
         model, planned_unit_modules(model, built.policy("recommended"))
@@ -108,6 +120,9 @@ def validate_user_model(
         notes.append(frozen_units_note(mixed))
     _check_size(spec, model, lanes, world_sizes)
     _check_batch(built, flag_style)
+    problem = init_contract_problem(spec, model, flag_style) if init_checks else None
+    if problem:
+        raise ModelSpecError(problem)
     if depth_rebuild:
         _check_depth_rebuild(spec, model)
     return notes
@@ -225,10 +240,38 @@ def _check_batch(built: BuiltModel, flag_style: FlagStyle) -> None:
     except Exception as exc:  # judged below: what is not the input's goes on to the checks
         missing = _missing_inputs(exc, model, signature, batch)
         if not missing:
-            return  # a meta kernel torch lacks, or the model's own error: the checks will say
+            # A meta kernel torch lacks (Mixtral's grouped matmul in fp32), or a batch the
+            # forward cannot take (a CNN given features): a tiny forward on the CPU tells.
+            _check_batch_on_cpu(built, batch, what, fix([]))
+            return
         raise ModelSpecError(
             f"the forward of {type(model).__name__} on {what} raised {_reason(exc)}; it needs "
             f"{', '.join(missing)}, which the batch does not give; {fix(missing)}"
+        ) from None
+
+
+#: The largest model (its parameters and buffers) the preflight builds on the CPU to run one
+#: forward where the forward failed on meta; a larger one is left to the checks.
+CPU_FORWARD_BYTES = 1 << 30
+
+
+def _check_batch_on_cpu(built: BuiltModel, batch: Any, what: str, fix: str) -> None:
+    """The forward on the CPU, the model built there as its factory builds it: where it fails
+    too, every check would fail the same way on every rank, so it is one line now."""
+    model = built.model
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if size > CPU_FORWARD_BYTES:
+        return
+    with torch.random.fork_rng(devices=[]):
+        cpu_model = built.spec.build("cpu")
+    try:
+        with torch.no_grad():
+            call_model(cpu_model, batch)
+    except Exception as exc:  # the finding: the same error every rank would raise
+        raise ModelSpecError(
+            f"the forward of {type(model).__name__} does not take {what}: it raised "
+            f"{_reason(exc)} on the meta device and on the CPU, so every check would fail "
+            f"with it; {fix} (a forward that fails on any input fails here too: fix it first)"
         ) from None
 
 
@@ -332,6 +375,42 @@ def _missing_inputs(
         for p in params
         if p.name not in given and re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", message)
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# The init contract
+# --------------------------------------------------------------------------------------------
+
+
+def init_contract_problem(
+    spec: ModelSpec, model: nn.Module, flag_style: FlagStyle = "pytest"
+) -> str | None:
+    """Why the init checks cannot initialize ``spec``'s model on meta (None: they can), in one
+    line naming the fix: said before any rank, not as the same finding from every init check
+    after the run. A model has an init contract when it is named (``--init-fn``,
+    ``--model-init``), is a transformers model, has a root ``init_weights()``, or every module
+    owning state has ``reset_parameters()``."""
+    if spec.init_fn or spec.model_init or hf.is_pretrained(model):
+        return None
+    if root_init_weights(model) is not None:
+        return None
+    missing = without_reset_parameters(model)
+    if not missing:
+        return None
+    leave_out = (
+        "or run the other claims alone (--checks wrap. and so on)"
+        if flag_style == "cli"
+        else "or deselect the init checks (-k 'not init.'); they fail with this finding"
+    )
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (
+        f"{len(missing)} module(s) of {type(model).__name__} own parameters or buffers but have "
+        f"no reset_parameters(), and the model has no init_weights(): meta init (the init "
+        f"checks) cannot recreate their values ({shown}); name its init: "
+        f"{_flag('model_init', flag_style)} pkg.module:fn (fn(model), the whole model after "
+        f"to_empty) or {_flag('init_fn', flag_style)} pkg.module:fn (fn(module), per module), or "
+        f"define reset_parameters() on those classes; {leave_out}"
+    )
 
 
 # --------------------------------------------------------------------------------------------

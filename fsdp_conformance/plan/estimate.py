@@ -16,6 +16,8 @@ from fsdp_conformance.measure.bound import (
     host_bytes,
     per_layer_bound,
 )
+from fsdp_conformance.models import hf
+from fsdp_conformance.models.block_classes import no_block_class
 from fsdp_conformance.models.llama import LLAMA_PRESETS
 from fsdp_conformance.models.model_spec import BuiltModel
 from fsdp_conformance.models.policies import PolicyName
@@ -211,6 +213,9 @@ def plan_model(choice: ModelChoice, settings: PlanSettings, model: Any = None) -
     start = time.perf_counter()
     model = build_meta_model(choice) if model is None else model
     _require_meta(model, choice)
+    if choice.spec.factory and not choice.spec.block_cls and not hf.is_pretrained(model):
+        # The plan command's own flag, and the classes the model repeats.
+        raise PlanError(no_block_class(model, choice.spec.name, "--block-cls"))
     built = BuiltModel(choice.spec, model)
     units = plan_units(model, built.policy(settings.policy, full_scale=choice.full_scale))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -24,6 +24,7 @@ from fsdp_conformance.claims.init.common import (
     describe_init_error,
     init_report,
     judge_weights,
+    model_level,
     preflight,
     preflight_failure,
     rank_errors,
@@ -77,6 +78,7 @@ def rank_sync_module_states(
     """
     if ctx.device_type != "cpu":
         require_a_receiver(ctx, "sync_module_states")
+    skip_if_model_level(spec, "FSDP1's sync_module_states")
     failed = preflight(spec)
     if failed:
         return preflight_failure(InitReport, ctx, failed)
@@ -194,6 +196,8 @@ def rank_broadcast_rank0(
     applied to the build and the broadcast (``no_broadcast``: nothing is sent).
     """
     require_a_receiver(ctx, "the broadcast from rank 0")
+    if version == "fsdp1":
+        skip_if_model_level(spec, "FSDP1's broadcast from rank 0 in param_init_fn")
     failed = preflight(spec)
     if failed:
         return preflight_failure(InitReport, ctx, failed)
@@ -215,6 +219,18 @@ def rank_broadcast_rank0(
         }
     )
     return report
+
+
+def skip_if_model_level(spec: ModelSpec, what: str) -> None:
+    """Skip (every rank alike) a check of FSDP1's per-module ``param_init_fn`` on a model whose
+    init runs once on the whole model after wrapping."""
+    if model_level(spec):
+        skip_rank(
+            f"{what} sends rank 0's values module by module from FSDP1's param_init_fn, and "
+            f"{spec.name} is initialized by a model-level init after wrapping: rank 0's weights "
+            "reach every rank there with set_model_state_dict(broadcast_from_rank0=True), which "
+            "init.broadcast_rank0 checks on FSDP2"
+        )
 
 
 def _fsdp1_broadcasting(ctx: RankContext, spec: ModelSpec, seed: int) -> torch.nn.Module:

@@ -27,10 +27,12 @@ from fsdp_conformance.fsdp.meta_init import (
     InitError,
     build_on_meta,
     check_initializable,
+    init_contract,
     module_init_for,
     reference_model,
 )
 from fsdp_conformance.fsdp.meta_materialize import Ranked, ShardedReport
+from fsdp_conformance.fsdp.model_init import MODEL_LEVEL
 from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import RankContext, all_gather_objects
 from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError
@@ -189,6 +191,8 @@ class InitReport(ShardedReport, Failure, total=False):
     #: broadcast_rank0: whether rank 0's full state dict was changed in place (FSDP2).
     broadcast: bool
     dict_mutated: bool | None
+    #: A model-level init, in words ("the model's init_weights()"), when it is the model's.
+    model_init: str | None
 
 
 def init_report(sharded: ShardedReport) -> InitReport:
@@ -240,16 +244,26 @@ def describe_init_error(exc: BaseException) -> str:
     return msg
 
 
+def model_level(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s model is initialized by a model-level init (``init_weights()``, or
+    ``--model-init``) rather than per module."""
+    return init_contract(spec, build_on_meta(spec).model) in MODEL_LEVEL
+
+
 def preflight(spec: ModelSpec) -> str | None:
     """Why ``spec``'s model cannot be meta-initialized at all (None: it can): one finding
     instead of a traceback, the same on every rank.
 
-    The reset_parameters() contract is checked by looking at the modules; an init function or
-    transformers' ``_init_weights`` only by running it, on the reference, so that the finding
-    names every module it leaves uninitialized (FSDP1's param_init_fn stops at the first).
+    The reset_parameters() contract is checked by looking at the modules; an init function,
+    a model-level init or transformers' ``_init_weights`` only by running it, on the
+    reference, so that the finding names every tensor it leaves uninitialized (FSDP1's
+    param_init_fn stops at the first).
     """
     try:
         model = build_on_meta(spec).model
+        if init_contract(spec, model) in MODEL_LEVEL:
+            reference_model(spec, 0)
+            return None
         init = module_init_for(spec, model)
         check_initializable(model, init)
         if init is not RESET_PARAMETERS:
@@ -355,12 +369,27 @@ def _weights_problems(v: InitReport) -> list[str]:
     return problems
 
 
+def _reference_differs(values: Sequence[InitReport]) -> list[str]:
+    """The init, run unsharded from the same seed on every rank, must give one model: a rank
+    whose reference differs draws from a rank-dependent seed or generator."""
+    digests = {v["rank"]: (v.get("reference_digest") or "")[:16] for v in values}
+    if len(set(digests.values())) < 2:
+        return []
+    each = ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items()))
+    return [
+        f"the init gives a different model on each rank (run unsharded from the same seed on "
+        f"every rank, digests {each}): it draws from a rank-dependent seed or generator; seed "
+        "it the same on every rank"
+    ]
+
+
 def judge_weights(values: Sequence[InitReport]) -> Verdict:
-    """Local shards = slices of the reference; gathered = the reference; on every rank."""
+    """Local shards = slices of the reference; gathered = the reference; on every rank; and
+    the reference itself (the init run unsharded) the same on every rank."""
     failed = failed_on_ranks(values)
     if failed:
         return failed
-    problems = [p for v in values for p in _weights_problems(v)]
+    problems = _reference_differs(values) + [p for v in values for p in _weights_problems(v)]
     digests: list[str] = sorted({v["digest"] for v in values if v.get("digest")})
     figures = {
         "digest": digests[0][:16] if len(digests) == 1 else "differs",
@@ -375,10 +404,20 @@ def judge_weights(values: Sequence[InitReport]) -> Verdict:
             figures,
             {"ranks": list(values)},
         )
+    drawn = values[0].get("by_distribution") or 0
+    how = (
+        f"; {drawn} tensor(s) the init draws at random match its distribution instead, which "
+        "FSDP2 draws per shard (no offset RNG on a CPU mesh), the others equal it"
+        if drawn
+        else ""
+    )
+    init = values[0].get("model_init")
     return Verdict(
         True,
         f"every rank's shards and the gathered weights equal the reference "
-        f"(digest {figures['digest']}) on {len(values)} ranks",
+        f"(digest {figures['digest']}) on {len(values)} ranks"
+        + (f" (the model-level init, {init}, run after sharding)" if init else "")
+        + how,
         figures,
         {"digest": digests[0]},
     )

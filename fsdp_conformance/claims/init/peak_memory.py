@@ -14,12 +14,13 @@ from fsdp_conformance.claims.init.common import (
     FAULTS,
     Failure,
     failed_on_ranks,
+    model_level,
     preflight,
     preflight_failure,
 )
 from fsdp_conformance.fsdp.meta_init import build_on_meta
 from fsdp_conformance.fsdp.meta_materialize import materialize
-from fsdp_conformance.harness import RankContext
+from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.measure.bound import init_peak_bound
 from fsdp_conformance.measure.meters import host_or_cuda_peak
 from fsdp_conformance.models.model_spec import ModelSpec
@@ -69,6 +70,13 @@ def rank_peak_memory(
     allocator's peak, where the parameters live. ``fault``: a negative control applied to the
     measured materialization (``eager_build``: the model is built with storage first).
     """
+    if version == "fsdp1" and model_level(spec):
+        skip_rank(
+            f"{spec.name} is initialized by a model-level init, which FSDP1 can run only on "
+            "the gathered model (summon_full_params: every rank holds the whole model while "
+            "it runs), so the per-unit bound does not apply; FSDP2 runs it on the shards "
+            "(init.peak_memory on FSDP2 measures that)"
+        )
     failed = preflight(spec)
     if failed:
         return preflight_failure(PeakReport, ctx, failed)

@@ -16,6 +16,7 @@ from fsdp_conformance.claims.init.common import (
     FAULTS,
     Failure,
     failed_on_ranks,
+    model_level,
     preflight,
     preflight_failure,
 )
@@ -66,6 +67,10 @@ def rank_train_step(
     with FAULTS.inject(fault, ctx):
         model = materialize(ctx, spec, version, "deterministic", seed)
     reference = reference_model(spec, seed, ctx.device)
+    if version == "fsdp2" and model_level(spec):
+        # A model-level init draws FSDP2's shards per rank (init.weights judges them by
+        # distribution): the reference steps from the values the sharded model holds.
+        _load_values(reference, gathered_state(model, version))
     dropout = disable_dropout(reference, model)  # names from the unwrapped reference
     batch = spec.batch(reference, batch_size=2, device=ctx.device)
     losses = []
@@ -96,6 +101,13 @@ def rank_train_step(
         "max_abs_diff_at": worst_name,
         "dropout_disabled": dropout,
     }
+
+
+def _load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, t in full_state(model).items():
+            if name in values:
+                t.copy_(values[name].to(t.device))
 
 
 def verdict_train_step(values: Sequence[TrainStepReport], params: Mapping[str, Any]) -> Verdict:

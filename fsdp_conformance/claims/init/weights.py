@@ -26,18 +26,24 @@ from fsdp_conformance.claims.init.common import (
     init_report,
     judge_no_meta,
     judge_weights,
+    model_level,
 )
-from fsdp_conformance.fsdp.meta_init import build_on_meta, init_contract, without_reset_parameters
+from fsdp_conformance.fsdp.meta_init import (
+    build_on_meta,
+    init_contract,
+    reference_model,
+)
 from fsdp_conformance.fsdp.meta_materialize import (
     inspect_sharded,
     materialize,
     reference_for,
     unwrapped,
 )
+from fsdp_conformance.fsdp.model_init import MODEL_LEVEL
 from fsdp_conformance.fsdp.reference_step import buffers_kept
 from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
-from fsdp_conformance.models.model_spec import ModelSpec, call_model
+from fsdp_conformance.models.model_spec import ModelSpec, call_model, without_reset_parameters
 from fsdp_conformance.models.policies import PolicyName
 
 
@@ -70,6 +76,10 @@ def rank_weights(
         # The reference first: an init that leaves modules uninitialized is named for all
         # of them at once (the sharded path stops at the first).
         reference = reference_for(spec, method, seed, ctx.device, policy)
+        # A model-level init on FSDP2 draws per shard: its random tensors are judged by
+        # distribution against the unsharded init, told apart by a second seed.
+        whole = method == "deterministic" and model_level(spec)
+        drawn = reference_model(spec, seed + 1) if whole and version == "fsdp2" else None
         with FAULTS.inject(fault, ctx):
             model = materialize(ctx, spec, version, method, seed, policy=policy)
         if forward:  # FSDP2 and a buffer left on meta only fail here
@@ -83,8 +93,10 @@ def rank_weights(
     errors = agree_on_failure(ctx, error)
     if any(errors):
         return {"rank": ctx.rank, "error": error, "errors": errors}
-    report = init_report(inspect_sharded(model, reference, ctx, version))
+    report = init_report(inspect_sharded(model, reference, ctx, version, drawn))
     report.update({"error": None, "method": method, "version": version})
+    if whole:
+        report["model_init"] = spec.model_init or "init_weights()"
     return report
 
 
@@ -101,16 +113,16 @@ def default_path_inapplicable(spec: ModelSpec) -> str | None:
     missing = without_reset_parameters(model)
     if contract == "reset_parameters" or not missing:
         return None
-    how = (
-        "transformers' _init_weights"
-        if contract == "transformers"
-        else f"the init function {spec.init_fn!r}"
-    )
+    how = {
+        "transformers": "transformers' _init_weights",
+        "init_fn": f"the init function {spec.init_fn!r}",
+        "model_init": f"the model init function {spec.model_init!r}",
+    }.get(contract, "its model-level init_weights()")
     return (
         f"FSDP1's default meta path (no param_init_fn) calls reset_parameters() on every module "
         f"that owns state, and {len(missing)} module(s) of {spec.name} have none "
         f"({listing(missing, 3)}): FSDP1 would raise on them. This model is initialized by "
-        f"{how} through a param_init_fn, which init.no_meta and init.weights check; to use the "
+        f"{how}, which init.no_meta and init.weights check; to use the "
         "default path instead, define reset_parameters() on those classes"
     )
 
@@ -131,11 +143,21 @@ def verdict_weights(values: Sequence[InitReport], params: Mapping[str, Any]) -> 
     spec = params.get("spec")
     if params.get("method") != "reset_parameters" or not isinstance(spec, ModelSpec):
         return verdict
-    if not spec.init_fn:
+    contract = init_contract(spec, build_on_meta(spec).model)
+    if contract == "init_fn":
+        init, fix = f"the init function {spec.init_fn!r}", "pass the init as param_init_fn"
+    elif contract in MODEL_LEVEL:
+        init = (
+            f"the model init function {spec.model_init!r}"
+            if spec.model_init
+            else "the model-level init_weights()"
+        )
+        fix = "run the model-level init after wrapping, as init.weights does"
+    else:
         return verdict
     note = (
-        f"; note: FSDP1's default path calls reset_parameters(), not the init function "
-        f"{spec.init_fn!r} that initializes this model: its values are not the model's unless "
-        "reset_parameters() gives the same (pass the init as param_init_fn instead)"
+        f"; note: FSDP1's default path calls reset_parameters(), not {init} that initializes "
+        "this model: its values are not the model's unless reset_parameters() gives the same "
+        f"({fix} instead)"
     )
     return dataclasses.replace(verdict, message=verdict.message + note)

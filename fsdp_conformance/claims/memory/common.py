@@ -68,13 +68,21 @@ from fsdp_conformance.claims.faults import (
     with_default,
 )
 from fsdp_conformance.fsdp.sharding import InputCasts
+from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
 from fsdp_conformance.measure.bound import MeasureError, StepConfig, per_layer_bound
 from fsdp_conformance.measure.meters import METER_RESOLUTION_BYTES
 from fsdp_conformance.measure.profile import plan_step
+from fsdp_conformance.measure.scaling import Candidates, smallest
 from fsdp_conformance.measure.step import measure_step
 from fsdp_conformance.models import hf
-from fsdp_conformance.models.model_spec import ModelSpec, ModelSpecError, depth_keyword, load_object
+from fsdp_conformance.models.model_spec import (
+    ModelSpec,
+    ModelSpecError,
+    call_model,
+    depth_keyword,
+    load_object,
+)
 from fsdp_conformance.models.reference_models import ModelConfig
 from fsdp_conformance.models.units import ROOT, UnitInfo
 from fsdp_conformance.models.user_model import CPU_BYTES_PER_PARAM, MEMORY_HEADROOM
@@ -262,14 +270,23 @@ class Scaling(TypedDict):
     also: dict[str, list[int]]
     #: Why: the figure below the resolution at the user's size, and the resolution.
     why: str
+    #: Widths the suite tried and the model could not run (on meta), each with the error: the
+    #: suite's choice, not the model's fault; the measurement is at the next width that runs.
+    skipped: list[str]
 
 
 def describe(s: Scaling) -> str:
     """One sentence for a verdict's message."""
     also = "".join(f", {k} {a} -> {b}" for k, (a, b) in s["also"].items())
+    skipped = (
+        f"; the suite's widths {listing(s['skipped'], 3)} did not run on meta, so it took the "
+        "next that does (the suite's choice, not the model's fault)"
+        if s.get("skipped")
+        else ""
+    )
     return (
         f"measured at a scaled size: {s['setting']} {s['before']} -> {s['after']}{also} "
-        f"(the smallest that resolves; as configured, {s['why']})"
+        f"(the smallest that resolves; as configured, {s['why']}{skipped})"
     )
 
 
@@ -408,28 +425,6 @@ def _width_candidates(spec: ModelSpec) -> tuple[str, int, int, Any] | None:
     return CONFIG, width, 2 * heads, config
 
 
-def _smallest(ok: Callable[[int], bool], top: int) -> int | None:
-    """The smallest j in 1..top with ok(j) (ok monotone), or None; O(log top) calls."""
-    lo, hi, j = 0, None, 1
-    while j <= top:  # doubling, then bisection between the last miss and the first hit
-        if ok(j):
-            hi = j
-            break
-        lo, j = j, 2 * j
-    if hi is None:
-        if lo < top and ok(top):
-            hi = top
-        else:
-            return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
 @dataclasses.dataclass(frozen=True)
 class Room:
     """What a scaled model may use: its ranks, and the host memory every rank has (the least
@@ -477,7 +472,25 @@ def scale_width(
         return ScaledSpec(**base, width=width + j * step, width_keyword=keyword)
 
     top = (MAX_WIDTH_FACTOR * width - width) // step
-    j = _smallest(lambda j: room.fits(at(j)) and resolves(at(j)), top)
+    # A width the model cannot run on meta is the suite's choice failing, where the model at
+    # its own width runs there (a model whose forward meta cannot run at all, as Mixtral's
+    # fp32 grouped matmul, is left to the measurement on real tensors).
+    meta_tells = _runs_at_own_width(spec)
+    tried = Candidates(
+        lambda j: room.fits(at(j)) and resolves(at(j)) and (not meta_tells or runs_on_meta(at(j))),
+        width,
+        step,
+    )
+    j = smallest(tried.ok, top)
+    if j is not None:
+        j = tried.smallest_below(j)
+    elif tried.failed:
+        j = tried.first_ok(top)
+    if j is None and tried.failed:
+        return (
+            f"the widths it was built at did not run on meta ({listing(tried.failed, 3)}): "
+            "the suite's own choice of width, not the model's fault"
+        )
     if j is None:
         biggest = at(top)
         if not room.fits(biggest):
@@ -489,9 +502,33 @@ def scale_width(
     scaled = at(j)
     setting = "config.hidden_size" if keyword == CONFIG else f"the factory's {keyword}= keyword"
     also = _width_fields(config, scaled.width) if config is not None else {}
+    skipped = [f for k, f in sorted(tried.failures.items()) if k < j]
     return scaled, Scaling(
-        what="width", setting=setting, before=width, after=scaled.width, also=also, why=why
+        what="width",
+        setting=setting,
+        before=width,
+        after=scaled.width,
+        also=also,
+        why=why,
+        skipped=skipped,
     )
+
+
+def runs_on_meta(spec: ModelSpec) -> bool:
+    """``spec``'s model (at a width the suite chose) built and run forward on meta with its
+    batch; raises what the model raises there (:class:`~fsdp_conformance.measure.scaling.
+    Candidates` records it as the suite's choice failing)."""
+    built = spec.instantiate("meta")
+    with torch.no_grad():
+        call_model(built.model, built.batch(batch_size=1, device="meta"))
+    return True
+
+
+def _runs_at_own_width(spec: ModelSpec) -> bool:
+    try:
+        return runs_on_meta(spec)
+    except Exception:  # noqa: BLE001 - meta cannot tell for this model; the ranks will
+        return False
 
 
 def _fields(spec: ModelSpec) -> dict[str, Any]:
@@ -578,7 +615,7 @@ def for_meter(
     )
     if not isinstance(out, str):
         return out[0], batch_size, out[1]
-    j = _smallest(
+    j = smallest(
         lambda j: step_estimate(spec, world_size, version, batch_size * (1 + j)) >= target,
         MAX_BATCH_FACTOR - 1,
     )
@@ -599,6 +636,7 @@ def for_meter(
             also={},
             why=f"{why}; {out}, so the batch grows the activations instead and FSDP's own "
             "buffers are a smaller part of the step",
+            skipped=[],
         ),
     )
 
