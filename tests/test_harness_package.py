@@ -59,8 +59,15 @@ PUBLIC_NAMES = {
 }
 #: The other public names: the lifecycle the CLI and the plugin open, the GPU share of a
 #: pytest-xdist worker that the plugin hands to it, and the engines' contract that the CLI, the
-#: gate and the plugin hand to ``Ranks``.
-ADDED_NAMES = {"HarnessSession", "GpuShare", "xdist_share", "RankEngine", "RankRequest"}
+#: gate and the plugin hand to ``Ranks``, and the timeout the gate derives from a check's work.
+ADDED_NAMES = {
+    "HarnessSession",
+    "GpuShare",
+    "xdist_share",
+    "RankEngine",
+    "RankRequest",
+    "scaled_timeout",
+}
 
 
 def test_public_names_are_the_single_modules() -> None:

@@ -20,8 +20,7 @@ from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
-from fsdp_conformance.harness import RankEngine, Ranks
-from fsdp_conformance.harness.timeouts import scaled_timeout
+from fsdp_conformance.harness import RankEngine, Ranks, scaled_timeout
 from fsdp_conformance.measure.step_cost import eager_step_seconds
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.user_model import user_spec

@@ -68,7 +68,12 @@ from fsdp_conformance.harness.ranks import (
     xdist_share,
 )
 from fsdp_conformance.harness.session import HarnessSession
-from fsdp_conformance.harness.timeouts import OUTER_TIMEOUT_RESERVE_S, fit_timeout, outer_deadline
+from fsdp_conformance.harness.timeouts import (
+    OUTER_TIMEOUT_RESERVE_S,
+    fit_timeout,
+    outer_deadline,
+    scaled_timeout,
+)
 
 __all__ = [
     "GRACE_AFTER_FAILURE_S",
@@ -100,6 +105,7 @@ __all__ = [
     "log",
     "outer_deadline",
     "resolve_outcomes",
+    "scaled_timeout",
     "skip_rank",
     "startup_environ",
     "traceback_text",
