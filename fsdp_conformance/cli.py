@@ -15,6 +15,7 @@ the others log to ``DIR/rank{N}.log``, and every rank exits with the worst rank'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -86,6 +87,7 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
         )
         for note in notes:
             print(f"fsdp-conformance run: note: {note}", file=sys.stderr)
+        plan = dataclasses.replace(plan, notes=tuple(notes))  # the report keeps them too
     if not plan.selected:
         # Before running anything: an empty report would pass any gate downstream.
         raise UsageError(

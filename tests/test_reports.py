@@ -164,7 +164,19 @@ def test_build_report_has_schema_environment_settings_and_counts() -> None:
     assert "sources" not in r["settings"]  # where a value came from is not part of the result
     assert r["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 0, "xfailed": 0}
     assert [e["check"] for e in r["checks"]] == ["wrap.units.exact", "a.b", "c.d"]
+    assert "notes" not in r  # nothing to say: no field
     json.dumps(r)
+
+
+def test_the_preflight_notes_are_kept_by_the_report_and_its_summary() -> None:
+    note = "FSDP1 unit(s) 'h.0' hold frozen and trainable parameters; the checks run with the fix"
+    r = gate_report.build_report([entry(outcome="passed")], Settings(), 1.0, notes=[note])
+    assert r["notes"] == [note]
+    schema.validate_report(r)
+    assert f"Note: {note}" in tables.format_markdown(r)
+    damaged = {**r, "notes": "not a list"}
+    with pytest.raises(schema.Damage, match="notes"):
+        schema.validate_report(damaged)
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,6 +46,10 @@ def test_the_whole_run_on_a_model_with_frozen_parameters_in_its_units(
     assert len(notes) == 1 and "the FSDP1 checks run with the fix" in notes[0], err
     assert "Must flatten tensors" not in out.replace(notes[0], "")
     report = load_report(str(tmp_path / "out" / "report.json"))
+    # The report keeps what the console said: the fix the FSDP1 checks ran with.
+    assert report.get("notes") == [notes[0].split("note: ", 1)[1]], report.get("notes")
+    summary = (tmp_path / "out" / "summary.md").read_text(encoding="utf-8")
+    assert f"Note: {report['notes'][0]}" in summary
     bad = [
         f"{e['id']}: {e['outcome']}: {e['message'][:600]}"
         for e in report["checks"]

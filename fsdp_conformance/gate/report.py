@@ -138,7 +138,10 @@ def check_entry(
 
 
 def build_report(
-    entries: Sequence[Mapping[str, Any]], settings: Settings, duration_s: float
+    entries: Sequence[Mapping[str, Any]],
+    settings: Settings,
+    duration_s: float,
+    notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     summary = dict.fromkeys(OUTCOMES, 0)
     for e in entries:
@@ -152,7 +155,7 @@ def build_report(
         from fsdp_conformance.gate.noise import annotate, reference_table
 
         annotate([e for e in entries if isinstance(e, dict)], reference_table())
-    return {
+    report: dict[str, Any] = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "tool_version": _tool_version(),
@@ -163,6 +166,9 @@ def build_report(
         "summary": summary,
         "checks": list(entries),
     }
+    if notes:  # the preflight's lines on the user's model, such as a fix the suite applied
+        report["notes"] = list(notes)
+    return report
 
 
 def _tool_version() -> str:

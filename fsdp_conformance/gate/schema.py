@@ -133,6 +133,8 @@ _TOP_FIELDS = {
     "summary": "object",
     "checks": "list",
 }
+#: Optional top-level fields (absent in older reports, and where there is nothing to say).
+_OPTIONAL_TOP_FIELDS = {"notes": "list"}
 _ENVIRONMENT_FIELDS = {
     "torch": "name",
     "torch_cuda": "string|null",
@@ -222,6 +224,8 @@ def validate_report(report: Mapping[str, Any]) -> None:
             _found(report.get("schema_version", _MISSING)),
         )
     _fields(report, _TOP_FIELDS, "")
+    if "notes" in report:
+        _fields(report, _OPTIONAL_TOP_FIELDS, "")
     _fields(report["environment"], _ENVIRONMENT_FIELDS, "environment.")
     _fields(report["settings"], _SETTINGS_FIELDS, "settings.")
     counts = dict.fromkeys(OUTCOMES, 0)

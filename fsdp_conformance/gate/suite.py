@@ -101,6 +101,9 @@ class SuitePlan:
     selected: tuple[tuple[Check, dict[str, Any]], ...]
     #: The lanes the run asks for, in report order.
     lanes: tuple[str, ...]
+    #: What the preflight said of the user's model (a fix the suite applied, a block class it
+    #: took from the model), one line each; the report keeps them (``notes``).
+    notes: tuple[str, ...] = ()
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
@@ -285,7 +288,7 @@ def run_suite(
         entries.append(entry)
         if on_run is not None:
             on_run(entry)
-    return build_report(entries, settings, time.perf_counter() - start)
+    return build_report(entries, settings, time.perf_counter() - start, notes=plan.notes)
 
 
 def launch_settings(settings: Settings, launch_world_size: int) -> Settings:

@@ -129,6 +129,7 @@ def format_markdown(
             f"{_xfailed_count(s)} in {report['duration_s']:.1f}s."
         ),
         "",
+        *(f"Note: {note}" + "\n" for note in report.get("notes", ())),
         "| check | outcome | key figures or reason |",
         "|---|---|---|",
     ]
