@@ -9,7 +9,9 @@ FSDP1 units:
 * ``container_in_size_unit``: a stage the size rule wraps (a container over the minimum size)
   that holds the block units;
 * ``stem_blocks``: a block class fed the model's input (features that need no gradient), as
-  ViT's embeddings are a block class fed the pixels.
+  ViT's embeddings are a block class fed the pixels;
+* ``data_dependent``: blocks that read a value of their input (``Tensor.item()``), so the
+  forward cannot run on meta tensors (``token_model`` is its twin that can).
 """
 
 from __future__ import annotations
@@ -155,3 +157,28 @@ def reversed_blocks() -> nn.Module:
 
 def container_in_size_unit() -> nn.Module:
     return ContainerInSizeUnit()
+
+
+class ScaledBlock(Block):
+    """A block that reads a value of its input in Python (``Tensor.item()``), as a model's
+    routing, masking or normalising step can: its forward cannot run on meta tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = float(x.abs().amax().item()) or 1.0
+        return super().forward(x) / scale
+
+
+class DataDependent(TokenModel):
+    def __init__(self) -> None:
+        super().__init__(layers=2)
+        self.blocks = nn.ModuleList([ScaledBlock() for _ in range(2)])
+
+
+def data_dependent() -> nn.Module:
+    return DataDependent()
+
+
+def token_model() -> nn.Module:
+    """The twin of ``data_dependent`` whose forward runs on meta (no ``.item()``)."""
+    return TokenModel(layers=2)

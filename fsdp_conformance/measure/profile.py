@@ -559,23 +559,68 @@ def plan_step(
     return list(units), config
 
 
+#: The largest model (fp32 parameter bytes) whose activations are profiled on the CPU where its
+#: forward cannot run on meta: a model the memory checks measure on CPU ranks fits there anyway.
+PROFILE_ON_CPU_MAX_BYTES = 1 << 30
+
+
 def _profile_on_meta(
     spec: ModelSpec, batch_size: int
 ) -> tuple[list[UnitInfo], ActivationProfile, int]:
+    """The plan on meta; where the model's forward cannot run on meta (a data-dependent step
+    such as ``Tensor.item()``), on the CPU instead, for a model of at most
+    :data:`PROFILE_ON_CPU_MAX_BYTES`: the profile counts bytes, which are the same on either
+    device, and a forward that needs real values gets them."""
+    try:
+        return _profile_on("meta", spec, batch_size)
+    except _ForwardFailed as on_meta:
+        if on_meta.param_bytes > PROFILE_ON_CPU_MAX_BYTES:
+            raise MeasureError(
+                f"{on_meta.line('meta')}, and at {on_meta.param_bytes:,} parameter bytes it is "
+                "too large to profile on the CPU instead; the model's forward and its input "
+                "builder must work with device='meta' (no data-dependent Python control flow "
+                "on tensor values)"
+            ) from on_meta.cause
+        try:
+            with torch.random.fork_rng(devices=[]):  # the rank's own draws stay as they were
+                return _profile_on("cpu", spec, batch_size)
+        except _ForwardFailed as on_cpu:
+            raise MeasureError(
+                f"{on_meta.line('meta')}, nor on the CPU ({on_cpu.line('cpu')}); the model's "
+                "forward and its input builder must run on the default batch (--input names "
+                "another)"
+            ) from on_cpu.cause
+
+
+class _ForwardFailed(Exception):
+    """The profiling forward of a model failed on a device."""
+
+    def __init__(self, name: str, cause: BaseException, param_bytes: int) -> None:
+        super().__init__(name)
+        self.name, self.cause, self.param_bytes = name, cause, param_bytes
+
+    def line(self, device: str) -> str:
+        first = str(self.cause).splitlines()[0] if str(self.cause) else ""
+        return (
+            f"cannot profile the activations of {self.name!r} on the {device} device "
+            f"({type(self.cause).__name__}: {first})"
+        )
+
+
+def _profile_on(
+    device: str, spec: ModelSpec, batch_size: int
+) -> tuple[list[UnitInfo], ActivationProfile, int]:
     from fsdp_conformance.models.units import plan_units
 
-    built = spec.instantiate("meta")
+    built = spec.instantiate(device)
     model = built.model
     units = plan_units(model, built.policy("recommended"))
     try:
-        batch = built.batch(batch_size, "meta")
+        batch = built.batch(batch_size, device)
         # The memory checks' bounds read bytes only: no FLOPs (the planner counts them).
         acts = profile_activations(model, batch, units, count_flops=False)
     except Exception as exc:  # noqa: BLE001 - a user's model or input builder; say which
-        raise MeasureError(
-            f"cannot profile the activations of {spec.name!r} on the meta device "
-            f"({type(exc).__name__}: {exc}); the model's forward and its input builder must work "
-            "with device='meta' (no data-dependent Python control flow on tensor values)"
-        ) from exc
+        param_bytes = sum(p.numel() * 4 for p in model.parameters())
+        raise _ForwardFailed(spec.name, exc, param_bytes) from exc
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
     return units, acts, buffers

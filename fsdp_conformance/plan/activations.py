@@ -22,6 +22,7 @@ from fsdp_conformance.measure.profile import profile_activations, unit_of
 from fsdp_conformance.models.units import UnitInfo
 from fsdp_conformance.plan.model import (
     POLICIES,
+    MetaForwardError,
     ModelChoice,
     PlanError,
     PlanSettings,
@@ -272,7 +273,7 @@ def profile_step_activations(
         except PlanError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's forward on meta: one clear line
-            raise PlanError(
+            raise MetaForwardError(
                 f"the forward of {choice.label} on meta failed ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); planning needs a forward "
                 "that runs on meta tensors (no .item(), no data-dependent shapes); pass "

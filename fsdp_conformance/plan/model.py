@@ -40,6 +40,12 @@ class PlanError(ValueError):
     """Bad input to the planner; the message names the problem and the fix (exit code 2)."""
 
 
+class MetaForwardError(PlanError):
+    """The model's forward (or its input builder) does not run on meta tensors, which planning
+    needs (it plans at full scale, nothing allocated): a data-dependent step such as
+    ``Tensor.item()``. The planner cannot plan such a model; the message names the error."""
+
+
 # ============================================================================================
 # Settings and the model to plan
 # ============================================================================================
