@@ -50,7 +50,9 @@ def test_a_factory_is_found_by_name_and_takes_the_depth() -> None:
         _ = models.gpt9
 
 
-def test_the_probe_names_a_model_that_gets_no_nonzero_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_names_a_model_that_gets_no_nonzero_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class Frozen(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -114,6 +116,12 @@ def test_a_model_refused_before_any_rank_is_a_row_with_its_line(tmp_path: Path) 
         ("'abs' not implemented for 'Bool'", "non-float buffer"),
         ("prefetched layers.1, expected layers.2", "prefetch order"),
         ("running_mean differs after the step", "BatchNorm stats"),
+        ("RuntimeError: value cannot be converted to type int64_t", "non-float buffer"),
+        (
+            "RuntimeError in torch/nn/functional.py:batch_norm: expected scalar type Half",
+            "BatchNorm under low-precision parameters",
+        ),
+        ("ranks 0, 1: KeyError in fsdp_conformance/x.py:f: 'a'", "the suite's own code raised"),
     ],
 )
 def test_a_failed_row_is_named_by_its_cause(message: str, cause: str) -> None:

@@ -22,10 +22,14 @@ CAUSES: tuple[tuple[str, str], ...] = (
     (
         "non-float buffer",
         r"(not implemented for '(Bool|Long|Int|ComplexFloat)')|with a bool tensor is not supported"
-        r"|bool tensor|on a Bool|ComplexFloat|expected a floating.point",
+        r"|bool tensor|on a Bool|ComplexFloat|expected a floating.point"
+        r"|cannot be converted to type int64_t",
     ),
     ("collective matching", r"no reduction for unit|no all-gather for unit|collective"),
     ("prefetch order", r"prefetch"),
+    ("BatchNorm under low-precision parameters", r"batch_norm: expected scalar type"),
+    ("mixed collective dtypes in one step", r"no bound can be derived: the step issued"),
+    ("plan estimate ratio", r"planning estimate vs measured"),
     ("BatchNorm stats", r"running_mean|running_var|num_batches_tracked|BatchNorm"),
     ("already sharded", r"already (sharded|managed)|fully_shard.*twice|FSDPModule"),
     ("width scaling", r"width|data-dependent control flow"),
@@ -35,6 +39,7 @@ CAUSES: tuple[tuple[str, str], ...] = (
     ("fp32 tolerance", r"toleran|rel_diff|differs? from the reference"),
     ("checkpointing", r"checkpoint"),
     ("state dict", r"state_dict|load_state"),
+    ("the suite's own code raised", r"Error in fsdp_conformance/"),
     ("torch defect", r"torch/distributed/.*Error"),
 )
 
