@@ -14,7 +14,8 @@ from typing import Any
 
 #: (cause, pattern searched in the check id + message + traceback), first match wins.
 CAUSES: tuple[tuple[str, str], ...] = (
-    ("FSDP1 frozen flat param", r"uniform requires_grad"),
+    ("FSDP1 frozen flat param", r"uniform `?requires_grad"),
+    ("FSDP1 local state dict load", r"Unexpected key\(s\) in state_dict: \"_flat_param"),
     (
         "no reset_parameters (not in preflight)",
         r"have no reset_parameters\(\)|no attribute 'reset_parameters'",
@@ -25,7 +26,11 @@ CAUSES: tuple[tuple[str, str], ...] = (
         r"|bool tensor|on a Bool|ComplexFloat|expected a floating.point"
         r"|cannot be converted to type int64_t",
     ),
-    ("collective matching", r"no reduction for unit|no all-gather for unit|collective"),
+    (
+        "collective matching",
+        r"no reduction for unit|no all-gather for unit|no reduction of the gradients|\(by size\)"
+        r"|unit sizes unknown|reductions served|collectives? of a size",
+    ),
     ("prefetch order", r"prefetch"),
     ("BatchNorm under low-precision parameters", r"batch_norm: expected scalar type"),
     ("mixed collective dtypes in one step", r"no bound can be derived: the step issued"),
