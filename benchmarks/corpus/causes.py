@@ -26,6 +26,7 @@ CAUSES: tuple[tuple[str, str], ...] = (
         r"|bool tensor|on a Bool|ComplexFloat|expected a floating.point"
         r"|cannot be converted to type int64_t",
     ),
+    ("REENTRANT checkpoint of a block fed the input", r"None of the inputs have requires_grad"),
     (
         "collective matching",
         r"no reduction for unit|no all-gather for unit|no reduction of the gradients|\(by size\)"
