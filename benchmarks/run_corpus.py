@@ -134,7 +134,10 @@ def row_of(name: str, folder: Path, code: int | str, seconds: float) -> dict[str
     if not report_path.exists():
         log = (folder / "run.log").read_text() if (folder / "run.log").exists() else ""
         lines = [line for line in log.splitlines() if "error:" in line] or log.splitlines()[-1:]
-        row.update(status="refused", exit=code, cause=f"no report (exit {code}): {lines[-1:]}")
+        why = lines[-1].split("error:", 1)[-1].strip()[:160] if lines else "no output"
+        row.update(
+            status="refused", exit=code, cause=f"refused before any rank (exit {code}): {why}"
+        )
         return row
     report = json.loads(report_path.read_text())
     summary = report.get("summary", {})
