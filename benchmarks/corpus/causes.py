@@ -15,6 +15,11 @@ from typing import Any
 #: (cause, pattern searched in the check id + message + traceback), first match wins.
 CAUSES: tuple[tuple[str, str], ...] = (
     ("FSDP1 frozen flat param", r"uniform `?requires_grad"),
+    (
+        "forward not runnable on meta (or at the scaled width)",
+        r"cannot be called on meta tensors|on meta failed|_profile_on_meta",
+    ),
+    ("depth invariance", r"depth invariance fails"),
     ("FSDP1 local state dict load", r"Unexpected key\(s\) in state_dict: \"_flat_param"),
     (
         "no reset_parameters (not in preflight)",
