@@ -151,7 +151,7 @@ def test_fsdp2_on_a_model_without_batch_norm_never_retries(ranks: Ranks) -> None
 def _raised(error: Exception) -> BaseException:
     try:
         raise error
-    except Exception as exc:  # noqa: BLE001: what the rank function catches
+    except Exception as exc:  # what the rank function catches
         return exc
 
 

@@ -301,9 +301,10 @@ def verdict_mixed_precision_peak(
         figures[f"{label}.source"] = case0["meter"]["source"]
         data["collectives"][label] = case0["collectives"]
         data["peaks"][label] = peaks
-        if case0.get("input_casts") is not None:  # torch's defaults could not run the model
-            figures[known_fix_figure(case0["input_casts"])] = True
-            data.setdefault("input_casts", {})[label] = case0["input_casts"]
+        fixed = case0.get("input_casts")
+        if fixed is not None:  # torch's defaults could not run the model
+            figures[known_fix_figure(fixed)] = True
+            data.setdefault("input_casts", {})[label] = fixed
     casts = data.get("input_casts", {})
     note = (
         f"; case(s) {', '.join(casts)}: {input_casts_note(next(iter(casts.values())))[2:]}"
