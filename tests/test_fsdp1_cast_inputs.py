@@ -6,7 +6,7 @@ inputs unless ``cast_forward_inputs=True``, so the bf16 patch unit gets fp32 inp
 raises "Input type (float) and bias type (c10::BFloat16) should be the same" (FSDP2 casts every
 unit's inputs by default). The check first runs with the defaults as users write them; only on
 that error (``torch_errors``' ``fsdp1-input-dtype``) it runs again with the fix and says so
-(``sharding.with_fsdp1_input_casts``).
+(``sharding.with_known_fix``).
 
 Negative controls: a model raising a different error still errors; the reference model never
 retries. Positive control: the casting model passes ``wrap.train.bf16`` on FSDP1 with the note.

@@ -966,6 +966,14 @@ FSDP1_LINEAR = traceback_of(
     ],
     "RuntimeError: mat1 and mat2 must have the same dtype, but got Float and BFloat16",
 )
+FSDP2_BATCH_NORM = traceback_of(
+    [
+        ("/home/u/resnet.py", "forward"),
+        (f"{TORCH}/nn/modules/batchnorm.py", "forward"),
+        (f"{TORCH}/nn/functional.py", "batch_norm"),
+    ],
+    "RuntimeError: expected scalar type Half but found Float",
+)
 DCP_PARAM_GROUPS = traceback_of(
     [
         ("/home/u/resume.py", "resume"),
@@ -1020,6 +1028,17 @@ DCP_WRAPPED = (
             ["mat1 and mat2 must have the same dtype", "cast_forward_inputs=True"],
         ),
         (
+            FSDP2_BATCH_NORM,
+            {"version": "fsdp2"},
+            "fsdp2-batch-norm-dtype",
+            [
+                "RuntimeError in F.batch_norm (a _BatchNorm module's forward) "
+                "(torch/nn/functional.py:batch_norm)",
+                "weight and bias are in Half while its running statistics are fp32",
+                "fix: fully_shard(bn, mp_policy=MixedPrecisionPolicy())",
+            ],
+        ),
+        (
             DCP_PARAM_GROUPS,
             {"version": "fsdp1"},
             "fsdp1-dcp-optim-param-groups",
@@ -1031,7 +1050,7 @@ DCP_WRAPPED = (
         ),
         (DCP_WRAPPED, {}, "fsdp1-dcp-optim-param-groups", ["torch behaviour"]),
     ],
-    ids=["fsdp2-split-tie", "fsdp1-conv", "fsdp1-linear", "dcp", "dcp-wrapped"],
+    ids=["fsdp2-split-tie", "fsdp1-conv", "fsdp1-linear", "fsdp2-bn", "dcp", "dcp-wrapped"],
 )
 def test_a_known_torch_error_is_one_line_naming_the_api_the_ranks_and_the_fix(
     text: str, params: Mapping[str, Any], entry_name: str, says: Sequence[str]
@@ -1047,7 +1066,12 @@ def test_a_known_torch_error_is_one_line_naming_the_api_the_ranks_and_the_fix(
 
 
 def test_every_known_error_has_its_test() -> None:
-    tested = {"fsdp2-split-tie", "fsdp1-input-dtype", "fsdp1-dcp-optim-param-groups"}
+    tested = {
+        "fsdp2-split-tie",
+        "fsdp1-input-dtype",
+        "fsdp2-batch-norm-dtype",
+        "fsdp1-dcp-optim-param-groups",
+    }
     assert {e.name for e in torch_errors.KNOWN_ERRORS} == tested
 
 
@@ -1060,6 +1084,7 @@ def test_every_known_error_has_its_test() -> None:
             "no FSDP1",
         ),
         (SPLIT_TIE.replace("ValueError", "RuntimeError"), "another exception type"),
+        (FSDP2_BATCH_NORM.replace("nn/modules/batchnorm", "nn/modules/x"), "no _BatchNorm"),
         (SPLIT_TIE.replace("is shared with", "is sharded with"), "another message"),
     ],
 )

@@ -89,12 +89,40 @@ def shard_fsdp2_modules(
 
 
 def shard_fsdp2(
-    model: nn.Module, ctx: RankContext, policy: Any, *, mesh: Any = None, **shard_kwargs: Any
+    model: nn.Module,
+    ctx: RankContext,
+    policy: Any,
+    *,
+    mesh: Any = None,
+    fp32_batch_norm: bool = False,
+    **shard_kwargs: Any,
 ) -> nn.Module:
-    """FSDP2 with the units an FSDP1 ``policy`` would choose."""
+    """FSDP2 with the units an FSDP1 ``policy`` would choose. ``fp32_batch_norm``: each
+    ``_BatchNorm`` module its own unit too, with full-precision ``MixedPrecisionPolicy()``
+    (:data:`BATCH_NORM_FIX`: what FSDP1's ``MixedPrecision`` does to them by default)."""
+    units = planned_unit_modules(model, policy)
+    overrides: dict[int, dict[str, Any]] = {}
+    if fp32_batch_norm:
+        norms = batch_norm_modules(model)
+        units = [*units, *(m for m in norms if all(m is not u for u in units))]
+        full = _compat.mixed_precision_policy_cls()()
+        overrides = {id(m): {"mp_policy": full} for m in norms}
     return shard_fsdp2_modules(
-        model, ctx, planned_unit_modules(model, policy), mesh=mesh, **shard_kwargs
+        model, ctx, units, mesh=mesh, per_unit_kwargs=overrides, **shard_kwargs
     )
+
+
+def named_batch_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model``'s ``_BatchNorm`` modules other than the root, by name (those
+    :func:`shard_fsdp2`'s ``fp32_batch_norm`` makes units of)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [(n, m) for n, m in model.named_modules() if n and isinstance(m, _BatchNorm)]
+
+
+def batch_norm_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of :func:`named_batch_norms`."""
+    return [m for _, m in named_batch_norms(model)]
 
 
 def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:
@@ -116,14 +144,16 @@ def param_dtype_kwargs(
     version: str,
     param_dtype: str | None,
     reduce_dtype: str | None = None,
-    cast_forward_inputs: bool = False,
+    known_fix: bool = False,
 ) -> dict[str, Any]:
     """Mixed precision as a user writes it with only the compute dtype named: FSDP1
     ``MixedPrecision(param_dtype=...)``, FSDP2 ``MixedPrecisionPolicy(param_dtype=...)``, every
     other field left to torch (reduce dtype, buffers, input casts). ``None``: no policy.
     ``reduce_dtype``: that field named too (``None`` leaves it to torch).
-    ``cast_forward_inputs``: FSDP1's ``cast_forward_inputs=True`` (:func:`with_fsdp1_input_casts`
-    asks for it after FSDP1's defaults could not run the model; FSDP2 casts by default)."""
+    ``known_fix``: the version's fix of a known mixed-precision error (:func:`with_known_fix`
+    asks for it after torch's defaults could not run the model): FSDP1's
+    ``cast_forward_inputs=True``, FSDP2's ``_BatchNorm`` modules as fp32 units
+    (:func:`shard_fsdp2`'s ``fp32_batch_norm``)."""
     if param_dtype is None:
         return {}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -136,80 +166,111 @@ def param_dtype_kwargs(
     if check_fsdp_version(version) == "fsdp1":
         from torch.distributed.fsdp import MixedPrecision
 
-        if cast_forward_inputs:
+        if known_fix:
             named["cast_forward_inputs"] = True
         return {"mixed_precision": MixedPrecision(**named)}
     mp = _compat.mixed_precision_policy_cls()
-    return {"mp_policy": mp(**named)}
+    return {"mp_policy": mp(**named), **({"fp32_batch_norm": True} if known_fix else {})}
 
 
 # --------------------------------------------------------------------------------------------
-# FSDP1's input casts: observed, not configured
+# Known mixed-precision errors and their fixes: observed, not configured
 # --------------------------------------------------------------------------------------------
 
 _Result = TypeVar("_Result")
 
 
 class InputCasts(TypedDict):
-    """Why a check's FSDP1 mixed-precision run was judged with ``cast_forward_inputs=True``."""
+    """Why a check's mixed-precision run was judged with a version's known fix
+    (:func:`with_known_fix`)."""
 
-    #: torch's one line, as FSDP1's defaults raised it (``RuntimeError: Input type ...``).
+    #: torch's one line, as the version's defaults raised it (``RuntimeError: ...``).
     torch_error: str
     #: What the run used instead, as a user writes it.
     fix: str
 
 
-#: The fix :func:`with_fsdp1_input_casts` applies, in the user's words.
+#: FSDP1's fix (:func:`with_known_fix`), in the user's words.
 INPUT_CASTS_FIX = "MixedPrecision(..., cast_forward_inputs=True)"
+#: FSDP2's fix (:func:`with_known_fix`), in the user's words.
+BATCH_NORM_FIX = "fully_shard(bn, mp_policy=MixedPrecisionPolicy()) on each _BatchNorm module"
+#: Each version's known mixed-precision error (its ``torch_errors.KNOWN_ERRORS`` name) and fix.
+_KNOWN_FIXES = {
+    "fsdp1": ("fsdp1-input-dtype", INPUT_CASTS_FIX),
+    "fsdp2": ("fsdp2-batch-norm-dtype", BATCH_NORM_FIX),
+}
 
 
-def fsdp1_input_dtype_error(exc: BaseException) -> str | None:
-    """torch's one line when ``exc`` is FSDP1's known input-dtype error (the
-    ``fsdp1-input-dtype`` entry of :data:`fsdp_conformance.fsdp.torch_errors.KNOWN_ERRORS`: a unit
-    handed inputs not in its parameters' dtype, raised under ``FullyShardedDataParallel``'s
-    forward), else None."""
+def known_mixed_precision_error(exc: BaseException, version: str) -> str | None:
+    """torch's one line when ``exc`` is ``version``'s known mixed-precision error, else None:
+    FSDP1's input-dtype error (``fsdp1-input-dtype`` of
+    :data:`fsdp_conformance.fsdp.torch_errors.KNOWN_ERRORS`: a unit handed inputs not in its
+    parameters' dtype, raised under ``FullyShardedDataParallel``'s forward), FSDP2's batch-norm
+    error (``fsdp2-batch-norm-dtype``: ``F.batch_norm`` given low-precision weights beside fp32
+    running statistics)."""
     from fsdp_conformance.fsdp import torch_errors
 
     error = torch_errors.parse_traceback("".join(traceback.format_exception(exc)))
     if error is None:
         return None
     entry = torch_errors.known_error(error)
-    if entry is None or entry.name != "fsdp1-input-dtype":
+    if entry is None or entry.name != _KNOWN_FIXES[check_fsdp_version(version)][0]:
         return None
     return f"{error.name}: {error.message}"
 
 
-def with_fsdp1_input_casts(
+def fsdp1_input_dtype_error(exc: BaseException) -> str | None:
+    """:func:`known_mixed_precision_error` for FSDP1."""
+    return known_mixed_precision_error(exc, "fsdp1")
+
+
+def with_known_fix(
     version: str, mixed: bool, run: Callable[[bool], _Result]
 ) -> tuple[_Result, InputCasts | None]:
     """``run(False)``: the check with mixed precision as users write it (torch's defaults);
-    with it, None. Where (and only where) that is FSDP1 in mixed precision and torch raised
-    FSDP1's known input-dtype error (:func:`fsdp1_input_dtype_error`), ``run(True)``: the check
-    again with ``cast_forward_inputs=True``, judged on that run, with torch's line and the fix.
+    with it, None. Where (and only where) that is mixed precision and torch raised the
+    version's known error (:func:`known_mixed_precision_error`), ``run(True)``: the check again
+    with the version's fix (:func:`param_dtype_kwargs`' ``known_fix``), judged on that run,
+    with torch's line and the fix.
 
     FSDP1's ``MixedPrecision`` casts the root unit's inputs only unless
     ``cast_forward_inputs=True``; a model that casts its input to a weight's dtype inside the
     root unit (ViT's patch embedding) reads the fp32 shard there and hands the bf16 unit fp32
-    input. FSDP2 casts every unit's inputs by default. Any other error is raised as it was.
-    Every rank raises the error at the same forward (the same model and batch shape on each),
-    so every rank retries and the collectives stay matched. The failed run's model is freed
-    (``gc.collect``) before the retry, so a memory check measures the retry alone.
+    input. FSDP2's ``MixedPrecisionPolicy`` casts a ``_BatchNorm``'s weight and bias and not its
+    fp32 running statistics, which CPU ``F.batch_norm`` refuses; FSDP1 keeps ``_BatchNorm``
+    modules in full precision by default (``_module_classes_to_ignore``), FSDP2 needs each as
+    its own fp32 unit. Any other error is raised as it was. Every rank raises the error at the
+    same forward (the same model and batch shape on each), so every rank retries and the
+    collectives stay matched. The failed run's model is freed (``gc.collect``) before the
+    retry, so a memory check measures the retry alone.
     """
     try:
         return run(False), None
     except RuntimeError as exc:
-        line = fsdp1_input_dtype_error(exc) if mixed and version == "fsdp1" else None
+        line = known_mixed_precision_error(exc, version) if mixed else None
         if line is None:
             raise
-        casts: InputCasts = {"torch_error": line, "fix": INPUT_CASTS_FIX}
+        casts: InputCasts = {"torch_error": line, "fix": _KNOWN_FIXES[version][1]}
     gc.collect()
     return run(True), casts
 
 
+def known_fix_figure(casts: InputCasts) -> str:
+    """The figure a verdict sets (to True) when its run needed ``casts``' fix."""
+    return "fp32_batch_norm_units" if casts["fix"] == BATCH_NORM_FIX else "cast_forward_inputs"
+
+
 def input_casts_note(casts: InputCasts | None) -> str:
-    """The sentence a verdict adds when its FSDP1 run needed the input casts; '' otherwise."""
+    """The sentence a verdict adds when its run needed a version's known fix; '' otherwise."""
     if casts is None:
         return ""
+    if casts["fix"] == BATCH_NORM_FIX:
+        return (
+            f"; FSDP2's MixedPrecisionPolicy could not run this model ({casts['torch_error']}): "
+            "it casts each _BatchNorm's weight and bias but not its fp32 running statistics; "
+            f"judged on a run with the fix, {casts['fix']} (FSDP1's MixedPrecision keeps "
+            "_BatchNorm modules in full precision by default)"
+        )
     return (
         f"; FSDP1's MixedPrecision defaults could not run this model ({casts['torch_error']}): "
         "its root casts an input to a weight's dtype while that weight is still the fp32 shard, "

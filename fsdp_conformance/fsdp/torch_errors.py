@@ -138,6 +138,17 @@ def _fsdp1_input_dtype(match: re.Match[str], params: Mapping[str, Any]) -> str:
     )
 
 
+def _fsdp2_batch_norm_dtype(match: re.Match[str], params: Mapping[str, Any]) -> str:
+    return (
+        f"a _BatchNorm's weight and bias are in {match['low']} while its running statistics "
+        f"are fp32 ({match[0]}): FSDP2's MixedPrecisionPolicy casts parameters, not buffers, "
+        "and CPU F.batch_norm refuses the mix; FSDP1's MixedPrecision keeps _BatchNorm modules "
+        "in full precision by default, FSDP2 has no such default; fix: "
+        "fully_shard(bn, mp_policy=MixedPrecisionPolicy()) on each _BatchNorm module before "
+        "its parents"
+    )
+
+
 def _dcp_param_groups(match: re.Match[str], params: Mapping[str, Any]) -> str:
     saved = "FSDP1's" if params.get("version") == "fsdp1" else "the"
     return (
@@ -174,6 +185,14 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "torch/distributed/fsdp/fully_sharded_data_parallel.py",
         "FullyShardedDataParallel.forward",
         _fsdp1_input_dtype,
+    ),
+    KnownError(
+        "fsdp2-batch-norm-dtype",
+        "RuntimeError",
+        re.compile(r"expected scalar type (?P<low>BFloat16|Half) but found Float"),
+        "torch/nn/modules/batchnorm.py",
+        "F.batch_norm (a _BatchNorm module's forward)",
+        _fsdp2_batch_norm_dtype,
     ),
     KnownError(
         "fsdp1-dcp-optim-param-groups",

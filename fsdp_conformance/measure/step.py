@@ -203,18 +203,16 @@ def measure_step(
     ctx: RankContext, spec: ModelSpec, version: str, wrapping: str = "per_layer", **options: Any
 ) -> dict[str, Any]:
     """One measured step (:func:`_measure_once`, whose ``options`` it takes) with mixed
-    precision as users write it; where FSDP1's defaults cannot run the model (its input-dtype
-    error, e.g. ViT), the step measured again with ``cast_forward_inputs=True``
-    (:func:`~fsdp_conformance.fsdp.sharding.with_fsdp1_input_casts`: the failed run's model is freed
+    precision as users write it; where torch's defaults cannot run the model (FSDP1's input-dtype
+    error, e.g. ViT; FSDP2's batch-norm error), the step measured again with the version's fix
+    (:func:`~fsdp_conformance.fsdp.sharding.with_known_fix`: the failed run's model is freed
     first), said under ``"input_casts"`` (None: the defaults ran, the only run)."""
-    from fsdp_conformance.fsdp.sharding import with_fsdp1_input_casts
+    from fsdp_conformance.fsdp.sharding import with_known_fix
 
-    def once(cast_forward_inputs: bool) -> dict[str, Any]:
-        return _measure_once(
-            ctx, spec, version, wrapping, cast_forward_inputs=cast_forward_inputs, **options
-        )
+    def once(known_fix: bool) -> dict[str, Any]:
+        return _measure_once(ctx, spec, version, wrapping, known_fix=known_fix, **options)
 
-    out, casts = with_fsdp1_input_casts(version, options.get("param_dtype") is not None, once)
+    out, casts = with_known_fix(version, options.get("param_dtype") is not None, once)
     out["input_casts"] = casts
     return out
 
@@ -239,7 +237,7 @@ def _measure_once(
     shard_group: int | None = None,
     seq_len: int = 8,
     offload: bool = False,
-    cast_forward_inputs: bool = False,
+    known_fix: bool = False,
 ) -> dict[str, Any]:
     """Build, shard, warm up and measure one step on this rank; plain data back.
 
@@ -259,14 +257,15 @@ def _measure_once(
     ``shard_group``: HSDP with shard groups of that many ranks
     (:func:`~fsdp_conformance.fsdp.sharding.hsdp_kwargs`). ``seq_len``: of the default batch.
     ``offload``: CPU offload of the sharded state
-    (:func:`~fsdp_conformance.fsdp.sharding.offload_kwargs`). ``cast_forward_inputs``: FSDP1's
-    per-unit input casts (only :func:`measure_step`'s retry asks for them).
+    (:func:`~fsdp_conformance.fsdp.sharding.offload_kwargs`). ``known_fix``: the version's fix
+    of its known mixed-precision error (only :func:`measure_step`'s retry asks for it).
     """
 
     from fsdp_conformance.fsdp.sharding import (
         check_fsdp_version,
         checkpoint_blocks,
         hsdp_kwargs,
+        named_batch_norms,
         offload_kwargs,
         param_dtype_kwargs,
         reshard_kwargs,
@@ -297,13 +296,18 @@ def _measure_once(
         # Resolved before sharding: FSDP2 changes the model's classes in place.
         blocks = built.blocks if checkpoint_every else ()
         policy = built.policy(wrap.policy)
+        full_units = (
+            {n: sum(p.numel() for p in m.parameters()) for n, m in named_batch_norms(model)}
+            if known_fix and version == "fsdp2"
+            else {}
+        )
         sharded = shard(
             model,
             ctx,
             version,
             policy,
             **reshard_kwargs(version, wrap.reshard_after_forward),
-            **param_dtype_kwargs(version, param_dtype, reduce_dtype, cast_forward_inputs),
+            **param_dtype_kwargs(version, param_dtype, reduce_dtype, known_fix),
             **hsdp_kwargs(ctx, version, shard_group),
             **offload_kwargs(ctx, version, offload),
         )
@@ -367,6 +371,8 @@ def _measure_once(
         "collectives": dict(synced),
         "checkpointed": checkpointed,
     }
+    # FSDP2's batch-norm fix (sharding.with_known_fix): its fp32 units, by name, with numels.
+    out["full_precision_units"] = full_units
     if record:
         out["collective_records"] = recorder.records
         # Each unit's possible collective numels: what a record's bytes per element come from.

@@ -121,9 +121,11 @@ class StepResult(TypedDict):
     units: list[dict[str, Any]]
     collectives: dict[str, int]
     checkpointed: list[str]
-    #: None: mixed precision ran as users write it. Else FSDP1's defaults raised its input-dtype
-    #: error and the step measured is the one with ``cast_forward_inputs=True``.
+    #: None: mixed precision ran as users write it. Else torch's defaults raised the version's
+    #: known error and the step measured is the one with its fix (``sharding.with_known_fix``).
     input_casts: InputCasts | None
+    #: FSDP2's batch-norm fix: its fp32 units by FQN, with their numel (empty otherwise).
+    full_precision_units: dict[str, int]
 
 
 def per_layer_step(ctx: RankContext, spec: ModelSpec, version: str, **options: Any) -> StepResult:

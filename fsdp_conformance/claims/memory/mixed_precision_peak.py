@@ -23,9 +23,14 @@ from fsdp_conformance.claims.memory.common import (
     mb,
     require_sharding,
 )
-from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note
+from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note, known_fix_figure
 from fsdp_conformance.harness import RankContext, skip_rank
-from fsdp_conformance.measure.bound import ActivationProfile, StepConfig, per_layer_bound
+from fsdp_conformance.measure.bound import (
+    ActivationProfile,
+    StepConfig,
+    per_layer_bound,
+    with_full_precision_units,
+)
 from fsdp_conformance.measure.meters import meter_floor_problems
 from fsdp_conformance.measure.profile import plan_step
 from fsdp_conformance.models.model_spec import ModelSpec
@@ -44,9 +49,12 @@ class MixedCase(TypedDict):
     collectives: list[dict[str, Any]]
     #: Each unit's possible collective numels, by unit FQN.
     unit_sizes: dict[str, list[int]]
-    #: None: the case ran as users write it. Else FSDP1's defaults raised its input-dtype error
-    #: and the step measured is the one with ``cast_forward_inputs=True`` (``step.measure_step``).
+    #: None: the case ran as users write it. Else torch's defaults raised the version's known
+    #: error and the step measured is the one with its fix (``step.measure_step``).
     input_casts: InputCasts | None
+    #: The fix's fp32 units (FSDP2's ``_BatchNorm`` units), by FQN with their numel: their
+    #: collectives are fp32 by the fix, and the bound counts them apart.
+    full_units: dict[str, int]
 
 
 class MixedResult(TypedDict):
@@ -119,6 +127,7 @@ def rank_mixed_precision_peak(
                 "collectives": recorded["collective_records"],
                 "unit_sizes": recorded["collective_unit_sizes"],
                 "input_casts": m["input_casts"],
+                "full_units": m["full_precision_units"],
             }
         return out
 
@@ -220,7 +229,11 @@ def verdict_mixed_precision_peak(
         peaks, dtypes_by_rank, bounds = {}, {}, {}
         for v in values:
             r, case = v["rank"], v["cases"][label]
-            dtypes = observed_dtypes(case["collectives"])
+            full = case.get("full_units") or {}
+            # The fix's fp32 units: their dtype is the fix's, counted apart in the bound.
+            dtypes = observed_dtypes(
+                [c for c in case["collectives"] if not set(c["unit"].split("|")) <= set(full)]
+            )
             dtypes_by_rank[r] = dtypes
             meter = case["meter"]
             peaks[r] = meter["peak"]
@@ -246,7 +259,9 @@ def verdict_mixed_precision_peak(
                     f"dtype(s) {dtypes['reduce_scatter_dtype']} (one of each expected)"
                 )
                 continue
-            bound = per_layer_bound([UnitInfo.from_dict(u) for u in v["plan"]], config)
+            bound = with_full_precision_units(
+                per_layer_bound([UnitInfo.from_dict(u) for u in v["plan"]], config), full
+            )
             bounds[r] = bound
             if meter["peak"] > bound.limit:
                 problems.append(
@@ -286,9 +301,10 @@ def verdict_mixed_precision_peak(
         figures[f"{label}.source"] = case0["meter"]["source"]
         data["collectives"][label] = case0["collectives"]
         data["peaks"][label] = peaks
-        if case0.get("input_casts") is not None:  # FSDP1's defaults could not run the model
-            figures["cast_forward_inputs"] = True
-            data.setdefault("input_casts", {})[label] = case0["input_casts"]
+        fixed = case0.get("input_casts")
+        if fixed is not None:  # torch's defaults could not run the model
+            figures[known_fix_figure(fixed)] = True
+            data.setdefault("input_casts", {})[label] = fixed
     casts = data.get("input_casts", {})
     note = (
         f"; case(s) {', '.join(casts)}: {input_casts_note(next(iter(casts.values())))[2:]}"

@@ -15,9 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note
+from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note, known_fix_figure
 from fsdp_conformance.harness import CheckSkipped, RankContext
-from fsdp_conformance.measure.bound import BOUND_TOLERANCE, Bound, BoundTerm
+from fsdp_conformance.measure.bound import (
+    BOUND_TOLERANCE,
+    Bound,
+    BoundTerm,
+    with_full_precision_units,
+)
 from fsdp_conformance.measure.step import measure_step
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.policies import wrapping_label
@@ -94,9 +99,12 @@ class MeasuredPeak(TypedDict):
 
     peak: int
     source: str
-    #: None: the case ran as users write it. Else FSDP1's defaults raised its input-dtype error
-    #: and the peak is of the step with ``cast_forward_inputs=True`` (``step.measure_step``).
+    #: None: the case ran as users write it. Else torch's defaults raised the version's known
+    #: error and the peak is of the step with its fix (``step.measure_step``).
     input_casts: InputCasts | None
+    #: The fix's fp32 units (FSDP2's ``_BatchNorm`` units) by FQN with their numel: the
+    #: estimate of that run counts them apart (``bound.with_full_precision_units``).
+    full_units: dict[str, int]
     #: The meter's categories at the peak (FSDPMemTracker: FSDP2's states, activations,
     #: temporaries), empty where the meter has none (MemTracker on FSDP1, the OS figure).
     breakdown: dict[str, int]
@@ -150,6 +158,7 @@ def rank_plan_estimate_matches(
                 "peak": m["meters"][0]["peak"],
                 "source": m["meters"][0]["source"],
                 "input_casts": m["input_casts"],
+                "full_units": m["full_precision_units"],
                 "breakdown": dict(m["meters"][0].get("breakdown") or {}),
                 "category_peaks": dict(m["meters"][0].get("category_peaks") or {}),
             }
@@ -362,7 +371,8 @@ def judge_estimates(
     """
     world_size = len(values)
     all_ok, lines, ratios, rows = True, [], [], []
-    for i, (case, bound) in enumerate(zip(cases, estimates, strict=True)):
+    for i, (case, planned) in enumerate(zip(cases, estimates, strict=True)):
+        bound = with_full_precision_units(planned, values[0]["peaks"][i].get("full_units") or {})
         peaks = {v["rank"]: v["peaks"][i]["peak"] for v in values}
         ok, case_lines = compare_to_measurement(
             bound, peaks, min_ratio=TRUST_MIN_RATIO[case["policy"]], label=_case_label(case)
@@ -402,14 +412,15 @@ def judge_estimates(
         "max_allowed_ratio": TRUST_MAX_RATIO,
     }
     data: dict[str, Any] = {"rows": rows}
-    # The cases whose FSDP1 step needed the input casts (step.measure_step): said, not hidden.
+    # The cases whose step needed the version's fix (step.measure_step): said, not hidden.
     casts = {
         r["case"]: c
         for i, r in enumerate(rows)
         if (c := values[0]["peaks"][i].get("input_casts")) is not None
     }
+    for c in casts.values():
+        figures[known_fix_figure(c)] = True
     if casts:
-        figures["cast_forward_inputs"] = True
         data["input_casts"] = casts
     note = (
         f"; case(s) {', '.join(casts)}: {input_casts_note(next(iter(casts.values())))[2:]}"

@@ -58,7 +58,7 @@ from fsdp_conformance.fsdp.sharding import (
     input_casts_note,
     param_dtype_kwargs,
     shard,
-    with_fsdp1_input_casts,
+    with_known_fix,
 )
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec
@@ -359,7 +359,7 @@ def _fp32_only(model: nn.Module) -> None:
 def _build(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> tuple[Any, ...]:
     def fp16(model: nn.Module, policy: Any) -> nn.Module:
         _fp32_only(model)
-        mixed = param_dtype_kwargs(version, "fp16", cast_forward_inputs=casts)
+        mixed = param_dtype_kwargs(version, "fp16", known_fix=casts)
         return shard(model, ctx, version, policy, **mixed)
 
     side = build_side(ctx, spec, fp16, steps=STEPS)
@@ -445,9 +445,7 @@ def rank_loss_scaling(
     if ctx.world_size < 2:
         skip_rank("loss scaling across ranks needs at least 2 ranks")
     with FAULTS.inject(fault, ctx):
-        result, casts = with_fsdp1_input_casts(
-            version, True, lambda cast: _train(ctx, spec, version, cast)
-        )
+        result, casts = with_known_fix(version, True, lambda cast: _train(ctx, spec, version, cast))
     return {**result, "input_casts": casts}
 
 

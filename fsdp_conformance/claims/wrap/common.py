@@ -441,7 +441,7 @@ class MixedPrecisionReference:
     FSDP (both versions, torch 2.13; docs/wrapping.md, "bf16 parity") keeps fp32 master
     weights, casts a bf16 copy for forward and backward, casts floating inputs to bf16 at the
     root (FSDP1, ``cast_root_forward_inputs``; at every unit too with ``cast_forward_inputs``,
-    the FSDP1 run ``sharding.with_fsdp1_input_casts`` retries) or at every unit (FSDP2,
+    the FSDP1 run ``sharding.with_known_fix`` retries) or at every unit (FSDP2,
     ``cast_forward_inputs``,
     then one identity autograd node over the unit's arguments that need a gradient:
     :class:`_UnitInputs`), FSDP1 also casts floating buffers (``buffer_dtype``), reduces each
@@ -461,18 +461,24 @@ class MixedPrecisionReference:
         unit_names: Sequence[str],
         owners: Mapping[str, torch.Tensor],
         cast_forward_inputs: bool = False,
+        full_units: Sequence[str] = (),
     ) -> None:
         self.master, self.version, self.owners = master, version, owners
         self.low = copy.deepcopy(master)
+        modules = dict(self.low.named_modules())
+        # FSDP2 units with a full-precision policy (a _BatchNorm, sharding.with_known_fix):
+        # fp32 parameters, inputs as they come, the gradient reduced in fp32.
+        full = {id(p) for n in full_units for p in modules[n].parameters()}
+        self.full = {n for n, p in self.low.named_parameters() if id(p) in full}
         for p in self.low.parameters():
-            p.data = p.data.to(torch.bfloat16)
+            if id(p) not in full:
+                p.data = p.data.to(torch.bfloat16)
         if version == "fsdp1":
             for b in self.low.buffers():
                 if torch.is_floating_point(b):
                     b.data = b.data.to(torch.bfloat16)
         # Each rank's buffers from its own slices (FSDP never synchronises them).
         self.rank_buffers = RankBuffers(self.low)
-        modules = dict(self.low.named_modules())
         # FSDP1 casts the root unit's inputs (``cast_root_forward_inputs``), every unit's with
         # ``cast_forward_inputs=True`` (``_pre_forward``: a cast, no identity node); FSDP2 casts
         # every unit's and passes them through one identity node.
@@ -480,6 +486,10 @@ class MixedPrecisionReference:
         cast_units = version == "fsdp2" or cast_forward_inputs
         for name in dict.fromkeys(["", *unit_names] if cast_units else [""]):
             modules[name].register_forward_pre_hook(hook, with_kwargs=True)
+        for name in full_units:
+            modules[name].register_forward_pre_hook(
+                lambda _, args, kwargs: _unit_inputs((args, kwargs)), with_kwargs=True
+            )
 
     @staticmethod
     def _cast_inputs(
@@ -521,7 +531,8 @@ class MixedPrecisionReference:
                 if any(g[i] is None for g in grads):
                     continue
                 owner = self.owners[name]
-                reduced = torch.zeros_like(master, dtype=torch.bfloat16)
+                dtype = torch.float32 if name in self.full else torch.bfloat16
+                reduced = torch.zeros_like(master, dtype=dtype)
                 for k in owner.unique().tolist():
                     order = [(k - 1 - j) % world for j in range(world)]  # k-1, k-2, ..., k
                     total = grads[order[0]][i] / pre

@@ -36,10 +36,12 @@ from fsdp_conformance.fsdp.determinism import disable_dropout, require_determini
 from fsdp_conformance.fsdp.reference_step import SliceReference, full_params, sgd_step
 from fsdp_conformance.fsdp.sharding import (
     InputCasts,
+    batch_norm_modules,
     check_fsdp_version,
     device_mesh,
     input_casts_note,
-    with_fsdp1_input_casts,
+    known_fix_figure,
+    with_known_fix,
 )
 from fsdp_conformance.fsdp.tensors import listing, local_shard
 from fsdp_conformance.harness import RankContext
@@ -87,13 +89,11 @@ NEGLIGIBLE_UPDATE = 1e-5
 # --------------------------------------------------------------------------------------------
 
 
-def mixed_precision_kwargs(
-    version: str, precision: str, cast_forward_inputs: bool = False
-) -> dict[str, Any]:
+def mixed_precision_kwargs(version: str, precision: str, known_fix: bool = False) -> dict[str, Any]:
     """The FSDP keyword arguments of ``precision``: bf16 parameters, reduction (and FSDP1
-    buffers); none for fp32. ``cast_forward_inputs``: FSDP1's per-unit input casts, asked for
-    only after FSDP1's defaults raised its input-dtype error
-    (``sharding.with_fsdp1_input_casts``)."""
+    buffers); none for fp32. ``known_fix``: the version's fix of its known mixed-precision
+    error, asked for only after torch's defaults raised it (``sharding.with_known_fix``):
+    FSDP1's per-unit input casts, FSDP2's ``_BatchNorm`` modules as fp32 units."""
     if precision != "bf16":
         return {}
     if version == "fsdp1":
@@ -102,11 +102,12 @@ def mixed_precision_kwargs(
         mp1 = MixedPrecision(
             param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
         )
-        if cast_forward_inputs:  # MixedPrecision's other fields as users leave them
+        if known_fix:  # MixedPrecision's other fields as users leave them
             mp1 = dataclasses.replace(mp1, cast_forward_inputs=True)
         return {"mixed_precision": mp1}
     mp = _compat.mixed_precision_policy_cls()
-    return {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
+    fix = {"fp32_batch_norm": True} if known_fix else {}
+    return {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), **fix}
 
 
 def optimizer_step(model: nn.Module, lr: float) -> None:
@@ -343,8 +344,8 @@ class TrainResult(TypedDict):
     output_dtypes: dict[str, str]
     dropout_disabled: list[str]
     backend: str
-    #: None: the run used mixed precision as users write it. Else FSDP1's defaults raised its
-    #: input-dtype error and the run judged is the one with ``cast_forward_inputs=True``.
+    #: None: the run used mixed precision as users write it. Else torch's defaults raised the
+    #: version's known error and the run judged is the one with its fix (``with_known_fix``).
     input_casts: InputCasts | None
 
 
@@ -372,21 +373,27 @@ def _train_steps(
     schedule: tuple[int, float, int],
 ) -> _Trained:
     """``models``' second (the reference's copy) sharded as ``setup`` says (version, policy,
-    precision, FSDP1's ``cast_forward_inputs``) and trained ``schedule``'s steps (steps, lr,
+    precision, the version's known fix) and trained ``schedule``'s steps (steps, lr,
     per-rank batch) beside the first, the reference."""
     reference, model = models
-    version, policy, precision, cast_forward_inputs = setup
+    version, policy, precision, known_fix = setup
     steps, lr, per_rank_batch = schedule
     mine = batch_rows(batch, ctx.rank * per_rank_batch, (ctx.rank + 1) * per_rank_batch)
     policy_obj = BuiltModel(spec, model).policy(policy)  # the copy's modules: the one sharded
     module_names = {id(m): n for n, m in model.named_modules()}
     unit_names = [module_names[id(u)] for u in planned_unit_modules(model, policy_obj)]
+    # FSDP2's fix: each _BatchNorm its own full-precision unit (sharding.with_known_fix).
+    full_units = (
+        [module_names[id(m)] for m in batch_norm_modules(model)]
+        if known_fix and version == "fsdp2"
+        else []
+    )
     sharded = shard_with_policy(
         model,
         ctx,
         version,
         policy_obj,
-        **mixed_precision_kwargs(version, precision, cast_forward_inputs),
+        **mixed_precision_kwargs(version, precision, known_fix),
     )
     stepper = (
         MixedPrecisionReference(
@@ -394,7 +401,8 @@ def _train_steps(
             version,
             unit_names,
             element_owners(sharded, version, ctx.rank),
-            cast_forward_inputs=cast_forward_inputs,
+            cast_forward_inputs=known_fix and version == "fsdp1",
+            full_units=full_units,
         )
         if precision == "bf16"
         else SliceReference(reference, ctx.world_size)
@@ -437,28 +445,28 @@ def rank_train(
         # Like with like: both sides without dropout (step.disable_dropout says why not eval()).
         dropout = disable_dropout(reference)
         model = copy.deepcopy(reference)
-        # FSDP1 in bf16 may need a second run (sharding.with_fsdp1_input_casts): its own copy,
+        # bf16 may need a second run (sharding.with_known_fix): its own copy,
         # taken now, as the first.
-        spare = copy.deepcopy(model) if version == "fsdp1" and precision == "bf16" else None
+        spare = copy.deepcopy(model) if precision == "bf16" else None
         initial = {
             n: p.detach().float().clone()
             for n, p in reference.named_parameters(remove_duplicate=False)  # every alias
         }
         batch = _comparable_batch(spec, reference, per_rank_batch * ctx.world_size, ctx, dropout)
 
-        def attempt(cast_forward_inputs: bool) -> _Trained:
-            if cast_forward_inputs:  # the failed run may have stepped the reference: undo it
+        def attempt(known_fix: bool) -> _Trained:
+            if known_fix:  # the failed run may have stepped the reference: undo it
                 _restore(reference, initial)
             return _train_steps(
                 ctx,
                 spec,
-                (reference, spare if cast_forward_inputs and spare is not None else model),
+                (reference, spare if known_fix and spare is not None else model),
                 batch,
-                (version, policy, precision, cast_forward_inputs),
+                (version, policy, precision, known_fix),
                 (steps, lr, per_rank_batch),
             )
 
-        (sharded, (seen, outputs), losses, ref_losses), casts = with_fsdp1_input_casts(
+        (sharded, (seen, outputs), losses, ref_losses), casts = with_known_fix(
             version, precision == "bf16", attempt
         )
         stored = sorted({str(p.dtype) for p in sharded.parameters()})
@@ -597,7 +605,7 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
     data: dict[str, Any] = {"dropout_disabled": dropout}
     casts = values[0].get("input_casts")
     if casts is not None:  # FSDP1's defaults could not run the model: judged with the fix
-        figures["cast_forward_inputs"] = True
+        figures[known_fix_figure(casts)] = True
         data["input_casts"] = casts
     # Said in both outcomes: the comparison was of the model without its dropout, and of the
     # tensors whose update is rounding against a floor (parity.compare_updates).
