@@ -527,6 +527,22 @@ def fsdp1_handle(unit: nn.Module) -> Any | None:
     return getattr(unit, "_handle", None)
 
 
+def fsdp1_mixed_precision_ignored_classes() -> tuple[type[nn.Module], ...]:
+    """The module classes FSDP1's ``MixedPrecision`` keeps in full precision by default (its
+    ``_module_classes_to_ignore``: ``(_BatchNorm,)`` in torch 2.13); () where it has none."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    return tuple(getattr(MixedPrecision(), "_module_classes_to_ignore", ()) or ())
+
+
+def fsdp1_compute_dtype(unit: nn.Module) -> torch.dtype | None:
+    """The dtype an FSDP1 unit gathers and computes its flat parameter in (the handle's
+    ``_fwd_bwd_param_dtype``: its ``MixedPrecision.param_dtype``, else the parameters' own);
+    None: the unit owns no parameters."""
+    handle = getattr(unit, "_handle", None)
+    return None if handle is None else getattr(handle, "_fwd_bwd_param_dtype", None)
+
+
 #: torch modules whose attributes a check might monkeypatch; the harness snapshots them before
 #: each check and restores them after. Private FSDP modules are named here so that an upgrade
 #: that moves them is seen in this one file.

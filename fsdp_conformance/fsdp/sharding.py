@@ -22,8 +22,13 @@ import torch.nn as nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.fsdp import capabilities
+from fsdp_conformance.fsdp.tensors import listing
 from fsdp_conformance.harness import RankContext
-from fsdp_conformance.models.units import mixed_requires_grad_units, planned_unit_modules
+from fsdp_conformance.models.units import (
+    clean_fqn,
+    mixed_requires_grad_units,
+    planned_unit_modules,
+)
 
 FSDP_VERSIONS = ("fsdp1", "fsdp2")
 
@@ -123,6 +128,76 @@ def named_batch_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def batch_norm_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of :func:`named_batch_norms`."""
     return [m for _, m in named_batch_norms(model)]
+
+
+def fsdp1_full_precision_units(model: nn.Module) -> dict[str, int]:
+    """The units of an FSDP1 model that torch runs in full precision beside units it casts, by
+    FQN (FSDP1's wrapper components left out) with their flat parameter's unsharded numel:
+    observed, not assumed by class. A unit computes in its handle's dtype
+    (``_compat.fsdp1_compute_dtype``); one whose compute dtype is its stored dtype while
+    another unit of the model computes in a narrower one is full precision: FSDP1's
+    ``MixedPrecision`` wraps each module of its ``_module_classes_to_ignore`` (``_BatchNorm`` by
+    default) as its own unit with mixed precision off (fp32 parameters, inputs cast to fp32
+    and its output back, fp32 collectives). Empty: no unit is cast, or none is left fp32."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    full: dict[str, int] = {}
+    cast = False
+    for name, module in model.named_modules():
+        flat = _compat.fsdp1_flat_param(module) if isinstance(module, FSDP) else None
+        dtype = _compat.fsdp1_compute_dtype(module) if flat is not None else None
+        if flat is None or dtype is None:
+            continue
+        if dtype == flat.dtype:
+            full[clean_fqn(name)] = _compat.fsdp1_unsharded_numel(flat)
+        elif dtype.itemsize < flat.dtype.itemsize:
+            cast = True
+    return full if cast else {}
+
+
+def fsdp1_mixed_precision_ignored(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP1's ``MixedPrecision`` would keep in full precision by default: those of
+    its ``_module_classes_to_ignore`` (read from torch), the root aside. A prediction, for the
+    planner, which has no sharded model; a check observes them
+    (:func:`fsdp1_full_precision_units`)."""
+    classes = _compat.fsdp1_mixed_precision_ignored_classes()
+    return [m for n, m in model.named_modules() if n and classes and isinstance(m, classes)]
+
+
+def fsdp1_full_precision_hooks(module: nn.Module) -> list[Any]:
+    """What FSDP1 registers around a module it keeps in full precision
+    (``_common_utils._override_module_mixed_precision``), registered on ``module``: floating
+    inputs cast to fp32, floating outputs cast back to the inputs' dtype. The handles."""
+    seen: dict[str, torch.dtype] = {}
+
+    def to_fp32(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == torch.float32:
+            return t
+        seen["dtype"] = t.dtype
+        return t.to(torch.float32)
+
+    def back(t: Any) -> Any:
+        dtype = seen.get("dtype")
+        if dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        return t.to(dtype)
+
+    return [
+        module.register_forward_pre_hook(lambda _, args: _compat.tree_map(to_fp32, args)),
+        module.register_forward_hook(lambda _, args, out: _compat.tree_map(back, out)),
+    ]
+
+
+def full_precision_units_note(version: str, units: Mapping[str, int]) -> str:
+    """The sentence a verdict adds when torch ran FSDP1 units in full precision under mixed
+    precision (:func:`fsdp1_full_precision_units`); '' otherwise (FSDP2's are its fix's,
+    said by :func:`input_casts_note`)."""
+    if version != "fsdp1" or not units:
+        return ""
+    return (
+        "; FSDP1's MixedPrecision keeps BatchNorm (its _module_classes_to_ignore) in fp32 by "
+        f"default: {len(units)} unit(s) ran in fp32, modelled as such ({listing(list(units))})"
+    )
 
 
 def reshard_kwargs(version: str, reshard_after_forward: bool) -> dict[str, Any]:

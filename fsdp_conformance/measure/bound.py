@@ -289,14 +289,15 @@ def _shard(numel: int, world_size: int) -> int:
 
 
 #: The term :func:`with_full_precision_units` adds.
-FULL_PRECISION_TERM = "fp32 units (the fix)"
+FULL_PRECISION_TERM = "fp32 units"
 
 
 def with_full_precision_units(bound: Bound, numels: Mapping[str, int]) -> Bound:
-    """``bound`` with the full-precision units of FSDP2's batch-norm fix (``numels``: each
-    ``_BatchNorm`` unit's unsharded numel, ``step.measure_step``'s ``"full_precision_units"``)
-    counted once more: the plan counts their parameters inside their parents' units at the
-    compute dtype, the run gathers them as units of their own in fp32. Each is counted
+    """``bound`` with the full-precision units (``numels``: each unit's unsharded numel,
+    ``step.measure_step``'s ``"full_precision_units"``: FSDP2's batch-norm fix, or the
+    ``_BatchNorm`` units FSDP1's ``MixedPrecision`` keeps fp32 by default) counted once more:
+    the plan counts their parameters at the compute dtype (inside their parents' units), the
+    run gathers them as units of their own in fp32. Each is counted
     unsharded at 4 B three times (gathered parameters, unsharded gradient, reduce-scatter
     input), all at once: an upper bound. ``numels`` empty: ``bound`` as it is."""
     if not numels:
@@ -305,7 +306,7 @@ def with_full_precision_units(bound: Bound, numels: Mapping[str, int]) -> Bound:
     term = BoundTerm(
         FULL_PRECISION_TERM,
         3 * 4 * total,
-        f"{len(numels)} _BatchNorm unit(s) in fp32 ({total:,} elements): gathered params, "
+        f"{len(numels)} unit(s) in fp32 ({total:,} elements): gathered params, "
         f"grads and reduce-scatter input, 3 x {total:,} x 4 B",
     )
     return Bound((*bound.terms, term), bound.tolerance)

@@ -264,6 +264,7 @@ def _measure_once(
     from fsdp_conformance.fsdp.sharding import (
         check_fsdp_version,
         checkpoint_blocks,
+        fsdp1_full_precision_units,
         hsdp_kwargs,
         named_batch_norms,
         offload_kwargs,
@@ -311,6 +312,9 @@ def _measure_once(
             **hsdp_kwargs(ctx, version, shard_group),
             **offload_kwargs(ctx, version, offload),
         )
+        if version == "fsdp1" and param_dtype is not None:
+            # torch's own full-precision units (MixedPrecision's _BatchNorm), observed.
+            full_units = fsdp1_full_precision_units(sharded)
         checkpointed = checkpoint_blocks(sharded, blocks, checkpoint_every, checkpoint_ops)
         opt = make_optimizer(sharded, optimizer)
         batch = spec.batch(sharded, batch_size, ctx.device, seq_len)
@@ -371,7 +375,8 @@ def _measure_once(
         "collectives": dict(synced),
         "checkpointed": checkpointed,
     }
-    # FSDP2's batch-norm fix (sharding.with_known_fix): its fp32 units, by name, with numels.
+    # Full-precision units by name, with numels: FSDP2's batch-norm fix (sharding.with_known_fix)
+    # or FSDP1's MixedPrecision default (sharding.fsdp1_full_precision_units).
     out["full_precision_units"] = full_units
     if record:
         out["collective_records"] = recorder.records

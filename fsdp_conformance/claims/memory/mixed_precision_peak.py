@@ -23,7 +23,12 @@ from fsdp_conformance.claims.memory.common import (
     mb,
     require_sharding,
 )
-from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note, known_fix_figure
+from fsdp_conformance.fsdp.sharding import (
+    InputCasts,
+    full_precision_units_note,
+    input_casts_note,
+    known_fix_figure,
+)
 from fsdp_conformance.harness import RankContext, skip_rank
 from fsdp_conformance.measure.bound import (
     ActivationProfile,
@@ -301,6 +306,8 @@ def verdict_mixed_precision_peak(
         figures[f"{label}.source"] = case0["meter"]["source"]
         data["collectives"][label] = case0["collectives"]
         data["peaks"][label] = peaks
+        if case0.get("full_units"):  # fp32 units: FSDP2's fix or FSDP1's default
+            data.setdefault("full_precision_units", {})[label] = case0["full_units"]
         fixed = case0.get("input_casts")
         if fixed is not None:  # torch's defaults could not run the model
             figures[known_fix_figure(fixed)] = True
@@ -310,6 +317,10 @@ def verdict_mixed_precision_peak(
         f"; case(s) {', '.join(casts)}: {input_casts_note(next(iter(casts.values())))[2:]}"
         if casts
         else ""
+    )
+    full = data.get("full_precision_units", {})
+    note += full_precision_units_note(
+        params.get("version", "fsdp2"), next(iter(full.values())) if full else {}
     )
     head = f"{check_label(params)}, bf16 mixed precision{note}"
     if problems:

@@ -15,7 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from fsdp_conformance.claims.check import Verdict
-from fsdp_conformance.fsdp.sharding import InputCasts, input_casts_note, known_fix_figure
+from fsdp_conformance.fsdp.sharding import (
+    InputCasts,
+    full_precision_units_note,
+    input_casts_note,
+    known_fix_figure,
+)
 from fsdp_conformance.harness import CheckSkipped, RankContext
 from fsdp_conformance.measure.bound import (
     BOUND_TOLERANCE,
@@ -427,6 +432,13 @@ def judge_estimates(
         if casts
         else ""
     )
+    # torch's own fp32 units (FSDP1's MixedPrecision default), counted apart: said too.
+    full = [
+        (c["version"], u) for c, p in zip(cases, values[0]["peaks"]) if (u := p.get("full_units"))
+    ]
+    if full:
+        data["full_precision_units"] = full[0][1]
+        note += full_precision_units_note(*full[0])
     head = (
         f"planning estimate vs measured peak ({values[0]['peaks'][0]['source']}), "
         f"{len(cases)} case(s) x {world_size} ranks; allowed ratio peak/estimate: "

@@ -41,7 +41,7 @@ from torch import nn
 
 from fsdp_conformance import _compat
 from fsdp_conformance.fsdp.reference_step import RankBuffers
-from fsdp_conformance.fsdp.sharding import fsdp1_options, shard
+from fsdp_conformance.fsdp.sharding import fsdp1_full_precision_hooks, fsdp1_options, shard
 from fsdp_conformance.harness import RankContext
 from fsdp_conformance.models.model_spec import BuiltModel, ModelSpec, call_model, default_loss
 from fsdp_conformance.models.units import ROOT, UnitInfo, clean_fqn, planned_unit_modules
@@ -466,16 +466,18 @@ class MixedPrecisionReference:
         self.master, self.version, self.owners = master, version, owners
         self.low = copy.deepcopy(master)
         modules = dict(self.low.named_modules())
-        # FSDP2 units with a full-precision policy (a _BatchNorm, sharding.with_known_fix):
-        # fp32 parameters, inputs as they come, the gradient reduced in fp32.
+        # Full-precision units (a _BatchNorm: FSDP2's fix, sharding.with_known_fix, or FSDP1's
+        # default, sharding.fsdp1_full_precision_units): fp32 parameters, the gradient reduced
+        # in fp32; FSDP2 passes their inputs as they come, FSDP1 casts them to fp32 and back.
         full = {id(p) for n in full_units for p in modules[n].parameters()}
         self.full = {n for n, p in self.low.named_parameters() if id(p) in full}
         for p in self.low.parameters():
             if id(p) not in full:
                 p.data = p.data.to(torch.bfloat16)
-        if version == "fsdp1":
+        if version == "fsdp1":  # buffer_dtype, per unit: a full-precision unit keeps its own
+            kept = {id(b) for n in full_units for b in modules[n].buffers()}
             for b in self.low.buffers():
-                if torch.is_floating_point(b):
+                if torch.is_floating_point(b) and id(b) not in kept:
                     b.data = b.data.to(torch.bfloat16)
         # Each rank's buffers from its own slices (FSDP never synchronises them).
         self.rank_buffers = RankBuffers(self.low)
@@ -487,6 +489,9 @@ class MixedPrecisionReference:
         for name in dict.fromkeys(["", *unit_names] if cast_units else [""]):
             modules[name].register_forward_pre_hook(hook, with_kwargs=True)
         for name in full_units:
+            if version == "fsdp1":  # torch's _override_module_mixed_precision hooks
+                fsdp1_full_precision_hooks(modules[name])
+                continue
             modules[name].register_forward_pre_hook(
                 lambda _, args, kwargs: _unit_inputs((args, kwargs)), with_kwargs=True
             )

@@ -39,6 +39,8 @@ from fsdp_conformance.fsdp.sharding import (
     batch_norm_modules,
     check_fsdp_version,
     device_mesh,
+    fsdp1_full_precision_units,
+    full_precision_units_note,
     input_casts_note,
     known_fix_figure,
     with_known_fix,
@@ -347,12 +349,20 @@ class TrainResult(TypedDict):
     #: None: the run used mixed precision as users write it. Else torch's defaults raised the
     #: version's known error and the run judged is the one with its fix (``with_known_fix``).
     input_casts: InputCasts | None
+    #: The units torch ran in fp32 by its own default under bf16 (FSDP1's ``MixedPrecision``
+    #: keeps ``_BatchNorm`` fp32: ``sharding.fsdp1_full_precision_units``), with numels.
+    full_precision_units: dict[str, int]
 
 
 #: What one training run hands back: the sharded model, the compute dtypes seen (input, weight;
-#: and output), the losses of the sharded model and of the reference per step.
+#: and output), the losses of the sharded model and of the reference per step, and the units
+#: torch ran in fp32 by its own default (FSDP1's ``_BatchNorm``; by FQN, with numels).
 _Trained = tuple[
-    nn.Module, tuple[dict[str, tuple[str, str]], dict[str, str]], list[float], list[float]
+    nn.Module,
+    tuple[dict[str, tuple[str, str]], dict[str, str]],
+    list[float],
+    list[float],
+    dict[str, int],
 ]
 
 
@@ -395,6 +405,9 @@ def _train_steps(
         policy_obj,
         **mixed_precision_kwargs(version, precision, known_fix),
     )
+    # FSDP1's MixedPrecision keeps its _module_classes_to_ignore (_BatchNorm) units fp32:
+    # observed on the sharded model, the reference does the same.
+    torch_full = fsdp1_full_precision_units(sharded) if version == "fsdp1" else {}
     stepper = (
         MixedPrecisionReference(
             reference,
@@ -402,7 +415,7 @@ def _train_steps(
             unit_names,
             element_owners(sharded, version, ctx.rank),
             cast_forward_inputs=known_fix and version == "fsdp1",
-            full_units=full_units,
+            full_units=[*full_units, *torch_full],
         )
         if precision == "bf16"
         else SliceReference(reference, ctx.world_size)
@@ -417,7 +430,7 @@ def _train_steps(
         optimizer_step(sharded, lr)
         losses.append(float(loss))
         ref_losses.append(_reference_step(stepper, batch, per_rank_batch, ctx.world_size, lr))
-    return sharded, (seen, outputs), losses, ref_losses
+    return sharded, (seen, outputs), losses, ref_losses, torch_full if precision == "bf16" else {}
 
 
 def rank_train(
@@ -466,7 +479,7 @@ def rank_train(
                 (steps, lr, per_rank_batch),
             )
 
-        (sharded, (seen, outputs), losses, ref_losses), casts = with_known_fix(
+        (sharded, (seen, outputs), losses, ref_losses, torch_full), casts = with_known_fix(
             version, precision == "bf16", attempt
         )
         stored = sorted({str(p.dtype) for p in sharded.parameters()})
@@ -497,6 +510,7 @@ def rank_train(
             "dropout_disabled": dropout,
             "backend": ctx.backend,
             "input_casts": casts,
+            "full_precision_units": torch_full,
         }
 
 
@@ -621,6 +635,10 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
             f"the floor rather than their own update ({listing(rounding)})"
         )
     note += input_casts_note(casts)
+    full = values[0].get("full_precision_units") or {}
+    note += full_precision_units_note(values[0]["version"], full)
+    if full:
+        data["full_precision_units"] = full
     if problems:
         return Verdict(
             False,
