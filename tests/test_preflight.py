@@ -89,6 +89,13 @@ def bert_embeddings_only() -> nn.Module:
     return model
 
 
+def bert_no_split() -> nn.Module:
+    """BERT's masked LM whose _no_split_modules names nothing (as wav2vec2's and MobileNet's)."""
+    model = transformers.BertForMaskedLM(_bert_config())
+    model._no_split_modules = []
+    return model
+
+
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -362,7 +369,7 @@ def test_every_default_block_class_splitting_a_tie_is_exit_2(
         "transformers model BertForMaskedLM lists in _no_split_modules would split a tied "
         "weight (BertEmbeddings holds bert.embeddings.word_embeddings.weight, the same tensor "
         "as cls.predictions.decoder.weight outside it): FSDP cannot shard one tensor in two "
-        "units; pass --fsdp-block-cls with the class of its transformer block, one that holds "
+        "units; pass --block-cls with the class of its transformer block, one that holds "
         "every alias of a tied weight or none",
     )
 
@@ -614,3 +621,18 @@ def test_a_model_without_block_cls_names_the_front_ends_flag_and_candidates(
         "of its transformer block (a class name found in the model or a dotted path); "
         "candidates, the module classes it repeats: Block (x2, up to 1,056 params)"
     ]
+
+
+def test_a_transformers_model_without_no_split_modules_names_the_flag_and_candidates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Under the CLI the line names the CLI's flag (not the pytest plugin's) and the classes the
+    # model repeats, not every module class it has.
+    code, _, err = run_list(capsys, "--model", f"{HERE}:bert_no_split")
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(
+        ERROR + f"no block class given for '{HERE}:bert_no_split', and its transformers model "
+        "BertForMaskedLM lists no class in _no_split_modules; pass --block-cls with the class "
+        "of its transformer block; candidates, the module classes it repeats: BertLayer (x2"
+    ), err
+    assert "--fsdp-block-cls" not in err[0] and "Dropout" not in err[0]

@@ -36,7 +36,7 @@ def block_classes_of(
     if reference is not None:
         return REFERENCE_MODELS[reference].block_classes
     if hf.is_pretrained(model):
-        return no_split_block_classes(model, name)
+        return no_split_block_classes(model, name, flag)
     raise PolicyError(no_block_class(model, name, flag))
 
 
@@ -169,7 +169,9 @@ def _listed_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[nn.Mod
     return tuple(dict.fromkeys(type(m) for m in model.modules() if type(m).__name__ in names))
 
 
-def no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module], ...]:
+def no_split_block_classes(
+    model: nn.Module, name: str, flag: str = "--fsdp-block-cls"
+) -> tuple[type[nn.Module], ...]:
     """A transformers model's blocks: its ``_no_split_modules`` classes found in the model.
 
     As accelerate's FSDP plugin does when no layer class is given; a listed name the model does
@@ -190,7 +192,7 @@ def no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module]
             f"no block class given for {name!r}, and every class its transformers model "
             f"{type(model).__name__} lists in _no_split_modules would split a tied weight ("
             + "; ".join(_split_words(cls, pair) for cls, pair in splits.items())
-            + "): FSDP cannot shard one tensor in two units; pass --fsdp-block-cls with the "
+            + f"): FSDP cannot shard one tensor in two units; pass {flag} with the "
             "class of its transformer block, one that holds every alias of a tied weight or none"
         )
     listed = ", ".join(names) if names else "no class"
@@ -198,9 +200,9 @@ def no_split_block_classes(model: nn.Module, name: str) -> tuple[type[nn.Module]
         f"no block class given for {name!r}, and its transformers model "
         f"{type(model).__name__} lists {listed} in _no_split_modules"
         + (", none of which is in the model" if names else "")
-        + "; pass --fsdp-block-cls with the class of its transformer block (one of: "
-        + ", ".join(module_classes(model))
-        + ")"
+        + f"; pass {flag} with the class of its transformer block; candidates, the module "
+        + "classes it repeats: "
+        + (", ".join(candidate_blocks(model)) or "none (no module class with children repeats)")
     )
 
 

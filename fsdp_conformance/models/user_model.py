@@ -19,7 +19,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance.models import hf
-from fsdp_conformance.models.block_classes import no_block_class, tie_safe_note
+from fsdp_conformance.models.block_classes import (
+    no_block_class,
+    no_split_block_classes,
+    tie_safe_note,
+)
 from fsdp_conformance.models.model_spec import (
     DEPTH_KEYWORDS,
     BuiltModel,
@@ -98,6 +102,8 @@ def validate_user_model(
         raise ModelSpecError(no_block_class(model, spec.name, _flag("block_cls", flag_style)))
     notes = []
     if not spec.block_cls and hf.is_pretrained(model):
+        # Its _no_split_modules; where they name no block, the line names this front end's flag.
+        no_split_block_classes(model, spec.name, _flag("block_cls", flag_style))
         note = tie_safe_note(model, _flag("block_cls", flag_style))
         if note:
             notes.append(note)
