@@ -58,18 +58,27 @@ class KindsBlock(nn.Module):
         return x + self.out(y * scale.to(y.dtype))
 
 
-class KindsModel(nn.Module):
+class TokenStack(nn.Module):
+    """Token embedding, ``num_layers`` blocks of the subclass's ``block`` class, a head."""
+
+    block: type[nn.Module]
+
     def __init__(self, num_layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(KindsBlock() for _ in range(num_layers))
+        self.layers = nn.ModuleList(self.block() for _ in range(num_layers))
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+class KindsModel(TokenStack):
+    block = KindsBlock
 
 
 def buffer_kinds() -> nn.Module:
@@ -106,18 +115,8 @@ class MoEBlock(nn.Module):
         return x + out
 
 
-class MoEModel(nn.Module):
-    def __init__(self, num_layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(MoEBlock() for _ in range(num_layers))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+class MoEModel(TokenStack):
+    block = MoEBlock
 
 
 def top_k_moe() -> nn.Module:
