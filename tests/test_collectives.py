@@ -101,6 +101,7 @@ def test_recorder_reads_op_dtypes_bytes_and_names_the_unit_by_size() -> None:
             "out_dtype": BF16,
             "in_bytes": 144,
             "out_bytes": 288,
+            "numel": 144,
         },
         {
             "op": "all_gather",
@@ -110,6 +111,7 @@ def test_recorder_reads_op_dtypes_bytes_and_names_the_unit_by_size() -> None:
             "out_dtype": FP32,
             "in_bytes": 24,
             "out_bytes": 48,
+            "numel": 12,
         },
         # two units of one size cannot be told apart by size: both are named
         {
@@ -120,6 +122,7 @@ def test_recorder_reads_op_dtypes_bytes_and_names_the_unit_by_size() -> None:
             "out_dtype": FP32,
             "in_bytes": 200,
             "out_bytes": 100,
+            "numel": 50,
         },
         {
             "op": "all_reduce",
@@ -129,6 +132,7 @@ def test_recorder_reads_op_dtypes_bytes_and_names_the_unit_by_size() -> None:
             "out_dtype": str(torch.float64),
             "in_bytes": 56,
             "out_bytes": 56,
+            "numel": 7,
         },
     ]
 

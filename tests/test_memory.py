@@ -538,13 +538,17 @@ def test_plot_writes_a_png_of_sawtooth_against_monolithic(tmp_path: pathlib.Path
 # ---------------------------------------------------------------------------------------------
 
 
-def _depth_values(per_layer_mb: list[float], rank: int = 0) -> dict[str, object]:
+def _depth_values(
+    per_layer_mb: list[float], rank: int = 0, unit_mb: tuple[float, ...] = (0, 0, 0)
+) -> dict[str, object]:
     """Rows as rank_depth_invariance returns them: sharded state 1 MB per layer, monolithic
-    + 4 MB/layer."""
+    + 4 MB/layer; ``unit_mb``: the bound's gathered unit at each depth (a term that does not
+    scale with depth; larger where a deeper build adds a larger kind of layer)."""
     rows = []
-    for depth, per_layer in zip((2, 4, 8), per_layer_mb):
+    for depth, per_layer, unit in zip((2, 4, 8), per_layer_mb, unit_mb):
         sharded = BoundTerm("sharded params", depth * 10**6, "test", scales_with_depth=True)
-        bound = Bound((sharded,), 0.1)
+        gathered = BoundTerm("gathered unit", int(unit * 10**6), "test")
+        bound = Bound((sharded, gathered), 0.1)
         rows.append(
             {
                 "depth": depth,
@@ -580,6 +584,21 @@ def test_depth_verdict_catches_a_shallow_outlier_and_growth() -> None:
         [_depth_values([7.0, 7.6, 7.0]), _depth_values([7.6, 7.0, 7.0], rank=1)], params
     )
     assert within.passed, within.message
+
+
+def test_depth_verdict_allows_what_a_deeper_builds_larger_layers_add_to_its_bound() -> None:
+    # DeepSeek-V3's first layers are dense and the rest mixtures of experts: the 2-layer build
+    # has no expert layer, the deeper ones do, and their bound gathers a larger unit (+3 MB).
+    params = {"spec": DEFAULT_SPEC, "version": "fsdp2"}
+    larger = (4.0, 7.0, 7.0)
+    kinds = verdict_depth_invariance([_depth_values([7.0, 10.0, 10.0], unit_mb=larger)], params)
+    assert kinds.passed, kinds.message
+    # The control: the same growth where the bound's layers stay the same size is a failure,
+    # and growth beyond the larger layers still is.
+    same = verdict_depth_invariance([_depth_values([7.0, 10.0, 10.0])], params)
+    assert not same.passed and "grows with depth" in same.message
+    beyond = verdict_depth_invariance([_depth_values([7.0, 10.0, 12.0], unit_mb=larger)], params)
+    assert not beyond.passed and "(its bound's larger layers)" in beyond.message
 
 
 def test_meter_verdict_cannot_pass_when_the_step_is_below_the_meters_resolution() -> None:

@@ -26,8 +26,9 @@ GPT2 = ModelSpec(
     reference=None, factory="fsdp_conformance.hf_models:gpt2", block_cls=("GPT2Block",)
 )
 #: GPT-2's dropout: the embedding's, and per block (two by default) attention, residual and MLP
-#: dropout.
-GPT2_DROPOUT = 1 + 3 * 2
+#: dropout modules; and its config's probabilities (resid, embd, attn, summary_first_dropout),
+#: which transformers' modules may read at forward time.
+GPT2_DROPOUT = 1 + 3 * 2 + 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def test_training_parity_on_a_dropout_model_says_dropout_was_disabled(ranks: Ran
         values = ranks.run(rank_train, **params)
         verdict = verdict_train(values, params)
         assert verdict.passed, verdict.message
-        assert f"dropout disabled for the comparison: {GPT2_DROPOUT} modules" in verdict.message
+        assert f"dropout disabled for the comparison: {GPT2_DROPOUT} settings" in verdict.message
         assert verdict.figures["dropout_disabled"] == GPT2_DROPOUT
         assert all(len(v["dropout_disabled"]) == GPT2_DROPOUT for v in values)
 
@@ -143,7 +144,7 @@ def test_parity_skips_when_randomness_cannot_be_switched_off() -> None:
     with pytest.raises(
         CheckSkipped,
         match="still draws random numbers after dropout was "
-        r"disabled \(0 modules\): two calls on the same input differ",
+        r"disabled \(0 settings\): two calls on the same input differ",
     ):
         rank_train(ctx, _NoisySpec(reference="massive"), version="fsdp2")
 

@@ -11,7 +11,11 @@ FSDP1 units:
 * ``stem_blocks``: a block class fed the model's input (features that need no gradient), as
   ViT's embeddings are a block class fed the pixels;
 * ``data_dependent``: blocks that read a value of their input (``Tensor.item()``), so the
-  forward cannot run on meta tensors (``token_model`` is its twin that can).
+  forward cannot run on meta tensors (``token_model`` is its twin that can);
+* the wav2vec2 family's traits: ``legacy_vector`` (a vector the legacy ``torch.Tensor(n)``
+  constructor leaves real under meta; ``legacy_table``, a layer's worth), ``config_randomness``
+  (layer drop and a NumPy time mask switched by ``self.config``), ``NumpyMasked`` (a NumPy mask
+  with no switch), ``weight_normed`` (a weight-norm parametrization in every block).
 """
 
 from __future__ import annotations
@@ -182,3 +186,147 @@ def data_dependent() -> nn.Module:
 def token_model() -> nn.Module:
     """The twin of ``data_dependent`` whose forward runs on meta (no ``.item()``)."""
     return TokenModel(layers=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Traits of the wav2vec2 family (HuBERT, data2vec-audio, SEW), each in a small model
+# --------------------------------------------------------------------------------------------
+
+
+class LegacyVector(TokenModel):
+    """A learned vector made with the legacy ``torch.Tensor(n)`` constructor, which ignores
+    ``torch.device('meta')`` (transformers' ``masked_spec_embed``), initialized by the model's
+    ``reset_parameters``; ``size`` floats (``DIM``: negligible beside a layer)."""
+
+    def __init__(self, layers: int = 3, size: int = DIM) -> None:
+        super().__init__(layers)
+        self.spec_embed = nn.Parameter(torch.Tensor(size).uniform_())
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.spec_embed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) + self.spec_embed[:VOCAB].sum()
+
+
+def legacy_vector() -> nn.Module:
+    return LegacyVector()
+
+
+def legacy_table() -> nn.Module:
+    """:class:`LegacyVector` with a table's worth of floats left real (a layer's size)."""
+    return LegacyVector(size=VOCAB * DIM)
+
+
+class ConfigRandomness(TokenModel):
+    """Randomness switched by its config, read at forward time as transformers' modules do:
+    ``self.config.layerdrop`` (skips a block, from torch's generator) and
+    ``self.config.mask_time_prob`` (SpecAugment: a time mask from NumPy's generator)."""
+
+    class Config:
+        def __init__(self) -> None:
+            self.layerdrop = 0.5
+            self.mask_time_prob = 0.5
+            self.hidden_size = DIM
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        self.config = self.Config()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import numpy
+
+        x = self.embed(input_ids)
+        if self.training and self.config.mask_time_prob > 0:
+            keep = numpy.random.random(x.shape[:2]) >= self.config.mask_time_prob
+            x = x * torch.as_tensor(keep, dtype=x.dtype).unsqueeze(-1)
+        for block in self.order():
+            if self.training and float(torch.rand([])) < self.config.layerdrop:
+                continue
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+def config_randomness() -> nn.Module:
+    return ConfigRandomness()
+
+
+class NumpyMasked(TokenModel):
+    """A time mask drawn from NumPy's global generator in every training forward, with no
+    switch (what ``torch.manual_seed`` alone does not make repeatable)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import numpy
+
+        x = self.embed(input_ids)
+        keep = numpy.random.random(x.shape[:2]) >= 0.5
+        x = x * torch.as_tensor(keep, dtype=x.dtype).unsqueeze(-1)
+        for block in self.order():
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+class NormedBlock(Block):
+    """:class:`Block` whose first projection is weight-normed with torch's parametrization
+    (wav2vec2's positional convolution): reading ``fc1.weight`` runs a module."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim)
+        nn.utils.parametrizations.weight_norm(self.fc1)
+
+
+class WeightNormed(TokenModel):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        self.blocks = nn.ModuleList(NormedBlock() for _ in range(layers))
+
+
+def weight_normed() -> nn.Module:
+    return WeightNormed()
+
+
+class ZeroToken(TokenModel):
+    """A zero-initialized token prepended to the sequence (BEiT's ``cls_token``) before blocks
+    whose LayerNorm has eps 1e-12: the token's row has zero variance, so the norm's inverse
+    deviation is 1e6 and its gradient overflows fp16 when the norm computes in fp16."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, DIM))
+        for block in self.order():
+            assert isinstance(block, Block)
+            block.norm = nn.LayerNorm(DIM, eps=1e-12)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
+        for block in self.order():
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+class CrossBlock(Block):
+    """:class:`Block` with a cross-attention projection its forward uses only when given
+    encoder states (Whisper's decoder layer run as a causal LM): without them, its parameters
+    get no gradient."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim)
+        self.cross = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, encoder: torch.Tensor | None = None) -> torch.Tensor:
+        x = super().forward(x)
+        return x if encoder is None else x + self.cross(encoder)
+
+
+class UnusedInBlock(TokenModel):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        self.blocks = nn.ModuleList(CrossBlock() for _ in range(layers))
+
+
+def unused_in_block() -> nn.Module:
+    return UnusedInBlock()

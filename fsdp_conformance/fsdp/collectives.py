@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -98,6 +99,14 @@ class UnitSizes(dict[str, list[int]]):
     ) -> None:
         super().__init__(sizes or {})
         self.owners: dict[int, str] = dict(owners or {})
+        #: The per-unit objects themselves (weakly): where something replaced a unit function
+        #: on the object (FSDPMemTracker wraps each ``FSDPParamGroup.post_backward``), the
+        #: scope is pushed around that replacement too (:func:`_unit_scopes`).
+        self.objects: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Plain data across processes: the sizes and owners, never torch's objects.
+        return (UnitSizes, (dict(self), self.owners))
 
 
 class CollectiveRecorder:
@@ -121,6 +130,7 @@ class CollectiveRecorder:
             for size in set(sizes):
                 self._by_size.setdefault(size, []).append(fqn)
         self._owners: dict[int, str] = dict(getattr(unit_sizes, "owners", {}))
+        self.objects: list[Any] = list(getattr(unit_sizes, "objects", {}).values())
         #: The torch objects (by identity) whose unit function is running, innermost last.
         self.scope: list[int] = []
 
@@ -152,14 +162,18 @@ class CollectiveRecorder:
             full = out if kind == "all_gather" else inp
         in_dtype, in_bytes, _ = _side(inp)
         out_dtype, out_bytes, _ = _side(out)
+        numel = _side(full)[2]
         record: dict[str, Any] = {
             "op": kind,
-            "unit": self.unit_of(_side(full)[2]),
+            "unit": self.unit_of(numel),
             "phase": self.phase,
             "in_dtype": in_dtype,
             "out_dtype": out_dtype,
             "in_bytes": in_bytes,
             "out_bytes": out_bytes,
+            # The elements of the unit's side (an all-gather's output, a reduce-scatter's
+            # input): FSDP2 reduce-scatters only the parameters that got a gradient.
+            "numel": numel,
         }
         if self.groups:
             found = (_compat.process_group_ranks(a) for a in args)
@@ -218,11 +232,31 @@ def _unit_scopes(recorder: CollectiveRecorder) -> Iterator[None]:
 
         return call
 
+    def scoped_bound(fn: Any, obj: Any) -> Any:
+        # A replacement on the object is called without the object as an argument.
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            recorder.scope.append(id(obj))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                recorder.scope.pop()
+
+        return call
+
     patched: list[tuple[Any, str, Any]] = []
     try:
         for owner, attr, position in _compat.unit_collective_scopes():
             patched.append((owner, attr, vars(owner).get(attr)))
             setattr(owner, attr, scoped(getattr(owner, attr), position))
+            if position != 0 or not isinstance(owner, type):
+                continue
+            # A method replaced on an instance (FSDPMemTracker wraps each param group's
+            # post_backward, calling the method it found then) bypasses the class's.
+            for obj in recorder.objects:
+                if isinstance(obj, owner) and attr in vars(obj):
+                    patched.append((obj, attr, vars(obj)[attr]))
+                    setattr(obj, attr, scoped_bound(vars(obj)[attr], obj))
         yield
     finally:
         for owner, attr, original in reversed(patched):
@@ -257,7 +291,9 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> UnitSizes:
             if flat is None:
                 continue
             fqn = clean_fqn(name)
-            out.owners[id(_compat.fsdp1_handle(module))] = fqn
+            handle = _compat.fsdp1_handle(module)
+            out.owners[id(handle)] = fqn
+            out.objects[id(handle)] = handle
             unpadded = _compat.fsdp1_unsharded_numel(flat)
             # NO_SHARD (a flat parameter kept whole) all-reduces it unpadded: a padded size
             # (here twice the whole) would name the unit for another unit's collective (T5
@@ -269,7 +305,9 @@ def unit_sizes(model: nn.Module, version: str, world_size: int) -> UnitSizes:
     dtensor = _compat.dtensor_cls()
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp_cls)]
     for name, module in units:
-        out.owners.update((id(group), name) for group in _compat.fsdp2_param_groups(module))
+        for group in _compat.fsdp2_param_groups(module):
+            out.owners[id(group)] = name
+            out.objects[id(group)] = group
         # A unit's own parameters: its parameters less those of the units nested in it.
         inner = {
             id(p)

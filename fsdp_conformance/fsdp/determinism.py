@@ -7,7 +7,8 @@ claims) switches dropout off first and skips a model whose forward still draws r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,9 @@ DROPOUT_MODULES = (
 #: ``self.training``; ``resid_pdrop``; ``layerdrop``, which skips whole layers; timm's
 #: ``drop_prob``).
 DROPOUT_ATTR_WORDS = ("dropout", "pdrop", "layerdrop", "drop_prob")
+#: A float attribute named ``mask_*_prob`` is SpecAugment's masking probability (wav2vec2,
+#: HuBERT, data2vec-audio: time and feature masks drawn when ``self.training``).
+MASK_PROB = re.compile(r"^mask_\w*_prob$")
 #: Two training-mode forwards of the same input after :func:`disable_dropout` may differ by this
 #: much (relative, on the loss) before the model counts as still random.
 DETERMINISM_RTOL = 1e-6
@@ -53,6 +57,7 @@ def disable_dropout(*models: torch.nn.Module) -> list[str]:
     changed: list[list[str]] = []
     for model in models:
         names: list[str] = []
+        seen: set[int] = set()  # a config object is shared by many modules: once each
         for name, module in model.named_modules():
             where = name or "(root)"
             if isinstance(module, DROPOUT_MODULES):
@@ -60,16 +65,64 @@ def disable_dropout(*models: torch.nn.Module) -> list[str]:
                     module.p = 0.0
                     names.append(where)
                 continue
-            for attr, value in list(vars(module).items()):
-                if (
-                    isinstance(value, float)
-                    and value > 0
-                    and any(w in attr.lower() for w in DROPOUT_ATTR_WORDS)
-                ):
-                    setattr(module, attr, 0.0)
-                    names.append(f"{where}.{attr}")
+            names += _zero_probabilities(module, where)
+            for attr, config in _configs(module, f"{where}.config"):
+                if id(config) not in seen:
+                    seen.add(id(config))
+                    names += _zero_probabilities(config, attr)
         changed.append(names)
     return changed[0] if changed else []
+
+
+def _is_probability(attr: str, value: object) -> bool:
+    name = attr.lower()
+    return (
+        isinstance(value, float)
+        and value > 0
+        and (any(w in name for w in DROPOUT_ATTR_WORDS) or MASK_PROB.match(name) is not None)
+    )
+
+
+def _zero_probabilities(owner: object, where: str) -> list[str]:
+    """Zero ``owner``'s own float probabilities (:func:`_is_probability`); their names."""
+    names = []
+    for attr, value in list(vars(owner).items()):
+        if _is_probability(attr, value):
+            setattr(owner, attr, 0.0)
+            names.append(f"{where}.{attr}")
+    return names
+
+
+def _configs(module: torch.nn.Module, where: str) -> Iterator[tuple[str, object]]:
+    """The configuration a module reads at forward time, and the sub-configurations it holds:
+    transformers' modules read ``self.config.layerdrop`` and ``self.config.mask_time_prob``
+    when ``self.training``, not attributes of their own. A plain object (not a module, not a
+    tensor) under ``module.config``, and its attributes named ``*_config`` (a composite
+    model's text or vision config)."""
+    config = vars(module).get("config")
+    if config is None or isinstance(config, (torch.nn.Module, torch.Tensor)):
+        return
+    if not hasattr(config, "__dict__"):
+        return
+    yield where, config
+    for attr, sub in list(vars(config).items()):
+        if attr.endswith("_config") and sub is not None and hasattr(sub, "__dict__"):
+            yield f"{where}.{attr}", sub
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a model's forward may draw from: torch's (CPU and every CUDA
+    device), Python's ``random`` and NumPy's global one (transformers' SpecAugment masks come
+    from NumPy), so that two runs of the same step draw the same numbers."""
+    import random
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # no NumPy, nothing of the model draws from it
+        return
+    numpy.random.seed(seed % 2**32)
 
 
 def forward_randomness(model: torch.nn.Module, batch: Any) -> float:
@@ -109,8 +162,9 @@ def require_deterministic(
     if randomness > DETERMINISM_RTOL:
         skip_rank(
             f"{type(model).__name__}'s forward in training mode still draws random numbers "
-            f"after dropout was disabled ({len(dropout)} modules): two calls on the same input "
+            f"after dropout was disabled ({len(dropout)} settings): two calls on the same input "
             f"differ by {randomness:.1e} (relative), so {what} cannot be compared with "
             "the single-process reference. Make the randomness switchable: an nn.Dropout "
-            "module, or a float attribute named like '*dropout*' read when self.training"
+            "module, or a float attribute named like '*dropout*' (of the module or of its "
+            "config) read when self.training"
         )

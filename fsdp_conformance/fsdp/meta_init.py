@@ -26,7 +26,7 @@ import copy
 import hashlib
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -69,18 +69,41 @@ def build_on_meta(spec: ModelSpec) -> BuiltModel:
     """Build ``spec``'s model under ``torch.device("meta")``: shapes only, no storage; with its
     policies at hand (:class:`~fsdp_conformance.models.model_spec.BuiltModel`).
 
-    Raises :class:`InitError` when the model's constructor allocates real tensors anyway
-    (e.g. ``torch.tensor(...)`` with an explicit ``device=``), naming them.
+    A tensor the constructor makes real anyway (an explicit ``device=``, the legacy
+    ``torch.Tensor(n)`` constructor, which ignores the device context: pytorch#126533) stays
+    real, as it does for a user: ``to_empty`` reallocates it with the rest and the model's init
+    must cover it, which the init checks judge. ``init.meta_build`` names such tensors and
+    judges their size (:func:`real_under_meta`).
     """
-    built = spec.instantiate("meta")
-    real = [n for n, t in named_state(built.model) if not t.is_meta]
-    if real:
-        raise InitError(
-            f"{spec.name}: built under torch.device('meta') but {len(real)} tensor(s) are real: "
-            f"{', '.join(real[:5])}; create them without an explicit device= (or register them "
-            "in reset_parameters) so that meta init allocates nothing"
-        )
-    return built
+    return spec.instantiate("meta")
+
+
+#: A meta build may leave real only what is negligible beside one layer: at most this fraction
+#: of one layer's share of the model's bytes (the model's bytes over its blocks). Above it a
+#: real tensor is a table, an embedding or a layer's weights: what meta init exists to avoid.
+REAL_UNDER_META_FRACTION = 0.01
+
+
+class RealUnderMeta(NamedTuple):
+    """The tensors a meta build left real: names, their bytes, and the bytes allowed."""
+
+    names: list[str]
+    bytes: int
+    allowed: int
+
+    @property
+    def too_large(self) -> bool:
+        return self.bytes > self.allowed
+
+
+def real_under_meta(model: nn.Module, blocks: int) -> RealUnderMeta:
+    """The tensors of a model built on meta that are real anyway (:func:`build_on_meta`), and
+    whether they are more than negligible: over :data:`REAL_UNDER_META_FRACTION` of one
+    layer's share of the model (``blocks``: how many blocks it has; at least 1)."""
+    real = [(clean_fqn(n), t) for n, t in named_state(model) if not t.is_meta]
+    size = sum(t.numel() * t.element_size() for _, t in real)
+    per_layer = state_bytes(model) / max(blocks, 1)
+    return RealUnderMeta([n for n, _ in real], size, int(REAL_UNDER_META_FRACTION * per_layer))
 
 
 def named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -291,9 +291,15 @@ def _measure_once(
         skip_rank(f"torch {torch_version_string()} has no MemTracker (moved by an upgrade)")
     tracked = construction is not None and track_construction
     scope = construction.tracking() if tracked and construction else contextlib.nullcontext()
+    # Built before the tracker is entered: what it must see from their creation are the
+    # tensors sharding makes (FSDP1's flat parameters and gather buffers); the model's own
+    # are freed by sharding or met at their first forward. A module called outside any other
+    # module's forward twice (a weight_norm parametrization, run each time the weight is read
+    # while the model is built) makes MemTracker raise "does not support memory tracking for
+    # multiple iterative calls".
+    built = spec.instantiate(ctx.device)
+    model = built.model
     with scope:
-        built = spec.instantiate(ctx.device)
-        model = built.model
         # Resolved before sharding: FSDP2 changes the model's classes in place.
         blocks = built.blocks if checkpoint_every else ()
         policy = built.policy(wrap.policy)

@@ -187,7 +187,7 @@ def no_split_block_classes(
         splits = split_ties(model, found)
         safe = tuple(cls for cls in found if cls not in splits)
         if safe:
-            return safe
+            return outermost_classes(model, safe)
         raise PolicyError(
             f"no block class given for {name!r}, and every class its transformers model "
             f"{type(model).__name__} lists in _no_split_modules would split a tied weight ("
@@ -203,6 +203,49 @@ def no_split_block_classes(
         + f"; pass {flag} with the class of its transformer block; candidates, the module "
         + "classes it repeats: "
         + (", ".join(candidate_blocks(model)) or "none (no module class with children repeats)")
+    )
+
+
+def outermost_classes(
+    model: nn.Module, classes: Sequence[type[nn.Module]]
+) -> tuple[type[nn.Module], ...]:
+    """The classes of ``classes`` with an instance inside no instance of another of them.
+
+    ``_no_split_modules`` says what must not be split across devices, and may name a block and
+    a module inside it (Mamba: ``MambaBlock`` and its ``MambaMixer``): one unit per block keeps
+    both whole, where wrapping every listed class nests a second unit inside each block (the
+    block's own unit then holds only its norm). The blocks are the outermost listed classes;
+    :func:`nested_note` says which were left out.
+    """
+    wanted = tuple(classes)
+    outer: dict[type[nn.Module], None] = {}
+
+    def walk(module: nn.Module, inside: bool) -> None:
+        hit = isinstance(module, wanted)
+        if hit and not inside:
+            outer[type(module)] = None
+        for child in module.children():
+            walk(child, inside or hit)
+
+    walk(model, False)
+    return tuple(cls for cls in wanted if cls in outer) or wanted
+
+
+def nested_note(model: nn.Module, flag: str = "--fsdp-block-cls") -> str | None:
+    """One line naming the ``_no_split_modules`` classes left out of the blocks because every
+    instance sits inside another listed class's (:func:`outermost_classes`); None when none."""
+    listed = _listed_classes(model, no_split_modules(model))
+    splits = split_ties(model, listed)
+    safe = tuple(cls for cls in listed if cls not in splits)
+    outer = outermost_classes(model, safe)
+    inner = [cls.__name__ for cls in safe if cls not in outer]
+    if not inner:
+        return None
+    return (
+        f"{type(model).__name__}'s _no_split_modules lists {', '.join(inner)}, which sit"
+        f"{'s' if len(inner) == 1 else ''} only inside {', '.join(c.__name__ for c in outer)}: "
+        f"the blocks are the outermost, one unit each, which keeps both whole (pass {flag} to "
+        "choose them yourself; wrapping every listed class nests a unit inside each block)"
     )
 
 

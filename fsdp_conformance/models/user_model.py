@@ -20,6 +20,7 @@ from torch import nn
 
 from fsdp_conformance.models import hf
 from fsdp_conformance.models.block_classes import (
+    nested_note,
     no_block_class,
     no_split_block_classes,
     tie_safe_note,
@@ -104,9 +105,12 @@ def validate_user_model(
     if not spec.block_cls and hf.is_pretrained(model):
         # Its _no_split_modules; where they name no block, the line names this front end's flag.
         no_split_block_classes(model, spec.name, _flag("block_cls", flag_style))
-        note = tie_safe_note(model, _flag("block_cls", flag_style))
-        if note:
-            notes.append(note)
+        for note in (
+            tie_safe_note(model, _flag("block_cls", flag_style)),
+            nested_note(model, _flag("block_cls", flag_style)),
+        ):
+            if note:
+                notes.append(note)
     blocks = built.blocks
     threshold = built.size_threshold
     # Without --block-cls only a transformers model gets this far: its _no_split_modules.

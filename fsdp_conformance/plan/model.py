@@ -299,13 +299,29 @@ def build_meta_model(choice: ModelChoice) -> Any:
 
 
 def _require_meta(model: Any, choice: ModelChoice) -> None:
-    where = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
-    if where - {"meta"}:
+    """Refuse a model whose meta build left more than negligible storage real
+    (:func:`~fsdp_conformance.fsdp.meta_init.real_under_meta`: a table, an embedding, a
+    layer's weights); a negligible real tensor (transformers' ``masked_spec_embed``, made by
+    the legacy ``torch.Tensor(n)`` constructor) is moved to meta, since a plan needs only its
+    shape."""
+    from fsdp_conformance.fsdp.meta_init import real_under_meta
+
+    if all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    try:
+        blocks = choice.spec.block_classes(model)
+    except Exception:  # noqa: BLE001 - no block class: judged against the whole model
+        blocks = ()
+    count = sum(isinstance(m, blocks) for m in model.modules()) if blocks else 1
+    real = real_under_meta(model, count)
+    if real.too_large:
         raise PlanError(
-            f"{choice.label} builds tensors on {', '.join(sorted(where - {'meta'}))} even under "
-            "torch.device('meta'); create parameters without an explicit device= in the factory "
-            "so planning allocates nothing"
+            f"{choice.label} builds tensors with storage even under torch.device('meta') "
+            f"({', '.join(real.names[:5])}: {real.bytes:,} bytes); create them without an "
+            "explicit device= in the factory (the legacy torch.Tensor(n) constructor ignores "
+            "the device context: use torch.empty(n)) so planning allocates nothing"
         )
+    model.to("meta")
 
 
 def meta_batch(model: Any, choice: ModelChoice, settings: PlanSettings) -> Any:

@@ -366,7 +366,7 @@ def parity_note(values: Sequence[LoopResult]) -> str:
     """What the comparison was of, for every verdict's message: the dropout switched off."""
     dropout = values[0].get("dropout_disabled", [])
     if dropout:
-        return f"; dropout disabled for the comparison: {len(dropout)} modules"
+        return f"; dropout disabled for the comparison: {len(dropout)} settings"
     return ""
 
 

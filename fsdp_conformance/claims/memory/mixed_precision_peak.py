@@ -174,6 +174,19 @@ def _itemsize(dtype: str | None) -> int | None:
     return value.itemsize if isinstance(value, torch.dtype) else None
 
 
+def _part_reduced(record: Mapping[str, Any], item: int, numels: Sequence[int]) -> bool:
+    """A reduce-scatter of part of its unit, its bytes its own elements x the dtype's: FSDP2
+    reduces only the parameters that got a gradient (a decoder layer's cross-attention, unused
+    when a causal LM runs it without encoder states, gets none)."""
+    numel = record.get("numel")
+    return (
+        record["op"] == "reduce_scatter"
+        and isinstance(numel, int)
+        and 0 < numel <= max(numels)
+        and record["in_bytes"] == numel * item
+    )
+
+
 def dtype_size_problems(
     records: Sequence[Mapping[str, Any]], sizes: Mapping[str, Sequence[int]]
 ) -> list[str]:
@@ -198,7 +211,7 @@ def dtype_size_problems(
                 f"{side}put dtype {dtype}, unit sizes {numels or 'unknown'}: its "
                 "bytes per element cannot be read"
             )
-        elif nbytes not in {n * item for n in numels}:
+        elif nbytes not in {n * item for n in numels} and not _part_reduced(r, item, numels):
             problems.append(
                 f"collective {i} ({r['op']} of unit {r['unit'] or '(root)'}): {nbytes:,} B "
                 f"{side}put, not its numel ({' or '.join(f'{n:,}' for n in numels)}) x {item} B "

@@ -346,6 +346,41 @@ class _Reference:
         return self.losses[self.ctx.rank]
 
 
+def fp16_overflow(model: nn.Module, slices: Sequence[Any]) -> list[str]:
+    """The parameters whose gradient is not finite when a copy of ``model`` computes wholly in
+    fp16, as FSDP's ``param_dtype=float16`` makes it compute (LayerNorm and softmax included;
+    batch norm kept in fp32, as FSDP1 keeps it and the suite's FSDP2 fix does), at the
+    scaler's initial scale. The reference autocasts, which keeps those ops in fp32: a model
+    whose gradients overflow only in whole-fp16 compute (a zero-initialized token through a
+    LayerNorm of eps 1e-12: an inverse deviation of 1e6) makes every sharded step skip while
+    the reference's are finite, and cannot be judged against it."""
+    probe = copy.deepcopy(model).half()
+    for module in probe.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.float()
+            module.register_forward_pre_hook(
+                lambda _m, args: _compat.tree_map(_cast(torch.float32), args)
+            )
+            module.register_forward_hook(
+                lambda _m, _a, out: _compat.tree_map(_cast(torch.float16), out)
+            )
+    for part in slices:
+        loss = model_loss(probe, _compat.tree_map(_cast(torch.float16), part))
+        (loss.float() * INIT_SCALE / len(slices)).backward()
+    return [
+        n
+        for n, p in probe.named_parameters()
+        if p.grad is not None and not bool(p.grad.isfinite().all())
+    ]
+
+
+def _cast(dtype: torch.dtype) -> Callable[[Any], Any]:
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return cast
+
+
 def _fp32_only(model: nn.Module) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.float32}:
@@ -384,6 +419,16 @@ def _sharded_step(
 
 def _train(ctx: RankContext, spec: ModelSpec, version: str, casts: bool) -> LossScalingResult:
     sharded, ref, batches = _build(ctx, spec, version, casts)
+    overflow = fp16_overflow(ref.model, batches[0])
+    if overflow:
+        skip_rank(
+            f"{type(ref.model).__name__}'s gradients overflow fp16 when it computes wholly in "
+            f"fp16, as FSDP's param_dtype=float16 makes it (at scale {INIT_SCALE:g}: "
+            f"{', '.join(overflow[:4])}{' ...' if len(overflow) > 4 else ''}), where the "
+            "single-process reference autocasts (LayerNorm and softmax in fp32): the scaler "
+            "would skip every step, so fp16 loss scaling cannot be judged on this model (a "
+            "finding about the model in fp16: train it in bf16, or keep its norms in fp32)"
+        )
     scaler = make_scaler(version, ctx.device_type)
     optimizer = torch.optim.SGD(sharded.parameters(), lr=LR)
     records: list[StepRecord] = []

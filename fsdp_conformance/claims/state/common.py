@@ -288,10 +288,12 @@ def save_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) 
 
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: Any, seed: int) -> float:
-    """One AdamW step drawing from ``seed`` (dropout masks alike on both runs); its loss."""
+    """One AdamW step drawing from ``seed`` (dropout masks alike on both runs: every generator
+    a forward may draw from, NumPy's included); its loss."""
+    from fsdp_conformance.fsdp.determinism import seed_everything
     from fsdp_conformance.models.model_spec import call_model, default_loss
 
-    torch.manual_seed(seed)
+    seed_everything(seed)
     loss = default_loss(call_model(model, batch))
     loss.backward()
     optim.step()

@@ -624,7 +624,7 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
     # Said in both outcomes: the comparison was of the model without its dropout, and of the
     # tensors whose update is rounding against a floor (parity.compare_updates).
     note = (
-        f"; dropout disabled for the comparison: {len(dropout)} modules ({listing(dropout)})"
+        f"; dropout disabled for the comparison: {len(dropout)} settings ({listing(dropout)})"
         if dropout
         else ""
     )
