@@ -87,7 +87,11 @@ def digests(state: Mapping[str, Any]) -> Digests:
 @contextlib.contextmanager
 def shared_folder(ctx: RankContext, prefix: str) -> Iterator[str]:
     """A temporary folder every rank writes to: rank 0 makes it, every rank gets its path, and
-    rank 0 removes it once every rank is done (a barrier)."""
+    rank 0 removes it once every rank is done (a barrier). A rank leaving with an exception
+    does not wait: the other ranks may be inside a collective it never joins (torch's
+    ``set_optimizer_state_dict`` raising on rank 0 while rank 1 waits in its broadcast), and a
+    barrier would turn that rank's error, which the harness resolves in seconds, into a hang of
+    every rank until the check's timeout."""
     import shutil
     import tempfile
 
@@ -97,10 +101,13 @@ def shared_folder(ctx: RankContext, prefix: str) -> Iterator[str]:
     dist.broadcast_object_list(holder, src=0)
     try:
         yield str(holder[0])
-    finally:
-        dist.barrier()
+    except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(str(holder[0]), ignore_errors=True)
+        raise
+    dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(str(holder[0]), ignore_errors=True)
 
 
 # ============================================================================================
