@@ -26,7 +26,7 @@ from fsdp_conformance.fsdp.reference_step import (
     norm_of,
 )
 from fsdp_conformance.fsdp.tensors import max_abs_diff, total
-from fsdp_conformance.harness import Ranks
+from fsdp_conformance.harness import CheckSkipped, Ranks
 from fsdp_conformance.models.model_spec import ModelSpec
 
 MODELS = numerics_models.__name__
@@ -258,10 +258,35 @@ def test_the_tolerance_grows_with_the_measured_noise_up_to_its_cap() -> None:
 
     assert problems(0.05, 0.02) == []
     assert any("> 2.0e-02" in p for p in problems(0.05, 0.0))
-    noisy = problems(0.05, 0.2)
-    assert any("too noisy in fp16" in p for p in noisy)
     # A fault (the whole update) on a noisy model: beyond the capped tolerance as well.
     assert any("> 2.5e-01" in p for p in problems(1.0, 0.2))
+
+    def verdict(update_rel: float, noise: float) -> Any:
+        poisoned = [loss_scaling.POISONED.get(i, "") for i in range(loss_scaling.STEPS)]
+        scales = loss_scaling.expected_scales(poisoned)
+        steps = [
+            {
+                **_finite_step(update_rel, 0.0 if how else noise),
+                "poisoned": how,
+                "changed": not how,
+                "ref_changed": not how,
+                "scale": scale,
+                "ref_scale": scale,
+            }
+            for how, scale in zip(poisoned, scales)
+        ]
+        values: Any = [
+            {"rank": r, "finite": True, "steps": steps, "poisoned_param": "", "input_casts": None}
+            for r in (0, 1)
+        ]
+        return loss_scaling.verdict_loss_scaling(values, {})
+
+    # Within the cap on a noisy model: skipped, saying why, never passed; the fault still fails,
+    # its message saying the model is noisy too.
+    with pytest.raises(CheckSkipped, match="too noisy in fp16"):
+        verdict(0.05, 0.2)
+    failed = verdict(1.0, 0.2)
+    assert not failed.passed and "too noisy in fp16" in failed.message
 
 
 # --------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ from fsdp_conformance.fsdp.sharding import (
     shard,
     with_known_fix,
 )
-from fsdp_conformance.harness import RankContext, skip_rank
+from fsdp_conformance.harness import CheckSkipped, RankContext, skip_rank
 from fsdp_conformance.models.model_spec import ModelSpec
 
 #: Optimizer steps per run (each rank's rows per step: ``stack.common.PER_RANK``).
@@ -596,7 +596,7 @@ def _noise_problems(tol: Tolerances) -> list[str]:
 
 
 def _parity_problems(values: Sequence[LossScalingResult], tol: Tolerances) -> list[str]:
-    problems = _noise_problems(tol)
+    problems = []
     for v in values:
         if not v["finite"]:
             problems.append(f"rank {v['rank']}: non-finite parameters after the run")
@@ -649,10 +649,15 @@ def verdict_loss_scaling(values: Sequence[LossScalingResult], params: Mapping[st
         return Verdict(
             False,
             f"fp16 loss scaling differs from a single-process scaler ({_tolerance_note(tol)}):"
-            "\n  " + "\n  ".join(dict.fromkeys(problems)),
+            "\n  " + "\n  ".join(dict.fromkeys(_noise_problems(tol) + problems)),
             figures,
             data,
         )
+    if tol["too_noisy"]:
+        # Every step skipped and applied as it should, the scales right, every update within
+        # the capped tolerance (a fault moves an update by its whole size): what is left, a
+        # finer comparison, the model's own fp16 noise does not allow.
+        raise CheckSkipped(_noise_problems(tol)[0])
     return Verdict(
         True,
         f"{STEPS} fp16 steps: the steps with an inf gradient on rank {inf_rank(len(values))} "
