@@ -68,6 +68,7 @@ from fsdp_conformance.harness.ranks import (
     xdist_share,
 )
 from fsdp_conformance.harness.session import HarnessSession
+from fsdp_conformance.harness.supervisor import LaunchSupervisor
 from fsdp_conformance.harness.timeouts import (
     OUTER_TIMEOUT_RESERVE_S,
     fit_timeout,
@@ -85,6 +86,7 @@ __all__ = [
     "GpuShare",
     "HarnessError",
     "HarnessSession",
+    "LaunchSupervisor",
     "LauncherRunner",
     "PoolManager",
     "RankContext",

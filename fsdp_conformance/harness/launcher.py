@@ -7,6 +7,7 @@ all-gathered, so every rank's pytest sees the same verdict.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import pickle
@@ -29,19 +30,89 @@ from fsdp_conformance.harness.protocol import (
 from fsdp_conformance.harness.timeouts import fit_timeout
 
 
-def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
-    """True when an external launcher (torchrun, srun) started this process as one rank."""
+#: The variables torchrun (and a launch by hand) sets for each rank.
+TORCH_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+#: The variables srun sets for each task, and the ones its user sets for the launch's store.
+SLURM_LAUNCH_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+SLURM_STORE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnvironment:
+    """What an external launcher told this process about the launch it is one rank of."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    #: The launch's ranks on this node (``LOCAL_WORLD_SIZE``, srun's ``SLURM_NTASKS_PER_NODE``
+    #: where it is one number), None where the launcher did not say.
+    local_world_size: int | None
+    master_addr: str
+    master_port: int | None
+    #: torchrun's agent hosts the launch's TCP store at ``MASTER_PORT``
+    #: (``TORCHELASTIC_USE_AGENT_STORE=True``); otherwise rank 0 hosts it.
+    agent_store: bool
+    #: Names this launch among others on the same store (torchrun's run id and restart).
+    run_id: str
+    #: Which variables said so: ``RANK/WORLD_SIZE/LOCAL_RANK`` or ``SLURM_PROCID/...``.
+    source: str
+
+
+def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnvironment | None:
+    """The launch this process is one rank of, or None.
+
+    torchrun (or any launcher setting ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``MASTER_ADDR``) first; else an srun task (``SLURM_PROCID``, ``SLURM_NTASKS``,
+    ``SLURM_LOCALID``) whose user set ``MASTER_ADDR`` and ``MASTER_PORT`` for the launch's store
+    (an srun task without them, or a shell inside an allocation, is not a launch)."""
     env = os.environ if environ is None else environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+    if all(k in env for k in TORCH_LAUNCH_VARIABLES):
+        local = env.get("LOCAL_WORLD_SIZE", "")
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return LaunchEnvironment(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            local_world_size=int(local) if local.isdigit() else None,
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else None,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            run_id=f"{env.get('TORCHELASTIC_RUN_ID', 'env')}.{restart}",
+            source="RANK/WORLD_SIZE/LOCAL_RANK",
+        )
+    if all(k in env for k in SLURM_LAUNCH_VARIABLES + SLURM_STORE_VARIABLES):
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+        return LaunchEnvironment(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env["SLURM_LOCALID"]),
+            local_world_size=int(per_node) if per_node.isdigit() else None,
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]) if env["MASTER_PORT"].isdigit() else None,
+            agent_store=False,
+            run_id=f"{env.get('SLURM_JOB_ID', 'slurm')}.{env.get('SLURM_STEP_ID', '0')}",
+            source="SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID",
+        )
+    return None
+
+
+def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
+    """True when an external launcher (torchrun, srun) started this process as one rank
+    (:func:`launch_environment`)."""
+    return launch_environment(environ) is not None
 
 
 def ranks_on_this_node(environ: Mapping[str, str]) -> tuple[int, str]:
     """How many ranks of the launch run on this node, and where that number came from:
-    ``LOCAL_WORLD_SIZE`` (torchrun sets it), else ``WORLD_SIZE`` (one node)."""
+    ``LOCAL_WORLD_SIZE`` (torchrun sets it; srun's ``SLURM_NTASKS_PER_NODE``), else the
+    launch's world size (one node)."""
+    launch = launch_environment(environ)
     local = environ.get("LOCAL_WORLD_SIZE")
     if local:
         return int(local), f"LOCAL_WORLD_SIZE={local}"
-    world = environ["WORLD_SIZE"]
+    if launch is not None and launch.local_world_size is not None:
+        return launch.local_world_size, f"SLURM_NTASKS_PER_NODE={launch.local_world_size}"
+    world = environ.get("WORLD_SIZE") or environ.get("SLURM_NTASKS", "1")
     return int(world), f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE unset"
 
 

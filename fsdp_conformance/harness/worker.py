@@ -140,21 +140,25 @@ def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
         torch.set_num_threads(int(spec["threads"]))
     backend = spec["backend"]
     rank, world_size = spec["rank"], spec["world_size"]
-    local_rank = rank  # one machine: one device per rank
+    # A pool's ranks share one machine (local rank = rank); a launch's child is told its own.
+    local_rank = spec.get("local_rank", rank)
+    timeout = timedelta(seconds=spec["pg_timeout"])
     kwargs: dict[str, Any] = {}
     device_index = None
     if spec["device_type"] == "cuda":
-        device_index = rank_device_index(spec)
+        given = spec.get("device_index")
+        device_index = rank_device_index(spec) if given is None else int(given)
         torch.cuda.set_device(device_index)
         kwargs["device_id"] = torch.device("cuda", device_index)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{spec['store']}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=spec["pg_timeout"]),
-        **kwargs,
-    )
+    if spec.get("store_tcp"):
+        # A launch's child: the launch's TCP store (its agent's, or the supervisor of rank 0's),
+        # under this generation's own prefix, so that no two generations' keys meet.
+        host, port, prefix = spec["store_tcp"]
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        kwargs["store"] = dist.PrefixStore(prefix, client)
+    else:
+        kwargs["init_method"] = f"file://{spec['store']}"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return RankContext(rank, world_size, local_rank, backend, spec["device_type"], device_index)
 
 
