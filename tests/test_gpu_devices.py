@@ -15,6 +15,7 @@ stubbed (no process). Lane availability under a launcher is in tests/test_lane_a
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -473,16 +474,22 @@ def test_a_runner_joining_a_group_already_up_leaves_it_alone(
 LAUNCHED_SESSION = """
 import pytest
 
-from fsdp_conformance.harness import LauncherRunner
+from fsdp_conformance.harness import LaunchSupervisor
+
+
+def _where(ctx):
+    return (ctx.rank, ctx.world_size, ctx.backend)
 
 
 @pytest.mark.cpu
 def test_launched(ranks):
-    assert isinstance(ranks.engine, LauncherRunner) and ranks.engine.owns_group
+    assert isinstance(ranks.engine, LaunchSupervisor)
+    assert ranks.engine.pg_timeout == 460  # max(300, --fsdp-timeout 400 + 60)
+    assert ranks.run(_where) == [(0, 1, "gloo")]
 """
 
 
-def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and_ends_it(
+def test_a_launched_pytest_session_supervises_a_child_rank_and_joins_no_group_itself(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -494,11 +501,15 @@ def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and
         "FSDP_CONFORMANCE_BACKEND",
     ):
         monkeypatch.delenv(name, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     for name, value in {
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
-        "MASTER_ADDR": "localhost",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),  # rank 0's supervisor hosts the launch's store there
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -508,7 +519,5 @@ def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and
         "--fsdp-timeout", "400", "--fsdp-world-sizes", "1", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=1)
-    assert dist.started == [
-        {"backend": "gloo", "init_method": "env://", "timeout": timedelta(seconds=460)}
-    ]
-    assert dist.destroyed == 1 and not dist.up
+    # The check ran in the supervisor's child; this process never joined a process group.
+    assert dist.started == [] and dist.destroyed == 0

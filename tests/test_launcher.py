@@ -2,12 +2,15 @@
 
 Real ``torchrun --nproc-per-node 2`` launches, each narrowed with ``--checks`` to seconds:
 rank 0 prints the progress and the table and writes the report, rank 1 writes
-``DIR/rank1.log``; a check that needs an allocator setting at process start skips on every
-rank (or runs, when the launch has it); a failure on rank 1 only is every rank's failure and
-every rank's exit code. Two completed launches serve those tests (the one with the allocator
-setting also runs two test-only checks from ``tests/injected_checks.py``: what each launched
-rank's launcher says it cannot provide, and one that fails on rank 1); two more are
-interrupted (SIGTERM to torchrun, Ctrl-C in a launched pytest session).
+``DIR/rank1.log``; each launched process supervises a child rank that runs the checks, so a
+check that needs an allocator setting at process start runs (its children start with it,
+whether the launch has it or not); a failure on rank 1 only is every rank's failure and every
+rank's exit code. Two completed launches serve those tests (the one with the allocator setting
+also runs two test-only checks from ``tests/injected_checks.py``: the environment each rank's
+process started with, and one that fails on rank 1); a launched pytest session whose check
+never returns on rank 1 fails that test and goes on; two more launches are interrupted
+(SIGTERM to torchrun, Ctrl-C in a launched pytest session). Launches of two nodes are in
+``tests/test_launch_nodes.py``.
 """
 
 from __future__ import annotations
@@ -257,7 +260,7 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
         "[1/2] init.peak_memory [cpu, ws2, fsdp1,massive]",
         "[2/2] init.peak_memory [cpu, ws2, fsdp2,massive]",
     ]
-    assert "ranks: external launcher (env://)" in run.proc.stderr
+    assert "ranks: external launcher (a child rank per launched process)" in run.proc.stderr
     assert out[-3:] == [
         "report: out/report.json",
         "summary: out/summary.md",
@@ -275,22 +278,24 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
 
 
 @pytest.mark.process
-def test_a_check_needing_an_allocator_setting_skips_on_every_rank_with_the_fix(
+def test_a_check_needing_an_allocator_setting_runs_in_children_started_with_it(
     without_malloc: Launch,
 ) -> None:
-    report = without_malloc.report
+    # The launch lacks the setting; each supervisor starts its rank's child of that check with
+    # it (a generation of its own), as a pool starts fresh ranks.
+    run = without_malloc
+    report = run.report
     assert report["settings"]["world_sizes"] == [2]  # the launch's WORLD_SIZE
-    assert report["summary"] == {"passed": 0, "failed": 0, "skipped": 2, "error": 0, "xfailed": 0}
+    assert report["summary"] == {"passed": 2, "failed": 0, "skipped": 0, "error": 0, "xfailed": 0}
     for entry in report["checks"]:
-        assert entry["message"] == (
-            "needs MALLOC_MMAP_THRESHOLD_=65536 set before the ranks start (ranks 0, 1 started "
-            "without it); launch with `MALLOC_MMAP_THRESHOLD_=65536 torchrun ...` to run it"
-        )
-    assert sum(" ... skipped (" in line for line in without_malloc.rank1_log) == 2
+        ranks = entry["data"]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], run.explain()
+        assert all(r["mmap_threshold"] == "65536" and r["meter"] == "VmHWM" for r in ranks)
+    assert sum(" ... passed (" in line for line in without_malloc.rank1_log) == 2
 
 
 @pytest.mark.process
-def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
+def test_the_same_check_runs_when_the_launch_has_the_setting(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
     run = with_malloc_and_a_failure_on_rank1
@@ -311,26 +316,19 @@ def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
 
 
 @pytest.mark.process
-def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
+def test_a_checks_ranks_are_children_started_with_its_environment(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
     run = with_malloc_and_a_failure_on_rank1
     (entry,) = [e for e in run.report["checks"] if e["check"] == injected_checks.LAUNCH_ENVIRONMENT]
     assert entry["outcome"] == "passed", entry["message"]
     by_rank = entry["data"]["ranks"]
-    assert by_rank[0] == by_rank[1]  # every rank gets the same answer (it is all-gathered)
-    found = by_rank[0]
-    assert found["started_with"] is None  # MALLOC_MMAP_THRESHOLD_, which torchrun passed on
-    assert found["set_late"] == (
-        "needs FSDPC_SET_LATE=1 set before the ranks start (ranks 0, 1 started without it); "
-        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
-    )
-    assert found["rank1_only"] == (
-        "needs LOCAL_RANK=1 set before the ranks start (rank 0 started without it); "
-        "launch with `LOCAL_RANK=1 torchrun ...` to run it"
-    )
-    assert found["other_value"].startswith("needs MALLOC_MMAP_THRESHOLD_=1 set before the ranks")
-    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+    assert [r["rank"] for r in by_rank] == [0, 1]
+    for found in by_rank:
+        # started with the check's variable (Check.env), which the launch never had ...
+        assert found["at_start"] == "1", by_rank
+        # ... in a child of the launched process, not the launched process itself
+        assert found["launched_rank_variable"] is None, by_rank
 
 
 @pytest.mark.process
@@ -482,23 +480,28 @@ import time
 
 def _stuck_on_rank1(ctx):
     if ctx.rank == 1:
-        time.sleep(600)  # never returns: rank 0 waits for it in the outcome exchange
+        time.sleep(600)  # never returns: rank 0 returns at once
+    return ctx.rank
+
+
+def _rank(ctx):
     return ctx.rank
 
 
 def test_stuck(ranks):
     ranks.run(_stuck_on_rank1)
+
+
+def test_after(ranks):
+    assert ranks.run(_rank) == [0, 1]
 """
 
 
 @pytest.mark.process
-def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
-    tmp_path: Path,
-) -> None:
-    # A launched rank has no parent to watch it; rank 0 waits inside gloo's all-gather (C++),
-    # where pytest-timeout's signal handler never runs. Each rank's watchdog writes its stacks
-    # past the check's timeout, through pytest's capture, and ends the rank: the launch ends
-    # at the check's timeout, not at the process group's (300 s).
+def test_a_check_stuck_in_a_launched_pytest_session_is_one_failed_test(tmp_path: Path) -> None:
+    # A launched process supervises its rank's child: a child stuck past the check's timeout
+    # is dumped (its stacks) and killed by its supervisor, every node's session fails that
+    # test with every rank's story, and goes on to the next on a new generation of children.
     logs = tmp_path / "logs"
     done = launched_pytest_session(
         tmp_path,
@@ -506,22 +509,19 @@ def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
         HANG_SESSION,
         "--fsdp-timeout",
         "3",
-        launch=("--redirects", "2", "--log-dir", str(logs)),
+        launch=("--redirects", "1", "--log-dir", str(logs)),
     )
-    # Each rank's stderr in its own file (torchrun --redirects 2): LOG_DIR/.../RANK/stderr.log.
-    stderr = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
-    told = done.stdout + done.stderr + "".join(stderr.values())
-    assert done.returncode != 0, told
-    assert sorted(stderr) == [0, 1], told
+    # Each rank's stdout in its own file (torchrun --redirects 1): LOG_DIR/.../RANK/stdout.log.
+    stdout = {int(p.parent.name): p.read_text() for p in logs.rglob("stdout.log")}
+    told = done.stdout + done.stderr + "".join(stdout.values())
+    assert done.returncode == 1, told  # pytest's "tests failed", not a watchdog's 124
+    assert sorted(stdout) == [0, 1], told
     for rank in (0, 1):
-        assert (
-            f"did not finish within 3 s on rank {rank} of the launch; every thread's stack "
-            "follows, then this rank ends with exit status 124"
-        ) in stderr[rank], told
-    # faulthandler's frames ("File ..., line N in NAME"): rank 1 where it is stuck, rank 0
-    # where it waits for rank 1's outcome.
-    assert " in _stuck_on_rank1" in stderr[1], stderr[1]
-    assert " in all_gather_objects" in stderr[0], stderr[0]
+        assert "1 failed, 1 passed" in stdout[rank], told
+        assert "rank 0 passed, rank 1 did not finish" in stdout[rank], told
+        assert "no result after the check's timeout of 3s" in stdout[rank], told
+        # faulthandler's frames: rank 1's child where it is stuck
+        assert " in _stuck_on_rank1" in stdout[rank], told
 
 
 CTRL_C_SESSION = """
@@ -532,7 +532,9 @@ from pathlib import Path
 
 
 def _ctrl_c(ctx):
-    os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends every rank on Ctrl-C
+    # What the terminal sends on Ctrl-C: SIGINT to every process of the launched process's
+    # group (the launched process, its fork server and this child, which ignore it).
+    os.killpg(os.getpgid(0), signal.SIGINT)
     time.sleep(30)
 
 
@@ -547,9 +549,9 @@ def test_after(ranks):
 
 @pytest.mark.process
 def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) -> None:
-    # The checks run in each rank's own pytest behind execute_check's catch-all: Ctrl-C must
-    # end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test and
-    # go on to the next.
+    # Ctrl-C reaches each launched process (its child ignores it; its supervisor kills it): it
+    # must end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test
+    # and go on to the next.
     done = launched_pytest_session(tmp_path, "test_ctrl_c.py", CTRL_C_SESSION)
     told = done.stdout + done.stderr
     assert not sorted(p.name for p in tmp_path.glob("after_rank*")), told

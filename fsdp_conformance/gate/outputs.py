@@ -144,9 +144,7 @@ def run_launched(
         if rank == 0:
             print(header, file=sys.stderr)
         else:
-            log = stack.enter_context(
-                open(suite.rank_log_path(out, rank), "w", encoding="utf-8")
-            )
+            log = stack.enter_context(open(suite.rank_log_path(out, rank), "w", encoding="utf-8"))
             log.write(header + "\n")
             log.flush()
         report = suite.run_suite(plan, launcher, stream=log, report_path=json_path)
@@ -174,7 +172,11 @@ def run_launched(
         ending = (
             f"exit {worst} (the worst of every rank's: "
             + ", ".join(f"rank {r} {c}" for r, c in sorted(codes.items()))
-            + (f"; lost: {', '.join(f'rank {r}' for r in sorted(launcher.lost))}" if launcher.lost else "")
+            + (
+                f"; lost: {', '.join(f'rank {r}' for r in sorted(launcher.lost))}"
+                if launcher.lost
+                else ""
+            )
             + ")"
         )
         if log is not None:

@@ -29,7 +29,6 @@ from fsdp_conformance.harness.protocol import (
 )
 from fsdp_conformance.harness.timeouts import fit_timeout
 
-
 #: The variables torchrun (and a launch by hand) sets for each rank.
 TORCH_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 #: The variables srun sets for each task, and the ones its user sets for the launch's store.
@@ -153,6 +152,37 @@ def launch_device_index(local_rank: int, visible: int) -> int:
     if visible < 1:
         raise HarnessError(f"LOCAL_RANK {local_rank} needs a CUDA device; this process sees none")
     return local_rank % visible
+
+
+def launch_backend(backend: str | None, local_rank: int) -> tuple[str, str, int | None]:
+    """A launched rank's backend (``backend``, or by the machine: NCCL where CUDA is
+    available, else gloo), device type and CUDA device (:func:`launch_device_index`; None on
+    CPU)."""
+    import torch
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend != "nccl":
+        return backend, "cpu", None
+    return backend, "cuda", launch_device_index(local_rank, torch.cuda.device_count())
+
+
+def launch_mismatch(request: RankRequest, world_size: int, backend: str) -> str | None:
+    """Why a launch of ``world_size`` ranks on ``backend`` cannot run a check asking for
+    ``request``, or None: a launch has one world size (``WORLD_SIZE``) and one backend on one
+    device type (a gpu lane on gloo, or a cpu lane on nccl, would test the wrong thing or
+    crash)."""
+    if request.world_size != world_size:
+        return f"world size {request.world_size} is not this launch's (WORLD_SIZE={world_size})"
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if request.device_type != device_type:
+        return (
+            f"{request.lane} lane: this launch's process group is {backend} "
+            f"on {device_type}; run the {request.lane} lane in its own launch "
+            f"(e.g. torchrun ... -m pytest -m {request.lane} --fsdp-backend "
+            f"{'nccl' if request.lane == 'gpu' else 'gloo'})"
+        )
+    return None
 
 
 def process_group_options(
@@ -279,14 +309,11 @@ class LauncherRunner:
         self.rank = int(env["RANK"])
         self.world_size = int(env["WORLD_SIZE"])
         self.local_rank = int(env["LOCAL_RANK"])
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.backend = backend
-        self.device_type = "cuda" if backend == "nccl" else "cpu"
         #: This rank's CUDA device (None on CPU): LOCAL_RANK modulo the devices it sees.
-        self.device_index: int | None = None
-        if self.device_type == "cuda":
-            self.device_index = launch_device_index(self.local_rank, torch.cuda.device_count())
+        self.device_index: int | None
+        backend, self.device_type, self.device_index = launch_backend(backend, self.local_rank)
+        self.backend = backend
+        if self.device_index is not None:
             torch.cuda.set_device(self.device_index)
         #: Whether this runner started the launch's group, and so ends it in :meth:`close`
         #: (a runner made where the group is up already joins it and leaves it alone).
@@ -320,18 +347,9 @@ class LauncherRunner:
         ``os.environ`` now. Every rank's answer on the environment is all-gathered: a
         collective, so every rank runs the check or every rank skips it, with one reason.
         """
-        if request.world_size != self.world_size:
-            return (
-                f"world size {request.world_size} is not this launch's "
-                f"(WORLD_SIZE={self.world_size})"
-            )
-        if request.device_type != self.device_type:
-            return (
-                f"{request.lane} lane: this launch's process group is {self.backend} "
-                f"on {self.device_type}; run the {request.lane} lane in its own launch "
-                f"(e.g. torchrun ... -m pytest -m {request.lane} --fsdp-backend "
-                f"{'nccl' if request.lane == 'gpu' else 'gloo'})"
-            )
+        mismatch = launch_mismatch(request, self.world_size, self.backend)
+        if mismatch is not None:
+            return mismatch
         if request.fresh:
             return (
                 "needs fresh rank processes, which an external launcher's ranks are not; "

@@ -14,8 +14,9 @@ A :class:`HarnessSession` owns, from :meth:`~HarnessSession.open` to
   session are that session's to close);
 * the launch (:meth:`~HarnessSession.launch`): under torchrun/srun, this process's
   :class:`~.supervisor.LaunchSupervisor` of its rank, made once, its children ended when the
-  run is over (:meth:`~HarnessSession.finish`); where the session owns the process's exit (the CLI), a
-  launched run ignores later signals and ends with ``os._exit`` (:meth:`~HarnessSession.exit`).
+  run is over (:meth:`~HarnessSession.finish`); where the session owns the process's exit
+  (the CLI), a launched run ignores later signals and ends with ``os._exit``
+  (:meth:`~HarnessSession.exit`).
 
 Its :meth:`~HarnessSession.engine` is the :class:`~.engine.RankEngine` its checks run on: the
 launch where there is one, else the warm pools. The CLI enters one around each command; the

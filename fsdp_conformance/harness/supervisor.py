@@ -31,8 +31,9 @@ from fsdp_conformance.harness.engine import RankRequest
 from fsdp_conformance.harness.forkserver import ForkServers, fork_available, shared_servers
 from fsdp_conformance.harness.launcher import (
     LaunchEnvironment,
-    launch_device_index,
+    launch_backend,
     launch_environment,
+    launch_mismatch,
 )
 from fsdp_conformance.harness.outcomes import HarnessError
 from fsdp_conformance.harness.pool import (
@@ -81,7 +82,7 @@ def store_client(host: str, port: int, timeout: float, *, host_store: bool = Fal
     options: dict[str, Any] = {}
     if host_store:
         options = {"wait_for_workers": False, "multi_tenant": True}
-    return dist.TCPStore(
+    return dist.TCPStore(  # type: ignore[attr-defined]
         host, port, is_master=host_store, timeout=timedelta(seconds=timeout), **options
     )
 
@@ -191,22 +192,15 @@ class LaunchSupervisor:
                 f"rank {launch.rank} of the launch has MASTER_ADDR={launch.master_addr} but no "
                 "MASTER_PORT: set MASTER_PORT (the port of the launch's store) for every rank"
             )
-        import torch
-
         self.launch: LaunchEnvironment = launch
         self.rank, self.world_size, self.local_rank = (
             launch.rank,
             launch.world_size,
             launch.local_rank,
         )
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.backend = backend
-        self.device_type = "cuda" if backend == "nccl" else "cpu"
         #: The child's CUDA device (None on CPU): LOCAL_RANK modulo the devices it sees.
-        self.device_index: int | None = None
-        if self.device_type == "cuda":
-            self.device_index = launch_device_index(self.local_rank, torch.cuda.device_count())
+        self.device_index: int | None
+        self.backend, self.device_type, self.device_index = launch_backend(backend, self.local_rank)
         self.check_timeout = check_timeout
         self.pg_timeout = pg_timeout_for(check_timeout)
         self.host = socket.gethostname()
@@ -220,10 +214,12 @@ class LaunchSupervisor:
 
         host, port = launch.master_addr, launch.master_port
         self._client = store_client(host, port, self.pg_timeout, host_store=self.hosts_store)
-        self.store = dist.PrefixStore(self.prefix, self._client)
+        self.store = dist.PrefixStore(self.prefix, self._client)  # type: ignore[attr-defined]
         self.store.set(f"host/{self.rank}", self.host)
         self.heartbeats = Heartbeats(
-            dist.PrefixStore(self.prefix, store_client(host, port, self.pg_timeout)),
+            dist.PrefixStore(  # type: ignore[attr-defined]
+                self.prefix, store_client(host, port, self.pg_timeout)
+            ),
             self.rank,
             self.world_size,
         )
@@ -250,19 +246,7 @@ class LaunchSupervisor:
         processes and a start environment (``MALLOC_MMAP_THRESHOLD_``) it provides: a
         generation of children of their own. The same answer on every rank (no collective).
         """
-        if request.world_size != self.world_size:
-            return (
-                f"world size {request.world_size} is not this launch's "
-                f"(WORLD_SIZE={self.world_size})"
-            )
-        if request.device_type != self.device_type:
-            return (
-                f"{request.lane} lane: this launch's process group is {self.backend} "
-                f"on {self.device_type}; run the {request.lane} lane in its own launch "
-                f"(e.g. torchrun ... -m pytest -m {request.lane} --fsdp-backend "
-                f"{'nccl' if request.lane == 'gpu' else 'gloo'})"
-            )
-        return None
+        return launch_mismatch(request, self.world_size, self.backend)
 
     def run_outcomes(
         self,
@@ -514,4 +498,3 @@ class LaunchSupervisor:
                     if int(self.store.add("closed", 0)) >= self.world_size - len(gone):
                         break
                     time.sleep(POLL_S)
-

@@ -154,8 +154,10 @@ def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
         # A launch's child: the launch's TCP store (its agent's, or the supervisor of rank 0's),
         # under this generation's own prefix, so that no two generations' keys meet.
         host, port, prefix = spec["store_tcp"]
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        kwargs["store"] = dist.PrefixStore(prefix, client)
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), is_master=False, timeout=timeout
+        )
+        kwargs["store"] = dist.PrefixStore(prefix, client)  # type: ignore[attr-defined]
     else:
         kwargs["init_method"] = f"file://{spec['store']}"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
