@@ -67,6 +67,7 @@ ADDED_NAMES = {
     "xdist_share",
     "RankEngine",
     "RankRequest",
+    "SharedVerdicts",
     "scaled_timeout",
 }
 

@@ -33,7 +33,7 @@ plugin reach the harness only through them (a :class:`HarnessSession` each).
 
 from __future__ import annotations
 
-from fsdp_conformance.harness.engine import RankEngine, RankRequest
+from fsdp_conformance.harness.engine import RankEngine, RankRequest, SharedVerdicts
 from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally, startup_environ
 from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import (
@@ -95,6 +95,7 @@ __all__ = [
     "RankOutcome",
     "RankPool",
     "RankRequest",
+    "SharedVerdicts",
     "Ranks",
     "all_gather_objects",
     "close_all_pools",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from fsdp_conformance.harness.protocol import RankOutcome
 
@@ -63,4 +63,27 @@ class RankEngine(Protocol):
     ) -> list[RankOutcome]:
         """``fn(ctx, *args, **kwargs)`` on ``request.world_size`` ranks: one outcome per rank,
         by rank. Raises :class:`~.outcomes.HarnessError` where the ranks could not run it."""
+        ...
+
+
+@runtime_checkable
+class SharedVerdicts(Protocol):
+    """An engine whose every process builds the same report (the launch's supervisors): one of
+    them, the leader, judges each check (the verdict is the parent's work, such as a
+    single-process reference step) and shares the report entry; the others run their ranks'
+    part and take it."""
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process judges the checks and shares their entries."""
+        ...
+
+    def share_entry(self, key: str, entry: Any) -> None:
+        """What the leader decided under ``key`` (a check's timeout, its report entry), for
+        the others."""
+        ...
+
+    def shared_entry(self, key: str, wait: float) -> Any:
+        """What the leader shared under ``key``, waited for up to ``wait`` seconds (as long as
+        the leader lives); None where nothing came."""
         ...

@@ -42,6 +42,9 @@ from fsdp_conformance.harness.pool import close_all_pools, prestart_fork_server
 from fsdp_conformance.harness.supervisor import LaunchSupervisor
 from fsdp_conformance.harness.timeouts import DEFAULT_CHECK_TIMEOUT_S
 
+#: Present where the machine has an NVIDIA GPU and its driver (a launch there runs NCCL).
+NVIDIA_DEVICE = "/dev/nvidiactl"
+
 
 class HarnessSession:
     """Signals, fork servers, warm pools and the launch of one CLI run or pytest session.
@@ -165,12 +168,18 @@ class HarnessSession:
         launcher = self.launch(backend)
         return self.pools if launcher is None else launcher
 
-    def prestart_fork_server(self, env: Mapping[str, str] | None = None) -> bool:
+    def prestart_fork_server(
+        self, env: Mapping[str, str] | None = None, *, backend: str = "auto"
+    ) -> bool:
         """Start the fork server of this process's CPU ranks now, without waiting for it: its
         imports (torch and FSDP) run on another core while this process does other work. A
-        launched process's supervisor starts its own (:class:`~.supervisor.LaunchSupervisor`),
-        once it knows the launch's backend. False where nothing was started."""
-        if launched_externally():
+        launched process's children fork from the same server (its supervisor's, keyed alike),
+        where the launch runs gloo (``backend``, or ``auto`` on a machine without an NVIDIA
+        device: the check is cheap, torch is not imported yet). False where nothing was
+        started."""
+        if launched_externally() and not (
+            backend == "gloo" or (backend == "auto" and not os.path.exists(NVIDIA_DEVICE))
+        ):
             return False
         return prestart_fork_server(env=env)
 

@@ -214,7 +214,9 @@ class LaunchSupervisor:
 
         host, port = launch.master_addr, launch.master_port
         self._client = store_client(host, port, self.pg_timeout, host_store=self.hosts_store)
-        self.store = dist.PrefixStore(self.prefix, self._client)  # type: ignore[attr-defined]
+        self.store: Any = dist.PrefixStore(  # type: ignore[attr-defined]
+            self.prefix, self._client
+        )
         self.store.set(f"host/{self.rank}", self.host)
         self.heartbeats = Heartbeats(
             dist.PrefixStore(  # type: ignore[attr-defined]
@@ -444,6 +446,26 @@ class LaunchSupervisor:
             f"not run: the launch lost {lost}; a launch cannot run checks without all of its "
             f"{self.world_size} ranks (start it again)"
         )
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0's supervisor judges each check of a run; the others take its entries
+        (:class:`~.engine.SharedVerdicts`)."""
+        return self.rank == 0
+
+    def share_entry(self, key: str, entry: Any) -> None:
+        self.store.set(f"entry/{key}", pickle.dumps(entry))
+
+    def shared_entry(self, key: str, wait: float) -> Any:
+        stored = f"entry/{key}"
+        deadline = time.monotonic() + wait
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline and 0 not in self.lost:
+                if self.store.check([stored]):
+                    return pickle.loads(bytes(self.store.get(stored)))
+                self.lost.update(self.heartbeats.lost([0]))
+                time.sleep(POLL_S / 2)
+        return None
 
     def share(self, name: str, value: str) -> None:
         """Publish ``value`` under ``name`` for the other supervisors (:meth:`shared`)."""
