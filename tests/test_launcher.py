@@ -15,12 +15,10 @@ never returns on rank 1 fails that test and goes on; two more launches are inter
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -31,7 +29,6 @@ import pytest
 
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate import suite
-from fsdp_conformance.harness import LauncherRunner, RankContext, RankRequest
 from fsdp_conformance.settings import Settings, SettingsError
 
 #: A guard on each launch (not a timing assertion): the narrowed runs take seconds.
@@ -349,40 +346,6 @@ def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
     assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
 
 
-def _interrupted_check(ctx: RankContext) -> None:
-    import torch
-
-    torch.set_default_dtype(torch.float64)  # state the harness must put back on the way out
-    raise KeyboardInterrupt
-
-
-def _bare_launcher() -> LauncherRunner:
-    """A one-rank LauncherRunner without a process group: enough for a check that never
-    reaches the outcome all-gather."""
-    runner = LauncherRunner.__new__(LauncherRunner)
-    runner.rank, runner.world_size, runner.local_rank = 0, 1, 0
-    runner.backend, runner.device_type = "gloo", "cpu"
-    runner.ctx = RankContext(0, 1, 0, "gloo", "cpu")
-    runner.hang_stream = lambda: contextlib.nullcontext(sys.stderr)
-    return runner
-
-
-def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_back() -> None:
-    import torch
-
-    from fsdp_conformance.harness.worker import execute_check
-
-    before = torch.get_default_dtype()
-    with pytest.raises(KeyboardInterrupt):
-        _bare_launcher().run_outcomes(RankRequest(1), _interrupted_check, (), {})
-    assert torch.get_default_dtype() == before
-    # The control: in a pool worker (SIGINT ignored there; the parent handles Ctrl-C) the same
-    # KeyboardInterrupt is something the check raised, reported as that rank's error.
-    status, _, detail, _ = execute_check(_interrupted_check, _bare_launcher().ctx, (), {})
-    assert status == "error" and "KeyboardInterrupt" in detail
-    assert torch.get_default_dtype() == before
-
-
 def launched_pytest_session(
     directory: Path, name: str, source: str, *args: str, launch: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
@@ -422,56 +385,6 @@ def launched_pytest_session(
         timeout=LAUNCH_LIMIT_S,
         check=False,
     )
-
-
-def _stuck_here(release: threading.Event) -> None:
-    release.wait(60)
-
-
-def test_a_check_past_its_timeout_writes_every_threads_stack_then_ends_the_rank(
-    tmp_path: Path,
-) -> None:
-    from fsdp_conformance.harness.launcher import HANG_EXIT_STATUS, CheckWatchdog
-
-    ended: list[int] = []
-    release = threading.Event()
-
-    def end(status: int) -> None:
-        ended.append(status)
-        release.set()  # in a rank: os._exit; here the stuck main thread may go on
-
-    with open(tmp_path / "stacks", "w+") as out:
-
-        @contextlib.contextmanager
-        def stream() -> Iterator[IO[str]]:
-            yield out
-
-        with CheckWatchdog("mod.check", 1, 0.2, " (cut from 5 s)", stream, end, grace=0.0):
-            _stuck_here(release)
-        out.seek(0)
-        written = out.read()
-    assert ended == [HANG_EXIT_STATUS]
-    assert (
-        f"fsdp-conformance: check mod.check did not finish within 0.2 s (cut from 5 s) on "
-        f"rank 1 of the launch; every thread's stack follows, then this rank ends with exit "
-        f"status {HANG_EXIT_STATUS}"
-    ) in written, written
-    assert " in _stuck_here" in written, written  # the main thread's stack, where it waits
-
-
-def test_a_check_that_finishes_in_time_leaves_no_trace_and_the_rank_runs_on(
-    tmp_path: Path,
-) -> None:
-    from fsdp_conformance.harness.launcher import CheckWatchdog
-
-    ended: list[int] = []
-    with open(tmp_path / "stacks", "w+") as out:
-        with CheckWatchdog(
-            "mod.check", 0, 30.0, "", lambda: contextlib.nullcontext(out), ended.append
-        ):
-            pass
-        assert out.tell() == 0
-    assert ended == []
 
 
 HANG_SESSION = """

@@ -1,11 +1,12 @@
 """The rank-engine contract: what runs a check on ranks for :class:`~.ranks.Ranks`.
 
 Two engines implement it: :class:`~.manager.PoolManager` (warm pools of rank processes this
-process starts) and :class:`~.launcher.LauncherRunner` (this process is one rank of an external
-launch, torchrun or srun). The caller that owns an engine hands it to ``Ranks`` (the plugin's
-``ranks`` fixture and ``run_suite`` take their harness session's); ``Ranks`` describes each
-check's needs as one :class:`RankRequest`, skips it with the engine's reason where the engine
-cannot provide that, and otherwise returns what the engine's ranks reported.
+process starts) and :class:`~.supervisor.LaunchSupervisor` (this process is one of an external
+launch's, torchrun or srun, and supervises its rank's child). The caller that owns an engine
+hands it to ``Ranks`` (the plugin's ``ranks`` fixture and ``run_suite`` take their harness
+session's); ``Ranks`` describes each check's needs as one :class:`RankRequest`, skips it with
+the engine's reason where the engine cannot provide that, and otherwise returns what the
+engine's ranks reported.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ class RankEngine(Protocol):
 
     def cannot_provide(self, request: RankRequest) -> str | None:
         """Why this engine cannot run a check that asks for ``request`` (the check is skipped
-        with it, a sentence naming the fix), or None. Under a launch it is a collective: every
-        rank answers alike."""
+        with it, a sentence naming the fix), or None. Under a launch every rank answers alike."""
         ...
 
     def run_outcomes(

@@ -341,15 +341,7 @@ class LaunchSupervisor:
     ) -> RankPool:
         """This rank's child of a new generation, named by the check it starts at (every
         supervisor starts one at the same check: they decide alike, from the same outcomes)."""
-        hosted = HostedRank(
-            rank=self.rank,
-            local_rank=self.local_rank,
-            local_world_size=self.launch.local_world_size or self.world_size,
-            device_index=self.device_index,
-            store_host=self.launch.master_addr,
-            store_port=int(self.launch.master_port or 0),
-            store_prefix=f"{self.prefix}/generation{index}",
-        )
+        hosted = self.hosted_rank(index)
         self.generations_started += 1
         return RankPool(
             self.world_size,
@@ -361,6 +353,18 @@ class LaunchSupervisor:
             fork_servers=self.fork_servers,
             hosted=hosted,
             watch=watch,
+        )
+
+    def hosted_rank(self, index: int) -> HostedRank:
+        """This rank as the child of the generation that starts at check ``index`` hosts it."""
+        return HostedRank(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            local_world_size=self.launch.local_world_size or self.world_size,
+            device_index=self.device_index,
+            store_host=self.launch.master_addr,
+            store_port=int(self.launch.master_port or 0),
+            store_prefix=f"{self.prefix}/generation{index}",
         )
 
     def child_environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -454,7 +458,8 @@ class LaunchSupervisor:
         return self.rank == 0
 
     def share_entry(self, key: str, entry: Any) -> None:
-        self.store.set(f"entry/{key}", pickle.dumps(entry))
+        with contextlib.suppress(Exception):  # the store's host lost: the others are too
+            self.store.set(f"entry/{key}", pickle.dumps(entry))
 
     def shared_entry(self, key: str, wait: float) -> Any:
         stored = f"entry/{key}"
@@ -469,7 +474,8 @@ class LaunchSupervisor:
 
     def share(self, name: str, value: str) -> None:
         """Publish ``value`` under ``name`` for the other supervisors (:meth:`shared`)."""
-        self.store.set(f"shared/{name}", value)
+        with contextlib.suppress(Exception):  # the store's host lost: the others are too
+            self.store.set(f"shared/{name}", value)
 
     def shared(self, name: str, timeout: float = END_WAIT_S) -> str | None:
         """What a supervisor published under ``name``, waited for up to ``timeout`` seconds;

@@ -46,19 +46,13 @@ def execute_check(
     ctx: RankContext,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
-    *,
-    reraise_interrupts: bool = False,
 ) -> tuple[str, Any, str, list[str]]:
     """Run one check on this rank: ``(status, value, detail, warnings)``.
 
-    Every failure becomes this rank's outcome, except, with ``reraise_interrupts`` (in-process
-    under a launcher, where the check runs in the user's pytest or ``run``), a
-    ``KeyboardInterrupt``: Ctrl-C (or the SIGTERM handler's :class:`Interrupted`) stops the
-    session, after the global state is put back. In a pool worker SIGINT is ignored (the parent
-    handles Ctrl-C), so a ``KeyboardInterrupt`` there is something the check raised: its error.
-    ``SystemExit`` stays the rank's error in both modes: pytest itself reports a test's
-    ``sys.exit()`` as that test's failure, and a launched rank that left without joining the
-    outcome all-gather would leave the other ranks waiting in it until the timeout.
+    Every failure becomes this rank's outcome. A rank ignores SIGINT (its parent, a pool's
+    or a launched process's supervisor, handles Ctrl-C), so a ``KeyboardInterrupt`` here is
+    something the check raised: its error. ``SystemExit`` is the rank's error too, as pytest
+    reports a test's ``sys.exit()`` as that test's failure.
 
     On a CUDA rank a check that returned is not done until its queued device work is
     (:func:`synchronize_device`): an asynchronous CUDA or NCCL error is its error.
@@ -76,8 +70,6 @@ def execute_check(
             except CheckSkipped as exc:
                 value, status, detail = None, "skip", str(exc)
             except BaseException as exc:  # noqa: BLE001 - every failure is reported, by rank
-                if reraise_interrupts and isinstance(exc, KeyboardInterrupt):
-                    raise  # the with blocks restore the global state and warning filters
                 if _is_pytest_skip(exc):
                     value, status, detail = None, "skip", str(getattr(exc, "msg", exc))
                 else:
