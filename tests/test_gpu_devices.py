@@ -422,9 +422,8 @@ def test_a_supervisors_child_gets_the_ranks_device_and_the_pools_nccl_error_hand
     from fsdp_conformance.harness import LaunchSupervisor
 
     port = _free_port()
-    server = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", port, is_master=True, wait_for_workers=False
-    )  # the agent's store, which rank 3 joins
+    # the agent's store, which rank 3 joins
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     environ = {

@@ -238,6 +238,60 @@ def test_a_launched_run_runs_the_command_lines_plan_at_the_launchs_world_size() 
     assert len(launched.runs) == len(plan.selected) > 0
 
 
+def test_an_srun_task_with_the_stores_address_is_a_launch() -> None:
+    from fsdp_conformance.harness.launcher import launch_environment, ranks_on_this_node
+
+    srun = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "3",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "29500",
+    }
+    launch = launch_environment(srun)
+    assert launch is not None
+    assert (launch.rank, launch.world_size, launch.local_rank) == (5, 8, 1)
+    assert (launch.master_addr, launch.master_port) == ("node0", 29500)
+    assert launch.local_world_size == 4 and not launch.agent_store and launch.run_id == "77.3"
+    assert ranks_on_this_node(srun) == (4, "SLURM_NTASKS_PER_NODE=4")
+    # a shell inside an allocation, or a task whose user set no store address: not a launch
+    without_port = {k: v for k, v in srun.items() if k != "MASTER_PORT"}
+    assert launch_environment(without_port) is None
+    # torchrun's variables come first (torchrun started under srun)
+    torchrun = {**srun, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    launched = launch_environment(torchrun)
+    assert launched is not None and (launched.rank, launched.world_size) == (0, 2)
+    assert launched.agent_store
+
+
+def test_a_checks_exchange_keeps_the_first_failure_and_reads_every_rank() -> None:
+    import torch.distributed as dist
+
+    from fsdp_conformance.harness import RankOutcome
+    from fsdp_conformance.harness.supervisor import CheckExchange
+
+    store = dist.HashStore()
+    ranks = [CheckExchange(store, 4, rank, 3) for rank in range(3)]
+    assert ranks[0].first_failure() is None and ranks[0].missing() == [0, 1, 2]
+    ranks[2].publish("mod.check", RankOutcome(2, "error", detail="boom"))
+    ranks[0].publish("mod.check", RankOutcome(0, "ok", value=0))
+    ranks[1].publish("mod.check", RankOutcome(1, "hung", detail="released"))
+    first = ranks[0].first_failure()
+    assert first is not None and (first.rank, first.status) == (2, "error")  # the first only
+    assert ranks[1].published() == 3 and ranks[1].missing() == []
+    read = ranks[1].read([0, 1, 2])
+    assert [(name, o.rank, o.status) for name, o in read.values()] == [
+        ("mod.check", 0, "ok"),
+        ("mod.check", 1, "hung"),
+        ("mod.check", 2, "error"),
+    ]
+    assert CheckExchange(store, 5, 0, 3).first_failure() is None  # the next check's keys
+
+
 # --------------------------------------------------------------------------------------------
 # Launched: the narrowed runs started together by ``launches``
 # --------------------------------------------------------------------------------------------
