@@ -162,8 +162,13 @@ def run_launched(
         else:
             log.write(format_table(report, json_path) + "\n")
             code = exit_code(report)
-            where = launcher.shared("report") or "(rank 0 published no report)"
-            told = f"rank {rank} on {launcher.host}: the report is on {where}"
+            where = launcher.shared("report")
+            told = f"rank {rank} on {launcher.host}: " + (
+                f"the report is on {where}"
+                if where is not None
+                else "rank 0 published no report (its node lost?); this rank's table is in "
+                + suite.rank_log_path(out, rank)
+            )
             log.write(told + "\n")
             log.flush()
             print(f"fsdp-conformance run: {told}", file=sys.stderr)

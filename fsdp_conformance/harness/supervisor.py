@@ -266,7 +266,10 @@ class LaunchSupervisor:
             raise HarnessError(self.not_run())
         exchange = CheckExchange(self.store, index, self.rank, self.world_size)
         timeout, note = fit_timeout(request.timeout, request.deadline, request.deadline_note)
-        start_timeout = start_timeout_for(self.world_size, self.device_type)
+        # Each node starts its own ranks, at once with the others: its share of the start.
+        start_timeout = start_timeout_for(
+            self.launch.local_world_size or self.world_size, self.device_type
+        )
         name = function_name(fn)
         mine = self._run_here(request, index, exchange, fn, args, kwargs, start_timeout)
         try:
@@ -312,7 +315,7 @@ class LaunchSupervisor:
                 if self._warm is None:
                     self._warm = self._start(index, None, start_timeout, watch)
                 pool = self._warm
-        except HarnessError as exc:
+        except Exception as exc:  # noqa: BLE001 - a start that failed (or the store lost)
             return RankOutcome(self.rank, "error", detail=str(exc))
         pool.watch = watch
         try:
