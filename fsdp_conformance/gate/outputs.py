@@ -156,9 +156,9 @@ def run_launched(
                 for r in range(1, world_size)
             ]
             code = write_outputs(report, json_path, md_path, plot=plot, rank_logs=rank_logs)
-            where = f"{launcher.host}:{os.path.abspath(json_path)}"
-            launcher.share("report", where)
-            print(f"fsdp-conformance run: the report is on {where}", file=sys.stderr)
+            written = f"{launcher.host}:{os.path.abspath(json_path)}"
+            launcher.share("report", written)
+            print(f"fsdp-conformance run: the report is on {written}", file=sys.stderr)
         else:
             log.write(format_table(report, json_path) + "\n")
             code = exit_code(report)
