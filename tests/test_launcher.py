@@ -531,9 +531,9 @@ def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) ->
 
 @pytest.mark.process
 def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
-    # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
-    # period. A check runs in the rank's own process here, behind execute_check's catch-all:
-    # the interrupt must still end the rank, not become the check's error and the next check.
+    # torchrun forwards SIGTERM to its launched processes and SIGKILLs those still alive after
+    # its grace period. Each supervisor waits for its child in the check: the interrupt must
+    # end it (its child killed), not become the check's error and the next check.
     # The check blocks until then (tests/injected_checks.py), so the signal finds every rank
     # in it, never between checks or after the run.
     err_path = tmp_path / "stderr.txt"
