@@ -63,7 +63,7 @@ LOST_AFTER_S = 20.0
 #: silent ones lost.
 EXCHANGE_MARGIN_S = 60.0
 #: Seconds between two looks at the store while waiting for the other supervisors.
-POLL_S = 0.05
+POLL_S = 0.02
 #: Seconds rank 0, where it hosts the store, waits at the end for the others to leave it.
 CLOSE_WAIT_S = 30.0
 #: Seconds a supervisor waits for the others at the end of a run (the exit codes, the report's
@@ -472,7 +472,7 @@ class LaunchSupervisor:
                 if self.store.check([stored]):
                     return pickle.loads(bytes(self.store.get(stored)))
                 self.lost.update(self.heartbeats.lost([0]))
-                time.sleep(POLL_S / 2)
+                time.sleep(POLL_S)
         return None
 
     def share(self, name: str, value: str) -> None:
