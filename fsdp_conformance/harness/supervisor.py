@@ -233,7 +233,7 @@ class LaunchSupervisor:
         #: The warm generation of children (none before the first check, after a failure).
         self._warm: RankPool | None = None
         self._checks = 0
-        #: Ranks lost for good, each with why and at which check.
+        #: Ranks lost for good, each with why.
         self.lost: dict[int, str] = {}
         self.generations_started = 0
         self.prestart_fork_server()
@@ -265,7 +265,7 @@ class LaunchSupervisor:
         if self.lost:
             raise HarnessError(self.not_run())
         exchange = CheckExchange(self.store, index, self.rank, self.world_size)
-        timeout, note = fit_timeout(request.timeout, request.deadline, request.deadline_note)
+        timeout, _ = fit_timeout(request.timeout, request.deadline, request.deadline_note)
         # Each node starts its own ranks, at once with the others: its share of the start.
         start_timeout = start_timeout_for(
             self.launch.local_world_size or self.world_size, self.device_type
@@ -308,12 +308,18 @@ class LaunchSupervisor:
             return RankOutcome(min(lost), "died") if lost else None
 
         one_off = bool(request.fresh or request.env)
+        # A check longer than the warm generation's process group outlasts gets a generation
+        # whose group outlasts it, as a pool manager's pools do (every supervisor has the same
+        # request, so every one starts it).
+        pg_timeout = max(self.pg_timeout, pg_timeout_for(request.timeout))
         try:
             if one_off:
-                pool = self._start(index, request.env, start_timeout, watch)
+                pool = self._start(index, request.env, start_timeout, watch, pg_timeout)
             else:
+                if self._warm is not None and self._warm.pg_timeout < pg_timeout:
+                    self._end_generation()
                 if self._warm is None:
-                    self._warm = self._start(index, None, start_timeout, watch)
+                    self._warm = self._start(index, None, start_timeout, watch, pg_timeout)
                 pool = self._warm
         except Exception as exc:  # noqa: BLE001 - a start that failed (or the store lost)
             return RankOutcome(self.rank, "error", detail=str(exc))
@@ -341,6 +347,7 @@ class LaunchSupervisor:
         env: Mapping[str, str] | None,
         start_timeout: float,
         watch: Callable[[], RankOutcome | None],
+        pg_timeout: float,
     ) -> RankPool:
         """This rank's child of a new generation, named by the check it starts at (every
         supervisor starts one at the same check: they decide alike, from the same outcomes)."""
@@ -352,7 +359,7 @@ class LaunchSupervisor:
             self.device_type,
             env=self.child_environment(env),
             start_timeout=start_timeout,
-            pg_timeout=self.pg_timeout,
+            pg_timeout=pg_timeout,
             fork_servers=self.fork_servers,
             hosted=hosted,
             watch=watch,
