@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs `fsdp-conformance run` under `torchrun --nproc-per-node 2` N times in a row and checks,
-# for each run, what a torchrun user expects (docs/harness.md, "Launcher mode"): exit 0 on every
-# rank, exactly one table printed (rank 0's), one report.json and summary.md, and rank 1's
-# progress in its own log. Prints one line per run and "N runs, K failures".
+# for each run, what a torchrun user expects (docs/harness.md, "Under an external launcher"):
+# exit 0 on every rank, exactly one table printed (rank 0's), one report.json and summary.md,
+# and rank 1's progress in its own log. Prints one line per run and "N runs, K failures".
 #
 #   benchmarks/launcher_runs.sh [N] [extra `fsdp-conformance run` args...]
 #
-# N defaults to 10. MALLOC_MMAP_THRESHOLD_=65536 is set for the launch (unless already set),
-# so the memory checks that need it at process start run instead of skipping.
+# N defaults to 10. The memory checks that need MALLOC_MMAP_THRESHOLD_ at process start run
+# on child ranks started with it (the launch itself needs no such setting).
 # Environment: PYTHON (default: python), RUNS_DIR (default: a new temporary folder).
 # Exit status: 0 when every run passed, 1 otherwise, 2 on bad arguments.
 set -u
@@ -23,7 +23,6 @@ if [[ $runs -lt 1 ]]; then
 fi
 python=${PYTHON:-python}
 dir=${RUNS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/launcher-runs.XXXXXX")}
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 echo "launcher runs: $runs x torchrun --nproc-per-node 2 fsdp-conformance run $* (logs: $dir)"
 failures=0
 for i in $(seq "$runs"); do

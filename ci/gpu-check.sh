@@ -186,8 +186,9 @@ if [ "$tests_only" -eq 0 ]; then
     --out "$OUT/report" --plot
   step bench-memory "$PY" benchmarks/bench_memory.py --world-size 1 \
     --plot "$OUT/memory_timeline.png"
-  # The launcher path: every rank runs pytest in-process on torchrun's process group; each
-  # rank's output lands in $OUT/torchrun/<run id>/attempt_0/<rank>/.
+  # The launcher path: every launched process runs pytest and supervises its rank's child,
+  # which runs the checks on NCCL; each rank's output lands in
+  # $OUT/torchrun/<run id>/attempt_0/<rank>/.
   step launched "$PY" -m torch.distributed.run --standalone --nproc-per-node "$launch_ws" \
     --log-dir "$OUT/torchrun" --tee 3 \
     -m pytest -m gpu -q -rs -p no:cacheprovider --fsdp-world-sizes "$launch_ws" \

@@ -66,7 +66,7 @@ def cmd_run(args: argparse.Namespace, harness: HarnessSession) -> int:
     if args.lane != "gpu" and not args.list:
         # Before anything imports torch (the lanes' CUDA count included) or the model: the CPU
         # ranks' fork server imports the same on the other core meanwhile, not after them.
-        harness.prestart_fork_server()
+        harness.prestart_fork_server(backend=settings.backend)
     lanes = lanes_for(args.lane)
 
     from fsdp_conformance.gate import outputs, suite

@@ -6,14 +6,12 @@ The work lives in the library: settings in :mod:`fsdp_conformance.settings`, ran
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -57,15 +55,6 @@ PLAN_KEY = pytest.StashKey["SuitePlan"]()
 #: path: importing it imports the claims, hence torch, which a session collects only with them).
 MODEL_TESTS = "fsdp_conformance.model_tests"
 MODEL_TESTS_PATH = Path(__file__).with_name("model_tests.py").resolve()
-
-
-@contextlib.contextmanager
-def _uncaptured_stderr(config: pytest.Config) -> Iterator[TextIO]:
-    """The terminal's stderr with pytest's capture suspended: a launched rank's stuck check
-    writes its stacks there just before the rank ends (captured output would be lost)."""
-    capman = config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
-        yield sys.stderr
 
 
 LANES = ("cpu", "gpu")
@@ -385,11 +374,10 @@ def ranks(
 ) -> Ranks:
     """Runs checks on ``world_size`` ranks of this test's lane: ``ranks.run(check, ...)``."""
     # Whether the lane can run here was decided for this test by pytest_runtest_setup.
-    # The session's engine: its warm pools (rank_pools), or under torchrun/srun the launch's
-    # group, joined by the first test (pytest_sessionfinish ends it).
-    engine: RankEngine = request.config.stash[HARNESS_KEY].engine(
-        fsdp_settings.backend, hang_stream=lambda: _uncaptured_stderr(request.config)
-    )
+    # The session's engine: its warm pools (rank_pools), or under torchrun/srun this process's
+    # supervisor of its rank of the launch, made by the first test (pytest_sessionfinish ends
+    # its children).
+    engine: RankEngine = request.config.stash[HARNESS_KEY].engine(fsdp_settings.backend)
     deadline, deadline_note = None, ""
     outer = _pytest_timeout(request.node)
     if outer is not None:

@@ -10,10 +10,14 @@ folder (and this one's) on ``PYTHONPATH``; ``--checks NAME`` selects one of them
   directory (the run's), then sleeps. A test waits for both files and only then signals, so
   the signal always finds every rank inside the check: the run cannot end first, however
   loaded the machine.
-- ``init.peak_memory.launch_environment``: on each launched rank, what the launcher says it
-  cannot provide (``LauncherRunner.cannot_provide``) for a variable the ranks started with,
-  one set after the start, one only rank 1 started with, another value, and fresh ranks.
+- ``init.peak_memory.launch_environment``: asks for a variable at its ranks' start
+  (``Check.env``) and returns, on each rank, what its process started with and whether it
+  is a launched process itself (the launcher's ``RANK``) or a supervisor's child.
 - ``init.peak_memory.injected_failure``: passes on rank 0 and raises on rank 1.
+- ``test.hang.*``, ``test.dies.*``, ``test.lost.*`` (``tests/test_launch_nodes.py``): rank 1
+  never returns, is killed mid-check, or waits while the test takes its node away; each is
+  followed by an all-reduce that must still run (or, after a lost node, not).
+  ``test.all_reduce``: an all-reduce of every rank.
 
 The last two extend the name ``init.peak_memory`` so that ``--checks init.peak_memory``
 selects them with the two real checks of that name: one launch (with the allocator setting)
@@ -37,6 +41,15 @@ from fsdp_conformance.claims.check import Check, Verdict
 BLOCKING = "test.blocks_until_signalled"
 LAUNCH_ENVIRONMENT = "init.peak_memory.launch_environment"
 FAILING_ON_RANK1 = "init.peak_memory.injected_failure"
+#: Selected together by ``--checks test.hang``, ``test.dies``, ``test.lost``: the fault, then a
+#: check that must still run (on a new generation of ranks, or not at all after a lost node).
+HANG_ON_RANK1 = "test.hang.on_rank1"
+HANG_THEN = "test.hang.then_all_reduce"
+DIES_ON_RANK1 = "test.dies.on_rank1"
+DIES_THEN = "test.dies.then_all_reduce"
+NODE_LOST = "test.lost.node_of_rank1"
+NODE_LOST_THEN = "test.lost.then_all_reduce"
+ALL_REDUCE = "test.all_reduce"
 #: How long a blocked rank sleeps: far past any test's guard (the signal ends it first).
 BLOCK_S = 600.0
 
@@ -57,29 +70,78 @@ def rank_blocks_until_signalled(ctx: Any) -> None:
     time.sleep(BLOCK_S)
 
 
-def rank_launch_environment(ctx: Any) -> dict[str, str | None]:
-    from fsdp_conformance.harness import LauncherRunner, RankRequest
+#: The variable :data:`LAUNCH_ENVIRONMENT` asks its ranks to start with (its ``Check.env``).
+AT_START = "FSDPC_AT_START"
 
-    launcher = LauncherRunner(ctx.backend)  # the launch's group is up: it is joined, not made
-    os.environ["FSDPC_SET_LATE"] = "1"  # set after the start: too late for an allocator
-    malloc = "MALLOC_MMAP_THRESHOLD_"
-    lane = "gpu" if ctx.device_type == "cuda" else "cpu"
 
-    def needing(env: Mapping[str, str] | None = None, fresh: bool = False) -> str | None:
-        request = RankRequest(ctx.world_size, lane=lane, backend=ctx.backend, env=env, fresh=fresh)
-        return launcher.cannot_provide(request)
+def rank_launch_environment(ctx: Any) -> dict[str, Any]:
+    """What this rank's process started with (``/proc/self/environ``), and whether it is a
+    launched process itself (it has the launcher's ``RANK``) or the child of one."""
+    from fsdp_conformance.harness import startup_environ
 
+    started = startup_environ()
     return {
-        "started_with": needing({malloc: os.environ[malloc]}),
-        "set_late": needing({"FSDPC_SET_LATE": "1"}),
-        "rank1_only": needing({"LOCAL_RANK": "1"}),
-        "other_value": needing({malloc: "1"}),
-        "fresh": needing(fresh=True),
+        "rank": ctx.rank,
+        "pid": os.getpid(),
+        "at_start": started.get(AT_START),
+        "launched_rank_variable": started.get("RANK"),
     }
 
 
 def verdict_launch_environment(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
     return Verdict(True, "what each rank's launcher cannot provide", data={"ranks": list(values)})
+
+
+def rank_hangs_on_rank1(ctx: Any) -> int:
+    """Rank 1 never returns; the others wait for it in a barrier."""
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        marker(Path.cwd(), ctx.rank).write_text(str(os.getpid()))
+        time.sleep(BLOCK_S)
+    dist.barrier()
+    return ctx.rank
+
+
+def rank_dies_on_rank1(ctx: Any) -> int:
+    """Rank 1's process is killed (SIGKILL) mid-check; the others wait for it in a barrier."""
+    import signal
+
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return ctx.rank
+
+
+def rank_sum(ctx: Any) -> int:
+    """The sum of every rank's ``rank + 1`` (an all-reduce): the ranks are one group."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([ctx.rank + 1])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def verdict_rank_sum(values: Sequence[Any], params: Mapping[str, Any]) -> Verdict:
+    n = len(values)
+    return Verdict(
+        list(values) == [n * (n + 1) // 2] * n, f"all-reduce of rank + 1: {list(values)}"
+    )
+
+
+def rank_waits_on_rank1(ctx: Any) -> int:
+    """Every rank writes its marker (its pid); rank 1 then sleeps (its node is taken away by
+    the test), the others wait for it in a barrier."""
+    import torch.distributed as dist
+
+    marker(Path.cwd(), ctx.rank).write_text(str(os.getpid()))
+    if ctx.rank == 1:
+        time.sleep(BLOCK_S)
+    dist.barrier()
+    return ctx.rank
 
 
 def rank_fails_on_rank1(ctx: Any) -> int:
@@ -102,9 +164,59 @@ CHECKS = (
     ),
     Check(
         LAUNCH_ENVIRONMENT,
-        "test only: what the launch provides, as each rank sees it",
+        "test only: the environment each rank's process started with",
         rank_launch_environment,
         verdict_launch_environment,
+        lanes=("cpu",),
+        env={AT_START: "1"},
+    ),
+    Check(
+        HANG_ON_RANK1,
+        "test only: rank 1 never returns, the others wait in a barrier",
+        rank_hangs_on_rank1,
+        verdict_passes,
+        lanes=("cpu",),
+    ),
+    Check(
+        HANG_THEN,
+        "test only: an all-reduce after the hang",
+        rank_sum,
+        verdict_rank_sum,
+        lanes=("cpu",),
+    ),
+    Check(
+        DIES_ON_RANK1,
+        "test only: rank 1's process is killed mid-check",
+        rank_dies_on_rank1,
+        verdict_passes,
+        lanes=("cpu",),
+    ),
+    Check(
+        DIES_THEN,
+        "test only: an all-reduce after the death",
+        rank_sum,
+        verdict_rank_sum,
+        lanes=("cpu",),
+    ),
+    Check(
+        ALL_REDUCE,
+        "test only: an all-reduce of every rank",
+        rank_sum,
+        verdict_rank_sum,
+        lanes=("cpu",),
+    ),
+    Check(
+        NODE_LOST,
+        "test only: rank 1 waits until the test takes its node away",
+        rank_waits_on_rank1,
+        verdict_passes,
+        lanes=("cpu",),
+    ),
+    Check(
+        NODE_LOST_THEN,
+        "test only: an all-reduce after the lost node",
+        rank_sum,
+        verdict_rank_sum,
         lanes=("cpu",),
     ),
     Check(

@@ -108,7 +108,17 @@ WITHIN_LAYER_ONLY: dict[str, set[str]] = {
         "harness.worker",
         "harness.interrupts",
     },
+    "harness.supervisor": {
+        "harness.protocol",
+        "harness.engine",
+        "harness.outcomes",
+        "harness.forkserver",
+        "harness.timeouts",
+        "harness.pool",
+        "harness.launcher",
+    },
     "harness.session": {
+        "harness.supervisor",
         "harness.protocol",
         "harness.engine",
         "harness.outcomes",

@@ -15,6 +15,7 @@ stubbed (no process). Lane availability under a launcher is in tests/test_lane_a
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -27,7 +28,6 @@ import fsdp_conformance.harness.pool as pool_module
 import fsdp_conformance.harness.ranks as ranks_module
 from fsdp_conformance.harness import (
     HarnessError,
-    LauncherRunner,
     PoolManager,
     RankContext,
     RankOutcome,
@@ -390,99 +390,93 @@ def test_a_launched_rank_without_a_device_is_told_so() -> None:
 class _FakeDist:
     """``torch.distributed``'s group start and end, recorded (no group is made)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, up: bool = False) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import torch.distributed as dist
 
-        self.up = up
         self.started: list[dict[str, Any]] = []
         self.destroyed = 0
-        self.barriers = 0
-        monkeypatch.setattr(dist, "is_initialized", lambda: self.up)
         monkeypatch.setattr(dist, "init_process_group", self.init_process_group)
         monkeypatch.setattr(dist, "destroy_process_group", self.destroy_process_group)
-        monkeypatch.setattr(dist, "barrier", self.barrier)
-
-    def barrier(self) -> None:
-        assert self.up, "a barrier before the group is up"
-        self.barriers += 1
 
     def init_process_group(self, backend: str, **kwargs: Any) -> None:
         self.started.append({"backend": backend, **kwargs})
-        self.up = True
 
     def destroy_process_group(self) -> None:
         self.destroyed += 1
-        self.up = False
 
 
-@pytest.fixture
-def one_gpu_per_task(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rank 3 of a 2-node launch (LOCAL_RANK 1 of 2), seeing one CUDA device; yields the
-    devices it set."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_supervisors_child_gets_the_ranks_device_and_the_pools_nccl_error_handling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 3 of a 2-node torchrun launch (LOCAL_RANK 1 of 2) seeing one CUDA device: its child
+    # takes cuda:0 (not LOCAL_RANK 1: an invalid ordinal here), and NCCL's error handling of
+    # the pools (2) in place of the 1 torchrun sets for every rank.
+    import torch.distributed as dist
+
+    from fsdp_conformance.harness import LaunchSupervisor
+
+    port = _free_port()
+    # the agent's store, which rank 3 joins
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    for name, value in {
+    environ = {
         "RANK": "3",
         "WORLD_SIZE": "4",
         "LOCAL_RANK": "1",
         "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "node0",
-    }.items():
-        monkeypatch.setenv(name, value)
-    devices_set: list[int] = []
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", devices_set.append)
-    return devices_set
-
-
-def test_the_launchs_group_gets_the_ranks_device_and_the_derived_timeout(
-    one_gpu_per_task: list[int],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    dist = _FakeDist(monkeypatch)
-    runner = LauncherRunner(pg_timeout=pg_timeout_for(400.0))
-    assert one_gpu_per_task == [0]  # not set_device(LOCAL_RANK=1): an invalid ordinal here
-    assert dist.started == [
-        {
-            "backend": "nccl",
-            "init_method": "env://",
-            "device_id": torch.device("cuda", 0),
-            "timeout": timedelta(seconds=460),
+    supervisor = LaunchSupervisor(check_timeout=400.0, environ=environ)
+    try:
+        assert (supervisor.backend, supervisor.device_type) == ("nccl", "cuda")
+        assert supervisor.pg_timeout == pg_timeout_for(400.0) == 460
+        hosted = supervisor.hosted_rank(7)
+        assert (hosted.rank, hosted.local_rank, hosted.local_world_size) == (3, 1, 2)
+        assert hosted.device_index == 0
+        assert (hosted.store_host, hosted.store_port) == ("127.0.0.1", port)
+        assert hosted.store_prefix.endswith("/generation7")
+        assert supervisor.child_environment({"X": "1"}) == {
+            "X": "1",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
         }
-    ]
-    assert dist.barriers == 1  # the ranks leave the start together (CheckWatchdog's arming)
-    assert (runner.device_type, runner.local_rank, runner.device_index) == ("cuda", 1, 0)
-    assert runner.ctx.device == torch.device("cuda", 0)
-    assert (runner.ctx.rank, runner.ctx.local_rank) == (3, 1)
-    runner.close()
-    assert dist.destroyed == 1
-
-
-def test_a_runner_joining_a_group_already_up_leaves_it_alone(
-    one_gpu_per_task: list[int],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    dist = _FakeDist(monkeypatch, up=True)  # e.g. a check of a launched run makes its own
-    runner = LauncherRunner("nccl", pg_timeout=460.0)
-    assert one_gpu_per_task == [0] and dist.started == [] and dist.barriers == 0
-    runner.close()
-    assert dist.destroyed == 0 and dist.up
+        assert supervisor.fork_servers is None  # CUDA children are exec-started
+        assert not supervisor.hosts_store
+    finally:
+        supervisor.close()
+        del server
 
 
 LAUNCHED_SESSION = """
 import pytest
 
-from fsdp_conformance.harness import LauncherRunner
+from fsdp_conformance.harness import LaunchSupervisor
+
+
+def _where(ctx):
+    return (ctx.rank, ctx.world_size, ctx.backend)
 
 
 @pytest.mark.cpu
 def test_launched(ranks):
-    assert isinstance(ranks.engine, LauncherRunner) and ranks.engine.owns_group
+    assert isinstance(ranks.engine, LaunchSupervisor)
+    assert ranks.engine.pg_timeout == 460  # max(300, --fsdp-timeout 400 + 60)
+    assert ranks.run(_where) == [(0, 1, "gloo")]
 """
 
 
-def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and_ends_it(
+def test_a_launched_pytest_session_supervises_a_child_rank_and_joins_no_group_itself(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -494,11 +488,15 @@ def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and
         "FSDP_CONFORMANCE_BACKEND",
     ):
         monkeypatch.delenv(name, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     for name, value in {
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
-        "MASTER_ADDR": "localhost",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),  # rank 0's supervisor hosts the launch's store there
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -508,7 +506,5 @@ def test_a_launched_pytest_session_starts_the_group_with_the_derived_timeout_and
         "--fsdp-timeout", "400", "--fsdp-world-sizes", "1", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=1)
-    assert dist.started == [
-        {"backend": "gloo", "init_method": "env://", "timeout": timedelta(seconds=460)}
-    ]
-    assert dist.destroyed == 1 and not dist.up
+    # The check ran in the supervisor's child; this process never joined a process group.
+    assert dist.started == [] and dist.destroyed == 0

@@ -219,12 +219,12 @@ def test_return_value_that_cannot_load_in_the_parent_fails_with_a_clear_message(
 
 
 def test_under_a_launcher_a_lane_of_another_device_skips_with_the_fix() -> None:
-    # One launch has one process group: the cpu lane's checks on an NCCL launch would put CPU
-    # tensors into NCCL collectives. A runner of an NCCL launch of 2 (no GPU, no group here:
-    # its answer is given before any collective); nothing is run.
-    from fsdp_conformance.harness import CheckSkipped, LauncherRunner, Ranks
+    # One launch has one backend: the cpu lane's checks on an NCCL launch would put CPU
+    # tensors into NCCL collectives. The supervisor of an NCCL launch of 2 (no GPU, no store
+    # here: its answer needs neither); nothing is run.
+    from fsdp_conformance.harness import CheckSkipped, LaunchSupervisor, Ranks
 
-    nccl_launch = LauncherRunner.__new__(LauncherRunner)
+    nccl_launch = LaunchSupervisor.__new__(LaunchSupervisor)
     nccl_launch.rank, nccl_launch.world_size = 0, 2
     nccl_launch.backend, nccl_launch.device_type = "nccl", "cuda"
     ranks = Ranks(nccl_launch, 2, lane="cpu", backend="gloo")

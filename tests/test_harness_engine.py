@@ -19,7 +19,7 @@ import pytest
 import fsdp_conformance.harness.ranks as ranks_module
 from fsdp_conformance.harness import (
     CheckSkipped,
-    LauncherRunner,
+    LaunchSupervisor,
     PoolManager,
     RankContext,
     RankEngine,
@@ -110,7 +110,7 @@ def test_a_lane_this_machine_lacks_skips_before_the_engine_is_asked(
     assert engine.asked == []
 
 
-@pytest.mark.parametrize("engine", [PoolManager, LauncherRunner], ids=lambda e: e.__name__)
+@pytest.mark.parametrize("engine", [PoolManager, LaunchSupervisor], ids=lambda e: e.__name__)
 def test_both_engines_have_the_contracts_one_signature(engine: type[RankEngine]) -> None:
     for name in ("cannot_provide", "run_outcomes"):
         contract = inspect.signature(getattr(RankEngine, name))

@@ -35,7 +35,7 @@ PUBLIC_NAMES = {
     "STACK_DUMP_WAIT_S",
     "CheckSkipped",
     "HarnessError",
-    "LauncherRunner",
+    "LaunchSupervisor",
     "PoolManager",
     "RankContext",
     "RankFailure",
@@ -66,6 +66,7 @@ ADDED_NAMES = {
     "xdist_share",
     "RankEngine",
     "RankRequest",
+    "SharedVerdicts",
     "scaled_timeout",
 }
 
@@ -99,7 +100,7 @@ def _how_this_rank_started(ctx: RankContext) -> dict[str, object]:
 @pytest.mark.cpu
 @pytest.mark.world_size(2)
 def test_ranks_run_the_worker_module_once(ranks) -> None:
-    if isinstance(ranks.engine, harness.LauncherRunner):
+    if isinstance(ranks.engine, harness.LaunchSupervisor):
         pytest.skip("under an external launcher the ranks are its processes, not pool workers")
     for started in ranks.run(_how_this_rank_started):
         assert started["argv"][1:3] == ["-m", WORKER_MODULE], started["argv"]

@@ -646,10 +646,11 @@ def _raise_on_rank1(ctx):
     return ctx.rank
 
 
-def test_runs_in_process_on_the_launchers_group(ranks):
+def test_runs_in_a_child_of_each_launched_process(ranks):
     values = ranks.run(_rank_and_pid)
     assert [rank for rank, _ in values] == [0, 1]
-    assert values[int(os.environ["RANK"])][1] == os.getpid()  # no rank pool: this process
+    # this launched process supervises its rank's child, which ran the check
+    assert values[int(os.environ["RANK"])][1] != os.getpid()
 
 
 def _unpicklable_on_rank1(ctx):
@@ -707,7 +708,7 @@ def start_launched_passing(
     tmp_path_factory: pytest.TempPathFactory, procs: list[subprocess.Popen[str]]
 ) -> Callable[[], tuple[int, dict[int, pytest.LineMatcher]]]:
     return start_torchrun(
-        tmp_path_factory.mktemp("launched"), procs, "test_launched.py", "-k", "in_process"
+        tmp_path_factory.mktemp("launched"), procs, "test_launched.py", "-k", "in_a_child"
     )
 
 
@@ -744,7 +745,10 @@ def test_under_torchrun_every_ranks_pytest_passes(
     returncode, ranks_output = launched_passing
     for output in ranks_output.values():
         output.fnmatch_lines(
-            ["*ranks: external launcher (env://)*", "*= 1 passed, 2 deselected in *"]
+            [
+                "*ranks: external launcher (a child rank per launched process)*",
+                "*= 1 passed, 2 deselected in *",
+            ]
         )
     assert returncode == 0
 
@@ -760,7 +764,7 @@ def test_under_torchrun_a_check_failing_on_one_rank_fails_on_every_rank(
                 "*ValueError: only rank 1 fails",
             ]
         )
-        # An unpicklable value on one rank still joins the all-gather: a failure, not a hang.
+        # An unpicklable value on one rank is that rank's error: a failure, not a hang.
         output.fnmatch_lines(
             [
                 "*RankFailure: check '*_unpicklable_on_rank1' failed on 2 ranks: rank 0 passed, *",

@@ -2,22 +2,23 @@
 
 Real ``torchrun --nproc-per-node 2`` launches, each narrowed with ``--checks`` to seconds:
 rank 0 prints the progress and the table and writes the report, rank 1 writes
-``DIR/rank1.log``; a check that needs an allocator setting at process start skips on every
-rank (or runs, when the launch has it); a failure on rank 1 only is every rank's failure and
-every rank's exit code. Two completed launches serve those tests (the one with the allocator
-setting also runs two test-only checks from ``tests/injected_checks.py``: what each launched
-rank's launcher says it cannot provide, and one that fails on rank 1); two more are
-interrupted (SIGTERM to torchrun, Ctrl-C in a launched pytest session).
+``DIR/rank1.log``; each launched process supervises a child rank that runs the checks, so a
+check that needs an allocator setting at process start runs (its children start with it,
+whether the launch has it or not); a failure on rank 1 only is every rank's failure and every
+rank's exit code. Two completed launches serve those tests (the one with the allocator setting
+also runs two test-only checks from ``tests/injected_checks.py``: the environment each rank's
+process started with, and one that fails on rank 1); a launched pytest session whose check
+never returns on rank 1 fails that test and goes on; two more launches are interrupted
+(SIGTERM to torchrun, Ctrl-C in a launched pytest session). Launches of two nodes are in
+``tests/test_launch_nodes.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +29,6 @@ import pytest
 
 from fsdp_conformance.gate import report as gate_report
 from fsdp_conformance.gate import suite
-from fsdp_conformance.harness import LauncherRunner, RankContext, RankRequest
 from fsdp_conformance.settings import Settings, SettingsError
 
 #: A guard on each launch (not a timing assertion): the narrowed runs take seconds.
@@ -238,6 +238,60 @@ def test_a_launched_run_runs_the_command_lines_plan_at_the_launchs_world_size() 
     assert len(launched.runs) == len(plan.selected) > 0
 
 
+def test_an_srun_task_with_the_stores_address_is_a_launch() -> None:
+    from fsdp_conformance.harness.launcher import launch_environment, ranks_on_this_node
+
+    srun = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "3",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "29500",
+    }
+    launch = launch_environment(srun)
+    assert launch is not None
+    assert (launch.rank, launch.world_size, launch.local_rank) == (5, 8, 1)
+    assert (launch.master_addr, launch.master_port) == ("node0", 29500)
+    assert launch.local_world_size == 4 and not launch.agent_store and launch.run_id == "77.3"
+    assert ranks_on_this_node(srun) == (4, "SLURM_NTASKS_PER_NODE=4")
+    # a shell inside an allocation, or a task whose user set no store address: not a launch
+    without_port = {k: v for k, v in srun.items() if k != "MASTER_PORT"}
+    assert launch_environment(without_port) is None
+    # torchrun's variables come first (torchrun started under srun)
+    torchrun = {**srun, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    launched = launch_environment(torchrun)
+    assert launched is not None and (launched.rank, launched.world_size) == (0, 2)
+    assert launched.agent_store
+
+
+def test_a_checks_exchange_keeps_the_first_failure_and_reads_every_rank() -> None:
+    import torch.distributed as dist
+
+    from fsdp_conformance.harness import RankOutcome
+    from fsdp_conformance.harness.supervisor import CheckExchange
+
+    store = dist.HashStore()
+    ranks = [CheckExchange(store, 4, rank, 3) for rank in range(3)]
+    assert ranks[0].first_failure() is None and ranks[0].missing() == [0, 1, 2]
+    ranks[2].publish("mod.check", RankOutcome(2, "error", detail="boom"))
+    ranks[0].publish("mod.check", RankOutcome(0, "ok", value=0))
+    ranks[1].publish("mod.check", RankOutcome(1, "hung", detail="released"))
+    first = ranks[0].first_failure()
+    assert first is not None and (first.rank, first.status) == (2, "error")  # the first only
+    assert ranks[1].published() == 3 and ranks[1].missing() == []
+    read = ranks[1].read([0, 1, 2])
+    assert [(name, o.rank, o.status) for name, o in read.values()] == [
+        ("mod.check", 0, "ok"),
+        ("mod.check", 1, "hung"),
+        ("mod.check", 2, "error"),
+    ]
+    assert CheckExchange(store, 5, 0, 3).first_failure() is None  # the next check's keys
+
+
 # --------------------------------------------------------------------------------------------
 # Launched: the narrowed runs started together by ``launches``
 # --------------------------------------------------------------------------------------------
@@ -257,7 +311,7 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
         "[1/2] init.peak_memory [cpu, ws2, fsdp1,massive]",
         "[2/2] init.peak_memory [cpu, ws2, fsdp2,massive]",
     ]
-    assert "ranks: external launcher (env://)" in run.proc.stderr
+    assert "ranks: external launcher (a child rank per launched process)" in run.proc.stderr
     assert out[-3:] == [
         "report: out/report.json",
         "summary: out/summary.md",
@@ -275,22 +329,24 @@ def test_rank0_alone_prints_progress_and_table_and_writes_the_report(
 
 
 @pytest.mark.process
-def test_a_check_needing_an_allocator_setting_skips_on_every_rank_with_the_fix(
+def test_a_check_needing_an_allocator_setting_runs_in_children_started_with_it(
     without_malloc: Launch,
 ) -> None:
-    report = without_malloc.report
+    # The launch lacks the setting; each supervisor starts its rank's child of that check with
+    # it (a generation of its own), as a pool starts fresh ranks.
+    run = without_malloc
+    report = run.report
     assert report["settings"]["world_sizes"] == [2]  # the launch's WORLD_SIZE
-    assert report["summary"] == {"passed": 0, "failed": 0, "skipped": 2, "error": 0, "xfailed": 0}
+    assert report["summary"] == {"passed": 2, "failed": 0, "skipped": 0, "error": 0, "xfailed": 0}
     for entry in report["checks"]:
-        assert entry["message"] == (
-            "needs MALLOC_MMAP_THRESHOLD_=65536 set before the ranks start (ranks 0, 1 started "
-            "without it); launch with `MALLOC_MMAP_THRESHOLD_=65536 torchrun ...` to run it"
-        )
-    assert sum(" ... skipped (" in line for line in without_malloc.rank1_log) == 2
+        ranks = entry["data"]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], run.explain()
+        assert all(r["mmap_threshold"] == "65536" and r["meter"] == "VmHWM" for r in ranks)
+    assert sum(" ... passed (" in line for line in without_malloc.rank1_log) == 2
 
 
 @pytest.mark.process
-def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
+def test_the_same_check_runs_when_the_launch_has_the_setting(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
     run = with_malloc_and_a_failure_on_rank1
@@ -311,26 +367,19 @@ def test_the_same_check_runs_in_process_when_the_launch_has_the_setting(
 
 
 @pytest.mark.process
-def test_a_launch_provides_an_environment_only_if_the_ranks_started_with_it(
+def test_a_checks_ranks_are_children_started_with_its_environment(
     with_malloc_and_a_failure_on_rank1: Launch,
 ) -> None:
     run = with_malloc_and_a_failure_on_rank1
     (entry,) = [e for e in run.report["checks"] if e["check"] == injected_checks.LAUNCH_ENVIRONMENT]
     assert entry["outcome"] == "passed", entry["message"]
     by_rank = entry["data"]["ranks"]
-    assert by_rank[0] == by_rank[1]  # every rank gets the same answer (it is all-gathered)
-    found = by_rank[0]
-    assert found["started_with"] is None  # MALLOC_MMAP_THRESHOLD_, which torchrun passed on
-    assert found["set_late"] == (
-        "needs FSDPC_SET_LATE=1 set before the ranks start (ranks 0, 1 started without it); "
-        "launch with `FSDPC_SET_LATE=1 torchrun ...` to run it"
-    )
-    assert found["rank1_only"] == (
-        "needs LOCAL_RANK=1 set before the ranks start (rank 0 started without it); "
-        "launch with `LOCAL_RANK=1 torchrun ...` to run it"
-    )
-    assert found["other_value"].startswith("needs MALLOC_MMAP_THRESHOLD_=1 set before the ranks")
-    assert found["fresh"].startswith("needs fresh rank processes, which an external launcher")
+    assert [r["rank"] for r in by_rank] == [0, 1]
+    for found in by_rank:
+        # started with the check's variable (Check.env), which the launch never had ...
+        assert found["at_start"] == "1", by_rank
+        # ... in a child of the launched process, not the launched process itself
+        assert found["launched_rank_variable"] is None, by_rank
 
 
 @pytest.mark.process
@@ -349,40 +398,6 @@ def test_a_failure_on_rank1_only_is_in_rank0s_report_and_every_ranks_exit_code(
     assert "RuntimeError: failure injected on rank 1" in entry["traceback"]
     assert run.rank1_log[-1] == "exit 1 (the worst of every rank's: rank 0 1, rank 1 1)"
     assert [line.split() for line in run.proc.stdout.splitlines()].count(TABLE_HEADER) == 1
-
-
-def _interrupted_check(ctx: RankContext) -> None:
-    import torch
-
-    torch.set_default_dtype(torch.float64)  # state the harness must put back on the way out
-    raise KeyboardInterrupt
-
-
-def _bare_launcher() -> LauncherRunner:
-    """A one-rank LauncherRunner without a process group: enough for a check that never
-    reaches the outcome all-gather."""
-    runner = LauncherRunner.__new__(LauncherRunner)
-    runner.rank, runner.world_size, runner.local_rank = 0, 1, 0
-    runner.backend, runner.device_type = "gloo", "cpu"
-    runner.ctx = RankContext(0, 1, 0, "gloo", "cpu")
-    runner.hang_stream = lambda: contextlib.nullcontext(sys.stderr)
-    return runner
-
-
-def test_ctrl_c_in_a_check_run_in_process_stops_the_session_with_the_state_put_back() -> None:
-    import torch
-
-    from fsdp_conformance.harness.worker import execute_check
-
-    before = torch.get_default_dtype()
-    with pytest.raises(KeyboardInterrupt):
-        _bare_launcher().run_outcomes(RankRequest(1), _interrupted_check, (), {})
-    assert torch.get_default_dtype() == before
-    # The control: in a pool worker (SIGINT ignored there; the parent handles Ctrl-C) the same
-    # KeyboardInterrupt is something the check raised, reported as that rank's error.
-    status, _, detail, _ = execute_check(_interrupted_check, _bare_launcher().ctx, (), {})
-    assert status == "error" and "KeyboardInterrupt" in detail
-    assert torch.get_default_dtype() == before
 
 
 def launched_pytest_session(
@@ -426,79 +441,34 @@ def launched_pytest_session(
     )
 
 
-def _stuck_here(release: threading.Event) -> None:
-    release.wait(60)
-
-
-def test_a_check_past_its_timeout_writes_every_threads_stack_then_ends_the_rank(
-    tmp_path: Path,
-) -> None:
-    from fsdp_conformance.harness.launcher import HANG_EXIT_STATUS, CheckWatchdog
-
-    ended: list[int] = []
-    release = threading.Event()
-
-    def end(status: int) -> None:
-        ended.append(status)
-        release.set()  # in a rank: os._exit; here the stuck main thread may go on
-
-    with open(tmp_path / "stacks", "w+") as out:
-
-        @contextlib.contextmanager
-        def stream() -> Iterator[IO[str]]:
-            yield out
-
-        with CheckWatchdog("mod.check", 1, 0.2, " (cut from 5 s)", stream, end, grace=0.0):
-            _stuck_here(release)
-        out.seek(0)
-        written = out.read()
-    assert ended == [HANG_EXIT_STATUS]
-    assert (
-        f"fsdp-conformance: check mod.check did not finish within 0.2 s (cut from 5 s) on "
-        f"rank 1 of the launch; every thread's stack follows, then this rank ends with exit "
-        f"status {HANG_EXIT_STATUS}"
-    ) in written, written
-    assert " in _stuck_here" in written, written  # the main thread's stack, where it waits
-
-
-def test_a_check_that_finishes_in_time_leaves_no_trace_and_the_rank_runs_on(
-    tmp_path: Path,
-) -> None:
-    from fsdp_conformance.harness.launcher import CheckWatchdog
-
-    ended: list[int] = []
-    with open(tmp_path / "stacks", "w+") as out:
-        with CheckWatchdog(
-            "mod.check", 0, 30.0, "", lambda: contextlib.nullcontext(out), ended.append
-        ):
-            pass
-        assert out.tell() == 0
-    assert ended == []
-
-
 HANG_SESSION = """
 import time
 
 
 def _stuck_on_rank1(ctx):
     if ctx.rank == 1:
-        time.sleep(600)  # never returns: rank 0 waits for it in the outcome exchange
+        time.sleep(600)  # never returns: rank 0 returns at once
+    return ctx.rank
+
+
+def _rank(ctx):
     return ctx.rank
 
 
 def test_stuck(ranks):
     ranks.run(_stuck_on_rank1)
+
+
+def test_after(ranks):
+    assert ranks.run(_rank) == [0, 1]
 """
 
 
 @pytest.mark.process
-def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
-    tmp_path: Path,
-) -> None:
-    # A launched rank has no parent to watch it; rank 0 waits inside gloo's all-gather (C++),
-    # where pytest-timeout's signal handler never runs. Each rank's watchdog writes its stacks
-    # past the check's timeout, through pytest's capture, and ends the rank: the launch ends
-    # at the check's timeout, not at the process group's (300 s).
+def test_a_check_stuck_in_a_launched_pytest_session_is_one_failed_test(tmp_path: Path) -> None:
+    # A launched process supervises its rank's child: a child stuck past the check's timeout
+    # is dumped (its stacks) and killed by its supervisor, every node's session fails that
+    # test with every rank's story, and goes on to the next on a new generation of children.
     logs = tmp_path / "logs"
     done = launched_pytest_session(
         tmp_path,
@@ -506,22 +476,19 @@ def test_a_check_stuck_in_a_launched_pytest_session_ends_with_every_ranks_stack(
         HANG_SESSION,
         "--fsdp-timeout",
         "3",
-        launch=("--redirects", "2", "--log-dir", str(logs)),
+        launch=("--redirects", "1", "--log-dir", str(logs)),
     )
-    # Each rank's stderr in its own file (torchrun --redirects 2): LOG_DIR/.../RANK/stderr.log.
-    stderr = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
-    told = done.stdout + done.stderr + "".join(stderr.values())
-    assert done.returncode != 0, told
-    assert sorted(stderr) == [0, 1], told
+    # Each rank's stdout in its own file (torchrun --redirects 1): LOG_DIR/.../RANK/stdout.log.
+    stdout = {int(p.parent.name): p.read_text() for p in logs.rglob("stdout.log")}
+    told = done.stdout + done.stderr + "".join(stdout.values())
+    assert done.returncode == 1, told  # pytest's "tests failed", not a watchdog's 124
+    assert sorted(stdout) == [0, 1], told
     for rank in (0, 1):
-        assert (
-            f"did not finish within 3 s on rank {rank} of the launch; every thread's stack "
-            "follows, then this rank ends with exit status 124"
-        ) in stderr[rank], told
-    # faulthandler's frames ("File ..., line N in NAME"): rank 1 where it is stuck, rank 0
-    # where it waits for rank 1's outcome.
-    assert " in _stuck_on_rank1" in stderr[1], stderr[1]
-    assert " in all_gather_objects" in stderr[0], stderr[0]
+        assert "1 failed, 1 passed" in stdout[rank], told
+        assert "rank 0 passed, rank 1 did not finish" in stdout[rank], told
+        assert "no result after the check's timeout of 3s" in stdout[rank], told
+        # faulthandler's frames: rank 1's child where it is stuck
+        assert " in _stuck_on_rank1" in stdout[rank], told
 
 
 CTRL_C_SESSION = """
@@ -532,7 +499,9 @@ from pathlib import Path
 
 
 def _ctrl_c(ctx):
-    os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends every rank on Ctrl-C
+    # What the terminal sends on Ctrl-C: SIGINT to every process of the launched process's
+    # group (the launched process, its fork server and this child, which ignore it).
+    os.killpg(os.getpgid(0), signal.SIGINT)
     time.sleep(30)
 
 
@@ -547,9 +516,9 @@ def test_after(ranks):
 
 @pytest.mark.process
 def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) -> None:
-    # The checks run in each rank's own pytest behind execute_check's catch-all: Ctrl-C must
-    # end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test and
-    # go on to the next.
+    # Ctrl-C reaches each launched process (its child ignores it; its supervisor kills it): it
+    # must end every rank's session (pytest's "KeyboardInterrupt", exit 2), not fail one test
+    # and go on to the next.
     done = launched_pytest_session(tmp_path, "test_ctrl_c.py", CTRL_C_SESSION)
     told = done.stdout + done.stderr
     assert not sorted(p.name for p in tmp_path.glob("after_rank*")), told
@@ -562,9 +531,9 @@ def test_ctrl_c_stops_a_pytest_session_that_torchrun_launched(tmp_path: Path) ->
 
 @pytest.mark.process
 def test_sigterm_to_torchrun_stops_every_rank_mid_check_with_143(tmp_path: Path) -> None:
-    # torchrun forwards SIGTERM to its ranks and SIGKILLs those still alive after its grace
-    # period. A check runs in the rank's own process here, behind execute_check's catch-all:
-    # the interrupt must still end the rank, not become the check's error and the next check.
+    # torchrun forwards SIGTERM to its launched processes and SIGKILLs those still alive after
+    # its grace period. Each supervisor waits for its child in the check: the interrupt must
+    # end it (its child killed), not become the check's error and the next check.
     # The check blocks until then (tests/injected_checks.py), so the signal finds every rank
     # in it, never between checks or after the run.
     err_path = tmp_path / "stderr.txt"

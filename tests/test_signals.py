@@ -357,9 +357,8 @@ def test_a_signal_ignored_at_start_stays_ignored() -> None:
 def test_a_launched_rank_interrupted_while_joining_the_group_names_itself(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # torchrun's SIGTERM can reach a rank before LauncherRunner has joined the launch's group
-    # (before the harness session has joined it): it is still one of the launch's ranks, with
-    # no pool.
+    # torchrun's SIGTERM can reach a launched process before the harness session has made its
+    # LaunchSupervisor: it is still one of the launch's ranks, with no pool.
     from fsdp_conformance import cli
     from fsdp_conformance.harness import session as session_module
 

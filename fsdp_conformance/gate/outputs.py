@@ -112,11 +112,15 @@ def run_launched(
     md_path: str,
     plot: bool | None,
 ) -> int:
-    """One rank of ``torchrun ... fsdp-conformance run``: rank 0 speaks, the others log.
+    """One launched process of ``torchrun ... fsdp-conformance run``: rank 0 speaks, the others
+    log.
 
-    Every rank runs every check on the launch's process group and gets every rank's outcome,
-    so every rank builds the same report; rank 0 prints it and writes the files, the others
-    write progress and table to ``DIR/rank{N}.log``. The exit code is the worst of all ranks,
+    Every launched process supervises its rank's child (:class:`~fsdp_conformance.harness.
+    supervisor.LaunchSupervisor`) and gets every rank's outcome of every check through the
+    launch's store, so every rank builds the same report; rank 0 prints it and writes the files,
+    the others write progress and table to ``DIR/rank{N}.log`` (each node only its own ranks'
+    logs, on a shared ``--out`` too). Every node's console names the host and path of the
+    report (rank 0 publishes them through the store). The exit code is the worst of all ranks,
     so torchrun reports the same outcome whichever rank it looks at. ``plan``: the command
     line's, run at the launch's world size (:meth:`~.suite.SuitePlan.for_launch`).
     """
@@ -124,41 +128,65 @@ def run_launched(
     from fsdp_conformance.gate.report import environment_summary
     from fsdp_conformance.gate.tables import format_table
 
-    world_size = int(os.environ["WORLD_SIZE"])
-    plan = plan.for_launch(world_size)
-    settings = plan.settings
-    launcher = harness.launch(settings.backend)
+    launcher = harness.launch(plan.settings.backend)
     if launcher is None:
         raise RuntimeError("run_launched outside a launch (no torchrun/srun environment)")
+    world_size, rank = launcher.world_size, launcher.rank
+    plan = plan.for_launch(world_size)
+    settings = plan.settings
+    # The ranks' children of the memory checks start with their allocator settings: their fork
+    # servers import torch now, while the first checks run.
+    for env in plan.start_environments():
+        launcher.prestart_fork_server(env)
     header = f"fsdp-conformance: {environment_summary(settings)}"
-    rank_logs = [suite.rank_log_path(out, r) for r in range(1, world_size)]
     with contextlib.ExitStack() as stack:
         log: TextIO | None = None
-        if launcher.rank == 0:
+        if rank == 0:
             print(header, file=sys.stderr)
         else:
-            log = stack.enter_context(
-                open(suite.rank_log_path(out, launcher.rank), "w", encoding="utf-8")
-            )
+            log = stack.enter_context(open(suite.rank_log_path(out, rank), "w", encoding="utf-8"))
             log.write(header + "\n")
             log.flush()
         report = suite.run_suite(plan, launcher, stream=log, report_path=json_path)
         if log is None:
+            hosts = launcher.hosts()
+            rank_logs = [
+                suite.rank_log_path(out, r)
+                + ("" if hosts[r] == launcher.host else f" (on {hosts[r]})")
+                for r in range(1, world_size)
+            ]
             code = write_outputs(report, json_path, md_path, plot=plot, rank_logs=rank_logs)
+            written = f"{launcher.host}:{os.path.abspath(json_path)}"
+            launcher.share("report", written)
+            print(f"fsdp-conformance run: the report is on {written}", file=sys.stderr)
         else:
             log.write(format_table(report, json_path) + "\n")
-            log.write(f"rank 0 writes the report: {json_path}\n")
             code = exit_code(report)
+            where = launcher.shared("report")
+            told = f"rank {rank} on {launcher.host}: " + (
+                f"the report is on {where}"
+                if where is not None
+                else "rank 0 published no report (its node lost?); this rank's table is in "
+                + suite.rank_log_path(out, rank)
+            )
+            log.write(told + "\n")
+            log.flush()
+            print(f"fsdp-conformance run: {told}", file=sys.stderr)
         codes = harness.launch_exit_codes(code)
-        worst: int = max(codes)
+        worst: int = max(codes.values())
         ending = (
             f"exit {worst} (the worst of every rank's: "
-            + ", ".join(f"rank {r} {c}" for r, c in enumerate(codes))
+            + ", ".join(f"rank {r} {c}" for r, c in sorted(codes.items()))
+            + (
+                f"; lost: {', '.join(f'rank {r}' for r in sorted(launcher.lost))}"
+                if launcher.lost
+                else ""
+            )
             + ")"
         )
         if log is not None:
             log.write(ending + "\n")
-        elif any(c != code for c in codes):
+        elif any(c != code for c in codes.values()) or launcher.lost:
             print(ending, file=sys.stderr)
     harness.finish()
     return worst

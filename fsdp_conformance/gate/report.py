@@ -51,7 +51,9 @@ def environment_summary(settings: Settings) -> str:
             if settings.sources.get("timeout", "default") == "default"
             else " (as given, every check)"
         ),
-        "ranks: external launcher (env://)" if launched_externally() else "ranks: warm pool",
+        "ranks: external launcher (a child rank per launched process)"
+        if launched_externally()
+        else "ranks: warm pool",
     ]
     if settings.model:
         parts.append(f"model {settings.model}")

@@ -20,7 +20,7 @@ from fsdp_conformance.claims import all_checks
 from fsdp_conformance.claims.check import Check, CheckRun, execute
 from fsdp_conformance.gate.migrate import legacy_name
 from fsdp_conformance.gate.report import build_report, check_entry
-from fsdp_conformance.harness import RankEngine, Ranks, scaled_timeout
+from fsdp_conformance.harness import RankEngine, Ranks, SharedVerdicts, scaled_timeout
 from fsdp_conformance.measure.step_cost import eager_step_seconds
 from fsdp_conformance.models.model_spec import ModelSpec
 from fsdp_conformance.models.user_model import user_spec
@@ -249,11 +249,20 @@ def run_suite(
     entries: list[dict[str, Any]] = []
     start = time.perf_counter()
     timeouts = CheckTimeouts(settings)
-    for lane, ws, check, params in runs:
+    # Under a launch every process builds the report: the leader judges, the others follow.
+    shared = engine if isinstance(engine, SharedVerdicts) else None
+    following = shared is not None and not shared.leads
+    for index, (lane, ws, check, params) in enumerate(runs):
         variant = variant_of(params)
         # Each check carries the run's timeout, or one derived from its work: the engine fits
         # its ranks' timeouts to it (a pool's process group outlasts it).
-        timeout, timeout_note = timeouts.for_check(check, params)
+        if shared is None or shared.leads:
+            timeout, timeout_note = timeouts.for_check(check, params)
+            if shared is not None:
+                shared.share_entry(f"timeout/{index}", (timeout, timeout_note))
+        else:
+            led = shared.shared_entry(f"timeout/{index}", LEADER_WAIT_S)
+            timeout, timeout_note = led if led is not None else (settings.timeout, "")
         progress.start(f"{check.name} [{lane}, ws{ws}{', ' + variant if variant else ''}]")
         ranks = Ranks(
             engine,
@@ -264,31 +273,90 @@ def run_suite(
             timeout_note=timeout_note,
             flag_style=flag_style,
         )
-        run = execute(ranks, check, **params)
-        progress.finish(run)
-        verdict = run.verdict
-        entry = check_entry(
-            check=check.name,
-            claim=check.claim,
-            lane=lane,
-            world_size=ws,
-            variant=variant,
-            outcome=run.outcome,
-            message=run.detail,
-            figures=verdict.figures if verdict else {},
-            data=verdict.data if verdict else {},
-            seconds=run.seconds,
-            warnings=run.warnings,
-            expected=run.expected,
-            traceback=run.traceback,
-            timeout={"seconds": round(timeout, 1), "from": timeout_note.strip(" ()")}
-            if timeout_note
-            else None,
-        )
+        if following:
+            assert shared is not None
+            entry = follow_check(ranks, check, params, shared, index, timeout)
+            progress.finish(entry_run(entry))
+        else:
+            run = execute(ranks, check, **params)
+            progress.finish(run)
+            verdict = run.verdict
+            entry = check_entry(
+                check=check.name,
+                claim=check.claim,
+                lane=lane,
+                world_size=ws,
+                variant=variant,
+                outcome=run.outcome,
+                message=run.detail,
+                figures=verdict.figures if verdict else {},
+                data=verdict.data if verdict else {},
+                seconds=run.seconds,
+                warnings=run.warnings,
+                expected=run.expected,
+                traceback=run.traceback,
+                timeout={"seconds": round(timeout, 1), "from": timeout_note.strip(" ()")}
+                if timeout_note
+                else None,
+            )
+            if shared is not None:
+                shared.share_entry(f"check/{index}", entry)
         entries.append(entry)
         if on_run is not None:
             on_run(entry)
     return build_report(entries, settings, time.perf_counter() - start, notes=plan.notes)
+
+
+#: Seconds a follower waits for the leader's timeout of a check (the leader measures a model's
+#: eager step first) or, past the check's own timeout, for its entry.
+LEADER_WAIT_S = 600.0
+
+
+def follow_check(
+    ranks: Ranks,
+    check: Check,
+    params: Mapping[str, Any],
+    shared: SharedVerdicts,
+    index: int,
+    timeout: float,
+) -> dict[str, Any]:
+    """A follower's part of a check under a launch: its ranks run it (their outcomes reach the
+    leader through the engine), and the leader's entry is this process's too. An entry that
+    never comes (the leader lost) is this check's error."""
+    started = time.perf_counter()
+    runner = ranks.configured(env=dict(check.env)) if check.env else ranks
+    try:
+        runner.run_outcomes(check.rank_fn, **params)
+    except Exception:  # noqa: BLE001 - a skip or a harness error: the leader's entry says it
+        pass
+    entry = shared.shared_entry(f"check/{index}", timeout + LEADER_WAIT_S)
+    if entry is not None:
+        return dict(entry)
+    return check_entry(
+        check=check.name,
+        claim=check.claim,
+        lane=ranks.lane,
+        world_size=ranks.world_size,
+        variant=variant_of(params),
+        outcome="error",
+        message="the launch's rank 0 shared no verdict for this check (its node lost?)",
+        figures={},
+        data={},
+        seconds=time.perf_counter() - started,
+        warnings=(),
+    )
+
+
+def entry_run(entry: Mapping[str, Any]) -> CheckRun:
+    """The progress line's view of a report entry (a follower's, from the leader)."""
+    return CheckRun(
+        entry["check"],
+        entry["outcome"],
+        None,
+        entry["message"],
+        float(entry["seconds"]),
+        traceback=entry.get("traceback", ""),
+    )
 
 
 def launch_settings(settings: Settings, launch_world_size: int) -> Settings:

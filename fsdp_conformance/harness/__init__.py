@@ -10,9 +10,10 @@ its caller hands it:
   rendezvous through a ``FileStore`` in a private temporary folder (no TCP port, so parallel
   sessions and ``pytest -n`` workers never collide), and talk to the parent over a unix socket
   in that same folder.
-* :class:`LauncherRunner` (:mod:`.launcher`): the processes were started by an external
-  launcher (``torchrun``, ``srun``); the check runs in-process on the ``env://`` process group
-  and every rank's outcome is all-gathered, so every rank's pytest sees the same verdict.
+* :class:`LaunchSupervisor` (:mod:`.supervisor`): the processes were started by an external
+  launcher (``torchrun``, ``srun``, one node or many); each supervises one child rank (the
+  pool's worker) and the supervisors exchange every rank's outcome through the launch's store,
+  so every node sees the same verdict and a failing, hanging or dying rank costs one check.
 
 Outcomes come from what each rank reports, never from exit codes alone: a rank that dies before
 reporting is a failure even if the others passed, and gloo's occasional abort at process exit
@@ -23,8 +24,9 @@ The folder: :mod:`.protocol` (what both sides share; imports nothing from the pa
 :mod:`.engine` (the engines' contract), :mod:`.outcomes` (rank outcomes to one result),
 :mod:`.timeouts` (start, check and process group timeouts), :mod:`.pool` (the warm pool of
 ranks), :mod:`.manager` (the pools by world size), :mod:`.forkserver`, :mod:`.launcher`,
-:mod:`.ranks` (the ``ranks`` fixture's object) and :mod:`.session` (one run's lifecycle:
-signals, fork servers, pools, the launch) on the parent's side; :mod:`.worker` and
+:mod:`.supervisor` (launched mode), :mod:`.ranks` (the ``ranks`` fixture's object) and
+:mod:`.session` (one run's lifecycle: signals, fork servers, pools, the launch) on the
+parent's side; :mod:`.worker` and
 :mod:`.clean_state` on the rank's side, importing only :mod:`.protocol`; :mod:`.interrupts`
 (SIGINT/SIGTERM). This module re-exports the public names, so
 ``from fsdp_conformance.harness import Ranks`` is the way to use them; the CLI and the pytest
@@ -33,8 +35,8 @@ plugin reach the harness only through them (a :class:`HarnessSession` each).
 
 from __future__ import annotations
 
-from fsdp_conformance.harness.engine import RankEngine, RankRequest
-from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally, startup_environ
+from fsdp_conformance.harness.engine import RankEngine, RankRequest, SharedVerdicts
+from fsdp_conformance.harness.launcher import launched_externally, startup_environ
 from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import (
     HarnessError,
@@ -68,6 +70,7 @@ from fsdp_conformance.harness.ranks import (
     xdist_share,
 )
 from fsdp_conformance.harness.session import HarnessSession
+from fsdp_conformance.harness.supervisor import LaunchSupervisor
 from fsdp_conformance.harness.timeouts import (
     OUTER_TIMEOUT_RESERVE_S,
     fit_timeout,
@@ -85,7 +88,7 @@ __all__ = [
     "GpuShare",
     "HarnessError",
     "HarnessSession",
-    "LauncherRunner",
+    "LaunchSupervisor",
     "PoolManager",
     "RankContext",
     "RankEngine",
@@ -93,6 +96,7 @@ __all__ = [
     "RankOutcome",
     "RankPool",
     "RankRequest",
+    "SharedVerdicts",
     "Ranks",
     "all_gather_objects",
     "close_all_pools",

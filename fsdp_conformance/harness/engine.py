@@ -1,18 +1,19 @@
 """The rank-engine contract: what runs a check on ranks for :class:`~.ranks.Ranks`.
 
 Two engines implement it: :class:`~.manager.PoolManager` (warm pools of rank processes this
-process starts) and :class:`~.launcher.LauncherRunner` (this process is one rank of an external
-launch, torchrun or srun). The caller that owns an engine hands it to ``Ranks`` (the plugin's
-``ranks`` fixture and ``run_suite`` take their harness session's); ``Ranks`` describes each
-check's needs as one :class:`RankRequest`, skips it with the engine's reason where the engine
-cannot provide that, and otherwise returns what the engine's ranks reported.
+process starts) and :class:`~.supervisor.LaunchSupervisor` (this process is one of an external
+launch's, torchrun or srun, and supervises its rank's child). The caller that owns an engine
+hands it to ``Ranks`` (the plugin's ``ranks`` fixture and ``run_suite`` take their harness
+session's); ``Ranks`` describes each check's needs as one :class:`RankRequest`, skips it with
+the engine's reason where the engine cannot provide that, and otherwise returns what the
+engine's ranks reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from fsdp_conformance.harness.protocol import RankOutcome
 
@@ -50,8 +51,7 @@ class RankEngine(Protocol):
 
     def cannot_provide(self, request: RankRequest) -> str | None:
         """Why this engine cannot run a check that asks for ``request`` (the check is skipped
-        with it, a sentence naming the fix), or None. Under a launch it is a collective: every
-        rank answers alike."""
+        with it, a sentence naming the fix), or None. Under a launch every rank answers alike."""
         ...
 
     def run_outcomes(
@@ -63,4 +63,27 @@ class RankEngine(Protocol):
     ) -> list[RankOutcome]:
         """``fn(ctx, *args, **kwargs)`` on ``request.world_size`` ranks: one outcome per rank,
         by rank. Raises :class:`~.outcomes.HarnessError` where the ranks could not run it."""
+        ...
+
+
+@runtime_checkable
+class SharedVerdicts(Protocol):
+    """An engine whose every process builds the same report (the launch's supervisors): one of
+    them, the leader, judges each check (the verdict is the parent's work, such as a
+    single-process reference step) and shares the report entry; the others run their ranks'
+    part and take it."""
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process judges the checks and shares their entries."""
+        ...
+
+    def share_entry(self, key: str, entry: Any) -> None:
+        """What the leader decided under ``key`` (a check's timeout, its report entry), for
+        the others."""
+        ...
+
+    def shared_entry(self, key: str, wait: float) -> Any:
+        """What the leader shared under ``key``, waited for up to ``wait`` seconds (as long as
+        the leader lives); None where nothing came."""
         ...

@@ -56,6 +56,9 @@ GRACE_AFTER_FAILURE_S = 3.0
 GRACE_AFTER_SKIP_S = 5.0
 #: Seconds to let faulthandler write its stack dumps before the ranks are killed.
 STACK_DUMP_WAIT_S = 0.5
+#: Seconds between two looks at the other nodes' ranks (:data:`PeerWatch`) while a hosted
+#: rank starts or runs a check.
+WATCH_INTERVAL_S = 0.1
 #: Lines of a rank's own log shown in a failure report.
 LOG_TAIL_LINES = 25
 #: The longest path a unix socket may have (``sun_path`` holds 108 bytes with the final NUL).
@@ -158,6 +161,29 @@ def prestart_fork_server(
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class HostedRank:
+    """The one rank a pool hosts of a world whose other ranks run elsewhere: the child of one
+    supervisor of an external launch (:mod:`.supervisor`). It rendezvouses through the
+    launch's TCP store under ``store_prefix`` (a fresh prefix per generation), not a
+    ``FileStore`` in the pool's folder."""
+
+    rank: int
+    local_rank: int
+    #: The ranks of the launch on this node (how many share its cores, :func:`rank_threads`).
+    local_world_size: int
+    #: Its CUDA device (None on CPU).
+    device_index: int | None
+    store_host: str
+    store_port: int
+    store_prefix: str
+
+
+#: Asked while a pool starts or waits for its ranks: what another node's rank reported that
+#: releases this pool's ranks early (its failure or skip), or None.
+PeerWatch = Callable[[], RankOutcome | None]
+
+
 @dataclasses.dataclass
 class _Rank:
     rank: int
@@ -185,8 +211,14 @@ class RankPool:
         pg_timeout: float = PG_TIMEOUT_MIN_S,
         fork_servers: ForkServers | None = None,
         devices: Sequence[int] | None = None,
+        hosted: HostedRank | None = None,
+        watch: PeerWatch | None = None,
     ) -> None:
-        """``fork_servers``: fork the ranks from these servers' pre-imported torch (CPU only,
+        """``hosted``: start only that rank of the world, rendezvousing through its TCP store
+        (:class:`HostedRank`); ``watch``: asked while the ranks start and run a check
+        (:data:`PeerWatch`), so that another node's failure releases them.
+
+        ``fork_servers``: fork the ranks from these servers' pre-imported torch (CPU only,
         where the platform allows; :mod:`.forkserver`) instead of starting each with ``exec``.
 
         ``start_timeout``: seconds to start (None: :func:`.timeouts.start_timeout_for` this
@@ -211,6 +243,10 @@ class RankPool:
         self.world_size = world_size
         self.backend = backend
         self.device_type = device_type
+        self.hosted = hosted
+        self.watch = watch
+        #: The ranks this pool starts: every rank of the world, or the one it hosts.
+        self.rank_ids = list(range(world_size)) if hosted is None else [hosted.rank]
         #: The process group's timeout: checks longer than ``pg_timeout - PG_TIMEOUT_MARGIN_S``
         #: need another pool (:meth:`.manager.PoolManager.pool` starts one).
         self.pg_timeout = pg_timeout
@@ -269,7 +305,7 @@ class RankPool:
     ) -> None:
         # Appends as it goes, so that the caller can kill the ranks already started.
         server = self._fork_servers.server(env) if self._fork_servers is not None else None
-        for rank in range(self.world_size):
+        for rank in self.rank_ids:
             log_path = os.path.join(self._dir, f"rank{rank}.log")
             stacks_path = os.path.join(self._dir, f"rank{rank}.stacks")
             spec = self._rank_spec(rank, address, authkey, pg_timeout, stacks_path, env)
@@ -321,6 +357,13 @@ class RankPool:
         }
         if self.devices is not None:
             spec["devices"] = list(self.devices)  # the worker takes devices[rank]
+        hosted = self.hosted
+        if hosted is not None:
+            spec["store"] = None
+            spec["store_tcp"] = [hosted.store_host, hosted.store_port, hosted.store_prefix]
+            spec["local_rank"] = hosted.local_rank
+            spec["device_index"] = hosted.device_index
+            spec["threads"] = rank_threads(hosted.local_world_size, env)
         return spec
 
     def _accept(
@@ -328,7 +371,7 @@ class RankPool:
     ) -> dict[int, Connection]:
         conns: dict[int, Connection] = {}
         listener._listener._socket.settimeout(0.2)  # type: ignore[attr-defined]
-        while len(conns) < self.world_size:
+        while len(conns) < len(self.rank_ids):
             if time.monotonic() > deadline:
                 raise HarnessError(self._start_failure(procs, "timed out connecting"))
             for _, proc, _, _ in procs:
@@ -349,9 +392,18 @@ class RankPool:
     def _await_ready(self, conns: dict[int, Connection], procs: list[Any], deadline: float) -> None:
         # Every rank reports once its process group is up (or the error that stopped it).
         for rank, conn in conns.items():
-            remaining = max(0.1, deadline - time.monotonic())
-            if not conn.poll(remaining):
-                raise HarnessError(self._start_failure(procs, "process group init timed out"))
+            while not conn.poll(self._slice(max(0.1, deadline - time.monotonic()))):
+                released = self.watch() if self.watch is not None else None
+                if released is not None:
+                    raise HarnessError(
+                        self._start_failure(
+                            procs,
+                            f"rank {released.rank} {STATUS_TITLE[released.status]} "
+                            "while this one joined the process group",
+                        )
+                    )
+                if time.monotonic() > deadline:
+                    raise HarnessError(self._start_failure(procs, "process group init timed out"))
             try:
                 status, detail = conn.recv()
             except (EOFError, OSError):
@@ -370,8 +422,17 @@ class RankPool:
             if status != "ready":
                 raise HarnessError(f"rank {rank} could not join the process group:\n{detail}")
 
+    def _slice(self, remaining: float) -> float:
+        """How long to wait for the ranks before asking :attr:`watch` again."""
+        return remaining if self.watch is None else min(remaining, WATCH_INTERVAL_S)
+
     def _start_failure(self, procs: list[Any], what: str) -> str:
         lines = [f"could not start {self.world_size} {self.backend} ranks: {what}"]
+        if self.hosted is not None:
+            lines[0] = (
+                f"could not start rank {self.hosted.rank} of {self.world_size} {self.backend} "
+                f"ranks: {what}"
+            )
         for rank, proc, log_path, _ in procs:
             lines.append(f"--- rank {rank}: {describe_rank_exit(proc)} ---")
             lines.append(_tail(log_path))
@@ -471,7 +532,16 @@ class RankPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for conn in wait(list(pending), timeout=remaining):
+            peer = self.watch() if self.watch is not None and released_by is None else None
+            if peer is not None:
+                # Another node's rank failed or skipped: this pool's ranks may wait for it in
+                # a collective it will never join, as for one of its own.
+                grace = GRACE_AFTER_SKIP_S if peer.status == "skip" else GRACE_AFTER_FAILURE_S
+                if time.monotonic() + grace < deadline:
+                    deadline = time.monotonic() + grace
+                    released_by = (peer, grace)
+                    continue
+            for conn in wait(list(pending), timeout=self._slice(remaining)):
                 r = pending.pop(conn)  # type: ignore[call-overload]
                 got = outcomes[r.rank] = self._receive(r, task_id)
                 if not got.ok and pending:

@@ -12,10 +12,11 @@ A :class:`HarnessSession` owns, from :meth:`~HarnessSession.open` to
   groups outlast the session's check timeout), closed at the end and killed at once after an
   interrupt, with every pool the interrupt caught half-started (pools lent by an outer
   session are that session's to close);
-* the launch (:meth:`~HarnessSession.launch`): under torchrun/srun, this rank's
-  :class:`~.launcher.LauncherRunner`, joined once, its group ended when the run is over
-  (:meth:`~HarnessSession.finish`); where the session owns the process's exit (the CLI), a
-  launched run ignores later signals and ends with ``os._exit`` (:meth:`~HarnessSession.exit`).
+* the launch (:meth:`~HarnessSession.launch`): under torchrun/srun, this process's
+  :class:`~.supervisor.LaunchSupervisor` of its rank, made once, its children ended when the
+  run is over (:meth:`~HarnessSession.finish`); where the session owns the process's exit
+  (the CLI), a launched run ignores later signals and ends with ``os._exit``
+  (:meth:`~HarnessSession.exit`).
 
 Its :meth:`~HarnessSession.engine` is the :class:`~.engine.RankEngine` its checks run on: the
 launch where there is one, else the warm pools. The CLI enters one around each command; the
@@ -25,25 +26,24 @@ Neither reaches further into the harness.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any
 
 from fsdp_conformance.harness import forkserver, interrupts
 from fsdp_conformance.harness.engine import RankEngine
-from fsdp_conformance.harness.launcher import LauncherRunner, launched_externally
+from fsdp_conformance.harness.launcher import launched_externally
 from fsdp_conformance.harness.manager import PoolManager
 from fsdp_conformance.harness.outcomes import HarnessError
 from fsdp_conformance.harness.pool import close_all_pools, prestart_fork_server
-from fsdp_conformance.harness.protocol import all_gather_objects
-from fsdp_conformance.harness.timeouts import DEFAULT_CHECK_TIMEOUT_S, pg_timeout_for
+from fsdp_conformance.harness.supervisor import LaunchSupervisor
+from fsdp_conformance.harness.timeouts import DEFAULT_CHECK_TIMEOUT_S
 
-#: Where a launched rank's stuck check writes its stacks (:class:`~.launcher.CheckWatchdog`).
-HangStream = Callable[[], contextlib.AbstractContextManager[TextIO]]
+#: Present where the machine has an NVIDIA GPU and its driver (a launch there runs NCCL).
+NVIDIA_DEVICE = "/dev/nvidiactl"
 
 
 class HarnessSession:
@@ -76,7 +76,7 @@ class HarnessSession:
         self._pools: PoolManager | None = None
         #: Whether :attr:`pools` were lent by an outer session (which closes them).
         self._pools_lent = False
-        self._launcher: LauncherRunner | None = None
+        self._launcher: LaunchSupervisor | None = None
 
     # -- open and close ------------------------------------------------------------------------
 
@@ -161,18 +161,25 @@ class HarnessSession:
         self._pools = lent
         self._pools_lent = True
 
-    def engine(self, backend: str, *, hang_stream: HangStream | None = None) -> RankEngine:
-        """What this session's checks run on: the launch's runner where an external launcher
-        started the process (:meth:`launch`, joined with ``backend`` on first use), else the
-        warm pools (:attr:`pools`)."""
-        launcher = self.launch(backend, hang_stream=hang_stream)
+    def engine(self, backend: str) -> RankEngine:
+        """What this session's checks run on: the launch's supervisor where an external
+        launcher started the process (:meth:`launch`, made with ``backend`` on first use),
+        else the warm pools (:attr:`pools`)."""
+        launcher = self.launch(backend)
         return self.pools if launcher is None else launcher
 
-    def prestart_fork_server(self, env: Mapping[str, str] | None = None) -> bool:
+    def prestart_fork_server(
+        self, env: Mapping[str, str] | None = None, *, backend: str = "auto"
+    ) -> bool:
         """Start the fork server of this process's CPU ranks now, without waiting for it: its
-        imports (torch and FSDP) run on another core while this process does other work. Not
-        for one of a launch's ranks (no pool of its own). False where nothing was started."""
-        if launched_externally():
+        imports (torch and FSDP) run on another core while this process does other work. A
+        launched process's children fork from the same server (its supervisor's, keyed alike),
+        where the launch runs gloo (``backend``, or ``auto`` on a machine without an NVIDIA
+        device: the check is cheap, torch is not imported yet). False where nothing was
+        started."""
+        if launched_externally() and not (
+            backend == "gloo" or (backend == "auto" and not os.path.exists(NVIDIA_DEVICE))
+        ):
             return False
         return prestart_fork_server(env=env)
 
@@ -180,48 +187,43 @@ class HarnessSession:
 
     @property
     def launched(self) -> bool:
-        """Whether this process joined an external launcher's group (:meth:`launch`)."""
+        """Whether this process supervises one rank of an external launch (:meth:`launch`)."""
         return self._launcher is not None
 
-    def launch(
-        self, backend: str, *, hang_stream: HangStream | None = None
-    ) -> LauncherRunner | None:
-        """This rank's runner on the launch's process group where an external launcher
-        (torchrun, srun) started the process; None where it did not.
+    def launch(self, backend: str) -> LaunchSupervisor | None:
+        """This process's supervisor of its rank of the launch where an external launcher
+        (torchrun, srun) started it; None where it did not.
 
-        Joined on the first call (``backend``: the settings' backend, ``"auto"`` chooses by
-        the machine), with a process group that outlasts a check as a pool's does
-        (:attr:`check_timeout` + 60 s, at least 300 s), so a stuck check is the harness's to
-        report, not the group's watchdog's. ``hang_stream``: where a stuck check's stacks go.
+        Made on the first call (``backend``: the settings' backend, ``"auto"`` chooses by the
+        machine): it joins the launch's store, and its children's process groups outlast a
+        check as a pool's do (:attr:`check_timeout` + 60 s, at least 300 s), so a stuck check
+        is the harness's to report (one failed check), not the group's watchdog's.
         """
         if self._launcher is None:
             if not launched_externally():
                 return None
-            options: dict[str, Any] = {} if hang_stream is None else {"hang_stream": hang_stream}
-            self._launcher = LauncherRunner(
-                None if backend == "auto" else backend,
-                pg_timeout=pg_timeout_for(self.check_timeout),
-                **options,
+            self._launcher = LaunchSupervisor(
+                None if backend == "auto" else backend, check_timeout=self.check_timeout
             )
         return self._launcher
 
-    def launch_exit_codes(self, code: int) -> list[int]:
-        """Every rank's exit code by rank, this rank's being ``code``: a collective, which
-        every rank of the launch calls once its run is over, so that every rank can exit with
-        the worst and torchrun reports one outcome whichever rank it looks at."""
+    def launch_exit_codes(self, code: int) -> dict[int, int]:
+        """Every rank's exit code by rank, this rank's being ``code``, through the launch's
+        store (a rank lost during the run is left out): every rank calls it once its run is
+        over, so that every rank can exit with the worst and torchrun reports one outcome
+        whichever rank it looks at."""
         if self._launcher is None:
             raise HarnessError("launch_exit_codes: this session joined no launch (launch())")
-        return [int(c) for c in all_gather_objects(code, self._launcher.device_type)]
+        return self._launcher.exit_codes(code)
 
     def finish(self, *, interrupted: bool = False) -> int | None:
-        """The run is over. The launch's group is ended: every rank gets here after the same
-        checks, so the group (NCCL's communicators) ends now, not at interpreter exit; not
-        after a signal or ``interrupted`` (the run was cut short: a rank may be stopped
-        mid-collective, and the launcher ends the processes). Returns the exit code a signal
-        decided (128 + N), or None."""
+        """The run is over: the launch's supervisor ends its children (rank 0, where it hosts
+        the launch's store, once the others have left it); after a signal or ``interrupted``
+        at once (the run was cut short; the launcher ends the processes). Returns the exit
+        code a signal decided (128 + N), or None."""
         interrupt = self.interrupt
-        if self._launcher is not None and interrupt is None and not interrupted:
-            self._launcher.close()
+        if self._launcher is not None:
+            self._launcher.close(force=interrupt is not None or interrupted)
         return None if interrupt is None else interrupt.exit_code
 
     def exit(self, code: int) -> int:

@@ -46,19 +46,13 @@ def execute_check(
     ctx: RankContext,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
-    *,
-    reraise_interrupts: bool = False,
 ) -> tuple[str, Any, str, list[str]]:
     """Run one check on this rank: ``(status, value, detail, warnings)``.
 
-    Every failure becomes this rank's outcome, except, with ``reraise_interrupts`` (in-process
-    under a launcher, where the check runs in the user's pytest or ``run``), a
-    ``KeyboardInterrupt``: Ctrl-C (or the SIGTERM handler's :class:`Interrupted`) stops the
-    session, after the global state is put back. In a pool worker SIGINT is ignored (the parent
-    handles Ctrl-C), so a ``KeyboardInterrupt`` there is something the check raised: its error.
-    ``SystemExit`` stays the rank's error in both modes: pytest itself reports a test's
-    ``sys.exit()`` as that test's failure, and a launched rank that left without joining the
-    outcome all-gather would leave the other ranks waiting in it until the timeout.
+    Every failure becomes this rank's outcome. A rank ignores SIGINT (its parent, a pool's
+    or a launched process's supervisor, handles Ctrl-C), so a ``KeyboardInterrupt`` here is
+    something the check raised: its error. ``SystemExit`` is the rank's error too, as pytest
+    reports a test's ``sys.exit()`` as that test's failure.
 
     On a CUDA rank a check that returned is not done until its queued device work is
     (:func:`synchronize_device`): an asynchronous CUDA or NCCL error is its error.
@@ -76,8 +70,6 @@ def execute_check(
             except CheckSkipped as exc:
                 value, status, detail = None, "skip", str(exc)
             except BaseException as exc:  # noqa: BLE001 - every failure is reported, by rank
-                if reraise_interrupts and isinstance(exc, KeyboardInterrupt):
-                    raise  # the with blocks restore the global state and warning filters
                 if _is_pytest_skip(exc):
                     value, status, detail = None, "skip", str(getattr(exc, "msg", exc))
                 else:
@@ -140,21 +132,27 @@ def _init_process_group(spec: Mapping[str, Any]) -> RankContext:
         torch.set_num_threads(int(spec["threads"]))
     backend = spec["backend"]
     rank, world_size = spec["rank"], spec["world_size"]
-    local_rank = rank  # one machine: one device per rank
+    # A pool's ranks share one machine (local rank = rank); a launch's child is told its own.
+    local_rank = spec.get("local_rank", rank)
+    timeout = timedelta(seconds=spec["pg_timeout"])
     kwargs: dict[str, Any] = {}
     device_index = None
     if spec["device_type"] == "cuda":
-        device_index = rank_device_index(spec)
+        given = spec.get("device_index")
+        device_index = rank_device_index(spec) if given is None else int(given)
         torch.cuda.set_device(device_index)
         kwargs["device_id"] = torch.device("cuda", device_index)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{spec['store']}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=spec["pg_timeout"]),
-        **kwargs,
-    )
+    if spec.get("store_tcp"):
+        # A launch's child: the launch's TCP store (its agent's, or the supervisor of rank 0's),
+        # under this generation's own prefix, so that no two generations' keys meet.
+        host, port, prefix = spec["store_tcp"]
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), is_master=False, timeout=timeout
+        )
+        kwargs["store"] = dist.PrefixStore(prefix, client)  # type: ignore[attr-defined]
+    else:
+        kwargs["init_method"] = f"file://{spec['store']}"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return RankContext(rank, world_size, local_rank, backend, spec["device_type"], device_index)
 
 
