@@ -260,6 +260,8 @@ def test_an_srun_task_with_the_stores_address_is_a_launch() -> None:
     # a shell inside an allocation, or a task whose user set no store address: not a launch
     without_port = {k: v for k, v in srun.items() if k != "MASTER_PORT"}
     assert launch_environment(without_port) is None
+    # a step of one task (srun -n1 pytest ..., the cluster's MASTER_* exported): its own pool
+    assert launch_environment({**srun, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
     # torchrun's variables come first (torchrun started under srun)
     torchrun = {**srun, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True"

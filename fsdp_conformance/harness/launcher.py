@@ -49,7 +49,8 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
     torchrun (or any launcher setting ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
     ``MASTER_ADDR``) first; else an srun task (``SLURM_PROCID``, ``SLURM_NTASKS``,
     ``SLURM_LOCALID``) whose user set ``MASTER_ADDR`` and ``MASTER_PORT`` for the launch's store
-    (an srun task without them, or a shell inside an allocation, is not a launch)."""
+    (an srun task without them, a shell inside an allocation, or a step of one task, which
+    starts its own ranks as anywhere else, is not a launch)."""
     env = os.environ if environ is None else environ
     if all(k in env for k in TORCH_LAUNCH_VARIABLES):
         local = env.get("LOCAL_WORLD_SIZE", "")
@@ -65,7 +66,10 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
             run_id=f"{env.get('TORCHELASTIC_RUN_ID', 'env')}.{restart}",
             source="RANK/WORLD_SIZE/LOCAL_RANK",
         )
-    if all(k in env for k in SLURM_LAUNCH_VARIABLES + SLURM_STORE_VARIABLES):
+    if (
+        all(k in env for k in SLURM_LAUNCH_VARIABLES + SLURM_STORE_VARIABLES)
+        and env["SLURM_NTASKS"] != "1"
+    ):
         per_node = env.get("SLURM_NTASKS_PER_NODE", "")
         return LaunchEnvironment(
             rank=int(env["SLURM_PROCID"]),
