@@ -198,11 +198,17 @@ def test_an_embedding_fed_float_positions_computes_in_bf16(ranks: Ranks, version
     assert values[0]["output_dtypes"]["positions"] == "torch.bfloat16"
 
 
-def test_negative_control_a_module_computing_in_fp32_fails_the_bf16_check(ranks: Ranks) -> None:
+def test_a_module_upcasting_its_bf16_weight_in_its_own_code_is_named_not_failed(
+    ranks: Ranks,
+) -> None:
+    # A mixture of experts' router computing its logits in fp32 on purpose (the corpus's
+    # AXK1): FSDP handed it bf16 weights, which is what wrap.train.bf16 proves; its own upcast
+    # is the model's numerics, named in the verdict. FSDP not casting at all (the weight fp32:
+    # fault no_mixed_precision) still fails (tests/test_wrapping.py).
     verdict, _ = judged(ranks, check_of(wrap.CHECKS, "wrap.train.bf16", "fsdp2"), FP32_HEAD)
-    assert not verdict.passed
-    assert "compute did not run in bf16 in 1 module(s), e.g. head" in verdict.message
-    assert "output torch.float32" in verdict.message
+    assert verdict.passed, verdict.message
+    assert "1 module(s) upcast in their own code" in verdict.message
+    assert "head (float32)" in verdict.message
 
 
 # --------------------------------------------------------------------------------------------

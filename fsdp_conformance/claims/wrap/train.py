@@ -537,15 +537,14 @@ def _loss_problems(values: Sequence[TrainResult], loss_rtol: float) -> tuple[lis
 
 
 def _bf16_compute_problems(v: TrainResult) -> list[str]:
-    """Modules whose weight as used, or whose output, is not bf16. Not their input: an
-    embedding's input is indices (token ids, or positions computed as floats from an attention
-    mask), and a matrix product whose input and weight differ in dtype does not run at all."""
+    """Modules whose weight as used is not bf16: what FSDP's mixed precision hands a module.
+    Not their input: an embedding's input is indices (token ids, or positions computed as
+    floats from an attention mask), and a matrix product whose input and weight differ in dtype
+    does not run at all. Not their output: a module whose weight arrived in bf16 and whose own
+    code upcasts (a mixture of experts' router computing its logits in fp32, on purpose) did
+    get what FSDP promised; :func:`own_upcasts` names it in the verdict."""
     outputs = v.get("output_dtypes", {})
-    bad = sorted(
-        n
-        for n, (_, weight) in v["compute_dtypes"].items()
-        if weight != "torch.bfloat16" or outputs.get(n, "torch.bfloat16") != "torch.bfloat16"
-    )
+    bad = sorted(n for n, (_, weight) in v["compute_dtypes"].items() if weight != "torch.bfloat16")
     if not bad:
         return []
     name = bad[0]
@@ -554,6 +553,18 @@ def _bf16_compute_problems(v: TrainResult) -> list[str]:
         f"{name}: weight {v['compute_dtypes'][name][1]}, output "
         f"{outputs.get(name, 'not recorded')} (input {v['compute_dtypes'][name][0]})"
     ]
+
+
+def own_upcasts(values: Sequence[TrainResult]) -> list[str]:
+    """Modules handed bf16 weights whose output is not bf16: their own code upcasts."""
+    found: dict[str, None] = {}
+    for v in values:
+        outputs = v.get("output_dtypes", {})
+        for n, (_, weight) in v["compute_dtypes"].items():
+            out = outputs.get(n, "torch.bfloat16")
+            if weight == "torch.bfloat16" and out != "torch.bfloat16":
+                found[f"{n or '(root)'} ({out.removeprefix('torch.')})"] = None
+    return list(found)
 
 
 def _rank_problems(v: TrainResult, precision: str, steps: int, world_size: int) -> list[str]:
@@ -635,6 +646,12 @@ def verdict_train(values: Sequence[TrainResult], params: Mapping[str, Any]) -> V
             f"the floor rather than their own update ({listing(rounding)})"
         )
     note += input_casts_note(casts)
+    upcasts = own_upcasts(values) if precision == "bf16" else []
+    if upcasts:
+        note += (
+            f"; handed bf16 weights, {len(upcasts)} module(s) upcast in their own code (their "
+            f"output not bf16: the model's numerics, not FSDP's): {listing(upcasts)}"
+        )
     full = values[0].get("full_precision_units") or {}
     note += full_precision_units_note(values[0]["version"], full)
     if full:
